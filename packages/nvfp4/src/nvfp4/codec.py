@@ -1,0 +1,232 @@
+"""The NVFP4 codec: the pure-PyTorch reference every kernel is checked against.
+
+Format (identical to compressed-tensors ``nvfp4-pack-quantized``, so vLLM and llm-compressor read our tensors):
+
+* values: E2M1 (1 sign, 2 exponent, 1 mantissa bit): ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` with sign. A code is
+  ``sign << 3 | index`` where ``index`` points into that list.
+* packing: two codes per uint8, element ``2i`` in the LOW nibble, ``2i+1`` in the high nibble.
+* scales: one FP8-E4M3 scale per block of 16 consecutive inputs, one FP32 global scale per tensor, stored as a
+  *divisor*: ``global = 448 * 6 / amax(W)`` and ``W ≈ e2m1 * fp8_scale / global``.
+
+Tensors of a quantized ``[out, in]`` weight:
+
+=======================  =====================  ================================
+name                     dtype                  shape
+=======================  =====================  ================================
+``weight_packed``        uint8                  ``[out, in // 2]``
+``weight_scale``         float8_e4m3fn          ``[out, in // 16]``
+``weight_global_scale``  float32                ``[1]``
+=======================  =====================  ================================
+
+Rounding follows compressed-tensors bit for bit: block scale ``fp8(global * amax_block / 6)`` (clamped to ±448,
+round-to-nearest-even), a zero scale replaced by the FP8 epsilon 0.125 (so all-zero blocks decode to exact zeros),
+E2M1 round-to-nearest with ties to even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_VALUES",
+    "FP4_MAX",
+    "FP8_MAX",
+    "NVFP4Weight",
+    "block_scales",
+    "check_weight",
+    "dequantize",
+    "e2m1_to_float",
+    "global_scale_from_amax",
+    "pack_e2m1",
+    "quantize",
+    "quantize_with_scales",
+    "round_to_e2m1",
+    "unpack_e2m1",
+]
+
+BLOCK_SIZE = 16
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+ZERO_SCALE_EPS = 0.125  # compressed-tensors replaces a zero FP8 scale by this (torch.finfo(e4m3fn).eps)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Thresholds between neighbouring E2M1 magnitudes. Ties go to the even code: 0.25→0, 0.75→1, 1.25→1, 1.75→2,
+# 2.5→2, 3.5→4, 5→4. "strict" thresholds round a tie down (code stays), the others round it up.
+_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)
+_TIE_UP = (0.75, 1.75, 3.5)
+
+
+def check_weight(w: torch.Tensor, name: str = "weight") -> None:
+    """Raise a ValueError naming ``name`` if ``w`` cannot be quantized to NVFP4 (shape, dtype, NaN/Inf)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: unsupported dtype {w.dtype}; NVFP4 quantizes float32/float16/bfloat16/float64")
+    if w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D [out_features, in_features] weight, got shape {tuple(w.shape)}")
+    if w.shape[1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{name}: in_features={w.shape[1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}; "
+            "such layers are left unquantized (add them to modules_to_not_convert)"
+        )
+    if not torch.isfinite(w).all():
+        bad = (~torch.isfinite(w)).sum().item()
+        raise ValueError(f"{name}: contains {bad} NaN/Inf value(s); refusing to quantize")
+
+
+def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """FP32 global scale ``448 * 6 / amax`` as a ``[1]`` tensor (1.0 for an all-zero tensor), as compressed-tensors."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+    amax = torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
+    g = FP8_MAX * FP4_MAX / amax
+    return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values to E2M1 codes (uint8, ``sign << 3 | index``), saturating at ±6."""
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t in _TIE_DOWN:
+        idx += (a > t).to(torch.uint8)
+    for t in _TIE_UP:
+        idx += (a >= t).to(torch.uint8)
+    sign = torch.signbit(x).to(torch.uint8)  # small negatives keep their sign (code 8 = -0), as compressed-tensors
+    return idx | (sign << 3)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E2M1 codes (uint8 in [0, 16)) to float32 values of the same shape."""
+    lut = torch.cat([E2M1_VALUES, -E2M1_VALUES]).to(codes.device)
+    return lut[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., 2n]`` (uint8) into ``[..., n]`` uint8: element 2i in the low nibble, 2i+1 in the high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1: last dimension must be even, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_e2m1`: ``[..., n]`` uint8 → ``[..., 2n]`` codes."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_e2m1: expected uint8, got {packed.dtype}")
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest FP8-E4M3 block scales ``[out, in/16]`` for weight ``w`` ``[out, in]``.
+
+    ``amax / 6`` is evaluated in ``w``'s dtype before the float32 product, exactly as compressed-tensors does.
+    """
+    amax = w.abs().reshape(w.shape[0], -1, BLOCK_SIZE).amax(-1)
+    return _to_fp8_scale(global_scale.to(w.device) * (amax / FP4_MAX))
+
+
+def _to_fp8_scale(s: torch.Tensor) -> torch.Tensor:
+    s = torch.clamp(s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.where(s.float() == 0, torch.full_like(s, ZERO_SCALE_EPS), s)
+
+
+def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``[out, in]`` (uint8, unpacked) of ``w`` for given FP8 block scales and global scale."""
+    out, k = w.shape
+    step = scale.float() / global_scale.to(w.device)  # [out, in/16]: dequantized value of code "1.0"
+    scaled = w.float().reshape(out, -1, BLOCK_SIZE) / step.unsqueeze(-1)
+    return round_to_e2m1(scaled).reshape(out, k)
+
+
+@dataclass
+class NVFP4Weight:
+    """A quantized ``[out_features, in_features]`` weight in the compressed-tensors layout.
+
+    Attributes:
+        packed: uint8 ``[out, in // 2]``, two E2M1 codes per byte (element 2i in the low nibble).
+        scale: float8_e4m3fn ``[out, in // 16]`` block scales.
+        global_scale: float32 ``[1]``, a divisor: ``w ≈ e2m1 * scale / global_scale``.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 2))
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Dense ``[out, in]`` weight in ``dtype``."""
+        return dequantize(self.packed, self.scale, self.global_scale, dtype)
+
+    def to(self, device: torch.device | str) -> NVFP4Weight:
+        return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.global_scale))
+
+    def state_dict(self, prefix: str = "weight") -> dict[str, torch.Tensor]:
+        """Tensors under their compressed-tensors names (``weight_packed``, ``weight_scale``, ``weight_global_scale``)."""
+        return {f"{prefix}_packed": self.packed, f"{prefix}_scale": self.scale, f"{prefix}_global_scale": self.global_scale}
+
+
+def quantize(
+    w: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    method: str = "rtn",
+    act_sq: torch.Tensor | None = None,
+    name: str = "weight",
+) -> NVFP4Weight:
+    """Quantize a dense weight to NVFP4.
+
+    Args:
+        w: ``[out, in]`` float32/float16/bfloat16 weight; ``in`` must be a multiple of 16.
+        global_scale: float32 ``[1]`` to use (shared by a fused q/k/v or gate/up group); default from ``amax(w)``.
+        method: ``"rtn"`` (round to nearest, bit-identical to compressed-tensors), ``"mse"`` (per-block scale search
+            minimising the block's squared error) or ``"awq"`` (the same search weighting each input channel by its
+            mean squared activation ``act_sq``).
+        act_sq: float32 ``[in]`` mean of ``x**2`` per input channel over calibration batches (for ``"awq"``).
+        name: tensor name used in error messages.
+
+    Returns:
+        :class:`NVFP4Weight` on ``w``'s device.
+    """
+    check_weight(w, name)
+    if global_scale is None:
+        global_scale = global_scale_from_amax(w.detach().abs().amax().float())
+    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    if method == "rtn":
+        scale = block_scales(w, global_scale)
+    elif method in ("mse", "awq"):
+        from .calibration import search_block_scales
+
+        if method == "awq" and act_sq is None:
+            raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
+        scale = search_block_scales(w, global_scale, act_sq if method == "awq" else None)
+    else:
+        raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'")
+    codes = quantize_with_scales(w, scale, global_scale)
+    return NVFP4Weight(pack_e2m1(codes), scale, global_scale)
+
+
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Reference dequantization: uint8 ``[out, in/2]`` + fp8 ``[out, in/16]`` + fp32 ``[1]`` → ``[out, in]`` ``dtype``.
+
+    Computed in float32 and rounded once to ``dtype``.
+    """
+    out, half = packed.shape
+    if scale.shape != (out, half * 2 // BLOCK_SIZE):
+        raise ValueError(
+            f"NVFP4 tensors disagree: weight_packed {tuple(packed.shape)} needs weight_scale "
+            f"{(out, half * 2 // BLOCK_SIZE)}, got {tuple(scale.shape)}"
+        )
+    values = e2m1_to_float(unpack_e2m1(packed)).reshape(out, -1, BLOCK_SIZE)
+    step = scale.float() / global_scale.float().reshape(1, 1)
+    return (values * step.unsqueeze(-1)).reshape(out, half * 2).to(dtype)

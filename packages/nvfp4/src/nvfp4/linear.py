@@ -1,0 +1,207 @@
+"""``NVFP4Linear`` and model conversion (``quantize_model``), in the spirit of torchao's ``quantize_(model, config)``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import ops
+from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, global_scale_from_amax, quantize
+
+__all__ = [
+    "DEFAULT_FUSED_GROUPS",
+    "DEFAULT_MODULES_TO_NOT_CONVERT",
+    "NVFP4Linear",
+    "fused_group_of",
+    "quantize_model",
+]
+
+# Linears an inference engine fuses into one GEMM; members must share one global scale (vLLM and llm-compressor
+# require it for fused NVFP4 layers).
+DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+DEFAULT_MODULES_TO_NOT_CONVERT: tuple[str, ...] = ("lm_head",)
+
+
+class NVFP4Linear(nn.Linear):
+    """A frozen linear layer whose weight is stored in NVFP4 (compressed-tensors layout).
+
+    Buffers (saved in the state dict under compressed-tensors names):
+        weight_packed: uint8 ``[out, in/2]``; weight_scale: float8_e4m3fn ``[out, in/16]``;
+        weight_global_scale: float32 ``[1]``.
+    ``bias`` (if any) is a frozen parameter in the activation dtype.
+
+    Forward: ``x [..., in]`` (float32/float16/bfloat16) → ``[..., out]`` in ``x.dtype``, through ``nvfp4::linear``
+    (Triton on CUDA, dequantize + matmul elsewhere). Backward reaches the input only, so LoRA trains through it.
+
+    It subclasses ``nn.Linear`` so that tools which look for linear layers (PEFT's ``"all-linear"``, TRL) find it;
+    ``.weight`` is the packed uint8 buffer, which makes any code that tries to use it as a float matrix fail loudly
+    instead of computing garbage. Use :meth:`dequantize` for the dense weight.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"NVFP4Linear: in_features={in_features} must be a multiple of {BLOCK_SIZE}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer(
+            "weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer(
+            "weight_scale",
+            torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+        )
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._load_hook = self.register_load_state_dict_pre_hook(self._check_loaded_tensors)
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return self.weight_packed
+
+    @property
+    def nvfp4_weight(self) -> NVFP4Weight:
+        return NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        global_scale: torch.Tensor | None = None,
+        method: str = "rtn",
+        act_sq: torch.Tensor | None = None,
+        name: str = "weight",
+    ) -> NVFP4Linear:
+        """Quantize a dense ``nn.Linear`` (see :func:`nvfp4.codec.quantize` for ``method``/``act_sq``)."""
+        q = quantize(linear.weight.detach(), global_scale=global_scale, method=method, act_sq=act_sq, name=name)
+        return cls.from_weight(q, linear.bias.detach() if linear.bias is not None else None, linear.weight.dtype)
+
+    @classmethod
+    def from_weight(
+        cls, weight: NVFP4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> NVFP4Linear:
+        out, k = weight.shape
+        mod = cls(k, out, bias=bias is not None, dtype=bias.dtype if bias is not None else dtype, device="meta")
+        mod.weight_packed = weight.packed
+        mod.weight_scale = weight.scale
+        mod.weight_global_scale = weight.global_scale
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.clone(), requires_grad=False)
+        return mod
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Dense ``[out, in]`` weight."""
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+    def _check_loaded_tensors(self, module, state_dict, prefix, *args, **kwargs) -> None:
+        """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype)."""
+        expected = {
+            "weight_packed": (torch.uint8, (self.out_features, self.in_features // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // BLOCK_SIZE)),
+            "weight_global_scale": (torch.float32, (1,)),
+        }
+        for name, (dtype, shape) in expected.items():
+            t = state_dict.get(prefix + name)
+            if t is None:
+                continue
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{prefix}{name}: checkpoint has {t.dtype} {tuple(t.shape)}, the layer expects {dtype} {shape} "
+                    f"(in_features={self.in_features}, out_features={self.out_features})"
+                )
+
+
+def fused_group_of(name: str, groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS) -> tuple[str, ...] | None:
+    """Full names of the fused group ``name`` belongs to (e.g. ``a.q_proj`` → ``(a.q_proj, a.k_proj, a.v_proj)``)."""
+    parent, _, leaf = name.rpartition(".")
+    for group in groups:
+        if leaf in group:
+            return tuple(f"{parent}.{m}" if parent else m for m in group)
+    return None
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
+
+
+def _quantizable(name: str, module: nn.Module, skip: Iterable[str]) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.in_features % BLOCK_SIZE == 0
+        and module.weight.device.type != "meta"
+        and not _matches(name, skip)
+    )
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    *,
+    method: str = "rtn",
+    modules_to_not_convert: Iterable[str] = DEFAULT_MODULES_TO_NOT_CONVERT,
+    fused_groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS,
+    act_sq: dict[str, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
+
+    Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
+    (exact names, name suffixes, or regexes; ``lm_head`` by default; embeddings are never linears), and accepted by
+    ``filter_fn``. Members of a fused group present in the same parent share one global scale. Layers are quantized
+    one at a time (optionally moved to ``device`` first), so peak memory is the quantized model plus one group in
+    full precision.
+    """
+    groups = [tuple(g) for g in fused_groups]
+    named = [
+        (n, m)
+        for n, m in model.named_modules()
+        if _quantizable(n, m, modules_to_not_convert) and (filter_fn is None or filter_fn(n, m))
+    ]
+    chosen = dict(named)
+    done: set[str] = set()
+    for name, lin in tqdm(named, desc="Quantizing to NVFP4", disable=not progress, unit="layer"):
+        if name in done:
+            continue
+        group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]
+        weights = {n: chosen[n].weight.to(device) if device is not None else chosen[n].weight for n in group}
+        g = global_scale_from_amax(torch.stack([w.abs().amax().float() for w in weights.values()]).amax())
+        for n in group:
+            lin_n = chosen[n]
+            q = quantize(
+                weights[n],
+                global_scale=g,
+                method=method,
+                act_sq=None if act_sq is None else act_sq.get(n),
+                name=f"{n}.weight",
+            )
+            bias = lin_n.bias.detach().to(q.packed.device) if lin_n.bias is not None else None
+            new = NVFP4Linear.from_weight(q, bias, lin_n.weight.dtype)
+            parent_name, _, child = n.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            done.add(n)
+        del weights
+    return model

@@ -1,0 +1,139 @@
+"""NVFP4 weight-only linear algebra as ``torch.library`` custom ops.
+
+Two ops, each with one entry point that dispatches by device:
+
+* ``nvfp4::linear(x, packed, scale, global_scale, bias) -> y``   y = x · dequant(W)ᵀ + b,  x ``[..., in]``, y ``[..., out]``
+* ``nvfp4::linear_dgrad(dy, packed, scale, global_scale) -> dx``   dx = dy · dequant(W),  dy ``[..., out]``, dx ``[..., in]``
+
+``linear`` has an autograd formula whose backward is ``linear_dgrad`` (the 4-bit weight is frozen: no weight grad),
+so LoRA adapters train through it. Both carry fake (meta) implementations, so ``torch.compile`` traces them without
+graph breaks and CUDA graphs capture them.
+
+Dispatch point: on CUDA tensors the ops call the Triton kernels in :mod:`nvfp4.kernels` when they are importable
+(``NVFP4_DISABLE_TRITON=1`` forces the reference); everywhere else they dequantize with the reference codec and call
+``torch.nn.functional.linear`` / ``matmul``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .codec import dequantize
+
+__all__ = ["linear", "linear_dgrad", "linear_reference", "linear_dgrad_reference"]
+
+
+def linear_reference(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch reference of ``nvfp4::linear`` (dequantize to ``x.dtype``, then ``F.linear``)."""
+    return F.linear(x, dequantize(packed, scale, global_scale, x.dtype), bias)
+
+
+def linear_dgrad_reference(
+    dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """Plain PyTorch reference of ``nvfp4::linear_dgrad``: ``dy @ dequant(W)``."""
+    return dy @ dequantize(packed, scale, global_scale, dy.dtype)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if not t.is_cuda or os.environ.get("NVFP4_DISABLE_TRITON") == "1":
+        return False
+    try:
+        from . import kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.library.custom_op("nvfp4::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    if _use_triton(x):
+        from .kernels import nvfp4_linear
+
+        return nvfp4_linear(x, packed, scale, global_scale, bias)
+    return linear_reference(x, packed, scale, global_scale, bias)
+
+
+@_linear_op.register_fake
+def _(x, packed, scale, global_scale, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+@torch.library.custom_op("nvfp4::linear_dgrad", mutates_args=())
+def _linear_dgrad_op(
+    dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    if _use_triton(dy):
+        from .kernels import nvfp4_linear_dgrad
+
+        return nvfp4_linear_dgrad(dy, packed, scale, global_scale)
+    return linear_dgrad_reference(dy, packed, scale, global_scale)
+
+
+@_linear_dgrad_op.register_fake
+def _(dy, packed, scale, global_scale):
+    return dy.new_empty((*dy.shape[:-1], packed.shape[1] * 2))
+
+
+def _setup_context(ctx, inputs, output):
+    x, packed, scale, global_scale, bias = inputs
+    ctx.save_for_backward(packed, scale, global_scale)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dy):
+    packed, scale, global_scale = ctx.saved_tensors
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = _linear_dgrad_op(dy.contiguous(), packed, scale, global_scale)
+    db = None
+    if ctx.has_bias and ctx.needs_input_grad[4]:
+        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    return dx, None, None, None, db
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y = x · dequant(W)ᵀ + bias``.
+
+    Args:
+        x: ``[..., in]`` float32/float16/bfloat16 activations.
+        packed: uint8 ``[out, in/2]``; scale: float8_e4m3fn ``[out, in/16]``; global_scale: float32 ``[1]``.
+        bias: optional ``[out]`` in ``x.dtype``.
+
+    Returns:
+        ``[..., out]`` in ``x.dtype`` (float32 accumulation).
+    """
+    if x.shape[-1] != packed.shape[1] * 2:
+        raise ValueError(f"nvfp4.linear: x has {x.shape[-1]} input features, the weight expects {packed.shape[1] * 2}")
+    return _linear_op(x, packed, scale, global_scale, bias)
+
+
+def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """``dx = dy · dequant(W)``: dy ``[..., out]`` → dx ``[..., in]`` in ``dy.dtype``."""
+    if dy.shape[-1] != packed.shape[0]:
+        raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {packed.shape[0]} outputs")
+    return _linear_dgrad_op(dy, packed, scale, global_scale)

@@ -20,3 +20,7 @@ __all__ = [
     "unpack_e2m1",
 ]
 __version__ = "0.1.0"
+
+from .hf import NVFP4CheckpointError, NVFP4Config, from_compressed_tensors  # noqa: E402  (registers with transformers)
+
+__all__ += ["NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors"]

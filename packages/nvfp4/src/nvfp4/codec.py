@@ -199,7 +199,7 @@ def quantize(
     check_weight(w, name)
     if global_scale is None:
         global_scale = global_scale_from_amax(w.detach().abs().amax().float())
-    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()  # never shared
     if method == "rtn":
         scale = block_scales(w, global_scale)
     elif method in ("mse", "awq"):

@@ -55,6 +55,7 @@ class NVFP4Linear(nn.Linear):
             raise ValueError(f"NVFP4Linear: in_features={in_features} must be a multiple of {BLOCK_SIZE}")
         self.in_features = in_features
         self.out_features = out_features
+        self.orig_dtype = dtype  # dtype of the dense weight it replaced: what dequantize/merge export to
         self.register_buffer(
             "weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
         )
@@ -96,17 +97,17 @@ class NVFP4Linear(nn.Linear):
         cls, weight: NVFP4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
     ) -> NVFP4Linear:
         out, k = weight.shape
-        mod = cls(k, out, bias=bias is not None, dtype=bias.dtype if bias is not None else dtype, device="meta")
+        mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta")
         mod.weight_packed = weight.packed
         mod.weight_scale = weight.scale
         mod.weight_global_scale = weight.global_scale
         if bias is not None:
-            mod.bias = nn.Parameter(bias.clone(), requires_grad=False)
+            mod.bias = nn.Parameter(bias.to(dtype).clone(), requires_grad=False)
         return mod
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Dense ``[out, in]`` weight."""
-        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense ``[out, in]`` weight in ``dtype`` (default: the dtype of the layer it replaced)."""
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.orig_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None

@@ -1,0 +1,100 @@
+"""PEFT LoRA on top of :class:`~nvfp4.NVFP4Linear`, in the way PEFT's own ``tuners/lora/bnb.py`` wraps 4-bit layers.
+
+The frozen 4-bit base computes ``x · dequant(W)ᵀ``; the bf16/fp32 adapter adds ``scale · B(A(dropout(x)))``. The adapter
+is never merged into the 4-bit weights (that would re-quantize it away): :meth:`LoraNVFP4Linear.merge` swaps the base
+for a dense ``nn.Linear`` holding ``dequant(W) + ΔW``, so ``merge_and_unload`` exports a plain full-precision model.
+
+Registration goes through PEFT's public custom-module hook (``LoraConfig._register_custom_module``):
+
+>>> from peft import LoraConfig
+>>> from nvfp4.peft import get_peft_model
+>>> model = get_peft_model(model, LoraConfig(r=32, lora_alpha=32, target_modules="all-linear"))
+
+Plain ``peft.get_peft_model`` also trains correctly (``NVFP4Linear`` is an ``nn.Linear``), but its merge would try to
+add a float delta to packed uint8 and fails loudly; use this module's helpers to merge or export.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel
+from peft import get_peft_model as _peft_get_peft_model
+from peft.tuners.lora.layer import Linear as _LoraLinear
+from torch import nn
+
+from .linear import NVFP4Linear
+
+__all__ = ["LoraNVFP4Linear", "get_peft_model", "load_adapter", "merge_and_unload", "register_nvfp4_lora"]
+
+
+class LoraNVFP4Linear(_LoraLinear):
+    """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``."""
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        return super().get_delta_weight(adapter)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        base = self.get_base_layer()
+        if isinstance(base, NVFP4Linear):
+            dense = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+            dense.weight = nn.Parameter(base.dequantize(), requires_grad=False)
+            if base.bias is not None:
+                dense.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+            self._nvfp4_base = base
+            self.base_layer = dense
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def unmerge(self) -> None:
+        super().unmerge()
+        if getattr(self, "_nvfp4_base", None) is not None and not self.merged:
+            self.base_layer = self._nvfp4_base
+            self._nvfp4_base = None
+
+    def __repr__(self) -> str:
+        return "lora.NVFP4" + super().__repr__()[len("lora.") :]
+
+
+def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
+    """Map ``NVFP4Linear`` to :class:`LoraNVFP4Linear` in ``config`` (PEFT's custom-module hook); returns ``config``."""
+    config._register_custom_module({NVFP4Linear: LoraNVFP4Linear})
+    return config
+
+
+def get_peft_model(model: nn.Module, config: LoraConfig, **kwargs: Any) -> PeftModel:
+    """``peft.get_peft_model`` with NVFP4 layers wrapped by :class:`LoraNVFP4Linear`; only LoRA weights train."""
+    return _peft_get_peft_model(model, register_nvfp4_lora(config), **kwargs)
+
+
+def load_adapter(model: nn.Module, path: str, **kwargs: Any) -> PeftModel:
+    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers)."""
+    config = LoraConfig.from_pretrained(path)
+    return PeftModel.from_pretrained(model, path, config=register_nvfp4_lora(config), **kwargs)
+
+
+def merge_and_unload(model: PeftModel) -> nn.Module:
+    """Merge the adapters into dequantized weights and return a plain full-precision model (for export).
+
+    Every ``NVFP4Linear`` that carried an adapter becomes ``nn.Linear(dequant(W) + ΔW)``; layers without an adapter
+    are dequantized too, and the quantization config is removed, so ``save_pretrained`` writes an ordinary checkpoint.
+    """
+    merged = model.merge_and_unload()
+    for name, mod in list(merged.named_modules()):
+        if isinstance(mod, NVFP4Linear):
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            dense.weight = nn.Parameter(mod.dequantize(), requires_grad=False)
+            if mod.bias is not None:
+                dense.bias = nn.Parameter(mod.bias.detach().clone(), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(merged.get_submodule(parent) if parent else merged, child, dense)
+    config = getattr(merged, "config", None)
+    if config is not None and getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    for attr in ("hf_quantizer", "is_quantized", "quantization_method"):
+        if hasattr(merged, attr):
+            try:
+                delattr(merged, attr)
+            except AttributeError:
+                setattr(merged, attr, None)
+    return merged

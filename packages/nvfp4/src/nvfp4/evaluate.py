@@ -1,0 +1,65 @@
+"""Quality measurements of a quantized model: per-layer weight error, output error, perplexity, bytes on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .linear import NVFP4Linear
+
+__all__ = ["gsm8k_texts", "perplexity", "weight_relative_error"]
+
+
+@torch.no_grad()
+def weight_relative_error(dense: nn.Module, quantized: nn.Module) -> dict[str, float]:
+    """``‖W - dequant(Ŵ)‖_F / ‖W‖_F`` per NVFP4 layer of ``quantized`` (matched by name in ``dense``) and ``"all"``.
+
+    ``"all"`` is the error over all quantized weights together (sum of squared errors over sum of squared weights).
+    """
+    dense_modules = dict(dense.named_modules())
+    out: dict[str, float] = {}
+    num = den = 0.0
+    for name, mod in quantized.named_modules():
+        if isinstance(mod, NVFP4Linear):
+            w = dense_modules[name].weight.detach().float()
+            e = (mod.dequantize(torch.float32) - w).square().sum().item()
+            s = w.square().sum().item()
+            out[name] = (e / s) ** 0.5 if s else 0.0
+            num, den = num + e, den + s
+    out["all"] = (num / den) ** 0.5 if den else 0.0
+    return out
+
+
+def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:
+    """The first ``n`` question + answer texts of a GSM8K jsonl file (fields ``question``, ``answer``)."""
+    texts = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < offset:
+                continue
+            if len(texts) == n:
+                break
+            row = json.loads(line)
+            texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+    if not texts:
+        raise ValueError(f"{path}: no GSM8K rows read")
+    return texts
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokenizer, texts: list[str], max_length: int = 512, progress: bool = True) -> float:
+    """Token-level perplexity of ``model`` on ``texts`` (each text scored on its own, BOS kept, up to ``max_length``)."""
+    device = next(model.parameters()).device
+    nll = 0.0
+    count = 0
+    for text in tqdm(texts, desc="perplexity", disable=not progress, leave=False):
+        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length).input_ids.to(device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        target = ids[:, 1:]
+        nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum").item()
+        count += target.numel()
+    return float(torch.exp(torch.tensor(nll / count)))

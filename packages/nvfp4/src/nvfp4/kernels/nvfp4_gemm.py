@@ -1,0 +1,658 @@
+"""Triton W4A16 NVFP4 GEMMs for Hopper: ``y = x · dequant(W)ᵀ (+ b)`` and ``dx = dy · dequant(W)``.
+
+Weight layout (what the kernels read)
+=====================================
+
+The kernels read the compressed-tensors ``nvfp4-pack-quantized`` tensors *as stored*, with no repack:
+
+* ``packed`` uint8 ``[N, K/2]``, row-major, K contiguous: byte ``j`` of row ``n`` holds ``W[n, 2j]`` in its low
+  nibble and ``W[n, 2j+1]`` in its high nibble. A code is ``sign << 3 | e << 1 | m`` (E2M1).
+* ``scale`` float8_e4m3fn ``[N, K/16]``: one scale per 16 consecutive inputs (8 bytes of ``packed``).
+* ``global_scale`` float32 ``[1]``, a divisor.
+
+A ``[BLOCK_N, BLOCK_K]`` weight tile is ``BLOCK_N`` rows of ``BLOCK_K/2`` contiguous bytes (64-128 B per row for
+our tiles) plus ``BLOCK_K/16`` contiguous fp8 scales: every thread issues 16-byte loads and a warp reads whole
+128-byte lines, so the loads are coalesced without a re-layout; one copy of the weight stays in memory and the
+checkpoint layout is the kernel layout. What a Marlin-style re-layout would still buy is a register layout that
+matches the tensor-core operand directly (no shuffle through shared memory); see ``docs/kernels.md``.
+
+Dequantization in registers (never in HBM)
+==========================================
+
+Two decoders. **bf16 activations on the GPU** (the hot path): inline PTX, ~4 SASS instructions per weight in the
+main loop, see :func:`_dequant_tile_bf16_asm` and :func:`_scale_fold` (E2M1 placed in bf16 as ``e2m1 · 2^-126``, one
+``mul.bf16x2`` by the block scale pre-folded as ``fp8 · 2^126 / global``; the decoded columns keep the PTX register
+order and the activation tile is permuted to match, :func:`_perm_k`). **Portable** (fp16 activations, the fused
+dgrad, the standalone dequantizer, and the Triton interpreter): E2M1 → fp16 by bit placement: the 3 magnitude bits ``e m`` of a code go to fp16 bits 11..9 (the two lowest
+exponent bits and the top mantissa bit) and the sign to bit 15. Read as fp16, that is ``2^(e-15)·(1+m/2)`` for
+``e > 0`` and the subnormal ``m·2^-15`` for ``e = 0``: exactly ``e2m1(code) · 2^-14`` in both cases. The ``2^14``
+and the global divisor are folded into the per-block scale, ``s = fp8_scale · (2^14 / global)`` (fp32, computed
+in the kernel from the ``[1]`` tensor, so nothing syncs with the host). A weight then costs two shifts, one
+``lop3``, one ``cvt.f32.f16``, one fp32 multiply and half a ``cvt.bf16x2.f32``. The dequantized value is the
+codec's (:func:`nvfp4.codec.dequantize`: fp32 product rounded once to the activation dtype) up to the one fp32
+rounding of ``fp8 · (2^14/global)`` versus ``fp8 / global``, far below the bf16/fp16 rounding of the result.
+
+Kernels
+=======
+
+``_linear_kernel``: tiles of ``[BLOCK_N, BLOCK_M]`` outputs. Hopper has no FP4 tensor cores, so the tile of W is
+dequantized to bf16 in registers and fed to ``tl.dot``. With ``SWAP`` the product is computed transposed,
+``yᵀ = W · xᵀ``: the dequantized weight is operand A, which Hopper's ``wgmma`` (and ``mma``) take from registers,
+while the activation tile (operand B) is staged through shared memory — the same trick Triton's own mxfp4 matmul
+uses on Hopper ("swap x/w"). Small M (decode) pads M to 16 and splits K over ``SPLIT_K`` programs so that
+``N / BLOCK_N · SPLIT_K`` fills the 132 SMs; the fp32 partials go to a ``[SPLIT_K, M, N]`` workspace that
+``_splitk_reduce_kernel`` sums (adding the bias and casting). Program ids are grouped along M (``GROUP_M``) so
+the programs that share a weight tile run together and W streams from HBM once.
+
+``_dgrad_kernel``: ``dx[M, K] = dy[M, N] · W[N, K]``; the weight tile ``[BLOCK_N, BLOCK_K]`` is read row-wise
+exactly as above and is already the ``[reduction, output]`` operand B (portable decode: Triton 3.6 fails to compile
+the PTX decode feeding operand B).
+
+``_dequant_kernel``: writes ``dequant(W)`` in the activation dtype; used for the large-M fallback
+(dequantize once, then cuBLAS), where the GEMM is compute-bound and the extra 2 bytes/weight are amortised.
+
+Everything is launched from plain Python with static shapes, no host sync and no data-dependent allocation,
+so the custom ops in :mod:`nvfp4.ops` are safe under ``torch.compile`` and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "DgradConfig",
+    "LinearConfig",
+    "dequantize_triton",
+    "dgrad_config",
+    "linear_config",
+    "nvfp4_linear",
+    "nvfp4_linear_dgrad",
+]
+
+# Tests set this to allocate every output with NaN, so an element the kernels never write cannot pass.
+POISON_OUTPUTS = False
+
+
+def _fast(dtype: torch.dtype) -> bool:
+    """Use the PTX bf16 decode (bf16 activations on a real GPU; the interpreter cannot run inline PTX)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_to_f32(codes):
+    """E2M1 codes (uint8 in [0, 16)) → fp32 ``e2m1(code) · 2^-14`` via fp16 bit placement (see module doc)."""
+    c = codes.to(tl.uint16)
+    bits = ((c << 12) & 0x8000) | ((c << 9) & 0x0E00)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile_bf16_asm(packed, sb):
+    """Fast bf16 decode (sm_90 PTX): ``packed`` uint8 [R, BK/2], ``sb`` bf16 [R, BK/2] (the folded block scale of
+    each byte, ``fp8 · F / global`` rounded to bf16) → (low-nibble values, high-nibble values), two bf16 [R, BK/2]
+    tensors holding ``w · F · 2^-126``.
+
+    Per 4 bytes: two ``prmt`` move byte i to bits 8-15 / 24-31 of a word, so that the high nibbles of two bytes sit
+    at bits 12-15 and 28-31 and ``(w & 0x80008000) | ((w >> 6) & 0x01C001C0)`` is a bf16x2 holding
+    ``e2m1 · 2^-126`` (sign, 2 exponent bits, 1 mantissa bit; ``e = 0`` lands on the exact bf16 subnormal); the low
+    nibbles take a ``<< 4`` first. One ``mul.bf16x2`` by the folded scale finishes two weights: about 2.5
+    instructions per weight instead of ~11 for the portable path.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, a, b, c;
+        prmt.b32 t0, $4, 0, 0x1404;
+        prmt.b32 t1, $4, 0, 0x3424;
+        shl.b32 a, t0, 4;
+        shr.b32 b, t0, 2;
+        and.b32 a, a, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 c, a, b;
+        mul.rn.bf16x2 $0, c, $5;
+        shl.b32 a, t1, 4;
+        shr.b32 b, t1, 2;
+        and.b32 a, a, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 c, a, b;
+        mul.rn.bf16x2 $1, c, $5;
+        shr.b32 b, t0, 6;
+        and.b32 a, t0, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 c, a, b;
+        mul.rn.bf16x2 $2, c, $5;
+        shr.b32 b, t1, 6;
+        and.b32 a, t1, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 c, a, b;
+        mul.rn.bf16x2 $3, c, $5;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[packed, sb],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _dequant_tile(
+    packed,
+    scale,
+    sfac,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    FAST: tl.constexpr,
+    PERMUTED: tl.constexpr = False,
+):
+    """``packed`` uint8 [R, BK/2] + ``scale`` fp8 [R, BK/16] → [R, BK] ``OUT_DTYPE`` (CT element order).
+
+    ``PERMUTED`` (fast path only): the columns come out in the order :func:`_perm_k` (saves one ``prmt`` per two
+    weights; the caller permutes the activation tile the same way, which leaves the dot product unchanged).
+    ``sfac`` comes from :func:`_scale_fold`. ``FAST`` (bf16 on a GPU): PTX decode (:func:`_dequant_tile_bf16_asm`),
+    the tile holds ``W · F · 2^-126`` and the caller multiplies its fp32 accumulator by ``post``. Otherwise the
+    portable path (also what the Triton interpreter runs): fp16 bit placement, fp32 multiply by
+    ``fp8 · 2^14 / global``, one rounding to ``OUT_DTYPE``; the tile holds ``W``.
+    """
+    if FAST:
+        sb = (scale.to(tl.float32) * sfac).to(tl.bfloat16)  # [R, BK/16]
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_ROWS, BLOCK_K // 16, 8)), (BLOCK_ROWS, BLOCK_K // 2))
+        lo, hi = _dequant_tile_bf16_asm(packed, sb)
+        if PERMUTED:
+            # Keep the registers as the PTX wrote them: column c of the tile is input k = _perm_k(c).
+            w = tl.join(tl.reshape(lo, (BLOCK_ROWS, BLOCK_K // 8, 4)), tl.reshape(hi, (BLOCK_ROWS, BLOCK_K // 8, 4)))
+            return tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_ROWS, BLOCK_K))
+        return tl.reshape(tl.join(lo, hi), (BLOCK_ROWS, BLOCK_K))
+    else:
+        lo = _e2m1_to_f32(packed & 0xF)
+        hi = _e2m1_to_f32(packed >> 4)
+        w = tl.interleave(lo, hi)  # [R, BK]: element 2j from the low nibble, 2j+1 from the high one
+        s = scale.to(tl.float32) * sfac  # [R, BK/16]
+        w = tl.reshape(w, (BLOCK_ROWS, BLOCK_K // 16, 16)) * s[:, :, None]
+        return tl.reshape(w, (BLOCK_ROWS, BLOCK_K)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _perm_k(c):
+    """Input index of tile column ``c`` in the permuted fast layout: within each group of 8 inputs (4 bytes), the
+    columns hold k = 0, 2, 4, 6 (low nibbles) then 1, 3, 5, 7 (high nibbles)."""
+    return (c // 8) * 8 + (c % 4) * 2 + (c // 4) % 2
+
+
+@triton.jit
+def _pow2(e):
+    """``2^e`` for an integer-valued fp32 ``e`` in [-126, 127], exactly (built from the exponent bits)."""
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_fold(g_ptr, FAST: tl.constexpr):
+    """(sfac, post) for :func:`_dequant_tile` from the global scale ``g`` (a divisor).
+
+    Portable: ``sfac = 2^14 / g``, ``post = 1``. Fast: the decoded E2M1 values carry ``2^-126``, so the bf16 block
+    scale must carry ``F = 2^126``; if the largest block scale ``448 / g`` times ``2^126`` would overflow bf16
+    (``amax(W) > 24``), ``F`` is lowered to ``2^126 / (448/g)`` rounded down to a power of two and the fp32
+    accumulator is multiplied back by ``post = 2^126 / F`` (exact).
+    """
+    g = tl.load(g_ptr)
+    if FAST:
+        log_f = tl.minimum(126.0, tl.floor(126.0 - tl.log2(448.0 / g)))
+        log_f = tl.maximum(log_f, -100.0)
+        return _pow2(log_f) / g, _pow2(126.0 - log_f)
+    else:
+        return 16384.0 / g, 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# y = x · Wᵀ
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    K_PER_SPLIT,
+    HAS_BIAS: tl.constexpr,
+    USE_WS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``y`` over the K range of split ``program_id(1)``.
+
+    x ``[M, K]`` (row stride ``stride_xm``), packed ``[N, K/2]``, scale ``[N, K/16]``, global ``[1]``, bias ``[N]``.
+    ``USE_WS`` False: writes ``y[M, N]`` in x's dtype (bias added). True (split-K): writes fp32 partials to
+    ``y_ptr`` viewed as ``[split, M, N]`` (contiguous, ``stride_ym == N``).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Group GROUP_M m-tiles together: the programs sharing a weight column-tile run back to back.
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+
+    dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # Clamp rows instead of masking the weight loads along N: loads stay unpredicated and vectorised.
+    rows = tl.minimum(offs_n, N - 1)
+
+    half_k = K // 2
+    nblk = K // 16
+    sfac, post = _scale_fold(g_ptr, FAST)
+
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * half_k
+    s_rows = s_ptr + rows[:, None].to(tl.int64) * nblk
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kb = k0 // 2 + offs_kb
+        ks = k0 // 16 + offs_ks
+        kk = k0 + offs_k
+        if EVEN_K:
+            p = tl.load(w_rows + kb[None, :])
+            s = tl.load(s_rows + ks[None, :])
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            p = tl.load(w_rows + kb[None, :], mask=kb[None, :] < half_k, other=0)
+            s = tl.load(s_rows + ks[None, :], mask=ks[None, :] < nblk, other=0.0)
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        w = _dequant_tile(p, s, sfac, BLOCK_N, BLOCK_K, dtype, FAST, PERMUTED=FAST)
+        if FAST:  # same column order as w (see _perm_k), shuffled in registers after a contiguous load
+            xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if FAST:
+        acc = acc * post
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if not USE_WS:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y[M, N] = sum_s ws[s, M, N] (+ bias[N])`` cast to y's dtype (y contiguous)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dx = dy · W
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dgrad_kernel(
+    dy_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    dx_ptr,
+    M,
+    N,
+    K,
+    stride_dym,
+    stride_dxm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_K]`` tile of ``dx`` = ``dy[M, N] · W[N, K]``, reducing over N in ``BLOCK_N`` steps."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_k = tl.cdiv(K, BLOCK_K)
+    group = GROUP_M * num_k
+    first_m = (pid // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_k = (pid % group) // gsize
+
+    dtype = dy_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    half_k = K // 2
+    nblk = K // 16
+    # Clamp K columns instead of masking: out-of-range columns are computed on duplicate data and never stored.
+    kb = tl.minimum(offs_kb, half_k - 1)
+    ks = tl.minimum(offs_ks, nblk - 1)
+    sfac, post = _scale_fold(g_ptr, FAST)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        nn = n0 + offs_n
+        n_ok = nn < N
+        rows = tl.minimum(nn, N - 1).to(tl.int64)
+        p = tl.load(w_ptr + rows[:, None] * half_k + kb[None, :])
+        s = tl.load(s_ptr + rows[:, None] * nblk + ks[None, :])
+        w = _dequant_tile(p, s, sfac, BLOCK_N, BLOCK_K, dtype, FAST)
+        g = tl.load(
+            dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym + nn[None, :],
+            mask=m_mask[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(g, w, acc)
+    if FAST:
+        acc = acc * post
+    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    tl.store(
+        dx_ptr + offs_m[:, None].to(tl.int64) * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dequantize (large-M fallback)
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dequant_kernel(
+    w_ptr, s_ptr, g_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr
+):
+    """``out[N, K] = dequant(W)`` in out's dtype (contiguous)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    half_k = K // 2
+    nblk = K // 16
+    n_mask = offs_n[:, None] < N
+    rows = offs_n[:, None].to(tl.int64)
+    p = tl.load(w_ptr + rows * half_k + offs_kb[None, :], mask=n_mask & (offs_kb[None, :] < half_k), other=0)
+    s = tl.load(s_ptr + rows * nblk + offs_ks[None, :], mask=n_mask & (offs_ks[None, :] < nblk), other=0.0)
+    sfac, post = _scale_fold(g_ptr, FAST)
+    w = _dequant_tile(p, s, sfac, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty, FAST)
+    tl.store(out_ptr + rows * K + offs_k[None, :], w, mask=n_mask & (offs_k[None, :] < K))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs (tuned on one H100 SXM, see docs/kernels.md)
+# ----------------------------------------------------------------------------------------------------------------
+_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch parameters of :func:`nvfp4_linear`. ``dequant=True`` selects dequantize-then-cuBLAS."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = True
+    group_m: int = 8
+    dequant: bool = False
+
+
+@dataclass(frozen=True)
+class DgradConfig:
+    """Launch parameters of :func:`nvfp4_linear_dgrad`."""
+
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    dequant: bool = False
+
+
+def _pick_split(tiles: int, k: int, block_k: int, target: int = 2 * _NUM_SMS, min_k: int = 512) -> int:
+    """Number of K splits so that ``tiles · split`` reaches ``target`` programs, each with ≥ ``min_k`` inputs."""
+    if tiles >= target:
+        return 1
+    split = max(1, min(target // max(tiles, 1), k // max(min_k, block_k)))
+    return int(split)
+
+
+# Largest M served by the fused kernel; above it, dequantize once and call cuBLAS (measured faster on the H100).
+FUSED_MAX_M = 128
+DGRAD_FUSED_MAX_M = 64
+
+
+def linear_config(m: int, n: int, k: int) -> LinearConfig:
+    """Tile config for ``y[m, n] = x[m, k] · Wᵀ`` on sm_90, per M range (from ``benchmarks/gemm.py --sweep``).
+
+    All fused configs use ``num_stages=1``: the weight tile goes straight from global memory to registers (no
+    ``cp.async`` round trip through shared memory), which measured 5-20 % faster than 2-3 stages at every M ≤ 128.
+    """
+    if m > FUSED_MAX_M:
+        return LinearConfig(dequant=True)
+    if m <= 32:
+        bm = 16 if m <= 16 else 32
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, 64)
+        split = _pick_split(tiles, k, 128, target=4 * _NUM_SMS)
+        bk = 256 if split == 1 and k <= 4096 else 128  # short rows without split: a longer K step amortises more
+        return LinearConfig(bm, 64, bk, split, 4, 1, True)
+    if m <= 64:
+        tiles = triton.cdiv(n, 128)
+        return LinearConfig(64, 128, 128, _pick_split(tiles, k, 128), 8, 1, True)
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    return LinearConfig(128, 128, 64, _pick_split(tiles, k, 64), 4, 1, True)
+
+
+def dgrad_config(m: int, n: int, k: int) -> DgradConfig:
+    """Tile config for ``dx[m, k] = dy[m, n] · W`` on sm_90 (dequantize + cuBLAS above ``DGRAD_FUSED_MAX_M``)."""
+    if m > DGRAD_FUSED_MAX_M:
+        return DgradConfig(dequant=True)
+    return DgradConfig(block_m=max(16, triton.next_power_of_2(m)), block_n=64, block_k=128, num_warps=4, num_stages=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+def dequantize_triton(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dense ``[N, K]`` ``dtype`` weight from packed uint8 ``[N, K/2]``, fp8 ``[N, K/16]``, fp32 ``[1]`` (one kernel)."""
+    n, half = packed.shape
+    k = half * 2
+    out = _empty((n, k), dtype, packed.device)
+    bn, bk = 32, 256
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        packed, scale, global_scale, out, n, k, BLOCK_N=bn, BLOCK_K=bk, FAST=False, num_warps=4
+    )
+    return out
+
+
+def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> None:
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or global_scale.dtype != torch.float32:
+        raise TypeError(
+            f"nvfp4 kernels expect uint8/float8_e4m3fn/float32 weight tensors, got {packed.dtype}/{scale.dtype}/"
+            f"{global_scale.dtype}"
+        )
+    if not (packed.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("nvfp4 kernels expect contiguous weight_packed / weight_scale")
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``y = x · dequant(W)ᵀ + bias`` on CUDA (or the Triton interpreter).
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16 (float32 goes through the dequantize path, full fp32 product).
+        packed: uint8 ``[N, K/2]``; scale: float8_e4m3fn ``[N, K/16]``; global_scale: float32 ``[1]``.
+        bias: optional ``[N]``.
+        config: override the tuned :func:`linear_config` (benchmarks, tests).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``; fp32 accumulation.
+    """
+    _check(packed, scale, global_scale)
+    n, half = packed.shape
+    k = half * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    if m == 0:
+        return x.new_empty((*lead, n))
+    cfg = config or linear_config(m, n, k)
+    if cfg.dequant or x.dtype == torch.float32:
+        w = dequantize_triton(packed, scale, global_scale, x.dtype)
+        return torch.nn.functional.linear(x2, w, bias).reshape(*lead, n)
+
+    y = _empty((m, n), x.dtype, x.device)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    even_k = k % cfg.block_k == 0
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    out = y if split == 1 else _empty((split, m, n), torch.float32, x.device)
+    _linear_kernel[(tiles, split)](
+        x2,
+        packed,
+        scale,
+        global_scale,
+        bias if bias is not None else y,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        y.stride(0) if split == 1 else n,
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        USE_WS=split > 1,
+        EVEN_K=even_k,
+        SWAP=cfg.swap,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FAST=_fast(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            out, bias if bias is not None else y, y, m * n, n, split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return y.reshape(*lead, n)
+
+
+def nvfp4_linear_dgrad(
+    dy: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    config: DgradConfig | None = None,
+) -> torch.Tensor:
+    """``dx = dy · dequant(W)``: dy ``[..., N]`` float16/bfloat16 → dx ``[..., K]`` in ``dy.dtype`` (fp32 accumulation)."""
+    _check(packed, scale, global_scale)
+    n, half = packed.shape
+    k = half * 2
+    if dy.shape[-1] != n:
+        raise ValueError(f"nvfp4_linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")
+    lead = dy.shape[:-1]
+    g2 = dy.reshape(-1, n)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    m = g2.shape[0]
+    if m == 0:
+        return dy.new_empty((*lead, k))
+    cfg = config or dgrad_config(m, n, k)
+    if cfg.dequant or dy.dtype == torch.float32:
+        w = dequantize_triton(packed, scale, global_scale, dy.dtype)
+        return (g2 @ w).reshape(*lead, k)
+    dx = _empty((m, k), dy.dtype, dy.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_k),)
+    _dgrad_kernel[grid](
+        g2,
+        packed,
+        scale,
+        global_scale,
+        dx,
+        m,
+        n,
+        k,
+        g2.stride(0),
+        dx.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FAST=False,  # Triton 3.6 fails to compile the PTX decode feeding operand B (OptimizeDotOperands)
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return dx.reshape(*lead, k)

@@ -1,0 +1,170 @@
+"""The NVFP4 codec: round trip, packing, rounding rules, bit-exactness with compressed-tensors, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nvfp4.codec import (
+    E2M1_VALUES,
+    FP8_MAX,
+    NVFP4Weight,
+    dequantize,
+    e2m1_to_float,
+    pack_e2m1,
+    quantize,
+    round_to_e2m1,
+    unpack_e2m1,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    out=st.integers(1, 40),
+    blocks=st.integers(1, 8),
+    log_scale=st.floats(-12, 6),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip_error_is_bounded(out, blocks, log_scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out, blocks * 16, generator=g) * 2.0**log_scale).to(dtype)
+    q = quantize(w)
+    assert q.packed.shape == (out, blocks * 8) and q.packed.dtype == torch.uint8
+    assert q.scale.shape == (out, blocks) and q.scale.dtype == torch.float8_e4m3fn
+    assert q.global_scale.shape == (1,) and q.global_scale.dtype == torch.float32
+    d = q.dequantize(torch.float32)
+    assert torch.isfinite(d).all()
+    # E2M1 with a per-16 scale: each element is within half a step of the top code's grid (≤ amax/6 per block),
+    # plus FP8 rounding of the scale: bound the per-block max error by amax_block * (1/6 + 1/16) generously.
+    wf = w.float()
+    amax = wf.abs().reshape(out, blocks, 16).amax(-1, keepdim=True)
+    err = (d - wf).abs().reshape(out, blocks, 16)
+    tiny = 2.0**-120  # below this the FP8 scale range is exhausted (sub-normal blocks quantize to zero)
+    ok = (err <= amax * (1 / 6 + 1 / 16) + 1e-6 * amax.amax()) | (amax < tiny)
+    assert ok.all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.tuples(st.integers(1, 6), st.integers(1, 12)), seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_inverse(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (shape[0], shape[1] * 2), generator=g, dtype=torch.uint8)
+    packed = pack_e2m1(codes)
+    assert packed.shape == (shape[0], shape[1])
+    assert torch.equal(unpack_e2m1(packed), codes)
+    # element 2i sits in the LOW nibble
+    assert torch.equal(packed & 0xF, codes[:, 0::2])
+
+
+def test_e2m1_codebook_and_ties():
+    vals = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -6])
+    assert torch.equal(e2m1_to_float(round_to_e2m1(vals)), vals)
+    # ties go to the even code: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4; saturation at 6
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 100.0])
+    assert e2m1_to_float(round_to_e2m1(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4, 6, 6]
+    assert E2M1_VALUES.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+
+
+def test_all_zero_blocks_round_trip_to_zero():
+    w = torch.randn(4, 64)
+    w[1] = 0
+    w[2, 16:32] = 0
+    d = quantize(w).dequantize(torch.float32)
+    assert torch.equal(d[1], torch.zeros(64)) and torch.equal(d[2, 16:32], torch.zeros(16))
+    assert torch.equal(quantize(torch.zeros(3, 32)).dequantize(torch.float32), torch.zeros(3, 32))
+
+
+def test_global_scale_is_the_divisor_convention():
+    w = torch.randn(8, 32)
+    q = quantize(w)
+    assert q.global_scale.item() == pytest.approx(FP8_MAX * 6 / w.abs().max().item(), rel=1e-6)
+    # the largest block scale maps amax onto code 6
+    assert (q.scale.float() / q.global_scale).max().item() * 6 == pytest.approx(w.abs().max().item(), rel=0.07)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bit_exact_with_compressed_tensors(dtype, seed):
+    ct_nvfp4 = pytest.importorskip("compressed_tensors.compressors.nvfp4.base")
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g) * 3).to(dtype)
+    w[5, :16] = 0  # an all-zero block
+    w[7, 32:48] = -1e-3  # a block of small negatives (sign kept on zero codes)
+    gs = generate_gparam(w.float().amin(), w.float().amax())
+    blk = w.reshape(96, -1, 16)
+    scale, _ = calculate_qparams(blk.amin(-1), blk.amax(-1), scheme.weights, global_scale=gs)
+    ct = ct_nvfp4.NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme
+    )
+    ours = quantize(w)
+    assert torch.equal(ct["weight_packed"], ours.packed)
+    assert torch.equal(ct["weight_scale"].view(torch.uint8), ours.scale.view(torch.uint8))
+    assert torch.equal(ct["weight_global_scale"], ours.global_scale)
+    # and compressed-tensors decodes our tensors to our dequantization
+    dec = ct_nvfp4.NVFP4PackedCompressor.decompress(ours.state_dict(), scheme)["weight"]
+    assert torch.equal(dec, ours.dequantize(dec.dtype))
+
+
+def test_calibrated_methods_reduce_error():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    act = torch.rand(512, generator=g) ** 4 * 10
+    rtn = quantize(w, method="rtn").dequantize(torch.float32)
+    mse = quantize(w, method="mse").dequantize(torch.float32)
+    awq = quantize(w, method="awq", act_sq=act).dequantize(torch.float32)
+    assert rel_err(mse, w) < 0.95 * rel_err(rtn, w)
+    weighted = lambda d: ((d - w).square() * act).sum().item()  # noqa: E731
+    assert weighted(awq) < 0.9 * weighted(rtn)
+    assert weighted(awq) <= weighted(mse)
+
+
+@pytest.mark.parametrize(
+    "w, match",
+    [
+        (torch.tensor([[float("nan")] * 16]), "NaN/Inf"),
+        (torch.tensor([[float("inf")] + [0.0] * 15]), "NaN/Inf"),
+        (torch.randn(4, 24), "multiple of the NVFP4 block size"),
+        (torch.randn(4, 32).to(torch.int32), "unsupported dtype"),
+        (torch.randn(2, 4, 32), "2-D"),
+    ],
+)
+def test_bad_input_errors_name_the_tensor(w, match):
+    with pytest.raises(ValueError, match=match) as e:
+        quantize(w, name="model.layers.3.mlp.up_proj.weight")
+    assert "model.layers.3.mlp.up_proj.weight" in str(e.value)
+
+
+def test_unknown_method_and_missing_stats():
+    with pytest.raises(ValueError, match="unknown method"):
+        quantize(torch.randn(4, 32), method="gptq")
+    with pytest.raises(ValueError, match="act_sq"):
+        quantize(torch.randn(4, 32), method="awq")
+
+
+def test_dequantize_rejects_mismatched_tensors():
+    q = quantize(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="disagree"):
+        dequantize(q.packed, q.scale[:, :2], q.global_scale)
+
+
+def test_weight_container():
+    q = quantize(torch.randn(6, 48))
+    assert q.shape == (6, 48)
+    assert q.nbytes == 6 * 24 + 6 * 3 + 4
+    assert isinstance(q.to("cpu"), NVFP4Weight)
+    assert set(q.state_dict()) == {"weight_packed", "weight_scale", "weight_global_scale"}

@@ -1,0 +1,102 @@
+"""NVFP4Linear and the nvfp4::linear ops: reference equality, autograd to the input, torch.compile, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nvfp4
+from nvfp4 import NVFP4Linear, quantize_model
+from nvfp4.ops import linear_dgrad_reference, linear_reference
+
+
+def rel_err(a, b):
+    assert not torch.isnan(a).any()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_matches_float64_reference(dtype, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40, bias=bias)
+    q = NVFP4Linear.from_linear(lin)
+    x = torch.randn(3, 7, 96).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype and y.shape == (3, 7, 40)
+    ref = x.double() @ q.dequantize(torch.float64).T + (lin.bias.double() if bias else 0)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    assert rel_err(y, ref) < tol
+
+
+def test_backward_reaches_input_only():
+    torch.manual_seed(0)
+    q = NVFP4Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(5, 64, requires_grad=True)
+    q(x).square().sum().backward()
+    w = q.dequantize(torch.float64)
+    expected = (2 * (x.double() @ w.T + q.bias.double())) @ w
+    assert rel_err(x.grad, expected) < 1e-6
+    assert all(not p.requires_grad for p in q.parameters())
+    assert torch.equal(linear_dgrad_reference(torch.ones(2, 32), q.weight_packed, q.weight_scale, q.weight_global_scale),
+                       torch.ones(2, 32) @ q.dequantize(torch.float32))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    q = NVFP4Linear.from_linear(nn.Linear(64, 48, bias=True))
+    x = torch.randn(4, 64)
+    compiled = torch.compile(q, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), q(x))
+    args = (x.requires_grad_(), q.weight_packed, q.weight_scale, q.weight_global_scale, None)
+    torch.library.opcheck(torch.ops.nvfp4.linear.default, args,
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+def test_weight_is_packed_and_float_use_fails_loudly():
+    q = NVFP4Linear.from_linear(nn.Linear(32, 8))
+    assert q.weight.dtype == torch.uint8 and q.weight.shape == (8, 16)
+    with pytest.raises(RuntimeError):
+        q.weight.data += torch.randn(8, 16)  # what a naive LoRA merge would do
+
+
+def test_bad_inputs():
+    q = NVFP4Linear.from_linear(nn.Linear(32, 8))
+    with pytest.raises(ValueError, match="input features"):
+        q(torch.randn(2, 48))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        NVFP4Linear(24, 8)
+
+
+def test_load_state_dict_checks_shapes():
+    q = NVFP4Linear.from_linear(nn.Linear(32, 8))
+    other = NVFP4Linear(64, 8)
+    with pytest.raises(ValueError, match="weight_packed: checkpoint has"):
+        other.load_state_dict(q.state_dict())
+
+
+def test_quantize_model_shares_global_scale_in_fused_groups():
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))  # qwen2: q/k/v with bias
+    quantize_model(model, progress=False)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.q_proj, NVFP4Linear) and attn.q_proj.bias is not None
+    assert attn.q_proj.weight_global_scale.item() == attn.k_proj.weight_global_scale.item() == attn.v_proj.weight_global_scale.item()
+    assert attn.q_proj.weight_global_scale.data_ptr() != attn.k_proj.weight_global_scale.data_ptr()
+    assert mlp.gate_proj.weight_global_scale.item() == mlp.up_proj.weight_global_scale.item()
+    assert not isinstance(model.lm_head, NVFP4Linear)
+    out = model(input_ids=torch.randint(0, 256, (1, 8))).logits
+    assert torch.isfinite(out).all()
+
+
+def test_public_api_exports():
+    for name in ("quantize", "dequantize", "NVFP4Linear", "NVFP4Config", "quantize_model", "linear", "linear_dgrad"):
+        assert hasattr(nvfp4, name)
+    x = torch.randn(2, 32)
+    q = nvfp4.quantize(torch.randn(8, 32))
+    assert torch.equal(nvfp4.linear(x, q.packed, q.scale, q.global_scale),
+                       linear_reference(x, q.packed, q.scale, q.global_scale))

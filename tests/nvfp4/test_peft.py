@@ -1,0 +1,66 @@
+"""PEFT LoRA on NVFP4Linear: attach by names and all-linear, only LoRA trains, save/load, merge to a dense model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_config
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+
+from nvfp4 import NVFP4Linear, quantize_model
+from nvfp4.peft import LoraNVFP4Linear, get_peft_model, load_adapter, merge_and_unload
+
+
+def _model():
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    return quantize_model(m, progress=False)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_lora_attaches_and_only_lora_trains(targets):
+    pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    wrapped = [m for m in pm.modules() if isinstance(m, LoraNVFP4Linear)]
+    assert len(wrapped) == (14 if targets == "all-linear" else 6)
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    bufs = {n: b.clone().view(torch.uint8) for n, b in pm.named_buffers()}
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 256, (2, 10))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    changed = {n for n, p in pm.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
+    assert all(torch.equal(bufs[n], b.view(torch.uint8)) for n, b in pm.named_buffers())
+
+
+def test_plain_peft_trains_but_refuses_to_merge_into_4bit():
+    from peft import get_peft_model as plain
+
+    pm = plain(_model(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 256, (1, 6))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError):
+        pm.merge_and_unload()
+
+
+def test_adapter_save_load_and_merge(tmp_path):
+    base = _model()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    pm = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        ref = pm(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "adapter")
+    fresh = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    quantize_model(fresh, progress=False)
+    fresh.load_state_dict(base_state)
+    reloaded = load_adapter(fresh, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, ref)
+    merged = merge_and_unload(pm)
+    assert not any(isinstance(m, NVFP4Linear) for m in merged.modules())
+    assert getattr(merged.config, "quantization_config", None) is None
+    with torch.no_grad():
+        out = merged(input_ids=ids).logits
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5

@@ -1,0 +1,215 @@
+"""Trainer-agnostic driver: σ from the schedule, noise on the rollout model copy, restored afterwards.
+
+Typical use in a GRPO step (the trainer owns ``step``, 0-based)::
+
+    ctl = AQNController(make_schedule("exponential", 1e-2, 5e-4, 10, total_steps=max_steps), seed=args.seed)
+    with ctl.rollout(policy_model, step):          # noise on, one draw for the whole generation (per_step)
+        completions = policy_model.generate(...)
+    # weights are bit-identical to before here
+    with ctl.train(policy_model, step):            # no-op unless apply_to="rollout_and_train"
+        loss = ...; loss.backward()                # restore only after backward (autograd saved the weights)
+
+For an external engine (vLLM) push ``ctl.engine_weights(norm_params, step)`` through its weight-update call before
+generating, and the clean weights afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .discovery import ExampleInputs
+from .noise import NoiseHandle, NormNoise, noisy_norm_weights
+from .schedules import SigmaSchedule, schedule_from_state_dict
+
+__all__ = ["AQNController"]
+
+Mode = Literal["per_step", "per_forward"]
+ApplyTo = Literal["rollout", "rollout_and_train"]
+_STATE_VERSION = 1
+
+
+class AQNController:
+    """Drives AQN from a trainer: one call per generation step, on any model copy the caller owns.
+
+    Args:
+        schedule: the σ schedule (``aqn.make_schedule(...)``).
+        seed: base seed; the noise of step ``k`` is a pure function of ``(seed, k, weight name)``.
+        mode: ``"per_step"`` (default): one draw per rollout step, shared by all tokens and completions of the step;
+            ``"per_forward"``: a fresh draw before every forward (every generated token with ``generate``).
+        apply_to: ``"rollout"`` (default, as the paper): only the generation sees noise; ``"rollout_and_train"``:
+            :meth:`begin_train` applies the *same* step-``k`` draw to the training forward (per_step mode).
+        norm_dtype, include_final_norm, example_inputs: forwarded to :class:`~aqn.NormNoise`.
+
+    Raises:
+        ValueError: unknown ``mode`` / ``apply_to``.
+    """
+
+    def __init__(
+        self,
+        schedule: SigmaSchedule,
+        seed: int = 0,
+        mode: Mode = "per_step",
+        apply_to: ApplyTo = "rollout",
+        *,
+        norm_dtype: torch.dtype | None = None,
+        include_final_norm: bool = False,
+        example_inputs: ExampleInputs = None,
+    ) -> None:
+        if not isinstance(schedule, SigmaSchedule):
+            raise TypeError(f"schedule must be an aqn.SigmaSchedule, got {type(schedule).__name__}")
+        if mode not in ("per_step", "per_forward"):
+            raise ValueError(f"mode must be 'per_step' or 'per_forward', got {mode!r}")
+        if apply_to not in ("rollout", "rollout_and_train"):
+            raise ValueError(f"apply_to must be 'rollout' or 'rollout_and_train', got {apply_to!r}")
+        self.schedule = schedule
+        self.seed = int(seed)
+        self.mode: Mode = mode
+        self.apply_to: ApplyTo = apply_to
+        self.norm_dtype = norm_dtype
+        self.include_final_norm = include_final_norm
+        self.example_inputs = example_inputs
+        self.step: int | None = None  # last step a rollout began at
+        self._noises: weakref.WeakKeyDictionary[nn.Module, NormNoise] = weakref.WeakKeyDictionary()
+        self._rollout: NoiseHandle | None = None
+        self._train: NoiseHandle | None = None
+
+    # ------------------------------------------------------------------ schedule
+    def sigma(self, step: int) -> float:
+        """σ at ``step``."""
+        return self.schedule.sigma(step)
+
+    def stage(self, step: int) -> int:
+        """Schedule stage of ``step``."""
+        return self.schedule.stage(step)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """``{"aqn/sigma": σ, "aqn/stage": k}`` for logging."""
+        return {"aqn/sigma": self.sigma(step), "aqn/stage": float(self.stage(step))}
+
+    # ------------------------------------------------------------------ model copies
+    def norm_noise(self, model: nn.Module | NormNoise) -> NormNoise:
+        """The (cached) :class:`~aqn.NormNoise` of ``model``; discovery runs once per model object."""
+        if isinstance(model, NormNoise):
+            return model
+        noise = self._noises.get(model)
+        if noise is None:
+            noise = NormNoise(
+                model,
+                example_inputs=self.example_inputs,
+                include_final_norm=self.include_final_norm,
+                norm_dtype=self.norm_dtype,
+            )
+            self._noises[model] = noise
+        return noise
+
+    def _start(self, model: nn.Module | NormNoise, step: int, draw_mode: Mode) -> NoiseHandle | None:
+        sigma = self.sigma(step)
+        noise = self.norm_noise(model)  # discover (and fail loudly) even in the noise-free stage 0
+        if sigma == 0.0:
+            return None
+        if draw_mode == "per_forward":
+            return noise.apply_per_forward(sigma, seed=self.seed, step=step)
+        return noise.apply(sigma, seed=self.seed, step=step)
+
+    def begin_rollout(self, model: nn.Module | NormNoise, step: int) -> NoiseHandle | None:
+        """Put step-``step`` noise on ``model``'s norms for generation; ``None`` when σ = 0 (nothing to do).
+
+        Raises ``RuntimeError`` if the previous rollout was not ended.
+        """
+        if self._rollout is not None and self._rollout.active:
+            raise RuntimeError("begin_rollout called twice without end_rollout")
+        self.step = int(step)
+        self._rollout = self._start(model, step, self.mode)
+        return self._rollout
+
+    def end_rollout(self) -> None:
+        """Restore the exact original norm weights of the rollout model (no-op if nothing was applied)."""
+        if self._rollout is not None:
+            self._rollout.restore()
+            self._rollout = None
+
+    @contextlib.contextmanager
+    def rollout(self, model: nn.Module | NormNoise, step: int) -> Iterator[NoiseHandle | None]:
+        """Context-manager form of :meth:`begin_rollout` / :meth:`end_rollout`."""
+        handle = self.begin_rollout(model, step)
+        try:
+            yield handle
+        finally:
+            self.end_rollout()
+
+    def begin_train(self, model: nn.Module | NormNoise, step: int) -> NoiseHandle | None:
+        """Noise for the training forward (only with ``apply_to="rollout_and_train"``; else ``None``).
+
+        In per_step mode the draw equals the rollout's draw at the same step, so the policy that generated the
+        samples is the one being scored. Call :meth:`end_train` only after ``backward()``.
+        """
+        if self.apply_to != "rollout_and_train":
+            return None
+        if self._train is not None and self._train.active:
+            raise RuntimeError("begin_train called twice without end_train")
+        self._train = self._start(model, step, self.mode)
+        return self._train
+
+    def end_train(self) -> None:
+        """Restore the norm weights after the training step (no-op if nothing was applied)."""
+        if self._train is not None:
+            self._train.restore()
+            self._train = None
+
+    @contextlib.contextmanager
+    def train(self, model: nn.Module | NormNoise, step: int) -> Iterator[NoiseHandle | None]:
+        """Context-manager form of :meth:`begin_train` / :meth:`end_train`."""
+        handle = self.begin_train(model, step)
+        try:
+            yield handle
+        finally:
+            self.end_train()
+
+    def engine_weights(
+        self,
+        named_params: Mapping[str, torch.Tensor] | Any,
+        step: int,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Noisy copies ``(name, w + Z)`` of the given norm weights for an external engine's weight update.
+
+        Same noise as :meth:`begin_rollout` gives the same names at ``step`` (per_step mode). ``named_params`` may
+        also be a model or :class:`~aqn.NormNoise`, whose discovered norm weights are used. σ = 0 yields clean copies.
+        """
+        if isinstance(named_params, (nn.Module, NormNoise)):
+            named_params = self.norm_noise(named_params).params
+        return noisy_norm_weights(named_params, self.sigma(step), seed=self.seed, step=step, dtype=dtype)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, seed, last step, mode: everything to resume with the same σ and the same noise."""
+        return {
+            "version": _STATE_VERSION,
+            "schedule": self.schedule.state_dict(),
+            "seed": self.seed,
+            "step": self.step,
+            "mode": self.mode,
+            "apply_to": self.apply_to,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (the schedule object is replaced by the saved one)."""
+        if state.get("version", _STATE_VERSION) > _STATE_VERSION:
+            raise ValueError(f"controller state version {state['version']} is newer than this aqn")
+        mode, apply_to = state.get("mode", self.mode), state.get("apply_to", self.apply_to)
+        if mode not in ("per_step", "per_forward") or apply_to not in ("rollout", "rollout_and_train"):
+            raise ValueError(f"bad controller state: mode={mode!r}, apply_to={apply_to!r}")
+        self.schedule = schedule_from_state_dict(dict(state["schedule"]))
+        self.seed = int(state["seed"])
+        self.step = None if state.get("step") is None else int(state["step"])
+        self.mode, self.apply_to = mode, apply_to
+
+    def __repr__(self) -> str:
+        return f"AQNController({self.schedule!r}, seed={self.seed}, mode={self.mode!r}, apply_to={self.apply_to!r})"

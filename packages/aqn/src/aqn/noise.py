@@ -1,0 +1,500 @@
+"""Channel-wise Gaussian noise on RMSNorm weights, applied in place and restored bit-identically.
+
+Math. An RMSNorm computes ``y = w ⊙ x / rms(x)`` with a weight ``w`` of shape ``[d]``. Replacing ``w`` by ``w + Z``,
+``Z ~ N(0, σ² I_d)``, gives ``y' = (1 + Z/w) ⊙ y``; for every linear ``W`` (``[out, d]``) fed by ``y``::
+
+    W y' = (W · diag(1 + Z/w)) y
+
+i.e. multiplicative noise on the *input columns* of q/k/v (one shared vector per layer) and gate/up (another), at no
+extra kernel cost. ``o_proj`` / ``down_proj`` are fed by no norm and get no noise.
+
+Noise is drawn in float32 (on the CPU by default, so the same seed gives the same noise on any device) and added to
+the weight in float32 (or float64 for float64 weights) before being rounded to the weight's dtype. For bf16 weights
+that rounding eats small σ entirely (bf16 has 8 significant bits: the spacing next to |w| ≈ 0.27, the median of
+SmolLM2's norm weights, is 2⁻⁹ ≈ 2e-3) — see ``docs/aqn.md`` and :func:`measure_rounding_survival`. ``norm_dtype=
+torch.float32`` keeps the noisy norm weights in float32 while noise is on (the norm computes in float32 and casts its
+output back to the input dtype), so the perturbation reaches the output, rounded once.
+
+Seeding. With ``seed=s, step=k`` each parameter named ``n`` gets its own generator seeded from ``(s, k, n, draw)``
+(blake2b), so the noise of a parameter does not depend on which other parameters are noised or in what order:
+``NormNoise.apply(σ, seed=s, step=k)`` on an HF model and ``noisy_norm_weights(params, σ, seed=s, step=k)`` pushed to
+an engine give the same noise for the same names. An explicit ``torch.Generator`` instead draws sequentially in name
+order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .discovery import ExampleInputs, NormLinearGroup, find_norm_linear_pairs
+
+__all__ = [
+    "NoiseHandle",
+    "NormNoise",
+    "measure_rounding_survival",
+    "noise_seed",
+    "noisy_norm_weights",
+    "sample_noise",
+]
+
+_MASK63 = (1 << 63) - 1
+
+
+def noise_seed(seed: int, step: int, name: str, draw: int = 0) -> int:
+    """Deterministic 63-bit generator seed for parameter ``name`` at ``step`` (``draw`` > 0: per-forward resamples)."""
+    msg = f"aqn:{int(seed)}:{int(step)}:{int(draw)}:{name}".encode()
+    return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & _MASK63
+
+
+def _check_sigma(sigma: float) -> float:
+    sigma = float(sigma)
+    if not sigma >= 0 or sigma == float("inf"):  # also rejects NaN
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
+    return sigma
+
+
+def sample_noise(
+    shape: torch.Size | tuple[int, ...],
+    sigma: float,
+    *,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``N(0, σ²)`` noise of ``shape`` in float32, drawn from ``generator`` (or a fresh CPU generator seeded ``seed``),
+    then moved to ``device``."""
+    sigma = _check_sigma(sigma)
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(int(seed) & _MASK63)
+    z = torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device=generator.device)
+    z.mul_(sigma)
+    return z if device is None else z.to(device)
+
+
+def _add_noise(t: torch.Tensor, z: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t + z`` computed in float32 (float64 if ``t`` is float64), returned in ``dtype`` (default ``t.dtype``)."""
+    acc = torch.promote_types(t.dtype, torch.float32)
+    return (t.detach().to(acc) + z.to(device=t.device, dtype=acc)).to(dtype or t.dtype)
+
+
+def _global_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _draw(
+    named: list[tuple[str, torch.Tensor]],
+    sigma: float,
+    *,
+    seed: int | None,
+    step: int,
+    draw: int,
+    generator: torch.Generator | None,
+) -> dict[str, torch.Tensor]:
+    """float32 noise per name (on each tensor's device)."""
+    out: dict[str, torch.Tensor] = {}
+    if generator is not None:
+        for name, t in sorted(named, key=lambda kv: kv[0]):
+            out[name] = sample_noise(t.shape, sigma, generator=generator, device=t.device)
+        return out
+    if seed is None:
+        seed = _global_seed()
+    for name, t in named:
+        out[name] = sample_noise(t.shape, sigma, seed=noise_seed(seed, step, name, draw), device=t.device)
+    return out
+
+
+def noisy_norm_weights(
+    named_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    sigma: float,
+    generator: torch.Generator | None = None,
+    *,
+    seed: int | None = None,
+    step: int = 0,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, w + Z)`` copies of norm weights for an external engine (e.g. a vLLM weight update).
+
+    The sources are never modified. Each yielded tensor has the source's shape ``[d]`` and device, and ``dtype``
+    (default: the source's dtype; pass ``torch.float32`` if the engine keeps fp32 norms). With the same ``seed`` /
+    ``step`` and names, the noise equals what :meth:`NormNoise.apply` adds. ``sigma == 0`` yields exact copies.
+    """
+    sigma = _check_sigma(sigma)
+    items = list(named_params.items()) if isinstance(named_params, Mapping) else list(named_params)
+    for name, t in items:
+        if t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D norm weight, got shape {tuple(t.shape)}")
+    if sigma == 0:
+        for name, t in items:
+            yield name, t.detach().to(dtype or t.dtype, copy=True)
+        return
+    noise = _draw(items, sigma, seed=seed, step=step, draw=0, generator=generator)
+    for name, t in items:
+        yield name, _add_noise(t, noise[name], dtype)
+
+
+def _survival(orig: torch.Tensor, new: torch.Tensor, z: torch.Tensor) -> dict[str, float]:
+    """How much of the intended noise ``z`` survived in ``new - orig`` (all float64 sums)."""
+    r = new.detach().double() - orig.detach().double()
+    z = z.detach().double().to(r.device)
+    zz = float((z * z).sum())
+    return {
+        "fraction_changed": float((r != 0).double().mean()),
+        # projection of the realised perturbation on the intended one: 1 = all there, 0 = lost
+        "retained": float((r * z).sum()) / zz if zz > 0 else float("nan"),
+        "relative_error": float(((r - z) ** 2).sum() ** 0.5) / zz**0.5 if zz > 0 else float("nan"),
+        "energy_ratio": float((r * r).sum()) / zz if zz > 0 else float("nan"),
+    }
+
+
+def _merge_survival(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    if not parts:
+        return {"fraction_changed": 0.0, "retained": float("nan"), "relative_error": float("nan")}
+    orig = torch.cat([o.detach().double().flatten().cpu() for o, _, _ in parts])
+    new = torch.cat([n.detach().double().flatten().cpu() for _, n, _ in parts])
+    z = torch.cat([z.detach().double().flatten().cpu() for _, _, z in parts])
+    return _survival(orig, new, z)
+
+
+def measure_rounding_survival(
+    weights: torch.Tensor | Iterable[torch.Tensor],
+    sigma: float,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    seed: int = 0,
+) -> dict[str, float]:
+    """What fraction of ``N(0, σ²)`` noise survives when ``w + Z`` is stored in ``dtype``.
+
+    ``weights`` are the norm weights (any dtype; they are first rounded to ``dtype``, as a checkpoint in that dtype
+    would be). Returns ``fraction_changed`` (channels whose stored value moved), ``retained`` (projection
+    ``<r, Z>/<Z, Z>`` of the realised perturbation ``r`` on the intended ``Z``: 1 = intact, 0 = lost),
+    ``relative_error`` (``‖r − Z‖/‖Z‖``) and ``energy_ratio`` (``‖r‖²/‖Z‖²``).
+    """
+    sigma = _check_sigma(sigma)
+    ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    w = torch.cat([t.detach().flatten().to(dtype).cpu() for t in ws])
+    z = sample_noise(w.shape, sigma, seed=seed)
+    new = _add_noise(w, z)
+    return _survival(w, new, z)
+
+
+class _Upcast:
+    """Temporarily keep norm weights in a wider dtype; the norm computes in it and casts its output back."""
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.handles: list[Any] = []
+        for m in modules:
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post))
+        self._stack: list[torch.dtype | None] = []
+
+    def _pre(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        in_dtype = None
+
+        def cast(x: Any) -> Any:
+            nonlocal in_dtype
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+                in_dtype = in_dtype or x.dtype
+                return x.to(self.dtype)
+            return x
+
+        args = tuple(cast(a) for a in args)
+        kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self._stack.append(in_dtype)
+        return args, kwargs
+
+    def _post(self, _m: nn.Module, _args: Any, out: Any) -> Any:
+        in_dtype = self._stack.pop() if self._stack else None
+        if in_dtype is None:
+            return out
+        back = lambda x: x.to(in_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        if isinstance(out, tuple):
+            return tuple(back(x) for x in out)
+        if isinstance(out, list):
+            return [back(x) for x in out]
+        return back(out)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+class NoiseHandle:
+    """Live noise on a :class:`NormNoise`'s weights. ``restore()`` copies the saved originals back (bit-identical).
+
+    Usable as a context manager (``with noise.apply(σ, seed=s, step=k): model.generate(...)``). ``noise`` holds the
+    intended float32 noise of the latest draw, ``{weight_name: Tensor[d]}``; ``draws`` counts draws (per-forward mode
+    resamples before every forward).
+    """
+
+    def __init__(
+        self,
+        owner: NormNoise,
+        sigma: float,
+        *,
+        seed: int | None,
+        step: int,
+        generator: torch.Generator | None,
+        per_forward: bool,
+    ) -> None:
+        self.owner = owner
+        self.sigma = sigma
+        self.seed = seed if (seed is not None or generator is not None) else _global_seed()
+        self.step = step
+        self.generator = generator
+        self.per_forward = per_forward
+        self.draws = 0
+        self.noise: dict[str, torch.Tensor] = {}
+        self._originals: dict[str, torch.Tensor] = {}
+        self._upcast: _Upcast | None = None
+        self._orig_data: dict[str, torch.Tensor] | None = None
+        self._hook: Any = None
+        self._active = False
+
+    # -------------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        o = self.owner
+        self._originals = {n: p.detach().clone() for n, p in o.params.items()}
+        self._active = True
+        try:
+            if o.norm_dtype is not None:
+                if o.norm_modules is None:
+                    raise ValueError("norm_dtype needs a model (norm modules to hook), not a parameter map")
+                self._orig_data = {n: p.data for n, p in o.params.items()}
+                if any(p.dtype != o.norm_dtype for p in o.params.values()):
+                    self._upcast = _Upcast(o.norm_modules, o.norm_dtype)
+                    for p in o.params.values():
+                        p.data = p.data.to(o.norm_dtype)
+            if self.per_forward:
+                target = o.hook_module
+                if target is None:
+                    raise ValueError("per-forward resampling needs a model, not a parameter map")
+                self._hook = target.register_forward_pre_hook(self._forward_pre_hook)
+            else:
+                self.resample()
+        except BaseException:
+            self.restore()
+            raise
+
+    def _forward_pre_hook(self, _m: nn.Module, _args: Any) -> None:
+        # activation-checkpoint recomputation runs inside backward: keep the noise of the original forward
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.resample()
+
+    def resample(self) -> None:
+        """Draw fresh noise and write ``original + Z`` into the weights (per-forward mode calls this every forward)."""
+        if not self._active:
+            raise RuntimeError("this noise handle was restored; call NormNoise.apply again")
+        o = self.owner
+        draw = self.draws + (1 if self.per_forward else 0)  # draw 0 = the per-step noise (= noisy_norm_weights)
+        named = [(n, self._originals[n]) for n in o.params]
+        self.noise = _draw(named, self.sigma, seed=self.seed, step=self.step, draw=draw, generator=self.generator)
+        with torch.no_grad():
+            for n, p in o.params.items():
+                p.copy_(_add_noise(self._originals[n], self.noise[n], p.dtype))
+        self.draws += 1
+        if o.warn_lossy and not self.per_forward and self.draws == 1:
+            o._maybe_warn_lossy(self)
+
+    def restore(self) -> None:
+        """Put the exact original weights back (idempotent); removes the per-forward / upcast hooks."""
+        if not self._active:
+            return
+        o = self.owner
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._upcast is not None:
+            self._upcast.remove()
+            self._upcast = None
+        orig_data = self._orig_data
+        with torch.no_grad():
+            for n, p in o.params.items():
+                if orig_data is not None and p.data.dtype != orig_data[n].dtype:
+                    p.data = orig_data[n]  # the original storage object; its values were never touched
+                else:
+                    p.copy_(self._originals[n])
+        self._originals = {}
+        self._orig_data = None
+        self._active = False
+        if o._active is self:
+            o._active = None
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`restore`."""
+        return self._active
+
+    def survival(self) -> dict[str, float]:
+        """How much of the latest draw survived in the stored weights (see :func:`measure_rounding_survival`)."""
+        if not self._active or not self.noise:
+            raise RuntimeError("no live noise to measure")
+        return _merge_survival([(self._originals[n], p, self.noise[n]) for n, p in self.owner.params.items()])
+
+    def __enter__(self) -> NoiseHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        mode = "per_forward" if self.per_forward else "per_step"
+        return f"NoiseHandle(sigma={self.sigma:g}, step={self.step}, mode={mode}, draws={self.draws}, active={self._active})"
+
+
+class NormNoise:
+    """Adds channel-wise Gaussian noise to the norm weights of one model copy, and takes it away again.
+
+    Args:
+        target: an ``nn.Module`` (norm → linear groups are discovered with :func:`find_norm_linear_pairs`) or a map
+            ``{name: 1-D Parameter/Tensor}`` of norm weights to perturb in place (no discovery, no hooks).
+        groups: precomputed groups for ``target`` (skips discovery).
+        example_inputs, include_final_norm, method: forwarded to :func:`find_norm_linear_pairs`.
+        norm_dtype: e.g. ``torch.float32``: while noise is on, norm weights narrower than this are held in it, and
+            the norms compute in it and cast their output back to their input dtype (HF eager models). Needed for
+            σ below the resolution of bf16 weights; see the module docstring.
+        warn_lossy: warn (once per σ) when less than half of the noise survives rounding to the weight dtype.
+
+    Only one noise can be live at a time: ``apply`` while a handle is active raises ``RuntimeError``.
+    """
+
+    def __init__(
+        self,
+        target: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        groups: list[NormLinearGroup] | None = None,
+        example_inputs: ExampleInputs = None,
+        include_final_norm: bool = False,
+        method: str = "auto",
+        norm_dtype: torch.dtype | None = None,
+        warn_lossy: bool = True,
+    ) -> None:
+        self.model: nn.Module | None = None
+        self.groups: list[NormLinearGroup] = []
+        self.norm_modules: list[nn.Module] | None = None
+        self.hook_module: nn.Module | None = None
+        if isinstance(target, nn.Module):
+            self.model = target
+            self.groups = (
+                list(groups)
+                if groups is not None
+                else find_norm_linear_pairs(
+                    target,
+                    example_inputs,
+                    include_final_norm=include_final_norm,
+                    method=method,  # type: ignore[arg-type]
+                )
+            )
+            params: dict[str, torch.Tensor] = {}
+            seen: set[int] = set()
+            for g in self.groups:
+                p = g.weight
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params[g.weight_name] = p
+            self.norm_modules = [g.norm for g in self.groups if g.norm is not None]
+            # the first norm a forward runs: hooking it (not the root) still fires when a wrapper's generate()
+            # bypasses the wrapper's own forward (PEFT)
+            self.hook_module = self.norm_modules[0] if self.norm_modules else target
+        elif isinstance(target, Mapping):
+            params = dict(target)
+            if not params:
+                raise ValueError("empty parameter map: AQN would be a no-op")
+        else:
+            raise TypeError(f"NormNoise expects an nn.Module or a name → tensor mapping, got {type(target).__name__}")
+        for n, p in params.items():
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or not p.is_floating_point():
+                raise ValueError(f"{n}: norm weights must be 1-D floating tensors, got {getattr(p, 'shape', p)}")
+        self.params = params
+        self.norm_dtype = norm_dtype
+        self.warn_lossy = warn_lossy
+        self._active: NoiseHandle | None = None
+        self._warned: set[float] = set()
+
+    @property
+    def weight_names(self) -> list[str]:
+        """Names of the perturbed weights, ``[..."model.layers.0.input_layernorm.weight", ...]``."""
+        return list(self.params)
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """``{weight_name: Parameter[d]}`` of the perturbed norm weights (live tensors)."""
+        return dict(self.params)
+
+    def _begin(
+        self, sigma: float, *, seed: int | None, step: int, generator: torch.Generator | None, per_forward: bool
+    ) -> NoiseHandle:
+        sigma = _check_sigma(sigma)
+        if self._active is not None and self._active.active:
+            raise RuntimeError("noise is already applied to these norms; restore() the live handle first")
+        handle = NoiseHandle(self, sigma, seed=seed, step=step, generator=generator, per_forward=per_forward)
+        self._active = handle
+        handle._start()
+        return handle
+
+    def apply(
+        self,
+        sigma: float,
+        generator: torch.Generator | None = None,
+        *,
+        seed: int | None = None,
+        step: int = 0,
+    ) -> NoiseHandle:
+        """Add ``Z ~ N(0, σ²)`` (one fresh ``[d]`` vector per norm) in place; returns the handle that restores.
+
+        Reproducible with ``seed`` (and ``step``), or with an explicit ``generator``; with neither, the seed comes
+        from torch's global RNG (reproducible under ``torch.manual_seed``). ``sigma == 0`` is allowed (no change).
+        """
+        return self._begin(sigma, seed=seed, step=step, generator=generator, per_forward=False)
+
+    def apply_per_forward(
+        self,
+        sigma: float,
+        generator: torch.Generator | None = None,
+        *,
+        seed: int | None = None,
+        step: int = 0,
+    ) -> NoiseHandle:
+        """Resample the noise before every forward of the model (each generated token) until ``restore()``.
+
+        The resampling hook sits on the first norm a forward runs. Draw ``i`` of step ``k`` is reproducible from
+        ``(seed, k, i)``. Inside activation-checkpoint recomputation the hook does not resample.
+        """
+        return self._begin(sigma, seed=seed, step=step, generator=generator, per_forward=True)
+
+    def noisy_weights(
+        self, sigma: float, generator: torch.Generator | None = None, *, seed: int | None = None, step: int = 0
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:func:`noisy_norm_weights` over this model's norm weights (the model is not modified)."""
+        return noisy_norm_weights(self.params, sigma, generator, seed=seed, step=step)
+
+    def _maybe_warn_lossy(self, handle: NoiseHandle) -> None:
+        if handle.sigma == 0 or handle.sigma in self._warned:
+            return
+        if all(p.dtype in (torch.float32, torch.float64) for p in self.params.values()):
+            return
+        stats = handle.survival()
+        if stats["retained"] < 0.5:
+            self._warned.add(handle.sigma)
+            dtypes = sorted({str(p.dtype) for p in self.params.values()})
+            warnings.warn(
+                f"aqn: only {stats['retained']:.0%} of the σ={handle.sigma:g} noise survives rounding to "
+                f"{'/'.join(dtypes)} norm weights ({stats['fraction_changed']:.1%} of channels changed); "
+                "use NormNoise(..., norm_dtype=torch.float32) to keep it",
+                stacklevel=4,
+            )
+
+    def __repr__(self) -> str:
+        src = type(self.model).__name__ if self.model is not None else "param map"
+        return f"NormNoise({src}, {len(self.params)} norm weights, norm_dtype={self.norm_dtype})"

@@ -1,0 +1,118 @@
+import json
+
+import aqn
+import pytest
+import torch
+from aqn import AQNController, make_schedule
+from aqn_test_helpers import (
+    assert_bit_identical,
+    logits,
+    snapshot,
+    tiny_model,
+    tokens,
+)
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def controller(**kw) -> AQNController:
+    return AQNController(make_schedule("exponential", 1e-2, 1e-4, 10, total_steps=100), seed=42, **kw)
+
+
+def test_stage_zero_is_quantization_noise_only_but_discovery_still_runs():
+    ctl = controller()
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    with ctl.rollout(model, step=5) as h:
+        assert h is None
+        assert_bit_identical(model, snap)
+    assert ctl.step == 5
+    with pytest.raises(ValueError, match="AQN would be a no-op"):  # even at σ = 0 a wrong model fails loudly
+        ctl.begin_rollout(nn.Sequential(nn.Linear(2, 2)), step=0)
+
+
+def test_rollout_applies_the_scheduled_sigma_and_restores_exactly():
+    ctl = controller()
+    model = tiny_model("qwen2")
+    ids = tokens()
+    clean = logits(model, ids)
+    snap = snapshot(model)
+    for step in (10, 37, 99):
+        h = ctl.begin_rollout(model, step)
+        assert h is not None and h.sigma == ctl.sigma(step) == ctl.schedule.sigma(step)
+        assert not torch.equal(logits(model, ids), clean)
+        ctl.end_rollout()
+        assert_bit_identical(model, snap)
+    assert ctl.metrics(37) == {"aqn/sigma": pytest.approx(ctl.sigma(37)), "aqn/stage": 3.0}
+    ctl.begin_rollout(model, 50)
+    with pytest.raises(RuntimeError, match="without end_rollout"):
+        ctl.begin_rollout(model, 51)
+    ctl.end_rollout()
+
+
+def test_train_forward_is_untouched_by_default_and_matches_the_rollout_draw_when_enabled():
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    ctl = controller()
+    with ctl.train(model, 20) as h:
+        assert h is None
+        assert_bit_identical(model, snap)
+    both = controller(apply_to="rollout_and_train")
+    with both.rollout(model, 20) as h:
+        rollout_noise = {k: v.clone() for k, v in h.noise.items()}
+    with both.train(model, 20) as h:
+        assert h is not None
+        assert all(torch.equal(rollout_noise[k], h.noise[k]) for k in rollout_noise)
+        loss = model(input_ids=tokens()).logits.float().square().mean()
+        loss.backward()  # weights stay noisy until after backward
+    assert_bit_identical(model, snap)
+
+
+def test_engine_weights_match_the_rollout_noise():
+    model = tiny_model("mistral")
+    ctl = controller()
+    params = ctl.norm_noise(model).named_parameters()
+    pushed = dict(ctl.engine_weights(params, step=33))
+    via_model = dict(ctl.engine_weights(model, step=33))
+    with ctl.rollout(model, 33):
+        for k, p in params.items():
+            assert torch.equal(pushed[k], p) and torch.equal(via_model[k], p)
+    clean = dict(ctl.engine_weights(params, step=0))  # stage 0: clean copies
+    assert all(torch.equal(clean[k], params[k]) for k in params)
+
+
+def test_state_dict_resume_gives_the_same_stage_sigma_and_noise():
+    model = tiny_model("llama")
+    ctl = AQNController(make_schedule("cosine", 2e-2, 5e-4, 8, total_steps=240), seed=9, mode="per_step")
+    with ctl.rollout(model, 123) as h:
+        before = {k: v.clone() for k, v in h.noise.items()}
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert state["step"] == 123
+    resumed = AQNController(make_schedule("linear", total_steps=1), seed=0)
+    resumed.load_state_dict(state)
+    assert isinstance(resumed.schedule, aqn.CosineSigmaSchedule)
+    assert resumed.state_dict() == ctl.state_dict()
+    assert (resumed.stage(123), resumed.sigma(123)) == (ctl.stage(123), ctl.sigma(123))
+    with resumed.rollout(model, 123) as h:
+        assert all(torch.equal(before[k], h.noise[k]) for k in before)
+
+
+def test_per_forward_mode_through_the_controller():
+    model = tiny_model("qwen3")
+    snap = snapshot(model)
+    ctl = controller(mode="per_forward")
+    with ctl.rollout(model, 60) as h, torch.no_grad():
+        model.generate(tokens(1, 3), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert h.draws == 3
+    assert_bit_identical(model, snap)
+
+
+def test_bad_arguments():
+    sched = make_schedule(total_steps=10)
+    with pytest.raises(ValueError, match="mode"):
+        AQNController(sched, mode="per_token")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="apply_to"):
+        AQNController(sched, apply_to="train")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        AQNController(lambda step: 0.1)  # type: ignore[arg-type]

@@ -1,0 +1,276 @@
+import copy
+import warnings
+
+import aqn
+import pytest
+import torch
+from aqn import NormNoise, noisy_norm_weights
+from aqn_test_helpers import (
+    ARCHS,
+    EngineModel,
+    assert_bit_identical,
+    logits,
+    scale_input_columns,
+    snapshot,
+    tiny_model,
+    tokens,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sigma", [1e-2, 1e-1])
+def test_noisy_norm_equals_multiplicative_noise_on_the_following_linear_input_columns(arch, sigma):
+    model = tiny_model(arch)
+    ids = tokens()
+    noise = NormNoise(model)
+    with noise.apply(sigma, seed=3, step=5) as h:
+        noisy = logits(model, ids)
+        z = {k: v.clone() for k, v in h.noise.items()}
+    reference = copy.deepcopy(model)  # clean norms, columns of q/k/v and gate/up scaled by 1 + Z/w
+    scale_input_columns(reference, aqn.find_norm_linear_pairs(reference), z)
+    ref = logits(reference, ids)
+    clean = logits(model, ids)
+    assert (noisy - clean).abs().max() > 1e-3  # the noise is not negligible here...
+    torch.testing.assert_close(noisy, ref, rtol=1e-4, atol=2e-5)  # ...and it is exactly the column scaling
+
+
+def test_equivalence_on_engine_style_fused_linears():
+    model = EngineModel()
+    args = (torch.arange(6) % 64, torch.arange(6))
+    noise = NormNoise(model, example_inputs=args)
+    with torch.no_grad(), noise.apply(5e-2, seed=1) as h:
+        noisy = model(*args)
+        z = {k: v.clone() for k, v in h.noise.items()}
+    ref_model = copy.deepcopy(model)
+    scale_input_columns(ref_model, noise.groups, z)
+    with torch.no_grad():
+        torch.testing.assert_close(noisy, ref_model(*args), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_restore_is_bit_identical_after_thousands_of_steps(dtype):
+    model = tiny_model("qwen2", dtype=dtype)
+    snap = snapshot(model)
+    noise = NormNoise(model, warn_lossy=False)
+    storages = {n: p.data_ptr() for n, p in noise.params.items()}
+    for step in range(2000):
+        h = noise.apply(1e-2, seed=0, step=step)
+        h.restore()
+        h.restore()  # idempotent
+    assert_bit_identical(model, snap)
+    assert {n: p.data_ptr() for n, p in noise.params.items()} == storages  # same storage: engines' views stay valid
+
+
+def test_noise_changes_logits_and_restore_brings_them_back_exactly():
+    model = tiny_model("llama")
+    ids = tokens()
+    clean = logits(model, ids)
+    noise = NormNoise(model)
+    with noise.apply(0.0, seed=0):
+        assert torch.equal(logits(model, ids), clean)  # σ = 0: bit-identical
+    with noise.apply(1e-2, seed=0):
+        noisy = logits(model, ids)
+    assert not torch.equal(noisy, clean)
+    assert torch.equal(logits(model, ids), clean)
+
+
+def test_noise_statistics_and_only_norm_weights_move():
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    noise = NormNoise(model)
+    with noise.apply(1e-2, seed=0) as h:
+        z = torch.cat([v for v in h.noise.values()])
+        assert z.numel() == 4 * 64
+        assert z.std().item() == pytest.approx(1e-2, rel=0.15)
+        assert abs(z.mean().item()) < 3e-3
+        for k, v in model.state_dict().items():
+            moved = not torch.equal(v, snap[k])
+            assert moved == (k in noise.params), k
+            if moved:
+                torch.testing.assert_close(v, snap[k] + h.noise[k], rtol=0, atol=1e-7)
+
+
+def test_seeded_noise_is_reproducible_and_independent_of_order():
+    model = tiny_model("llama")
+    noise = NormNoise(model)
+    with noise.apply(1e-2, seed=7, step=3) as h:
+        a = {k: v.clone() for k, v in h.noise.items()}
+    with noise.apply(1e-2, seed=7, step=3) as h:
+        assert all(torch.equal(a[k], h.noise[k]) for k in a)
+    with noise.apply(1e-2, seed=7, step=4) as h:
+        assert not any(torch.equal(a[k], h.noise[k]) for k in a)
+    with noise.apply(1e-2, seed=8, step=3) as h:
+        assert not any(torch.equal(a[k], h.noise[k]) for k in a)
+    # explicit generator: reproducible too
+    draws = []
+    for _ in range(2):
+        with noise.apply(1e-2, torch.Generator().manual_seed(123)) as h:
+            draws.append(torch.cat(list(h.noise.values())))
+    assert torch.equal(*draws)
+    # no seed: follows torch's global RNG
+    torch.manual_seed(5)
+    with noise.apply(1e-2) as h:
+        g1 = torch.cat(list(h.noise.values()))
+    torch.manual_seed(5)
+    with noise.apply(1e-2) as h:
+        assert torch.equal(g1, torch.cat(list(h.noise.values())))
+
+
+def test_noisy_norm_weights_yields_copies_with_the_same_noise_as_apply():
+    model = tiny_model("mistral")
+    noise = NormNoise(model)
+    params = noise.named_parameters()
+    before = {k: v.detach().clone() for k, v in params.items()}
+    pushed = dict(noisy_norm_weights(params, 1e-2, seed=11, step=2))
+    assert all(torch.equal(params[k], before[k]) for k in params)  # sources untouched
+    with noise.apply(1e-2, seed=11, step=2):
+        for k, p in params.items():
+            assert torch.equal(pushed[k], p.detach())
+    # a subset, in another order, gets the same per-name noise
+    names = list(params)[::-1][:2]
+    subset = dict(noisy_norm_weights([(n, params[n]) for n in names], 1e-2, seed=11, step=2))
+    assert all(torch.equal(subset[n], pushed[n]) for n in names)
+    # dtype conversion for an engine, and σ = 0 → exact copies
+    half = dict(noisy_norm_weights(params, 1e-2, seed=11, step=2, dtype=torch.bfloat16))
+    assert all(v.dtype == torch.bfloat16 for v in half.values())
+    zero = dict(noisy_norm_weights(params, 0.0))
+    assert all(torch.equal(zero[k], params[k]) and zero[k].data_ptr() != params[k].data_ptr() for k in params)
+
+
+def test_named_parameter_map_target():
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    params = {n: p for n, p in model.named_parameters() if n.endswith("input_layernorm.weight")}
+    noise = NormNoise(params)
+    with noise.apply(1e-2, seed=0):
+        assert not torch.equal(
+            params["model.layers.0.input_layernorm.weight"], snap["model.layers.0.input_layernorm.weight"]
+        )
+    assert_bit_identical(model, snap)
+    with pytest.raises(ValueError, match="per-forward"):
+        noise.apply_per_forward(1e-2)
+    with pytest.raises(ValueError, match="1-D"):
+        NormNoise({"w": torch.ones(3, 3)})
+
+
+def test_per_forward_resamples_every_forward_and_restores():
+    model = tiny_model("qwen3")
+    snap = snapshot(model)
+    noise = NormNoise(model)
+    ids = tokens(1, 4)
+    seen = []
+    with noise.apply_per_forward(1e-2, seed=2, step=1) as h:
+        for _ in range(3):
+            logits(model, ids)
+            seen.append(torch.cat(list(h.noise.values())).clone())
+        assert h.draws == 3
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == 8
+        assert h.draws == 3 + 4  # one fresh draw per generated token (one forward each)
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    assert_bit_identical(model, snap)
+    assert not model.model.layers[0].input_layernorm._forward_pre_hooks  # hook removed
+    # reproducible: same seed / step → same sequence of draws
+    with noise.apply_per_forward(1e-2, seed=2, step=1) as h:
+        logits(model, ids)
+        assert torch.equal(torch.cat(list(h.noise.values())), seen[0])
+
+
+def test_per_forward_fires_through_a_peft_wrapper_generate():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    noise = NormNoise(model)
+    with noise.apply_per_forward(1e-2, seed=0) as h, torch.no_grad():
+        model.generate(input_ids=tokens(1, 3), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert h.draws == 3
+
+
+def test_misuse_errors():
+    model = tiny_model("llama")
+    noise = NormNoise(model)
+    for bad in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sigma"):
+            noise.apply(bad)
+    h = noise.apply(1e-2, seed=0)
+    with pytest.raises(RuntimeError, match="already applied"):
+        noise.apply(1e-2, seed=0)
+    h.restore()
+    with pytest.raises(RuntimeError):
+        h.resample()
+    with pytest.raises(TypeError):
+        NormNoise([1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_inplace_noise_is_visible_to_autograd():
+    """Noise is written with an autograd-tracked copy_: changing it between forward and backward fails loudly."""
+    model = tiny_model("llama")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[0].input_layernorm.weight.requires_grad_(True)
+    noise = NormNoise(model)
+    loss = model(input_ids=tokens()).logits.square().mean()
+    with noise.apply(1e-2, seed=0):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_bf16_small_sigma_is_lost_and_the_fp32_norm_option_keeps_it():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    snap = snapshot(model)
+    ids = tokens()
+    clean = logits(model, ids)
+    lossy = NormNoise(model)
+    with pytest.warns(UserWarning, match="survives rounding"):
+        h = lossy.apply(1e-4, seed=0)
+    stats = h.survival()
+    assert stats["fraction_changed"] < 0.05 and stats["retained"] < 0.1
+    assert torch.equal(logits(model, ids), clean)  # σ = 1e-4 on bf16 norms ≈ 1: a no-op
+    h.restore()
+
+    precise = NormNoise(model, norm_dtype=torch.float32)
+    with precise.apply(0.0):
+        clean32 = logits(model, ids)  # fp32 norms (single rounding) differ slightly from pure bf16
+        assert clean32.dtype == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with precise.apply(1e-4, seed=0) as h:
+            assert all(p.dtype == torch.float32 for p in precise.params.values())
+            assert h.survival()["retained"] == pytest.approx(1.0, abs=1e-3)
+            noisy = logits(model, ids)
+    assert not torch.equal(noisy, clean32)
+    assert_bit_identical(model, snap)
+    assert all(p.dtype == torch.bfloat16 for p in precise.params.values())
+
+
+def test_measure_rounding_survival():
+    w = torch.ones(20000)
+    lost = aqn.measure_rounding_survival(w, 1e-4, torch.bfloat16)
+    kept = aqn.measure_rounding_survival(w, 1e-4, torch.float32)
+    assert lost["fraction_changed"] == 0.0 and lost["retained"] == 0.0
+    assert kept["retained"] == pytest.approx(1.0, abs=1e-3)
+    coarse = aqn.measure_rounding_survival(w, 1e-2, torch.bfloat16)
+    assert 0.5 < coarse["retained"] < 1.5 and coarse["fraction_changed"] > 0.3
+
+
+def test_noise_seed_is_stable():
+    # fixed values: changing the derivation would silently change every resumed run's noise
+    assert aqn.noise_seed(0, 0, "a") == aqn.noise_seed(0, 0, "a")
+    assert aqn.noise_seed(0, 0, "a") != aqn.noise_seed(0, 1, "a") != aqn.noise_seed(1, 0, "a")
+    assert 0 <= aqn.noise_seed(2**70, -3, "x", 9) < 2**63
+
+
+def test_per_forward_with_fp32_norms_on_a_bf16_model():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    snap = snapshot(model)
+    noise = NormNoise(model, norm_dtype=torch.float32)
+    ids = tokens(1, 3)
+    with noise.apply_per_forward(1e-3, seed=0) as h, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert h.draws == 3 and out.dtype == torch.long
+        assert all(p.dtype == torch.float32 for p in noise.params.values())
+    assert_bit_identical(model, snap)
+    layer0 = model.model.layers[0].input_layernorm
+    assert not layer0._forward_pre_hooks and not layer0._forward_hooks

@@ -1,0 +1,202 @@
+"""Tests of the Triton NVFP4 kernels (:mod:`nvfp4.kernels`).
+
+* CPU (CI): the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp16/fp32 since the interpreter
+  has no bf16) in a subprocess, so the variable is set before triton is imported and the rest of the suite is
+  unaffected. They must match the float64 reference of :func:`nvfp4.codec.dequantize`, with every output element
+  written (outputs are allocated filled with NaN).
+* GPU (``-m gpu``, skipped without CUDA): random shapes (odd M, K a multiple of 16 but not of the tile, N not a
+  multiple of the tile) for every M range's config, both products, autograd through ``nvfp4.ops``, and
+  ``torch.compile`` (full graph, CUDA graphs) of an ``NVFP4Linear`` against eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from nvfp4.codec import dequantize, quantize
+
+SRC = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
+
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from nvfp4.codec import dequantize, quantize
+    from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, nvfp4_linear, nvfp4_linear_dgrad
+    from nvfp4.kernels import nvfp4_gemm
+
+    nvfp4_gemm.POISON_OUTPUTS = True
+    torch.manual_seed(1234)
+    out = []
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
+
+    # (M, N, K, config): odd M, N not a multiple of the tile, K a multiple of 16 but not of BLOCK_K
+    cases = [
+        (3, 40, 96, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=1)),
+        (5, 72, 272, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=3)),
+        (17, 33, 128, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=2, swap=False)),
+        (1, 64, 512, LinearConfig(block_m=16, block_n=64, block_k=128, split_k=2)),
+        (2, 24, 48, LinearConfig(dequant=True)),
+    ]
+    for m, n, k, cfg in cases:
+        for with_bias in (False, True):
+            w = torch.randn(n, k)
+            q = quantize(w)
+            x = torch.randn(m, k, dtype=torch.float16)
+            b = torch.randn(n, dtype=torch.float16) if with_bias else None
+            wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+            ref = x.double() @ wd.T + (b.double() if with_bias else 0)
+            y = nvfp4_linear(x, q.packed, q.scale, q.global_scale, b, config=cfg)
+            out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref),
+                            shape=list(y.shape), dtype=str(y.dtype)))
+    for m, n, k, cfg in [(3, 40, 96, DgradConfig(16, 32, 64, 4, 2)), (19, 70, 144, DgradConfig(32, 16, 128, 4, 2))]:
+        q = quantize(torch.randn(n, k))
+        dy = torch.randn(m, n, dtype=torch.float16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        dx = nvfp4_linear_dgrad(dy, q.packed, q.scale, q.global_scale, config=cfg)
+        out.append(dict(kind="dgrad", m=m, n=n, k=k, rel=rel(dx, dy.double() @ wd), shape=list(dx.shape),
+                        dtype=str(dx.dtype)))
+    # the fallback dequantizer equals the codec up to one rounding of the folded scale (fp16 and fp32)
+    q = quantize(torch.randn(37, 80) * 3)
+    for dt in (torch.float16, torch.float32):
+        d = dequantize_triton(q.packed, q.scale, q.global_scale, dt).double()
+        r = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        out.append(dict(kind="dequant", maxrel=((d - r).abs() / r.abs().clamp_min(1e-30)).max().item(),
+                        dtype=str(dt)))
+    # leading dims are flattened and restored
+    q = quantize(torch.randn(48, 64))
+    x = torch.randn(2, 3, 64, dtype=torch.float16)
+    y = nvfp4_linear(x, q.packed, q.scale, q.global_scale, None, config=LinearConfig(16, 32, 64, 1))
+    ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T
+    out.append(dict(kind="linear3d", rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype)))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    results = json.loads(line[len("RESULT") :])
+    assert len(results) == 15
+    for r in results:
+        if r["kind"] == "dequant":
+            tol = 1e-3 if r["dtype"] == "torch.float16" else 1e-6  # fp16: half an ulp of 2^-11; fp32: ~1e-7
+            assert r["maxrel"] < tol, r
+            continue
+        assert r["rel"] == r["rel"], f"NaN in output (unwritten element?): {r}"  # NaN != NaN
+        assert r["rel"] < 2e-3, r  # fp16 output rounding is ~3e-4
+        assert r["dtype"] == "torch.float16", r
+    shapes = {r["kind"]: r["shape"] for r in results if "shape" in r}
+    assert shapes["linear3d"] == [2, 3, 48]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in output"
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def poisoned():
+    from nvfp4.kernels import nvfp4_gemm
+
+    nvfp4_gemm.POISON_OUTPUTS = True
+    yield
+    nvfp4_gemm.POISON_OUTPUTS = False
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_random_shapes_gpu(dtype, poisoned):
+    from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear
+
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 3, 7, 16, 17, 33, 64, 100, 129, 300, 1100):
+        n = int(torch.randint(17, 700, (1,), generator=gen)) | 1  # odd: never a multiple of a tile
+        k = 16 * int(torch.randint(1, 90, (1,), generator=gen))
+        w = torch.randn(n, k, device="cuda") * (100.0 if m == 17 else 1.0)  # amax > 24: the scale-fold fallback
+        q = quantize(w)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, device="cuda", dtype=dtype)
+        ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
+        cfgs = [None, LinearConfig(16, 64, 256, 3), LinearConfig(64, 128, 128, 2, 4, 3, True),
+                LinearConfig(128, 128, 64, 1, 8, 3, False), LinearConfig(dequant=True)]  # fmt: skip
+        for cfg in cfgs:
+            y = nvfp4_linear(x, q.packed, q.scale, q.global_scale, b, config=cfg)
+            assert y.dtype == dtype and y.shape == (m, n)
+            err = _rel(y, ref)
+            assert err < 1e-2, (m, n, k, cfg or linear_config(m, n, k), err)
+
+
+@pytest.mark.gpu
+@cuda
+def test_dgrad_random_shapes_gpu(poisoned):
+    from nvfp4.kernels import DgradConfig, nvfp4_linear_dgrad
+
+    gen = torch.Generator().manual_seed(8)
+    for m in (1, 5, 64, 257, 1030):
+        n = int(torch.randint(17, 700, (1,), generator=gen)) | 1
+        k = 16 * int(torch.randint(1, 90, (1,), generator=gen))
+        q = quantize(torch.randn(n, k, device="cuda"))
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = dy.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        for cfg in (None, DgradConfig(), DgradConfig(64, 64, 128, 4, 3), DgradConfig(dequant=True)):
+            dx = nvfp4_linear_dgrad(dy, q.packed, q.scale, q.global_scale, config=cfg)
+            assert dx.dtype == torch.bfloat16 and dx.shape == (m, k)
+            assert _rel(dx, ref) < 1e-2, (m, n, k, cfg)
+
+
+@pytest.mark.gpu
+@cuda
+def test_ops_dispatch_and_autograd_gpu():
+    from nvfp4 import ops
+
+    q = quantize(torch.randn(300, 272, device="cuda"))
+    x = torch.randn(5, 9, 272, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = ops.linear(x, q.packed, q.scale, q.global_scale)
+    wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+    assert _rel(y, x.detach().double() @ wd.T) < 1e-2
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert _rel(x.grad, g.double() @ wd) < 1e-2
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_torch_compile_cudagraphs_gpu(mode):
+    from nvfp4 import NVFP4Linear
+
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(512, 384, bias=True, device="cuda", dtype=torch.bfloat16)
+    mod = NVFP4Linear.from_linear(lin)
+    net = torch.nn.Sequential(mod, torch.nn.GELU())
+    compiled = torch.compile(net, mode=mode, fullgraph=True)
+    for m in (4, 4, 4, 64):  # repeated calls replay the captured graph
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            eager = net(x)
+            out = compiled(x).clone()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)

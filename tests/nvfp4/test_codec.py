@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from nvfp4.codec import (
     E2M1_VALUES,
     FP8_MAX,

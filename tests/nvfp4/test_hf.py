@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import nvfp4
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import nvfp4
 from nvfp4 import NVFP4Config, NVFP4Linear
 from nvfp4.hf import QUANT_METHOD, NVFP4CheckpointError
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def _state_equal(a, b) -> bool:

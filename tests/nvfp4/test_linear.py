@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import nvfp4
 import pytest
 import torch
-from torch import nn
-
-import nvfp4
 from nvfp4 import NVFP4Linear, quantize_model
 from nvfp4.ops import linear_dgrad_reference, linear_reference
+from torch import nn
 
 
 def rel_err(a, b):

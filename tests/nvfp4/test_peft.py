@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_config
-from peft import LoraConfig
-from transformers import AutoModelForCausalLM
-
 from nvfp4 import NVFP4Linear, quantize_model
 from nvfp4.peft import LoraNVFP4Linear, get_peft_model, load_adapter, merge_and_unload
+from peft import LoraConfig
+from tiny_models import tiny_config
+from transformers import AutoModelForCausalLM
 
 
 def _model():

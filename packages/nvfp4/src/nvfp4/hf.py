@@ -205,7 +205,7 @@ class NVFP4HfQuantizer(HfQuantizer):
         return _QuantizeOnLoad(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
-        for group, got in list(self._pending.items()):  # a group whose other members were never loaded
+        for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
         bad = [

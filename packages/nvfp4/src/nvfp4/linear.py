@@ -184,7 +184,7 @@ def quantize_model(
     ]
     chosen = dict(named)
     done: set[str] = set()
-    for name, lin in tqdm(named, desc="Quantizing to NVFP4", disable=not progress, unit="layer"):
+    for name, _lin in tqdm(named, desc="Quantizing to NVFP4", disable=not progress, unit="layer"):
         if name in done:
             continue
         group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]

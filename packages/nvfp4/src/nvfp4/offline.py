@@ -43,7 +43,7 @@ def offline_default_model_path() -> Path:
     The conversion is written to a temporary folder and renamed into place, so a crashed run never leaves a half
     written checkpoint behind.
     """
-    target = cache_dir() / f"{OFFLINE_DEFAULT_NAME}-bf16"
+    target = cache_dir() / f"{OFFLINE_DEFAULT_NAME}-bf16-v2"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import torch
@@ -58,6 +58,11 @@ def offline_default_model_path() -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF metadata names <|im_start|> as EOS; the chat model ends its turns with <|im_end|> (what its
+    # generation_config already uses), so generation and reward code must see that one.
+    tokenizer.eos_token = "<|im_end|>"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = "<|endoftext|>"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         model.save_pretrained(tmp)

@@ -15,14 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import nvfp4
 import torch
 import transformers
-from transformers import AutoTokenizer
-
-import nvfp4
 from nvfp4.cli import _load_dense, dir_bytes, quantize_with_method
 from nvfp4.evaluate import gsm8k_texts, perplexity, weight_relative_error
 from nvfp4.offline import offline_default_model_path
+from transformers import AutoTokenizer
 
 
 def main() -> None:

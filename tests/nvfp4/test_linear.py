@@ -99,3 +99,14 @@ def test_public_api_exports():
     q = nvfp4.quantize(torch.randn(8, 32))
     assert torch.equal(nvfp4.linear(x, q.packed, q.scale, q.global_scale),
                        linear_reference(x, q.packed, q.scale, q.global_scale))
+
+
+def test_module_to_dtype_moves_but_never_casts_nvfp4_tensors():
+    q = NVFP4Linear.from_linear(nn.Linear(32, 8, bias=True))
+    packed, scale, g = q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone()
+    q.to(torch.bfloat16)
+    assert q.weight_scale.dtype == torch.float8_e4m3fn and q.weight_global_scale.dtype == torch.float32
+    assert torch.equal(q.weight_packed, packed) and torch.equal(q.weight_scale.view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(q.weight_global_scale, g)
+    assert q.bias.dtype == torch.bfloat16
+    assert q(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16

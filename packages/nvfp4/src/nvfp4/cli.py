@@ -95,14 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype)
     t_quant = time.perf_counter() - t0
     out = Path(args.out or Path("runs") / f"{name}-nvfp4")
-    quant.save_pretrained(out)
+    quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
+    quant.to(dtype)
     tokenizer.save_pretrained(out)
     with tempfile.TemporaryDirectory() as tmp:
-        dense.save_pretrained(tmp)
+        dense.to(torch.bfloat16).save_pretrained(tmp)
         dense_bytes = dir_bytes(tmp)
+        dense.to(dtype)
     err = weight_relative_error(dense, quant)["all"]
     rows = [(str(dtype).removeprefix("torch."), dense_bytes, 0.0, dense), (f"NVFP4-{args.method}", dir_bytes(out), err, quant)]
-    header = "| model | bytes on disk | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
+    header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
     lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
     for label, nbytes, e, model in rows:
         ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""

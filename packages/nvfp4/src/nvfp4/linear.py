@@ -70,6 +70,19 @@ class NVFP4Linear(nn.Linear):
             self.register_parameter("bias", None)
         self._load_hook = self.register_load_state_dict_pre_hook(self._check_loaded_tensors)
 
+    _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` must move the NVFP4 tensors but never cast them (fp8 scales and the fp32 global
+        # scale are floating point, so nn.Module would convert them and corrupt the format).
+        saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS}
+        super()._apply(fn, recurse)
+        for n, old in saved.items():
+            new = self._buffers[n]
+            if new is not None and old is not None and new.dtype != old.dtype:
+                self._buffers[n] = old.to(new.device)
+        return self
+
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return self.weight_packed

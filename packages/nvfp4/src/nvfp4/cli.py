@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         dense_bytes = dir_bytes(tmp)
         dense.to(dtype)
     err = weight_relative_error(dense, quant)["all"]
-    rows = [(str(dtype).removeprefix("torch."), dense_bytes, 0.0, dense), (f"NVFP4-{args.method}", dir_bytes(out), err, quant)]
+    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"NVFP4-{args.method}", dir_bytes(out), err, quant)]
     header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
     lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
     for label, nbytes, e, model in rows:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
     table = "\n".join(lines)
     print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
-    print(f"sample ({args.prompt!r}):\n  bf16 : {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
+    print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
     print(f"  NVFP4: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
     write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
                      error_table=table)

@@ -25,6 +25,7 @@ E2M1 round-to-nearest with ties to even.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "quantize",
     "quantize_with_scales",
     "round_to_e2m1",
+    "shared_global_scale",
     "unpack_e2m1",
 ]
 
@@ -84,6 +86,11 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     amax = torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
     g = FP8_MAX * FP4_MAX / amax
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+
+
+def shared_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One FP32 global scale ``[1]`` for a fused group (q/k/v, gate/up): from the largest ``amax`` of its members."""
+    return global_scale_from_amax(torch.stack([w.detach().abs().amax().float() for w in weights]).amax())
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:

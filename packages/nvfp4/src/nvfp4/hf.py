@@ -21,15 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .codec import BLOCK_SIZE, global_scale_from_amax, quantize
+from .codec import BLOCK_SIZE, quantize, shared_global_scale
 from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
-    _matches,
+    _quantizable,
     fused_group_of,
 )
 
@@ -91,14 +92,6 @@ class NVFP4Config(QuantizationConfigMixin):
             "fused_groups": self.fused_groups,
             **self.extra,
         }
-
-
-def _eligible(name: str, module: nn.Module, config: NVFP4Config) -> bool:
-    return (
-        type(module) is nn.Linear
-        and module.in_features % BLOCK_SIZE == 0
-        and not _matches(name, config.modules_to_not_convert)
-    )
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -165,7 +158,7 @@ class NVFP4HfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         check_safetensors_files(checkpoint_files)
         cfg = self.quantization_config
-        eligible = [n for n, m in model.named_modules() if _eligible(n, m, cfg)]
+        eligible = [n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert)]
         if self.pre_quantized:
             for name in eligible:
                 lin = model.get_submodule(name)
@@ -215,15 +208,12 @@ class NVFP4HfQuantizer(HfQuantizer):
         ]
         if bad:
             raise NVFP4CheckpointError(f"NVFP4 tensors were not loaded for {len(bad)} layer(s), e.g. {bad[:3]}")
-        for p in model.parameters():
-            if p.dtype == torch.uint8:
-                p.requires_grad_(False)
         return model
 
     def _flush(self, model, group: tuple[str, ...], weights: dict[str, torch.Tensor], missing_keys) -> None:
         """Quantize a complete fused group with one shared global scale and swap its ``nn.Linear``s for ours."""
         cfg = self.quantization_config
-        g = global_scale_from_amax(torch.stack([w.abs().amax().float() for w in weights.values()]).amax())
+        g = shared_global_scale(weights.values())
         for name, w in weights.items():
             old = model.get_submodule(name)
             q = quantize(w, global_scale=g, method=cfg.method, name=f"{name}.weight")
@@ -253,7 +243,7 @@ class NVFP4HfQuantizer(HfQuantizer):
         return False
 
 
-class _QuantizeOnLoad:
+class _QuantizeOnLoad(ConversionOps):
     """transformers ``ConversionOps``: collects a fused group's bf16 weights, then quantizes them together."""
 
     def __init__(self, quantizer: NVFP4HfQuantizer) -> None:
@@ -263,26 +253,15 @@ class _QuantizeOnLoad:
         for key, value in input_dict.items():
             w = value[0] if isinstance(value, list) else value
             name = key.rpartition(".")[0]
-            group = tuple(
-                n for n in (fused_group_of(name, self.q.quantization_config.fused_groups) or (name,))
-                if n in self.q._targets or n in self.q._pending.get(fused_group_of(name, self.q.quantization_config.fused_groups) or (name,), {})
-            )
+            # members stay in `_targets` until their group is flushed, so this is the group still to be collected
+            full = fused_group_of(name, self.q.quantization_config.fused_groups) or (name,)
+            group = tuple(n for n in full if n in self.q._targets)
             got = self.q._pending.setdefault(group, {})
             got[name] = w
             if all(n in got for n in group):
                 del self.q._pending[group]
                 self.q._flush(model, group, got, missing_keys)
         return {}
-
-
-# transformers calls `.convert` on an object it treats as ConversionOps; subclass it when available so isinstance
-# checks pass (the import path is internal, the protocol is the public `get_quantize_ops` hook).
-try:  # pragma: no branch
-    from transformers.core_model_loading import ConversionOps as _ConversionOps
-
-    _QuantizeOnLoad = type("_QuantizeOnLoad", (_QuantizeOnLoad, _ConversionOps), {})  # type: ignore[misc]
-except ImportError:  # pragma: no cover
-    pass
 
 
 def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:

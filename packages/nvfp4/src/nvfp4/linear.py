@@ -10,7 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import ops
-from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, global_scale_from_amax, quantize
+from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, quantize, shared_global_scale
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -122,6 +122,14 @@ class NVFP4Linear(nn.Linear):
         """Dense ``[out, in]`` weight in ``dtype`` (default: the dtype of the layer it replaced)."""
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.orig_dtype)
 
+    def to_dense(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding ``dequant(W)`` (and the bias) in the dtype of the layer it replaced."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        dense.weight = nn.Parameter(self.dequantize(), requires_grad=False)
+        if self.bias is not None:
+            dense.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
@@ -161,12 +169,7 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _quantizable(name: str, module: nn.Module, skip: Iterable[str]) -> bool:
-    return (
-        type(module) is nn.Linear
-        and module.in_features % BLOCK_SIZE == 0
-        and module.weight.device.type != "meta"
-        and not _matches(name, skip)
-    )
+    return type(module) is nn.Linear and module.in_features % BLOCK_SIZE == 0 and not _matches(name, skip)
 
 
 @torch.no_grad()
@@ -193,7 +196,9 @@ def quantize_model(
     named = [
         (n, m)
         for n, m in model.named_modules()
-        if _quantizable(n, m, modules_to_not_convert) and (filter_fn is None or filter_fn(n, m))
+        if _quantizable(n, m, modules_to_not_convert)
+        and not m.weight.is_meta
+        and (filter_fn is None or filter_fn(n, m))
     ]
     chosen = dict(named)
     done: set[str] = set()
@@ -202,7 +207,7 @@ def quantize_model(
             continue
         group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]
         weights = {n: chosen[n].weight.to(device) if device is not None else chosen[n].weight for n in group}
-        g = global_scale_from_amax(torch.stack([w.abs().amax().float() for w in weights.values()]).amax())
+        g = shared_global_scale(weights.values())
         for n in group:
             lin_n = chosen[n]
             q = quantize(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from peft.tuners.lora.layer import Linear as _LoraLinear
@@ -32,18 +31,11 @@ __all__ = ["LoraNVFP4Linear", "get_peft_model", "load_adapter", "merge_and_unloa
 class LoraNVFP4Linear(_LoraLinear):
     """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``."""
 
-    def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        return super().get_delta_weight(adapter)
-
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()
         if isinstance(base, NVFP4Linear):
-            dense = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
-            dense.weight = nn.Parameter(base.dequantize(), requires_grad=False)
-            if base.bias is not None:
-                dense.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
             self._nvfp4_base = base
-            self.base_layer = dense
+            self.base_layer = base.to_dense()
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
     def unmerge(self) -> None:
@@ -82,12 +74,8 @@ def merge_and_unload(model: PeftModel) -> nn.Module:
     merged = model.merge_and_unload()
     for name, mod in list(merged.named_modules()):
         if isinstance(mod, NVFP4Linear):
-            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            dense.weight = nn.Parameter(mod.dequantize(), requires_grad=False)
-            if mod.bias is not None:
-                dense.bias = nn.Parameter(mod.bias.detach().clone(), requires_grad=False)
             parent, _, child = name.rpartition(".")
-            setattr(merged.get_submodule(parent) if parent else merged, child, dense)
+            setattr(merged.get_submodule(parent) if parent else merged, child, mod.to_dense())
     config = getattr(merged, "config", None)
     if config is not None and getattr(config, "quantization_config", None) is not None:
         del config.quantization_config

@@ -59,7 +59,7 @@ FWD_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
 DEV = "cuda"
-REP_BUDGET_S = 0.15  # replay time per measurement (the sweep uses less)
+REP_BUDGET_S = 0.1  # replay time per measurement (the sweep uses less)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -148,7 +148,9 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
 # --------------------------------------------------------------------------------------------------------------
 # Full tables
 # --------------------------------------------------------------------------------------------------------------
-def run_tables(models: list[str], fwd_ms: list[int], bwd_ms: list[int]) -> dict:
+def run_tables(models: list[str], fwd_ms: list[int], bwd_ms: list[int], partial: Path | None = None) -> dict:
+    """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
+    linear (a run cut short still leaves its numbers)."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
@@ -170,6 +172,8 @@ def run_tables(models: list[str], fwd_ms: list[int], bwd_ms: list[int]) -> dict:
             del wts
             torch.cuda.empty_cache()
             print(f"  done {model} {name}", flush=True)
+            if partial is not None:
+                partial.write_text(json.dumps(results))
     return results
 
 
@@ -208,46 +212,20 @@ def print_tables(results: dict) -> None:
 # Tuning sweep
 # --------------------------------------------------------------------------------------------------------------
 def fwd_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
-    """Candidate forward configs for one (M, N, K)."""
-    cands: list[tuple] = []  # (bm, bn, bk, warps, stages, swap, split_target)
+    """Candidate forward configs for one (M, N, K): the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
+    ``tc_config`` with and without register prefetch (M ≤ 128); dequantize + cuBLAS from M = 64."""
+    out: list[LinearConfig] = []
     if m <= 16:
-        for bn in (32, 64, 128):
-            for bk in (128, 256, 512):
-                for st in (1, 2, 3):
-                    if bk == 512 and (st == 3 or bn == 128):
-                        continue
-                    for tgt in (264, 528):
-                        cands.append((16, bn, bk, 4, st, True, tgt))
-    elif m <= 128:
-        bm = max(16, triton_next_pow2(m))
-        for bn, w in ((64, 4), (128, 4), (128, 8)):
-            for bk in (64, 128, 256):
-                for st in (1, 2, 3):
-                    if bk == 256 and bn == 128:
-                        continue
-                    for tgt in (132, 264):
-                        cands.append((bm, bn, bk, w, st, True, tgt))
-    else:
-        for bm, bn, bk, w, st, sw in [
-            (128, 128, 64, 8, 3, True),
-            (128, 256, 64, 8, 3, True),
-            (128, 128, 64, 8, 2, True),
-            (128, 256, 64, 8, 2, False),
-            (128, 128, 128, 8, 2, True),
-        ]:
-            cands.append((bm, bn, bk, w, st, sw, 132))
-    out = []
-    seen = set()
-    for bm, bn, bk, w, st, sw, tgt in cands:
-        tiles = -(-m // bm) * -(-n // bn)
-        split = kern._pick_split(tiles, k, bk, target=tgt)
-        cfg = LinearConfig(bm, bn, bk, split, w, st, sw)
-        if cfg not in seen:
-            seen.add(cfg)
-            out.append(cfg)
-    if m >= 256:
+        for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)):
+            for pf in (False, True):
+                for tgt in (264, 528):
+                    split = kern._pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
+                    out.append(LinearConfig(1, bn, bk, split, 4, 1, gemv=True, prefetch=pf))
+    if m <= 128:
+        out += [kern.tc_config(m, n, k), kern.tc_config(m, n, k, prefetch=True)]
+    if m >= 64:
         out.append(LinearConfig(dequant=True))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def bwd_candidates(m: int) -> list[DgradConfig]:
@@ -268,7 +246,7 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
         for (n, k), wts in all_w.items():
             if time.time() > deadline:
                 break
-            _, ref = bench_fwd(wts, m, LinearConfig(), with_bf16=True)
+            _, ref = bench_fwd(wts, m, kern.tc_config(m, n, k) if m <= 128 else LinearConfig(dequant=True))
             for cfg in fwd_candidates(m, n, k):
                 try:
                     ours, _ = bench_fwd(wts, m, cfg, with_bf16=False)
@@ -317,7 +295,7 @@ def main() -> None:
     args = ap.parse_args()
     models = args.models.split(",")
     fwd_ms = [int(v) for v in args.ms.split(",")] if args.ms else FWD_MS
-    bwd_ms = [int(v) for v in args.bwd_ms.split(",")] if args.bwd_ms else BWD_MS
+    bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v.strip()] if args.bwd_ms is not None else BWD_MS
     torch.manual_seed(0)
     info = env_info()
     print(json.dumps(info), flush=True)
@@ -329,7 +307,7 @@ def main() -> None:
         res.update(info)
         name = "gemm_sweep.json"
     else:
-        res = run_tables(models, fwd_ms, bwd_ms)
+        res = run_tables(models, fwd_ms, bwd_ms, Path(args.out) / "gemm_partial.json" if args.out else None)
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -29,8 +29,10 @@ _INTERP_SCRIPT = textwrap.dedent(
     import json
     import torch
     from nvfp4.codec import dequantize, quantize
-    from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, nvfp4_linear, nvfp4_linear_dgrad
-    from nvfp4.kernels import nvfp4_gemm
+    from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, linear_config, nvfp4_linear
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad
+
+    assert linear_config(1, 48, 1024).gemv and linear_config(1, 48, 1024).split_k == 2
 
     nvfp4_gemm.POISON_OUTPUTS = True
     torch.manual_seed(1234)
@@ -47,6 +49,13 @@ _INTERP_SCRIPT = textwrap.dedent(
         (17, 33, 128, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=2, swap=False)),
         (1, 64, 512, LinearConfig(block_m=16, block_n=64, block_k=128, split_k=2)),
         (2, 24, 48, LinearConfig(dequant=True)),
+        (1, 64, 512, LinearConfig(block_m=16, block_n=64, block_k=128, split_k=2, prefetch=True)),
+        # CUDA-core GEMV path (small M): split-K, K not a multiple of BLOCK_K, register prefetch
+        (1, 40, 96, LinearConfig(block_n=16, block_k=64, split_k=1, gemv=True)),
+        (3, 72, 272, LinearConfig(block_n=32, block_k=64, split_k=3, gemv=True)),
+        (4, 50, 512, LinearConfig(block_n=16, block_k=128, split_k=2, gemv=True, prefetch=True)),
+        (7, 33, 128, LinearConfig(block_n=16, block_k=64, split_k=1, gemv=True, prefetch=True)),
+        (1, 48, 1024, None),  # the default dispatch: GEMV for M ≤ 2 on a small weight (split-K 2)
     ]
     for m, n, k, cfg in cases:
         for with_bias in (False, True):
@@ -92,7 +101,7 @@ def test_kernels_under_triton_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     results = json.loads(line[len("RESULT") :])
-    assert len(results) == 15
+    assert len(results) == 27
     for r in results:
         if r["kind"] == "dequant":
             tol = 1e-3 if r["dtype"] == "torch.float16" else 1e-6  # fp16: half an ulp of 2^-11; fp32: ~1e-7
@@ -142,7 +151,12 @@ def test_linear_random_shapes_gpu(dtype, poisoned):
         b = torch.randn(n, device="cuda", dtype=dtype)
         ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
         cfgs = [None, LinearConfig(16, 64, 256, 3), LinearConfig(64, 128, 128, 2, 4, 3, True),
-                LinearConfig(128, 128, 64, 1, 8, 3, False), LinearConfig(dequant=True)]  # fmt: skip
+                LinearConfig(128, 128, 64, 1, 8, 3, False), LinearConfig(dequant=True),
+                LinearConfig(16, 64, 128, 2, 4, 1, True, prefetch=True),
+                LinearConfig(1, 32, 256, 3, 4, 1, gemv=True), LinearConfig(1, 16, 512, 1, 4, 1, gemv=True, prefetch=True),
+                LinearConfig(1, 64, 128, 4, 4, 1, gemv=True, prefetch=True)]  # fmt: skip
+        if m > 17:  # the GEMV path is for small M
+            cfgs = cfgs[:6]
         for cfg in cfgs:
             y = nvfp4_linear(x, q.packed, q.scale, q.global_scale, b, config=cfg)
             assert y.dtype == dtype and y.shape == (m, n)

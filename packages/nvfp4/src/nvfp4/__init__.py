@@ -5,12 +5,13 @@ Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transform
 """
 
 from .codec import NVFP4Weight, dequantize, pack_e2m1, quantize, unpack_e2m1
-from .linear import NVFP4Linear, quantize_model
+from .linear import NVFP4Linear, cache_dequantized, quantize_model
 from .ops import linear, linear_dgrad
 
 __all__ = [
     "NVFP4Linear",
     "NVFP4Weight",
+    "cache_dequantized",
     "dequantize",
     "linear",
     "linear_dgrad",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -16,6 +18,7 @@ __all__ = [
     "DEFAULT_FUSED_GROUPS",
     "DEFAULT_MODULES_TO_NOT_CONVERT",
     "NVFP4Linear",
+    "cache_dequantized",
     "fused_group_of",
     "quantize_model",
 ]
@@ -130,8 +133,13 @@ class NVFP4Linear(nn.Linear):
             dense.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         return dense
 
+    _dense_cache: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        dense = self._dense_cache
+        if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+            return F.linear(x, dense, bias)  # == the reference op, minus re-dequantizing (see cache_dequantized)
         return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
 
     def extra_repr(self) -> str:
@@ -153,6 +161,27 @@ class NVFP4Linear(nn.Linear):
                     f"{prefix}{name}: checkpoint has {t.dtype} {tuple(t.shape)}, the layer expects {dtype} {shape} "
                     f"(in_features={self.in_features}, out_features={self.out_features})"
                 )
+
+
+@contextlib.contextmanager
+def cache_dequantized(model: nn.Module, dtype: torch.dtype) -> Iterator[int]:
+    """Hold ``dequant(W)`` (``[out, in]``, ``dtype``) of every :class:`NVFP4Linear` in ``model`` for the block.
+
+    For the PyTorch reference path (CPU), which otherwise dequantizes each weight on every call — decode calls every
+    linear once per token, and training forward + backward twice per step. Results are bit-identical to the uncached
+    reference (``F.linear(x, dequant(W))`` is what the reference computes); the price is dense memory for the block.
+    Never use it where the Triton kernels run: they read the 4-bit weight directly. Yields the bytes held.
+    """
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    held = 0
+    try:
+        for layer in layers:
+            layer._dense_cache = layer.dequantize(dtype)
+            held += layer._dense_cache.numel() * layer._dense_cache.element_size()
+        yield held
+    finally:
+        for layer in layers:
+            layer._dense_cache = None
 
 
 def fused_group_of(name: str, groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS) -> tuple[str, ...] | None:

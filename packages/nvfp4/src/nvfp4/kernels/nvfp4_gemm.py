@@ -44,6 +44,17 @@ uses on Hopper ("swap x/w"). Small M (decode) pads M to 16 and splits K over ``S
 ``_splitk_reduce_kernel`` sums (adding the bias and casting). Program ids are grouped along M (``GROUP_M``) so
 the programs that share a weight tile run together and W streams from HBM once.
 
+``PREFETCH`` (both forward kernels, ``K % BLOCK_K == 0`` only): the loads of step ``i+1`` are issued before step
+``i`` is decoded (register double buffering; the last step re-reads its own tile). Measured faster only on small
+weights (N ≤ 1024) at M ≤ 16, so that is where the dispatch turns it on.
+
+``_gemv_kernel`` (small M, small N): no tensor cores and no shared memory. Every program owns ``BLOCK_N`` output
+columns for all ``M ≤ BLOCK_M`` rows of x; the weight tile is decoded into its even-k (low nibble) and odd-k (high
+nibble) halves, x is loaded as ``[M, BLOCK_K/2, 2]`` and split the same way, and ``lo·x_even + hi·x_odd`` is
+accumulated in fp32 and reduced over K once per step. Split-K as above. On the H100 it beat the tensor-core kernel
+only on the k/v projections (N ≤ 1024) at M ≤ 2: one fp32 FMA per weight per row of x makes it instruction-bound
+from M = 4 (see ``docs/kernels.md``).
+
 ``_dgrad_kernel``: ``dx[M, K] = dy[M, N] · W[N, K]``; the weight tile ``[BLOCK_N, BLOCK_K]`` is read row-wise
 exactly as above and is already the ``[reduction, output]`` operand B (portable decode: Triton 3.6 fails to compile
 the PTX decode feeding operand B).
@@ -245,6 +256,7 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FAST: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``y`` over the K range of split ``program_id(1)``.
 
@@ -288,11 +300,21 @@ def _linear_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # (EVEN_K only) registers hold the next step's tiles while this step computes
+        pn = tl.load(w_rows + (k_lo // 2 + offs_kb)[None, :])
+        sn = tl.load(s_rows + (k_lo // 16 + offs_ks)[None, :])
+        xn = tl.load(x_rows + (k_lo + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kb = k0 // 2 + offs_kb
         ks = k0 // 16 + offs_ks
         kk = k0 + offs_k
-        if EVEN_K:
+        if PREFETCH:
+            p, s, xt = pn, sn, xn
+            kn = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+            pn = tl.load(w_rows + (kn // 2 + offs_kb)[None, :])
+            sn = tl.load(s_rows + (kn // 16 + offs_ks)[None, :])
+            xn = tl.load(x_rows + (kn + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        elif EVEN_K:
             p = tl.load(w_rows + kb[None, :])
             s = tl.load(s_rows + ks[None, :])
             xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
@@ -335,6 +357,109 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.con
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    K_PER_SPLIT,
+    HAS_BIAS: tl.constexpr,
+    USE_WS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+):
+    """Small-M path (decode): ``y[:M, n-tile] = x · Wᵀ`` on the CUDA cores, no tensor cores, no shared memory.
+
+    All ``M ≤ BLOCK_M`` rows of x are handled by every program (``BLOCK_M`` = next power of two of M). The weight
+    tile ``[BLOCK_N, BLOCK_K/2]`` bytes is loaded with 16-byte vectors (K contiguous) and decoded in registers into
+    the even-k (low nibble) and odd-k (high nibble) halves; x is loaded as ``[BLOCK_M, BLOCK_K/2, 2]`` and split the
+    same way, so no interleave/shuffle of the weight is needed. Products are accumulated in fp32 and reduced over K
+    once per step (in-thread adds, then a few lane shuffles). Split-K as in :func:`_linear_kernel` (fp32 workspace +
+    :func:`_splitk_reduce_kernel`).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    offs_2 = tl.arange(0, 2)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1)
+    half_k = K // 2
+    nblk = K // 16
+    sfac, post = _scale_fold(g_ptr, FAST)
+
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * half_k
+    s_rows = s_ptr + rows[:, None].to(tl.int64) * nblk
+    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
+    xk = 2 * offs_j[None, :, None] + offs_2[None, None, :]  # [1, BK/2, 2]
+
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # (EVEN_K only) registers hold the next step's tiles while this step computes
+        pn = tl.load(w_rows + (k_lo // 2 + offs_j)[None, :])
+        sn = tl.load(s_rows + (k_lo // 16 + offs_s)[None, :])
+        xn = tl.load(x_rows + (k_lo + xk), mask=m_mask[:, None, None], other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        jb = k0 // 2 + offs_j
+        sb = k0 // 16 + offs_s
+        if PREFETCH:
+            p, s, xx = pn, sn, xn
+            kn = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last step re-reads its own tile (never used)
+            pn = tl.load(w_rows + (kn // 2 + offs_j)[None, :])
+            sn = tl.load(s_rows + (kn // 16 + offs_s)[None, :])
+            xn = tl.load(x_rows + (kn + xk), mask=m_mask[:, None, None], other=0.0)
+        elif EVEN_K:
+            p = tl.load(w_rows + jb[None, :])
+            s = tl.load(s_rows + sb[None, :])
+            xx = tl.load(x_rows + (k0 + xk), mask=m_mask[:, None, None], other=0.0)
+        else:
+            p = tl.load(w_rows + jb[None, :], mask=jb[None, :] < half_k, other=0)
+            s = tl.load(s_rows + sb[None, :], mask=sb[None, :] < nblk, other=0.0)
+            xx = tl.load(x_rows + (k0 + xk), mask=m_mask[:, None, None] & (k0 + xk < K), other=0.0)
+        xe, xo = tl.split(xx.to(tl.float32))  # [BM, BK/2]: inputs 2j and 2j+1
+        if FAST:
+            sc = (s.to(tl.float32) * sfac).to(tl.bfloat16)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+            lo, hi = _dequant_tile_bf16_asm(p, sc)
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+        else:
+            sc = s.to(tl.float32) * sfac
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+            lo = _e2m1_to_f32(p & 0xF) * sc
+            hi = _e2m1_to_f32(p >> 4) * sc
+        prod = lo[None, :, :] * xe[:, None, :] + hi[None, :, :] * xo[:, None, :]
+        acc += tl.sum(prod, axis=2)
+    acc = acc * post
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if not USE_WS:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -448,6 +573,8 @@ class LinearConfig:
     swap: bool = True
     group_m: int = 8
     dequant: bool = False
+    gemv: bool = False  # CUDA-core GEMV kernel (_gemv_kernel); block_m is then taken from M
+    prefetch: bool = False  # register double-buffering of the next K step (used only when K % block_k == 0)
 
 
 @dataclass(frozen=True)
@@ -474,6 +601,18 @@ def _pick_split(tiles: int, k: int, block_k: int, target: int = 2 * _NUM_SMS, mi
 # Largest M served by the fused kernel; above it, dequantize once and call cuBLAS (measured faster on the H100).
 FUSED_MAX_M = 128
 DGRAD_FUSED_MAX_M = 64
+# CUDA-core GEMV kernel: used for M ≤ GEMV_MAX_M on weights with N ≤ GEMV_MAX_N (the k/v projections), where the
+# 2026-11-22 sweep measured it faster than the tensor-core kernel (7B k/v at M=1: 6.2 µs vs 8.6 µs); on the larger
+# weights, and from M=4 up, the tensor-core kernel was faster (the GEMV time grows ~linearly with M).
+GEMV_MAX_M = 2
+GEMV_MAX_N = 1024
+GEMV_TILE = (16, 512)  # (BLOCK_N, BLOCK_K)
+GEMV_WARPS = 4
+GEMV_TARGET = 4 * _NUM_SMS  # split K until ~4 programs per SM
+GEMV_MIN_K = 512
+GEMV_PREFETCH = False  # register prefetch measured no faster for the GEMV
+# Register prefetch in the tensor-core kernel: faster for small weights (N ≤ 1024) at M ≤ 16, slower on large ones.
+TC_PREFETCH_MAX_N = 1024
 
 
 def linear_config(m: int, n: int, k: int) -> LinearConfig:
@@ -484,17 +623,26 @@ def linear_config(m: int, n: int, k: int) -> LinearConfig:
     """
     if m > FUSED_MAX_M:
         return LinearConfig(dequant=True)
+    if m <= GEMV_MAX_M and n <= GEMV_MAX_N and k % GEMV_TILE[1] == 0:
+        bn, bk = GEMV_TILE
+        split = _pick_split(triton.cdiv(n, bn), k, bk, target=GEMV_TARGET, min_k=GEMV_MIN_K)
+        return LinearConfig(1, bn, bk, split, GEMV_WARPS, 1, gemv=True, prefetch=GEMV_PREFETCH)
+    return tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
+
+
+def tc_config(m: int, n: int, k: int, prefetch: bool = False) -> LinearConfig:
+    """Tensor-core (:func:`_linear_kernel`) config for ``m ≤ FUSED_MAX_M``."""
     if m <= 32:
         bm = 16 if m <= 16 else 32
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, 64)
         split = _pick_split(tiles, k, 128, target=4 * _NUM_SMS)
         bk = 256 if split == 1 and k <= 4096 else 128  # short rows without split: a longer K step amortises more
-        return LinearConfig(bm, 64, bk, split, 4, 1, True)
+        return LinearConfig(bm, 64, bk, split, 4, 1, True, prefetch=prefetch)
     if m <= 64:
         tiles = triton.cdiv(n, 128)
-        return LinearConfig(64, 128, 128, _pick_split(tiles, k, 128), 8, 1, True)
+        return LinearConfig(64, 128, 128, _pick_split(tiles, k, 128), 8, 1, True, prefetch=prefetch)
     tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
-    return LinearConfig(128, 128, 64, _pick_split(tiles, k, 64), 4, 1, True)
+    return LinearConfig(128, 128, 64, _pick_split(tiles, k, 64), 4, 1, True, prefetch=prefetch)
 
 
 def dgrad_config(m: int, n: int, k: int) -> DgradConfig:
@@ -529,6 +677,37 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
         )
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("nvfp4 kernels expect contiguous weight_packed / weight_scale")
+
+
+def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg):
+    """Launch :func:`_linear_kernel` (tensor-core path) into ``out`` (``y`` or the split-K workspace)."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _linear_kernel[(tiles, split)](
+        x2,
+        packed,
+        scale,
+        global_scale,
+        bias if bias is not None else y,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        y.stride(0) if split == 1 else n,
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        USE_WS=split > 1,
+        EVEN_K=even_k,
+        SWAP=cfg.swap,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FAST=_fast(x2.dtype),
+        PREFETCH=cfg.prefetch and even_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def nvfp4_linear(
@@ -574,33 +753,17 @@ def nvfp4_linear(
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     even_k = k % cfg.block_k == 0
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     out = y if split == 1 else _empty((split, m, n), torch.float32, x.device)
-    _linear_kernel[(tiles, split)](
-        x2,
-        packed,
-        scale,
-        global_scale,
-        bias if bias is not None else y,
-        out,
-        m,
-        n,
-        k,
-        x2.stride(0),
-        y.stride(0) if split == 1 else n,
-        k_per_split,
-        HAS_BIAS=bias is not None,
-        USE_WS=split > 1,
-        EVEN_K=even_k,
-        SWAP=cfg.swap,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        FAST=_fast(x.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    if cfg.gemv:
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+            x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
+            y.stride(0) if split == 1 else n, k_per_split,
+            HAS_BIAS=bias is not None, USE_WS=split > 1, EVEN_K=even_k, BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=_fast(x.dtype), PREFETCH=cfg.prefetch and even_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

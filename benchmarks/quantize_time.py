@@ -1,0 +1,290 @@
+"""Quantization time of a Qwen2.5-7B-shaped model to NVFP4 (issue #7; goal ≤ 30 s on the H100) and peak memory.
+
+Two ways, both with random bf16 weights of the real shape (speed does not depend on weight values):
+
+* ``--mode layers`` (default): the model is built on the meta device and each decoder layer is materialised on the
+  GPU (random bf16), then ``nvfp4.quantize_model(layer, method=...)`` converts its 7 linears (q/k/v and gate/up
+  share a global scale) before the next layer exists. Reports the quantization time alone (sum over layers, CUDA
+  synchronised) and end to end (with the random init), peak GPU memory and peak host RSS.
+* ``--mode hf``: the user path. Writes a random bf16 checkpoint (safetensors shards, one per layer) to ``--ckpt-dir``,
+  then, each in a fresh process, times ``AutoModelForCausalLM.from_pretrained(path, device_map=DEV, dtype=bf16)``
+  (plain bf16 load, the reference) and the same call with ``quantization_config=NVFP4Config(method=...)``
+  (quantize on load). Quantization overhead = difference. Files are read once before timing (page cache warm).
+
+Usage::
+
+    uv run python benchmarks/quantize_time.py --tiny                           # CPU smoke test
+    python3 benchmarks/quantize_time.py --mode layers,hf --out $OUT/quantize_time.json   # H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "packages" / "nvfp4" / "src", ROOT / "packages" / "aqn" / "src", ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from rollout import MODELS, _init_, device_name, versions  # noqa: E402
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rss_peak_gb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
+
+
+def _qwen2_config(model_key: str):
+    from transformers import Qwen2Config
+
+    dims = dict(MODELS[model_key])
+    theta = dims.pop("rope_theta")
+    return Qwen2Config(
+        **dims,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+
+
+def _meta_model(cfg):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def run_layers(model_key: str, device: str, method: str) -> dict:
+    import torch
+    from nvfp4 import NVFP4Linear, quantize_model
+
+    cfg = _qwen2_config(model_key)
+    model = _meta_model(cfg)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_init = t_quant = 0.0
+    n_lin = n_params = 0
+    t_all = time.perf_counter()
+    for layer in model.model.layers:
+        t0 = time.perf_counter()
+        layer.to_empty(device=device)
+        _init_(layer)
+        n_params += sum(m.weight.numel() for m in layer.modules() if type(m) is torch.nn.Linear)
+        _sync()
+        t1 = time.perf_counter()
+        quantize_model(layer, method=method, progress=False)
+        _sync()
+        t2 = time.perf_counter()
+        t_init += t1 - t0
+        t_quant += t2 - t1
+        n_lin += sum(isinstance(m, NVFP4Linear) for m in layer.modules())
+    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        mod.to_empty(device=device)
+        _init_(mod)
+    _sync()
+    total = time.perf_counter() - t_all
+    out = {
+        "mode": "layers",
+        "model": model_key,
+        "method": method,
+        "device": device,
+        "linears_quantized": n_lin,
+        "params_quantized": n_params,
+        "quantize_s": round(t_quant, 3),
+        "random_init_s": round(t_init, 3),
+        "end_to_end_s": round(total, 3),
+        "peak_rss_gb": _rss_peak_gb(),
+    }
+    if device == "cuda":
+        out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        out["final_gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
+    return out
+
+
+def write_checkpoint(model_key: str, path: Path, device: str) -> dict:
+    """Random bf16 checkpoint of the real shape, one safetensors shard per decoder layer (+ one for the rest)."""
+    from safetensors.torch import save_file
+
+    cfg = _qwen2_config(model_key)
+    model = _meta_model(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    t0 = time.perf_counter()
+    parts = [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
+    parts += [
+        ("model.embed_tokens.", model.model.embed_tokens),
+        ("model.norm.", model.model.norm),
+        ("lm_head.", model.lm_head),
+    ]
+    n = len(parts)
+    for i, (prefix, mod) in enumerate(parts):
+        mod.to_empty(device=device)
+        _init_(mod)
+        sd = {prefix + k: v.detach().to("cpu").contiguous() for k, v in mod.state_dict().items()}
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(sd, str(path / fname), metadata={"format": "pt"})
+        for k, v in sd.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+        mod.to_empty(device="meta")
+        del sd
+    with open(path / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    cfg.save_pretrained(path)
+    return {"bytes": total, "write_s": round(time.perf_counter() - t0, 2)}
+
+
+def load_once(path: str, device: str, method: str | None) -> dict:
+    import nvfp4  # noqa: F401  (registers nvfp4_w4a16)
+    import torch
+    from nvfp4 import NVFP4Config, NVFP4Linear
+    from transformers import AutoModelForCausalLM
+
+    kw = {"quantization_config": NVFP4Config(method=method)} if method else {}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16, **kw)
+    _sync()
+    dt = time.perf_counter() - t0
+    out = {
+        "load_s": round(dt, 3),
+        "nvfp4_linears": sum(isinstance(m, NVFP4Linear) for m in model.modules()),
+        "peak_rss_gb": _rss_peak_gb(),
+    }
+    if device == "cuda":
+        out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        out["final_gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
+    return out
+
+
+def run_hf(model_key: str, device: str, method: str, ckpt_dir: Path, keep: bool) -> dict:
+    out: dict = {"mode": "hf", "model": model_key, "method": method, "device": device, "ckpt_dir": str(ckpt_dir)}
+    out["checkpoint"] = write_checkpoint(model_key, ckpt_dir, device)
+    t0 = time.perf_counter()
+    for f in sorted(ckpt_dir.glob("*.safetensors")):  # warm the page cache: time the loader, not the disk
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
+    out["page_cache_warm_s"] = round(time.perf_counter() - t0, 2)
+    for name, meth in (("bf16_load", None), ("nvfp4_load", method)):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_load", str(ckpt_dir), "--device", device]
+        if meth:
+            cmd += ["--_load-method", meth]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode or not lines:
+            out[name] = {"status": f"failed rc={p.returncode}", "stderr_tail": p.stderr[-2000:]}
+            print(p.stderr[-2000:], file=sys.stderr)
+        else:
+            out[name] = json.loads(lines[-1][7:])
+    if "load_s" in out.get("bf16_load", {}) and "load_s" in out.get("nvfp4_load", {}):
+        out["quantize_overhead_s"] = round(out["nvfp4_load"]["load_s"] - out["bf16_load"]["load_s"], 3)
+    if not keep:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="7b", choices=sorted(MODELS))
+    ap.add_argument("--mode", default="layers", help="comma list: layers,hf")
+    ap.add_argument("--method", default="rtn", help="comma list of rtn,mse (layers mode); first one for hf mode")
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU validation)")
+    ap.add_argument("--ckpt-dir", default="/tmp/qerl_qt_ckpt")
+    ap.add_argument("--keep-ckpt", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantize_time.json"))
+    ap.add_argument("--_load", help=argparse.SUPPRESS)
+    ap.add_argument("--_load-method", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args._load:
+        res = load_once(args._load, device, args._load_method)
+        print("RESULT " + json.dumps(res), flush=True)
+        os._exit(0)
+
+    model_key = "tiny" if args.tiny else args.model
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    meta = {
+        "benchmark": "NVFP4 quantization time, random weights of the real shape",
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "device": device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "versions": versions(),
+        "config": MODELS[model_key],
+        "goal": "<= 30 s for the 7B shape on the H100",
+    }
+    print(f"# quantize_time: {meta['device']} | {meta['versions']}", flush=True)
+    results = []
+    for mode in [m.strip() for m in args.mode.split(",") if m.strip()]:
+        if mode == "layers":
+            for meth in methods:
+                r = run_layers(model_key, device, meth)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+        elif mode == "hf":
+            r = run_hf(model_key, device, methods[0], Path(args.ckpt_dir), args.keep_ckpt)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        else:
+            ap.error(f"unknown mode {mode}")
+        p = Path(args.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({**meta, "results": results}, indent=1))
+
+    print("\n| mode | model | method | quantize s | end to end s | peak GPU GB | peak host RSS GB |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in results:
+        if r["mode"] == "layers":
+            print(
+                f"| layers (quantize_model per layer) | {r['model']} | {r['method']} | {r['quantize_s']} | "
+                f"{r['end_to_end_s']} (incl. random init {r['random_init_s']}) | {r.get('peak_gpu_gb', '—')} | "
+                f"{r['peak_rss_gb']} |"
+            )
+        else:
+            b, q = r.get("bf16_load", {}), r.get("nvfp4_load", {})
+            print(
+                f"| from_pretrained bf16 (reference) | {r['model']} | — | — | {b.get('load_s', b.get('status'))} | "
+                f"{b.get('peak_gpu_gb', '—')} | {b.get('peak_rss_gb', '—')} |"
+            )
+            print(
+                f"| from_pretrained + NVFP4Config | {r['model']} | {r['method']} | "
+                f"{r.get('quantize_overhead_s', '—')} (overhead vs bf16 load) | {q.get('load_s', q.get('status'))} | "
+                f"{q.get('peak_gpu_gb', '—')} | {q.get('peak_rss_gb', '—')} |"
+            )
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

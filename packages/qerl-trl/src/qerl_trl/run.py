@@ -1,0 +1,107 @@
+"""The run directory: ``metrics.jsonl`` (one line per logged step) and PNG plots of reward, entropy, σ and length.
+
+Layout of ``output_dir``::
+
+    metrics.jsonl          every TRL log line, with "step"; appended, so a resumed run continues the same file
+    plots.png              reward / entropy / σ / completion length per step (rewritten at each save and at the end)
+    checkpoint-N/          adapter, optimizer, RNG, trainer state, aqn_state.json (renamed into place whole)
+    final/                 the trained LoRA adapter and tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+__all__ = ["RunDirectoryCallback", "plot_metrics", "read_metrics"]
+
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "plots.png"
+# (title, metric keys tried in order)
+PANELS: list[tuple[str, tuple[str, ...]]] = [
+    ("reward (mean ± std)", ("reward",)),
+    ("mean token entropy", ("entropy",)),
+    ("AQN σ", ("aqn/sigma",)),
+    ("completion length", ("completions/mean_length",)),
+]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl``, one per step; if a step was logged twice (a resumed run), the last line wins."""
+    rows: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                row = json.loads(line)
+                if "step" in row and "reward" in row:
+                    rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str | None = None) -> Path:
+    """Draw the four panels of :data:`PANELS` from ``metrics.jsonl`` into a PNG (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
+    for ax, (name, keys) in zip(axes.flat, PANELS):
+        key = next((k for k in keys if any(k in r for r in rows)), None)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key is None:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+            continue
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", ms=3)
+        if key == "reward" and all("reward_std" in r for r in rows):
+            lo = [r["reward"] - r["reward_std"] for r in rows]
+            hi = [r["reward"] + r["reward_std"] for r in rows]
+            ax.fill_between([r["step"] for r in rows], lo, hi, alpha=0.2)
+    if title:
+        fig.suptitle(title)
+    out_path = Path(out_path)
+    tmp = out_path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+class RunDirectoryCallback(TrainerCallback):
+    """Appends every log to ``<output_dir>/metrics.jsonl`` and redraws ``plots.png`` at each save and at the end."""
+
+    def __init__(self, title: str | None = None) -> None:
+        self.title = title
+
+    def _dir(self, args) -> Path:
+        path = Path(args.output_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
+        with open(self._dir(args) / METRICS_NAME, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _plot(self, args, state) -> None:
+        metrics = self._dir(args) / METRICS_NAME
+        if state.is_world_process_zero and metrics.is_file() and read_metrics(metrics):
+            plot_metrics(metrics, self._dir(args) / PLOT_NAME, self.title)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._plot(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._plot(args, state)

@@ -1,0 +1,220 @@
+"""``QeRLGRPOTrainer``: TRL's ``GRPOTrainer`` with an NVFP4 policy, LoRA adapters and AQN on the rollout model.
+
+What the subclass adds, each through a method TRL's own trainers override:
+
+* ``__init__``: a model id or path becomes an NVFP4 policy (``quantization="rtn"|"mse"``, or ``"none"`` for the bf16
+  baseline); the PEFT ``LoraConfig`` (paper defaults) maps ``NVFP4Linear`` to :class:`nvfp4.peft.LoraNVFP4Linear`
+  through PEFT's custom-module hook, so only the bf16 adapters train and merges export ``dequant(W) + ΔW``.
+* ``_generate_single_turn``: AQN noise goes on the RMSNorm weights of the generating model for one generation step
+  (σ from the schedule at ``global_step``; restored bit-identically afterwards, before scoring and the loss);
+  generation tokens/s are logged.
+* ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
+* ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder and renamed
+  into place (a crash never leaves a half-written ``checkpoint-N``), with the AQN controller state beside the
+  optimizer, so ``resume_from_checkpoint`` continues in the same σ stage with the same noise.
+
+Metrics added to TRL's (reward mean/std, ``entropy``, ``clip_ratio/*``, ``completions/mean_length``):
+``aqn/sigma``, ``aqn/stage``, ``tokens_per_second/generation``, ``tokens_per_second/training``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from aqn import AQNController, make_schedule
+from nvfp4 import cache_dequantized
+from nvfp4.peft import register_nvfp4_lora
+from peft import LoraConfig, PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl import GRPOTrainer
+
+from .config import QeRLConfig
+from .policy import load_policy, load_tokenizer
+
+__all__ = ["AQN_STATE_NAME", "QeRLGRPOTrainer", "lora_config_from_args"]
+
+AQN_STATE_NAME = "aqn_state.json"
+_STAGING = ".staging"
+
+
+def lora_config_from_args(args: QeRLConfig) -> LoraConfig:
+    """The paper's LoRA: rank ``lora_r``, α = ``lora_alpha`` (= r by default), every attention and MLP projection."""
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+class QeRLGRPOTrainer(GRPOTrainer):
+    """GRPO on a 4-bit NVFP4 policy with LoRA and Adaptive Quantization Noise.
+
+    Args:
+        model: a model id / local path / ``"offline-default"`` (loaded with ``args.quantization``), or a loaded
+            ``PreTrainedModel`` (NVFP4 or dense) or ``PeftModel``.
+        reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`).
+        args: :class:`~qerl_trl.QeRLConfig`.
+        train_dataset: rows with a ``prompt`` column (see :mod:`qerl_trl.tasks`).
+        peft_config: default :func:`lora_config_from_args`; ignored if ``model`` already is a ``PeftModel``.
+        aqn_controller: an :class:`aqn.AQNController` to use instead of the one built from ``args`` (e.g. shared with
+            an external engine); ``None`` and ``args.aqn`` builds one over ``max_steps`` when training starts.
+        Other arguments go to ``trl.GRPOTrainer``.
+    """
+
+    _tag_names = ["trl", "grpo", "qerl", "nvfp4", "aqn"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: Callable | list[Callable] | None = None,
+        args: QeRLConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        peft_config: LoraConfig | None = None,
+        aqn_controller: AQNController | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if args is None:
+            args = QeRLConfig(output_dir="runs/qerl-grpo")
+        if not isinstance(args, QeRLConfig):
+            raise TypeError(f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}")
+        if isinstance(model, str):
+            if processing_class is None:
+                processing_class = load_tokenizer(model)
+            model = load_policy(model, quantization=args.quantization)
+        if isinstance(model, PeftModel):
+            peft_config = None
+        elif peft_config is None:
+            peft_config = lora_config_from_args(args)
+        if peft_config is not None:
+            register_nvfp4_lora(peft_config)  # NVFP4Linear → LoraNVFP4Linear (PEFT's custom-module hook)
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            peft_config=peft_config,
+            **kwargs,
+        )
+        self.aqn: AQNController | None = aqn_controller
+        self._generation_seconds = 0.0
+
+    # ------------------------------------------------------------------ AQN
+    def build_aqn_controller(self, total_steps: int) -> AQNController | None:
+        """The controller ``args`` describes, with the schedule spread over ``total_steps``; ``None`` if AQN is off."""
+        if not self.args.aqn:
+            return None
+        schedule = make_schedule(
+            self.args.aqn_schedule,
+            self.args.aqn_sigma_start,
+            self.args.aqn_sigma_end,
+            self.args.aqn_num_stages,
+            total_steps=max(int(total_steps), 1),
+        )
+        norm_dtype = torch.float32 if self.model.dtype in (torch.bfloat16, torch.float16) else None
+        # bf16 norm weights round σ ≤ 1e-3 away; the noisy norms are kept in fp32 while they are on.
+        return AQNController(schedule, seed=self.args.seed, mode=self.args.aqn_mode, norm_dtype=norm_dtype)
+
+    def _ensure_aqn(self) -> AQNController | None:
+        if self.aqn is None and self.args.aqn:
+            self.aqn = self.build_aqn_controller(self.state.max_steps)
+        return self.aqn
+
+    def _rollout_noise(self):
+        """Context manager: AQN noise on the generating model's norms for this step (nothing when σ = 0 or AQN off)."""
+        ctl = self._ensure_aqn()
+        if ctl is None or not self.model.training:
+            return contextlib.nullcontext()
+        return ctl.rollout(self.accelerator.unwrap_model(self.model), self.state.global_step)
+
+    # ------------------------------------------------------------------ hooks
+    def train(self, *args: Any, **kwargs: Any):
+        """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below)."""
+        model = self.accelerator.unwrap_model(self.model)
+        cache = contextlib.nullcontext()
+        if next(model.parameters()).device.type == "cpu":
+            # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
+            # backward); hold dequant(W) for the run instead. Same numbers, dense memory. CUDA runs the 4-bit kernels.
+            cache = cache_dequantized(model, model.get_input_embeddings().weight.dtype)
+        with cache:
+            return super().train(*args, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        mode = "train" if self.model.training else "eval"
+        start = time.perf_counter()
+        with self._rollout_noise():
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        seconds = time.perf_counter() - start
+        self._generation_seconds += seconds
+        tokens = sum(len(ids) for ids in completion_ids)
+        self._metrics[mode]["tokens_per_second/generation"].append(tokens / max(seconds, 1e-9))
+        if self.aqn is not None and mode == "train":
+            for key, value in self.aqn.metrics(self.state.global_step).items():
+                self._metrics[mode][key].append(value)
+        return completion_ids, logprobs
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._generation_seconds = 0.0
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        seconds = time.perf_counter() - start - self._generation_seconds
+        batch = self._buffered_inputs[(self._step - 1) % self.args.steps_per_generation]
+        tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+        self._metrics["train"]["tokens_per_second/training"].append(tokens / max(seconds, 1e-9))
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def _get_output_dir(self, trial):
+        staging = getattr(self, "_staging_dir", None)
+        return staging if staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = super()._get_output_dir(trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._staging_dir = os.path.join(run_dir, _STAGING)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        if not self.args.should_save:
+            return
+        staged, final = os.path.join(run_dir, _STAGING, folder), os.path.join(run_dir, folder)
+        if self.aqn is not None:
+            with open(os.path.join(staged, AQN_STATE_NAME), "w") as f:
+                json.dump(self.aqn.state_dict(), f, indent=2)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(staged, final)  # the checkpoint appears whole or not at all
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(run_dir, _STAGING))
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, AQN_STATE_NAME)
+        if os.path.exists(path):
+            if self._ensure_aqn() is None:
+                raise ValueError(f"{checkpoint} was trained with AQN but args.aqn is False")
+            with open(path) as f:
+                self.aqn.load_state_dict(json.load(f))
+        elif self.args.aqn:
+            raise FileNotFoundError(f"{path} is missing: cannot resume the AQN schedule of {checkpoint}")

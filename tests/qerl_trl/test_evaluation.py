@@ -1,0 +1,205 @@
+"""``qerl eval`` (qerl_trl.evaluation) end to end on a tiny random Llama with the offline default model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import combinations
+
+import pytest
+import torch
+from qerl_trl.evaluation import AdapterNotLoadedError, evaluate, load_model, main, pass_at_k, verify_adapter
+from qerl_trl.tasks import load_task
+from tiny_models import tiny_config
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core box are fastest single-threaded (see tests/aqn/conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, offline_model_path):
+    """A tiny random Llama (vocab of SmolLM2's tokenizer) saved with that tokenizer: a complete chat checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=len(tok), max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _make_adapter(base_dir, out_dir, seed: int, scale: float = 1.0):
+    """A LoRA adapter with large random A and B (B is zero at PEFT's default init, which would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_dir, tmp_path_factory):
+    return _make_adapter(tiny_dir, tmp_path_factory.mktemp("adapter") / "lora", seed=1)
+
+
+def _run(tmp_path, name, *extra):
+    out = tmp_path / name
+    main(["--task", "arithmetic", "--limit", "3", "--max-new-tokens", "6", "--output", str(out), "--no-progress",
+          *extra])
+    return json.loads((out / "eval.json").read_text()), (out / "eval.md").read_text()
+
+
+def test_pass_at_k_matches_brute_force():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(combinations([1] * c + [0] * (n - c), k))
+                expected = sum(any(s) for s in subsets) / len(subsets)
+                assert math.isclose(pass_at_k(n, c, k), expected), (n, c, k)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_cli_end_to_end_writes_json_and_markdown(tiny_dir, tmp_path, capsys):
+    result, md = _run(tmp_path, "base", "--model", str(tiny_dir), "--n-samples", "2", "--temperature", "1.0",
+                      "--batch-size", "2")
+    m, s = result["metrics"], result["settings"]
+    assert m["n_examples"] == 3 and m["n_samples"] == 2
+    assert {"pass@1", "pass@2", "mean_reward", "mean_completion_tokens", "truncated_fraction"} <= set(m)
+    assert 0.0 <= m["pass@1"] <= m["pass@2"] <= 1.0
+    assert s["task"] == "arithmetic" and s["split"] == "test" and s["adapter"] is None and s["quantize"] == "none"
+    assert s["temperature"] == 1.0 and s["top_p"] == 0.95 and s["reward"] == "arithmetic_accuracy_reward"
+    gold = list(load_task("arithmetic", "test", limit=3)["answer"])
+    assert [r["answer"] for r in result["records"]] == gold
+    for rec in result["records"]:
+        assert len(rec["completions"]) == len(rec["rewards"]) == len(rec["correct"]) == 2
+        assert all(1 <= t <= 6 for t in rec["completion_tokens"])
+        assert rec["n_correct"] == sum(rec["correct"])
+    assert "| model | adapter | quantize |" in md and "pass@2" in md and "tiny-llama" in md
+    assert "pass@1" in capsys.readouterr().out
+
+
+def test_evaluate_api_greedy_and_scoring(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    ds = load_task("arithmetic", "test", limit=4)
+    first = evaluate(model, tok, ds, reward_fn="arithmetic_accuracy", greedy=True, max_new_tokens=5, batch_size=3,
+                     progress=False)
+    completions = [r["completions"][0] for r in first["records"]]
+    # a reward that accepts exactly these completions: greedy decoding reproduces them, batched differently
+    accept = lambda completions, question, **kw: [float(c == completions_by_q[q]) for c, q in zip(completions, question)]
+    completions_by_q = {r["question"]: r["completions"][0] for r in first["records"]}
+    again = evaluate(model, tok, ds, reward_fn=accept, greedy=True, max_new_tokens=5, batch_size=4, progress=False)
+    assert [r["completions"][0] for r in again["records"]] == completions
+    assert again["metrics"]["pass@1"] == 1.0
+    assert tok.padding_side == "right"  # evaluate pads left and puts the tokenizer back
+    with pytest.warns(UserWarning, match="n_samples=3 -> 1"):
+        evaluate(model, tok, ds.select([0]), reward_fn=accept, greedy=True, n_samples=3, max_new_tokens=2,
+                 progress=False)
+
+
+def test_adapter_that_changes_outputs_changes_records_and_score(tiny_dir, adapter_dir, tmp_path):
+    """The reference implementation evaluated the base model while claiming the adapter: here the adapter must show."""
+    base, _ = _run(tmp_path, "base", "--model", str(tiny_dir), "--greedy")
+    tuned, md = _run(tmp_path, "tuned", "--model", str(tiny_dir), "--greedy", "--adapter", str(adapter_dir))
+    base_c = [r["completions"][0] for r in base["records"]]
+    tuned_c = [r["completions"][0] for r in tuned["records"]]
+    assert base_c != tuned_c
+    info = tuned["settings"]["adapter"]
+    assert info["path"] == str(adapter_dir) and info["lora_layers"] == 2 * len(LORA_TARGETS) and len(info["sha256"]) == 64
+    assert "| lora |" in md
+
+    # score: with a reward that accepts the base model's completions, the base scores 1.0 and the adapter less
+    accept = lambda completions, question, **kw: [float(c == by_q[q]) for c, q in zip(completions, question)]
+    by_q = {r["question"]: r["completions"][0] for r in base["records"]}
+    ds = load_task("arithmetic", "test", limit=3)
+    scores = {}
+    for name, adapter in (("base", None), ("adapter", str(adapter_dir))):
+        model, tok, _ = load_model(str(tiny_dir), adapter=adapter)
+        res = evaluate(model, tok, ds, reward_fn=accept, greedy=True, max_new_tokens=6, progress=False)
+        scores[name] = res["metrics"]["pass@1"]
+    assert scores["base"] == 1.0 and scores["adapter"] < 1.0
+
+
+def test_adapter_on_nvfp4_quantized_base(tiny_dir, adapter_dir, tmp_path):
+    from nvfp4 import NVFP4Linear
+
+    res, md = _run(tmp_path, "q", "--model", str(tiny_dir), "--greedy", "--quantize", "rtn", "--adapter",
+                   str(adapter_dir))
+    assert res["settings"]["quantize"] == "rtn" and res["settings"]["adapter"]["lora_layers"] == 14
+    model, _, _ = load_model(str(tiny_dir), quantize="rtn", adapter=str(adapter_dir))
+    bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
+    assert bases and all(isinstance(b, NVFP4Linear) for b in bases)
+    assert "| rtn |" in md
+
+
+def test_verify_adapter_catches_missing_wrong_or_disabled_adapters(tiny_dir, adapter_dir, tmp_path):
+    model, _, _ = load_model(str(tiny_dir))
+    with pytest.raises(AdapterNotLoadedError, match="not a PeftModel"):
+        verify_adapter(model, adapter_dir)
+    other = _make_adapter(tiny_dir, tmp_path / "other", seed=2)
+    peft_model, _, info = load_model(str(tiny_dir), adapter=str(adapter_dir))
+    assert info["adapter"]["tensors"] == 4 * len(LORA_TARGETS)
+    with pytest.raises(AdapterNotLoadedError, match="differ from the model's"):
+        verify_adapter(peft_model, other)
+    with peft_model.disable_adapter(), pytest.raises(AdapterNotLoadedError, match="not active"):
+        verify_adapter(peft_model, adapter_dir)
+    verify_adapter(peft_model, adapter_dir)  # enabled again
+
+
+def test_untrained_adapter_warns(tiny_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "zero")
+    with pytest.warns(UserWarning, match="B matrix is zero"):
+        load_model(str(tiny_dir), adapter=str(tmp_path / "zero"))
+
+
+def test_cli_errors(tiny_dir, tmp_path):
+    from nvfp4 import NVFP4Config
+    from transformers import AutoModelForCausalLM
+
+    q = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(method="rtn"))
+    q.save_pretrained(tmp_path / "q")
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(tmp_path / "q"), quantize="rtn", tokenizer_path=str(tiny_dir))
+    with pytest.raises(SystemExit):
+        main(["--task", "nope"])
+    with pytest.raises(SystemExit, match="qerl eval: .*does not exist"):
+        main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+        verify_adapter(__import__("peft").get_peft_model(q, __import__("peft").LoraConfig(target_modules=["q_proj"])),
+                       tmp_path)
+
+
+def test_cli_gsm8k_from_local_jsonl(tiny_dir, gsm8k_dir, tmp_path):
+    out = tmp_path / "gsm8k"
+    main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(gsm8k_dir), "--limit", "2",
+          "--max-new-tokens", "3", "--greedy", "--output", str(out), "--no-progress"])
+    result = json.loads((out / "eval.json").read_text())
+    assert [r["answer"] for r in result["records"]] == ["18", "3"]
+    assert result["settings"]["reward"] == "gsm8k_accuracy_reward" and result["settings"]["split"] == "test"
+    assert result["records"][0]["question"].startswith("Janet")

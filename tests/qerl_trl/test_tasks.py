@@ -1,0 +1,154 @@
+"""Tasks (qerl_trl.tasks): local jsonl loading, the synthetic arithmetic task, Hub errors offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from qerl_trl.rewards import arithmetic_accuracy_reward, format_reward, get_reward_funcs, gsm8k_accuracy_reward
+from qerl_trl.tasks import (
+    ARITHMETIC_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    TASK_DEFAULT_REWARDS,
+    TaskDataError,
+    arithmetic_dataset,
+    load_task,
+)
+
+
+def test_system_prompt_states_the_rewarded_format():
+    """The reference implementation rewarded a format it never asked for: the prompt must spell it out."""
+    assert "<think> reasoning </think><answer> final answer </answer>" in SYSTEM_PROMPT
+    example = "<think> reasoning </think><answer> final answer </answer>"
+    assert format_reward([example]) == [1.0]  # the format the prompt shows earns the full format reward
+    assert "<answer></answer>" in ARITHMETIC_SYSTEM_PROMPT
+
+
+def test_gsm8k_local_folder(gsm8k_dir):
+    ds = load_task("gsm8k", "test", path=gsm8k_dir, limit=5)
+    assert len(ds) == 5
+    assert {"prompt", "answer", "question"} <= set(ds.column_names)
+    row = ds[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["prompt"][0]["content"] == SYSTEM_PROMPT
+    assert row["prompt"][1]["content"] == row["question"]
+    assert row["question"].startswith("Janet")
+    assert list(ds["answer"]) == ["18", "3", "70000", "540", "20"]
+    # the gold answer and a right completion score 1.0 with the task's default accuracy reward
+    (acc, fmt) = get_reward_funcs(TASK_DEFAULT_REWARDS["gsm8k"])
+    assert acc([f"<think>..</think><answer>{a}</answer>" for a in ds["answer"]], answer=list(ds["answer"])) == [1.0] * 5
+    train = load_task("gsm8k", "train", path=gsm8k_dir, limit=2)
+    assert train[0]["answer"] == "72"
+
+
+def test_gsm8k_single_file_and_options(gsm8k_dir, tmp_path):
+    ds = load_task("gsm8k", "train", path=gsm8k_dir / "test.jsonl", limit=3, system_prompt=None)
+    assert [m["role"] for m in ds[0]["prompt"]] == ["user"]
+    assert list(ds["answer"]) == ["18", "3", "70000"]
+    with pytest.raises(TypeError, match="digits"):
+        load_task("gsm8k", "test", path=gsm8k_dir, digits=2)
+
+
+def test_math_local_jsonl(tmp_path):
+    rows = [
+        {"problem": "What is 1/2 of 1?", "answer": "\\frac{1}{2}"},
+        {"problem": "Compute 3*4.", "solution": "We get $3\\cdot4=\\boxed{12}$."},
+        {"problem": "Nested?", "solution": "So $\\boxed{\\frac{\\sqrt{2}}{2}}$."},
+    ]
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ds = load_task("math", "test", path=tmp_path)
+    assert list(ds["answer"]) == ["\\frac{1}{2}", "12", "\\frac{\\sqrt{2}}{2}"]
+    assert ds[1]["question"] == "Compute 3*4."
+    (acc, _) = get_reward_funcs(TASK_DEFAULT_REWARDS["math"])
+    assert acc(["<answer>0.5</answer>", "\\boxed{12}", "\\boxed{\\frac{1}{\\sqrt{2}}}"], answer=list(ds["answer"])) == [1.0] * 3
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"problem": "no answer", "solution": "none"}) + "\n")
+    with pytest.raises(TaskDataError, match="neither 'answer' nor"):
+        load_task("math", path=tmp_path / "bad.jsonl")
+
+
+def test_bigmath_local_jsonl(tmp_path):
+    f = tmp_path / "bigmath.jsonl"
+    f.write_text(json.dumps({"problem": "2+2?", "answer": 4, "source": "x"}) + "\n")
+    ds = load_task("bigmath", path=f)
+    assert ds[0]["answer"] == "4" and ds[0]["question"] == "2+2?"
+
+
+def test_errors_unknown_task_split_missing_files(tmp_path, gsm8k_dir):
+    with pytest.raises(TaskDataError, match="valid tasks: arithmetic, bigmath, gsm8k, math"):
+        load_task("gsm9k")
+    with pytest.raises(TaskDataError, match="no split 'validation'; valid splits: train, test"):
+        load_task("gsm8k", "validation", path=gsm8k_dir)
+    with pytest.raises(TaskDataError, match="has no test.jsonl"):
+        load_task("gsm8k", "test", path=tmp_path)
+    with pytest.raises(TaskDataError, match="does not exist"):
+        load_task("gsm8k", "test", path=tmp_path / "nope")
+    (tmp_path / "test.jsonl").write_text('{"q": 1}\n')
+    with pytest.raises(TaskDataError, match=r"lack field\(s\) \['question', 'answer'\]"):
+        load_task("gsm8k", "test", path=tmp_path)
+    (tmp_path / "test.jsonl").write_text("{not json\n")
+    with pytest.raises(TaskDataError, match="test.jsonl:1: not valid JSON"):
+        load_task("gsm8k", "test", path=tmp_path)
+    with pytest.raises(TaskDataError, match="synthetic"):
+        load_task("arithmetic", path=tmp_path)
+
+
+@pytest.mark.parametrize("task, split", [("gsm8k", "test"), ("math", "test"), ("math", "train"), ("bigmath", "train")])
+def test_hub_load_offline_tells_user_to_pass_path(task, split, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # both libraries read the variable at import time: set their flags as well
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(TaskDataError, match=r"pass path= \(CLI: --data-path\)"):
+        load_task(task, split)
+
+
+def test_arithmetic_is_deterministic_and_correct():
+    a = load_task("arithmetic", "train", n_examples=300, seed=3)
+    b = load_task("arithmetic", "train", n_examples=300, seed=3)
+    assert a.to_list() == b.to_list()
+    assert a.to_list() != load_task("arithmetic", "train", n_examples=300, seed=4).to_list()
+    assert a["question"] != load_task("arithmetic", "test", n_examples=300, seed=3)["question"]
+    for row in a:
+        assert 0 <= row["a"] <= 9 and 0 <= row["b"] <= 9 and row["op"] == "+"
+        assert row["question"] == f"What is {row['a']} + {row['b']}?"
+        assert int(row["answer"]) == row["a"] + row["b"]
+    assert len(set(a["question"])) > 50  # covers most of the 100 one-digit sums
+
+
+def test_arithmetic_options_and_prompt():
+    ds = arithmetic_dataset(400, digits=2, ops="+-*", seed=0)
+    ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+    assert set(ds["op"]) == {"+", "-", "*"}
+    for row in ds:
+        assert int(row["answer"]) == ops[row["op"]](row["a"], row["b"]) >= 0
+        assert row["a"] <= 99 and row["b"] <= 99
+    prompt = ds[0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user"]  # system, one-shot demo, question
+    assert prompt[0]["content"] == ARITHMETIC_SYSTEM_PROMPT
+    assert prompt[2]["content"] == "<answer>5</answer>"
+    assert prompt[-1]["content"] == ds[0]["question"]
+    assert sum(len(m["content"]) for m in prompt) < 200  # short: a 135M model loses long instructions
+    bare = load_task("arithmetic", n_examples=2, demo=False, system_prompt=None)
+    assert [m["role"] for m in bare[0]["prompt"]] == ["user"]
+    assert len(load_task("arithmetic", "test")) == 200 and len(load_task("arithmetic", limit=7)) == 7
+    for bad in (dict(digits=0), dict(ops="/"), dict(n_examples=0)):
+        with pytest.raises(ValueError):
+            load_task("arithmetic", **bad)
+
+
+def test_arithmetic_default_rewards():
+    ds = load_task("arithmetic", n_examples=4)
+    funcs = get_reward_funcs(TASK_DEFAULT_REWARDS["arithmetic"])
+    assert funcs[0] is arithmetic_accuracy_reward
+    gold = list(ds["answer"])
+    tagged = [f"<answer>{g}</answer>" for g in gold]
+    untagged = [f"It is {g}." for g in gold]
+    wrong = [f"<answer>{int(g) + 1}</answer>" for g in gold]
+    total = lambda comps: [sum(vals) for vals in zip(*(f(comps, answer=gold) for f in funcs))]
+    assert total(tagged) == [1.2] * 4  # accuracy 1 + small tag bonus
+    assert total(untagged) == [1.0] * 4  # the lenient accuracy pays without tags
+    assert total(wrong) == [0.2] * 4  # the tag bonus is small next to accuracy
+    assert gsm8k_accuracy_reward(tagged, answer=gold) == [1.0] * 4

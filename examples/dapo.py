@@ -7,11 +7,10 @@
 
 from dataclasses import dataclass
 
-from trl import TrlParser
-
 from qerl_trl import QeRLDAPOConfig, QeRLDAPOTrainer
 from qerl_trl.rewards import get_reward_funcs
 from qerl_trl.tasks import TASK_DEFAULT_REWARDS, load_task
+from trl import TrlParser
 
 
 @dataclass

@@ -615,15 +615,20 @@ def table(results: list[dict]) -> str:
                 f"{row.get('status', r.get('status'))} |"
             )
     # ratios, side by side
-    by = {(r["model"], r["arm"], row["batch"]): row.get("tok_s") for r in results for row in r.get("batches", [])}
+    # (--merge tags each result with the run it came from; a ratio across two runs is marked as such)
+    by = {
+        (r["model"], r["arm"], row["batch"]): (row.get("tok_s"), r.get("run"))
+        for r in results
+        for row in r.get("batches", [])
+    }
     rat = []
-    for (m, a, b), v in sorted(by.items()):
+    for (m, a, b), (v, run) in sorted(by.items()):
         if a != "nvfp4" or not v:
             continue
         parts = []
         for other in ("bf16", "qlora"):
-            o = by.get((m, other, b))
-            parts.append(f"{v / o:.2f}×" if o else "—")
+            o, orun = by.get((m, other, b), (None, None))
+            parts.append((f"{v / o:.2f}×" + (" (across runs)" if orun != run else "")) if o else "—")
         rat.append(f"| {m} | {b} | {parts[0]} | {parts[1]} |")
     if rat:
         lines += ["", "| model | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |", "|---|---:|---:|---:|", *rat]
@@ -708,7 +713,10 @@ def main(argv=None) -> None:
         for path in args.merge:
             with open(path) as f:
                 d = json.load(f)
-            results += d.pop("results")
+            for r in d.pop("results"):
+                r.setdefault("run", len(meta.get("runs", [])))
+                r.setdefault("run_date", d.get("date"))
+                results.append(r)
             meta.setdefault("runs", []).append(d)
         _write(args.out, meta, results)
         print(table(results))

@@ -1,0 +1,1 @@
+"""vLLM integration for QeRL (never imported by ``nvfp4``)."""

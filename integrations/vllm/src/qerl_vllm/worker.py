@@ -1,0 +1,33 @@
+"""vLLM worker extension (``LLM(..., worker_extension_cls="qerl_vllm.worker.QeRLWorkerExtension")``).
+
+Its methods are mixed into every vLLM worker and called by name through ``LLM.collective_rpc`` (arguments go through
+vLLM's own msgpack serialization, tensors included), so the AQN norm push works in-process and with
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` / tensor parallelism alike, without pickled callables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import _w_norm_names, _w_norm_weights, _w_restore_norms, _w_set_norms
+
+__all__ = ["QeRLWorkerExtension"]
+
+
+class QeRLWorkerExtension:
+    """Norm-weight access on the worker's model (``self.model_runner.model``)."""
+
+    def _qerl_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def qerl_norm_names(self) -> list[str]:
+        return _w_norm_names(self._qerl_model())
+
+    def qerl_norm_weights(self) -> dict[str, torch.Tensor]:
+        return _w_norm_weights(self._qerl_model())
+
+    def qerl_set_norms(self, named: dict[str, torch.Tensor]) -> int:
+        return _w_set_norms(self._qerl_model(), named)
+
+    def qerl_restore_norms(self) -> int:
+        return _w_restore_norms(self._qerl_model())

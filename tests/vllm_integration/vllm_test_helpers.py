@@ -1,0 +1,106 @@
+"""Helpers shared by the vLLM tests: the NVFP4 offline default checkpoint (cached) and HF-side references."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+NVFP4_CKPT_NAME = "SmolLM2-135M-Instruct-nvfp4-rtn-v1"
+
+
+def nvfp4_offline_checkpoint() -> Path:
+    """The offline default model quantized to NVFP4 (RTN, our ``nvfp4_w4a16`` format), built once per machine."""
+    from nvfp4.offline import cache_dir, offline_default_model_path
+
+    target = cache_dir() / NVFP4_CKPT_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import nvfp4  # noqa: F401  (registers the transformers quantizer)
+    from nvfp4 import NVFP4Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = offline_default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / "ckpt"
+        model.save_pretrained(staged)
+        AutoTokenizer.from_pretrained(src).save_pretrained(staged)
+        for f in ("generation_config.json",):
+            if (src / f).is_file() and not (staged / f).is_file():
+                shutil.copy(src / f, staged / f)
+        try:
+            staged.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    return target
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[list[int]], n_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy completions of exactly ``n_tokens`` (EOS masked, as vLLM's ``min_tokens``) and the raw-logit logprob
+    of each chosen token, one prompt at a time (no padding)."""
+    out = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        g = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n_tokens,
+            min_new_tokens=n_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        toks = g.sequences[0, len(ids) :].tolist()
+        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, toks)]
+        out.append((toks, lps))
+    return out
+
+
+def compare(engine_out, hf_out) -> dict:
+    """Greedy agreement of engine vs HF: per prompt, the first diverging step, and the max |Δ logprob| over the
+    common prefix (where both saw the same context)."""
+    gaps, first_div = [], []
+    for (e_ids, e_lp), (h_ids, h_lp) in zip(engine_out, hf_out):
+        k = 0
+        while k < min(len(e_ids), len(h_ids)) and e_ids[k] == h_ids[k]:
+            k += 1
+        first_div.append(k if k < max(len(e_ids), len(h_ids)) else None)
+        upto = min(k + 1, len(e_lp), len(h_lp))  # step k still shares the context (the tokens differ after it)
+        gaps.extend(abs(a - b) for a, b in zip(e_lp[:upto], h_lp[:upto]))
+    return {
+        "tokens_equal": all(d is None for d in first_div),
+        "first_divergence": first_div,
+        "max_logprob_gap": max(gaps) if gaps else 0.0,
+        "mean_logprob_gap": sum(gaps) / len(gaps) if gaps else 0.0,
+    }
+
+
+def cache_dequantized(model) -> int:
+    """Make every ``NVFP4Linear`` of an HF model reuse one dequantized copy of its weight instead of dequantizing on
+    each forward (the CPU reference op dequantizes every call, which costs seconds per forward on 2 busy cores).
+
+    Bit-identical to the op: its CPU path is ``F.linear(x, dequantize(W, x.dtype), b)`` and the checkpoint dtype is
+    the activation dtype (checked on the first layer). Returns how many layers were switched.
+    """
+    import torch.nn.functional as F
+    from nvfp4 import NVFP4Linear
+
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    for i, m in enumerate(layers):
+        w = m.dequantize()
+
+        def fwd(x, _m=m, _w=w):
+            bias = _m.bias.to(x.dtype) if _m.bias is not None else None
+            return F.linear(x, _w if _w.dtype == x.dtype else _m.dequantize(x.dtype), bias)
+
+        if i == 0:
+            x = torch.randn(3, m.in_features, dtype=w.dtype)
+            assert torch.equal(fwd(x), m(x)), "cached dequantized weight differs from the nvfp4::linear op"
+        m.forward = fwd
+    return len(layers)

@@ -19,15 +19,6 @@ from qerl_trl.trainer import AQN_STATE_NAME, QeRLGRPOTrainer
 from tiny_models import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core box are fastest single-threaded (see tests/aqn/conftest.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(offline_model_path):
     return load_tokenizer(offline_model_path)

@@ -9,6 +9,7 @@ YAML and overridden on the command line (``--learning_rate 5e-6``), as with TRL'
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,10 +40,20 @@ class ScriptArguments:
     split: str = field(default="train", metadata={"help": "Training split."})
     limit: int | None = field(default=None, metadata={"help": "Use the first N examples."})
     rewards: list[str] | None = field(default=None, metadata={"help": "Reward function names (default: the task's)."})
-    task_options: dict[str, Any] | None = field(
-        default=None, metadata={"help": "Task options, e.g. {n_examples: 500, digits: 1, ops: '+'} for arithmetic."}
+    task_options: dict | str | None = field(
+        default=None,
+        metadata={"help": 'Task options (YAML mapping or JSON string), e.g. {"n_examples": 500, "digits": 1} for arithmetic.'},
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.task_options, str):
+            try:
+                self.task_options = json.loads(self.task_options)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--task_options must be a JSON object, got {self.task_options!r}: {e}") from e
+        if self.task_options is not None and not isinstance(self.task_options, dict):
+            raise ValueError(f"task_options must be a mapping, got {type(self.task_options).__name__}")
 
 
 def _config_class(algorithm: str):

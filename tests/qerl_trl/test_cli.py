@@ -1,0 +1,53 @@
+"""``qerl train``: recipes parse, overrides apply, a run directory appears, ``--resume`` continues."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from qerl_trl.cli import RECIPES_DIR, main, parse_train_args
+from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
+from qerl_trl.run import read_metrics
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_shipped_recipe_parses(recipe):
+    script, config = parse_train_args([recipe])
+    assert isinstance(config, QeRLDAPOConfig if script.algorithm == "dapo" else QeRLConfig)
+    assert config.lora_r == 32 and config.lora_alpha == 32 and config.aqn
+    if recipe != "offline-default":  # the paper's hyperparameters
+        assert config.learning_rate == 1e-5 and config.temperature == 1.0
+        assert config.per_device_train_batch_size * config.gradient_accumulation_steps == 128
+        assert config.num_generations == (16 if script.task == "bigmath" else 8)
+        assert config.max_completion_length == (8192 if script.task == "bigmath" else 4096)
+    if script.algorithm == "dapo":
+        assert (config.epsilon, config.epsilon_high, config.beta, config.dynamic_sampling) == (0.2, 0.28, 0.0, True)
+
+
+def test_overrides_and_errors():
+    script, config = parse_train_args(["offline-default", "--learning_rate", "3e-4", "--task", "gsm8k"])
+    assert config.learning_rate == 3e-4 and script.task == "gsm8k"
+    assert parse_train_args([])[0].model_name_or_path == "offline-default"  # no arguments: the offline default
+    _, dapo = parse_train_args(["offline-default", "--algorithm", "dapo"])
+    assert isinstance(dapo, QeRLDAPOConfig)
+    with pytest.raises(SystemExit, match="no recipe named"):
+        parse_train_args(["no-such-recipe"])
+    with pytest.raises(SystemExit, match="algorithm"):
+        parse_train_args(["offline-default", "--algorithm", "ppo"])
+
+
+def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
+    out = tmp_path / "run"
+    common = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(out), "--per_device_train_batch_size", "8",
+              "--num_generations", "4", "--max_completion_length", "6", "--save_steps", "2",
+              "--task_options", json.dumps({"n_examples": 32}), "--disable_tqdm", "true"]
+    main(["train", "offline-default", *common, "--max_steps", "2"])
+    assert "qerl train: 2 steps" in capsys.readouterr().out
+    assert (out / "checkpoint-2" / "aqn_state.json").is_file()
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "plots.png").is_file()
+    main(["train", "offline-default", *common, "--max_steps", "3", "--resume", "true"])
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        main(["train", "offline-default", *common[:2], "--output_dir", str(tmp_path / "empty"), "--resume", "true"])

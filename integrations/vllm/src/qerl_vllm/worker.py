@@ -2,7 +2,9 @@
 
 Its methods are mixed into every vLLM worker and called by name through ``LLM.collective_rpc`` (arguments go through
 vLLM's own msgpack serialization, tensors included), so the AQN norm push works in-process and with
-``VLLM_ENABLE_V1_MULTIPROCESSING=1`` / tensor parallelism alike, without pickled callables.
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` / tensor parallelism alike, without pickled callables. A server started with ``VLLM_SERVER_DEV_MODE=1`` and
+``--worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension`` exposes them through ``POST /collective_rpc``
+(``{"method": "qerl_set_norms_file", "args": ["/shared/norms.safetensors"]}``, ``{"method": "qerl_restore_norms"}``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class QeRLWorkerExtension:
 
     def qerl_set_norms(self, named: dict[str, torch.Tensor]) -> int:
         return _w_set_norms(self._qerl_model(), named)
+
+    def qerl_set_norms_file(self, path: str) -> int:
+        """Norm weights from a safetensors file (the HTTP ``/collective_rpc`` route passes strings only)."""
+        from safetensors.torch import load_file
+
+        return _w_set_norms(self._qerl_model(), load_file(str(path)))
 
     def qerl_restore_norms(self) -> int:
         return _w_restore_norms(self._qerl_model())

@@ -28,6 +28,19 @@ class QeRLConfig(GRPOConfig):
         aqn: turn it on or off.
         aqn_schedule: ``exponential`` (paper) | ``linear`` | ``cosine`` | ``logarithmic`` | ``constant``.
         aqn_sigma_start, aqn_sigma_end, aqn_num_stages: σ goes from start to end over K stages; stage 0 is noise-free.
+    Rollout engine (see :mod:`qerl_trl.vllm_rollout`; TRL's own ``use_vllm`` must stay False — it merges LoRA into
+    the base weights, which a 4-bit base cannot take):
+        rollout_engine: ``"transformers"`` (the policy's own ``generate``) or ``"vllm"``: an in-process vLLM engine
+            (colocate), or the server at ``vllm_server_url``. The LoRA adapter is synced as an adapter once per
+            step, AQN noise goes on the engine's norm weights, and TRL's importance-sampling correction
+            (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap.
+        vllm_server_url: ``http://host:port`` of a ``python -m vllm.entrypoints.openai.api_server`` (server mode).
+        vllm_model_path: checkpoint the engine loads (default: the policy's NVFP4 checkpoint; a dense model quantized
+            on load is saved once as NVFP4 under ``vllm_cache_dir``).
+        vllm_cache_dir, vllm_adapter_dir: where that checkpoint / the synced adapters go (server mode: a folder the
+            server can read).
+        vllm_gpu_memory_utilization, vllm_max_model_len, vllm_dtype, vllm_enforce_eager, vllm_kv_cache_memory_bytes:
+            engine knobs (colocate).
     """
 
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper: 1e-5)."})
@@ -51,6 +64,32 @@ class QeRLConfig(GRPOConfig):
         default="per_step", metadata={"help": "'per_step' (one draw per generation step) or 'per_forward'."}
     )
 
+    rollout_engine: str = field(
+        default="transformers", metadata={"help": "Rollout engine: 'transformers' or 'vllm' (colocate, or server)."}
+    )
+    vllm_server_url: str | None = field(
+        default=None, metadata={"help": "vLLM server URL (server mode); None: in-process engine (colocate)."}
+    )
+    vllm_model_path: str | None = field(
+        default=None, metadata={"help": "Checkpoint the vLLM engine loads (default: the policy's NVFP4 checkpoint)."}
+    )
+    vllm_cache_dir: str | None = field(
+        default=None, metadata={"help": "Folder for the NVFP4 checkpoint saved for vLLM (default: the nvfp4 cache)."}
+    )
+    vllm_adapter_dir: str | None = field(
+        default=None, metadata={"help": "Folder for synced LoRA adapters (server mode: shared with the server)."}
+    )
+    vllm_gpu_memory_utilization: float | None = field(
+        default=None, metadata={"help": "Colocate: vLLM's share of GPU memory (e.g. 0.3)."}
+    )
+    vllm_max_model_len: int | None = field(default=None, metadata={"help": "Colocate: longest prompt + completion."})
+    vllm_dtype: str = field(
+        default="auto", metadata={"help": "Colocate engine dtype ('auto': bfloat16 on GPU, float32 on CPU)."}
+    )
+    vllm_enforce_eager: bool | None = field(default=None, metadata={"help": "Colocate: no CUDA graphs."})
+    vllm_kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "Colocate: KV-cache size."})
+    vllm_server_timeout: float = field(default=600.0, metadata={"help": "Server mode: seconds per HTTP request."})
+
     def __post_init__(self) -> None:
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # CPU runs compute in fp32 (bf16 autocast on CPU is slower and lossier)
@@ -63,6 +102,14 @@ class QeRLConfig(GRPOConfig):
             self.lora_alpha = self.lora_r
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
+        if self.rollout_engine not in ("transformers", "vllm"):
+            raise ValueError(f"rollout_engine must be 'transformers' or 'vllm', got {self.rollout_engine!r}")
+        if self.rollout_engine == "vllm" and self.aqn and self.aqn_mode != "per_step":
+            raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        if self.rollout_engine == "vllm" and self.use_vllm:
+            raise ValueError(
+                "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
+            )
         if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
             raise ValueError(f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}")
 

@@ -8,6 +8,8 @@ What the subclass adds, each through a method TRL's own trainers override:
 * ``_generate_single_turn``: AQN noise goes on the RMSNorm weights of the generating model for one generation step
   (σ from the schedule at ``global_step``; restored bit-identically afterwards, before scoring and the loss);
   generation tokens/s are logged.
+* ``rollout_engine="vllm"``: generation through vLLM (:mod:`qerl_trl.vllm_rollout`, colocate or server), LoRA synced
+  as an adapter each step, AQN on the engine's norms, TRL's importance-sampling correction on.
 * ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
 * ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder and renamed
   into place (a crash never leaves a half-written ``checkpoint-N``), with the AQN controller state beside the
@@ -90,10 +92,19 @@ class QeRLGRPOTrainer(GRPOTrainer):
             args = QeRLConfig(output_dir="runs/qerl-grpo")
         if not isinstance(args, QeRLConfig):
             raise TypeError(f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}")
+        model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
             model = load_policy(model, quantization=args.quantization)
+        engine_path = None
+        if args.rollout_engine == "vllm" and not args.vllm_server_url:
+            from .vllm_rollout import engine_checkpoint
+
+            # the NVFP4 base the engine loads: saved once, before PEFT wraps the model
+            engine_path = engine_checkpoint(
+                model_name, model, args.quantization, override=args.vllm_model_path, cache_dir=args.vllm_cache_dir
+            )
         if isinstance(model, PeftModel):
             peft_config = None
         elif peft_config is None:
@@ -113,6 +124,17 @@ class QeRLGRPOTrainer(GRPOTrainer):
         )
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
+        self.vllm_rollout = None
+        if args.rollout_engine == "vllm":
+            from .vllm_rollout import make_vllm_rollout
+
+            # TRL's vLLM branches (generation, IS correction, sampling_logp_difference metrics) run on our engine,
+            # which syncs LoRA as an adapter (TRL's VLLMGeneration would merge it into the 4-bit base).
+            self.vllm_rollout = make_vllm_rollout(self, engine_path)
+            self.use_vllm = True
+            self.vllm_mode = self.vllm_rollout.mode
+            self.vllm_generation = self.vllm_rollout
+            self._last_loaded_step = -1
 
     # ------------------------------------------------------------------ AQN
     def build_aqn_controller(self, total_steps: int) -> AQNController | None:
@@ -140,6 +162,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         ctl = self._ensure_aqn()
         if ctl is None or not self.model.training:
             return contextlib.nullcontext()
+        if self.vllm_rollout is not None:  # the engine's norms get the noise; the policy stays clean
+            return self.vllm_rollout.noise(ctl, self.accelerator.unwrap_model(self.model), self.state.global_step)
         return ctl.rollout(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
     # ------------------------------------------------------------------ hooks

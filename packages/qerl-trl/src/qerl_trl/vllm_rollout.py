@@ -1,0 +1,417 @@
+"""vLLM rollouts for :class:`~qerl_trl.QeRLGRPOTrainer` (``rollout_engine="vllm"``): colocate and server mode.
+
+TRL's own ``use_vllm=True`` path is not used: it syncs a PEFT policy by *merging* the adapters into the base weights
+(impossible for a 4-bit NVFP4 base). Instead the trainer keeps ``args.use_vllm=False`` (TRL builds nothing) and, after
+``GRPOTrainer.__init__``, sets ``self.use_vllm = True`` with ``self.vllm_generation`` one of the classes below. They
+offer exactly what TRL's vLLM branches call — ``sync_weights()`` (once per global step), ``generate(prompts, images,
+num_generations, profiler)`` and, colocate only, ``.llm`` — so TRL's own code runs unchanged: the sampled-token
+logprobs come back from the engine, ``old_per_token_logps`` is recomputed by the trainer, the importance-sampling
+correction (``vllm_importance_sampling_*``) is applied and ``sampling/sampling_logp_difference/{mean,max}`` is logged.
+
+Per generation step:
+
+1. ``sync_weights`` (TRL calls it when ``global_step`` changed): the LoRA state of the unwrapped ``PeftModel``
+   (``get_peft_model_state_dict``) becomes a NEW adapter of the engine — colocate: ``VLLMEngine.sync_lora``; server:
+   the adapter folder is written under ``vllm_adapter_dir`` (a filesystem the server reads) and loaded through
+   ``POST /v1/load_lora_adapter`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), the previous one unloaded. Never merged.
+2. :meth:`noise` (around generation, from the trainer's ``_rollout_noise``): the AQN noisy norm weights of this step
+   (``AQNController.engine_weights(policy, step)`` — same σ, seed and per-(seed, step, name) draw as the
+   transformers path) are written into the engine's RMSNorm weights and restored bit-identically afterwards.
+   Colocate: ``VLLMEngine.set_norm_weights`` / ``restore_norm_weights``; server: a safetensors file + the dev-mode
+   ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``, server started with
+   ``--worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension``) and ``POST /reset_prefix_cache``.
+3. ``generate``: prompt token ids (TRL repeats each prompt ``num_generations`` times; whole groups are sent once with
+   ``n=num_generations``), the trainer's temperature / top_p / top_k / min_p / repetition_penalty /
+   ``max_completion_length`` / ``generation_kwargs``; logprobs are vLLM's ``processed_logprobs`` (after temperature),
+   as the trainer's logprobs are.
+
+``qerl_vllm`` / ``vllm`` are imported only by the colocate engine; server mode needs neither (stdlib HTTP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ColocateVLLMRollout",
+    "ServerVLLMRollout",
+    "engine_checkpoint",
+    "make_vllm_rollout",
+    "sampling_kwargs",
+    "write_adapter",
+]
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def engine_checkpoint(
+    name_or_path: str | None, model: Any, quantization: str, *, override: str | None = None, cache_dir: str | None = None
+) -> str:
+    """The checkpoint folder the engine loads: ``override`` if given; an NVFP4 (or, with ``quantization="none"``,
+    dense) checkpoint on disk as it is; otherwise the loaded NVFP4 ``model`` (quantized on load, before PEFT wraps it)
+    saved once with its tokenizer under ``cache_dir`` (default: the nvfp4 cache), keyed by source path + method."""
+    if override:
+        return str(override)
+    from .policy import _is_nvfp4_checkpoint, resolve_model_path
+
+    src = resolve_model_path(name_or_path) if name_or_path is not None else None
+    if src is not None and os.path.isdir(src) and (quantization == "none" or _is_nvfp4_checkpoint(src)):
+        return src
+    from peft import PeftModel
+
+    if model is None or isinstance(model, PeftModel):
+        raise ValueError(
+            "rollout_engine='vllm' needs the policy's checkpoint on disk: pass a model id/path, a base "
+            "PreTrainedModel, or set vllm_model_path to its NVFP4 checkpoint"
+        )
+    if cache_dir is None:
+        from nvfp4.offline import cache_dir as nvfp4_cache_dir
+
+        cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
+    ident = src or getattr(model.config, "_name_or_path", "") or "model"
+    key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{quantization}".encode()).hexdigest()[:10]
+    target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{quantization}-{key}"
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / "ckpt"
+        model.save_pretrained(staged)
+        if src is not None:
+            with contextlib.suppress(Exception):
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(src).save_pretrained(staged)
+            if os.path.isdir(src):
+                for f in ("generation_config.json",):
+                    if (Path(src) / f).is_file() and not (staged / f).is_file():
+                        shutil.copy(Path(src) / f, staged / f)
+        try:
+            staged.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    return str(target)
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+def _config_dict(peft_config: Any) -> dict[str, Any]:
+    d = dict(peft_config) if isinstance(peft_config, Mapping) else peft_config.to_dict()
+    out = {}
+    for k, v in d.items():  # JSON-safe (sets → sorted lists, enums → values)
+        if isinstance(v, set):
+            v = sorted(v)
+        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
+            v = v.value
+        out[k] = v
+    out.setdefault("peft_type", "LORA")
+    return out
+
+
+def write_adapter(folder: str | os.PathLike, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
+    """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) atomically."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k.replace(".default.weight", ".weight"): v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def _lora_state(trainer: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    from peft import PeftModel, get_peft_model_state_dict
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not isinstance(model, PeftModel):
+        raise TypeError("rollout_engine='vllm' syncs LoRA adapters: the policy must be a PeftModel")
+    name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
+    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    return state, model.peft_config[name]
+
+
+def lora_rank_bucket(r: int) -> int:
+    """Smallest rank vLLM accepts as ``max_lora_rank`` that holds ``r``."""
+    for b in _VLLM_LORA_RANKS:
+        if r <= b:
+            return b
+    return int(r)
+
+
+def sampling_kwargs(trainer: Any, n: int) -> dict[str, Any]:
+    """The trainer's sampling settings as vLLM ``SamplingParams`` keywords (as TRL's vLLM branch builds them)."""
+    sp: dict[str, Any] = {
+        "n": n,
+        "temperature": trainer.temperature,
+        "top_p": trainer.top_p,
+        "top_k": 0 if trainer.top_k is None else int(trainer.top_k),
+        "min_p": 0.0 if trainer.min_p is None else float(trainer.min_p),
+        "repetition_penalty": trainer.repetition_penalty,
+        "max_tokens": trainer.max_completion_length,
+    }
+    sp.update(trainer.args.generation_kwargs or {})
+    return sp
+
+
+def _groups(prompts: Sequence[Sequence[int]], n: int) -> tuple[list[list[int]], int]:
+    """TRL repeats each prompt ``n`` times in a row; send each group once with ``n`` samples when that holds."""
+    prompts = [list(map(int, p)) for p in prompts]
+    if n > 1 and len(prompts) % n == 0:
+        heads = prompts[::n]
+        if all(prompts[i] == heads[i // n] for i in range(len(prompts))):
+            return heads, n
+    return prompts, 1
+
+
+class _Rollout:
+    """What both modes share: TRL's ``vllm_generation`` interface on top of sync / norms / raw generation."""
+
+    mode = "colocate"
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.last_synced_step: int | None = None
+
+    # TRL's interface ------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Push the current LoRA adapter as a new adapter (TRL calls this when ``global_step`` changed)."""
+        step = int(self.trainer.state.global_step)
+        state, cfg = _lora_state(self.trainer)
+        self._sync_lora(state, cfg, step)
+        self.last_synced_step = step
+
+    def generate(self, prompts, images=None, num_generations: int = 1, profiler=None, **_: Any):
+        """``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` like ``trl.generation.VLLMGeneration``;
+        ``logprobs[i][t] = [logprob of the sampled token]``."""
+        if images is not None and any(im is not None for im in images):
+            raise NotImplementedError("rollout_engine='vllm' does not support images yet")
+        if self.last_synced_step is None:  # first call: TRL's step bookkeeping starts at -1, so this is rare
+            self.sync_weights()
+        unique, n = _groups(prompts, num_generations)
+        with profiler or contextlib.nullcontext():
+            completion_ids, logprobs = self._generate(unique, sampling_kwargs(self.trainer, n))
+        return [list(p) for p in prompts], completion_ids, [[[lp] for lp in seq] for seq in logprobs], None
+
+    @contextlib.contextmanager
+    def noise(self, controller: Any, model: torch.nn.Module, step: int) -> Iterator[None]:
+        """AQN noise of ``step`` on the engine's norm weights while generating; restored bit-identically after."""
+        controller.norm_noise(model)  # discovery (fails loudly) even at σ = 0
+        controller.step = int(step)
+        if controller.sigma(step) == 0.0:
+            yield
+            return
+        named = dict(controller.engine_weights(model, step, dtype=torch.float32))
+        self._set_norms(named)
+        try:
+            yield
+        finally:
+            self._restore_norms()
+
+    # mode-specific ---------------------------------------------------------------------
+    def _sync_lora(self, state: dict[str, torch.Tensor], peft_config: Any, step: int) -> None:
+        raise NotImplementedError
+
+    def _set_norms(self, named: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _restore_norms(self) -> None:
+        raise NotImplementedError
+
+    def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ColocateVLLMRollout(_Rollout):
+    """An in-process :class:`qerl_vllm.engine.VLLMEngine` (one per trainer process, e.g. one per GPU)."""
+
+    mode = "colocate"
+
+    def __init__(self, trainer: Any, model_path: str) -> None:
+        super().__init__(trainer)
+        try:
+            from qerl_vllm.engine import VLLMEngine
+        except ImportError as e:
+            raise ImportError(
+                "rollout_engine='vllm' (colocate) needs vLLM and qerl-vllm in this environment "
+                "(bash .ci/vllm-setup, or pip install vllm + integrations/vllm); or set vllm_server_url"
+            ) from e
+
+        args = trainer.args
+        dtype = args.vllm_dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        self.engine = VLLMEngine(
+            model_path,
+            max_lora_rank=lora_rank_bucket(args.lora_r),
+            seed=args.seed + trainer.accelerator.process_index,
+            dtype=dtype,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.vllm_max_model_len,
+            enforce_eager=args.vllm_enforce_eager,
+            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
+            lora_dir=args.vllm_adapter_dir,
+            logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
+        )
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+    def _sync_lora(self, state, peft_config, step):
+        self.engine.sync_lora(state, version=step, peft_config=peft_config)
+
+    def _set_norms(self, named):
+        self.engine.set_norm_weights(named)
+
+    def _restore_norms(self):
+        self.engine.restore_norm_weights()
+
+    def _generate(self, prompts, sampling):
+        gens = self.engine.generate(prompts, sampling)
+        return [g.token_ids for g in gens], [g.logprobs for g in gens]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ServerVLLMRollout(_Rollout):
+    """A vLLM OpenAI-compatible server started separately (see the README, "Rollouts with vLLM").
+
+    Needs on the server: ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (adapter
+    sync), ``--logprobs-mode processed_logprobs`` (logprobs after temperature), and for AQN (σ > 0)
+    ``VLLM_SERVER_DEV_MODE=1`` + ``--worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension``. Adapters and
+    noisy norms are passed as files under ``vllm_adapter_dir``, which the server must be able to read.
+    With several trainer processes the main one syncs and pushes norms; every process sends its own prompts.
+    """
+
+    mode = "server"
+
+    def __init__(self, trainer: Any, url: str, adapter_dir: str | None = None, timeout: float = 600.0) -> None:
+        super().__init__(trainer)
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        root = adapter_dir or os.path.join(trainer.args.output_dir, "vllm-adapters")
+        self.root = Path(root).absolute()
+        self.root.mkdir(parents=True, exist_ok=True)
+        models = self._request("GET", "/v1/models")["data"]
+        self.base_model = models[0]["id"]
+        self.lora_name: str | None = None
+        self._lora_folder: Path | None = None
+
+    # HTTP ------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, payload: Any = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise RuntimeError(f"vLLM server {method} {path}: HTTP {e.code}: {detail}") from e
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body.decode(errors="replace")
+
+    def _is_main(self) -> bool:
+        return bool(self.trainer.accelerator.is_main_process)
+
+    def _barrier(self) -> None:
+        self.trainer.accelerator.wait_for_everyone()
+
+    # sync --------------------------------------------------------------------------------
+    def _sync_lora(self, state, peft_config, step):
+        name = f"qerl-step{step}"
+        if self._is_main():
+            folder = write_adapter(self.root / name, state, peft_config)
+            with contextlib.suppress(RuntimeError):  # a server reused across runs may still hold this name
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            old, old_folder = self.lora_name, self._lora_folder
+            if old is not None and old != name:
+                with contextlib.suppress(RuntimeError):
+                    self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})
+                if old_folder is not None:
+                    shutil.rmtree(old_folder, ignore_errors=True)
+            self._lora_folder = folder
+        self.lora_name = name
+        self._barrier()
+
+    def _rpc(self, method: str, *args: str) -> Any:
+        try:
+            return self._request("POST", "/collective_rpc", {"method": method, "args": list(args)})
+        except RuntimeError as e:
+            if "HTTP 404" in str(e):
+                raise RuntimeError(
+                    "AQN needs the vLLM server's dev-mode /collective_rpc route: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "and --worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension (or train with aqn=False)"
+                ) from e
+            raise
+
+    def _set_norms(self, named):
+        self._barrier()
+        if self._is_main():
+            from safetensors.torch import save_file
+
+            path = self.root / "aqn-norms.safetensors"
+            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in named.items()}, str(path))
+            self._rpc("qerl_set_norms_file", str(path))
+            self._request("POST", "/reset_prefix_cache")
+        self._barrier()
+
+    def _restore_norms(self):
+        self._barrier()
+        if self._is_main():
+            self._rpc("qerl_restore_norms")
+            self._request("POST", "/reset_prefix_cache")
+        self._barrier()
+
+    # generation ------------------------------------------------------------------------
+    def _generate(self, prompts, sampling):
+        payload = {k: v for k, v in sampling.items() if v is not None}
+        payload.update(
+            model=self.lora_name or self.base_model,
+            prompt=prompts,
+            logprobs=0,
+            return_token_ids=True,
+        )
+        out = self._request("POST", "/v1/completions", payload)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        ids = [list(c["token_ids"]) for c in choices]
+        lps = [[float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []] for c in choices]
+        return ids, lps
+
+
+def make_vllm_rollout(trainer: Any, model_path: str | None) -> _Rollout:
+    """Colocate engine, or the server client when ``args.vllm_server_url`` is set."""
+    args = trainer.args
+    if args.vllm_server_url:
+        return ServerVLLMRollout(trainer, args.vllm_server_url, args.vllm_adapter_dir, args.vllm_server_timeout)
+    if model_path is None:
+        raise ValueError("colocate vLLM rollouts need the engine checkpoint (vllm_model_path)")
+    return ColocateVLLMRollout(trainer, model_path)

@@ -1,0 +1,311 @@
+"""``QeRLGRPOTrainer(rollout_engine="vllm")`` on the real CPU engine, offline default model in NVFP4 (RTN).
+
+Colocate (one trainer + in-process engine per module): GRPO steps run through vLLM with TRL's importance-sampling
+correction on; the engine follows the trainer's LoRA updates (adapter sync, never merged); AQN noise reaches the
+engine's norms (the same draw as the transformers path) and is restored bit-identically. Server mode: a separately
+launched ``vllm.entrypoints.openai.api_server`` (LoRA via ``/v1/load_lora_adapter``, norms via dev-mode
+``/collective_rpc``), killed at the end whatever happens.
+
+Measured on this machine (2 CPU cores, fp32 engine + fp32 trainer; see the printed reports):
+``sampling/sampling_logp_difference/mean`` ≈ 7e-6 (max ≈ 3e-5) on noise-free steps, also after LoRA updates;
+≈ 0.36 on a σ = 0.01 step (there the engine samples from the noisy policy, the trainer scores with the clean one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_test_helpers import compare, nvfp4_offline_checkpoint
+
+PROMPTS = ["The capital of France is", "Question: Tom has 3 apples and buys 5 more. How many apples does he have?"]
+N_TOKENS = 8
+LORA_RANK = 8
+SIGMA = 0.01
+# bounds over the measured values above (fp32 engine vs fp32 trainer)
+CLEAN_GAP = 1e-3  # sampling_logp_difference/mean on noise-free steps (measured ~7e-6)
+NOISY_GAP = 1.5  # ... on a σ = 0.01 step (measured ~0.36)
+GREEDY_GAP = 1e-3  # engine-vs-HF greedy logprob gap, same LoRA (and same AQN noise)
+
+
+def even_token_reward(completions, completion_ids, **kwargs):
+    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _args(tmp: Path, cls=None, **kw):
+    from qerl_trl.config import QeRLConfig
+
+    base = dict(
+        output_dir=str(tmp / "run"), max_steps=3, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=N_TOKENS, logging_steps=1, save_steps=1000, report_to=[], learning_rate=1e-3,
+        gradient_checkpointing=False, seed=0, disable_tqdm=True, lora_r=LORA_RANK,
+        # two stages over the run: noise-free first, then σ = SIGMA
+        aqn_num_stages=2, aqn_sigma_start=SIGMA, aqn_sigma_end=SIGMA,
+        rollout_engine="vllm", vllm_max_model_len=512, vllm_kv_cache_memory_bytes=64 << 20,
+    )
+    base.update(kw)
+    return (cls or QeRLConfig)(**base)
+
+
+def _dataset():
+    from qerl_trl.tasks import load_task
+
+    return load_task("arithmetic", n_examples=16, demo=False)
+
+
+def _steps(trainer):
+    return [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> Path:
+    return nvfp4_offline_checkpoint()
+
+
+def test_dapo_step_with_dynamic_sampling_through_colocated_vllm(ckpt, tmp_path):
+    """DAPO's refill rounds concatenate the engine's batches (sampling logprobs, IS ratios) like TRL's own."""
+    from qerl_trl.config import QeRLDAPOConfig
+    from qerl_trl.dapo import QeRLDAPOTrainer
+
+    args = _args(tmp_path, cls=QeRLDAPOConfig, max_steps=1, max_resample_rounds=1, aqn=False)
+    trainer = QeRLDAPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
+    try:
+        trainer.train()
+    finally:
+        trainer.vllm_rollout.close()
+    steps = _steps(trainer)
+    assert trainer.state.global_step == 1 and len(steps) == 1
+    gap = steps[0]["sampling/sampling_logp_difference/mean"]
+    print(f"\n[dapo] logp_gap_mean={gap}  resample_rounds={steps[0].get('dapo/resample_rounds')}")
+    assert math.isfinite(gap) and gap < CLEAN_GAP
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """3 GRPO steps with colocated vLLM rollouts (steps 0-1 noise-free, step 2 at σ = SIGMA).
+
+    The policy is the dense offline default quantized on load (RTN): the trainer saves that NVFP4 model once for the
+    engine (same tensors as the trainer's, so the engine-vs-trainer gaps below are pure engine arithmetic)."""
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    tmp = tmp_path_factory.mktemp("colocate")
+    trainer = QeRLGRPOTrainer(
+        "offline-default", even_token_reward, _args(tmp, vllm_cache_dir=str(tmp / "vllm-cache")), train_dataset=_dataset()
+    )
+    start = time.perf_counter()
+    trainer.train()
+    trainer._test_train_seconds = time.perf_counter() - start
+    yield trainer
+    trainer.vllm_rollout.close()
+
+
+def _prompt_ids(trainer):
+    tok = trainer.processing_class
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+
+def _engine_greedy(trainer, prompt_ids, **kw):
+    # no min_tokens: with processed_logprobs vLLM reports logprobs after its min-tokens EOS mask (renormalized),
+    # HF's raw logits do not; both sides stop at EOS instead
+    return trainer.vllm_rollout.engine.generate(prompt_ids, {"temperature": 0.0, "max_tokens": N_TOKENS}, **kw)
+
+
+@torch.no_grad()
+def _greedy_hf(model, prompt_ids):
+    out = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        g = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=N_TOKENS, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)
+        toks = g.sequences[0, len(ids):].tolist()
+        out.append((toks, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, toks)]))
+    return out
+
+
+def _hf_greedy(trainer, prompt_ids):
+    from nvfp4 import cache_dequantized
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    try:
+        with cache_dequantized(model, torch.float32):
+            return _greedy_hf(model, prompt_ids)
+    finally:
+        model.train(was_training)
+
+
+def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
+    from qerl_trl.vllm_rollout import ColocateVLLMRollout
+
+    assert isinstance(trained.vllm_rollout, ColocateVLLMRollout)
+    saved = Path(trained.vllm_rollout.engine.model_path)  # the NVFP4 checkpoint written for the engine
+    assert saved.parent.name == "vllm-cache"
+    assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == "nvfp4_w4a16"
+    assert trained.use_vllm and not trained.args.use_vllm  # TRL's own VLLMGeneration was never built
+    assert trained.state.global_step == 3
+    steps = _steps(trained)
+    assert len(steps) == 3
+    gaps = [s["sampling/sampling_logp_difference/mean"] for s in steps]
+    sigmas = [s["aqn/sigma"] for s in steps]
+    print(f"\n[colocate] train {trained._test_train_seconds:.0f}s  sigma={sigmas}  logp_gap_mean={gaps}  "
+          f"logp_gap_max={[s['sampling/sampling_logp_difference/max'] for s in steps]}")
+    assert sigmas == [0.0, 0.0, SIGMA]
+    assert all(math.isfinite(g) for g in gaps)
+    # steps 0 and 1: the engine holds the trainer's policy (step 1: after one LoRA update, synced as an adapter)
+    assert gaps[0] < CLEAN_GAP and gaps[1] < CLEAN_GAP
+    # step 2: the engine sampled under AQN noise, the trainer scores with the clean policy (IS correction applies)
+    assert CLEAN_GAP < gaps[2] < NOISY_GAP
+    assert all("sampling/importance_sampling_ratio/mean" in s for s in steps)
+    assert trained.vllm_rollout.last_synced_step == 2
+    lora_moved = [
+        n for n, p in trained.model.named_parameters() if p.requires_grad and "lora_B" in n and p.abs().max() > 0
+    ]
+    assert lora_moved, "LoRA did not train"
+
+
+def test_engine_follows_lora_update_like_the_trainer(trained):
+    trained.vllm_rollout.sync_weights()  # the adapter after the last optimizer step (global_step 3)
+    assert trained.vllm_rollout.last_synced_step == 3
+    prompt_ids = _prompt_ids(trained)
+    ours = _engine_greedy(trained, prompt_ids)
+    ref = _hf_greedy(trained, prompt_ids)
+    cmp = compare(ours, ref)
+    base = _engine_greedy(trained, prompt_ids, lora=None)
+    lora_effect = max(abs(a - b) for o, p in zip(ours, base) for a, b in zip(o.logprobs, p.logprobs))
+    print(f"\n[lora] engine vs HF PeftModel: {cmp}; engine synced-vs-base max |Δlogp| = {lora_effect:.4g}")
+    assert cmp["tokens_equal"], cmp
+    assert cmp["max_logprob_gap"] < GREEDY_GAP, cmp
+    assert lora_effect > 10 * max(cmp["max_logprob_gap"], 1e-5), "the synced adapter should change the engine"
+
+
+def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):
+    ctl, rollout = trained.aqn, trained.vllm_rollout
+    model = trained.accelerator.unwrap_model(trained.model)
+    step = 2
+    assert ctl.sigma(step) == SIGMA
+    prompt_ids = _prompt_ids(trained)
+    clean_w = rollout.engine.norm_weights()
+    before = _engine_greedy(trained, prompt_ids)
+    with rollout.noise(ctl, model, step):
+        during = _engine_greedy(trained, prompt_ids)
+    after = _engine_greedy(trained, prompt_ids)
+    with ctl.rollout(model, step):  # the transformers path's noise at the same step
+        ref = _hf_greedy(trained, prompt_ids)
+    delta = max(abs(a - b) for o, p in zip(during, before) for a, b in zip(o.logprobs, p.logprobs))
+    cmp = compare(during, ref)
+    print(f"\n[aqn] engine noisy-vs-clean max |Δlogp| = {delta:.4g}; engine vs HF under the same noise: {cmp}")
+    assert delta > 1e-3
+    assert cmp["max_logprob_gap"] < GREEDY_GAP, cmp
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.logprobs for o in after] == [o.logprobs for o in before]  # bit-identical floats
+    after_w = rollout.engine.norm_weights()
+    assert all(torch.equal(after_w[n], clean_w[n]) for n in clean_w)
+
+
+# ---------------------------------------------------------------------------------------------- server mode
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    """``vllm serve``-equivalent on 127.0.0.1 with runtime LoRA loading and the dev-mode RPC route; always killed."""
+    tmp = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+        "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0",
+        "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1",
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "qerl_vllm.worker.QeRLWorkerExtension",
+    ]
+    env = dict(
+        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"
+    )
+    log_path = tmp / "serve.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "the vLLM server did not become healthy in 240 s"
+            time.sleep(1)
+        yield url, tmp
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _server_greedy(rollout, prompt_ids, lora: str | None):
+    payload = {
+        "model": lora or rollout.base_model, "prompt": prompt_ids, "max_tokens": N_TOKENS, "temperature": 0.0, "logprobs": 0, "return_token_ids": True,
+    }
+    out = rollout._request("POST", "/v1/completions", payload)
+    return [
+        (c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(out["choices"], key=lambda c: c["index"])
+    ]
+
+
+def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
+    from qerl_trl.trainer import QeRLGRPOTrainer
+    from qerl_trl.vllm_rollout import ServerVLLMRollout
+
+    url, shared = server
+    args = _args(tmp_path, max_steps=2, vllm_server_url=url, vllm_adapter_dir=str(shared / "adapters"))
+    trainer = QeRLGRPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
+    rollout = trainer.vllm_rollout
+    assert isinstance(rollout, ServerVLLMRollout) and trainer.vllm_mode == "server"
+    prompt_ids = _prompt_ids(trainer)
+    base_before = _server_greedy(rollout, prompt_ids, None)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    steps = _steps(trainer)
+    gaps = [s["sampling/sampling_logp_difference/mean"] for s in steps]
+    sigmas = [s["aqn/sigma"] for s in steps]
+    print(f"\n[server] train {seconds:.0f}s  sigma={sigmas}  logp_gap_mean={gaps}")
+    assert trainer.state.global_step == 2 and len(steps) == 2
+    assert sigmas == [0.0, SIGMA]  # step 1's noisy norms went through /collective_rpc
+    assert gaps[0] < CLEAN_GAP and CLEAN_GAP < gaps[1] < NOISY_GAP
+
+    # norms restored on the server: the base model answers bit-identically to before training
+    assert _server_greedy(rollout, prompt_ids, None) == base_before
+    # LoRA sync through /v1/load_lora_adapter: the server follows the trainer's latest adapter
+    rollout.sync_weights()
+    models = [m["id"] for m in rollout._request("GET", "/v1/models")["data"]]
+    assert rollout.lora_name == "qerl-step2" and rollout.lora_name in models, models
+    ours = [tuple(x) for x in _server_greedy(rollout, prompt_ids, rollout.lora_name)]
+    cmp = compare(ours, _hf_greedy(trainer, prompt_ids))
+    print(f"[server lora] server vs HF PeftModel: {cmp}")
+    assert cmp["tokens_equal"] and cmp["max_logprob_gap"] < GREEDY_GAP, cmp
+    json.dumps(steps)  # the logged metrics are plain numbers

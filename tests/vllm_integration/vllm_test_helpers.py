@@ -79,28 +79,3 @@ def compare(engine_out, hf_out) -> dict:
         "max_logprob_gap": max(gaps) if gaps else 0.0,
         "mean_logprob_gap": sum(gaps) / len(gaps) if gaps else 0.0,
     }
-
-
-def cache_dequantized(model) -> int:
-    """Make every ``NVFP4Linear`` of an HF model reuse one dequantized copy of its weight instead of dequantizing on
-    each forward (the CPU reference op dequantizes every call, which costs seconds per forward on 2 busy cores).
-
-    Bit-identical to the op: its CPU path is ``F.linear(x, dequantize(W, x.dtype), b)`` and the checkpoint dtype is
-    the activation dtype (checked on the first layer). Returns how many layers were switched.
-    """
-    import torch.nn.functional as F
-    from nvfp4 import NVFP4Linear
-
-    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-    for i, m in enumerate(layers):
-        w = m.dequantize()
-
-        def fwd(x, _m=m, _w=w):
-            bias = _m.bias.to(x.dtype) if _m.bias is not None else None
-            return F.linear(x, _w if _w.dtype == x.dtype else _m.dequantize(x.dtype), bias)
-
-        if i == 0:
-            x = torch.randn(3, m.in_features, dtype=w.dtype)
-            assert torch.equal(fwd(x), m(x)), "cached dequantized weight differs from the nvfp4::linear op"
-        m.forward = fwd
-    return len(layers)

@@ -23,6 +23,7 @@ model while the report names the adapter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nvfp4 import cache_dequantized
 
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
@@ -102,11 +104,12 @@ def evaluate(
     progress: bool = True,
     seed: int | None = None,
     ks: Sequence[int] | None = None,
+    engine: Any = None,
 ) -> dict[str, Any]:
     """Generate ``n_samples`` completions per example of ``dataset`` and score them with ``reward_fn``.
 
     Args:
-        model: a causal LM (bf16/fp32, NVFP4, or a ``PeftModel`` with its adapter).
+        model: a causal LM (bf16/fp32, NVFP4, or a ``PeftModel`` with its adapter); ``None`` with ``engine``.
         tokenizer: its tokenizer; prompts that are message lists go through its chat template.
         dataset: rows with ``prompt`` (messages or text) and the columns ``reward_fn`` reads (e.g. ``answer``).
         reward_fn: a TRL-style reward function (or its :data:`~qerl_trl.rewards.REWARD_FUNCS` name); a sample counts as
@@ -119,6 +122,8 @@ def evaluate(
         progress: show a progress bar.
         seed: ``torch.manual_seed`` before generating (reproducible sampling).
         ks: the k values of pass@k (default as above).
+        engine: a :class:`qerl_vllm.engine.VLLMEngine` to generate with instead of ``model`` (its synced LoRA adapter,
+            if any, is used); same sampling settings, same scoring.
 
     Returns:
         ``{"metrics": {"pass@1", "pass@k"..., "mean_reward", "mean_completion_tokens", "truncated_fraction",
@@ -145,9 +150,15 @@ def evaluate(
     if seed is not None:
         torch.manual_seed(seed)
 
-    model.eval()
-    device = next(model.parameters()).device
-    eos = _eos_ids(model, tokenizer)
+    if engine is None:
+        model.eval()
+        device = next(model.parameters()).device
+        eos = _eos_ids(model, tokenizer)
+    else:
+        eos = {tokenizer.eos_token_id}
+        sampling = dict(max_tokens=max_new_tokens, seed=seed, repetition_penalty=1.0, top_k=0)
+        sampling.update(temperature=0.0, n=1) if greedy else sampling.update(temperature=temperature, top_p=top_p,
+                                                                            n=n_samples)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # only the settings named here apply: a checkpoint's generation_config may carry its own top-k or repetition
@@ -167,21 +178,28 @@ def evaluate(
     bar = tqdm(total=len(dataset), desc=f"eval ({reward_name})", disable=not progress, dynamic_ncols=True)
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
+    held = contextlib.ExitStack()
+    if engine is None and device.type == "cpu":  # the CPU reference path would re-dequantize every weight per token
+        held.enter_context(cache_dequantized(model, model.get_input_embeddings().weight.dtype))
     try:
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             rendered = [_render(tokenizer, row["prompt"]) for row in rows]
             texts = [t for t, _ in rendered]
-            enc = tokenizer(texts, return_tensors="pt", padding=True,
-                            add_special_tokens=not all(chat for _, chat in rendered)).to(device)
-            out = model.generate(**enc, **gen_kwargs)
-            gen = out[:, enc["input_ids"].shape[1] :].cpu()
+            add_special = not all(chat for _, chat in rendered)
+            if engine is None:
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special).to(device)
+                out = model.generate(**enc, **gen_kwargs)
+                seqs = out[:, enc["input_ids"].shape[1] :].cpu().tolist()
+            else:
+                ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
+                seqs = [g.token_ids for g in engine.generate(ids, sampling)]
             lengths, truncated = [], []
-            for seq in gen.tolist():
+            for seq in seqs:
                 stop = next((i for i, t in enumerate(seq) if t in eos), None)
                 lengths.append(stop + 1 if stop is not None else len(seq))
                 truncated.append(stop is None and len(seq) >= max_new_tokens)
-            completions = tokenizer.batch_decode(gen, skip_special_tokens=True)
+            completions = tokenizer.batch_decode([seq[:n] for seq, n in zip(seqs, lengths)], skip_special_tokens=True)
             generated_tokens += sum(lengths)
 
             expanded = [row for row in rows for _ in range(n_samples)]
@@ -208,6 +226,7 @@ def evaluate(
             bar.update(len(rows))
             bar.set_postfix(pass1=f"{sum(r['n_correct'] for r in records) / (len(records) * n_samples):.3f}")
     finally:
+        held.close()
         tokenizer.padding_side = old_side
         bar.close()
     wall = time.perf_counter() - t0
@@ -225,7 +244,7 @@ def evaluate(
         wall_s=wall,
         generated_tokens_per_s=generated_tokens / wall if wall > 0 else None,
     )
-    settings = dict(reward=reward_name, n_samples=n_samples, greedy=greedy, temperature=None if greedy else temperature,
+    settings = dict(engine="vllm" if engine is not None else "transformers", reward=reward_name, n_samples=n_samples, greedy=greedy, temperature=None if greedy else temperature,
                     top_p=None if greedy else top_p, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                     ks=list(ks))
     return {"metrics": metrics, "settings": settings, "records": records}
@@ -437,7 +456,28 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     ap.add_argument("--output", help="folder for eval.json and eval.md (default runs/eval/<model>-<task>-<split>)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                    help="generation engine (vllm: needs the qerl-vllm plugin; the adapter is loaded as a LoRA adapter)")
     return ap
+
+
+def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> Any:
+    """A vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on load), with ``--adapter`` synced."""
+    from peft import PeftModel
+
+    from .vllm_rollout import engine_checkpoint
+
+    try:
+        from qerl_vllm.engine import VLLMEngine
+    except ImportError as e:
+        raise SystemExit(f"qerl eval --engine vllm needs vLLM and the qerl-vllm plugin ({e}); see .ci/vllm-setup") from e
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    path = engine_checkpoint(args.model, base, args.quantize)
+    engine = VLLMEngine(path, seed=args.seed, max_lora_rank=64, dtype=info["dtype"])  # same compute dtype as HF
+    if args.adapter:
+        engine.sync_lora(args.adapter, version=1)
+    info["engine_checkpoint"] = path
+    return engine
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -467,9 +507,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer, info = load_model(args.model, quantize=args.quantize, adapter=args.adapter, dtype=dtype,
                                         device=args.device, tokenizer_path=args.tokenizer, calib_texts=calib)
     reward_name = args.reward or TASK_EVAL_REWARD[args.task]
-    result = evaluate(model, tokenizer, dataset, reward_fn=reward_name, n_samples=args.n_samples,
-                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.batch_size, greedy=args.greedy, progress=not args.no_progress, seed=args.seed)
+    engine = _vllm_engine(args, model, info) if args.engine == "vllm" else None
+    try:
+        result = evaluate(None if engine else model, tokenizer, dataset, reward_fn=reward_name,
+                          n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, greedy=args.greedy,
+                          progress=not args.no_progress, seed=args.seed, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
     result["settings"] = {**info, "task": args.task, "split": args.split, "data_path": args.data_path,
                           "limit": args.limit, "task_options": options, **result["settings"]}
 

@@ -148,7 +148,7 @@ def test_arithmetic_default_rewards():
     untagged = [f"It is {g}." for g in gold]
     wrong = [f"<answer>{int(g) + 1}</answer>" for g in gold]
     total = lambda comps: [sum(vals) for vals in zip(*(f(comps, answer=gold) for f in funcs))]
-    assert total(tagged) == [1.2] * 4  # accuracy 1 + small tag bonus
+    assert total(tagged) == [1.0] * 4
     assert total(untagged) == [1.0] * 4  # the lenient accuracy pays without tags
-    assert total(wrong) == [0.2] * 4  # the tag bonus is small next to accuracy
+    assert total(wrong) == [0.0] * 4  # a wrong answer earns nothing, tagged or not (no format bonus to farm)
     assert gsm8k_accuracy_reward(tagged, answer=gold) == [1.0] * 4

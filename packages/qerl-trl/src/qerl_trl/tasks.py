@@ -73,8 +73,10 @@ TASK_DEFAULT_REWARDS: dict[str, list[str]] = {
     "gsm8k": ["gsm8k_accuracy", "format"],
     "math": ["math_accuracy", "format"],
     "bigmath": ["math_accuracy", "format"],
-    "arithmetic": ["arithmetic_accuracy", "answer_tag"],
+    "arithmetic": ["arithmetic_accuracy"],
 }
+# arithmetic: accuracy alone. With a 0.2 tag bonus beside it, NVFP4 policies learned fixed well-tagged wrong answers
+# (reward up, accuracy down: BENCHMARKS.md, learning study); the prompt's one-shot demo already teaches the tags.
 """Default reward functions per task, by :data:`qerl_trl.rewards.REWARD_FUNCS` name (use ``get_reward_funcs``)."""
 
 TASK_EVAL_REWARD: dict[str, str] = {

@@ -298,8 +298,12 @@ def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
     assert sigmas == [0.0, SIGMA]  # step 1's noisy norms went through /collective_rpc
     assert gaps[0] < CLEAN_GAP and CLEAN_GAP < gaps[1] < NOISY_GAP
 
-    # norms restored on the server: the base model answers bit-identically to before training
-    assert _server_greedy(rollout, prompt_ids, None) == base_before
+    # norms restored on the server: the base model answers as before training. Same tokens; logprobs equal up to the
+    # server's run-to-run float noise (seen: 9e-6 on one token), far below what σ = 1e-2 noise left on would give
+    # (gaps ~0.1-1). Bit-identical restore of the weights themselves is checked on the colocated engine.
+    after = _server_greedy(rollout, prompt_ids, None)
+    assert [ids for ids, _ in after] == [ids for ids, _ in base_before]
+    assert max(abs(a - b) for (_, la), (_, lb) in zip(after, base_before) for a, b in zip(la, lb)) < 1e-4
     # LoRA sync through /v1/load_lora_adapter: the server follows the trainer's latest adapter
     rollout.sync_weights()
     models = [m["id"] for m in rollout._request("GET", "/v1/models")["data"]]

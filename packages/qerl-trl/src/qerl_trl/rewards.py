@@ -238,31 +238,29 @@ def gsm8k_accuracy_reward(completions: Sequence[Completion], **kwargs: Any) -> l
     solution ending in ``#### N``. Numbers compare exactly (``18`` = ``18.00`` = ``$18``). A gold answer that is not a
     number gives ``None`` (TRL then ignores this function for that sample).
     """
-    golds = _golds(kwargs, len(completions), "gsm8k_accuracy_reward")
-    out: list[float | None] = []
-    for completion, gold in zip(completions, golds):
-        gold_value = _gold_number(gold)
-        if gold_value is None:
-            out.append(None)
-            continue
-        out.append(1.0 if numbers_equal(_predicted_number(completion_text(completion)), gold_value) else 0.0)
-    return out
+    return _numeric_accuracy(completions, kwargs, "gsm8k_accuracy_reward")
 
 
 def arithmetic_accuracy_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
     """Lenient accuracy for the synthetic arithmetic task: the ``<answer>`` tag's number, else the last number written.
 
     Lenient on purpose: a small model that answers ``3 + 5 = 8`` without tags still earns the accuracy reward, so the
-    reward signal exists from step 0; :func:`answer_tag_reward` separately teaches the tags.
+    reward signal exists from step 0 (the task's one-shot demo shows the tags).
     """
-    golds = _golds(kwargs, len(completions), "arithmetic_accuracy_reward")
+    return _numeric_accuracy(completions, kwargs, "arithmetic_accuracy_reward", boxed=False, hashes=False)
+
+
+def _numeric_accuracy(
+    completions: Sequence[Completion], kwargs: dict[str, Any], fname: str, *, boxed: bool = True, hashes: bool = True
+) -> list[float | None]:
+    """1.0 / 0.0 per completion by numeric comparison with the gold ``answer``; ``None`` where the gold is no number."""
     out: list[float | None] = []
-    for completion, gold in zip(completions, golds):
+    for completion, gold in zip(completions, _golds(kwargs, len(completions), fname)):
         gold_value = _gold_number(gold)
         if gold_value is None:
             out.append(None)
             continue
-        pred = _predicted_number(completion_text(completion), boxed=False, hashes=False)
+        pred = _predicted_number(completion_text(completion), boxed=boxed, hashes=hashes)
         out.append(1.0 if numbers_equal(pred, gold_value) else 0.0)
     return out
 

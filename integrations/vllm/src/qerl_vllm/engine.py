@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from nvfp4.peft import write_adapter
 
 __all__ = ["Generation", "VLLMEngine", "norm_param_names", "to_vllm_name"]
 
@@ -345,7 +346,7 @@ class VLLMEngine:
             if peft_config is None:
                 raise ValueError("sync_lora(state_dict, ...) needs peft_config (a LoraConfig or its dict)")
             written = self._lora_root / f"v{int(version)}-{self._next_lora_id}"
-            _write_adapter(written, adapter, peft_config)
+            write_adapter(written, adapter, peft_config)
             path = str(written)
         else:
             path = str(adapter)
@@ -435,40 +436,6 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _config_dict(peft_config: Any) -> dict[str, Any]:
-    if isinstance(peft_config, Mapping):
-        d = dict(peft_config)
-    elif hasattr(peft_config, "to_dict"):
-        d = peft_config.to_dict()
-    else:
-        raise TypeError(f"peft_config: expected a LoraConfig or dict, got {type(peft_config).__name__}")
-    out = {}
-    for k, v in d.items():  # JSON-safe (sets → sorted lists, enums → values)
-        if isinstance(v, set):
-            v = sorted(v)
-        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
-            v = v.value
-        out[k] = v
-    out.setdefault("peft_type", "LORA")
-    return out
-
-
-def _write_adapter(folder: Path, state: Mapping[str, torch.Tensor], peft_config: Any) -> None:
-    from safetensors.torch import save_file
-
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {}
-    for k, v in state.items():
-        k = k.replace(".default.weight", ".weight")  # a raw model.state_dict() carries PEFT's adapter name
-        tensors[k] = v.detach().to("cpu").contiguous()
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
 
 
 def _adapter_rank(folder: Path) -> int | None:

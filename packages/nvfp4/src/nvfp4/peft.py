@@ -16,8 +16,13 @@ add a float delta to packed uint8 and fails loudly; use this module's helpers to
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import torch
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from peft.tuners.lora.layer import Linear as _LoraLinear
@@ -25,7 +30,14 @@ from torch import nn
 
 from .linear import NVFP4Linear
 
-__all__ = ["LoraNVFP4Linear", "get_peft_model", "load_adapter", "merge_and_unload", "register_nvfp4_lora"]
+__all__ = [
+    "LoraNVFP4Linear",
+    "get_peft_model",
+    "load_adapter",
+    "merge_and_unload",
+    "register_nvfp4_lora",
+    "write_adapter",
+]
 
 
 class LoraNVFP4Linear(_LoraLinear):
@@ -86,3 +98,44 @@ def merge_and_unload(model: PeftModel) -> nn.Module:
             except AttributeError:
                 setattr(merged, attr, None)
     return merged
+
+
+def _config_dict(peft_config: Any) -> dict[str, Any]:
+    if isinstance(peft_config, Mapping):
+        d = dict(peft_config)
+    elif hasattr(peft_config, "to_dict"):
+        d = peft_config.to_dict()
+    else:
+        raise TypeError(f"peft_config: expected a LoraConfig or dict, got {type(peft_config).__name__}")
+    out = {}
+    for k, v in d.items():  # JSON-safe (sets → sorted lists, enums → values)
+        if isinstance(v, set):
+            v = sorted(v)
+        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
+            v = v.value
+        out[k] = v
+    out.setdefault("peft_type", "LORA")
+    return out
+
+
+def write_adapter(folder: str | Path, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
+    """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) atomically.
+
+    ``state``: PEFT key names (``get_peft_model_state_dict``) or a raw ``state_dict()`` (``.default.weight`` keys);
+    ``peft_config``: a ``LoraConfig`` or its dict. Engines (vLLM) load the folder as a LoRA adapter. Returns ``folder``.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for k, v in state.items():
+        k = k.replace(".default.weight", ".weight")  # a raw model.state_dict() carries PEFT's adapter name
+        tensors[k] = v.detach().to("cpu").contiguous()
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder

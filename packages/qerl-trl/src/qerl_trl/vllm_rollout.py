@@ -38,11 +38,12 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from nvfp4.peft import write_adapter
 
 __all__ = [
     "ColocateVLLMRollout",
@@ -108,35 +109,6 @@ def engine_checkpoint(
 
 
 # ---------------------------------------------------------------------------------------------- adapters
-def _config_dict(peft_config: Any) -> dict[str, Any]:
-    d = dict(peft_config) if isinstance(peft_config, Mapping) else peft_config.to_dict()
-    out = {}
-    for k, v in d.items():  # JSON-safe (sets → sorted lists, enums → values)
-        if isinstance(v, set):
-            v = sorted(v)
-        elif hasattr(v, "value") and not isinstance(v, (int, float, str)):
-            v = v.value
-        out[k] = v
-    out.setdefault("peft_type", "LORA")
-    return out
-
-
-def write_adapter(folder: str | os.PathLike, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
-    """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) atomically."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {k.replace(".default.weight", ".weight"): v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
-
-
 def _lora_state(trainer: Any) -> tuple[dict[str, torch.Tensor], Any]:
     from peft import PeftModel, get_peft_model_state_dict
 

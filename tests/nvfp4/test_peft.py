@@ -63,3 +63,57 @@ def test_adapter_save_load_and_merge(tmp_path):
     with torch.no_grad():
         out = merged(input_ids=ids).logits
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _adapted_model(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    return pm.to(device=device, dtype=dtype).eval()
+
+
+def test_lora_linear_op_reference_equals_peft_forward_and_refuses_gradients():
+    """``ops.lora_linear`` (what generation uses on CUDA) computes PEFT's forward; it has no backward."""
+    from nvfp4 import ops
+
+    pm = _adapted_model()
+    layer = next(m for m in pm.modules() if isinstance(m, LoraNVFP4Linear))
+    base = layer.get_base_layer()
+    x = torch.randn(3, 5, base.in_features)
+    with torch.no_grad():
+        assert layer._fusable_adapter(x, (), {}) is None  # CPU: PEFT's path (the CPU trainer caches dequant(W))
+        peft_y = layer(x)
+        fused_y = ops.lora_linear(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
+                                  layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                                  layer.scaling["default"])  # fmt: skip
+    torch.testing.assert_close(fused_y, peft_y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="no backward"):
+        ops.lora_linear(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
+                        layer.lora_A["default"].weight, layer.lora_B["default"].weight, 2.0)  # fmt: skip
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_lora_generation_matches_peft_path_gpu(compiled, monkeypatch):
+    """On CUDA without gradients every LoraNVFP4Linear takes the fused kernel; logits match PEFT's unfused path,
+    also compiled with CUDA graphs; with gradients (training) PEFT's path runs."""
+    import nvfp4.peft as nvpeft
+
+    pm = _adapted_model("cuda", torch.bfloat16)
+    layers = [m for m in pm.modules() if isinstance(m, LoraNVFP4Linear)]
+    ids = torch.randint(0, 256, (4, 11), device="cuda")
+    x = torch.randn(2, layers[0].in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert all(m._fusable_adapter(x, (), {}) == "default" for m in layers)
+        monkeypatch.setattr(nvpeft, "FUSED_LORA", False)
+        unfused = pm(input_ids=ids).logits.float()
+        monkeypatch.setattr(nvpeft, "FUSED_LORA", True)
+        fwd = torch.compile(pm, mode="reduce-overhead", fullgraph=True) if compiled else pm
+        for _ in range(3 if compiled else 1):
+            fused = fwd(input_ids=ids).logits.float()
+    assert not torch.isnan(fused).any()
+    rel = ((fused - unfused).norm() / unfused.norm()).item()
+    assert rel < 2e-2, rel
+    assert layers[0]._fusable_adapter(x.requires_grad_(), (), {}) is None  # grad enabled: PEFT's path

@@ -1,9 +1,11 @@
 """NVFP4 weight-only linear algebra as ``torch.library`` custom ops.
 
-Two ops, each with one entry point that dispatches by device:
+Three ops, each with one entry point that dispatches by device:
 
 * ``nvfp4::linear(x, packed, scale, global_scale, bias) -> y``   y = x · dequant(W)ᵀ + b,  x ``[..., in]``, y ``[..., out]``
 * ``nvfp4::linear_dgrad(dy, packed, scale, global_scale) -> dx``   dx = dy · dequant(W),  dy ``[..., out]``, dx ``[..., in]``
+* ``nvfp4::lora_linear(x, packed, scale, global_scale, bias, A, B, s) -> y``   y = linear(x) + s · (x·Aᵀ)·Bᵀ, one kernel on
+  CUDA; inference only (no autograd formula: :class:`nvfp4.peft.LoraNVFP4Linear` uses it when no gradient is needed)
 
 ``linear`` has an autograd formula whose backward is ``linear_dgrad`` (the 4-bit weight is frozen: no weight grad),
 so LoRA adapters train through it. Both carry fake (meta) implementations, so ``torch.compile`` traces them without
@@ -23,7 +25,14 @@ import torch.nn.functional as F
 
 from .codec import dequantize
 
-__all__ = ["linear", "linear_dgrad", "linear_reference", "linear_dgrad_reference"]
+__all__ = [
+    "linear",
+    "linear_dgrad",
+    "linear_dgrad_reference",
+    "linear_reference",
+    "lora_linear",
+    "lora_linear_reference",
+]
 
 
 def linear_reference(
@@ -42,6 +51,21 @@ def linear_dgrad_reference(
 ) -> torch.Tensor:
     """Plain PyTorch reference of ``nvfp4::linear_dgrad``: ``dy @ dequant(W)``."""
     return dy @ dequantize(packed, scale, global_scale, dy.dtype)
+
+
+def lora_linear_reference(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Plain PyTorch reference of ``nvfp4::lora_linear``: the base op plus PEFT's ``scaling · B(A(x))`` in ``x.dtype``."""
+    y = linear_reference(x, packed, scale, global_scale, bias)
+    return y + scaling * F.linear(F.linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -88,6 +112,29 @@ def _linear_dgrad_op(
 @_linear_dgrad_op.register_fake
 def _(dy, packed, scale, global_scale):
     return dy.new_empty((*dy.shape[:-1], packed.shape[1] * 2))
+
+
+@torch.library.custom_op("nvfp4::lora_linear", mutates_args=())
+def _lora_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    if _use_triton(x):
+        from .kernels import nvfp4_lora_linear
+
+        return nvfp4_lora_linear(x, packed, scale, global_scale, bias, lora_a, lora_b, scaling)
+    return lora_linear_reference(x, packed, scale, global_scale, bias, lora_a, lora_b, scaling)
+
+
+@_lora_linear_op.register_fake
+def _(x, packed, scale, global_scale, bias, lora_a, lora_b, scaling):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _setup_context(ctx, inputs, output):
@@ -137,3 +184,34 @@ def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
     if dy.shape[-1] != packed.shape[0]:
         raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {packed.shape[0]} outputs")
     return _linear_dgrad_op(dy, packed, scale, global_scale)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``y = x · dequant(W)ᵀ + bias + scaling · (x · Aᵀ) · Bᵀ`` (an NVFP4 linear and its LoRA adapter; no autograd).
+
+    Args:
+        x: ``[..., in]`` float32/float16/bfloat16.
+        packed, scale, global_scale, bias: as :func:`linear`.
+        lora_a: ``[r, in]``; lora_b: ``[out, r]`` (PEFT's ``lora_A`` / ``lora_B`` weights, any float dtype).
+        scaling: ``lora_alpha / r``.
+
+    Returns:
+        ``[..., out]`` in ``x.dtype``.
+
+    Raises:
+        RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
+    """
+    if x.shape[-1] != packed.shape[1] * 2:
+        raise ValueError(f"nvfp4.lora_linear: x has {x.shape[-1]} input features, the weight expects {packed.shape[1] * 2}")
+    if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
+        raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")
+    return _lora_linear_op(x, packed, scale, global_scale, bias, lora_a, lora_b, float(scaling))

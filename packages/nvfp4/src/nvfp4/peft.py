@@ -17,6 +17,7 @@ add a float delta to packed uint8 and fails loudly; use this module's helpers to
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from peft import get_peft_model as _peft_get_peft_model
 from peft.tuners.lora.layer import Linear as _LoraLinear
 from torch import nn
 
+from . import ops
 from .linear import NVFP4Linear
 
 __all__ = [
@@ -40,8 +42,56 @@ __all__ = [
 ]
 
 
+# Set NVFP4_DISABLE_FUSED_LORA=1 to run adapters as PEFT does even where the fused kernel applies (benchmarks).
+FUSED_LORA = os.environ.get("NVFP4_DISABLE_FUSED_LORA") != "1"
+
+
 class LoraNVFP4Linear(_LoraLinear):
-    """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``."""
+    """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``.
+
+    Forward: PEFT's (base, then ``scale · B(A(dropout(x)))``), except when no gradient is needed on CUDA with one
+    plain LoRA adapter active (generation): then base and adapter run as one kernel (``nvfp4.ops.lora_linear``),
+    which saves the four small kernels per layer that dominate a decode step's adapter cost. The adapter's product
+    is then computed in the activation dtype (PEFT computes it in the adapter's dtype); training always takes
+    PEFT's path.
+    """
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter = self._fusable_adapter(x, args, kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.get_base_layer()
+        bias = base.bias.to(x.dtype) if base.bias is not None else None
+        return ops.lora_linear(
+            x,
+            base.weight_packed,
+            base.weight_scale,
+            base.weight_global_scale,
+            bias,
+            self.lora_A[adapter].weight,
+            self.lora_B[adapter].weight,
+            self.scaling[adapter],
+        )
+
+    def _fusable_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+        """The one active adapter if the fused inference kernel computes exactly this layer's forward, else None."""
+        if not FUSED_LORA or args or kwargs or not x.is_cuda or torch.is_grad_enabled():
+            return None
+        if self.disable_adapters or self.merged or self.fan_in_fan_out:
+            return None
+        base = self.get_base_layer()
+        if not isinstance(base, NVFP4Linear) or base._dense_cache is not None:
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        name = active[0]
+        if name in self.lora_variant or self.lora_bias.get(name, False):
+            return None  # DoRA and other variants, adapter bias: PEFT's path
+        dropout = self.lora_dropout[name]
+        if not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 0.0) > 0:
+            return None
+        return name
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()

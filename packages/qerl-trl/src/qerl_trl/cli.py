@@ -5,6 +5,8 @@ synthetic arithmetic task, CPU-sized). ``RECIPE`` is a YAML file, or the name of
 ``qerl_trl/recipes/`` (``qerl train --list-recipes``). Every field of :class:`ScriptArguments` and of the trainer
 config (:class:`~qerl_trl.QeRLConfig`, or :class:`~qerl_trl.QeRLDAPOConfig` for ``algorithm: dapo``) can be set in the
 YAML and overridden on the command line (``--learning_rate 5e-6``), as with TRL's own scripts (``TrlParser``).
+
+Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml -m qerl_trl train [RECIPE] ...``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class ScriptArguments:
     rewards: list[str] | None = field(default=None, metadata={"help": "Reward function names (default: the task's)."})
     task_options: dict | str | None = field(
         default=None,
-        metadata={"help": 'Task options (YAML mapping or JSON string), e.g. {"n_examples": 500, "digits": 1} for arithmetic.'},
+        metadata={
+            "help": 'Task options (YAML mapping or JSON string), e.g. {"n_examples": 500, "digits": 1} for arithmetic.'
+        },
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
 
@@ -121,9 +125,7 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
 
         callbacks.append(RichProgressCallback())
     trainer_cls = QeRLDAPOTrainer if script_args.algorithm == "dapo" else QeRLGRPOTrainer
-    trainer = trainer_cls(
-        script_args.model_name_or_path, rewards, config, train_dataset=dataset, callbacks=callbacks
-    )
+    trainer = trainer_cls(script_args.model_name_or_path, rewards, config, train_dataset=dataset, callbacks=callbacks)
     if any(type(cb).__name__ == "RichProgressCallback" for cb in callbacks):
         from transformers import ProgressCallback
 
@@ -138,7 +140,8 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     seconds = time.perf_counter() - start
     final = Path(config.output_dir) / "final"
     trainer.save_model(str(final))
-    _print_summary(trainer, seconds, final)
+    if trainer.accelerator.is_main_process:  # under `accelerate launch`, once
+        _print_summary(trainer, seconds, final)
     return trainer
 
 

@@ -6,6 +6,7 @@ TRL config (``qerl train recipes/gsm8k_qwen2.5_7b_grpo.yaml --learning_rate 5e-6
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,16 @@ class QeRLConfig(GRPOConfig):
             server can read).
         vllm_gpu_memory_utilization, vllm_max_model_len, vllm_dtype, vllm_enforce_eager, vllm_kv_cache_memory_bytes:
             engine knobs (colocate).
+    Several processes (``accelerate launch``, see ``recipes/accelerate/``):
+        rollout_seed_per_prompt: sample each prompt's group of ``num_generations`` completions in its own
+            ``generate`` call, from a seed that is a function of (``seed``, ``global_step``, the prompt's index in
+            the global batch) only. The rollouts, hence the training run, are then the same on 1 or N processes for
+            the same global batch (and ``gradient_accumulation_steps=1``); the price is one ``generate`` call per
+            prompt instead of one per batch. Transformers rollouts only.
+        ddp_broadcast_buffers (TrainingArguments'): default ``False`` here: every rank loads the same frozen
+            NVFP4 base, so DDP has no reason to broadcast its 4-bit buffers before every forward.
+        ddp_find_unused_parameters (TrainingArguments'): default ``False`` here: every LoRA adapter is used by every
+            forward. Set it to ``True`` if you target modules a forward can skip.
     """
 
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper: 1e-5)."})
@@ -89,10 +100,33 @@ class QeRLConfig(GRPOConfig):
     vllm_enforce_eager: bool | None = field(default=None, metadata={"help": "Colocate: no CUDA graphs."})
     vllm_kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "Colocate: KV-cache size."})
     vllm_server_timeout: float = field(default=600.0, metadata={"help": "Server mode: seconds per HTTP request."})
+    rollout_seed_per_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Seed each prompt group's sampling from (seed, step, global prompt index): the same rollouts "
+            "on any number of processes (one generate call per prompt; transformers rollouts only)."
+        },
+    )
+    ddp_broadcast_buffers: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP broadcast_buffers (default False: the frozen 4-bit buffers are identical on all ranks)."
+        },
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP find_unused_parameters (default False: every LoRA adapter takes part in every forward)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not torch.cuda.is_available():
             self.bf16 = False  # CPU runs compute in fp32 (bf16 autocast on CPU is slower and lossier)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not torch.accelerator.is_available():
+            # launched as several processes (accelerate launch / torchrun) on a machine without an accelerator:
+            # transformers only sets up the gloo process group with use_cpu, else each process would train alone
+            self.use_cpu = True
         super().__post_init__()
         if self.quantization not in ("rtn", "mse", "none"):
             raise ValueError(f"quantization must be 'rtn', 'mse' or 'none', got {self.quantization!r}")
@@ -110,8 +144,17 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
+        if self.rollout_seed_per_prompt and (
+            self.rollout_engine != "transformers" or self.use_vllm or self.use_transformers_continuous_batching
+        ):
+            raise ValueError(
+                "rollout_seed_per_prompt seeds transformers' generate(); vLLM (and continuous-batching) rollouts "
+                "sample with the engine's own seed: use rollout_engine='transformers' or rollout_seed_per_prompt=False"
+            )
         if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
-            raise ValueError(f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}")
+            raise ValueError(
+                f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
+            )
 
 
 @dataclass

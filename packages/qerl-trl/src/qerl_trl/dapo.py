@@ -4,7 +4,8 @@ TRL already has clip-higher (``epsilon_high``), the token-level loss (``loss_typ
 completions; this module adds the two parts TRL lacks:
 
 * **dynamic sampling**: groups whose rewards all agree carry no advantage; they are dropped and the batch is refilled
-  with groups generated from fresh prompts (up to ``max_resample_rounds`` extra rounds per step);
+  with groups generated from fresh prompts (up to ``max_resample_rounds`` extra rounds per step). With several
+  processes each refills its own slice, and all run the same number of rounds (the largest shortfall, gathered);
 * **overlong reward shaping**: :class:`OverlongPenalty`, a reward term that goes linearly from 0 to
   ``-overlong_penalty_factor`` over the last ``overlong_buffer_length`` tokens before ``max_completion_length``.
 """
@@ -43,7 +44,9 @@ class OverlongPenalty:
 
     def __init__(self, max_completion_length: int, buffer_length: int, penalty_factor: float = 1.0) -> None:
         if not 0 < buffer_length < max_completion_length:
-            raise ValueError(f"need 0 < buffer_length ({buffer_length}) < max_completion_length ({max_completion_length})")
+            raise ValueError(
+                f"need 0 < buffer_length ({buffer_length}) < max_completion_length ({max_completion_length})"
+            )
         self.max_completion_length = max_completion_length
         self.buffer_length = buffer_length
         self.penalty_factor = penalty_factor
@@ -115,12 +118,20 @@ class QeRLDAPOTrainer(QeRLGRPOTrainer):
 
     _tag_names = [*QeRLGRPOTrainer._tag_names, "dapo"]
 
-    def __init__(self, model: Any, reward_funcs: Callable | list[Callable] | None = None, args: QeRLDAPOConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Callable | list[Callable] | None = None,
+        args: QeRLDAPOConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
         if args is None:
             args = QeRLDAPOConfig(output_dir="runs/qerl-dapo")
         if not isinstance(args, QeRLDAPOConfig):
             raise TypeError(f"QeRLDAPOTrainer needs a QeRLDAPOConfig, got {type(args).__name__}")
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
+        funcs = (
+            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
+        )
         if args.overlong_buffer_length > 0:
             funcs.append(
                 OverlongPenalty(args.max_completion_length, args.overlong_buffer_length, args.overlong_penalty_factor)
@@ -128,15 +139,23 @@ class QeRLDAPOTrainer(QeRLGRPOTrainer):
             if args.reward_weights is not None and len(args.reward_weights) == len(funcs) - 1:
                 args.reward_weights = [*args.reward_weights, 1.0]
         super().__init__(model, funcs, args, **kwargs)
-        if args.dynamic_sampling and self.accelerator.num_processes > 1:
-            raise NotImplementedError("dynamic sampling runs in one process for now; set dynamic_sampling=False")
 
     def _refill_inputs(self, num_groups: int, round_index: int) -> list[dict[str, Any]]:
-        """Fresh prompts for a refill round, each repeated ``num_generations`` times (a pure function of seed/step)."""
+        """Fresh prompts for a refill round, each repeated ``num_generations`` times (a pure function of seed/step).
+
+        One permutation per (seed, step, round), shared by all processes; process ``p`` takes the ``p``-th slice of
+        ``num_groups`` prompts, so ranks never refill with the same prompts.
+        """
         dataset = self.train_dataset
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 101 + round_index)
-        rows = torch.randperm(len(dataset), generator=gen)[:num_groups].tolist()
+        perm = torch.randperm(len(dataset), generator=gen)
+        start = self.accelerator.process_index * num_groups
+        rows = perm[torch.arange(start, start + num_groups) % len(dataset)].tolist()
         return [dict(dataset[i]) for i in rows for _ in range(self.num_generations)]
+
+    def _global(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` gathered over processes (concatenated along dim 0)."""
+        return self.accelerator.gather(value.to(self.accelerator.device))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super()._generate_and_score_completions(inputs)
@@ -145,10 +164,13 @@ class QeRLDAPOTrainer(QeRLGRPOTrainer):
         g = self.num_generations
         num_groups = len(inputs) // g
         keep = informative_groups(batch["advantages"], g)
-        self._metrics["train"]["dapo/informative_group_fraction"].append(keep.float().mean().item())
+        self._metrics["train"]["dapo/informative_group_fraction"].append(self._global(keep.float()).mean().item())
         kept = [_take_rows(batch, _group_rows(keep, g))] if keep.any() else []
         have, rounds = int(keep.sum()), 0
-        while have < num_groups and rounds < self.args.max_resample_rounds:
+        # Each process fills its own slice; the number of rounds is decided globally (while any process is short),
+        # because every round's generation and scoring gather across processes. A full process still generates (and
+        # discards) its refill so that the collectives line up.
+        while rounds < self.args.max_resample_rounds and self._global(torch.tensor([num_groups - have])).max() > 0:
             rounds += 1
             extra = super()._generate_and_score_completions(self._refill_inputs(num_groups, rounds))
             extra_keep = informative_groups(extra["advantages"], g)
@@ -161,7 +183,7 @@ class QeRLDAPOTrainer(QeRLGRPOTrainer):
             fill = (~keep) & (torch.cumsum((~keep).long(), 0) <= unfilled)
             kept.append(_take_rows(batch, _group_rows(fill, g)))
         self._metrics["train"]["dapo/resample_rounds"].append(float(rounds))
-        self._metrics["train"]["dapo/unfilled_groups"].append(float(unfilled))
+        self._metrics["train"]["dapo/unfilled_groups"].append(float(self._global(torch.tensor([unfilled])).sum()))
         if rounds == 0:
             return batch
         out = concat_generation_batches(kept, self._tokenizer.pad_token_id)

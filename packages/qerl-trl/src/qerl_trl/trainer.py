@@ -7,13 +7,18 @@ What the subclass adds, each through a method TRL's own trainers override:
   through PEFT's custom-module hook, so only the bf16 adapters train and merges export ``dequant(W) + ΔW``.
 * ``_generate_single_turn``: AQN noise goes on the RMSNorm weights of the generating model for one generation step
   (σ from the schedule at ``global_step``; restored bit-identically afterwards, before scoring and the loss);
-  generation tokens/s are logged.
+  generation tokens/s are logged. With ``rollout_seed_per_prompt``, each prompt group is generated in its own call
+  from a seed that depends only on (seed, step, the group's index in the global batch): the same rollouts on 1 or N
+  processes.
 * ``rollout_engine="vllm"``: generation through vLLM (:mod:`qerl_trl.vllm_rollout`, colocate or server), LoRA synced
   as an adapter each step, AQN on the engine's norms, TRL's importance-sampling correction on.
+* ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
+  DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
 * ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
 * ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder and renamed
-  into place (a crash never leaves a half-written ``checkpoint-N``), with the AQN controller state beside the
-  optimizer, so ``resume_from_checkpoint`` continues in the same σ stage with the same noise.
+  into place (a crash never leaves a half-written ``checkpoint-N``; with several processes the main one renames it
+  once every rank has written its RNG state), with the AQN controller state beside the optimizer (written once), so
+  ``resume_from_checkpoint`` continues in the same σ stage with the same noise.
 
 Metrics added to TRL's (reward mean/std, ``entropy``, ``clip_ratio/*``, ``completions/mean_length``):
 ``aqn/sigma``, ``aqn/stage``, ``tokens_per_second/generation``, ``tokens_per_second/training``.
@@ -22,6 +27,7 @@ Metrics added to TRL's (reward mean/std, ``entropy``, ``clip_ratio/*``, ``comple
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -41,7 +47,7 @@ from trl import GRPOTrainer
 from .config import QeRLConfig
 from .policy import load_policy, load_tokenizer
 
-__all__ = ["AQN_STATE_NAME", "QeRLGRPOTrainer", "lora_config_from_args"]
+__all__ = ["AQN_STATE_NAME", "QeRLGRPOTrainer", "lora_config_from_args", "quantized_buffer_names", "rollout_seed"]
 
 AQN_STATE_NAME = "aqn_state.json"
 _STAGING = ".staging"
@@ -56,6 +62,26 @@ def lora_config_from_args(args: QeRLConfig) -> LoraConfig:
         target_modules=args.lora_target_modules,
         task_type="CAUSAL_LM",
     )
+
+
+def rollout_seed(seed: int, step: int, call: int, index: int) -> int:
+    """The sampling seed of one prompt group (``rollout_seed_per_prompt``): a hash of the run's ``seed``, the
+    ``global_step``, the generation call within that step (DAPO refill rounds) and the group's index in the global
+    batch — nothing that depends on the number of processes."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{call}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
+    """Fully qualified names of the NVFP4 buffers (packed weights, block and global scales) of ``model``."""
+    from nvfp4.linear import NVFP4Linear
+
+    return [
+        f"{name}.{buf}" if name else buf
+        for name, module in model.named_modules()
+        if isinstance(module, NVFP4Linear)
+        for buf in NVFP4Linear._QUANT_BUFFERS
+    ]
 
 
 class QeRLGRPOTrainer(GRPOTrainer):
@@ -91,7 +117,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if args is None:
             args = QeRLConfig(output_dir="runs/qerl-grpo")
         if not isinstance(args, QeRLConfig):
-            raise TypeError(f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}")
+            raise TypeError(
+                f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}"
+            )
         model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:
@@ -124,6 +152,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         )
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
+        self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
         self.vllm_rollout = None
         if args.rollout_engine == "vllm":
             from .vllm_rollout import make_vllm_rollout
@@ -168,8 +197,17 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ hooks
     def train(self, *args: Any, **kwargs: Any):
-        """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below)."""
+        """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below).
+
+        With several processes, DDP is told to leave the NVFP4 buffers alone (``_ddp_params_and_buffers_to_ignore``):
+        they are frozen and identical on every rank (each loads the same checkpoint), so neither the broadcast of
+        module states when DDP wraps the model nor ``broadcast_buffers`` has anything to do with them — and gloo
+        cannot send float8 tensors anyway. Only the LoRA gradients are all-reduced.
+        """
         model = self.accelerator.unwrap_model(self.model)
+        if self.accelerator.num_processes > 1:
+            ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+            self.model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(quantized_buffer_names(self.model)))
         cache = contextlib.nullcontext()
         if next(model.parameters()).device.type == "cpu":
             # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
@@ -182,9 +220,14 @@ class QeRLGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
         with self._rollout_noise():
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            if self.args.rollout_seed_per_prompt and not self.use_vllm:
+                completion_ids, logprobs = self._generate_seeded(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+            else:
+                completion_ids, logprobs = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
         seconds = time.perf_counter() - start
         self._generation_seconds += seconds
         tokens = sum(len(ids) for ids in completion_ids)
@@ -193,6 +236,36 @@ class QeRLGRPOTrainer(GRPOTrainer):
             for key, value in self.aqn.metrics(self.state.global_step).items():
                 self._metrics[mode][key].append(value)
         return completion_ids, logprobs
+
+    def _generate_seeded(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """``rollout_seed_per_prompt``: one ``generate`` per prompt group, each under its own :func:`rollout_seed`.
+
+        TRL hands each process a contiguous, equal slice of the global generation batch (its ``RepeatSampler`` +
+        accelerate's batch sharding; ``_generate_and_score_completions`` slices the advantages the same way), in which
+        each prompt appears ``num_generations`` times in a row. The group's global index is therefore
+        ``(process_index * len(prompt_ids) + offset) // num_generations``; batches that are not made of whole groups
+        (tool-call continuations) are seeded row by row. A group is generated alone, so there is no padding either.
+        """
+        if (images is not None and any(im is not None for im in images)) or multimodal_fields:
+            raise NotImplementedError("rollout_seed_per_prompt does not support multimodal prompts")
+        n, g = len(prompt_ids), num_generations
+        if g <= 1 or n % g or any(list(prompt_ids[i]) != list(prompt_ids[i - i % g]) for i in range(n)):
+            g = 1
+        step = int(self.state.global_step)
+        call = self._rollout_calls[1] if self._rollout_calls[0] == step else 0
+        self._rollout_calls = (step, call + 1)
+        base = self.accelerator.process_index * n
+        device = self.accelerator.device
+        fork_devices = [device] if device.type == "cuda" else []
+        completion_ids: list = []
+        for start in range(0, n, g):
+            with torch.random.fork_rng(devices=fork_devices):
+                torch.manual_seed(rollout_seed(self.args.seed, step, call, (base + start) // g))
+                ids, _ = super()._generate_single_turn(
+                    prompt_ids[start : start + g], None, {}, num_generations, has_tool_images
+                )
+            completion_ids.extend(ids)
+        return completion_ids, None
 
     def training_step(self, model, inputs, num_items_in_batch):
         self._generation_seconds = 0.0
@@ -217,6 +290,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()  # every rank has written its rng_state_<rank>.pth into the staging folder
         if not self.args.should_save:
             return
         staged, final = os.path.join(run_dir, _STAGING, folder), os.path.join(run_dir, folder)

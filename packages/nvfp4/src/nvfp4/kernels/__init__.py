@@ -11,6 +11,7 @@ from .nvfp4_gemm import (
     linear_config,
     nvfp4_linear,
     nvfp4_linear_dgrad,
+    nvfp4_lora_linear,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "linear_config",
     "nvfp4_linear",
     "nvfp4_linear_dgrad",
+    "nvfp4_lora_linear",
 ]

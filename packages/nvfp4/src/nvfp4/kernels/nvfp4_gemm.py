@@ -83,6 +83,7 @@ __all__ = [
     "linear_config",
     "nvfp4_linear",
     "nvfp4_linear_dgrad",
+    "nvfp4_lora_linear",
 ]
 
 # Tests set this to allocate every output with NaN, so an element the kernels never write cannot pass.
@@ -257,12 +258,22 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     FAST: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    a_ptr=None,
+    lb_ptr=None,
+    lora_scale=1.0,
+    R=0,
+    HAS_LORA: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 16,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``y`` over the K range of split ``program_id(1)``.
 
     x ``[M, K]`` (row stride ``stride_xm``), packed ``[N, K/2]``, scale ``[N, K/16]``, global ``[1]``, bias ``[N]``.
     ``USE_WS`` False: writes ``y[M, N]`` in x's dtype (bias added). True (split-K): writes fp32 partials to
     ``y_ptr`` viewed as ``[split, M, N]`` (contiguous, ``stride_ym == N``).
+    ``HAS_LORA`` (``SWAP`` only): also adds ``lora_scale · (x · Aᵀ) · Bᵀ`` with A ``[R, K]`` (``a_ptr``) and B
+    ``[N, R]`` (``lb_ptr``), contiguous: ``t = A · xᵀ`` (``[BLOCK_R, BLOCK_M]``) is accumulated in the same K loop
+    from the activation tile already in registers, and ``B_tile · t`` is added once at the end. Under split-K each
+    split adds ``B · t_split``, which sums to the same product (it is linear in ``t``).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -300,6 +311,11 @@ def _linear_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        a_rows = a_ptr + offs_r[:, None].to(tl.int64) * K
+        t_acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     if PREFETCH:  # (EVEN_K only) registers hold the next step's tiles while this step computes
         pn = tl.load(w_rows + (k_lo // 2 + offs_kb)[None, :])
         sn = tl.load(s_rows + (k_lo // 16 + offs_ks)[None, :])
@@ -325,6 +341,12 @@ def _linear_kernel(
         w = _dequant_tile(p, s, sfac, BLOCK_N, BLOCK_K, dtype, FAST, PERMUTED=FAST)
         if FAST:  # same column order as w (see _perm_k), shuffled in registers after a contiguous load
             xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        if HAS_LORA:
+            a_mask = r_mask[:, None] if EVEN_K else r_mask[:, None] & (kk[None, :] < K)
+            at = tl.load(a_rows + kk[None, :], mask=a_mask, other=0.0).to(dtype)
+            if FAST:  # the activation tile's column order
+                at = tl.reshape(tl.permute(tl.reshape(at, (BLOCK_R, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_R, BLOCK_K))
+            t_acc = tl.dot(at, tl.trans(xt), t_acc)
         if SWAP:
             acc = tl.dot(w, tl.trans(xt), acc)
         else:
@@ -333,6 +355,11 @@ def _linear_kernel(
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if FAST:
         acc = acc * post
+    if HAS_LORA:
+        lb = tl.load(lb_ptr + rows[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
+        # t rounded to the activation dtype, as PEFT's lora_A output is
+        delta = tl.dot(tl.trans(t_acc.to(dtype)), tl.trans(lb.to(dtype)))  # [BLOCK_M, BLOCK_N]
+        acc = acc + lora_scale * delta
 
     mask = m_mask[:, None] & n_mask[None, :]
     if not USE_WS:
@@ -679,9 +706,18 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
         raise ValueError("nvfp4 kernels expect contiguous weight_packed / weight_scale")
 
 
-def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg):
-    """Launch :func:`_linear_kernel` (tensor-core path) into ``out`` (``y`` or the split-K workspace)."""
+def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora=None):
+    """Launch :func:`_linear_kernel` (tensor-core path) into ``out`` (``y`` or the split-K workspace).
+
+    ``lora``: ``(A [R, K], B [N, R], scaling)`` to fuse the adapter (``cfg.swap`` must be True).
+    """
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    extra = {}
+    if lora is not None:
+        a, b, scaling = lora
+        r = a.shape[0]
+        extra = dict(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
+                     BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
     _linear_kernel[(tiles, split)](
         x2,
         packed,
@@ -707,6 +743,7 @@ def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_spl
         PREFETCH=cfg.prefetch and even_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **extra,
     )
 
 
@@ -729,6 +766,57 @@ def nvfp4_linear(
     Returns:
         ``[..., N]`` in ``x.dtype``; fp32 accumulation.
     """
+    return _linear(x, packed, scale, global_scale, bias, config, None)
+
+
+# Largest LoRA rank fused into the kernel (the [BLOCK_R, BLOCK_K] tile of A lives in registers beside W's).
+LORA_FUSED_MAX_R = 128
+
+
+def nvfp4_lora_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``y = x · dequant(W)ᵀ + bias + scaling · (x · Aᵀ) · Bᵀ``: an NVFP4 linear and its LoRA adapter in one kernel.
+
+    For generation (no autograd): at decode sizes a PEFT adapter costs four small kernels per layer (A product,
+    its split-K reduce, B product, scale-and-add), which took as long as the 4-bit base GEMMs themselves on the
+    H100 (``benchmarks/decode_profile.py``). Here ``x · Aᵀ`` is accumulated in the base kernel's K loop from the
+    activation tile already in registers and ``· Bᵀ`` is added in its epilogue.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16.
+        packed, scale, global_scale, bias: as :func:`nvfp4_linear`.
+        lora_a: ``[R, K]`` (``lora_A.weight``); lora_b: ``[N, R]`` (``lora_B.weight``); any float dtype, rounded to
+            ``x.dtype`` in registers. ``x · Aᵀ`` is rounded to ``x.dtype`` before ``· Bᵀ``, as PEFT does.
+        scaling: the adapter's ``lora_alpha / r``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. Where the fused kernel does not apply (M > ``FUSED_MAX_M``, float32 x,
+        R > ``LORA_FUSED_MAX_R``) the same value is computed unfused.
+    """
+    n, k = packed.shape[0], packed.shape[1] * 2
+    r = lora_a.shape[0]
+    if lora_a.shape != (r, k) or lora_b.shape != (n, r):
+        raise ValueError(
+            f"nvfp4_lora_linear: LoRA A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a [{n}, {k}] weight"
+        )
+    m = x.numel() // max(x.shape[-1], 1)
+    if x.dtype == torch.float32 or r > LORA_FUSED_MAX_R or (config or linear_config(m, n, k)).dequant:
+        y = _linear(x, packed, scale, global_scale, bias, config, None)
+        t = torch.nn.functional.linear(x, lora_a.to(x.dtype))
+        return y + scaling * torch.nn.functional.linear(t, lora_b.to(x.dtype))
+    return _linear(x, packed, scale, global_scale, bias, config, (lora_a.contiguous(), lora_b.contiguous(), scaling))
+
+
+def _linear(x, packed, scale, global_scale, bias, config, lora):
     _check(packed, scale, global_scale)
     n, half = packed.shape
     k = half * 2
@@ -747,6 +835,8 @@ def nvfp4_linear(
     if cfg.dequant or x.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
         return torch.nn.functional.linear(x2, w, bias).reshape(*lead, n)
+    if lora is not None and (cfg.gemv or not cfg.swap):  # the adapter is fused into the tensor-core kernel only
+        cfg = tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
 
     y = _empty((m, n), x.dtype, x.device)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
@@ -763,7 +853,7 @@ def nvfp4_linear(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
-        _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg)
+        _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

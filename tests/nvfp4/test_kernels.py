@@ -245,7 +245,7 @@ def test_lora_linear_random_shapes_gpu(dtype, poisoned):
         q = quantize(torch.randn(n, k, device="cuda") * (30 if m == 9 else 1))  # amax > 24: folded-scale path
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         a = torch.randn(r, k, device="cuda") / k**0.5
-        b = torch.randn(n, r, device="cuda")
+        b = torch.randn(n, r, device="cuda") * (k / r) ** 0.5  # the adapter's share as large as the base's
         bias = torch.randn(n, device="cuda", dtype=dtype)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         base = x.double() @ wd.T + bias.double()
@@ -253,4 +253,4 @@ def test_lora_linear_random_shapes_gpu(dtype, poisoned):
         y = nvfp4_lora_linear(x, q.packed, q.scale, q.global_scale, bias, a, b, 0.7)
         assert y.dtype == dtype and y.shape == (m, n)
         assert _rel(y, base + delta) < 1e-2, (m, n, k, r)
-        assert _rel(y.double() - base, delta) < 5e-2, (m, n, k, r)  # the adapter's share itself is right
+        assert _rel(y.double() - base, delta) < 2e-2, (m, n, k, r)  # the adapter's share itself is right

@@ -338,15 +338,13 @@ def _linear_kernel(
             p = tl.load(w_rows + kb[None, :], mask=kb[None, :] < half_k, other=0)
             s = tl.load(s_rows + ks[None, :], mask=ks[None, :] < nblk, other=0.0)
             xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        if HAS_LORA:  # t += A · xᵀ on the activation tile in its natural column order
+            a_mask = r_mask[:, None] if EVEN_K else r_mask[:, None] & (kk[None, :] < K)
+            at = tl.load(a_rows + kk[None, :], mask=a_mask, other=0.0).to(dtype)
+            t_acc = tl.dot(at, tl.trans(xt), t_acc)
         w = _dequant_tile(p, s, sfac, BLOCK_N, BLOCK_K, dtype, FAST, PERMUTED=FAST)
         if FAST:  # same column order as w (see _perm_k), shuffled in registers after a contiguous load
             xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
-        if HAS_LORA:
-            a_mask = r_mask[:, None] if EVEN_K else r_mask[:, None] & (kk[None, :] < K)
-            at = tl.load(a_rows + kk[None, :], mask=a_mask, other=0.0).to(dtype)
-            if FAST:  # the activation tile's column order
-                at = tl.reshape(tl.permute(tl.reshape(at, (BLOCK_R, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_R, BLOCK_K))
-            t_acc = tl.dot(at, tl.trans(xt), t_acc)
         if SWAP:
             acc = tl.dot(w, tl.trans(xt), acc)
         else:

@@ -158,15 +158,24 @@ def _rss_peak_gb() -> float:
 
 
 class _LogCatcher(logging.Handler):
-    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records."""
+    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records.
 
-    NAMES = ("torch.__recompiles", "torch.__graph_breaks", "torch.__perf_hints", "torch._inductor.cudagraph_trees")
+    torch's artifact loggers are named ``<module>.__<artifact>`` (``torch._dynamo.guards.__recompiles``) and propagate
+    up to ``torch._dynamo`` / ``torch._inductor`` (which do not propagate further), so the handler sits on those parents
+    and keeps the records whose logger name matches."""
+
+    NAMES = ("__recompiles", "__graph_breaks", "__perf_hints", "cudagraph_trees")
+    PARENTS = ("torch._dynamo", "torch._inductor", "torch")
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[str] = []
+        self._last: int | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not any(n in record.name for n in self.NAMES) or id(record) == self._last:
+            return
+        self._last = id(record)  # the same record reaching two parents
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001
@@ -178,7 +187,7 @@ class _LogCatcher(logging.Handler):
 
         with contextlib.suppress(Exception):
             torch._logging.set_logs(recompiles=True, graph_breaks=True, perf_hints=True)
-        for n in self.NAMES:
+        for n in self.PARENTS:
             logging.getLogger(n).addHandler(self)
 
 

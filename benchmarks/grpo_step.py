@@ -1,0 +1,924 @@
+"""One full GRPO step (issue #7): generation + scoring + loss + backward + optimizer, per arm, in the real trainer.
+
+Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` (TRL 1.16's ``GRPOTrainer`` + AQN) for ``--warmup-steps`` +
+``--steps`` optimizer steps on one group per step (``num_generations = per_device_train_batch_size = --group``,
+``gradient_accumulation_steps = 1``), and times every phase of every step:
+
+* ``gen``: ``_generate_single_turn`` (transformers ``generate``, AQN noise on/off included), split into ``prefill``
+  (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest);
+* ``score``: the rest of ``_prepare_inputs`` (tokenizing, rewards, advantages, and the no-grad log-prob forwards TRL
+  runs there: the reference forward when ``--beta`` > 0, ``score_fwd``; with DDP also the wait for the slowest
+  rank's generation, as the rewards are gathered across ranks);
+* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on by default as in the paper);
+* ``backward``: the rest of ``training_step`` (``accelerator.backward``; with DDP the gradient all-reduce);
+* ``clip``: grad-norm clipping, ``optimizer``: ``optimizer.step()`` (callbacks ``on_pre_optimizer_step`` /
+  ``on_optimizer_step``); ``step``: ``on_step_begin`` → ``on_step_end``.
+Every boundary is a ``torch.cuda.synchronize``. Peak GPU memory per step (reset at the step's start; also the running
+peak after generation, loss forward, backward and optimizer), peak host RSS, and dynamo counters per step (graph
+breaks, new graphs = (re)compiles, skipped CUDA graphs): the decode is compiled on the warm-up step, and a measured
+step that compiles again (or breaks) shows up as ``compiled path`` ≠ ok.
+
+Models and arms are those of ``benchmarks/rollout.py`` (``build_model``): random weights with the real Qwen2.5-7B /
+14B / 32B shapes, built and quantized layer by layer on the GPU (the 32B never exists in bf16 in full), LoRA r=32 on
+q/k/v/o/gate/up/down in every arm (adapters in ``--lora-dtype``): ``bf16`` (bf16 base + LoRA), ``qlora``
+(bitsandbytes NF4 + LoRA), ``nvfp4`` (NVFP4 + LoRA, ours). The trainer gets the ``PeftModel`` (its ``peft_config`` is
+then ignored). Tokenizer: a real ``PreTrainedTokenizerFast`` over a WordLevel vocabulary of the model's vocab size
+with a whitespace pre-tokenizer, so a prompt of ``--prompt-len`` words is exactly that many tokens (no Hub).
+Completions have a fixed length: ``generation_kwargs={"min_new_tokens": --completion-len}`` (EOS masked until
+``max_completion_length``); the JSON records the lengths generated. Sampling at temperature 1.0; reward = mean token
+id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = ``--beta`` (0: no reference
+forward); AQN on (constant σ = ``--aqn-sigma`` on every step, warm-up included, so the measured steps run the same
+code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
+
+Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
+with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; this script sets
+``disable_compile=False`` and ``compile_config=CompileConfig(dynamic=False, mode="reduce-overhead")`` on it after
+the trainer is built, so transformers compiles the decode forward with CUDA graphs as in ``rollout.py``
+(``--no-compile``: eager decode, TRL's default). On CPU the compile is forced (``_compile_all_devices``).
+
+Each (model, arm) runs in a fresh subprocess (OOM = "does not fit", recorded with the phase it happened in); results
+are appended to ``--out`` after every arm. Under ``accelerate launch`` (``WORLD_SIZE`` > 1) the arms run in the
+launched processes (DDP, ``ddp_broadcast_buffers=False``: NVFP4 weights are buffers), each on ``cuda:LOCAL_RANK``
+with one group per process and step; rank 0 writes the JSON with ``world_size`` and every rank's numbers.
+
+Usage (H100 device calls of at most 10 minutes: one model per call, arms in separate subprocesses; a short warm-up
+``--warmup-completion-len 32`` compiles the same decode graph as the full length, the static cache keeping its full
+size; measured on the H100: 32B NVFP4, 2048 tokens, 1 measured step = 309 s for the arm)::
+
+    OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
+    python3 benchmarks/grpo_step.py --models 7b --arms nvfp4,bf16,qlora --completion-len 1024 \
+        --warmup-completion-len 32 --steps 2 --deadline-s 380 --arm-timeout 240 --out $OUT/grpo_7b.json   # ~8 min
+    python3 benchmarks/grpo_step.py --models 14b --arms nvfp4,bf16 --completion-len 1024 \
+        --warmup-completion-len 32 --steps 2 --deadline-s 300 --arm-timeout 280 --out $OUT/grpo_14b.json  # ~8 min
+    python3 benchmarks/grpo_step.py --models 14b --arms qlora --completion-len 1024 \
+        --warmup-completion-len 32 --steps 2 --arm-timeout 560 --out $OUT/grpo_14b_qlora.json            # ~5 min
+    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --completion-len 2048 \
+        --warmup-completion-len 32 --steps 2 --arm-timeout 570 --out $OUT/grpo_32b.json                  # ~8 min
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 benchmarks/grpo_step.py \
+        --models 7b --arms nvfp4 --warmup-completion-len 32 --out $OUT/grpo_7b_ddp2.json    # 2 GPUs, one arm per launch
+    python3 benchmarks/grpo_step.py --merge a.json b.json --out grpo_step.json   # combine runs, print the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in sorted((ROOT / "packages").glob("*/src")) + [HERE]:
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model builder, helpers)
+    ARM_LABEL,
+    MODELS,
+    _csv,
+    _dynamo_counters,
+    _fmt,
+    _gb,
+    _LogCatcher,
+    _rss_peak_gb,
+    _write,
+    build_model,
+    device_name,
+    versions,
+)
+
+ARMS = ("bf16", "qlora", "nvfp4")
+PHASES = ("gen", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
+_DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
+
+
+# ----------------------------------------------------------------------------------------------------------- pieces
+def make_tokenizer(vocab_size: int):
+    """A real fast tokenizer with ``vocab_size`` entries and no Hub access: ``<pad>``=0, ``<eos>``=1, ``<unk>``=2,
+    then words ``w3 … w{V-1}``; whitespace pre-tokenizer, so ``" ".join(words)`` is exactly ``len(words)`` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", model_max_length=1 << 20
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def make_dataset(n_rows: int, prompt_len: int, vocab_size: int, seed: int = 0):
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    prompts = [" ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(prompt_len)) for _ in range(n_rows)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def make_reward(vocab_size: int):
+    def reward_mean_token_id(completions, completion_ids, **kwargs):
+        """Mean token id of the completion / vocab: deterministic, and different for each sampled completion."""
+        return [sum(ids) / (len(ids) * vocab_size) if ids else 0.0 for ids in completion_ids]
+
+    return reward_mean_token_id
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+class _Clock:
+    """Phase clock shared by the trainer subclass and its callback: synchronizes the device at every boundary."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._torch = torch
+        self.cur: dict = {}
+        self.steps: list[dict] = []
+        self.phase = "build"
+        self.in_loss = False
+
+    def now(self) -> float:
+        if self.cuda:
+            self._torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.cur[phase] = self.cur.get(phase, 0.0) + seconds
+
+    def peak(self, key: str) -> None:
+        if self.cuda:
+            self.cur[key] = _gb(self._torch.cuda.max_memory_allocated(self.device))
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        prev, self.phase = self.phase, phase
+        t = self.now()
+        try:
+            yield
+        finally:
+            self.add(phase, self.now() - t)
+            self.phase = prev
+
+
+def _make_trainer_class(clock: _Clock):
+    from qerl_trl import QeRLGRPOTrainer
+    from transformers import TrainerCallback
+
+    class TimedTrainer(QeRLGRPOTrainer):
+        """``QeRLGRPOTrainer`` with phase timers around the methods TRL's training step goes through."""
+
+        def _generate_single_turn(self, *args, **kwargs):
+            with clock.timed("gen"):
+                completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+            clock.peak("peak_after_gen_gb")
+            lens = [len(c) for c in completion_ids]
+            clock.cur.setdefault("completion_lens", []).extend(lens)
+            return completion_ids, logprobs
+
+        def _rollout_noise(self):
+            cm = super()._rollout_noise()
+
+            @contextlib.contextmanager
+            def timed_cm():
+                t = clock.now()
+                with cm:
+                    clock.add("aqn", clock.now() - t)
+                    try:
+                        yield
+                    finally:
+                        t = clock.now()
+                clock.add("aqn", clock.now() - t)
+
+            return timed_cm()
+
+        def _prepare_inputs(self, generation_batch):
+            with clock.timed("prepare"):
+                return super()._prepare_inputs(generation_batch)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            adv = out.get("advantages")
+            if adv is not None:
+                a = adv.detach().float()
+                clock.cur["adv_abs_mean"] = round(float(a.abs().mean()), 4)
+                clock.cur["adv_std"] = round(float(a.std()) if a.numel() > 1 else 0.0, 4)
+            return out
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            if clock.in_loss:
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            with clock.timed("score_fwd"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def compute_loss(self, *args, **kwargs):
+            clock.in_loss = True
+            try:
+                with clock.timed("loss_fwd"):
+                    return super().compute_loss(*args, **kwargs)
+            finally:
+                clock.in_loss = False
+                clock.peak("peak_after_loss_fwd_gb")
+
+        def training_step(self, *args, **kwargs):
+            with clock.timed("train_step"):
+                loss = super().training_step(*args, **kwargs)
+            clock.cur["t_train_step_end"] = time.perf_counter()  # synchronized by timed()
+            clock.peak("peak_after_backward_gb")
+            return loss
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.catcher: _LogCatcher | None = None
+            self.lengths: list[int] = []  # completion length of each step (warm-up steps may be shorter)
+            self.trainer = None
+            self.after_step = None  # called after every step (partial results survive a kill)
+
+        def on_step_begin(self, args, state, control, **kw):
+            import torch
+
+            n = self.lengths[min(state.global_step, len(self.lengths) - 1)] if self.lengths else None
+            if n is not None and self.trainer is not None:
+                gcfg = self.trainer.generation_config
+                gcfg.max_new_tokens = gcfg.min_new_tokens = n
+            gc.collect()
+            if clock.cuda:
+                torch.cuda.reset_peak_memory_stats(clock.device)
+            clock.cur = {"step": state.global_step, "dyn0": _dynamo_counters(), "expected_len": n}
+            clock.cur["n_logs0"] = len(self.catcher.records) if self.catcher else 0
+            clock.cur["t0"] = clock.now()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            t = clock.now()
+            clock.cur["clip"] = t - clock.cur.get("t_train_step_end", t)
+            clock.cur["t_opt0"] = t
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            clock.cur["optimizer"] = clock.now() - clock.cur["t_opt0"]
+            clock.peak("peak_after_optimizer_gb")
+
+        def on_step_end(self, args, state, control, **kw):
+            import torch
+
+            c = clock.cur
+            c["step_s"] = clock.now() - c.pop("t0")
+            d0, d1 = c.pop("dyn0"), _dynamo_counters()
+            c["dynamo"] = {k: d1[k] - d0[k] for k in _DYN_KEYS}
+            c["graph_break_reasons"] = d1["graph_break_reasons"] if c["dynamo"]["graph_breaks"] else {}
+            n0 = c.pop("n_logs0")
+            if self.catcher:
+                c["torch_log"] = self.catcher.records[n0:][:12]
+            if clock.cuda:
+                c["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated(clock.device))
+                c["peak_gpu_reserved_gb"] = _gb(torch.cuda.max_memory_reserved(clock.device))
+            c["peak_rss_gb"] = _rss_peak_gb()
+            for k in ("t_train_step_end", "t_opt0"):
+                c.pop(k, None)
+            clock.steps.append(c)
+            clock.cur = {}
+            if self.after_step is not None:
+                self.after_step()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if clock.steps and logs:
+                keep = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "loss", "entropy")
+                keep += ("aqn/sigma", "tokens_per_second/generation", "grad_norm")
+                picked = {k: logs[k] for k in keep if k in logs}
+                if "reward" in picked:  # a step's log (not the end-of-training summary)
+                    clock.steps[-1]["trl_log"] = picked
+
+    return TimedTrainer, StepClock
+
+
+def _step_row(c: dict, group: int) -> dict:
+    """Derived phases of one step (seconds) from the raw timers."""
+    r = {k: c.get(k) for k in ("step", "expected_len", "adv_abs_mean", "adv_std")}
+    gen = c.get("gen", 0.0)
+    r["step_s"] = round(c["step_s"], 4)
+    r["gen_s"] = round(gen, 4)
+    r["prefill_s"] = round(c.get("prefill", 0.0), 4)
+    r["aqn_s"] = round(c.get("aqn", 0.0), 4)
+    r["decode_s"] = round(gen - c.get("prefill", 0.0) - c.get("aqn", 0.0), 4)
+    r["score_s"] = round(c.get("prepare", 0.0) - gen, 4)
+    r["score_fwd_s"] = round(c.get("score_fwd", 0.0), 4)
+    r["loss_fwd_s"] = round(c.get("loss_fwd", 0.0), 4)
+    r["backward_s"] = round(c.get("train_step", 0.0) - c.get("prepare", 0.0) - c.get("loss_fwd", 0.0), 4)
+    r["clip_s"] = round(c.get("clip", 0.0), 4)
+    r["optimizer_s"] = round(c.get("optimizer", 0.0), 4)
+    r["other_s"] = round(c["step_s"] - c.get("train_step", 0.0) - r["clip_s"] - r["optimizer_s"], 4)
+    lens = c.get("completion_lens", [])
+    r["completions"] = len(lens)
+    r["completion_tokens"] = int(sum(lens))
+    r["completion_len_min"] = min(lens) if lens else None
+    r["completion_len_max"] = max(lens) if lens else None
+    r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
+    r["decode_tok_s"] = (
+        round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
+    )  # the prefill yields each sequence's first token
+    for k in (
+        "peak_gpu_gb",
+        "peak_gpu_reserved_gb",
+        "peak_after_gen_gb",
+        "peak_after_loss_fwd_gb",
+        "peak_after_backward_gb",
+        "peak_after_optimizer_gb",
+        "peak_rss_gb",
+        "dynamo",
+        "graph_break_reasons",
+        "torch_log",
+        "trl_log",
+    ):
+        if k in c:
+            r[k] = c[k]
+    return r
+
+
+def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: bool, args) -> None:
+    warm, meas = rows[:warmup], rows[warmup:]
+    res["warmup_steps"] = warm
+    res["steps"] = meas
+    if not meas:
+        return
+    s = {}
+    for k in (
+        "step_s",
+        "gen_s",
+        "prefill_s",
+        "aqn_s",
+        "decode_s",
+        "score_s",
+        "score_fwd_s",
+        "loss_fwd_s",
+        "backward_s",
+        "clip_s",
+        "optimizer_s",
+        "other_s",
+        "gen_tok_s",
+        "decode_tok_s",
+    ):
+        s[k] = _median([r.get(k) for r in meas])
+    s["warmup_step_s"] = round(sum(r["step_s"] for r in warm), 3) if warm else None
+    s["step_s_min"] = round(min(r["step_s"] for r in meas), 4)
+    # compile estimate: the warm-up steps' time minus what they would take at the measured steps' per-token speed
+    per_tok = (s["decode_s"] or 0.0) / max(meas[0]["expected_len"] or 1, 1)
+    rest = s["step_s"] - (s["decode_s"] or 0.0)
+    s["compile_s_est"] = (
+        round(sum(r["step_s"] - rest - per_tok * (r["expected_len"] or 0) for r in warm), 2) if warm else None
+    )
+    peaks = [r.get("peak_gpu_gb") for r in rows if r.get("peak_gpu_gb") is not None]
+    s["peak_gpu_gb"] = max(peaks) if peaks else None
+    resv = [r.get("peak_gpu_reserved_gb") for r in rows if r.get("peak_gpu_reserved_gb") is not None]
+    s["peak_gpu_reserved_gb"] = max(resv) if resv else None
+    s["peak_rss_gb"] = _rss_peak_gb()
+    lens_ok = all(
+        r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
+    )
+    s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == args.group for r in rows))
+    s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
+    dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in _DYN_KEYS}
+    dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in _DYN_KEYS}
+    s["dynamo_warmup"] = dyn_warm
+    reasons: dict = {}
+    for r in warm:
+        for k, v in (r.get("graph_break_reasons") or {}).items():
+            reasons[k.split("\n")[0][:160]] = v
+    s["warmup_graph_break_reasons"] = reasons
+    s["dynamo_measured"] = dyn_meas
+    s["compiled_path_ok"] = (
+        None
+        if not compiled
+        else bool(
+            dyn_warm["unique_graphs"] >= 1
+            and dyn_meas["unique_graphs"] == 0
+            and dyn_meas["graph_breaks"] == 0
+            and dyn_meas["frames_ok"] == 0
+            and (not cuda or dyn_meas["cudagraph_skips"] == 0)
+        )
+    )
+    res["summary"] = s
+
+
+def run_worker(args) -> dict:
+    import torch
+    from transformers.generation.configuration_utils import CompileConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    torch.manual_seed(0)
+    catcher = _LogCatcher()
+    catcher.install()
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
+    if args.arm == "qlora" and not cuda:
+        res["status"] = "skipped: needs CUDA (bitsandbytes NF4 arm; CPU validation run)"
+        return res
+    if args.arm == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            res["status"] = f"skipped: bitsandbytes not importable ({e})"
+            return res
+
+    clock = _Clock(device)
+    t0 = time.perf_counter()
+    try:
+        model, info = build_model(
+            args.model,
+            args.arm,
+            device,
+            dtype,
+            lora_r=args.lora_r,
+            lora_dtype=getattr(torch, args.lora_dtype),
+            double_quant=not args.no_double_quant,
+            nvfp4_method=args.nvfp4_method,
+        )
+    except torch.OutOfMemoryError as e:
+        res["status"] = f"does not fit: OOM while building ({str(e).splitlines()[0][:200]})"
+        return res
+    clock.now()
+    res["build_s"] = round(time.perf_counter() - t0, 2)
+    res.update(info)
+    if cuda:
+        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated(device))
+
+    # time the prefill: the model's own ``_prefill`` (eager; the compiled call only wraps the decode forward)
+    base = model.get_base_model()
+    orig_prefill = base._prefill
+
+    def timed_prefill(*a, **kw):
+        t = clock.now()
+        out = orig_prefill(*a, **kw)
+        clock.add("prefill", clock.now() - t)
+        return out
+
+    base._prefill = timed_prefill
+
+    from qerl_trl import QeRLConfig
+
+    vocab = MODELS[args.model]["vocab_size"]
+    tokenizer = make_tokenizer(vocab)
+    n_steps = args.warmup_steps + args.steps
+    dataset = make_dataset(max(8, n_steps * world * 2), args.prompt_len, vocab)
+    TimedTrainer, StepClock = _make_trainer_class(clock)
+    step_clock = StepClock()
+    step_clock.catcher = catcher
+    warm_len = args.warmup_completion_len or args.completion_len
+    step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
+    outdir = tempfile.mkdtemp(prefix="grpo_step_")
+    cfg = QeRLConfig(
+        output_dir=outdir,
+        per_device_train_batch_size=args.group,
+        num_generations=args.group,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.completion_len,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        cache_implementation=None if args.no_static_cache else "static",
+        generation_kwargs={"min_new_tokens": args.completion_len}
+        | ({} if args.no_static_cache else {"max_cache_len": args.prompt_len + args.completion_len}),
+        learning_rate=1e-5,
+        beta=args.beta,
+        max_steps=n_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda and dtype == torch.bfloat16,
+        gradient_checkpointing=args.grad_ckpt,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
+        aqn=not args.no_aqn,
+        aqn_schedule="constant",
+        aqn_sigma_start=args.aqn_sigma,
+        aqn_sigma_end=args.aqn_sigma,
+        ddp_broadcast_buffers=False,
+        ddp_find_unused_parameters=False,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_completions=False,
+        use_cpu=not cuda,
+    )
+    trainer = TimedTrainer(
+        model=model,
+        reward_funcs=make_reward(vocab),
+        args=cfg,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[step_clock],
+    )
+    step_clock.trainer = trainer
+    compiled = not args.no_compile and not args.no_static_cache
+
+    def save_partial() -> None:
+        if getattr(args, "_result", None) and rank == 0:
+            part = dict(res)
+            rows = [_step_row(c, args.group) for c in clock.steps]
+            _summarize(part, rows, args.warmup_steps, compiled, cuda, args)
+            part["status"] = f"partial: killed after step {len(rows)} of {n_steps}"
+            with open(args._result, "w") as f:
+                json.dump(part, f, default=str)
+
+    step_clock.after_step = save_partial
+    if not args.input_require_grads:
+        # TRL registers enable_input_require_grads (an embedding forward hook calling requires_grad_) for PEFT +
+        # gradient checkpointing; non-reentrant checkpointing does not need it, and the hook breaks the compiled decode
+        trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
+    res["input_require_grads_hook"] = args.input_require_grads
+    gcfg = trainer.generation_config
+    if compiled:
+        cc = CompileConfig(
+            fullgraph=args.fullgraph,
+            dynamic=False,
+            backend=args.compile_backend,
+            mode=args.compile_mode if args.compile_backend == "inductor" else None,
+        )
+        if not cuda:
+            cc._compile_all_devices = True  # CPU validation: let generate compile anyway
+        gcfg.compile_config = cc
+        gcfg.disable_compile = False  # TRL 1.16 builds it with disable_compile=True
+    res["generation_config"] = {
+        k: getattr(gcfg, k, None)
+        for k in (
+            "max_new_tokens",
+            "min_new_tokens",
+            "do_sample",
+            "temperature",
+            "top_p",
+            "top_k",
+            "cache_implementation",
+            "max_cache_len",
+        )
+    } | {"compile": compiled, "compile_config": (repr(gcfg.compile_config) if compiled else None)}
+    lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
+    res["trainable_dtypes"] = lora_dtypes
+    res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
+    res["grad_ckpt"] = args.grad_ckpt
+
+    status = "ok"
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:
+        status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
+        if cuda:
+            res["peak_gpu_gb_at_oom"] = _gb(torch.cuda.max_memory_allocated(device))
+    rows = [_step_row(c, args.group) for c in clock.steps]
+    _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
+    if status == "ok" and len(rows) < n_steps:
+        status = f"partial: {len(rows)} of {n_steps} steps"
+    res["status"] = status
+
+    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        mine = {
+            "rank": rank,
+            "device": str(device),
+            "status": status,
+            "gen_tok_s": (res.get("summary") or {}).get("gen_tok_s"),
+            "step_s": (res.get("summary") or {}).get("step_s"),
+            "gen_s": (res.get("summary") or {}).get("gen_s"),
+            "peak_gpu_gb": (res.get("summary") or {}).get("peak_gpu_gb"),
+        }
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, mine)
+        res["per_process"] = gathered
+        tok = [g["gen_tok_s"] for g in gathered if g and g.get("gen_tok_s")]
+        if res.get("summary") and tok:
+            res["summary"]["gen_tok_s_all_processes"] = round(sum(tok), 2)
+    res["peak_rss_gb"] = _rss_peak_gb()
+    del trainer, model
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+_PASS = (
+    "prompt_len",
+    "completion_len",
+    "group",
+    "steps",
+    "warmup_steps",
+    "beta",
+    "aqn_sigma",
+    "lora_r",
+    "lora_dtype",
+    "nvfp4_method",
+    "compile_backend",
+    "compile_mode",
+    "dtype",
+    "warmup_completion_len",
+)
+_FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
+
+
+def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--arm", arm]
+    cmd += ["--_result", result_path]
+    for k in _PASS:
+        v = getattr(args, k)
+        if v is not None:
+            cmd += ["--" + k.replace("_", "-"), str(v)]
+    cmd.append("--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt")
+    cmd.append("--input-require-grads" if args.input_require_grads else "--no-input-require-grads")
+    cmd += ["--" + f.replace("_", "-") for f in _FLAGS if getattr(args, f)]
+    return cmd
+
+
+def _failed(model: str, arm: str, status: str, **kw) -> dict:
+    return {"model": model, "arm": arm, "label": ARM_LABEL[arm], "status": status, **kw}
+
+
+def _run_subprocess(args, model: str, arm: str) -> dict:
+    with tempfile.TemporaryDirectory() as td:
+        rp = os.path.join(td, "r.json")
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(
+                _worker_cmd(args, model, arm, rp),
+                timeout=args.arm_timeout,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            out, rc = p.stdout, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = "timeout"
+        if args.verbose:
+            print(out)
+        if os.path.exists(rp):
+            with open(rp) as f:
+                res = json.load(f)
+        else:
+            tail = "\n".join(out.strip().splitlines()[-15:])
+            oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
+            res = _failed(model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail)
+            print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        return res
+
+
+def _run_in_process(args, model: str, arm: str) -> dict:
+    import torch
+
+    wargs = argparse.Namespace(**{**vars(args), "model": model, "arm": arm})
+    try:
+        res = run_worker(wargs)
+    except Exception as e:  # noqa: BLE001
+        oom = isinstance(e, torch.OutOfMemoryError)
+        res = _failed(model, arm, "does not fit: OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:300]}")
+        res["traceback"] = traceback.format_exc()[-3000:]
+        print(res["traceback"], file=sys.stderr)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return res
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| model | arm | procs | s/step | gen s | prefill s | AQN s | score s | loss fwd s | backward s | optimizer s "
+        "| gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in results:
+        s = r.get("summary")
+        if not s:
+            lines.append(
+                f"| {r['model']} | {r['label']} | {r.get('world_size', 1)} | — | — | — | — | — | — | — | — | — | "
+                f"{_fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
+            )
+            continue
+        cp = s.get("compiled_path_ok")
+        cps = "eager" if cp is None else ("ok" if cp else "BROKEN: " + json.dumps(s.get("dynamo_measured")))
+        dw = s.get("dynamo_warmup") or {}
+        if cp is not None and dw.get("graph_breaks"):
+            cps += f" ({dw['unique_graphs']} graphs, {dw['graph_breaks']} breaks at compile)"
+        comp = "ok" if s.get("completion_lengths_ok") else "WRONG LENGTH"
+        comp += "" if s.get("advantages_nonzero") else ", zero adv."
+        tok = s.get("gen_tok_s")
+        if r.get("world_size", 1) > 1 and s.get("gen_tok_s_all_processes"):
+            tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
+        lines.append(
+            f"| {r['model']} | {r['label']} | {r.get('world_size', 1)} | {_fmt(s['step_s'], 2)} | {_fmt(s['gen_s'], 2)} "
+            f"| {_fmt(s['prefill_s'], 3)} | {_fmt(s['aqn_s'], 3)} | {_fmt(s['score_s'], 3)} | {_fmt(s['loss_fwd_s'], 2)} "
+            f"| {_fmt(s['backward_s'], 2)} | {_fmt(s['optimizer_s'], 3)} | {_fmt(tok)} | {_fmt(s['peak_gpu_gb'], 1)} "
+            f"| {_fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"
+        )
+    by = {
+        (r["model"], r["arm"], r.get("world_size", 1)): (r["summary"], r.get("run"))
+        for r in results
+        if r.get("summary") and r["summary"].get("step_s")
+    }
+    rat = []
+    for (m, a, w), (s, run) in sorted(by.items()):
+        if a != "nvfp4":
+            continue
+        parts = []
+        for other in ("bf16", "qlora"):
+            o, orun = by.get((m, other, w), (None, None))
+            for key in ("step_s", "gen_s"):
+                if o and o.get(key) and s.get(key):
+                    parts.append(f"{o[key] / s[key]:.2f}×" + (" (across runs)" if orun != run else ""))
+                else:
+                    parts.append("—")
+        rat.append(f"| {m} | {w} | " + " | ".join(parts) + " |")
+    if rat:
+        lines += [
+            "",
+            "NVFP4 speedup = other arm's time / NVFP4's time (> 1: NVFP4 faster), same model and process (GPU) count.",
+            "",
+            "| model | procs | step vs bf16+LoRA | generation vs bf16+LoRA | step vs QLoRA | generation vs QLoRA |",
+            "|---|---:|---:|---:|---:|---:|",
+            *rat,
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--models", default="7b,14b", help="comma list of " + ",".join(m for m in MODELS if m != "tiny"))
+    ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--completion-len", type=int, default=1024, help="max_completion_length (= min_new_tokens)")
+    ap.add_argument("--group", type=int, default=8, help="num_generations = per_device_train_batch_size")
+    ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
+    ap.add_argument("--warmup-steps", type=int, default=1, help="steps before the measured ones (compile)")
+    ap.add_argument(
+        "--warmup-completion-len",
+        type=int,
+        default=0,
+        help="completion length of the warm-up steps (default: --completion-len); the static cache keeps its full "
+        "size, so a short warm-up compiles the same decode graph (saves minutes at 32B)",
+    )
+    ap.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
+    ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
+    ap.add_argument("--no-aqn", action="store_true", help="AQN off")
+    ap.add_argument(
+        "--input-require-grads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after init",
+    )
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
+    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
+    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "cudagraphs", "eager", "aot_eager"])
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
+    ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
+    ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
+    ap.add_argument("--cpu", action="store_true", help="force CPU")
+    ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
+    ap.add_argument("--arm-timeout", type=float, default=1200.0, help="seconds per (model, arm) subprocess")
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new (model, arm) after this many seconds")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpo_step.json"))
+    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
+    ap.add_argument("--verbose", action="store_true", help="print worker output")
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.tiny and not args._worker:
+        args.models = "tiny"
+        if args.prompt_len == 256:
+            args.prompt_len = 16
+        if args.completion_len == 1024:
+            args.completion_len = 8
+
+    if args._worker:
+        try:
+            res = run_worker(args)
+        except Exception as e:  # noqa: BLE001
+            import torch
+
+            oom = isinstance(e, torch.OutOfMemoryError)
+            res = _failed(args.model, args.arm, "does not fit: OOM" if oom else f"failed: {type(e).__name__}: {e}")
+            res["status"] = res["status"][:400]
+            res["traceback"] = traceback.format_exc()[-3000:]
+            print(res["traceback"], file=sys.stderr)
+        with open(args._result, "w") as f:
+            json.dump(res, f, default=str)
+        sys.stdout.flush()
+        os._exit(0)  # skip slow teardown of compiled graphs / CUDA context
+
+    if args.merge:
+        results, meta = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                d = json.load(f)
+            for r in d.pop("results"):
+                r.setdefault("run", len(meta.get("runs", [])))
+                r.setdefault("run_date", d.get("date"))
+                results.append(r)
+            meta.setdefault("runs", []).append(d)
+        _write(args.out, meta, results)
+        print(table(results))
+        return
+
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    in_process = args.no_subprocess or world > 1
+    models, arms = _csv(args.models), _csv(args.arms)
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m}")
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a}")
+    main_proc = rank == 0
+    meta = {
+        "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (transformers generate, "
+        "static cache" + ("" if args.no_compile or args.no_static_cache else " + compiled decode") + ") + scoring + "
+        "loss forward + backward + AdamW step",
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "device": device_name() if not args.cpu else "cpu (forced)",
+        "world_size": world,
+        "versions": versions() | {k: _version(k) for k in ("trl", "datasets")},
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
+        "configs": {m: MODELS[m] for m in models},
+        "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
+        "model._prefill; aqn = applying/restoring the noise; decode = gen - prefill - aqn); score = rest of "
+        "_prepare_inputs (rewards, advantages, no-grad logprob forwards = score_fwd); loss_fwd = compute_loss; "
+        "backward = rest of training_step; clip = grad-norm clipping; optimizer = optimizer.step(); step = "
+        "on_step_begin..on_step_end. Table values: median over measured steps; compile s = warm-up step(s) time. "
+        "gen tok/s = completion tokens of this process / gen s.",
+    }
+    if main_proc:
+        print(f"# grpo_step: {meta['device']} x{world} | {meta['versions']}", flush=True)
+    results: list[dict] = []
+    t_start = time.perf_counter()
+    for m in models:
+        for a in arms:
+            t0 = time.perf_counter()
+            if args.deadline_s and t0 - t_start > args.deadline_s:
+                res = _failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", wall_s=0.0)
+            else:
+                if main_proc:
+                    print(f"[{m}/{a}] running ...", flush=True)
+                res = _run_in_process(args, m, a) if in_process else _run_subprocess(args, m, a)
+                res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
+            results.append(res)
+            if main_proc:
+                s = res.get("summary") or {}
+                print(
+                    f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; s/step {s.get('step_s')}, "
+                    f"gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak {s.get('peak_gpu_gb')} GB, "
+                    f"compiled ok={s.get('compiled_path_ok')}",
+                    flush=True,
+                )
+                _write(args.out, meta, results)
+    if main_proc:
+        print()
+        print(table(results))
+        print(f"\nwrote {args.out}")
+    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def _version(name: str) -> str:
+    try:
+        return getattr(__import__(name), "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        return f"not installed ({type(e).__name__})"
+
+
+if __name__ == "__main__":
+    main()

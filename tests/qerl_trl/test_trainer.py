@@ -237,3 +237,20 @@ def test_config_errors():
     with pytest.raises(TypeError, match="QeRLDAPOConfig"):
         QeRLDAPOTrainer("offline-default", even_token_reward, QeRLConfig(output_dir="x"))
     assert QeRLConfig(output_dir="x", lora_r=16).lora_alpha == 16
+
+
+def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path):
+    """TRL builds its generation config with disable_compile=True; on CUDA the trainer turns the compiled decode
+    back on for a static cache, with a fixed cache length (no recompile per prompt length)."""
+    from qerl_trl.trainer import compiled_generation_config
+    from transformers import GenerationConfig
+
+    args = QeRLConfig(output_dir=str(tmp_path), max_completion_length=64, generation_prompt_cache_len=100)
+    gc = compiled_generation_config(GenerationConfig(cache_implementation="static", disable_compile=True), args)
+    assert gc.disable_compile is False and gc.compile_config.dynamic is False and gc.max_cache_len == 164
+    kept = GenerationConfig(cache_implementation="static", disable_compile=True, max_cache_len=4096)
+    assert compiled_generation_config(kept, args).max_cache_len == 4096
+    for gc in (GenerationConfig(disable_compile=True), GenerationConfig(cache_implementation="static", disable_compile=True)):
+        off = QeRLConfig(output_dir=str(tmp_path), compile_generation=False)
+        cfg = compiled_generation_config(gc, off if gc.cache_implementation else args)
+        assert cfg.disable_compile is True and getattr(cfg, "max_cache_len", None) is None

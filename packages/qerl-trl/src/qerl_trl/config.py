@@ -42,6 +42,13 @@ class QeRLConfig(GRPOConfig):
             server can read).
         vllm_gpu_memory_utilization, vllm_max_model_len, vllm_dtype, vllm_enforce_eager, vllm_kv_cache_memory_bytes:
             engine knobs (colocate).
+    Transformers rollouts on a GPU:
+        compile_generation: with ``cache_implementation="static"`` on CUDA, compile the decode step with CUDA graphs
+            (transformers' compiled ``generate``; TRL 1.16 builds its generation config with ``disable_compile``,
+            and eager decoding is launch-bound: ~10x slower at 7B). The static cache is sized
+            ``generation_prompt_cache_len + max_completion_length`` (unless ``generation_kwargs`` sets
+            ``max_cache_len``), so every step replays the same graphs whatever the prompt lengths.
+        generation_prompt_cache_len: the longest prompt (tokens) that compiled cache holds.
     Several processes (``accelerate launch``, see ``recipes/accelerate/``):
         rollout_seed_per_prompt: sample each prompt's group of ``num_generations`` completions in its own
             ``generate`` call, from a seed that is a function of (``seed``, ``global_step``, the prompt's index in
@@ -100,6 +107,13 @@ class QeRLConfig(GRPOConfig):
     vllm_enforce_eager: bool | None = field(default=None, metadata={"help": "Colocate: no CUDA graphs."})
     vllm_kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "Colocate: KV-cache size."})
     vllm_server_timeout: float = field(default=600.0, metadata={"help": "Server mode: seconds per HTTP request."})
+    compile_generation: bool = field(
+        default=True,
+        metadata={"help": "CUDA + cache_implementation='static': compiled decode with CUDA graphs (TRL disables it)."},
+    )
+    generation_prompt_cache_len: int = field(
+        default=1024, metadata={"help": "Longest prompt (tokens) the compiled static cache holds."}
+    )
     rollout_seed_per_prompt: bool = field(
         default=False,
         metadata={

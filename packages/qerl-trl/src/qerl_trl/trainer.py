@@ -40,14 +40,21 @@ from aqn import AQNController, make_schedule
 from nvfp4 import cache_dequantized
 from nvfp4.peft import register_nvfp4_lora
 from peft import LoraConfig, PeftModel
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 
 from .config import QeRLConfig
 from .policy import load_policy, load_tokenizer
 
-__all__ = ["AQN_STATE_NAME", "QeRLGRPOTrainer", "lora_config_from_args", "quantized_buffer_names", "rollout_seed"]
+__all__ = [
+    "AQN_STATE_NAME",
+    "QeRLGRPOTrainer",
+    "compiled_generation_config",
+    "lora_config_from_args",
+    "quantized_buffer_names",
+    "rollout_seed",
+]
 
 AQN_STATE_NAME = "aqn_state.json"
 _STAGING = ".staging"
@@ -82,6 +89,27 @@ def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
         if isinstance(module, NVFP4Linear)
         for buf in NVFP4Linear._QUANT_BUFFERS
     ]
+
+
+def compiled_generation_config(generation_config: GenerationConfig, args: QeRLConfig) -> GenerationConfig:
+    """Turn on transformers' compiled decode (CUDA graphs) in TRL's generation config, in place.
+
+    Applies when ``args.compile_generation`` and ``cache_implementation == "static"``: TRL 1.16 creates the config with
+    ``disable_compile=True``, which leaves a static-cache ``generate`` eager and launch-bound. The cache gets a fixed
+    length (``generation_prompt_cache_len + max_completion_length`` unless ``generation_kwargs`` set
+    ``max_cache_len``), so prompts of any length up to that replay the same graphs instead of recompiling.
+    The decode graph is specialised to the batch size (``dynamic=False``); the AQN noise changes norm weights in
+    place, which the graphs read, so it needs no recompile (measured: ``benchmarks/grpo_step.py``).
+    """
+    if not args.compile_generation or generation_config.cache_implementation != "static":
+        return generation_config
+    from transformers.generation.configuration_utils import CompileConfig
+
+    generation_config.disable_compile = False
+    generation_config.compile_config = CompileConfig(dynamic=False)  # inductor, mode="reduce-overhead"
+    if getattr(generation_config, "max_cache_len", None) is None:
+        generation_config.max_cache_len = args.generation_prompt_cache_len + args.max_completion_length
+    return generation_config
 
 
 class QeRLGRPOTrainer(GRPOTrainer):
@@ -154,6 +182,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
         self.vllm_rollout = None
+        if args.rollout_engine == "transformers" and self.accelerator.device.type == "cuda":
+            compiled_generation_config(self.generation_config, args)
         if args.rollout_engine == "vllm":
             from .vllm_rollout import make_vllm_rollout
 

@@ -313,3 +313,75 @@ def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
     print(f"[server lora] server vs HF PeftModel: {cmp}")
     assert cmp["tokens_equal"] and cmp["max_logprob_gap"] < GREEDY_GAP, cmp
     json.dumps(steps)  # the logged metrics are plain numbers
+
+
+# ------------------------------------------------------------------------------ server mode, 2 trainer processes
+DDP_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "ddp.yaml"
+
+
+def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> None:
+    """One of 2 ``accelerate launch`` trainer processes (DDP over gloo) sharing the server: 2 GRPO steps."""
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    out = Path(out_dir)
+    args = _args(out, max_steps=2, vllm_server_url=url, vllm_adapter_dir=adapter_dir, per_device_train_batch_size=4)
+    trainer = QeRLGRPOTrainer(ckpt, even_token_reward, args, train_dataset=_dataset())
+    sent: list[int] = []
+    request = trainer.vllm_rollout._request
+
+    def counting(method, path, payload=None):  # what this rank sends to the server, by route
+        if path == "/v1/completions":
+            sent.append(len(payload["prompt"]))
+        elif path in ("/v1/load_lora_adapter", "/collective_rpc"):
+            sent.append(path)
+        return request(method, path, payload)
+
+    trainer.vllm_rollout._request = counting
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    report = {
+        "world": trainer.accelerator.num_processes,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "global_step": trainer.state.global_step,
+        "steps": _steps(trainer),
+        "prompts_sent": sum(x for x in sent if isinstance(x, int)),
+        "syncs_sent": [x for x in sent if isinstance(x, str)],
+        "lora_name": trainer.vllm_rollout.lora_name,
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_two_trainer_processes_share_one_vllm_server(server, ckpt, tmp_path):
+    """``accelerate launch`` (the shipped DDP config, 2 gloo processes) against one server: every rank sends its own
+    prompts, only the main process pushes the LoRA adapter and the AQN norms, both ranks finish the same steps."""
+    url, shared = server
+    out = tmp_path / "ddp"
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG), "--num_processes", "2",
+        "--mixed_precision", "no", "--main_process_port", str(29500 + os.getpid() % 2000), __file__,
+        str(ckpt), url, str(shared / "ddp-adapters"), str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    print(f"\n[server ddp] {[(r['prompts_sent'], r['syncs_sent']) for r in ranks]}")
+    assert [r["world"] for r in ranks] == [2, 2] and {r["wrapped"] for r in ranks} == {"DistributedDataParallel"}
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    # each rank sent its own slice itself: 1 prompt (× 4 completions) per step, over 2 steps
+    assert [r["prompts_sent"] for r in ranks] == [2, 2]
+    # the main process alone synced the adapter each step and pushed the step-1 noise (σ > 0); the other never did
+    assert ranks[1]["syncs_sent"] == []
+    assert ranks[0]["syncs_sent"].count("/v1/load_lora_adapter") >= 1 and "/collective_rpc" in ranks[0]["syncs_sent"]
+    sigmas = [s["aqn/sigma"] for s in ranks[0]["steps"]]
+    assert sigmas == [0.0, SIGMA]
+    gaps = [s["sampling/sampling_logp_difference/mean"] for s in ranks[0]["steps"]]
+    assert gaps[0] < CLEAN_GAP and CLEAN_GAP < gaps[1] < NOISY_GAP  # noise reached the server for both ranks' rollouts
+    models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())["data"]
+    assert ranks[0]["lora_name"] in [m["id"] for m in models]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    _server_ddp_worker(*sys.argv[1:5])

@@ -93,9 +93,12 @@ def _linear_op(
     return linear_reference(x, packed, scale, global_scale, bias)
 
 
-@_linear_op.register_fake
-def _(x, packed, scale, global_scale, bias):
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, *_: object) -> torch.Tensor:
+    """Fake (meta) implementation of both forward ops: ``[..., in]`` → ``[..., out]`` in ``x.dtype``."""
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+_linear_op.register_fake(_linear_fake)
 
 
 @torch.library.custom_op("nvfp4::linear_dgrad", mutates_args=())
@@ -132,9 +135,7 @@ def _lora_linear_op(
     return lora_linear_reference(x, packed, scale, global_scale, bias, lora_a, lora_b, scaling)
 
 
-@_lora_linear_op.register_fake
-def _(x, packed, scale, global_scale, bias, lora_a, lora_b, scaling):
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+_lora_linear_op.register_fake(_linear_fake)
 
 
 def _setup_context(ctx, inputs, output):

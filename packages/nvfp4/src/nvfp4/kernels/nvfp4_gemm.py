@@ -806,15 +806,18 @@ def nvfp4_lora_linear(
         raise ValueError(
             f"nvfp4_lora_linear: LoRA A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a [{n}, {k}] weight"
         )
-    m = x.numel() // max(x.shape[-1], 1)
-    if x.dtype == torch.float32 or r > LORA_FUSED_MAX_R or (config or linear_config(m, n, k)).dequant:
-        y = _linear(x, packed, scale, global_scale, bias, config, None)
-        t = torch.nn.functional.linear(x, lora_a.to(x.dtype))
-        return y + scaling * torch.nn.functional.linear(t, lora_b.to(x.dtype))
+    if r > LORA_FUSED_MAX_R:
+        return _linear(x, packed, scale, global_scale, bias, config, None) + _lora_delta(x, lora_a, lora_b, scaling)
     return _linear(x, packed, scale, global_scale, bias, config, (lora_a.contiguous(), lora_b.contiguous(), scaling))
 
 
+def _lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling · (x · Aᵀ) · Bᵀ`` unfused, in ``x.dtype`` (where the fused kernel does not apply)."""
+    return scaling * torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
+
+
 def _linear(x, packed, scale, global_scale, bias, config, lora):
+    """:func:`nvfp4_linear`, plus the adapter ``lora = (A, B, scaling)`` fused where the kernel allows it."""
     _check(packed, scale, global_scale)
     n, half = packed.shape
     k = half * 2
@@ -832,7 +835,10 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     cfg = config or linear_config(m, n, k)
     if cfg.dequant or x.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
-        return torch.nn.functional.linear(x2, w, bias).reshape(*lead, n)
+        y = torch.nn.functional.linear(x2, w, bias)
+        if lora is not None:
+            y = y + _lora_delta(x2, *lora)
+        return y.reshape(*lead, n)
     if lora is not None and (cfg.gemv or not cfg.swap):  # the adapter is fused into the tensor-core kernel only
         cfg = tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
 

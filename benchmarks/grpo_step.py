@@ -68,11 +68,9 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,12 +82,18 @@ for _p in sorted((ROOT / "packages").glob("*/src")) + [HERE]:
 from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model builder, helpers)
     ARM_LABEL,
     MODELS,
+    _check_names,
     _csv,
     _dynamo_counters,
+    _exception_result,
+    _failed,
     _fmt,
     _gb,
     _LogCatcher,
+    _merge,
     _rss_peak_gb,
+    _run_worker_subprocess,
+    _worker_exit,
     _write,
     build_model,
     device_name,
@@ -650,38 +654,10 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
     return cmd
 
 
-def _failed(model: str, arm: str, status: str, **kw) -> dict:
-    return {"model": model, "arm": arm, "label": ARM_LABEL[arm], "status": status, **kw}
-
-
 def _run_subprocess(args, model: str, arm: str) -> dict:
     with tempfile.TemporaryDirectory() as td:
         rp = os.path.join(td, "r.json")
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(
-                _worker_cmd(args, model, arm, rp),
-                timeout=args.arm_timeout,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            out, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rc = "timeout"
-        if args.verbose:
-            print(out)
-        if os.path.exists(rp):
-            with open(rp) as f:
-                res = json.load(f)
-        else:
-            tail = "\n".join(out.strip().splitlines()[-15:])
-            oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
-            res = _failed(model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail)
-            print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
-        res["wall_s"] = round(time.perf_counter() - t0, 1)
-        return res
+        return _run_worker_subprocess(_worker_cmd(args, model, arm, rp), rp, model, arm, args)
 
 
 def _run_in_process(args, model: str, arm: str) -> dict:
@@ -691,10 +667,7 @@ def _run_in_process(args, model: str, arm: str) -> dict:
     try:
         res = run_worker(wargs)
     except Exception as e:  # noqa: BLE001
-        oom = isinstance(e, torch.OutOfMemoryError)
-        res = _failed(model, arm, "does not fit: OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:300]}")
-        res["traceback"] = traceback.format_exc()[-3000:]
-        print(res["traceback"], file=sys.stderr)
+        res = _exception_result(model, arm, e)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -821,31 +794,10 @@ def main(argv=None) -> None:
             args.completion_len = 8
 
     if args._worker:
-        try:
-            res = run_worker(args)
-        except Exception as e:  # noqa: BLE001
-            import torch
-
-            oom = isinstance(e, torch.OutOfMemoryError)
-            res = _failed(args.model, args.arm, "does not fit: OOM" if oom else f"failed: {type(e).__name__}: {e}")
-            res["status"] = res["status"][:400]
-            res["traceback"] = traceback.format_exc()[-3000:]
-            print(res["traceback"], file=sys.stderr)
-        with open(args._result, "w") as f:
-            json.dump(res, f, default=str)
-        sys.stdout.flush()
-        os._exit(0)  # skip slow teardown of compiled graphs / CUDA context
+        _worker_exit(args, run_worker)
 
     if args.merge:
-        results, meta = [], {}
-        for path in args.merge:
-            with open(path) as f:
-                d = json.load(f)
-            for r in d.pop("results"):
-                r.setdefault("run", len(meta.get("runs", [])))
-                r.setdefault("run_date", d.get("date"))
-                results.append(r)
-            meta.setdefault("runs", []).append(d)
+        meta, results = _merge(args.merge)
         _write(args.out, meta, results)
         print(table(results))
         return
@@ -856,12 +808,7 @@ def main(argv=None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     in_process = args.no_subprocess or world > 1
     models, arms = _csv(args.models), _csv(args.arms)
-    for m in models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m}")
-    for a in arms:
-        if a not in ARMS:
-            ap.error(f"unknown arm {a}")
+    _check_names(ap, models, arms, ARMS)
     main_proc = rank == 0
     meta = {
         "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (transformers generate, "

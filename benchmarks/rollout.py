@@ -551,44 +551,88 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
     return cmd
 
 
+def _failed(model: str, arm: str, status: str, **kw) -> dict:
+    """A result row for an arm that produced no measurement."""
+    return {"model": model, "arm": arm, "label": ARM_LABEL[arm], "status": status, **kw}
+
+
+def _exception_result(model: str, arm: str, exc: BaseException, **kw) -> dict:
+    """A worker's exception as a result row (an OOM means "does not fit"); the traceback is printed and kept."""
+    import torch
+
+    oom = isinstance(exc, torch.OutOfMemoryError)
+    res = _failed(model, arm, "does not fit: OOM" if oom else f"failed: {type(exc).__name__}: {str(exc)[:300]}", **kw)
+    res["traceback"] = traceback.format_exc()[-3000:]
+    print(res["traceback"], file=sys.stderr)
+    return res
+
+
+def _worker_exit(args, run_worker, **kw) -> None:
+    """Body of a ``--_worker`` subprocess: run one (model, arm), write the result (or the failure) to
+    ``args._result`` and exit at once (skips the slow teardown of compiled graphs and the CUDA context)."""
+    try:
+        res = run_worker(args)
+    except Exception as e:  # noqa: BLE001
+        res = _exception_result(args.model, args.arm, e, **kw)
+    with open(args._result, "w") as f:
+        json.dump(res, f, default=str)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _run_worker_subprocess(cmd: list[str], result_path: str, model: str, arm: str, args, **kw) -> dict:
+    """Run a worker command (``args.arm_timeout``); its result file, or a failure row with the log's tail."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, timeout=args.arm_timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    wall = round(time.perf_counter() - t0, 1)
+    if args.verbose:
+        print(out)
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            res = json.load(f)
+    else:
+        tail = "\n".join(out.strip().splitlines()[-15:])
+        oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
+        res = _failed(model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail, **kw)
+        print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
+    res["wall_s"] = wall
+    return res
+
+
 def _run_subprocess(args, model: str, arm: str) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as td:
         rp = os.path.join(td, "r.json")
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(
-                _worker_cmd(args, model, arm, rp),
-                timeout=args.arm_timeout,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            out, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rc = "timeout"
-        wall = round(time.perf_counter() - t0, 1)
-        if args.verbose:
-            print(out)
-        if os.path.exists(rp):
-            with open(rp) as f:
-                res = json.load(f)
-        else:
-            tail = "\n".join(out.strip().splitlines()[-15:])
-            oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
-            res = {
-                "model": model,
-                "arm": arm,
-                "label": ARM_LABEL[arm],
-                "batches": [],
-                "status": ("does not fit: OOM (worker died)" if oom else f"failed (rc={rc})"),
-                "log_tail": tail,
-            }
-            print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
-        res["wall_s"] = wall
-        return res
+        return _run_worker_subprocess(_worker_cmd(args, model, arm, rp), rp, model, arm, args, batches=[])
+
+
+def _merge(paths: list[str]) -> tuple[dict, list[dict]]:
+    """Result files of several runs → (meta with every run's metadata under ``runs``, rows tagged with their run)."""
+    results, meta = [], {}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        for r in d.pop("results"):
+            r.setdefault("run", len(meta.get("runs", [])))
+            r.setdefault("run_date", d.get("date"))
+            results.append(r)
+        meta.setdefault("runs", []).append(d)
+    return meta, results
+
+
+def _check_names(ap: argparse.ArgumentParser, models: list[str], arms: list[str], known_arms) -> None:
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m}")
+    for a in arms:
+        if a not in known_arms:
+            ap.error(f"unknown arm {a}")
 
 
 def _fmt(x, nd=1):
@@ -697,36 +741,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     if args._worker:
-        try:
-            res = run_worker(args)
-        except Exception as e:  # noqa: BLE001
-            import torch
-
-            oom = isinstance(e, torch.OutOfMemoryError)
-            res = {
-                "model": args.model,
-                "arm": args.arm,
-                "label": ARM_LABEL[args.arm],
-                "batches": [],
-                "status": ("does not fit: OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:300]}"),
-                "traceback": traceback.format_exc()[-3000:],
-            }
-            print(res["traceback"], file=sys.stderr)
-        with open(args._result, "w") as f:
-            json.dump(res, f)
-        sys.stdout.flush()
-        os._exit(0)  # skip slow teardown of compiled graphs / CUDA context
+        _worker_exit(args, run_worker, batches=[])
 
     if args.merge:
-        results, meta = [], {}
-        for path in args.merge:
-            with open(path) as f:
-                d = json.load(f)
-            for r in d.pop("results"):
-                r.setdefault("run", len(meta.get("runs", [])))
-                r.setdefault("run_date", d.get("date"))
-                results.append(r)
-            meta.setdefault("runs", []).append(d)
+        meta, results = _merge(args.merge)
         _write(args.out, meta, results)
         print(table(results))
         return
@@ -735,12 +753,7 @@ def main(argv=None) -> None:
 
     models = ["tiny"] if args.tiny else _csv(args.models)
     arms = _csv(args.arms)
-    for m in models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m}")
-    for a in arms:
-        if a not in ARMS:
-            ap.error(f"unknown arm {a}")
+    _check_names(ap, models, arms, ARMS)
     meta = {
         "benchmark": "rollout tokens/s, transformers generate, static cache"
         + ("" if args.no_compile else " + compiled decode"),
@@ -759,14 +772,7 @@ def main(argv=None) -> None:
         for a in arms:
             t0 = time.perf_counter()
             if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = {
-                    "model": m,
-                    "arm": a,
-                    "label": ARM_LABEL[a],
-                    "batches": [],
-                    "status": f"not run: --deadline-s {args.deadline_s:g} passed",
-                    "wall_s": 0.0,
-                }
+                res = _failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", batches=[], wall_s=0.0)
                 results.append(res)
                 print(f"[{m}/{a}] {res['status']}", flush=True)
                 _write(args.out, meta, results)
@@ -777,15 +783,7 @@ def main(argv=None) -> None:
                 try:
                     res = run_worker(wargs)
                 except Exception as e:  # noqa: BLE001
-                    res = {
-                        "model": m,
-                        "arm": a,
-                        "label": ARM_LABEL[a],
-                        "batches": [],
-                        "status": f"failed: {type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc()[-3000:],
-                    }
-                    print(res["traceback"], file=sys.stderr)
+                    res = _exception_result(m, a, e, batches=[])
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()

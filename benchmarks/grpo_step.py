@@ -96,7 +96,7 @@ from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model
     _run_worker_subprocess,
     _worker_exit,
     _write,
-    build_model,
+    build_arm,
     device_name,
     versions,
 )
@@ -442,37 +442,10 @@ def run_worker(args) -> dict:
     catcher = _LogCatcher()
     catcher.install()
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
-    if args.arm == "qlora" and not cuda:
-        res["status"] = "skipped: needs CUDA (bitsandbytes NF4 arm; CPU validation run)"
-        return res
-    if args.arm == "qlora":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            res["status"] = f"skipped: bitsandbytes not importable ({e})"
-            return res
-
     clock = _Clock(device)
-    t0 = time.perf_counter()
-    try:
-        model, info = build_model(
-            args.model,
-            args.arm,
-            device,
-            dtype,
-            lora_r=args.lora_r,
-            lora_dtype=getattr(torch, args.lora_dtype),
-            double_quant=not args.no_double_quant,
-            nvfp4_method=args.nvfp4_method,
-        )
-    except torch.OutOfMemoryError as e:
-        res["status"] = f"does not fit: OOM while building ({str(e).splitlines()[0][:200]})"
+    model = build_arm(args, device, dtype, res)
+    if model is None:
         return res
-    clock.now()
-    res["build_s"] = round(time.perf_counter() - t0, 2)
-    res.update(info)
-    if cuda:
-        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated(device))
 
     # time the prefill: the model's own ``_prefill`` (eager; the compiled call only wraps the decode forward)
     base = model.get_base_model()

@@ -357,30 +357,25 @@ def build_model(
     return model, info
 
 
-# ---------------------------------------------------------------------------------------------------------- worker
-def run_worker(args) -> dict:
-    import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig
+def build_arm(args, device, dtype, res: dict):
+    """:func:`build_model` for ``args.model`` / ``args.arm`` (and its LoRA / quantization options) on ``device``.
 
-    cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    catcher = _LogCatcher()
-    catcher.install()
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "batches": []}
-    base = args.arm.removesuffix("-base")
-    if base == "qlora" and not cuda and not os.environ.get("ROLLOUT_BNB_CPU"):
-        res["status"] = "skipped: bitsandbytes NF4 arm needs CUDA (CPU validation run)"
-        return res
-    if base == "qlora":
+    Returns the model, with ``build_s``, the build info and ``weights_gpu_gb`` added to ``res``; or None, with
+    ``res["status"]`` saying why not: a QLoRA arm without CUDA (unless ``ROLLOUT_BNB_CPU``) or without
+    bitsandbytes, or an OOM while building ("does not fit").
+    """
+    import torch
+
+    cuda = device.type == "cuda"
+    if args.arm.removesuffix("-base") == "qlora":
+        if not cuda and not os.environ.get("ROLLOUT_BNB_CPU"):
+            res["status"] = "skipped: bitsandbytes NF4 arm needs CUDA (CPU validation run)"
+            return None
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
             res["status"] = f"skipped: bitsandbytes not importable ({e})"
-            return res
-
+            return None
     t0 = time.perf_counter()
     try:
         model, info = build_model(
@@ -395,12 +390,31 @@ def run_worker(args) -> dict:
         )
     except torch.OutOfMemoryError as e:
         res["status"] = f"does not fit: OOM while building ({str(e).splitlines()[0][:200]})"
-        return res
+        return None
     _sync()
     res["build_s"] = round(time.perf_counter() - t0, 2)
     res.update(info)
     if cuda:
-        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated())
+        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated(device))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+def run_worker(args) -> dict:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    catcher = _LogCatcher()
+    catcher.install()
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "batches": []}
+    model = build_arm(args, device, dtype, res)
+    if model is None:
+        return res
     vocab = MODELS[args.model]["vocab_size"]
 
     if args.no_compile:

@@ -6,7 +6,7 @@ engine and models: random-weight Qwen2.5 shapes built layer by layer (``rollout.
 ``torch.profiler`` records the CUDA kernels of a ``generate`` of 1 new token (prefill) and one of ``1 + N`` new tokens;
 the difference, divided by ``N``, is one decode step. Kernels are grouped by name:
 
-* ``nvfp4 gemm``: our Triton W4A16 kernels (``_linear_kernel``, ``_gemv_kernel``, split-K reduce, dequant)
+* ``nvfp4 gemm``: our Triton W4A16 kernels (``_linear_mma_kernel``, ``_linear_kernel``, ``_gemv_kernel``, split-K reduce, dequant)
 * ``bnb nf4``: bitsandbytes kernels (QLoRA arm)
 * ``cuBLAS gemm``: every cuBLAS/CUTLASS GEMM: the bf16 base linears (bf16 arm), the LoRA A/B products, ``lm_head``
 * ``attention``: SDPA / flash kernels
@@ -14,7 +14,8 @@ the difference, divided by ``N``, is one decode step. Kernels are grouped by nam
 * ``other``: anything else (copies, sampling, ...)
 
 Run the ``-base`` arms too: the LoRA cost of a step is ``arm - arm-base``. ``nvfp4:unfused`` runs the NVFP4 arm with
-``NVFP4_DISABLE_FUSED_LORA=1`` (PEFT's adapter modules instead of the fused NVFP4+LoRA kernel). ``lm_head`` alone is timed separately
+``NVFP4_DISABLE_FUSED_LORA=1`` (PEFT's adapter modules instead of the fused NVFP4+LoRA kernel); ``nvfp4:ct`` with
+``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels). ``lm_head`` alone is timed separately
 (``F.linear`` of the same shape in a CUDA graph), since in every arm it is a bf16 GEMM of vocab × hidden.
 ``wall`` is the step time from the wall clock of the profiled calls; ``wall - kernels`` is time the GPU sat idle
 (launch gaps, host work).
@@ -44,12 +45,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout import ARM_LABEL, ARMS, MODELS, _csv, _sync, build_model, device_name, versions  # noqa: E402
 
 CATEGORIES: list[tuple[str, re.Pattern]] = [
-    ("nvfp4 gemm", re.compile(r"_linear_kernel|_gemv_kernel|_splitk_reduce|_dequant_kernel|_dgrad_kernel")),
+    ("nvfp4 gemm", re.compile(r"_linear_(mma_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel")),
     ("bnb nf4", re.compile(r"4bit|kDequantize|kQuantize|nf4", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
     ("cuBLAS gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|splitKreduce|sm90_", re.I)),
     ("inductor (fused)", re.compile(r"^triton_")),
 ]
+
+
+# Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
+# (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
+# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout.
+SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels"}
 
 
 def category(kernel: str) -> str:
@@ -208,14 +215,15 @@ def main(argv=None) -> None:
     if args.tiny:
         args.model, args.cpu, args.no_compile, args.prompt_len, args.profile_tokens = "tiny", True, True, 8, 4
         args.arms = [a for a in args.arms if not a.startswith("qlora")]
-    bad = [a for a in args.arms if a.removesuffix(":unfused") not in ARMS]
+    bad = [a for a in args.arms if a.split(":")[0] not in ARMS or not set(a.split(":")[1:]) <= set(SUFFIXES)]
     if bad:
-        p.error(f"unknown arms {bad}; choose from {ARMS}")
+        p.error(f"unknown arms {bad}; choose from {ARMS}, optionally with suffixes {SUFFIXES}")
     if args.worker:
-        args.arm = args.worker.removesuffix(":unfused")
+        args.arm, *suffixes = args.worker.split(":")
         res = run_worker(args)
-        if args.worker.endswith(":unfused"):
-            res["arm"], res["label"] = args.worker, res["label"] + ", adapters unfused"
+        if suffixes:
+            res["arm"] = args.worker
+            res["label"] += "".join(", " + SUFFIXES[s] for s in suffixes)
         with open(args.worker_out, "w") as f:
             json.dump(res, f)
         return
@@ -229,8 +237,9 @@ def main(argv=None) -> None:
             ["--profile-tokens", str(args.profile_tokens)] + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
         )
         print(f"[decode_profile] {args.model} {arm} ...", flush=True)
-        # ":unfused": LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel (nvfp4.peft)
-        env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if arm.endswith(":unfused") else "0"}
+        suffixes = arm.split(":")[1:]
+        env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
+               "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
         proc = subprocess.run(cmd, env=env)
         if proc.returncode == 0 and tmp.exists():
             results.append(json.loads(tmp.read_text()))

@@ -6,6 +6,10 @@ bf16 weight, in the same run, and reports our time, the achieved weight bandwidt
 scales, over our time) and the speed-up over bf16. The backward product ``dx = dy · W`` is timed against
 ``dy @ W_bf16`` at M ∈ {256, 1024, 4096}.
 
+Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
+``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
+kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``.
+
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
 median per call (CUDA events). That is how rollouts run the kernels (static cache + CUDA graphs), and it keeps the
@@ -15,6 +19,7 @@ Usage (on the GPU machine)::
 
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
+    python benchmarks/gemm.py --compare-ct          # plus the compressed-tensors-layout kernels, side by side
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
 """
 
@@ -39,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
+from nvfp4.layout import mma_layout_supported, to_mma_layout  # noqa: E402
 
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
     # name → {linear: (N=out, K=in)}
@@ -102,15 +108,20 @@ def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_
 
 
 class Weights:
-    """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``)."""
+    """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
+    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU), ``q_ct`` (only with ``need_ct``) in the
+    compressed-tensors layout."""
 
-    def __init__(self, n: int, k: int, need_bf16: bool = True):
+    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
         self.q_bytes = q.packed.numel() + q.scale.numel() + 4
         nq = max(2, math.ceil(ROTATE_BYTES / self.q_bytes))
-        self.q = [(q.packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
+        self.mma = mma_layout_supported(n, k)
+        packed = to_mma_layout(q.packed) if self.mma else q.packed
+        self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
+        self.q_ct = [(q.packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq if need_ct else 0)]
         self.bf16 = []
         if need_bf16:
             nb = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
@@ -123,10 +134,11 @@ def _n_calls(n_copies: int) -> int:
     return min(n_copies, 256)
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, ct: bool = False):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    nq = _n_calls(len(wts.q))
-    ours = time_graph([partial(nvfp4_linear, x, *wts.q[i % len(wts.q)], None, config=config) for i in range(nq)])
+    q = wts.q_ct if ct else wts.q
+    nq = _n_calls(len(q))
+    ours = time_graph([partial(nvfp4_linear, x, *q[i % len(q)], None, config=config) for i in range(nq)])
     ref = None
     if with_bf16:
         nb = _n_calls(len(wts.bf16))
@@ -134,10 +146,11 @@ def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf1
     return ours, ref
 
 
-def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
+def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, ct: bool = False):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    nq = _n_calls(len(wts.q))
-    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *wts.q[i % len(wts.q)], config=config) for i in range(nq)])
+    q = wts.q_ct if ct else wts.q
+    nq = _n_calls(len(q))
+    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *q[i % len(q)], config=config) for i in range(nq)])
     ref = None
     if with_bf16:
         nb = _n_calls(len(wts.bf16))
@@ -148,26 +161,29 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
 # --------------------------------------------------------------------------------------------------------------
 # Full tables
 # --------------------------------------------------------------------------------------------------------------
-def run_tables(models: list[str], fwd_ms: list[int], bwd_ms: list[int], partial: Path | None = None) -> dict:
+def run_tables(
+    models: list[str], fwd_ms: list[int], bwd_ms: list[int], partial: Path | None = None, compare_ct: bool = False
+) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
-    linear (a run cut short still leaves its numbers)."""
+    linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k)
+            wts = Weights(n, k, need_ct=compare_ct)
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
-                results["forward"].append(
-                    dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
-                         weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
-                         config=kern.linear_config(m, n, k).__dict__)
-                )  # fmt: skip
+                row = dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
+                           weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours, mma_layout=wts.mma,
+                           config=kern.linear_config(m, n, k, mma=wts.mma).__dict__)  # fmt: skip
+                if compare_ct:
+                    row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
+                results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
                 results["backward"].append(
                     dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
                          weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
-                         config=kern.dgrad_config(m, n, k).__dict__)
+                         config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__)
                 )  # fmt: skip
             del wts
             torch.cuda.empty_cache()
@@ -186,8 +202,12 @@ def layer_summary(rows: list[dict]) -> list[dict]:
         ours = sum(r["ours_ms"] for r in grp)
         ref = sum(r["bf16_ms"] for r in grp)
         qbytes = sum(r["weight_GBps"] * r["ours_ms"] * 1e-3 * 1e9 for r in grp)
-        out.append(dict(model=model, M=m, ours_ms=ours, bf16_ms=ref, speedup=ref / ours,
-                        weight_GBps=qbytes / (ours * 1e-3) / 1e9))  # fmt: skip
+        row = dict(model=model, M=m, ours_ms=ours, bf16_ms=ref, speedup=ref / ours,
+                   weight_GBps=qbytes / (ours * 1e-3) / 1e9)  # fmt: skip
+        if all("ct_ms" in r for r in grp):
+            row["ct_ms"] = sum(r["ct_ms"] for r in grp)
+            row["ct_speedup"] = ref / row["ct_ms"]
+        out.append(row)
     return out
 
 
@@ -201,20 +221,32 @@ def print_tables(results: dict) -> None:
             print(f"| {r['model']} | {r['linear']} | {r['N']}×{r['K']} | {r['M']} | {r['ours_ms']:.4f} | "
                   f"{r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | {r['speedup']:.2f} |")  # fmt: skip
         print(f"\n## {kind}: whole decoder layer (sum of its 7 linears)")
-        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 | CT-layout kernels ms | ×bf16 |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in layer_summary(rows):
+            ct = f"{r['ct_ms']:.4f} | {r['ct_speedup']:.2f}" if "ct_ms" in r else "- | -"
             print(f"| {r['model']} | {r['M']} | {r['ours_ms']:.4f} | {r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | "
-                  f"{r['speedup']:.2f} |")  # fmt: skip
+                  f"{r['speedup']:.2f} | {ct} |")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Tuning sweep
 # --------------------------------------------------------------------------------------------------------------
-def fwd_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
-    """Candidate forward configs for one (M, N, K): the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
-    ``tc_config`` with and without register prefetch (M ≤ 128); dequantize + cuBLAS from M = 64."""
+def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfig]:
+    """Candidate forward configs for one (M, N, K). MMA layout: splits × pipeline depths of ``_linear_mma_kernel``
+    (M ≤ 128); dequantize + cuBLAS from M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and
+    the tensor-core config of ``tc_config`` with and without register prefetch (M ≤ 128)."""
     out: list[LinearConfig] = []
+    if mma:
+        bm = max(16, triton_next_pow2(m))
+        if m <= 128:
+            steps = k // 256
+            for split in sorted({s for s in (1, 2, 3, 4, 6, 8, 12) if s == 1 or steps // s >= 2}):
+                for stages in (2, 3, 4) if m <= 64 else (1, 2):
+                    out.append(LinearConfig(bm, 64, 256, split, 4, stages, True, mma=True))
+        if m >= 64:
+            out.append(LinearConfig(dequant=True, mma=True))
+        return out
     if m <= 16:
         for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)):
             for pf in (False, True):
@@ -246,8 +278,8 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
         for (n, k), wts in all_w.items():
             if time.time() > deadline:
                 break
-            _, ref = bench_fwd(wts, m, kern.tc_config(m, n, k) if m <= 128 else LinearConfig(dequant=True))
-            for cfg in fwd_candidates(m, n, k):
+            _, ref = bench_fwd(wts, m, kern.linear_config(m, n, k, mma=wts.mma))
+            for cfg in fwd_candidates(m, n, k, wts.mma):
                 try:
                     ours, _ = bench_fwd(wts, m, cfg, with_bf16=False)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
@@ -261,8 +293,8 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
         for (n, k), wts in all_w.items():
             if time.time() > deadline:
                 break
-            _, ref = bench_bwd(wts, m, DgradConfig(), with_bf16=True)
-            for cfg in bwd_candidates(m):
+            _, ref = bench_bwd(wts, m, kern.dgrad_config(m, n, k, mma=wts.mma), with_bf16=True)
+            for cfg in bwd_candidates(m) if not wts.mma else [kern.dgrad_config(m, n, k, mma=True)]:
                 try:
                     ours, _ = bench_bwd(wts, m, cfg, with_bf16=False)
                 except Exception as e:  # noqa: BLE001
@@ -291,6 +323,7 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="comma-separated forward Ms (default: the full list)")
     ap.add_argument("--bwd-ms", default=None, help="comma-separated backward Ms")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
+    ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
     models = args.models.split(",")
@@ -307,7 +340,8 @@ def main() -> None:
         res.update(info)
         name = "gemm_sweep.json"
     else:
-        res = run_tables(models, fwd_ms, bwd_ms, Path(args.out) / "gemm_partial.json" if args.out else None)
+        partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, compare_ct=args.compare_ct)
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

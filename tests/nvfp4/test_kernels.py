@@ -128,6 +128,94 @@ def test_kernels_under_triton_interpreter():
     assert [r["shape"] for r in results if r["kind"] == "lora"] == [[3, 40], [5, 72], [1, 64], [1, 48], [2, 24]]
 
 
+_INTERP_MMA_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from nvfp4.codec import dequantize, quantize
+    from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, linear_config, nvfp4_linear
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad, nvfp4_lora_linear
+    from nvfp4.layout import to_mma_layout
+
+    nvfp4_gemm.POISON_OUTPUTS = True
+    torch.manual_seed(4321)
+    out = []
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
+
+    def mma(m, split, stages=1):
+        return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True)
+
+    # (M, N, K, config): odd M, several K splits (uneven), several row blocks (M > BLOCK_M), the default dispatch
+    cases = [(1, 64, 256, None), (3, 128, 512, mma(16, 2)), (5, 192, 768, mma(16, 2)), (20, 64, 512, mma(16, 1)),
+             (33, 128, 256, mma(64, 1)), (7, 64, 1536, None), (130, 64, 256, None)]
+    for m, n, k, cfg in cases:
+        for with_bias in (False, True):
+            q = quantize(torch.randn(n, k))
+            x = torch.randn(m, k, dtype=torch.float16)
+            b = torch.randn(n, dtype=torch.float16) if with_bias else None
+            wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+            ref = x.double() @ wd.T + (b.double() if with_bias else 0)
+            y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
+            out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
+    for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1))]:
+        q = quantize(torch.randn(n, k))
+        x = torch.randn(m, k, dtype=torch.float16)
+        a, b = torch.randn(r, k) / k**0.5, torch.randn(n, r)
+        bias = torch.randn(n, dtype=torch.float16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        ref = x.double() @ wd.T + bias.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
+        y = nvfp4_lora_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, bias, a, b, 0.5, config=cfg)
+        out.append(dict(kind="lora", m=m, n=n, k=k, r=r, rel=rel(y, ref), shape=list(y.shape)))
+    for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
+        q = quantize(torch.randn(n, k))
+        dy = torch.randn(m, n, dtype=torch.float16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        dx = nvfp4_linear_dgrad(dy, to_mma_layout(q.packed), q.scale, q.global_scale)
+        out.append(dict(kind="dgrad", m=m, n=n, k=k, rel=rel(dx, dy.double() @ wd), shape=list(dx.shape)))
+    q = quantize(torch.randn(128, 512) * 3)
+    for dt in (torch.float16, torch.float32):
+        d = dequantize_triton(to_mma_layout(q.packed), q.scale, q.global_scale, dt).double()
+        r = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        out.append(dict(kind="dequant", maxrel=((d - r).abs() / r.abs().clamp_min(1e-30)).max().item(), dtype=str(dt)))
+    # a config for the other layout is refused instead of reading the bytes wrongly
+    try:
+        nvfp4_linear(torch.randn(1, 256, dtype=torch.float16), to_mma_layout(q.packed[:, :128].contiguous()),
+                     q.scale[:, :16].contiguous(), q.global_scale, None, config=LinearConfig(16, 32, 64, 1))
+        out.append(dict(kind="refused", ok=False))
+    except ValueError:
+        out.append(dict(kind="refused", ok=True))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_mma_layout_kernels_under_triton_interpreter():
+    """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
+    float64 reference of the compressed-tensors tensors they were converted from."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-c", _INTERP_MMA_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    results = json.loads(line[len("RESULT") :])
+    assert len(results) == 14 + 3 + 3 + 2 + 1
+    for r in results:
+        if r["kind"] == "dequant":
+            tol = 1e-3 if r["dtype"] == "torch.float16" else 1e-6
+            assert r["maxrel"] < tol, r
+        elif r["kind"] == "refused":
+            assert r["ok"], "a compressed-tensors config was accepted for an MMA-layout weight"
+        else:
+            assert r["rel"] == r["rel"], f"NaN in output (unwritten element?): {r}"
+            assert r["rel"] < 2e-3, r
+            assert r["shape"] == [r["m"], r["k"] if r["kind"] == "dgrad" else r["n"]], r
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,3 +345,64 @@ def test_lora_linear_random_shapes_gpu(dtype, poisoned):
         assert y.dtype == dtype and y.shape == (m, n)
         assert _rel(y, base + delta) < 1e-2, (m, n, k, r)
         assert _rel(y.double() - base, delta) < 2e-2, (m, n, k, r)  # the adapter's share itself is right
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_layout_random_shapes_gpu(dtype, poisoned):
+    """MMA-layout kernels on random whole-tile shapes, every M range (incl. the dequantize paths), odd M, bias,
+    split-K, amax > 24, fused LoRA and dgrad: all against the float64 product of the original tensors."""
+    from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
+    from nvfp4.layout import to_mma_layout
+
+    gen = torch.Generator().manual_seed(11)
+    for m in (1, 3, 7, 16, 17, 33, 64, 100, 129, 300):
+        n = 64 * int(torch.randint(1, 40, (1,), generator=gen))
+        k = 256 * int(torch.randint(1, 30, (1,), generator=gen))
+        q = quantize(torch.randn(n, k, device="cuda") * (100.0 if m == 17 else 1.0))
+        packed = to_mma_layout(q.packed)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, device="cuda", dtype=dtype)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        ref = x.double() @ wd.T + b.double()
+        for cfg in (None, LinearConfig(16, 64, 256, 3, 4, 3, mma=True), LinearConfig(64, 64, 256, 1, 4, 2, mma=True)):
+            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert _rel(y, ref) < 1e-2, (m, n, k, cfg or linear_config(m, n, k, mma=True))
+        r = (8, 16, 32, 64)[m % 4]
+        a = torch.randn(r, k, device="cuda") / k**0.5
+        lb = torch.randn(n, r, device="cuda")
+        lb *= (ref.norm() / (0.7 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
+        delta = 0.7 * (x.double() @ a.double().T) @ lb.double().T
+        y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7)
+        assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
+        assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
+        dy = torch.randn(m, n, device="cuda", dtype=dtype)
+        dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
+        assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
+
+
+@pytest.mark.gpu
+@cuda
+def test_nvfp4linear_uses_mma_layout_on_cuda_gpu():
+    """A layer moved to CUDA converts to the MMA layout; its state dict stays in the checkpoint layout; it compiles
+    (full graph, CUDA graphs) and gives the compressed-tensors layer's result bit for bit in eager mode."""
+    from nvfp4 import NVFP4Linear
+
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(1024, 512, bias=True, dtype=torch.bfloat16)
+    cpu = NVFP4Linear.from_linear(lin)
+    gpu = NVFP4Linear.from_linear(lin).cuda()
+    assert not cpu.mma_layout and gpu.mma_layout and gpu.weight_packed.shape == (128, 2048)
+    sd = gpu.state_dict()
+    assert torch.equal(sd["weight_packed"].cpu(), cpu.weight_packed)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = gpu(x)
+        ref = x.double() @ cpu.dequantize(torch.float64).cuda().T + lin.bias.cuda().double()
+        assert _rel(eager, ref) < 1e-2
+        compiled = torch.compile(gpu, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            out = compiled(x).clone()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)

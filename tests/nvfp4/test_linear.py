@@ -110,3 +110,45 @@ def test_module_to_dtype_moves_but_never_casts_nvfp4_tensors():
     assert torch.equal(q.weight_global_scale, g)
     assert q.bias.dtype == torch.bfloat16
     assert q(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_mma_layout_round_trip_and_errors():
+    from nvfp4.layout import from_mma_layout, is_mma_layout, mma_layout_supported, to_mma_layout
+
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(64, 256), (128, 512), (192, 1536)]:
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        scale = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
+        mma = to_mma_layout(packed)
+        assert mma.shape == (n // 4, 2 * k) and is_mma_layout(mma, scale) and not is_mma_layout(packed, scale)
+        assert torch.equal(from_mma_layout(mma), packed)
+        assert sorted(mma.flatten().tolist()) == sorted(packed.flatten().tolist())  # a permutation of the bytes
+    assert not mma_layout_supported(576, 576) and not mma_layout_supported(96, 256)
+    with pytest.raises(ValueError, match="to_mma_layout"):
+        to_mma_layout(torch.zeros(96, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="weight_packed must be"):
+        is_mma_layout(torch.zeros(10, 10, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.float8_e4m3fn))
+
+
+def test_mma_layout_module_state_dict_and_forward():
+    """An NVFP4Linear holding the MMA layout (what CUDA gets) computes the same outputs, saves the checkpoint layout
+    and loads a checkpoint-layout state dict; the reference path reads both layouts."""
+    from nvfp4.layout import to_mma_layout
+
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 128, bias=True)
+    ref_mod = NVFP4Linear.from_linear(lin)
+    mod = NVFP4Linear.from_linear(lin)
+    mod.weight_packed = to_mma_layout(mod.weight_packed)
+    assert mod.mma_layout and not ref_mod.mma_layout
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(mod(x), ref_mod(x), rtol=0, atol=0)
+    torch.testing.assert_close(mod.dequantize(), ref_mod.dequantize(), rtol=0, atol=0)
+    assert torch.equal(mod.nvfp4_weight.packed, ref_mod.weight_packed)
+    sd = mod.state_dict()
+    assert torch.equal(sd["weight_packed"], ref_mod.weight_packed)
+    other = NVFP4Linear(512, 128, bias=True)
+    other.weight_packed = to_mma_layout(other.weight_packed)
+    other.load_state_dict(ref_mod.state_dict())
+    assert other.mma_layout and torch.equal(other.weight_packed, mod.weight_packed)
+    assert mod.nvfp4_weight.shape == (128, 512)

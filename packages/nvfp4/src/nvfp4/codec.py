@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import packed_in_ct_layout
+
 __all__ = [
     "BLOCK_SIZE",
     "E2M1_VALUES",
@@ -163,7 +165,7 @@ class NVFP4Weight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 2))
+        return torch.Size((self.scale.shape[0], self.scale.shape[1] * BLOCK_SIZE))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Dense ``[out, in]`` weight in ``dtype``."""
@@ -226,8 +228,11 @@ def dequantize(
 ) -> torch.Tensor:
     """Reference dequantization: uint8 ``[out, in/2]`` + fp8 ``[out, in/16]`` + fp32 ``[1]`` → ``[out, in]`` ``dtype``.
 
-    Computed in float32 and rounded once to ``dtype``.
+    Computed in float32 and rounded once to ``dtype``. ``packed`` may also be in the kernels' MMA layout
+    (``[out/4, 2·in]``, :mod:`nvfp4.layout`), which is converted back first.
     """
+    if packed.dim() == 2 and scale.dim() == 2 and packed.shape[0] != scale.shape[0]:
+        packed = packed_in_ct_layout(packed, scale)
     out, half = packed.shape
     if scale.shape != (out, half * 2 // BLOCK_SIZE):
         raise ValueError(

@@ -208,6 +208,9 @@ class NVFP4HfQuantizer(HfQuantizer):
         ]
         if bad:
             raise NVFP4CheckpointError(f"NVFP4 tensors were not loaded for {len(bad)} layer(s), e.g. {bad[:3]}")
+        for m in model.modules():
+            if isinstance(m, NVFP4Linear):
+                m.use_kernel_layout()  # pre-quantized tensors arrive in the checkpoint layout
         return model
 
     def _flush(self, model, group: tuple[str, ...], weights: dict[str, torch.Tensor], missing_keys) -> None:

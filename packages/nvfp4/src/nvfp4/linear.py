@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from . import ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, quantize, shared_global_scale
+from .layout import from_mma_layout, is_mma_layout, mma_layout_supported, to_mma_layout
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -36,6 +38,11 @@ class NVFP4Linear(nn.Linear):
         weight_packed: uint8 ``[out, in/2]``; weight_scale: float8_e4m3fn ``[out, in/16]``;
         weight_global_scale: float32 ``[1]``.
     ``bias`` (if any) is a frozen parameter in the activation dtype.
+
+    On CUDA, ``weight_packed`` holds the same bytes in the kernels' MMA layout (``[out/4, 2·in]``,
+    :mod:`nvfp4.layout`) when the shape allows it (out % 64 == 0, in % 256 == 0): the layer converts it when it
+    lands on a GPU (``.to``/``.cuda``, quantization, loading). The state dict, :attr:`nvfp4_weight` and
+    :meth:`dequantize` always give the compressed-tensors layout; ``NVFP4_MMA_LAYOUT=0`` keeps that layout on GPU too.
 
     Forward: ``x [..., in]`` (float32/float16/bfloat16) → ``[..., out]`` in ``x.dtype``, through ``nvfp4::linear``
     (Triton on CUDA, dequantize + matmul elsewhere). Backward reaches the input only, so LoRA trains through it.
@@ -84,7 +91,28 @@ class NVFP4Linear(nn.Linear):
             new = self._buffers[n]
             if new is not None and old is not None and new.dtype != old.dtype:
                 self._buffers[n] = old.to(new.device)
+        self.use_kernel_layout()
         return self
+
+    @property
+    def mma_layout(self) -> bool:
+        """Whether ``weight_packed`` is currently in the kernels' MMA layout (see :mod:`nvfp4.layout`)."""
+        return is_mma_layout(self.weight_packed, self.weight_scale)
+
+    @torch.no_grad()
+    def use_kernel_layout(self) -> bool:
+        """Put ``weight_packed`` in the layout the kernels read fastest on its device: the MMA layout on CUDA when
+        the shape allows it, unless ``NVFP4_MMA_LAYOUT=0``. Idempotent; returns :attr:`mma_layout`."""
+        packed = self.weight_packed
+        if packed.is_meta or self.mma_layout:
+            return self.mma_layout
+        if (
+            packed.is_cuda
+            and os.environ.get("NVFP4_MMA_LAYOUT", "1") != "0"
+            and mma_layout_supported(self.out_features, self.in_features)
+        ):
+            self.weight_packed = to_mma_layout(packed)
+        return self.mma_layout
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -92,7 +120,15 @@ class NVFP4Linear(nn.Linear):
 
     @property
     def nvfp4_weight(self) -> NVFP4Weight:
-        return NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
+        """The weight in the compressed-tensors layout (a converted copy of ``weight_packed`` in the MMA layout)."""
+        packed = from_mma_layout(self.weight_packed) if self.mma_layout else self.weight_packed
+        return NVFP4Weight(packed, self.weight_scale, self.weight_global_scale)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight_packed"
+        if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
+            destination[key] = from_mma_layout(destination[key].detach())
 
     @classmethod
     def from_linear(
@@ -119,6 +155,7 @@ class NVFP4Linear(nn.Linear):
         mod.weight_global_scale = weight.global_scale
         if bias is not None:
             mod.bias = nn.Parameter(bias.to(dtype).clone(), requires_grad=False)
+        mod.use_kernel_layout()
         return mod
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -146,7 +183,8 @@ class NVFP4Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
 
     def _check_loaded_tensors(self, module, state_dict, prefix, *args, **kwargs) -> None:
-        """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype)."""
+        """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype); convert
+        a compressed-tensors ``weight_packed`` to the MMA layout when this layer holds that layout."""
         expected = {
             "weight_packed": (torch.uint8, (self.out_features, self.in_features // 2)),
             "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // BLOCK_SIZE)),
@@ -161,6 +199,9 @@ class NVFP4Linear(nn.Linear):
                     f"{prefix}{name}: checkpoint has {t.dtype} {tuple(t.shape)}, the layer expects {dtype} {shape} "
                     f"(in_features={self.in_features}, out_features={self.out_features})"
                 )
+        key = prefix + "weight_packed"
+        if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
+            state_dict[key] = to_mma_layout(state_dict[key])
 
 
 @contextlib.contextmanager

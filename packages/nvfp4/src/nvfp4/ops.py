@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .codec import dequantize
+from .codec import BLOCK_SIZE, dequantize
 
 __all__ = [
     "linear",
@@ -93,9 +93,9 @@ def _linear_op(
     return linear_reference(x, packed, scale, global_scale, bias)
 
 
-def _linear_fake(x: torch.Tensor, packed: torch.Tensor, *_: object) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *_: object) -> torch.Tensor:
     """Fake (meta) implementation of both forward ops: ``[..., in]`` → ``[..., out]`` in ``x.dtype``."""
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+    return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
 _linear_op.register_fake(_linear_fake)
@@ -114,7 +114,7 @@ def _linear_dgrad_op(
 
 @_linear_dgrad_op.register_fake
 def _(dy, packed, scale, global_scale):
-    return dy.new_empty((*dy.shape[:-1], packed.shape[1] * 2))
+    return dy.new_empty((*dy.shape[:-1], scale.shape[1] * BLOCK_SIZE))
 
 
 @torch.library.custom_op("nvfp4::lora_linear", mutates_args=())
@@ -158,6 +158,12 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_features(op: str, x: torch.Tensor, scale: torch.Tensor) -> None:
+    k = scale.shape[-1] * BLOCK_SIZE
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: x has {x.shape[-1]} input features, the weight expects {k}")
+
+
 def linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -169,21 +175,21 @@ def linear(
 
     Args:
         x: ``[..., in]`` float32/float16/bfloat16 activations.
-        packed: uint8 ``[out, in/2]``; scale: float8_e4m3fn ``[out, in/16]``; global_scale: float32 ``[1]``.
+        packed: uint8 ``[out, in/2]`` (compressed-tensors layout) or ``[out/4, 2·in]`` (the kernels' MMA layout,
+            :mod:`nvfp4.layout`); scale: float8_e4m3fn ``[out, in/16]``; global_scale: float32 ``[1]``.
         bias: optional ``[out]`` in ``x.dtype``.
 
     Returns:
         ``[..., out]`` in ``x.dtype`` (float32 accumulation).
     """
-    if x.shape[-1] != packed.shape[1] * 2:
-        raise ValueError(f"nvfp4.linear: x has {x.shape[-1]} input features, the weight expects {packed.shape[1] * 2}")
+    _check_features("nvfp4.linear", x, scale)
     return _linear_op(x, packed, scale, global_scale, bias)
 
 
 def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``dx = dy · dequant(W)``: dy ``[..., out]`` → dx ``[..., in]`` in ``dy.dtype``."""
-    if dy.shape[-1] != packed.shape[0]:
-        raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {packed.shape[0]} outputs")
+    if dy.shape[-1] != scale.shape[0]:
+        raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {scale.shape[0]} outputs")
     return _linear_dgrad_op(dy, packed, scale, global_scale)
 
 
@@ -211,8 +217,7 @@ def lora_linear(
     Raises:
         RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
     """
-    if x.shape[-1] != packed.shape[1] * 2:
-        raise ValueError(f"nvfp4.lora_linear: x has {x.shape[-1]} input features, the weight expects {packed.shape[1] * 2}")
+    _check_features("nvfp4.lora_linear", x, scale)
     if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
         raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")
     return _lora_linear_op(x, packed, scale, global_scale, bias, lora_a, lora_b, float(scaling))

@@ -75,12 +75,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import is_mma_layout
+
 __all__ = [
     "DgradConfig",
     "LinearConfig",
     "dequantize_triton",
     "dgrad_config",
     "linear_config",
+    "mma_config",
     "nvfp4_linear",
     "nvfp4_linear_dgrad",
     "nvfp4_lora_linear",
@@ -229,6 +232,195 @@ def _scale_fold(g_ptr, FAST: tl.constexpr):
         return _pow2(log_f) / g, _pow2(126.0 - log_f)
     else:
         return 16384.0 / g, 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MMA layout (nvfp4.layout): one 64 x 256 tile of W loads straight into the wgmma A-operand registers
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_bf16_bits(packed):
+    """uint8 → (low-nibble, high-nibble) bf16 holding ``e2m1 · 2^-126`` (the bit placement of
+    :func:`_dequant_tile_bf16_asm`, without the scale multiply): 2.5 instructions per two weights."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, a, b;
+        prmt.b32 t0, $4, 0, 0x1404;
+        prmt.b32 t1, $4, 0, 0x3424;
+        shl.b32 a, t0, 4;
+        shr.b32 b, t0, 2;
+        and.b32 a, a, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $0, a, b;
+        shl.b32 a, t1, 4;
+        shr.b32 b, t1, 2;
+        and.b32 a, a, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $1, a, b;
+        shr.b32 b, t0, 6;
+        and.b32 a, t0, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $2, a, b;
+        shr.b32 b, t1, 6;
+        and.b32 a, t1, 0x80008000;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $3, a, b;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mul_bf16x2(a, b):
+    """``a · b`` in bf16 with one ``mul.rn.bf16x2`` per two elements (Triton would round-trip through fp32)."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2
+    )
+
+
+@triton.jit
+def _e2m1_f16_bits(codes):
+    """E2M1 codes (uint8 in [0, 16)) → fp16 ``e2m1(code) · 2^-14`` (exact; the portable decode)."""
+    c = codes.to(tl.uint16)
+    return (((c << 12) & 0x8000) | ((c << 9) & 0x0E00)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _mma_tile(p, s, sfac, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One MMA-layout tile → ``W[64, 256]`` in ``OUT_DTYPE``, in the registers of the ``wgmma`` A operand.
+
+    ``p``: uint8 ``[16, 512]`` (the tile's rows as stored, see :mod:`nvfp4.layout`); ``s``: int32 ``[64, 4]`` (the
+    tile's 16 fp8 block scales per row, read as words so that the load vectorizes and pipelines). The reshape /
+    permute below only relabels registers: Triton lowers it to nothing, because the layout of a 16-byte-per-thread
+    load of ``p`` already is the ``wgmma`` operand layout after it. ``FAST`` (bf16 on a GPU): PTX decode and one
+    ``mul.bf16x2`` by the folded scale, the tile holds ``W · F · 2^-126`` (the caller multiplies by ``post``);
+    otherwise fp16 bit placement, fp32 multiply, one rounding: the codec's value.
+    """
+    if FAST:
+        lo, hi = _e2m1_bf16_bits(p)
+    else:
+        lo = _e2m1_f16_bits(p & 0xF)
+        hi = _e2m1_f16_bits(p >> 4)
+    w = tl.join(lo, hi)  # [16, 512, 2]: (r, c, nibble)
+    w = tl.reshape(w, (4, 4, 8, 4, 8, 2, 2))  # b65, n54 | n210, b10, b432, n3 | k0
+    w = tl.permute(w, (1, 5, 2, 0, 4, 3, 6))  # n54, n3, n210 | b65, b432, b10, k0
+    w = tl.reshape(w, (64, 256))
+    s = (s[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # little-endian bytes of each word
+    sf = tl.reshape(s.to(tl.uint8).to(tl.float8e4nv, bitcast=True), (64, 16)).to(tl.float32) * sfac
+    if FAST:
+        sb = tl.reshape(tl.broadcast_to(sf.to(tl.bfloat16)[:, :, None], (64, 16, 16)), (64, 256))
+        return _mul_bf16x2(w, sb)
+    else:
+        sb = tl.reshape(tl.broadcast_to(sf[:, :, None], (64, 16, 16)), (64, 256))
+        return (w.to(tl.float32) * sb).to(OUT_DTYPE)
+
+
+@triton.jit
+def _mma_tile_ptrs(w_ptr, s_ptr, tile_n, K):
+    """Pointers to MMA-layout tile row ``tile_n`` at K step 0: packed ``[16, 512]`` (add ``2·k0`` for step ``k0``)
+    and scales as int32 ``[64, 4]`` (add ``k0 // 64``). ``K % 256 == 0``."""
+    r = tl.arange(0, 16)
+    c = tl.arange(0, 512)
+    w_tile = w_ptr + (tile_n * 16 + r[:, None]).to(tl.int64) * (2 * K) + c[None, :]
+    words = tl.multiple_of(K // 64, 4)  # int32 words per scale row
+    sn = tl.arange(0, 64)
+    sk = tl.arange(0, 4)
+    s_tile = s_ptr.to(tl.pointer_type(tl.int32)) + (tile_n * 64 + sn[:, None]).to(tl.int64) * words + sk[None, :]
+    return w_tile, s_tile
+
+
+@triton.jit
+def _linear_mma_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    K_PER_SPLIT,
+    HAS_BIAS: tl.constexpr,
+    USE_WS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
+    a_ptr=None,
+    lb_ptr=None,
+    lora_scale=1.0,
+    R=0,
+    HAS_LORA: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 16,
+):
+    """``yᵀ[64, BLOCK_M] = W_tile · xᵀ`` for W in the MMA layout: one 64-output tile over the K range of split
+    ``program_id(1)``, all ``M ≤ BLOCK_M`` rows of x (``program_id(2)`` walks row blocks when M > BLOCK_M).
+
+    Each K step of 256 loads the tile's 8 KB of codes, 1 KB of scales and the x tile; with ``num_stages ≥ 2``
+    Triton pipelines all three with ``cp.async``. Outputs, split-K workspace, bias and ``HAS_LORA`` as in
+    :func:`_linear_kernel`.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * 64 + tl.arange(0, 64)
+    offs_k = tl.arange(0, 256)
+    m_mask = offs_m < M
+    sfac, post = _scale_fold(g_ptr, FAST)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        a_rows = a_ptr + offs_r[:, None].to(tl.int64) * K
+        t_acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 256):
+        w = _mma_tile(tl.load(w_tile + 2 * k0), tl.load(s_tile + k0 // 64), sfac, FAST, dtype)
+        xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        acc = tl.dot(w, tl.trans(xt), acc)
+        if HAS_LORA:
+            at = tl.load(a_rows + (k0 + offs_k)[None, :], mask=r_mask[:, None], other=0.0).to(dtype)
+            t_acc = tl.dot(at, tl.trans(xt), t_acc)
+    acc = tl.trans(acc)  # [BLOCK_M, 64]
+    if FAST:
+        acc = acc * post
+    if HAS_LORA:
+        lb = tl.load(lb_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
+        acc = acc + lora_scale * tl.dot(tl.trans(t_acc.to(dtype)), tl.trans(lb.to(dtype)))
+
+    mask = m_mask[:, None] & (offs_n[None, :] < N)
+    if not USE_WS:
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _dequant_mma_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K):
+    """``out[N, K] = dequant(W)`` (out's dtype, contiguous) for W in the MMA layout; one 64 × 256 tile per program."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    sfac, post = _scale_fold(g_ptr, False)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
+    k0 = pid_k * 256
+    w = _mma_tile(tl.load(w_tile + 2 * k0), tl.load(s_tile + k0 // 64), sfac, False, out_ptr.dtype.element_ty)
+    rows = pid_n * 64 + tl.arange(0, 64)
+    cols = k0 + tl.arange(0, 256)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -554,6 +746,34 @@ def _dgrad_kernel(
     )
 
 
+@triton.jit
+def _dgrad_mma_kernel(dy_ptr, w_ptr, s_ptr, g_ptr, dx_ptr, M, N, K, stride_dym, stride_dxm, BLOCK_M: tl.constexpr):
+    """:func:`_dgrad_kernel` for W in the MMA layout: one ``[BLOCK_M, 256]`` tile of ``dx`` per program, reducing
+    over N one 64-row tile of W at a time (portable decode, W is operand B)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    dtype = dy_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, 64)
+    offs_k = pid_k * 256 + tl.arange(0, 256)
+    m_mask = offs_m < M
+    sfac, post = _scale_fold(g_ptr, False)
+    k0 = pid_k * 256
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, 0, K)
+    w_tile += 2 * k0
+    s_tile += k0 // 64
+    acc = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
+    for t in range(0, N // 64):
+        w = _mma_tile(tl.load(w_tile), tl.load(s_tile), sfac, False, dtype)
+        w_tile += 32 * K  # next tile row: 16 rows of 2K bytes
+        s_tile += K  # 64 rows of K/64 words
+        g = tl.load(dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym + (t * 64 + offs_n)[None, :],
+                    mask=m_mask[:, None], other=0.0)  # fmt: skip
+        acc = tl.dot(g, w, acc)
+    tl.store(dx_ptr + offs_m[:, None].to(tl.int64) * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=m_mask[:, None])  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Dequantize (large-M fallback)
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,6 +820,7 @@ class LinearConfig:
     dequant: bool = False
     gemv: bool = False  # CUDA-core GEMV kernel (_gemv_kernel); block_m is then taken from M
     prefetch: bool = False  # register double-buffering of the next K step (used only when K % block_k == 0)
+    mma: bool = False  # _linear_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
 
 
 @dataclass(frozen=True)
@@ -613,6 +834,7 @@ class DgradConfig:
     num_stages: int = 3
     group_m: int = 8
     dequant: bool = False
+    mma: bool = False  # _dgrad_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
 
 
 def _pick_split(tiles: int, k: int, block_k: int, target: int = 2 * _NUM_SMS, min_k: int = 512) -> int:
@@ -640,12 +862,32 @@ GEMV_PREFETCH = False  # register prefetch measured no faster for the GEMV
 TC_PREFETCH_MAX_N = 1024
 
 
-def linear_config(m: int, n: int, k: int) -> LinearConfig:
+# MMA-layout kernel: programs to aim for (split-K permitting, ≥ 2 K steps per split) and pipeline depth, per M range
+# (2026-11-22 sweep on the H100, 7B/32B shapes: 3 stages and ~3.5 programs per SM at M ≤ 32, 2 stages above).
+MMA_TARGET_PROGRAMS = {32: 480, 128: 240}
+MMA_STAGES = {32: 3, 128: 2}
+
+
+def mma_config(m: int, n: int, k: int) -> LinearConfig:
+    """Config of :func:`_linear_mma_kernel` for ``m ≤ FUSED_MAX_M`` (``n % 64 == 0``, ``k % 256 == 0``)."""
+    if m > FUSED_MAX_M:
+        return LinearConfig(dequant=True, mma=True)
+    bound = 32 if m <= 32 else 128
+    tiles, steps = n // 64, k // 256
+    split = max(1, min(triton.cdiv(MMA_TARGET_PROGRAMS[bound], tiles), steps // 2))
+    bm = max(16, triton.next_power_of_2(m))
+    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True)
+
+
+def linear_config(m: int, n: int, k: int, mma: bool = False) -> LinearConfig:
     """Tile config for ``y[m, n] = x[m, k] · Wᵀ`` on sm_90, per M range (from ``benchmarks/gemm.py --sweep``).
 
-    All fused configs use ``num_stages=1``: the weight tile goes straight from global memory to registers (no
-    ``cp.async`` round trip through shared memory), which measured 5-20 % faster than 2-3 stages at every M ≤ 128.
+    ``mma``: the weight is in the MMA layout (:func:`mma_config`). For the compressed-tensors layout, all fused
+    configs use ``num_stages=1``: the weight tile goes straight from global memory to registers, which measured
+    5-20 % faster than 2-3 stages at every M ≤ 128 for that kernel.
     """
+    if mma:
+        return mma_config(m, n, k)
     if m > FUSED_MAX_M:
         return LinearConfig(dequant=True)
     if m <= GEMV_MAX_M and n <= GEMV_MAX_N and k % GEMV_TILE[1] == 0:
@@ -670,10 +912,13 @@ def tc_config(m: int, n: int, k: int, prefetch: bool = False) -> LinearConfig:
     return LinearConfig(128, 128, 64, _pick_split(tiles, k, 64), 4, 1, True, prefetch=prefetch)
 
 
-def dgrad_config(m: int, n: int, k: int) -> DgradConfig:
+def dgrad_config(m: int, n: int, k: int, mma: bool = False) -> DgradConfig:
     """Tile config for ``dx[m, k] = dy[m, n] · W`` on sm_90 (dequantize + cuBLAS above ``DGRAD_FUSED_MAX_M``)."""
     if m > DGRAD_FUSED_MAX_M:
-        return DgradConfig(dequant=True)
+        return DgradConfig(dequant=True, mma=mma)
+    if mma:
+        return DgradConfig(block_m=max(16, triton.next_power_of_2(m)), block_n=64, block_k=256, num_warps=8,
+                           num_stages=1, mma=True)  # fmt: skip
     return DgradConfig(block_m=max(16, triton.next_power_of_2(m)), block_n=64, block_k=128, num_warps=4, num_stages=1)
 
 
@@ -683,10 +928,13 @@ def dgrad_config(m: int, n: int, k: int) -> DgradConfig:
 def dequantize_triton(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Dense ``[N, K]`` ``dtype`` weight from packed uint8 ``[N, K/2]``, fp8 ``[N, K/16]``, fp32 ``[1]`` (one kernel)."""
-    n, half = packed.shape
-    k = half * 2
+    """Dense ``[N, K]`` ``dtype`` weight from packed uint8 ``[N, K/2]`` (or the MMA layout ``[N/4, 2K]``), fp8
+    ``[N, K/16]``, fp32 ``[1]`` (one kernel)."""
+    n, k = scale.shape[0], scale.shape[1] * 16
     out = _empty((n, k), dtype, packed.device)
+    if is_mma_layout(packed, scale):
+        _dequant_mma_kernel[(n // 64, k // 256)](packed, scale, global_scale, out, n, k, num_warps=4)
+        return out
     bn, bk = 32, 256
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         packed, scale, global_scale, out, n, k, BLOCK_N=bn, BLOCK_K=bk, FAST=False, num_warps=4
@@ -702,6 +950,7 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
         )
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("nvfp4 kernels expect contiguous weight_packed / weight_scale")
+    is_mma_layout(packed, scale)  # raises if packed fits neither layout of this scale
 
 
 def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora=None):
@@ -743,6 +992,22 @@ def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_spl
         num_stages=cfg.num_stages,
         **extra,
     )
+
+
+def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora=None):
+    """Launch :func:`_linear_mma_kernel` into ``out`` (``y`` or the split-K workspace)."""
+    extra = {}
+    if lora is not None:
+        a, b, scaling = lora
+        r = a.shape[0]
+        extra = dict(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
+                     BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
+    _linear_mma_kernel[(n // 64, split, triton.cdiv(m, cfg.block_m))](
+        x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
+        y.stride(0) if split == 1 else n, k_per_split,
+        HAS_BIAS=bias is not None, USE_WS=split > 1, BLOCK_M=cfg.block_m, FAST=_fast(x2.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )  # fmt: skip
 
 
 def nvfp4_linear(
@@ -800,7 +1065,7 @@ def nvfp4_lora_linear(
         ``[..., N]`` in ``x.dtype``. Where the fused kernel does not apply (M > ``FUSED_MAX_M``, float32 x,
         R > ``LORA_FUSED_MAX_R``) the same value is computed unfused.
     """
-    n, k = packed.shape[0], packed.shape[1] * 2
+    n, k = scale.shape[0], scale.shape[1] * 16
     r = lora_a.shape[0]
     if lora_a.shape != (r, k) or lora_b.shape != (n, r):
         raise ValueError(
@@ -819,8 +1084,8 @@ def _lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sca
 def _linear(x, packed, scale, global_scale, bias, config, lora):
     """:func:`nvfp4_linear`, plus the adapter ``lora = (A, B, scaling)`` fused where the kernel allows it."""
     _check(packed, scale, global_scale)
-    n, half = packed.shape
-    k = half * 2
+    n, k = scale.shape[0], scale.shape[1] * 16
+    mma = is_mma_layout(packed, scale)
     if x.shape[-1] != k:
         raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {k}")
     lead = x.shape[:-1]
@@ -832,14 +1097,16 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         bias = bias.to(x.dtype).contiguous()
     if m == 0:
         return x.new_empty((*lead, n))
-    cfg = config or linear_config(m, n, k)
+    cfg = config or linear_config(m, n, k, mma=mma)
     if cfg.dequant or x.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
         if lora is not None:
             y = y + _lora_delta(x2, *lora)
         return y.reshape(*lead, n)
-    if lora is not None and (cfg.gemv or not cfg.swap):  # the adapter is fused into the tensor-core kernel only
+    if cfg.mma != mma:
+        raise ValueError(f"nvfp4_linear: config {cfg} does not match the weight's layout (mma={mma})")
+    if lora is not None and not mma and (cfg.gemv or not cfg.swap):  # the adapter is fused into tensor-core kernels
         cfg = tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
 
     y = _empty((m, n), x.dtype, x.device)
@@ -848,7 +1115,9 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     split = triton.cdiv(k, k_per_split)
     even_k = k % cfg.block_k == 0
     out = y if split == 1 else _empty((split, m, n), torch.float32, x.device)
-    if cfg.gemv:
+    if mma:
+        _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora)
+    elif cfg.gemv:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
             x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
             y.stride(0) if split == 1 else n, k_per_split,
@@ -876,8 +1145,8 @@ def nvfp4_linear_dgrad(
 ) -> torch.Tensor:
     """``dx = dy · dequant(W)``: dy ``[..., N]`` float16/bfloat16 → dx ``[..., K]`` in ``dy.dtype`` (fp32 accumulation)."""
     _check(packed, scale, global_scale)
-    n, half = packed.shape
-    k = half * 2
+    n, k = scale.shape[0], scale.shape[1] * 16
+    mma = is_mma_layout(packed, scale)
     if dy.shape[-1] != n:
         raise ValueError(f"nvfp4_linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")
     lead = dy.shape[:-1]
@@ -887,11 +1156,19 @@ def nvfp4_linear_dgrad(
     m = g2.shape[0]
     if m == 0:
         return dy.new_empty((*lead, k))
-    cfg = config or dgrad_config(m, n, k)
+    cfg = config or dgrad_config(m, n, k, mma=mma)
     if cfg.dequant or dy.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, dy.dtype)
         return (g2 @ w).reshape(*lead, k)
+    if cfg.mma != mma:
+        raise ValueError(f"nvfp4_linear_dgrad: config {cfg} does not match the weight's layout (mma={mma})")
     dx = _empty((m, k), dy.dtype, dy.device)
+    if mma:
+        _dgrad_mma_kernel[(triton.cdiv(m, cfg.block_m), k // 256)](
+            g2, packed, scale, global_scale, dx, m, n, k, g2.stride(0), dx.stride(0), BLOCK_M=cfg.block_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return dx.reshape(*lead, k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_k),)
     _dgrad_kernel[grid](
         g2,

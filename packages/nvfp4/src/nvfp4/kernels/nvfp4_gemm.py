@@ -1,20 +1,30 @@
 """Triton W4A16 NVFP4 GEMMs for Hopper: ``y = x · dequant(W)ᵀ (+ b)`` and ``dx = dy · dequant(W)``.
 
-Weight layout (what the kernels read)
-=====================================
+Weight layouts (what the kernels read)
+======================================
 
-The kernels read the compressed-tensors ``nvfp4-pack-quantized`` tensors *as stored*, with no repack:
+**Compressed-tensors layout** (checkpoints, CPU, shapes that are not whole tiles, ``NVFP4_MMA_LAYOUT=0``):
 
 * ``packed`` uint8 ``[N, K/2]``, row-major, K contiguous: byte ``j`` of row ``n`` holds ``W[n, 2j]`` in its low
   nibble and ``W[n, 2j+1]`` in its high nibble. A code is ``sign << 3 | e << 1 | m`` (E2M1).
 * ``scale`` float8_e4m3fn ``[N, K/16]``: one scale per 16 consecutive inputs (8 bytes of ``packed``).
 * ``global_scale`` float32 ``[1]``, a divisor.
 
-A ``[BLOCK_N, BLOCK_K]`` weight tile is ``BLOCK_N`` rows of ``BLOCK_K/2`` contiguous bytes (64-128 B per row for
-our tiles) plus ``BLOCK_K/16`` contiguous fp8 scales: every thread issues 16-byte loads and a warp reads whole
-128-byte lines, so the loads are coalesced without a re-layout; one copy of the weight stays in memory and the
-checkpoint layout is the kernel layout. What a Marlin-style re-layout would still buy is a register layout that
-matches the tensor-core operand directly (no shuffle through shared memory); see ``docs/kernels.md``.
+Read by ``_linear_kernel`` / ``_gemv_kernel`` / ``_dgrad_kernel`` / ``_dequant_kernel``: a ``[BLOCK_N, BLOCK_K]``
+tile is ``BLOCK_N`` rows of ``BLOCK_K/2`` contiguous bytes, coalesced 16-byte loads; but the decoded tile is in the
+wrong registers for the tensor cores and goes through shared memory (``local_alloc`` + ``ldmatrix``, 4 bytes of
+shared-memory traffic per weight each way) before every ``wgmma``.
+
+**MMA layout** (:mod:`nvfp4.layout`; what ``NVFP4Linear`` holds on CUDA when ``N % 64 == 0`` and ``K % 256 == 0``):
+the same bytes permuted to ``[N/4, 2K]`` in 64 × 256 tiles, each stored as 16 rows of 512 bytes. Loaded with 16
+bytes per thread (32 threads per row, one warp per row), thread ``lane`` of warp ``w`` holds output rows
+``16w + 8·i + lane // 4`` (``i`` = 0, 1) and bytes ``≡ lane % 4``: exactly the A fragment of a bf16 ``m64k16``
+``wgmma`` for all 16 K-steps of the tile. The decoded tile is relabelled to ``[64, 256]`` by a
+reshape/permute that Triton lowers to nothing (:func:`_mma_tile`), so ``_linear_mma_kernel`` feeds ``wgmma`` from
+registers with no shared-memory round trip. Scales stay in the compressed-tensors layout and are read as int32
+words (4 scales each): loaded as fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``,
+so the scale load stayed synchronous in every K step. With ``num_stages`` 2-3, Triton pipelines the weight tile, its
+scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`` for all three).
 
 Dequantization in registers (never in HBM)
 ==========================================
@@ -34,6 +44,12 @@ rounding of ``fp8 · (2^14/global)`` versus ``fp8 / global``, far below the bf16
 
 Kernels
 =======
+
+``_linear_mma_kernel`` (MMA layout, M ≤ 128, the CUDA default): one 64-output tile per program, all rows of x
+(``BLOCK_M`` = M rounded up to a power of two ≥ 16), ``yᵀ = W · xᵀ`` with W as the register A operand; split-K to
+~3.5 programs per SM at M ≤ 32 (2 at M ≤ 128) with ≥ 2 K steps per split (:func:`mma_config`), fp32 partials summed
+by ``_splitk_reduce_kernel``; optional fused LoRA as below. ``_dgrad_mma_kernel`` / ``_dequant_mma_kernel``: the
+backward product (M ≤ 64) and the dequantizer (large-M fallback) on the same tiles.
 
 ``_linear_kernel``: tiles of ``[BLOCK_N, BLOCK_M]`` outputs. Hopper has no FP4 tensor cores, so the tile of W is
 dequantized to bf16 in registers and fed to ``tl.dot``. With ``SWAP`` the product is computed transposed,

@@ -1,0 +1,93 @@
+"""Compile the NVFP4 GEMM kernels for sm_90 *without a GPU* and count what matters in their SASS.
+
+Triton ships ``ptxas``/``cuobjdump``, so any machine can compile a kernel for the H100 and read its machine code.
+This is how the MMA layout was checked before it ever ran on a GPU: per kernel config it prints registers, spills,
+shared memory, and counts of the instructions that tell where the bytes go — global loads (``LDG*``, and
+``LDGSTS`` = ``cp.async``), shared-memory stores/loads (``STS``/``LDS``/``LDSM``: a decoded weight tile written to
+shared memory shows up here), and ``HGMMA`` (``wgmma``). The pointer arguments and the integer sizes are given
+16-byte divisibility, as the launcher's specialisation does for aligned tensors and sizes (without it every load
+compiles to bytes).
+
+Usage::
+
+    uv run python benchmarks/kernel_sass.py              # the default decode configs, both layouts
+    uv run python benchmarks/kernel_sass.py --ttgir      # also print the layout conversions in the TTGIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
+
+from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+COUNTED = r"\b(LDG\S*|LDGSTS\S*|STS\S*|LDS\S*|LDSM\S*|STSM\S*|HGMMA\S*)"
+
+_COMMON = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32",
+           "HAS_BIAS": "constexpr", "USE_WS": "constexpr", "BLOCK_M": "constexpr", "FAST": "constexpr",
+           "a_ptr": "*bf16", "lb_ptr": "*bf16", "lora_scale": "fp32", "R": "i32", "HAS_LORA": "constexpr",
+           "BLOCK_R": "constexpr"}  # fmt: skip
+_CT_EXTRA = {"EVEN_K": "constexpr", "SWAP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+             "GROUP_M": "constexpr", "PREFETCH": "constexpr"}  # fmt: skip
+_ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym", "K_PER_SPLIT",
+            "a_ptr", "lb_ptr")  # fmt: skip
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """``triton.compile`` for sm_90 with 16-byte divisibility on the aligned arguments."""
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED if a in signature}
+    sig = {a: signature[a] for a in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                             num_stages=num_stages))  # fmt: skip
+
+
+def sass_summary(compiled) -> tuple[str, dict[str, int]]:
+    """(resource line from ``cuobjdump``, counts of the instructions in ``COUNTED``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    line = res.stdout.strip().splitlines()[-1].split("CONSTANT")[0].strip()
+    return line, dict(sorted(collections.Counter(re.findall(COUNTED, sass)).items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ttgir", action="store_true", help="print the layout conversions / shared-memory allocations")
+    args = ap.parse_args()
+    cases = [
+        ("MMA layout, M<=16, 3 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=16), 4, 3),
+        ("MMA layout, M<=16, 3 stages, fused LoRA r=32", kern._linear_mma_kernel, {},
+         dict(BLOCK_M=16, HAS_LORA=True, BLOCK_R=32), 4, 3),
+        ("MMA layout, M<=64, 2 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=64), 4, 2),
+        ("CT layout, M<=16 (tc_config)", kern._linear_kernel, _CT_EXTRA,
+         dict(BLOCK_M=16, EVEN_K=True, SWAP=True, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, PREFETCH=False), 4, 1),
+    ]  # fmt: skip
+    for name, fn, extra, const, warps, stages in cases:
+        constexprs = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16) | const
+        compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
+        line, counts = sass_summary(compiled)
+        print(f"{name}\n  {line}  shared {compiled.metadata.shared} B\n  {counts}")
+        if args.ttgir:
+            for ln in compiled.asm["ttgir"].splitlines():
+                if "convert_layout" in ln or "local_alloc" in ln:
+                    print("   ", re.sub(r"loc\(.*\)", "", ln.strip())[:200])
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@ Weight layouts (what the kernels read)
 
 Read by ``_linear_kernel`` / ``_gemv_kernel`` / ``_dgrad_kernel`` / ``_dequant_kernel``: a ``[BLOCK_N, BLOCK_K]``
 tile is ``BLOCK_N`` rows of ``BLOCK_K/2`` contiguous bytes, coalesced 16-byte loads; but the decoded tile is in the
-wrong registers for the tensor cores and goes through shared memory (``local_alloc`` + ``ldmatrix``, 4 bytes of
+wrong registers for the tensor cores and goes through shared memory (``local_alloc`` + ``ldmatrix``, 2 bytes of
 shared-memory traffic per weight each way) before every ``wgmma``.
 
 **MMA layout** (:mod:`nvfp4.layout`; what ``NVFP4Linear`` holds on CUDA when ``N % 64 == 0`` and ``K % 256 == 0``):
@@ -124,11 +124,16 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # Device helpers
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _e2m1_to_f32(codes):
-    """E2M1 codes (uint8 in [0, 16)) → fp32 ``e2m1(code) · 2^-14`` via fp16 bit placement (see module doc)."""
+def _e2m1_f16_bits(codes):
+    """E2M1 codes (uint8 in [0, 16)) → fp16 ``e2m1(code) · 2^-14``, exact, by bit placement (see module doc)."""
     c = codes.to(tl.uint16)
-    bits = ((c << 12) & 0x8000) | ((c << 9) & 0x0E00)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return (((c << 12) & 0x8000) | ((c << 9) & 0x0E00)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_f32(codes):
+    """E2M1 codes → fp32 ``e2m1(code) · 2^-14`` (the portable decode)."""
+    return _e2m1_f16_bits(codes).to(tl.float32)
 
 
 @triton.jit
@@ -297,13 +302,6 @@ def _mul_bf16x2(a, b):
     return tl.inline_asm_elementwise(
         "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2
     )
-
-
-@triton.jit
-def _e2m1_f16_bits(codes):
-    """E2M1 codes (uint8 in [0, 16)) → fp16 ``e2m1(code) · 2^-14`` (exact; the portable decode)."""
-    c = codes.to(tl.uint16)
-    return (((c << 12) & 0x8000) | ((c << 9) & 0x0E00)).to(tl.float16, bitcast=True)
 
 
 @triton.jit

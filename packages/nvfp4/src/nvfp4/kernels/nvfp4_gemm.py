@@ -255,6 +255,39 @@ def _scale_fold(g_ptr, FAST: tl.constexpr):
         return 16384.0 / g, 1.0
 
 
+@triton.jit
+def _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k,
+                  HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr):  # fmt: skip
+    """Epilogue of the forward kernels: fp32 ``acc [BLOCK_M, BLOCK_N]`` → ``y`` in its dtype (bias added), or with
+    ``USE_WS`` (split-K) the fp32 partial into the ``[split, M, N]`` workspace at ``y_ptr``."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if not USE_WS:
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _lora_init(a_ptr, K, R, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Fused LoRA, before the K loop: rank offsets and mask, row pointers of A ``[R, K]``, and ``t = 0``
+    (``[BLOCK_R, BLOCK_M]`` fp32, accumulates ``A · xᵀ``)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_rows = a_ptr + offs_r[:, None].to(tl.int64) * K
+    return offs_r, r_mask, a_rows, tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+
+
+@triton.jit
+def _lora_epilogue(acc, t_acc, lb_ptr, rows, offs_r, r_mask, R, lora_scale, DTYPE: tl.constexpr):
+    """Fused LoRA, after the K loop: ``acc + lora_scale · tᵀ · B[rows]ᵀ`` with B ``[N, R]``; ``t`` is rounded to the
+    activation dtype first, as PEFT's ``lora_A`` output is."""
+    lb = tl.load(lb_ptr + rows[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
+    return acc + lora_scale * tl.dot(tl.trans(t_acc.to(DTYPE)), tl.trans(lb.to(DTYPE)))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # MMA layout (nvfp4.layout): one 64 x 256 tile of W loads straight into the wgmma A-operand registers
 # ----------------------------------------------------------------------------------------------------------------
@@ -395,10 +428,7 @@ def _linear_mma_kernel(
     k_hi = min(k_lo + K_PER_SPLIT, K)
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        a_rows = a_ptr + offs_r[:, None].to(tl.int64) * K
-        t_acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        offs_r, r_mask, a_rows, t_acc = _lora_init(a_ptr, K, R, BLOCK_R, BLOCK_M)
     for k0 in range(k_lo, k_hi, 256):
         w = _mma_tile(tl.load(w_tile + 2 * k0), tl.load(s_tile + k0 // 64), sfac, FAST, dtype)
         xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
@@ -410,17 +440,8 @@ def _linear_mma_kernel(
     if FAST:
         acc = acc * post
     if HAS_LORA:
-        lb = tl.load(lb_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
-        acc = acc + lora_scale * tl.dot(tl.trans(t_acc.to(dtype)), tl.trans(lb.to(dtype)))
-
-    mask = m_mask[:, None] & (offs_n[None, :] < N)
-    if not USE_WS:
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+        acc = _lora_epilogue(acc, t_acc, lb_ptr, offs_n, offs_r, r_mask, R, lora_scale, dtype)
+    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, offs_n < N, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
 
 
 @triton.jit
@@ -518,10 +539,7 @@ def _linear_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        a_rows = a_ptr + offs_r[:, None].to(tl.int64) * K
-        t_acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        offs_r, r_mask, a_rows, t_acc = _lora_init(a_ptr, K, R, BLOCK_R, BLOCK_M)
     if PREFETCH:  # (EVEN_K only) registers hold the next step's tiles while this step computes
         pn = tl.load(w_rows + (k_lo // 2 + offs_kb)[None, :])
         sn = tl.load(s_rows + (k_lo // 16 + offs_ks)[None, :])
@@ -560,21 +578,8 @@ def _linear_kernel(
     if FAST:
         acc = acc * post
     if HAS_LORA:
-        lb = tl.load(lb_ptr + rows[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
-        # t rounded to the activation dtype, as PEFT's lora_A output is
-        delta = tl.dot(tl.trans(t_acc.to(dtype)), tl.trans(lb.to(dtype)))  # [BLOCK_M, BLOCK_N]
-        acc = acc + lora_scale * delta
-
-    mask = m_mask[:, None] & n_mask[None, :]
-    if not USE_WS:
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc = acc + b[None, :]
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_ptrs = y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask)
+        acc = _lora_epilogue(acc, t_acc, lb_ptr, rows, offs_r, r_mask, R, lora_scale, dtype)
+    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
 
 
 @triton.jit
@@ -680,17 +685,7 @@ def _gemv_kernel(
         prod = lo[None, :, :] * xe[:, None, :] + hi[None, :, :] * xo[:, None, :]
         acc += tl.sum(prod, axis=2)
     acc = acc * post
-
-    mask = m_mask[:, None] & n_mask[None, :]
-    if not USE_WS:
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc = acc + b[None, :]
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_ptrs = y_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask)
+    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -956,7 +951,8 @@ def dequantize_triton(
     return out
 
 
-def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> None:
+def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> bool:
+    """Validate the weight tensors; returns whether ``packed`` is in the MMA layout (raises if it fits neither)."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or global_scale.dtype != torch.float32:
         raise TypeError(
             f"nvfp4 kernels expect uint8/float8_e4m3fn/float32 weight tensors, got {packed.dtype}/{scale.dtype}/"
@@ -964,7 +960,7 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
         )
     if not (packed.is_contiguous() and scale.is_contiguous()):
         raise ValueError("nvfp4 kernels expect contiguous weight_packed / weight_scale")
-    is_mma_layout(packed, scale)  # raises if packed fits neither layout of this scale
+    return is_mma_layout(packed, scale)
 
 
 def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora=None):
@@ -1097,9 +1093,8 @@ def _lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sca
 
 def _linear(x, packed, scale, global_scale, bias, config, lora):
     """:func:`nvfp4_linear`, plus the adapter ``lora = (A, B, scaling)`` fused where the kernel allows it."""
-    _check(packed, scale, global_scale)
+    mma = _check(packed, scale, global_scale)
     n, k = scale.shape[0], scale.shape[1] * 16
-    mma = is_mma_layout(packed, scale)
     if x.shape[-1] != k:
         raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {k}")
     lead = x.shape[:-1]
@@ -1158,9 +1153,8 @@ def nvfp4_linear_dgrad(
     config: DgradConfig | None = None,
 ) -> torch.Tensor:
     """``dx = dy · dequant(W)``: dy ``[..., N]`` float16/bfloat16 → dx ``[..., K]`` in ``dy.dtype`` (fp32 accumulation)."""
-    _check(packed, scale, global_scale)
+    mma = _check(packed, scale, global_scale)
     n, k = scale.shape[0], scale.shape[1] * 16
-    mma = is_mma_layout(packed, scale)
     if dy.shape[-1] != n:
         raise ValueError(f"nvfp4_linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")
     lead = dy.shape[:-1]

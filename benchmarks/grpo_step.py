@@ -97,6 +97,7 @@ from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model
     _worker_exit,
     _write,
     build_arm,
+    compile_config,
     device_name,
     versions,
 )
@@ -426,7 +427,6 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
 
 def run_worker(args) -> dict:
     import torch
-    from transformers.generation.configuration_utils import CompileConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -536,15 +536,7 @@ def run_worker(args) -> dict:
     gcfg = trainer.generation_config
     if compiled:
         compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
-        cc = CompileConfig(
-            fullgraph=args.fullgraph,
-            dynamic=False,
-            backend=args.compile_backend,
-            mode=args.compile_mode if args.compile_backend == "inductor" else None,
-        )
-        if not cuda:
-            cc._compile_all_devices = True  # CPU validation: let generate compile anyway
-        gcfg.compile_config = cc  # the benchmark's compile knobs
+        gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
     res["generation_config"] = {
         k: getattr(gcfg, k, None)
         for k in (

@@ -399,11 +399,26 @@ def build_arm(args, device, dtype, res: dict):
     return model
 
 
+def compile_config(args, cuda: bool):
+    """transformers ``CompileConfig`` from the benchmark's knobs (``--compile-backend``, ``--compile-mode``,
+    ``--fullgraph``); static shapes, so each batch size gets its own graph."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cc = CompileConfig(
+        fullgraph=args.fullgraph,
+        dynamic=False,
+        backend=args.compile_backend,
+        mode=args.compile_mode if args.compile_backend == "inductor" else None,
+    )
+    if not cuda:
+        cc._compile_all_devices = True  # CPU validation: let generate compile anyway
+    return cc
+
+
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_worker(args) -> dict:
     import torch
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -417,17 +432,7 @@ def run_worker(args) -> dict:
         return res
     vocab = MODELS[args.model]["vocab_size"]
 
-    if args.no_compile:
-        cc = None
-    else:
-        cc = CompileConfig(
-            fullgraph=args.fullgraph,
-            dynamic=False,
-            backend=args.compile_backend,
-            mode=args.compile_mode if args.compile_backend == "inductor" else None,
-        )
-        if not cuda:
-            cc._compile_all_devices = True  # CPU validation: let generate compile anyway
+    cc = None if args.no_compile else compile_config(args, cuda)
 
     def gcfg(n_new: int) -> GenerationConfig:
         return GenerationConfig(

@@ -24,23 +24,28 @@ from nvfp4.codec import dequantize, quantize
 
 SRC = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
 
-_INTERP_SCRIPT = textwrap.dedent(
+# What both interpreter scripts start with: imports, outputs allocated full of NaN, and the relative error.
+_INTERP_PRELUDE = textwrap.dedent(
     """
     import json
     import torch
     from nvfp4.codec import dequantize, quantize
     from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, linear_config, nvfp4_linear
-    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad
-
-    assert linear_config(1, 48, 1024).gemv and linear_config(1, 48, 1024).split_k == 2
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad, nvfp4_lora_linear
 
     nvfp4_gemm.POISON_OUTPUTS = True
-    torch.manual_seed(1234)
     out = []
 
     def rel(a, b):
         a, b = a.double(), b.double()
         return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
+    """
+)
+
+_INTERP_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
+    """
+    assert linear_config(1, 48, 1024).gemv and linear_config(1, 48, 1024).split_k == 2
+    torch.manual_seed(1234)
 
     # (M, N, K, config): odd M, N not a multiple of the tile, K a multiple of 16 but not of BLOCK_K
     cases = [
@@ -89,7 +94,6 @@ _INTERP_SCRIPT = textwrap.dedent(
     ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T
     out.append(dict(kind="linear3d", rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype)))
     # LoRA fused into the tensor-core kernel: split-K, uneven K, prefetch, the GEMV dispatch rerouted, the fallback
-    from nvfp4.kernels import nvfp4_lora_linear
     for m, n, k, r, cfg in [(3, 40, 96, 8, LinearConfig(16, 32, 64, 1)), (5, 72, 272, 32, LinearConfig(16, 32, 64, 3)),
                             (1, 64, 512, 16, LinearConfig(16, 64, 128, 2, prefetch=True)), (1, 48, 1024, 4, None),
                             (2, 24, 48, 8, LinearConfig(dequant=True))]:
@@ -106,14 +110,19 @@ _INTERP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_kernels_under_triton_interpreter():
+def _run_under_interpreter(script: str, timeout: int) -> list[dict]:
+    """Run ``script`` in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported); its RESULT rows."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = json.loads(line[len("RESULT") :])
+    return json.loads(line[len("RESULT") :])
+
+
+def test_kernels_under_triton_interpreter():
+    results = _run_under_interpreter(_INTERP_SCRIPT, timeout=300)
     assert len(results) == 32
     for r in results:
         if r["kind"] == "dequant":
@@ -128,22 +137,11 @@ def test_kernels_under_triton_interpreter():
     assert [r["shape"] for r in results if r["kind"] == "lora"] == [[3, 40], [5, 72], [1, 64], [1, 48], [2, 24]]
 
 
-_INTERP_MMA_SCRIPT = textwrap.dedent(
+_INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     """
-    import json
-    import torch
-    from nvfp4.codec import dequantize, quantize
-    from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, linear_config, nvfp4_linear
-    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad, nvfp4_lora_linear
     from nvfp4.layout import to_mma_layout
 
-    nvfp4_gemm.POISON_OUTPUTS = True
     torch.manual_seed(4321)
-    out = []
-
-    def rel(a, b):
-        a, b = a.double(), b.double()
-        return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
 
     def mma(m, split, stages=1):
         return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True)
@@ -195,14 +193,7 @@ _INTERP_MMA_SCRIPT = textwrap.dedent(
 def test_mma_layout_kernels_under_triton_interpreter():
     """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
     float64 reference of the compressed-tensors tensors they were converted from."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", _INTERP_MMA_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = json.loads(line[len("RESULT") :])
+    results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
     assert len(results) == 14 + 3 + 3 + 2 + 1
     for r in results:
         if r["kind"] == "dequant":

@@ -43,41 +43,19 @@ def run(model_dir: str, out_dir: str, per_device_batch: int):
         return even_token_reward(completions, completion_ids)
 
     recorded_reward.__name__ = "even_tokens"
-    argv = [
-        "offline-default",
-        "--model_name_or_path",
+    argv = _train_argv(
         model_dir,
-        "--output_dir",
         out_dir,
-        "--per_device_train_batch_size",
-        str(per_device_batch),
-        "--num_generations",
-        str(NUM_GENERATIONS),
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--save_steps",
-        "2",
-        "--aqn_num_stages",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--lora_r",
-        "8",
-        "--lora_alpha",
-        "8",
-        "--rollout_seed_per_prompt",
-        "true",
-        "--loss_type",
-        "dapo",
-        "--task_options",
-        json.dumps({"n_examples": 32, "digits": 1, "ops": "+"}),
-        "--disable_tqdm",
-        "true",
-        "--dataloader_num_workers",
-        "0",
-    ]
+        per_device_batch,
+        max_completion_length=8,
+        max_steps=2,
+        save_steps=2,
+        aqn_num_stages=2,
+        learning_rate="1e-3",
+        loss_type="dapo",
+        task_options=json.dumps({"n_examples": 32, "digits": 1, "ops": "+"}),
+        dataloader_num_workers=0,
+    )
     script_args, config = parse_train_args(argv)
     script_args.rewards = [recorded_reward]
     trainer = train(script_args, config)
@@ -113,46 +91,33 @@ def run_dapo(model_dir: str, out_dir: str, per_device_batch: int) -> None:
         seen.extend(question)
         return [1.0 if bi % 2 == 0 else r for bi, r in zip(b, even_token_reward(completions, completion_ids))]
 
-    argv = [
-        "offline-default",
-        "--algorithm",
-        "dapo",
-        "--model_name_or_path",
+    argv = _train_argv(
         model_dir,
-        "--output_dir",
         out_dir,
-        "--per_device_train_batch_size",
-        str(per_device_batch),
-        "--num_generations",
-        str(NUM_GENERATIONS),
-        "--max_completion_length",
-        "4",
-        "--max_steps",
-        "1",
-        "--save_steps",
-        "1000",
-        "--aqn",
-        "false",
-        "--lora_r",
-        "8",
-        "--lora_alpha",
-        "8",
-        "--overlong_buffer_length",
-        "0",
-        "--max_resample_rounds",
-        "8",
-        "--rollout_seed_per_prompt",
-        "true",
-        "--task_options",
-        json.dumps({"n_examples": 32, "digits": 1}),
-        "--disable_tqdm",
-        "true",
-    ]
+        per_device_batch,
+        algorithm="dapo",
+        max_completion_length=4,
+        max_steps=1,
+        save_steps=1000,
+        aqn="false",
+        overlong_buffer_length=0,
+        max_resample_rounds=8,
+        task_options=json.dumps({"n_examples": 32, "digits": 1}),
+    )
     script_args, config = parse_train_args(argv)
     script_args.rewards = [half_constant]
     trainer = train(script_args, config)
     record = {"logs": [h for h in trainer.state.log_history if "reward" in h], "questions": seen}
     Path(out_dir, f"dapo{trainer.accelerator.process_index}.json").write_text(json.dumps(record))
+
+
+def _train_argv(model_dir: str, out_dir: str, per_device_batch: int, **options: object) -> list[str]:
+    """``qerl train offline-default`` arguments both runs share (model, output, batch, group, LoRA r=8, per-prompt
+    rollout seeds, no progress bars), then ``options`` as ``--name value``."""
+    common = dict(model_name_or_path=model_dir, output_dir=out_dir, per_device_train_batch_size=per_device_batch,
+                  num_generations=NUM_GENERATIONS, lora_r=8, lora_alpha=8, rollout_seed_per_prompt="true",
+                  disable_tqdm="true")  # fmt: skip
+    return ["offline-default"] + [a for k, v in {**common, **options}.items() for a in (f"--{k}", str(v))]
 
 
 def _sha(tensors: list[torch.Tensor]) -> str:

@@ -146,11 +146,10 @@ def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf1
     return ours, ref
 
 
-def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, ct: bool = False):
+def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    q = wts.q_ct if ct else wts.q
-    nq = _n_calls(len(q))
-    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *q[i % len(q)], config=config) for i in range(nq)])
+    nq = _n_calls(len(wts.q))
+    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *wts.q[i % len(wts.q)], config=config) for i in range(nq)])
     ref = None
     if with_bf16:
         nb = _n_calls(len(wts.bf16))

@@ -4,8 +4,8 @@ Triton ships ``ptxas``/``cuobjdump``, so any machine can compile a kernel for th
 This is how the MMA layout was checked before it ever ran on a GPU: per kernel config it prints registers, spills,
 shared memory, and counts of the instructions that tell where the bytes go — global loads (``LDG*``, and
 ``LDGSTS`` = ``cp.async``), shared-memory stores/loads (``STS``/``LDS``/``LDSM``: a decoded weight tile written to
-shared memory shows up here), and ``HGMMA`` (``wgmma``). The pointer arguments and the integer sizes are given
-16-byte divisibility, as the launcher's specialisation does for aligned tensors and sizes (without it every load
+shared memory shows up here), ``HGMMA`` (``wgmma``), and the atomics and fences of the split-K tickets (``ATOMG``,
+``MEMBAR``). The pointer arguments and the integer sizes are given 16-byte divisibility, as the launcher's specialisation does for aligned tensors and sizes (without it every load
 compiles to bytes).
 
 Usage::
@@ -33,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-COUNTED = r"\b(LDG\S*|LDGSTS\S*|STS\S*|LDS\S*|LDSM\S*|STSM\S*|HGMMA\S*)"
+COUNTED = r"\b(LDG\S*|LDGSTS\S*|STS\S*|LDS\S*|LDSM\S*|STSM\S*|HGMMA\S*|ATOMG\S*|MEMBAR\S*)"
 
 _COMMON = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32",
            "HAS_BIAS": "constexpr", "USE_WS": "constexpr", "BLOCK_M": "constexpr", "FAST": "constexpr",
            "a_ptr": "*bf16", "lb_ptr": "*bf16", "lora_scale": "fp32", "R": "i32", "HAS_LORA": "constexpr",
-           "BLOCK_R": "constexpr"}  # fmt: skip
+           "BLOCK_R": "constexpr", "out_ptr": "*bf16", "cnt_ptr": "*i32", "SPLIT": "i32",
+           "FUSED_REDUCE": "constexpr"}  # fmt: skip
 _CT_EXTRA = {"EVEN_K": "constexpr", "SWAP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
              "GROUP_M": "constexpr", "PREFETCH": "constexpr"}  # fmt: skip
 _ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym", "K_PER_SPLIT",
@@ -50,7 +51,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     """``triton.compile`` for sm_90 with 16-byte divisibility on the aligned arguments."""
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED if a in signature}
     sig = {a: signature[a] for a in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs, attrs)
+    src = ASTSource(fn, sig, {k: v for k, v in constexprs.items() if k in fn.arg_names}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                              num_stages=num_stages))  # fmt: skip
 
@@ -75,11 +76,14 @@ def main() -> None:
         ("MMA layout, M<=16, 3 stages, fused LoRA r=32", kern._linear_mma_kernel, {},
          dict(BLOCK_M=16, HAS_LORA=True, BLOCK_R=32), 4, 3),
         ("MMA layout, M<=64, 2 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=64), 4, 2),
+        ("MMA layout, M<=16, 3 stages, split-K summed in the kernel", kern._linear_mma_kernel, {"y_ptr": "*fp32"},
+         dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True), 4, 3),
         ("CT layout, M<=16 (tc_config)", kern._linear_kernel, _CT_EXTRA,
          dict(BLOCK_M=16, EVEN_K=True, SWAP=True, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, PREFETCH=False), 4, 1),
     ]  # fmt: skip
     for name, fn, extra, const, warps, stages in cases:
-        constexprs = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16) | const
+        constexprs = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16, FUSED_REDUCE=False)
+        constexprs |= const
         compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
         line, counts = sass_summary(compiled)
         print(f"{name}\n  {line}  shared {compiled.metadata.shared} B\n  {counts}")

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,12 +144,15 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 
     torch.manual_seed(4321)
 
-    def mma(m, split, stages=1):
-        return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True)
+    def mma(m, split, stages=1, fused_reduce=True):
+        return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True,
+                            fused_reduce=fused_reduce)
 
-    # (M, N, K, config): odd M, several K splits (uneven), several row blocks (M > BLOCK_M), the default dispatch
+    # (M, N, K, config): odd M, several K splits (uneven; split-K summed in the kernel and by the separate reduce
+    # kernel), several row blocks (M > BLOCK_M), the default dispatch
     cases = [(1, 64, 256, None), (3, 128, 512, mma(16, 2)), (5, 192, 768, mma(16, 2)), (20, 64, 512, mma(16, 1)),
-             (33, 128, 256, mma(64, 1)), (7, 64, 1536, None), (130, 64, 256, None)]
+             (33, 128, 256, mma(64, 1)), (7, 64, 1536, None), (130, 64, 256, None), (20, 128, 768, mma(16, 3)),
+             (5, 192, 768, mma(16, 2, fused_reduce=False))]
     for m, n, k, cfg in cases:
         for with_bias in (False, True):
             q = quantize(torch.randn(n, k))
@@ -178,6 +182,10 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
         d = dequantize_triton(to_mma_layout(q.packed), q.scale, q.global_scale, dt).double()
         r = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         out.append(dict(kind="dequant", maxrel=((d - r).abs() / r.abs().clamp_min(1e-30)).max().item(), dtype=str(dt)))
+    # the fused split-K reduction leaves its ticket counters at zero for the next launch
+    from nvfp4.kernels import nvfp4_gemm
+    out.append(dict(kind="counters", zero=all(int(c.abs().sum()) == 0 for c in nvfp4_gemm._SPLITK_COUNTERS.values()),
+                    used=len(nvfp4_gemm._SPLITK_COUNTERS)))
     # a config for the other layout is refused instead of reading the bytes wrongly
     try:
         nvfp4_linear(torch.randn(1, 256, dtype=torch.float16), to_mma_layout(q.packed[:, :128].contiguous()),
@@ -194,8 +202,11 @@ def test_mma_layout_kernels_under_triton_interpreter():
     """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
     float64 reference of the compressed-tensors tensors they were converted from."""
     results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
-    assert len(results) == 14 + 3 + 3 + 2 + 1
+    assert len(results) == 18 + 3 + 3 + 2 + 1 + 1
     for r in results:
+        if r["kind"] == "counters":
+            assert r["zero"] and r["used"] == 1, r
+            continue
         if r["kind"] == "dequant":
             tol = 1e-3 if r["dtype"] == "torch.float16" else 1e-6
             assert r["maxrel"] < tol, r
@@ -361,6 +372,12 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
             y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
             assert y.dtype == dtype and y.shape == (m, n)
             assert _rel(y, ref) < 1e-2, (m, n, k, cfg or linear_config(m, n, k, mma=True))
+        if m <= 128 and k >= 512:  # split-K summed in the kernel: the separate reduce kernel's sum, bit for bit
+            cfg = linear_config(m, n, k, mma=True)
+            cfg = LinearConfig(cfg.block_m, 64, 256, max(2, cfg.split_k), 4, cfg.num_stages, mma=True)
+            fused = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            separate = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=replace(cfg, fused_reduce=False))
+            assert torch.equal(fused, separate), (m, n, k, cfg)
         r = (8, 16, 32, 64)[m % 4]
         a = torch.randn(r, k, device="cuda") / k**0.5
         lb = torch.randn(n, r, device="cuda")
@@ -372,6 +389,42 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
         dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
+
+
+@pytest.mark.gpu
+@cuda
+def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
+    """The split-K tickets under stress: 40 launches of 4 weights (different tile counts and splits) captured in one
+    CUDA graph and replayed 5 times; every output equals the separate reduce kernel's bit for bit (a program that
+    summed before all partials had landed, or a counter left non-zero, would differ) and the counters end at zero."""
+    from nvfp4.kernels import LinearConfig, nvfp4_linear
+    from nvfp4.kernels import nvfp4_gemm as kern
+    from nvfp4.layout import to_mma_layout
+
+    torch.manual_seed(5)
+    cases = []
+    for n, k, split, m in [(512, 3584, 7, 1), (4096, 2048, 4, 16), (64, 4096, 16, 5), (18944, 3584, 2, 8)]:
+        q = quantize(torch.randn(n, k, device="cuda"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cfg = LinearConfig(16, 64, 256, split, 4, 3, mma=True)
+        args = (x, to_mma_layout(q.packed), q.scale, q.global_scale, None)
+        cases.append((args, cfg, nvfp4_linear(*args, config=replace(cfg, fused_reduce=False))))
+    outs = [torch.empty_like(ref) for _, _, ref in cases]
+    for (args, cfg, _), o in zip(cases, outs):
+        o.copy_(nvfp4_linear(*args, config=cfg))  # allocates the counters outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            for (args, cfg, _), o in zip(cases, outs):
+                o.copy_(nvfp4_linear(*args, config=cfg))
+    for _ in range(5):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (_, cfg, ref), o in zip(cases, outs):
+            assert torch.equal(o, ref), cfg
+    assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu

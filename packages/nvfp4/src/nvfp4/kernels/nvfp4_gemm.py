@@ -48,7 +48,7 @@ Kernels
 ``_linear_mma_kernel`` (MMA layout, M ≤ 128, the CUDA default): one 64-output tile per program, all rows of x
 (``BLOCK_M`` = M rounded up to a power of two ≥ 16), ``yᵀ = W · xᵀ`` with W as the register A operand; split-K to
 ~3.5 programs per SM at M ≤ 32 (2 at M ≤ 128) with ≥ 2 K steps per split (:func:`mma_config`), fp32 partials summed
-by ``_splitk_reduce_kernel``; optional fused LoRA as below. ``_dgrad_mma_kernel`` / ``_dequant_mma_kernel``: the
+in the same kernel by the last program of each tile (a ticket counter, ``FUSED_REDUCE``); optional fused LoRA as below. ``_dgrad_mma_kernel`` / ``_dequant_mma_kernel``: the
 backward product (M ≤ 64) and the dequantizer (large-M fallback) on the same tiles.
 
 ``_linear_kernel``: tiles of ``[BLOCK_N, BLOCK_M]`` outputs. Hopper has no FP4 tensor cores, so the tile of W is
@@ -371,6 +371,10 @@ def _linear_mma_kernel(
     R=0,
     HAS_LORA: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16,
+    out_ptr=None,
+    cnt_ptr=None,
+    SPLIT=1,
+    FUSED_REDUCE: tl.constexpr = False,
 ):
     """``yᵀ[64, BLOCK_M] = W_tile · xᵀ`` for W in the MMA layout: one 64-output tile over the K range of split
     ``program_id(1)``, all ``M ≤ BLOCK_M`` rows of x (``program_id(2)`` walks row blocks when M > BLOCK_M).
@@ -378,6 +382,12 @@ def _linear_mma_kernel(
     Each K step of 256 loads the tile's 8 KB of codes, 1 KB of scales and the x tile; with ``num_stages ≥ 2``
     Triton pipelines all three with ``cp.async``. Outputs, split-K workspace, bias and ``HAS_LORA`` as in
     :func:`_linear_kernel`.
+
+    ``FUSED_REDUCE`` (split-K): the workspace at ``y_ptr`` is summed in this kernel instead of by
+    ``_splitk_reduce_kernel``. Each program stores its fp32 partial, then takes a ticket from the tile's counter
+    (``cnt_ptr``, int32, zero on entry); the program that arrives last sums the ``SPLIT`` partials in split order
+    (deterministic, whatever the arrival order), writes ``out_ptr`` and puts the counter back to zero for the next
+    launch. That saves the second launch, which at decode sizes cost as much as the GEMM of a small weight.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -407,7 +417,20 @@ def _linear_mma_kernel(
         acc = acc * post
     if HAS_LORA:
         acc = _lora_epilogue(acc, t_acc, lb_ptr, offs_n, offs_r, r_mask, R, lora_scale, dtype)
-    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, offs_n < N, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
+    n_mask = offs_n < N
+    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
+    if FUSED_REDUCE:
+        # Every thread's partial must be in L2 before the ticket is taken (one thread does the atomic, acq_rel).
+        tl.debug_barrier()
+        counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            mask = m_mask[:, None] & n_mask[None, :]
+            ws = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            total = tl.zeros((BLOCK_M, 64), dtype=tl.float32)
+            for s in range(0, SPLIT):  # split order: the same sum whichever program arrived last
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_output(total, out_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, N, 0, HAS_BIAS, False)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -796,6 +819,7 @@ class LinearConfig:
     gemv: bool = False  # CUDA-core GEMV kernel (_gemv_kernel); block_m is then taken from M
     prefetch: bool = False  # register double-buffering of the next K step (used only when K % block_k == 0)
     mma: bool = False  # _linear_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
+    fused_reduce: bool = True  # MMA kernel with split-K: the last program of a tile sums the partials (one launch)
 
 
 @dataclass(frozen=True)
@@ -970,13 +994,34 @@ def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_spl
     )
 
 
-def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora=None):
-    """Launch :func:`_linear_mma_kernel` into ``out`` (``y`` or the split-K workspace)."""
+# Split-K tickets of the fused reduction, one int32 per output tile, per device. Each kernel leaves them at zero,
+# so they are allocated once, outside CUDA-graph capture (graphs keep their address), and never freed. Launches on
+# one device share them: kernels on two concurrent streams must not both use the fused reduction.
+_SPLITK_COUNTERS: dict[torch.device, torch.Tensor] = {}
+SPLITK_COUNTERS = 1 << 16
+
+
+def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed ticket counters of ``device``, or None (separate reduce kernel) if they cannot be had here."""
+    counters = _SPLITK_COUNTERS.get(device)
+    if counters is None:
+        if tiles > SPLITK_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        counters = _SPLITK_COUNTERS[device] = torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device)
+    return counters if tiles <= counters.numel() else None
+
+
+def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora=None,
+                counters=None):  # fmt: skip
+    """Launch :func:`_linear_mma_kernel` into ``out`` (``y`` or the split-K workspace); with ``counters`` (split-K
+    only) the kernel also sums the workspace into ``y``."""
     extra = {}
+    if counters is not None:
+        extra.update(out_ptr=y, cnt_ptr=counters, SPLIT=split, FUSED_REDUCE=True)
     if lora is not None:
         a, b, scaling = lora
         r = a.shape[0]
-        extra = dict(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
+        extra.update(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
                      BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
     _linear_mma_kernel[(n // 64, split, triton.cdiv(m, cfg.block_m))](
         x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
@@ -1090,8 +1135,11 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     split = triton.cdiv(k, k_per_split)
     even_k = k % cfg.block_k == 0
     out = y if split == 1 else _empty((split, m, n), torch.float32, x.device)
+    counters = None
+    if mma and split > 1 and cfg.fused_reduce:
+        counters = _splitk_counters(x.device, n // 64 * triton.cdiv(m, cfg.block_m))
     if mma:
-        _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora)
+        _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora, counters)
     elif cfg.gemv:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
             x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
@@ -1102,7 +1150,7 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         )  # fmt: skip
     else:
         _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora)
-    if split > 1:
+    if split > 1 and counters is None:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             out, bias if bias is not None else y, y, m * n, n, split,

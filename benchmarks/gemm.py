@@ -8,7 +8,9 @@ scales, over our time) and the speed-up over bf16. The backward product ``dx = d
 
 Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
 ``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
-kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``.
+kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
+MMA kernel's split-K configs once more with the partials summed by the separate ``_splitk_reduce_kernel`` (the
+previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``.
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -33,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -161,10 +164,16 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
 # Full tables
 # --------------------------------------------------------------------------------------------------------------
 def run_tables(
-    models: list[str], fwd_ms: list[int], bwd_ms: list[int], partial: Path | None = None, compare_ct: bool = False
+    models: list[str],
+    fwd_ms: list[int],
+    bwd_ms: list[int],
+    partial: Path | None = None,
+    compare_ct: bool = False,
+    compare_reduce: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
-    linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``."""
+    linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
+    ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K)."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
@@ -176,6 +185,11 @@ def run_tables(
                            config=kern.linear_config(m, n, k, mma=wts.mma).__dict__)  # fmt: skip
                 if compare_ct:
                     row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
+                if compare_reduce:
+                    cfg = kern.linear_config(m, n, k, mma=wts.mma)
+                    split = cfg.mma and not cfg.dequant and cfg.split_k > 1
+                    sep = replace(cfg, fused_reduce=False)
+                    row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
                 results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
@@ -203,9 +217,10 @@ def layer_summary(rows: list[dict]) -> list[dict]:
         qbytes = sum(r["weight_GBps"] * r["ours_ms"] * 1e-3 * 1e9 for r in grp)
         row = dict(model=model, M=m, ours_ms=ours, bf16_ms=ref, speedup=ref / ours,
                    weight_GBps=qbytes / (ours * 1e-3) / 1e9)  # fmt: skip
-        if all("ct_ms" in r for r in grp):
-            row["ct_ms"] = sum(r["ct_ms"] for r in grp)
-            row["ct_speedup"] = ref / row["ct_ms"]
+        for col in ("ct", "sep_reduce"):
+            if all(f"{col}_ms" in r for r in grp):
+                row[f"{col}_ms"] = sum(r[f"{col}_ms"] for r in grp)
+                row[f"{col}_speedup"] = ref / row[f"{col}_ms"]
         out.append(row)
     return out
 
@@ -220,12 +235,14 @@ def print_tables(results: dict) -> None:
             print(f"| {r['model']} | {r['linear']} | {r['N']}×{r['K']} | {r['M']} | {r['ours_ms']:.4f} | "
                   f"{r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | {r['speedup']:.2f} |")  # fmt: skip
         print(f"\n## {kind}: whole decoder layer (sum of its 7 linears)")
-        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 | CT-layout kernels ms | ×bf16 |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 | CT-layout kernels ms | ×bf16 | separate split-K "
+              "reduce ms | ×bf16 |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in layer_summary(rows):
-            ct = f"{r['ct_ms']:.4f} | {r['ct_speedup']:.2f}" if "ct_ms" in r else "- | -"
+            extra = " | ".join(f"{r[c + '_ms']:.4f} | {r[c + '_speedup']:.2f}" if c + "_ms" in r else "- | -"
+                               for c in ("ct", "sep_reduce"))  # fmt: skip
             print(f"| {r['model']} | {r['M']} | {r['ours_ms']:.4f} | {r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | "
-                  f"{r['speedup']:.2f} | {ct} |")  # fmt: skip
+                  f"{r['speedup']:.2f} | {extra} |")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,6 +340,7 @@ def main() -> None:
     ap.add_argument("--bwd-ms", default=None, help="comma-separated backward Ms")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
     ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
+    ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
     models = args.models.split(",")
@@ -340,7 +358,7 @@ def main() -> None:
         name = "gemm_sweep.json"
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, compare_ct=args.compare_ct)
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce)
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -865,6 +865,9 @@ TC_PREFETCH_MAX_N = 1024
 # (2026-11-22 sweep on the H100, 7B/32B shapes: 3 stages and ~3.5 programs per SM at M ≤ 32, 2 stages above).
 MMA_TARGET_PROGRAMS = {32: 480, 128: 240}
 MMA_STAGES = {32: 3, 128: 2}
+# Split-K summed in the MMA kernel up to this BLOCK_M (H100, same run: 0.5-1.3 µs faster per linear at M ≤ 16; at
+# M = 64/128 the last program's serial sum of [BLOCK_M, 64] partials made it up to 13 µs slower).
+FUSED_REDUCE_MAX_M = 32
 
 
 def mma_config(m: int, n: int, k: int) -> LinearConfig:
@@ -875,7 +878,7 @@ def mma_config(m: int, n: int, k: int) -> LinearConfig:
     tiles, steps = n // 64, k // 256
     split = max(1, min(triton.cdiv(MMA_TARGET_PROGRAMS[bound], tiles), steps // 2))
     bm = max(16, triton.next_power_of_2(m))
-    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True)
+    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True, fused_reduce=bm <= FUSED_REDUCE_MAX_M)
 
 
 def linear_config(m: int, n: int, k: int, mma: bool = False) -> LinearConfig:

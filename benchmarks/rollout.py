@@ -26,12 +26,20 @@ a second warm-up (must not recompile), a 1-token ``generate`` (prefill time), th
 prefill. Dynamo counters (graph breaks, unique graphs, recompiles, skipped CUDA graphs) are recorded per batch, so a
 LoRA that breaks the compiled path shows up in the table.
 
+``--engine graph`` replaces ``model.generate`` by :func:`qerl_trl.graph_generate.graph_generate` (same static cache
+length, lengths, greedy decoding, warm-ups and timings): the whole decode step, sampling included, is one
+``torch.compile(mode="reduce-overhead")`` graph (``--compile-backend`` / ``--compile-mode`` / ``--fullgraph`` apply to
+it) replayed by a Python loop that never syncs with the GPU, so the host work of ``generate`` between CUDA graphs
+(logits processors, stopping criteria, a sync per step) goes away. Rows carry their ``engine``; ``--merge`` puts both
+engines in one table.
+
 Each (model, arm) runs in a fresh subprocess (no compile-cache or allocator interference; OOM = "does not fit"),
 results are appended to ``--out`` after every arm, so a run cut short keeps what it measured.
 
 Usage::
 
     uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
+    uv run python benchmarks/rollout.py --tiny --no-compile --engine graph   # same, graph_generate engine
     python3 benchmarks/rollout.py --models 7b,14b,32b --arms bf16,qlora,nvfp4 --batch 1,8 \\
         --prompt-len 256 --new-tokens 1024 --out $OUT/rollout.json    # H100
     python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
@@ -55,7 +63,11 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "packages" / "nvfp4" / "src", ROOT / "packages" / "aqn" / "src"):
+for _p in (
+    ROOT / "packages" / "nvfp4" / "src",
+    ROOT / "packages" / "aqn" / "src",
+    ROOT / "packages" / "qerl-trl" / "src",
+):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -105,6 +117,7 @@ MODELS: dict[str, dict] = {
     ),
 }
 ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
+ENGINES = ("generate", "graph")  # model.generate | qerl_trl.graph_generate.graph_generate
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARM_LABEL = {
     "bf16": "bf16 + LoRA",
@@ -415,6 +428,17 @@ def compile_config(args, cuda: bool):
     return cc
 
 
+def graph_compile_options(args) -> dict:
+    """``torch.compile`` keyword arguments of ``graph_generate``'s decode step from the same knobs as
+    :func:`compile_config` (static shapes: each batch size gets its own graph)."""
+    return dict(
+        fullgraph=args.fullgraph,
+        dynamic=False,
+        backend=args.compile_backend,
+        mode=args.compile_mode if args.compile_backend == "inductor" else None,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_worker(args) -> dict:
     import torch
@@ -426,7 +450,8 @@ def run_worker(args) -> dict:
     torch.manual_seed(0)
     catcher = _LogCatcher()
     catcher.install()
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "batches": []}
+    engine = getattr(args, "engine", "generate")
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": engine, "batches": []}
     model = build_arm(args, device, dtype, res)
     if model is None:
         return res
@@ -450,11 +475,33 @@ def run_worker(args) -> dict:
             disable_compile=args.no_compile,
         )
 
+    if engine == "graph":
+        from qerl_trl.graph_generate import graph_generate
+
+        graph_opts = graph_compile_options(args)
+
+    def run_engine(ids, n_new: int):
+        if engine == "graph":  # same lengths, greedy, no EOS, same cache length as generate
+            return graph_generate(
+                model,
+                ids,
+                torch.ones_like(ids),
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                max_cache_len=args.prompt_len + args.new_tokens,
+                compile=not args.no_compile,
+                compile_options=graph_opts,
+            )
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg(n_new))
+
     def generate(ids, n_new: int):
         with torch.no_grad():
             _sync()
             t = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg(n_new))
+            out = run_engine(ids, n_new)
             _sync()
             return time.perf_counter() - t, out
 
@@ -563,6 +610,8 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
         args.compile_backend,
         "--compile-mode",
         args.compile_mode,
+        "--engine",
+        args.engine,
     ]
     for flag in ("no_compile", "cpu", "fullgraph", "no_double_quant"):
         if getattr(args, flag):
@@ -617,7 +666,9 @@ def _run_worker_subprocess(cmd: list[str], result_path: str, model: str, arm: st
     else:
         tail = "\n".join(out.strip().splitlines()[-15:])
         oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
-        res = _failed(model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail, **kw)
+        res = _failed(
+            model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail, **kw
+        )
         print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
     res["wall_s"] = wall
     return res
@@ -628,7 +679,9 @@ def _run_subprocess(args, model: str, arm: str) -> dict:
 
     with tempfile.TemporaryDirectory() as td:
         rp = os.path.join(td, "r.json")
-        return _run_worker_subprocess(_worker_cmd(args, model, arm, rp), rp, model, arm, args, batches=[])
+        return _run_worker_subprocess(
+            _worker_cmd(args, model, arm, rp), rp, model, arm, args, batches=[], engine=args.engine
+        )
 
 
 def _merge(paths: list[str]) -> tuple[dict, list[dict]]:
@@ -660,12 +713,14 @@ def _fmt(x, nd=1):
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | arm | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB | compiled path | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| model | arm | engine | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB | compiled path"
+        " | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
+        eng = r.get("engine", "generate")  # results written before --engine existed
         if not r.get("batches"):
-            lines.append(f"| {r['model']} | {r['label']} | — | — | — | — | — | — | — | — | {r.get('status')} |")
+            lines.append(f"| {r['model']} | {r['label']} | {eng} | — | — | — | — | — | — | — | — | {r.get('status')} |")
             continue
         for row in r["batches"]:
             cp = row.get("compiled_path_ok")
@@ -681,7 +736,7 @@ def table(results: list[dict]) -> str:
                     f" cg-skips {d.get('cudagraph_skips')})"
                 )
             lines.append(
-                f"| {r['model']} | {r['label']} | {row['batch']} | {_fmt(row.get('tok_s'))} | "
+                f"| {r['model']} | {r['label']} | {eng} | {row['batch']} | {_fmt(row.get('tok_s'))} | "
                 f"{_fmt(row.get('decode_tok_s'))} | {_fmt(row.get('ms_per_step'), 2)} | {_fmt(row.get('prefill_s'), 3)} | "
                 f"{_fmt(row.get('compile_s'))} | {_fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
                 f"{row.get('status', r.get('status'))} |"
@@ -689,21 +744,35 @@ def table(results: list[dict]) -> str:
     # ratios, side by side
     # (--merge tags each result with the run it came from; a ratio across two runs is marked as such)
     by = {
-        (r["model"], r["arm"], row["batch"]): (row.get("tok_s"), r.get("run"))
+        (r["model"], r["arm"], row["batch"], r.get("engine", "generate")): (row.get("tok_s"), r.get("run"))
         for r in results
         for row in r.get("batches", [])
     }
+
+    def ratio(v, key, run) -> str:
+        o, orun = by.get(key, (None, None))
+        return (f"{v / o:.2f}×" + (" (across runs)" if orun != run else "")) if o and v else "—"
+
     rat = []
-    for (m, a, b), (v, run) in sorted(by.items()):
+    for (m, a, b, e), (v, run) in sorted(by.items()):
         if a != "nvfp4" or not v:
             continue
-        parts = []
-        for other in ("bf16", "qlora"):
-            o, orun = by.get((m, other, b), (None, None))
-            parts.append((f"{v / o:.2f}×" + (" (across runs)" if orun != run else "")) if o else "—")
-        rat.append(f"| {m} | {b} | {parts[0]} | {parts[1]} |")
+        parts = [ratio(v, (m, other, b, e), run) for other in ("bf16", "qlora")]
+        rat.append(f"| {m} | {e} | {b} | {parts[0]} | {parts[1]} |")
     if rat:
-        lines += ["", "| model | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |", "|---|---:|---:|---:|", *rat]
+        lines += [
+            "",
+            "| model | engine | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |",
+            "|---|---|---:|---:|---:|",
+            *rat,
+        ]
+    eng_rat = [
+        f"| {m} | {ARM_LABEL.get(a, a)} | {b} | {ratio(v, (m, a, b, 'generate'), run)} |"
+        for (m, a, b, e), (v, run) in sorted(by.items())
+        if e == "graph" and (m, a, b, "generate") in by
+    ]
+    if eng_rat:
+        lines += ["", "| model | arm | B | graph / generate tok/s |", "|---|---|---:|---:|", *eng_rat]
     return "\n".join(lines)
 
 
@@ -738,6 +807,13 @@ def main(argv=None) -> None:
         help="cudagraphs = dynamo + CUDA graphs without inductor (much faster to compile)",
     )
     ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument(
+        "--engine",
+        default="generate",
+        choices=ENGINES,
+        help="generate: model.generate (static cache, compiled decode forward); graph: qerl_trl graph_generate "
+        "(one compiled graph per decode step, sampling included, no host sync per step)",
+    )
     ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
     ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation)")
@@ -760,7 +836,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     if args._worker:
-        _worker_exit(args, run_worker, batches=[])
+        _worker_exit(args, run_worker, batches=[], engine=args.engine)
 
     if args.merge:
         meta, results = _merge(args.merge)
@@ -774,8 +850,13 @@ def main(argv=None) -> None:
     arms = _csv(args.arms)
     _check_names(ap, models, arms, ARMS)
     meta = {
-        "benchmark": "rollout tokens/s, transformers generate, static cache"
-        + ("" if args.no_compile else " + compiled decode"),
+        "benchmark": (
+            "rollout tokens/s, transformers generate, static cache" + ("" if args.no_compile else " + compiled decode")
+            if args.engine == "generate"
+            else "rollout tokens/s, qerl_trl graph_generate (static cache"
+            + ("" if args.no_compile else ", one compiled graph per decode step incl. sampling")
+            + ")"
+        ),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "versions": versions(),
@@ -791,18 +872,25 @@ def main(argv=None) -> None:
         for a in arms:
             t0 = time.perf_counter()
             if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = _failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", batches=[], wall_s=0.0)
+                res = _failed(
+                    m,
+                    a,
+                    f"not run: --deadline-s {args.deadline_s:g} passed",
+                    batches=[],
+                    wall_s=0.0,
+                    engine=args.engine,
+                )
                 results.append(res)
                 print(f"[{m}/{a}] {res['status']}", flush=True)
                 _write(args.out, meta, results)
                 continue
-            print(f"[{m}/{a}] running ...", flush=True)
+            print(f"[{m}/{a}/{args.engine}] running ...", flush=True)
             if args.in_process:
                 wargs = argparse.Namespace(**{**vars(args), "model": m, "arm": a})
                 try:
                     res = run_worker(wargs)
                 except Exception as e:  # noqa: BLE001
-                    res = _exception_result(m, a, e, batches=[])
+                    res = _exception_result(m, a, e, batches=[], engine=args.engine)
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()

@@ -429,6 +429,34 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
 
 @pytest.mark.gpu
 @cuda
+def test_fused_splitk_first_call_inside_compiled_cuda_graphs_gpu():
+    """The first split-K call of a process can happen inside torch.compile's CUDA-graph trees (a decode step whose
+    prefill took the dequantize path): the ticket counters allocated then must not land in the graphs' private pool
+    (cudagraph trees reject a live tensor they do not track), and the compiled result is the eager one."""
+    from nvfp4 import ops
+    from nvfp4.kernels import nvfp4_gemm as kern
+    from nvfp4.layout import to_mma_layout
+
+    torch._dynamo.reset()
+    kern._SPLITK_COUNTERS.clear()
+    q = quantize(torch.randn(512, 3584, device="cuda"))
+    packed = to_mma_layout(q.packed)
+    x = torch.randn(1, 3584, device="cuda", dtype=torch.bfloat16)
+    assert kern.linear_config(1, 512, 3584, mma=True).split_k > 1
+
+    def step(x):
+        return ops.linear(x * 1.0, packed, q.scale, q.global_scale)  # the custom op, as NVFP4Linear calls it
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    outs = [compiled(x).clone() for _ in range(4)]
+    eager = step(x)
+    assert kern._SPLITK_COUNTERS, "the fused reduction was not used"
+    for out in outs:
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@cuda
 def test_nvfp4linear_uses_mma_layout_on_cuda_gpu():
     """A layer moved to CUDA converts to the MMA layout; its state dict stays in the checkpoint layout; it compiles
     (full graph, CUDA graphs) and gives the compressed-tensors layer's result bit for bit in eager mode."""

@@ -1008,9 +1008,23 @@ def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The zeroed ticket counters of ``device``, or None (separate reduce kernel) if they cannot be had here."""
     counters = _SPLITK_COUNTERS.get(device)
     if counters is None:
-        if tiles > SPLITK_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if tiles > SPLITK_COUNTERS:
             return None
-        counters = _SPLITK_COUNTERS[device] = torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device)
+        if device.type != "cuda":
+            counters = torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device)
+        elif torch.cuda.is_current_stream_capturing():
+            return None
+        else:
+            # Allocated from a side stream: torch.compile's CUDA-graph trees run their warm-up with the current
+            # stream's allocations routed to the graphs' private pool, where a tensor that outlives the graph is an
+            # error ("not tracked as outputs") and would be freed with the graph.
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                counters = torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device)
+            current.wait_stream(side)
+        _SPLITK_COUNTERS[device] = counters
     return counters if tiles <= counters.numel() else None
 
 

@@ -85,6 +85,7 @@ so the custom ops in :mod:`nvfp4.ops` are safe under ``torch.compile`` and CUDA-
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -1015,15 +1016,19 @@ def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
         elif torch.cuda.is_current_stream_capturing():
             return None
         else:
-            # Allocated from a side stream: torch.compile's CUDA-graph trees run their warm-up with the current
-            # stream's allocations routed to the graphs' private pool, where a tensor that outlives the graph is an
-            # error ("not tracked as outputs") and would be freed with the graph.
-            current = torch.cuda.current_stream(device)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                counters = torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device)
-            current.wait_stream(side)
+            # Allocated by another thread: torch.compile's CUDA-graph trees run their warm-up with this thread's
+            # allocations routed to the graphs' private pool, where a tensor that outlives the graph is an error
+            # ("not tracked as outputs") and would be freed with the graph.
+            box: list[torch.Tensor] = []
+
+            def alloc() -> None:
+                box.append(torch.zeros(SPLITK_COUNTERS, dtype=torch.int32, device=device))
+                torch.cuda.synchronize(device)
+
+            thread = threading.Thread(target=alloc)
+            thread.start()
+            thread.join()
+            counters = box[0]
         _SPLITK_COUNTERS[device] = counters
     return counters if tiles <= counters.numel() else None
 

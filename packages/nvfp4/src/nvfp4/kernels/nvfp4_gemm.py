@@ -48,7 +48,8 @@ Kernels
 ``_linear_mma_kernel`` (MMA layout, M ≤ 128, the CUDA default): one 64-output tile per program, all rows of x
 (``BLOCK_M`` = M rounded up to a power of two ≥ 16), ``yᵀ = W · xᵀ`` with W as the register A operand; split-K to
 ~3.5 programs per SM at M ≤ 32 (2 at M ≤ 128) with ≥ 2 K steps per split (:func:`mma_config`), fp32 partials summed
-in the same kernel by the last program of each tile (a ticket counter, ``FUSED_REDUCE``); optional fused LoRA as below. ``_dgrad_mma_kernel`` / ``_dequant_mma_kernel``: the
+in the same kernel by the last program of each tile at M ≤ 32 (a ticket counter, ``FUSED_REDUCE``), by
+``_splitk_reduce_kernel`` above; optional fused LoRA as below. ``_dgrad_mma_kernel`` / ``_dequant_mma_kernel``: the
 backward product (M ≤ 64) and the dequantizer (large-M fallback) on the same tiles.
 
 ``_linear_kernel``: tiles of ``[BLOCK_N, BLOCK_M]`` outputs. Hopper has no FP4 tensor cores, so the tile of W is

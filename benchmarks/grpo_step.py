@@ -5,7 +5,8 @@ Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` (TRL 1.16's ``GRPOTrainer`` 
 ``gradient_accumulation_steps = 1``), and times every phase of every step:
 
 * ``gen``: ``_generate_single_turn`` (transformers ``generate``, AQN noise on/off included), split into ``prefill``
-  (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest);
+  (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest; with
+  ``--rollout-engine graph`` the prefill is not hooked and is counted in ``decode``);
 * ``score``: the rest of ``_prepare_inputs`` (tokenizing, rewards, advantages, and the no-grad log-prob forwards TRL
   runs there: the reference forward when ``--beta`` > 0, ``score_fwd``; with DDP also the wait for the slowest
   rank's generation, as the rewards are gathered across ranks);
@@ -36,6 +37,10 @@ the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_t
 and this script sets its own ``CompileConfig`` knobs on top (default ``dynamic=False, mode="reduce-overhead"``), so
 transformers compiles the decode forward with CUDA graphs as in ``rollout.py`` (``--no-compile``: eager decode,
 ``compile_generation=False``). On CPU the compile is forced (``_compile_all_devices``).
+``--rollout-engine graph`` sets ``QeRLConfig.rollout_engine="graph"`` instead: the trainer generates with
+``qerl_trl.graph_generate`` (one compiled graph per decode step, sampling included), its ``torch.compile`` options from
+the same knobs (``rollout.graph_compile_options``; compiled on CPU too unless ``--no-compile``), the same fixed
+completion lengths and cache length. Rows carry their ``rollout_engine``.
 
 Each (model, arm) runs in a fresh subprocess (OOM = "does not fit", recorded with the phase it happened in); results
 are appended to ``--out`` after every arm. Under ``accelerate launch`` (``WORLD_SIZE`` > 1) the arms run in the
@@ -47,6 +52,8 @@ Usage (H100 device calls of at most 10 minutes: one model per call, arms in sepa
 size; measured on the H100: 32B NVFP4, 2048 tokens, 1 measured step = 309 s for the arm)::
 
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
+    OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms nvfp4 --rollout-engine graph \
+        --compile-backend eager --out /tmp/g_graph.json                                      # CPU smoke, graph engine
     python3 benchmarks/grpo_step.py --models 7b --arms nvfp4,bf16,qlora --completion-len 1024 \
         --warmup-completion-len 32 --steps 2 --deadline-s 380 --arm-timeout 240 --out $OUT/grpo_7b.json   # ~8 min
     python3 benchmarks/grpo_step.py --models 14b --arms nvfp4,bf16 --completion-len 1024 \
@@ -99,10 +106,12 @@ from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model
     build_arm,
     compile_config,
     device_name,
+    graph_compile_options,
     versions,
 )
 
 ARMS = ("bf16", "qlora", "nvfp4")
+ENGINES = ("transformers", "graph")  # QeRLConfig.rollout_engine
 PHASES = ("gen", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
@@ -472,8 +481,11 @@ def run_worker(args) -> dict:
     warm_len = args.warmup_completion_len or args.completion_len
     step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
     outdir = tempfile.mkdtemp(prefix="grpo_step_")
+    engine = getattr(args, "rollout_engine", "transformers")
+    res["rollout_engine"] = engine
     cfg = QeRLConfig(
         output_dir=outdir,
+        rollout_engine=engine,
         per_device_train_batch_size=args.group,
         num_generations=args.group,
         gradient_accumulation_steps=1,
@@ -517,6 +529,8 @@ def run_worker(args) -> dict:
     )
     step_clock.trainer = trainer
     compiled = not args.no_compile and not args.no_static_cache
+    if engine == "graph":  # graph_generate: static cache always, compiled with the benchmark's knobs (CPU included)
+        trainer.graph_generate_kwargs = {"compile": not args.no_compile, "compile_options": graph_compile_options(args)}
 
     def save_partial() -> None:
         if getattr(args, "_result", None) and rank == 0:
@@ -534,7 +548,7 @@ def run_worker(args) -> dict:
         trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
     res["input_require_grads_hook"] = args.input_require_grads
     gcfg = trainer.generation_config
-    if compiled:
+    if compiled and engine == "transformers":
         compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
         gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
     res["generation_config"] = {
@@ -549,7 +563,16 @@ def run_worker(args) -> dict:
             "cache_implementation",
             "max_cache_len",
         )
-    } | {"compile": compiled, "compile_config": (repr(gcfg.compile_config) if compiled else None)}
+    } | {
+        "compile": compiled,
+        "compile_config": (
+            None
+            if not compiled
+            else repr(gcfg.compile_config)
+            if engine == "transformers"
+            else graph_compile_options(args)
+        ),
+    }
     lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
     res["trainable_dtypes"] = lora_dtypes
     res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
@@ -605,6 +628,7 @@ _PASS = (
     "compile_mode",
     "dtype",
     "warmup_completion_len",
+    "rollout_engine",
 )
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
@@ -643,17 +667,23 @@ def _run_in_process(args, model: str, arm: str) -> dict:
     return res
 
 
+def _engine(r: dict) -> str:
+    return r.get("rollout_engine", "transformers")  # rows written before --rollout-engine existed: transformers
+
+
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | arm | procs | s/step | gen s | prefill s | AQN s | score s | loss fwd s | backward s | optimizer s "
-        "| gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| model | arm | engine | procs | s/step | gen s | prefill s | AQN s | score s | loss fwd s | backward s "
+        "| optimizer s | gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         s = r.get("summary")
+        eng = _engine(r)
         if not s:
             lines.append(
-                f"| {r['model']} | {r['label']} | {r.get('world_size', 1)} | — | — | — | — | — | — | — | — | — | "
+                f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} "
+                "| — | — | — | — | — | — | — | — | — | "
                 f"{_fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
             )
             continue
@@ -668,36 +698,39 @@ def table(results: list[dict]) -> str:
         if r.get("world_size", 1) > 1 and s.get("gen_tok_s_all_processes"):
             tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
         lines.append(
-            f"| {r['model']} | {r['label']} | {r.get('world_size', 1)} | {_fmt(s['step_s'], 2)} | {_fmt(s['gen_s'], 2)} "
+            f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {_fmt(s['step_s'], 2)} "
+            f"| {_fmt(s['gen_s'], 2)} "
             f"| {_fmt(s['prefill_s'], 3)} | {_fmt(s['aqn_s'], 3)} | {_fmt(s['score_s'], 3)} | {_fmt(s['loss_fwd_s'], 2)} "
             f"| {_fmt(s['backward_s'], 2)} | {_fmt(s['optimizer_s'], 3)} | {_fmt(tok)} | {_fmt(s['peak_gpu_gb'], 1)} "
             f"| {_fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"
         )
     by = {
-        (r["model"], r["arm"], r.get("world_size", 1)): (r["summary"], r.get("run"))
+        (r["model"], r["arm"], r.get("world_size", 1), _engine(r)): (r["summary"], r.get("run"))
         for r in results
         if r.get("summary") and r["summary"].get("step_s")
     }
     rat = []
-    for (m, a, w), (s, run) in sorted(by.items()):
+    for (m, a, w, e), (s, run) in sorted(by.items()):
         if a != "nvfp4":
             continue
         parts = []
         for other in ("bf16", "qlora"):
-            o, orun = by.get((m, other, w), (None, None))
+            o, orun = by.get((m, other, w, e), (None, None))
             for key in ("step_s", "gen_s"):
                 if o and o.get(key) and s.get(key):
                     parts.append(f"{o[key] / s[key]:.2f}×" + (" (across runs)" if orun != run else ""))
                 else:
                     parts.append("—")
-        rat.append(f"| {m} | {w} | " + " | ".join(parts) + " |")
+        rat.append(f"| {m} | {e} | {w} | " + " | ".join(parts) + " |")
     if rat:
         lines += [
             "",
-            "NVFP4 speedup = other arm's time / NVFP4's time (> 1: NVFP4 faster), same model and process (GPU) count.",
+            "NVFP4 speedup = other arm's time / NVFP4's time (> 1: NVFP4 faster), same model, rollout engine and "
+            "process (GPU) count.",
             "",
-            "| model | procs | step vs bf16+LoRA | generation vs bf16+LoRA | step vs QLoRA | generation vs QLoRA |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| model | engine | procs | step vs bf16+LoRA | generation vs bf16+LoRA | step vs QLoRA "
+            "| generation vs QLoRA |",
+            "|---|---|---:|---:|---:|---:|---:|",
             *rat,
         ]
     return "\n".join(lines)
@@ -740,6 +773,12 @@ def main(argv=None) -> None:
     ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
     ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
+    ap.add_argument(
+        "--rollout-engine",
+        default="transformers",
+        choices=ENGINES,
+        help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)",
+    )
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
     ap.add_argument("--cpu", action="store_true", help="force CPU")
@@ -761,6 +800,9 @@ def main(argv=None) -> None:
         if args.completion_len == 1024:
             args.completion_len = 8
 
+    if args.rollout_engine == "graph" and args.no_static_cache:
+        ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
+
     if args._worker:
         _worker_exit(args, run_worker)
 
@@ -779,9 +821,14 @@ def main(argv=None) -> None:
     _check_names(ap, models, arms, ARMS)
     main_proc = rank == 0
     meta = {
-        "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (transformers generate, "
-        "static cache" + ("" if args.no_compile or args.no_static_cache else " + compiled decode") + ") + scoring + "
-        "loss forward + backward + AdamW step",
+        "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation ("
+        + (
+            "transformers generate, static cache"
+            if args.rollout_engine == "transformers"
+            else "rollout_engine='graph': qerl_trl graph_generate, static cache"
+        )
+        + ("" if args.no_compile or args.no_static_cache else " + compiled decode")
+        + ") + scoring + loss forward + backward + AdamW step",
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "world_size": world,
@@ -789,7 +836,8 @@ def main(argv=None) -> None:
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
         "configs": {m: MODELS[m] for m in models},
         "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
-        "model._prefill; aqn = applying/restoring the noise; decode = gen - prefill - aqn); score = rest of "
+        "model._prefill, not hooked with rollout_engine graph: 0, counted in decode; aqn = applying/restoring the "
+        "noise; decode = gen - prefill - aqn); score = rest of "
         "_prepare_inputs (rewards, advantages, no-grad logprob forwards = score_fwd); loss_fwd = compute_loss; "
         "backward = rest of training_step; clip = grad-norm clipping; optimizer = optimizer.step(); step = "
         "on_step_begin..on_step_end. Table values: median over measured steps; compile s = warm-up step(s) time. "
@@ -809,11 +857,13 @@ def main(argv=None) -> None:
                     print(f"[{m}/{a}] running ...", flush=True)
                 res = _run_in_process(args, m, a) if in_process else _run_subprocess(args, m, a)
                 res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
+            res.setdefault("rollout_engine", args.rollout_engine)
             results.append(res)
             if main_proc:
                 s = res.get("summary") or {}
                 print(
-                    f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; s/step {s.get('step_s')}, "
+                    f"[{m}/{a}/{args.rollout_engine}] {res.get('status')} in {res['wall_s']} s; "
+                    f"s/step {s.get('step_s')}, "
                     f"gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak {s.get('peak_gpu_gb')} GB, "
                     f"compiled ok={s.get('compiled_path_ok')}",
                     flush=True,

@@ -10,6 +10,8 @@ What the subclass adds, each through a method TRL's own trainers override:
   generation tokens/s are logged. With ``rollout_seed_per_prompt``, each prompt group is generated in its own call
   from a seed that depends only on (seed, step, the group's index in the global batch): the same rollouts on 1 or N
   processes.
+* ``rollout_engine="graph"`` (opt-in): the same regular path, with :func:`~qerl_trl.graph_generate.graph_generate`
+  (one compiled CUDA graph per decode step, sampling included, no host sync per step) in place of ``generate``.
 * ``rollout_engine="vllm"``: generation through vLLM (:mod:`qerl_trl.vllm_rollout`, colocate or server), LoRA synced
   as an adapter each step, AQN on the engine's norms, TRL's importance-sampling correction on.
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
@@ -43,14 +45,19 @@ from peft import LoraConfig, PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
 
 from .config import QeRLConfig
+from .graph_generate import graph_generate
 from .policy import load_policy, load_tokenizer
 
 __all__ = [
     "AQN_STATE_NAME",
     "QeRLGRPOTrainer",
     "compiled_generation_config",
+    "generation_cache_len",
     "lora_config_from_args",
     "quantized_buffer_names",
     "rollout_seed",
@@ -91,6 +98,14 @@ def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def generation_cache_len(generation_config: GenerationConfig, args: QeRLConfig) -> int:
+    """The KV-cache length of the compiled rollouts, fixed for the run: ``generation_kwargs``' ``max_cache_len`` if set,
+    else ``generation_prompt_cache_len + max_completion_length``. A fixed length lets every step replay the decode
+    graphs recorded on the first one, whatever its prompt lengths (the graphs are specialised to the cache shape)."""
+    fixed = getattr(generation_config, "max_cache_len", None)
+    return fixed if fixed is not None else args.generation_prompt_cache_len + args.max_completion_length
+
+
 def compiled_generation_config(generation_config: GenerationConfig, args: QeRLConfig) -> GenerationConfig:
     """Turn on transformers' compiled decode (CUDA graphs) in TRL's generation config, in place.
 
@@ -107,8 +122,7 @@ def compiled_generation_config(generation_config: GenerationConfig, args: QeRLCo
 
     generation_config.disable_compile = False
     generation_config.compile_config = CompileConfig(dynamic=False)  # inductor, mode="reduce-overhead"
-    if getattr(generation_config, "max_cache_len", None) is None:
-        generation_config.max_cache_len = args.generation_prompt_cache_len + args.max_completion_length
+    generation_config.max_cache_len = generation_cache_len(generation_config, args)
     return generation_config
 
 
@@ -182,6 +196,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
         self.vllm_rollout = None
+        #: ``rollout_engine="graph"``: extra keyword arguments of ``graph_generate`` (``compile``, ``compile_options``,
+        #: ``check_every``); empty: its defaults (compiled with CUDA graphs on CUDA, eager elsewhere).
+        self.graph_generate_kwargs: dict[str, Any] = {}
+        if args.rollout_engine == "graph" and self._is_vlm:
+            raise NotImplementedError("rollout_engine='graph' supports text-only models; use 'transformers' or 'vllm'")
         if args.rollout_engine == "transformers" and self.accelerator.device.type == "cuda":
             compiled_generation_config(self.generation_config, args)
         if args.rollout_engine == "vllm":
@@ -255,7 +274,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
             else:
-                completion_ids, logprobs = super()._generate_single_turn(
+                completion_ids, logprobs = self._generate_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
         seconds = time.perf_counter() - start
@@ -291,10 +310,100 @@ class QeRLGRPOTrainer(GRPOTrainer):
         for start in range(0, n, g):
             with torch.random.fork_rng(devices=fork_devices):
                 torch.manual_seed(rollout_seed(self.args.seed, step, call, (base + start) // g))
-                ids, _ = super()._generate_single_turn(
-                    prompt_ids[start : start + g], None, {}, num_generations, has_tool_images
-                )
+                ids, _ = self._generate_turn(prompt_ids[start : start + g], None, {}, num_generations, has_tool_images)
             completion_ids.extend(ids)
+        return completion_ids, None
+
+    def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """One generation call of the selected engine, without this class's AQN / timing wrapper: TRL's own
+        ``_generate_single_turn`` (transformers ``generate``, or vLLM through ``self.vllm_generation``), or
+        :meth:`_generate_graph` with ``rollout_engine="graph"``."""
+        if self.args.rollout_engine == "graph":
+            return self._generate_graph(prompt_ids, images, multimodal_fields, has_tool_images)
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _generate_graph(
+        self,
+        prompt_ids: list[list[int]],
+        images: list | None,
+        multimodal_fields: dict | None,
+        has_tool_images: bool = False,
+    ) -> tuple[list[list[int]], None]:
+        """``rollout_engine="graph"``: TRL 1.16's regular generation path with ``graph_generate`` in place of
+        ``unwrapped_model.generate``.
+
+        Why not ``generate``: it graphs only the decode forward and syncs the GPU to the host every token, which left
+        an H100 idle for longer than a 7B step's GEMMs (:mod:`qerl_trl.graph_generate`). What stays TRL's: the left
+        padding (``pad``, ``pad_to_multiple_of``), the context managers (unwrapped model with gradient checkpointing
+        off, no grad, FSDP full params), and the post-processing (the tokens after the padded prompt, cut after the
+        first EOS). The sampling settings are read from TRL's generation config (``QeRLConfig`` refused those
+        ``graph_generate`` cannot honour), and the KV cache has the run's fixed length
+        (:func:`generation_cache_len`), so the graph recorded on the first step is replayed on later ones.
+        """
+        if has_tool_images or (images is not None and any(im is not None for im in images)) or multimodal_fields:
+            raise NotImplementedError(
+                "rollout_engine='graph' generates from text-only prompts; use rollout_engine='transformers' for "
+                "prompts with images or other multimodal inputs"
+            )
+        device = self.accelerator.device
+        gen = self.generation_config
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(
+            prompts,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        attention_mask = pad(
+            [torch.ones_like(t) for t in prompts],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        prompt_length = input_ids.size(1)
+        cache_len = generation_cache_len(gen, self.args)
+        if prompt_length + gen.max_new_tokens > cache_len:
+            raise ValueError(
+                f"rollout_engine='graph': a prompt of {prompt_length} tokens (padded) + {gen.max_new_tokens} new "
+                f"tokens does not fit the run's fixed KV cache of {cache_len} tokens (generation_prompt_cache_len "
+                f"{self.args.generation_prompt_cache_len} + max_completion_length {self.args.max_completion_length}, "
+                "or generation_kwargs['max_cache_len']): raise generation_prompt_cache_len or shorten the prompts"
+            )
+        with (
+            profiling_context(self, "graph_generate"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            prompt_completion_ids = graph_generate(
+                unwrapped_model,
+                input_ids,
+                attention_mask,
+                max_new_tokens=gen.max_new_tokens,
+                min_new_tokens=gen.min_new_tokens or 0,
+                temperature=gen.temperature,
+                do_sample=gen.do_sample,
+                eos_token_id=gen.eos_token_id,
+                pad_token_id=gen.pad_token_id,
+                max_cache_len=cache_len,
+                **self.graph_generate_kwargs,
+            )
+        completion_ids = prompt_completion_ids[:, prompt_length:]
+        # Mask everything after the first EOS token (TRL 1.16's lines)
+        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
+        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+        sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
+        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+        completion_ids = [
+            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
+        ]
         return completion_ids, None
 
     def training_step(self, model, inputs, num_items_in_batch):

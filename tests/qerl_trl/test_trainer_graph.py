@@ -1,0 +1,222 @@
+"""``rollout_engine="graph"``: QeRLGRPOTrainer generating with ``qerl_trl.graph_generate`` (CPU, eager decode).
+
+Config validation (what graph_generate cannot honour is refused up front); the glue (TRL's left padding, EOS cut,
+``(ids, None)``) against ``graph_generate`` called directly with the same seed, and against TRL's own transformers path
+when both decode greedily; one seeded training step end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from qerl_trl import trainer as trainer_mod
+from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
+from qerl_trl.dapo import QeRLDAPOTrainer
+from qerl_trl.graph_generate import graph_generate
+from qerl_trl.policy import load_tokenizer
+from qerl_trl.tasks import load_task
+from qerl_trl.trainer import QeRLGRPOTrainer
+from tiny_models import tiny_config
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer(offline_model_path):
+    return load_tokenizer(offline_model_path)
+
+
+def tiny_nvfp4_policy(tokenizer, seed: int = 0, eos_boost: float = 0.0):
+    """The tiny NVFP4 Llama of test_trainer.py; ``eos_boost`` is added to the EOS logit (a hook on ``lm_head``), so
+    that a near-uniform 49k-token policy ends some completions early."""
+    import nvfp4
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    model = nvfp4.quantize_model(AutoModelForCausalLM.from_config(config), progress=False)
+    if eos_boost:
+        bias = torch.zeros(config.vocab_size)
+        bias[tokenizer.eos_token_id] = eos_boost
+        model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
+    return model
+
+
+def args_for(tmp_path, cls=QeRLConfig, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=MAX_NEW, logging_steps=1, save_strategy="no", report_to=[], learning_rate=1e-2,
+                gradient_checkpointing=False, aqn_num_stages=2, seed=0, disable_tqdm=True, rollout_engine="graph",
+                generation_prompt_cache_len=192)  # fmt: skip
+    base.update(kw)
+    return cls(**base)
+
+
+def arithmetic(n: int = 16) -> Dataset:
+    return load_task("arithmetic", n_examples=n, demo=False)
+
+
+def even_token_reward(completions, completion_ids, **kwargs):
+    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Three prompts of different lengths (left padding matters), the last one twice."""
+    texts = ["What is 2 + 3?", "Compute 17 * 4 and explain each step briefly.", "Hi"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [*ids, ids[-1]]
+
+
+def _cut_after_eos(rows: torch.Tensor, eos: list[int]) -> list[list[int]]:
+    out = []
+    for row in rows.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:end])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- config
+def test_graph_config_accepts_and_refuses():
+    QeRLConfig(output_dir="x", rollout_engine="graph")
+    kwargs = {"min_new_tokens": 4, "max_cache_len": 64, "cache_implementation": "static"}
+    ok = QeRLConfig(output_dir="x", rollout_engine="graph", rollout_seed_per_prompt=True, top_k=-1, min_p=0.0,
+                    generation_kwargs=kwargs)  # fmt: skip
+    assert ok.rollout_engine == "graph" and ok.rollout_seed_per_prompt
+    QeRLDAPOConfig(output_dir="x", rollout_engine="graph", max_completion_length=16)
+    with pytest.raises(ValueError, match="rollout_engine must be"):
+        QeRLConfig(output_dir="x", rollout_engine="sglang")
+    with pytest.raises(ValueError, match="use_vllm"):
+        QeRLConfig(output_dir="x", rollout_engine="graph", use_vllm=True)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
+        QeRLConfig(output_dir="x", rollout_engine="graph", use_transformers_continuous_batching=True)
+    for bad, match in [
+        ({"top_p": 0.9}, "top_p=0.9"),
+        ({"top_k": 20}, "top_k=20"),
+        ({"min_p": 0.05}, "min_p=0.05"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"generation_kwargs": {"top_p": 0.5}}, "top_p=0.5"),
+        ({"generation_kwargs": {"num_beams": 2}}, "num_beams"),
+        ({"generation_kwargs": {"suppress_tokens": [3]}}, "suppress_tokens"),
+        ({"aqn_mode": "per_forward"}, "per_step"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            QeRLConfig(output_dir="x", rollout_engine="graph", **bad)
+    QeRLConfig(output_dir="x", rollout_engine="graph", aqn=False, aqn_mode="per_forward")  # no AQN: nothing to redraw
+
+
+# ---------------------------------------------------------------------------------------------------------- glue
+def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
+    """The trainer's graph path returns exactly what ``graph_generate`` on the same model, same seed, gives after
+    TRL's post-processing; and, decoding greedily, exactly what TRL's own transformers path returns."""
+    args = args_for(tmp_path, aqn=False, pad_to_multiple_of=8)  # TRL pads prompts to a multiple of 8: both paths do
+    model = tiny_nvfp4_policy(tokenizer, eos_boost=9.0)
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    prompts = _prompts(tokenizer)
+    eos, pad = trainer.eos_token_ids, tokenizer.pad_token_id
+    assert trainer.generation_config.max_new_tokens == MAX_NEW and trainer.generation_config.do_sample
+
+    torch.manual_seed(1234)
+    got, logprobs = trainer._generate_graph(prompts, None, {})
+    assert logprobs is None and len(got) == len(prompts)
+
+    width = -(-max(map(len, prompts)) // 8) * 8
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(1234)
+    ref = graph_generate(trainer.accelerator.unwrap_model(trainer.model), ids, mask, max_new_tokens=MAX_NEW,
+                         temperature=1.0, eos_token_id=eos, pad_token_id=pad, max_cache_len=192 + MAX_NEW)  # fmt: skip
+    assert got == _cut_after_eos(ref[:, width:], eos)
+    lengths = [len(c) for c in got]
+    assert all(1 <= n <= MAX_NEW for n in lengths)
+    assert any(n < MAX_NEW for n in lengths), "the EOS boost should end some completion early"
+    for c in got:
+        assert all(t not in eos for t in c[:-1]) and (len(c) == MAX_NEW or c[-1] in eos)
+    assert got[2] != got[3] or got[0] != got[1]  # sampled: not all rows the same
+
+    # greedy: the graph path == TRL's transformers path (generate with a static cache of the same length)
+    gen = trainer.generation_config
+    gen.do_sample, gen.cache_implementation, gen.max_cache_len = False, "static", 192 + MAX_NEW
+    graph_greedy, _ = trainer._generate_graph(prompts, None, {})
+    trainer.args.rollout_engine = "transformers"
+    trl_greedy, _ = trainer._generate_turn(prompts, None, {}, 1)
+    assert graph_greedy == trl_greedy
+    # temperature -> 0 sampling on the graph path: the greedy tokens
+    trainer.args.rollout_engine = "graph"
+    gen.do_sample, gen.temperature = True, 1e-4
+    assert trainer._generate_graph(prompts, None, {})[0] == graph_greedy
+
+
+def test_graph_path_refuses_long_prompts_and_multimodal(tmp_path, tokenizer):
+    args = args_for(tmp_path, aqn=False, generation_prompt_cache_len=4)
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match="generation_prompt_cache_len"):
+        trainer._generate_graph([[5] * 5], None, {})
+    trainer._generate_graph([[5] * 4], None, {})  # 4 + 8 tokens fit the 12-token cache
+    with pytest.raises(NotImplementedError, match="text-only"):
+        trainer._generate_graph([[5]], [object()], {})
+    with pytest.raises(NotImplementedError, match="text-only"):
+        trainer._generate_graph([[5]], None, {"pixel_values": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+@pytest.mark.parametrize("cls", [QeRLConfig, QeRLDAPOConfig])
+def test_graph_training_step_seeded(tmp_path, tokenizer, monkeypatch, cls):
+    """One seeded GRPO (and DAPO) step with rollout_engine="graph": generation goes through graph_generate (never
+    ``generate``), once per prompt group, completions are cut after their EOS, the speed is logged and the LoRA
+    weights move. AQN noise is on (σ > 0 from step 0 with a constant schedule)."""
+    calls: list[tuple[int, int]] = []
+
+    def spy(model, input_ids, attention_mask, **kw):
+        calls.append((input_ids.shape[0], kw["max_cache_len"]))
+        return graph_generate(model, input_ids, attention_mask, **kw)
+
+    monkeypatch.setattr(trainer_mod, "graph_generate", spy)
+    seen: list[list[int]] = []
+
+    def reward(completions, completion_ids, **kwargs):
+        seen.extend(list(c) for c in completion_ids)
+        return even_token_reward(completions, completion_ids)
+
+    model = tiny_nvfp4_policy(tokenizer, eos_boost=9.0)
+    model.generate = lambda *a, **k: pytest.fail("transformers generate was called")  # noqa: ARG005
+    extra = {"dynamic_sampling": False, "overlong_buffer_length": 0} if cls is QeRLDAPOConfig else {}
+    args = args_for(tmp_path, cls=cls, rollout_seed_per_prompt=True, aqn_schedule="constant", aqn_sigma_start=1e-2,
+                    aqn_sigma_end=1e-2, **extra)  # fmt: skip
+    trainer_cls = QeRLDAPOTrainer if cls is QeRLDAPOConfig else QeRLGRPOTrainer
+    trainer = trainer_cls(model, reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+
+    assert trainer.state.global_step == 1
+    assert calls == [(4, 192 + MAX_NEW)] * 2  # one call per prompt group (seeded), the run's fixed cache length
+    assert len(seen) == 8
+    eos = trainer.eos_token_ids
+    for c in seen:
+        assert 1 <= len(c) <= MAX_NEW
+        assert all(t not in eos for t in c[:-1]) and (len(c) == MAX_NEW or c[-1] in eos)
+    assert any(len(c) < MAX_NEW for c in seen)
+    (log,) = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["tokens_per_second/generation"] > 0 and log["aqn/sigma"] > 0
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, lora_before[n])]
+    assert changed, "no LoRA weight moved"
+
+
+def test_graph_rollouts_are_seeded(tmp_path, tokenizer):
+    """rollout_seed_per_prompt with the graph engine: the same seed gives the same rollouts in a fresh trainer."""
+
+    def rollouts(sub: str) -> list[list[int]]:
+        seen: list[list[int]] = []
+
+        def reward(completions, completion_ids, **kwargs):
+            seen.extend(list(c) for c in completion_ids)
+            return even_token_reward(completions, completion_ids)
+
+        args = args_for(tmp_path / sub, rollout_seed_per_prompt=True, aqn=False, learning_rate=0.0)
+        QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), reward, args, train_dataset=arithmetic(),
+                        processing_class=tokenizer).train()  # fmt: skip
+        return seen
+
+    a, b = rollouts("a"), rollouts("b")
+    assert a == b and len(a) == 8

@@ -18,16 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "grpo_step.py"
 
 
-def test_grpo_step_tiny_nvfp4(tmp_path):
+def _run(tmp_path: Path, *extra: str) -> tuple[str, dict]:
+    """Run the script on the tiny NVFP4 + LoRA arm (2 measured steps, 6-token completions); (stdout, its JSON)."""
     out = tmp_path / "grpo.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--arms", "nvfp4", "--compile-backend", "eager"]
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--arms", "nvfp4", "--compile-backend", "eager", *extra]
     cmd += ["--prompt-len", "12", "--completion-len", "6", "--steps", "2", "--out", str(out)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "| tiny | NVFP4 + LoRA (ours) |" in p.stdout
+    return p.stdout, json.loads(out.read_text())
 
-    data = json.loads(out.read_text())
+
+def test_grpo_step_tiny_nvfp4(tmp_path):
+    stdout, data = _run(tmp_path)
+    assert "| tiny | NVFP4 + LoRA (ours) |" in stdout
     assert data["world_size"] == 1 and "versions" in data and "date" in data
     (res,) = data["results"]
     assert res["status"] == "ok", res
@@ -48,4 +52,26 @@ def test_grpo_step_tiny_nvfp4(tmp_path):
     assert s["completion_lengths_ok"] and s["advantages_nonzero"]
     assert s["gen_tok_s"] > 0 and s["warmup_step_s"] > 0
     assert s["dynamo_warmup"]["unique_graphs"] >= 1  # the decode was compiled on the warm-up step ...
+    assert s["compiled_path_ok"], s["dynamo_measured"]  # ... and replayed without recompiling afterwards
+
+
+def test_grpo_step_tiny_nvfp4_graph_engine(tmp_path):
+    """``--rollout-engine graph``: ``QeRLConfig.rollout_engine="graph"`` (``qerl_trl.graph_generate``, its decode step
+    compiled by dynamo without inductor) reaches the worker and is recorded; fixed-length completions and the compiled
+    decode (no recompile on the measured steps) hold as on the transformers path."""
+    stdout, data = _run(tmp_path, "--rollout-engine", "graph")
+    assert "| tiny | NVFP4 + LoRA (ours) | graph |" in stdout
+    assert data["settings"]["rollout_engine"] == "graph" and "graph_generate" in data["benchmark"]
+    (res,) = data["results"]
+    assert res["status"] == "ok", res
+    assert res["rollout_engine"] == "graph"
+    assert res["generation_config"]["compile_config"]["backend"] == "eager"
+    for step in res["warmup_steps"] + res["steps"]:
+        assert step["gen_s"] > 0 and step["loss_fwd_s"] > 0 and step["backward_s"] > 0
+        assert step["completions"] == 8
+        assert step["completion_len_min"] == step["completion_len_max"] == 6
+        assert step["prefill_s"] == 0  # the timer on transformers' ``_prefill`` never ran: generate was not used
+    s = res["summary"]
+    assert s["completion_lengths_ok"] and s["advantages_nonzero"] and s["gen_tok_s"] > 0
+    assert s["dynamo_warmup"]["unique_graphs"] >= 1  # graph_generate's decode step compiled on the warm-up step ...
     assert s["compiled_path_ok"], s["dynamo_measured"]  # ... and replayed without recompiling afterwards

@@ -40,6 +40,17 @@ _INTERP_PRELUDE = textwrap.dedent(
     def rel(a, b):
         a, b = a.double(), b.double()
         return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
+
+    # fused NVFP4 + LoRA (bias, scaling 0.5) against the float64 reference; layout converts packed
+    def lora_case(m, n, k, r, cfg, layout=lambda packed: packed):
+        q = quantize(torch.randn(n, k))
+        x = torch.randn(m, k, dtype=torch.float16)
+        a, b = torch.randn(r, k) / k**0.5, torch.randn(n, r)
+        bias = torch.randn(n, dtype=torch.float16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        ref = x.double() @ wd.T + bias.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
+        y = nvfp4_lora_linear(x, layout(q.packed), q.scale, q.global_scale, bias, a, b, 0.5, config=cfg)
+        return dict(kind="lora", m=m, n=n, k=k, r=r, rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype))
     """
 )
 
@@ -98,14 +109,7 @@ _INTERP_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     for m, n, k, r, cfg in [(3, 40, 96, 8, LinearConfig(16, 32, 64, 1)), (5, 72, 272, 32, LinearConfig(16, 32, 64, 3)),
                             (1, 64, 512, 16, LinearConfig(16, 64, 128, 2, prefetch=True)), (1, 48, 1024, 4, None),
                             (2, 24, 48, 8, LinearConfig(dequant=True))]:
-        q = quantize(torch.randn(n, k))
-        x = torch.randn(m, k, dtype=torch.float16)
-        a, b = torch.randn(r, k) / k**0.5, torch.randn(n, r)
-        bias = torch.randn(n, dtype=torch.float16)
-        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
-        ref = x.double() @ wd.T + bias.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
-        y = nvfp4_lora_linear(x, q.packed, q.scale, q.global_scale, bias, a, b, 0.5, config=cfg)
-        out.append(dict(kind="lora", m=m, n=n, k=k, r=r, rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype)))
+        out.append(lora_case(m, n, k, r, cfg))
     print("RESULT" + json.dumps(out))
     """
 )
@@ -163,14 +167,7 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
             y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
             out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
     for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1))]:
-        q = quantize(torch.randn(n, k))
-        x = torch.randn(m, k, dtype=torch.float16)
-        a, b = torch.randn(r, k) / k**0.5, torch.randn(n, r)
-        bias = torch.randn(n, dtype=torch.float16)
-        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
-        ref = x.double() @ wd.T + bias.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
-        y = nvfp4_lora_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, bias, a, b, 0.5, config=cfg)
-        out.append(dict(kind="lora", m=m, n=n, k=k, r=r, rel=rel(y, ref), shape=list(y.shape)))
+        out.append(lora_case(m, n, k, r, cfg, to_mma_layout))
     for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
         q = quantize(torch.randn(n, k))
         dy = torch.randn(m, n, dtype=torch.float16)

@@ -183,8 +183,12 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(f"rollout_engine must be 'transformers', 'vllm' or 'graph', got {self.rollout_engine!r}")
         if self.rollout_engine == "graph":
             self._check_graph_rollouts()
-        if self.rollout_engine == "vllm" and self.aqn and self.aqn_mode != "per_step":
-            raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        if self.rollout_engine in ("vllm", "graph") and self.aqn and self.aqn_mode != "per_step":
+            why = {
+                "vllm": "applies AQN once per generation step",
+                "graph": "replays one compiled graph per token, which cannot redraw AQN noise per forward",
+            }[self.rollout_engine]
+            raise ValueError(f"rollout_engine={self.rollout_engine!r} {why}: use aqn_mode='per_step'")
         if self.rollout_engine == "vllm" and self.use_vllm:
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
@@ -225,11 +229,6 @@ class QeRLConfig(GRPOConfig):
                 f"rollout_engine='graph' samples from softmax(logits / temperature) only and cannot honour "
                 f"{', '.join(bad)}; use top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0 and generation_kwargs "
                 f"among {sorted(_GRAPH_KWARGS)}, or rollout_engine='transformers'"
-            )
-        if self.aqn and self.aqn_mode != "per_step":
-            raise ValueError(
-                "rollout_engine='graph' replays one compiled graph per token, which cannot redraw AQN noise per "
-                "forward: use aqn_mode='per_step'"
             )
 
 

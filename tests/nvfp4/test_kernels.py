@@ -475,3 +475,22 @@ def test_nvfp4linear_uses_mma_layout_on_cuda_gpu():
         for _ in range(3):
             out = compiled(x).clone()
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@cuda
+def test_nvfp4linear_keeps_ct_layout_for_unsupported_scales_gpu():
+    """A zero block scale (compressed-tensors never writes one, a hand-made checkpoint might) is outside what the
+    MMA-layout kernels decode exactly: the layer stays in the compressed-tensors layout, warns, and stays exact."""
+    from nvfp4 import NVFP4Linear
+
+    lin = torch.nn.Linear(512, 256, bias=False, dtype=torch.bfloat16)
+    layer = NVFP4Linear.from_linear(lin)
+    layer.weight_scale[3, 5] = 0.0
+    with pytest.warns(UserWarning, match="compressed-tensors layout"):
+        gpu = layer.cuda()
+    assert not gpu.mma_layout
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = x.double() @ layer.dequantize(torch.float64).cuda().T
+        assert _rel(gpu(x), ref) < 1e-2

@@ -122,12 +122,60 @@ def test_mma_layout_round_trip_and_errors():
         mma = to_mma_layout(packed)
         assert mma.shape == (n // 4, 2 * k) and is_mma_layout(mma, scale) and not is_mma_layout(packed, scale)
         assert torch.equal(from_mma_layout(mma), packed)
-        assert sorted(mma.flatten().tolist()) == sorted(packed.flatten().tolist())  # a permutation of the bytes
+        bits = [int(torch.bitwise_and(t.to(torch.int64) >> i, 1).sum()) for t in (mma, packed) for i in range(8)]
+        assert sum(bits[:8]) == sum(bits[8:])  # a permutation of the bits
     assert not mma_layout_supported(576, 576) and not mma_layout_supported(96, 256)
     with pytest.raises(ValueError, match="to_mma_layout"):
         to_mma_layout(torch.zeros(96, 128, dtype=torch.uint8))
     with pytest.raises(ValueError, match="weight_packed must be"):
         is_mma_layout(torch.zeros(10, 10, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.float8_e4m3fn))
+
+
+def _rotr(x: torch.Tensor, t: int) -> torch.Tensor:
+    return ((x >> t) | (x << (32 - t))) & 0xFFFFFFFF
+
+
+def test_mma_layout_decodes_with_the_kernels_register_recipe():
+    """The MMA-layout GEMM's fast decode, replayed in PyTorch: its four rotate-and-mask recipes applied to each stored
+    32-bit word, the tile's register relabelling, and the scale's fp16-shift trick give ``e2m1 · s · 2^-14`` exactly,
+    element for element, against the codec (so only the PTX itself is left for the GPU tests)."""
+    from nvfp4.codec import e2m1_to_float, unpack_e2m1
+    from nvfp4.layout import to_mma_layout
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 128, 512
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    q = to_mma_layout(packed).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [N/4, K/2] words
+    p = 0x81C081C0
+    regs = [q & p, _rotr(q, 4) & p, _rotr(q, 10) & p, (_rotr(q, 30) & 0x80C080C0) | (_rotr(q, 6) & 0x01000100)]
+
+    def bf16(bits: torch.Tensor) -> torch.Tensor:
+        return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16).double()
+
+    vals = torch.stack([torch.stack([bf16(r & 0xFFFF), bf16(r >> 16)], -1) for r in regs], -2)  # word, j, nibble
+    vals = vals.reshape(n // 64, 16, k // 256, 512, 2).transpose(1, 2)  # tile_n, tile_k, 16 rows, 512 bytes, nibble
+    w = vals.reshape(n // 64, k // 256, 4, 4, 8, 4, 8, 2, 2).permute(0, 1, 3, 7, 4, 2, 6, 5, 8)  # as _mma_tile
+    w = w.reshape(n // 64, k // 256, 64, 256).transpose(1, 2).reshape(n, k)
+    assert torch.equal(w, e2m1_to_float(unpack_e2m1(packed)).double() * 2.0**-126)
+
+    h = scale.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    s_bf16 = bf16(((h >> 3) & 0x0FFF) | 0x7000)  # _scale_words_bf16x2, one half
+    assert torch.equal(s_bf16, scale.double() * 2.0**112)
+    prod = (w.to(torch.bfloat16) * s_bf16.to(torch.bfloat16).repeat_interleave(16, 1)).double()  # mul.rn.bf16x2
+    assert torch.equal(prod, e2m1_to_float(unpack_e2m1(packed)).double() * scale.double().repeat_interleave(16, 1)
+                       * 2.0**-14)  # fmt: skip
+
+
+def test_mma_scales_supported_and_the_layout_choice():
+    from nvfp4.layout import mma_scales_supported
+
+    every_positive = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # subnormals included
+    assert mma_scales_supported(every_positive)
+    for bad in (0x00, 0x80, 0xB8, 0x7F, 0xFF):  # 0, -0, -1, NaN, -NaN
+        assert not mma_scales_supported(torch.tensor([0x38, bad], dtype=torch.uint8).view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        mma_scales_supported(torch.ones(4))
 
 
 def test_mma_layout_module_state_dict_and_forward():

@@ -13,8 +13,23 @@ Within each 64 × 256 tile of W (64 outputs × 128 bytes), with ``n = n5..n0`` t
 
 (most significant bit first). Read with 16 bytes per thread, 32 threads per row and one warp per row, thread
 ``lane`` of warp ``w`` then holds rows ``n = 16w + 8·n3 + lane // 4`` and bytes ``b ≡ lane % 4`` — exactly the
-``wgmma`` A-fragment of a bf16 ``m64k16`` MMA, for all 16 K-steps of the tile. Both directions are pure
-permutations (``reshape``/``permute``), so they run on any device and round-trip exactly.
+``wgmma`` A-fragment of a bf16 ``m64k16`` MMA, for all 16 K-steps of the tile.
+
+The 4 bytes of each aligned 32-bit word (one per A-fragment register of one K-step: rows ``n``/``n+8``, inputs
+``k``/``k+8``) are then stored with their 32 bits permuted (:data:`WORD_BIT_POSITIONS`), so that the kernel turns
+a word into the four bf16x2 registers with 9 integer instructions (``e2m1 · 2^-126`` in bf16: sign at bit 15,
+exponent-and-mantissa bits ``e1 e0 m`` at bits 8..6 of each half): register ``j`` (byte ``j``, low nibble in the
+low half) is ``rotr(q, t_j) & 0x81C081C0`` for ``t_j`` = 0, 4, 10, and the last one
+``(rotr(q, 30) & 0x80C080C0) | (rotr(q, 6) & 0x01000100)``. The byte-level placement costed ~20 instructions per
+word (two ``prmt``, a shift-and-mask per nibble, and four ``prmt`` to pair the nibbles of a byte).
+
+Both directions are pure permutations (``reshape``/``permute`` and a fixed bit permutation), so they run on any
+device and round-trip exactly.
+
+The MMA-layout kernels also decode the FP8 block scales with integer instructions (``cvt`` to fp16, then a shift
+into bf16's exponent field), which is exact for every positive finite scale, subnormals included, but not for a
+zero, negative or NaN scale: :func:`mma_scales_supported` says whether a weight's scales are all positive and finite
+(compressed-tensors never writes a zero scale: it stores 0.125 for an all-zero block).
 """
 
 from __future__ import annotations
@@ -27,12 +42,39 @@ __all__ = [
     "from_mma_layout",
     "is_mma_layout",
     "mma_layout_supported",
+    "mma_scales_supported",
     "packed_in_ct_layout",
     "to_mma_layout",
+    "WORD_BIT_POSITIONS",
 ]
 
 MMA_TILE_N = 64  # outputs per tile
 MMA_TILE_K = 256  # inputs per tile
+
+
+# WORD_BIT_POSITIONS[i] = where bit i of a little-endian word of 4 compressed-tensors bytes goes. Bit i is bit f of
+# nibble h of byte j (i = 8j + 4h + f; f = 0..3 is m, e0, e1, sign); it lands where rotr(q, t_j) & 0x81C081C0 puts
+# it at bf16 bit 16h + (6, 7, 8, 15)[f] (see the module doc; byte 3's e1 comes through rotr(q, 6), the rest of it
+# through rotr(q, 30)).
+WORD_BIT_POSITIONS = (6, 7, 8, 15, 22, 23, 24, 31, 10, 11, 12, 19, 26, 27, 28, 3,
+                      16, 17, 18, 25, 0, 1, 2, 9, 4, 5, 14, 13, 20, 21, 30, 29)  # fmt: skip
+
+
+def _permute_word_bits(packed: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
+    """uint8 ``[..., 4·w]`` → the same shape with bit ``i`` of every aligned little-endian 32-bit word moved to
+    ``positions[i]`` (one shift-and-mask per distinct distance, in int64 so that no sign bit gets in the way)."""
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    by_shift: dict[int, int] = {}
+    for i, p in enumerate(positions):
+        by_shift[p - i] = by_shift.get(p - i, 0) | (1 << i)
+    for shift, mask in by_shift.items():
+        moved = words & mask
+        out |= moved << shift if shift >= 0 else moved >> -shift
+    return out.to(torch.int32).view(torch.uint8).reshape(packed.shape)
+
+
+_INVERSE_POSITIONS = tuple(WORD_BIT_POSITIONS.index(i) for i in range(32))
 
 
 def mma_layout_supported(out_features: int, in_features: int) -> bool:
@@ -63,7 +105,8 @@ def to_mma_layout(packed: torch.Tensor) -> torch.Tensor:
                          f"{tuple(packed.shape)}")  # fmt: skip
     t = packed.reshape(n // 64, 4, 2, 8, k // 256, 4, 8, 4)  # tn, n54, n3, n210, tk, b65, b432, b10
     t = t.permute(0, 4, 5, 1, 3, 7, 6, 2)  # tn, tk, b65, n54 | n210, b10, b432, n3
-    return t.reshape(n // 64, k // 256, 16, 512).transpose(1, 2).reshape(n // 4, 2 * k).contiguous()
+    t = t.reshape(n // 64, k // 256, 16, 512).transpose(1, 2).reshape(n // 4, 2 * k)
+    return _permute_word_bits(t, WORD_BIT_POSITIONS)
 
 
 def from_mma_layout(packed: torch.Tensor) -> torch.Tensor:
@@ -73,7 +116,8 @@ def from_mma_layout(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or not mma_layout_supported(n, k) or k2 % 2:
         raise ValueError(f"from_mma_layout: needs uint8 [N/4, 2K] with N % 64 == 0, K % 256 == 0; got {packed.dtype} "
                          f"{tuple(packed.shape)}")  # fmt: skip
-    t = packed.reshape(n // 64, 16, k // 256, 512).transpose(1, 2).reshape(n // 64, k // 256, 4, 4, 8, 4, 8, 2)
+    t = _permute_word_bits(packed, _INVERSE_POSITIONS)
+    t = t.reshape(n // 64, 16, k // 256, 512).transpose(1, 2).reshape(n // 64, k // 256, 4, 4, 8, 4, 8, 2)
     t = t.permute(0, 3, 7, 4, 1, 2, 6, 5)  # tn, n54, n3, n210, tk, b65, b432, b10
     return t.reshape(n, k // 2).contiguous()
 
@@ -81,3 +125,12 @@ def from_mma_layout(packed: torch.Tensor) -> torch.Tensor:
 def packed_in_ct_layout(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``packed`` in the compressed-tensors layout (itself, or converted back from the MMA layout)."""
     return from_mma_layout(packed) if is_mma_layout(packed, scale) else packed
+
+
+def mma_scales_supported(scale: torch.Tensor) -> bool:
+    """Whether the MMA-layout kernels decode these FP8 block scales exactly: every scale positive and finite (not
+    ``0``, ``-0``, negative or NaN). Reads the whole tensor (a host sync): call it once, when the layout is chosen."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight_scale must be float8_e4m3fn, got {scale.dtype}")
+    b = scale.view(torch.uint8)
+    return bool(((b > 0) & (b < 0x7F)).all())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -14,7 +15,7 @@ from tqdm.auto import tqdm
 
 from . import ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, quantize, shared_global_scale
-from .layout import from_mma_layout, is_mma_layout, mma_layout_supported, to_mma_layout
+from .layout import from_mma_layout, is_mma_layout, mma_layout_supported, mma_scales_supported, to_mma_layout
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -102,7 +103,9 @@ class NVFP4Linear(nn.Linear):
     @torch.no_grad()
     def use_kernel_layout(self) -> bool:
         """Put ``weight_packed`` in the layout the kernels read fastest on its device: the MMA layout on CUDA when
-        the shape allows it, unless ``NVFP4_MMA_LAYOUT=0``. Idempotent; returns :attr:`mma_layout`."""
+        the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
+        MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
+        ``NVFP4_MMA_LAYOUT=0``. Idempotent; returns :attr:`mma_layout`."""
         packed = self.weight_packed
         if packed.is_meta or self.mma_layout:
             return self.mma_layout
@@ -111,7 +114,14 @@ class NVFP4Linear(nn.Linear):
             and os.environ.get("NVFP4_MMA_LAYOUT", "1") != "0"
             and mma_layout_supported(self.out_features, self.in_features)
         ):
-            self.weight_packed = to_mma_layout(packed)
+            if mma_scales_supported(self.weight_scale):
+                self.weight_packed = to_mma_layout(packed)
+            else:
+                warnings.warn(
+                    f"NVFP4Linear {self.out_features}x{self.in_features}: weight_scale holds zero, negative or NaN "
+                    "block scales; kept in the compressed-tensors layout (exact, slower kernels)",
+                    stacklevel=2,
+                )
         return self.mma_layout
 
     @property

@@ -15,8 +15,9 @@ tile is ``BLOCK_N`` rows of ``BLOCK_K/2`` contiguous bytes, coalesced 16-byte lo
 wrong registers for the tensor cores and goes through shared memory (``local_alloc`` + ``ldmatrix``, 2 bytes of
 shared-memory traffic per weight each way) before every ``wgmma``.
 
-**MMA layout** (:mod:`nvfp4.layout`; what ``NVFP4Linear`` holds on CUDA when ``N % 64 == 0`` and ``K % 256 == 0``):
-the same bytes permuted to ``[N/4, 2K]`` in 64 × 256 tiles, each stored as 16 rows of 512 bytes. Loaded with 16
+**MMA layout** (:mod:`nvfp4.layout`; what ``NVFP4Linear`` holds on CUDA when ``N % 64 == 0``, ``K % 256 == 0`` and
+every block scale is positive and finite): the same bytes permuted to ``[N/4, 2K]`` in 64 × 256 tiles, each stored
+as 16 rows of 512 bytes, with the bits of every 32-bit word permuted for the decoder below. Loaded with 16
 bytes per thread (32 threads per row, one warp per row), thread ``lane`` of warp ``w`` holds output rows
 ``16w + 8·i + lane // 4`` (``i`` = 0, 1) and bytes ``≡ lane % 4``: exactly the A fragment of a bf16 ``m64k16``
 ``wgmma`` for all 16 K-steps of the tile. The decoded tile is relabelled to ``[64, 256]`` by a
@@ -29,11 +30,19 @@ scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`
 Dequantization in registers (never in HBM)
 ==========================================
 
-Two decoders. **bf16 activations on the GPU** (the hot path): inline PTX, ~4 SASS instructions per weight in the
+Three decoders. **MMA layout, bf16 activations on the GPU** (the decode-size hot path, :func:`_mma_tile`): per 32-bit
+word of codes (8 weights, the four A-fragment registers of one K-step) 9 integer instructions place
+``e2m1 · 2^-126`` in four bf16x2 registers (:func:`_e2m1_words_bf16`, the word's bit permutation does the rest); per
+word of 4 FP8 scales, two ``cvt.f16x2.e4m3x2``, a shift and an OR put ``s · 2^112`` into bf16 bits
+(:func:`_scale_words_bf16x2`); one ``mul.bf16x2`` per two weights gives ``e2m1 · s · 2^-14``, exact in bf16, and
+the fp32 accumulator is multiplied once by ``2^14 / global``. The main loop at ``BLOCK_M`` = 16 has 519 SASS
+instructions per warp per K step (739 with the byte-level decoder before it; ``benchmarks/kernel_sass.py``).
+**Compressed-tensors layout, bf16 on the GPU**: inline PTX, ~4 SASS instructions per weight in the
 main loop, see :func:`_dequant_tile_bf16_asm` and :func:`_scale_fold` (E2M1 placed in bf16 as ``e2m1 · 2^-126``, one
 ``mul.bf16x2`` by the block scale pre-folded as ``fp8 · 2^126 / global``; the decoded columns keep the PTX register
 order and the activation tile is permuted to match, :func:`_perm_k`). **Portable** (fp16 activations, the fused
-dgrad, the standalone dequantizer, and the Triton interpreter): E2M1 → fp16 by bit placement: the 3 magnitude bits ``e m`` of a code go to fp16 bits 11..9 (the two lowest
+dgrad, the standalone dequantizer, and the Triton interpreter; on the MMA layout the same rotations first,
+:func:`_e2m1_words_f16`): E2M1 → fp16 by bit placement: the 3 magnitude bits ``e m`` of a code go to fp16 bits 11..9 (the two lowest
 exponent bits and the top mantissa bit) and the sign to bit 15. Read as fp16, that is ``2^(e-15)·(1+m/2)`` for
 ``e > 0`` and the subnormal ``m·2^-15`` for ``e = 0``: exactly ``e2m1(code) · 2^-14`` in both cases. The ``2^14``
 and the global divisor are folded into the per-block scale, ``s = fp8_scale · (2^14 / global)`` (fp32, computed
@@ -260,11 +269,21 @@ def _lora_epilogue(acc, t_acc, lb_ptr, rows, offs_r, r_mask, R, lora_scale, DTYP
 # MMA layout (nvfp4.layout): one 64 x 256 tile of W loads straight into the wgmma A-operand registers
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _bf16x2_pairs_from_word(packed, ASM: tl.constexpr):
+    """Run the PTX ``ASM`` on every 4 uint8 of ``packed`` (one 32-bit ``$4``) writing 4 registers ``$0..$3``: two bf16
+    tensors of ``packed``'s shape, the first from ``$0, $1``, the second from ``$2, $3``."""
+    return tl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+    )
+
+
+@triton.jit
 def _e2m1_bf16_bits(packed):
     """uint8 → (low-nibble, high-nibble) bf16 holding ``e2m1 · 2^-126`` (the bit placement of
     :func:`_dequant_tile_bf16_asm`, without the scale multiply): 2.5 instructions per two weights."""
-    return tl.inline_asm_elementwise(
-        asm="""
+    return _bf16x2_pairs_from_word(
+        packed,
+        """
         {
         .reg .b32 t0, t1, a, b;
         prmt.b32 t0, $4, 0, 0x1404;
@@ -289,11 +308,105 @@ def _e2m1_bf16_bits(packed):
         or.b32 $3, a, b;
         }
         """,
+    )
+
+
+@triton.jit
+def _e2m1_words_bf16(packed):
+    """uint8 MMA-layout tile (bit-permuted words, :mod:`nvfp4.layout`) → two bf16 tensors of its shape holding
+    ``e2m1 · 2^-126``: per word (4 elements), ``a`` = (byte 0 low nibble, byte 0 high, byte 1 low, byte 1 high) and
+    ``b`` = the same for bytes 2 and 3, i.e. each 32-bit register is one bf16x2 ``wgmma`` A-fragment register.
+
+    9 instructions per word (8 weights): register ``j`` is ``rotr(q, t_j) & 0x81C081C0`` (sign at bit 15, ``e1 e0 m``
+    at bits 8..6 of each half; ``e = 0`` lands on the exact bf16 subnormal), the last one takes two rotations.
+    """
+    return _bf16x2_pairs_from_word(
+        packed,
+        """
+        {
+        .reg .b32 r, t;
+        and.b32 $0, $4, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 4;
+        and.b32 $1, r, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 10;
+        and.b32 $2, r, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 30;
+        shf.r.wrap.b32 t, $4, $4, 6;
+        and.b32 r, r, 0x80C080C0;
+        and.b32 t, t, 0x01000100;
+        or.b32 $3, r, t;
+        }
+        """,
+    )
+
+
+@triton.jit
+def _f16_halves(v):
+    """uint32 bf16x2-placed E2M1 pairs → fp16 ``[..., 2]`` (low half, high half) holding ``e2m1 · 2^-14``."""
+    f = (v & 0x80008000) | ((v << 3) & 0x0E000E00)  # e1 e0 m from bits 8..6 to fp16's 11..9
+    lo = (f & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (f >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _e2m1_words_f16(packed):
+    """The portable twin of :func:`_e2m1_words_bf16` (no PTX; what the Triton interpreter runs): the same rotations
+    on uint32 words, each half moved to fp16's bit placement (``e2m1 · 2^-14``, as :func:`_e2m1_f16_bits`), and the
+    tile relabelled to ``[R, C, 2]`` (byte, nibble) fp16."""
+    R: tl.constexpr = packed.shape[0]
+    C: tl.constexpr = packed.shape[1]
+    lo_c, hi_c = tl.split(tl.reshape(packed, (R, C // 4, 2, 2)).to(tl.uint32))  # byte 4q + 2·i1 + i0: split on i0
+    b0, b2 = tl.split(lo_c)
+    b1, b3 = tl.split(hi_c)
+    q = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    r0 = q & 0x81C081C0
+    r1 = ((q >> 4) | (q << 28)) & 0x81C081C0
+    r2 = ((q >> 10) | (q << 22)) & 0x81C081C0
+    r3 = (((q >> 30) | (q << 2)) & 0x80C080C0) | (((q >> 6) | (q << 26)) & 0x01000100)
+    # [R, C/4, 2 (nibble), 2 (j0), 2 (j1)] → (word, j1, j0, nibble) → [R, C, 2]: byte 4·word + j, nibble
+    w = tl.join(tl.join(_f16_halves(r0), _f16_halves(r1)), tl.join(_f16_halves(r2), _f16_halves(r3)))
+    return tl.reshape(tl.permute(w, (0, 1, 4, 3, 2)), (R, C, 2))
+
+
+@triton.jit
+def _scale_words_bf16x2(words):
+    """int32 words of 4 FP8 block scales (little-endian) → four int32 tensors: scale ``j`` as bf16x2 bits holding
+    ``s · 2^112`` in both halves, for :func:`_mul_bf16x2_bits`.
+
+    ``cvt`` turns two FP8 scales into fp16 exactly (subnormals included); shifted right by 3, an fp16 ``s`` has its
+    exponent and mantissa in bf16's places with exponent bias 15 instead of 127, and OR-ing 224 into the exponent
+    field (free of carries: fp16 exponents stay below 32) makes it ``s · 2^112``. Times ``e2m1 · 2^-126`` that is
+    ``e2m1 · s · 2^-14``, exact in bf16. Valid for positive finite scales only
+    (:func:`nvfp4.layout.mma_scales_supported`). 2.5 instructions per scale, its ``prmt`` broadcast included (the
+    multiply's operand selector could broadcast instead, but splitting the tile by block parity to use it costs more
+    ``prmt`` than it saves: checked in the SASS).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b16 l, h;
+        .reg .b32 f, g;
+        mov.b32 {l, h}, $4;
+        cvt.rn.f16x2.e4m3x2 f, l;
+        cvt.rn.f16x2.e4m3x2 g, h;
+        shr.b32 f, f, 3;
+        shr.b32 g, g, 3;
+        and.b32 f, f, 0x0FFF0FFF;
+        and.b32 g, g, 0x0FFF0FFF;
+        or.b32 f, f, 0x70007000;
+        or.b32 g, g, 0x70007000;
+        prmt.b32 $0, f, 0, 0x1010;
+        prmt.b32 $1, f, 0, 0x3232;
+        prmt.b32 $2, g, 0, 0x1010;
+        prmt.b32 $3, g, 0, 0x3232;
+        }
+        """,
         constraints="=r,=r,=r,=r,r",
-        args=[packed],
-        dtype=(tl.bfloat16, tl.bfloat16),
+        args=[words],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
         is_pure=True,
-        pack=4,
+        pack=1,
     )
 
 
@@ -306,31 +419,44 @@ def _mul_bf16x2(a, b):
 
 
 @triton.jit
+def _mul_bf16x2_bits(a, bits):
+    """``a · b`` for bf16 ``a`` and int32 ``bits`` holding ``b`` as bf16x2 (equal in adjacent elements): one
+    ``mul.rn.bf16x2`` per two elements of ``a`` (the second register of ``bits`` is not read)."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r,r", [a, bits], dtype=tl.bfloat16, is_pure=True, pack=2
+    )
+
+
+@triton.jit
 def _mma_tile(p, s, sfac, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """One MMA-layout tile → ``W[64, 256]`` in ``OUT_DTYPE``, in the registers of the ``wgmma`` A operand.
 
     ``p``: uint8 ``[16, 512]`` (the tile's rows as stored, see :mod:`nvfp4.layout`); ``s``: int32 ``[64, 4]`` (the
-    tile's 16 fp8 block scales per row, read as words so that the load vectorizes and pipelines). The reshape /
-    permute below only relabels registers: Triton lowers it to nothing, because the layout of a 16-byte-per-thread
-    load of ``p`` already is the ``wgmma`` operand layout after it. ``FAST`` (bf16 on a GPU): PTX decode and one
-    ``mul.bf16x2`` by the folded scale, the tile holds ``W · F · 2^-126`` (the caller multiplies by ``post``);
-    otherwise fp16 bit placement, fp32 multiply, one rounding: the codec's value.
+    tile's 16 fp8 block scales per row, read as words so that the load vectorizes and pipelines). The reshapes /
+    permutes below only relabel registers: Triton lowers them to nothing, because the layout of a 16-byte-per-thread
+    load of ``p`` already is the ``wgmma`` operand layout after them. ``FAST`` (bf16 on a GPU): PTX decode of codes
+    and scales with integer instructions and one ``mul.bf16x2`` per two weights, exact: the tile holds
+    ``e2m1 · s · 2^-14`` (the caller multiplies its fp32 accumulator by ``2^14 / global``; ``sfac`` is unused).
+    Otherwise fp16 bit placement, fp32 multiply by ``s · sfac`` (``sfac = 2^14 / global``), one rounding: the
+    codec's value.
     """
     if FAST:
-        lo, hi = _e2m1_bf16_bits(p)
+        a, b = _e2m1_words_bf16(p)
+        w = tl.reshape(tl.join(a, b), (16, 128, 2, 2, 2))  # word, i1, i0, (a|b): byte 4·word + 2·(a|b) + i1, nibble i0
+        w = tl.reshape(tl.permute(w, (0, 1, 4, 2, 3)), (16, 512, 2))  # [16, 512, 2]: (byte, nibble)
     else:
-        lo = _e2m1_f16_bits(p & 0xF)
-        hi = _e2m1_f16_bits(p >> 4)
-    w = tl.join(lo, hi)  # [16, 512, 2]: (r, c, nibble)
+        w = _e2m1_words_f16(p)
     w = tl.reshape(w, (4, 4, 8, 4, 8, 2, 2))  # b65, n54 | n210, b10, b432, n3 | k0
     w = tl.permute(w, (1, 5, 2, 0, 4, 3, 6))  # n54, n3, n210 | b65, b432, b10, k0
     w = tl.reshape(w, (64, 256))
-    s = (s[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # little-endian bytes of each word
-    sf = tl.reshape(s.to(tl.uint8).to(tl.float8e4nv, bitcast=True), (64, 16)).to(tl.float32) * sfac
     if FAST:
-        sb = tl.reshape(tl.broadcast_to(sf.to(tl.bfloat16)[:, :, None], (64, 16, 16)), (64, 256))
-        return _mul_bf16x2(w, sb)
+        s0, s1, s2, s3 = _scale_words_bf16x2(s)  # [64, 4] int32 each: scale 4·word + j
+        sb = tl.reshape(tl.permute(tl.join(tl.join(s0, s1), tl.join(s2, s3)), (0, 1, 3, 2)), (64, 16))
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (64, 16, 16)), (64, 256))
+        return _mul_bf16x2_bits(w, sb)
     else:
+        s = (s[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # little-endian bytes of each word
+        sf = tl.reshape(s.to(tl.uint8).to(tl.float8e4nv, bitcast=True), (64, 16)).to(tl.float32) * sfac
         sb = tl.reshape(tl.broadcast_to(sf[:, :, None], (64, 16, 16)), (64, 256))
         return (w.to(tl.float32) * sb).to(OUT_DTYPE)
 
@@ -399,7 +525,7 @@ def _linear_mma_kernel(
     offs_n = pid_n * 64 + tl.arange(0, 64)
     offs_k = tl.arange(0, 256)
     m_mask = offs_m < M
-    sfac, post = _scale_fold(g_ptr, FAST)
+    sfac, post = _scale_fold(g_ptr, False)  # FAST: the tile holds W · global · 2^-14, so post = 2^14 / global
     w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_lo = pid_k * K_PER_SPLIT
@@ -416,7 +542,7 @@ def _linear_mma_kernel(
             t_acc = tl.dot(at, tl.trans(xt), t_acc)
     acc = tl.trans(acc)  # [BLOCK_M, 64]
     if FAST:
-        acc = acc * post
+        acc = acc * sfac
     if HAS_LORA:
         acc = _lora_epilogue(acc, t_acc, lb_ptr, offs_n, offs_r, r_mask, R, lora_scale, dtype)
     n_mask = offs_n < N

@@ -21,6 +21,7 @@ Writes ``results/aqn_entropy.json`` and (``--plot``, on by default) ``docs/aqn_s
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import time
@@ -31,7 +32,7 @@ import aqn
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATE = "2026-11-22"
+DATE = datetime.date.today().isoformat()  # the day the script runs
 SIGMAS = (0.0, 1e-3, 1e-2)
 TF_SIGMAS = (1e-4, 1e-3, 1e-2)
 PROMPTS = [

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import platform
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATE = "2026-11-22"
+DATE = datetime.date.today().isoformat()  # the day the script runs
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 COLORS = {"bf16": "tab:gray", "NVFP4-RTN": "tab:blue", "NVFP4-MSE": "tab:green", "NVFP4-AWQ": "tab:purple",
           "NVFP4-RTN+AQN": "tab:red"}

@@ -28,6 +28,7 @@ Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import math
@@ -329,7 +330,7 @@ def env_info() -> dict:
     import triton
 
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date="2026-11-22", sms=torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
+                date=datetime.date.today().isoformat(), sms=torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
 
 
 def main() -> None:

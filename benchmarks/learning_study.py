@@ -14,6 +14,7 @@ Writes ``results/learning_study.json`` and ``docs/learning_study.png``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -199,7 +200,7 @@ def collect(steps: int, seeds: list[int], runs: Path) -> dict:
     return {
         "benchmark": "learning_study",
         "issue": 8,
-        "date": "2026-11-22",
+        "date": datetime.date.today().isoformat(),
         "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared), OMP_NUM_THREADS=1, 2 runs at a time",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "trl": trl.__version__},

@@ -37,6 +37,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,6 +179,26 @@ def run_worker(args) -> dict:
     return res
 
 
+def run_arms(args, tag: str, worker_cmd: Callable[[str, Path], list[str]], worker_env=None) -> list[dict]:
+    """Run each of ``args.arms`` in a fresh process (``worker_cmd(arm, part_json)``, environment ``worker_env(arm)``)
+    and collect the JSON each writes; ``args.out`` is rewritten after every arm (device, versions, date, arguments and
+    the results so far), so a killed run keeps what it measured. Shared with ``train_profile.py``."""
+    results = []
+    for arm in args.arms:
+        part = Path(args.out).with_suffix(f".{arm.replace(':', '-')}.part.json")
+        print(f"[{tag}] {args.model} {arm} ...", flush=True)
+        proc = subprocess.run(worker_cmd(arm, part), env=worker_env(arm) if worker_env else None)
+        if proc.returncode == 0 and part.exists():
+            results.append(json.loads(part.read_text()))
+            part.unlink()
+        else:
+            results.append({"model": args.model, "arm": arm, "status": f"failed (rc {proc.returncode})"})
+        meta = {"device": device_name(), "versions": versions(), "date": _dt.date.today().isoformat(), "args": vars(args)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return results
+
+
 def _fmt_row(r: dict, b: dict) -> str:
     cats = b["by_category_us"]
     col = [cats.get(c, 0.0) for c in ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")]
@@ -228,32 +249,17 @@ def main(argv=None) -> None:
             json.dump(res, f)
         return
 
-    results = []
-    for arm in args.arms:
-        tmp = Path(args.out).with_suffix(f".{arm.replace(':', '-')}.part.json")
-        cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(tmp), "--model", args.model]
+    def worker_cmd(arm: str, part: Path) -> list[str]:
+        cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(part), "--model", args.model]
         cmd += ["--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len)]
-        cmd += (
-            ["--profile-tokens", str(args.profile_tokens)] + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
-        )
-        print(f"[decode_profile] {args.model} {arm} ...", flush=True)
+        return cmd + ["--profile-tokens", str(args.profile_tokens)] + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
+
+    def worker_env(arm: str) -> dict:
         suffixes = arm.split(":")[1:]
-        env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
-               "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
-        proc = subprocess.run(cmd, env=env)
-        if proc.returncode == 0 and tmp.exists():
-            results.append(json.loads(tmp.read_text()))
-            tmp.unlink()
-        else:
-            results.append({"model": args.model, "arm": arm, "status": f"failed (rc {proc.returncode})"})
-        meta = {
-            "device": device_name(),
-            "versions": versions(),
-            "date": _dt.date.today().isoformat(),
-            "args": vars(args),
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        return {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
+                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
+
+    results = run_arms(args, "decode_profile", worker_cmd, worker_env)
     print(table(results))
 
 

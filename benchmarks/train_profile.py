@@ -20,10 +20,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode_profile import _kernel_times, category  # noqa: E402
-from rollout import ARM_LABEL, ARMS, MODELS, _csv, _gb, _sync, build_model, device_name, versions  # noqa: E402
+from decode_profile import _kernel_times, category, run_arms  # noqa: E402
+from rollout import ARM_LABEL, ARMS, MODELS, _csv, _gb, _sync, build_model  # noqa: E402
 
 CATS = ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")
 
@@ -160,27 +158,12 @@ def main(argv=None) -> None:
         args.arm = args.worker
         Path(args.worker_out).write_text(json.dumps(run_worker(args)))
         return
-    results = []
-    for arm in args.arms:
-        tmp = Path(args.out).with_suffix(f".{arm}.part.json")
-        cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(tmp), "--model", args.model,
+    def worker_cmd(arm: str, part: Path) -> list[str]:
+        cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(part), "--model", args.model,
                "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--iters", str(args.iters)]  # fmt: skip
-        cmd += ["--cpu"] * args.cpu
-        print(f"[train_profile] {args.model} {arm} ...", flush=True)
-        proc = subprocess.run(cmd)
-        if proc.returncode == 0 and tmp.exists():
-            results.append(json.loads(tmp.read_text()))
-            tmp.unlink()
-        else:
-            results.append({"model": args.model, "arm": arm, "status": f"failed (rc {proc.returncode})"})
-        meta = {
-            "device": device_name(),
-            "versions": versions(),
-            "date": _dt.date.today().isoformat(),
-            "args": vars(args),
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        return cmd + ["--cpu"] * args.cpu
+
+    results = run_arms(args, "train_profile", worker_cmd)
     print(table(results))
     for r in results:
         for k in r.get("top_kernels", []):

@@ -200,3 +200,14 @@ def test_mma_layout_module_state_dict_and_forward():
     other.load_state_dict(ref_mod.state_dict())
     assert other.mma_layout and torch.equal(other.weight_packed, mod.weight_packed)
     assert mod.nvfp4_weight.shape == (128, 512)
+
+    # A checkpoint with a zero block scale (the MMA-layout kernels cannot decode it) loads in the checkpoint layout.
+    bad = ref_mod.state_dict()
+    bad["weight_scale"] = bad["weight_scale"].clone()
+    bad["weight_scale"][7, 3] = 0.0
+    with pytest.warns(UserWarning, match="compressed-tensors layout"):
+        other.load_state_dict(bad)
+    assert not other.mma_layout and torch.equal(other.weight_packed, ref_mod.weight_packed)
+    plain = NVFP4Linear(512, 128, bias=True)  # same construction, never in the MMA layout
+    plain.load_state_dict(bad)
+    torch.testing.assert_close(other(x), plain(x), rtol=0, atol=0)

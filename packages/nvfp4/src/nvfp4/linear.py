@@ -117,12 +117,15 @@ class NVFP4Linear(nn.Linear):
             if mma_scales_supported(self.weight_scale):
                 self.weight_packed = to_mma_layout(packed)
             else:
-                warnings.warn(
-                    f"NVFP4Linear {self.out_features}x{self.in_features}: weight_scale holds zero, negative or NaN "
-                    "block scales; kept in the compressed-tensors layout (exact, slower kernels)",
-                    stacklevel=2,
-                )
+                self._warn_ct_layout_kept()
         return self.mma_layout
+
+    def _warn_ct_layout_kept(self) -> None:
+        warnings.warn(
+            f"NVFP4Linear {self.out_features}x{self.in_features}: weight_scale holds zero, negative or NaN block "
+            "scales; kept in the compressed-tensors layout (exact, slower kernels)",
+            stacklevel=3,
+        )
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -211,7 +214,11 @@ class NVFP4Linear(nn.Linear):
                 )
         key = prefix + "weight_packed"
         if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
-            state_dict[key] = to_mma_layout(state_dict[key])
+            if mma_scales_supported(state_dict.get(prefix + "weight_scale", self.weight_scale)):
+                state_dict[key] = to_mma_layout(state_dict[key])
+            else:  # the MMA-layout kernels cannot decode these scales: back to the compressed-tensors layout
+                self.weight_packed = torch.empty_like(state_dict[key], device=self.weight_packed.device)
+                self._warn_ct_layout_kept()
 
 
 @contextlib.contextmanager

@@ -56,10 +56,8 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 
 # Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
 # (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
-# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout; ":prepass" computes the fused adapters'
-# x·Aᵀ with cuBLAS before each GEMM launch (``NVFP4_LORA_PREPASS=1``) instead of in every output tile's K loop.
-SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels",
-            "prepass": "LoRA x·Aᵀ precomputed"}  # fmt: skip
+# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout.
+SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels"}
 
 
 def category(kernel: str) -> str:
@@ -259,8 +257,7 @@ def main(argv=None) -> None:
     def worker_env(arm: str) -> dict:
         suffixes = arm.split(":")[1:]
         return {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
-                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1",
-                "NVFP4_LORA_PREPASS": "1" if "prepass" in suffixes else "0"}  # fmt: skip
+                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
 
     results = run_arms(args, "decode_profile", worker_cmd, worker_env)
     print(table(results))

@@ -148,9 +148,9 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 
     torch.manual_seed(4321)
 
-    def mma(m, split, stages=1, fused_reduce=True, prepass=False):
+    def mma(m, split, stages=1, fused_reduce=True):
         return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True,
-                            fused_reduce=fused_reduce, lora_prepass=prepass)
+                            fused_reduce=fused_reduce)
 
     # (M, N, K, config): odd M, several K splits (uneven; split-K summed in the kernel and by the separate reduce
     # kernel), several row blocks (M > BLOCK_M), the default dispatch
@@ -166,11 +166,7 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
             ref = x.double() @ wd.T + (b.double() if with_bias else 0)
             y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
             out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
-    # fused LoRA: x·Aᵀ in the K loop, and precomputed (lora_prepass: split 0 adds it; fused and separate split-K
-    # sums; several row blocks)
-    for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1)),
-                            (3, 128, 512, 8, mma(16, 2, prepass=True)), (20, 128, 768, 16, mma(16, 3, prepass=True)),
-                            (5, 192, 768, 4, mma(16, 2, fused_reduce=False, prepass=True))]:
+    for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1))]:
         out.append(lora_case(m, n, k, r, cfg, to_mma_layout))
     for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
         q = quantize(torch.randn(n, k))
@@ -200,11 +196,10 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 
 
 def test_mma_layout_kernels_under_triton_interpreter():
-    """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA with x·Aᵀ in the K loop or
-    precomputed, dgrad, dequantize) match the float64 reference of the compressed-tensors tensors they were converted
-    from."""
+    """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
+    float64 reference of the compressed-tensors tensors they were converted from."""
     results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
-    assert len(results) == 18 + 6 + 3 + 2 + 1 + 1
+    assert len(results) == 18 + 3 + 3 + 2 + 1 + 1
     for r in results:
         if r["kind"] == "counters":
             assert r["zero"] and r["used"] == 1, r
@@ -356,8 +351,7 @@ def test_lora_linear_random_shapes_gpu(dtype, poisoned):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mma_layout_random_shapes_gpu(dtype, poisoned):
     """MMA-layout kernels on random whole-tile shapes, every M range (incl. the dequantize paths), odd M, bias,
-    split-K, amax > 24, fused LoRA (x·Aᵀ in the K loop and precomputed) and dgrad: all against the float64 product
-    of the original tensors."""
+    split-K, amax > 24, fused LoRA and dgrad: all against the float64 product of the original tensors."""
     from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
     from nvfp4.layout import to_mma_layout
 
@@ -386,12 +380,9 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         lb = torch.randn(n, r, device="cuda")
         lb *= (ref.norm() / (0.7 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
         delta = 0.7 * (x.double() @ a.double().T) @ lb.double().T
-        cfg = linear_config(m, n, k, mma=True)
-        for prepass in (False, True):  # x·Aᵀ in the K loop, or by cuBLAS before the launch (lora_prepass)
-            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7,
-                                  config=replace(cfg, lora_prepass=prepass))  # fmt: skip
-            assert _rel(y, ref + delta) < 1e-2, (m, n, k, r, prepass)
-            assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r, prepass)
+        y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7)
+        assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
+        assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
         dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)

@@ -258,17 +258,6 @@ def _lora_init(a_ptr, K, R, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _lora_epilogue_t(acc, t_ptr, lb_ptr, offs_m, t_mask, rows, offs_r, r_mask, R, lora_scale, DTYPE: tl.constexpr):
-    """Fused LoRA with ``t = x · Aᵀ`` precomputed (``[M, R]`` in the activation dtype at ``t_ptr``): ``acc [BLOCK_M,
-    BLOCK_N] + lora_scale · t[offs_m] · B[rows]ᵀ``; rows outside ``t_mask`` add nothing (split-K: only split 0 adds
-    the adapter, the partials are summed afterwards)."""
-    t = tl.load(t_ptr + offs_m[:, None].to(tl.int64) * R + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :],
-                other=0.0)  # fmt: skip
-    lb = tl.load(lb_ptr + rows[:, None].to(tl.int64) * R + offs_r[None, :], mask=r_mask[None, :], other=0.0)
-    return acc + lora_scale * tl.dot(t.to(DTYPE), tl.trans(lb.to(DTYPE)))
-
-
-@triton.jit
 def _lora_epilogue(acc, t_acc, lb_ptr, rows, offs_r, r_mask, R, lora_scale, DTYPE: tl.constexpr):
     """Fused LoRA, after the K loop: ``acc + lora_scale · tᵀ · B[rows]ᵀ`` with B ``[N, R]``; ``t`` is rounded to the
     activation dtype first, as PEFT's ``lora_A`` output is."""
@@ -514,7 +503,6 @@ def _linear_mma_kernel(
     cnt_ptr=None,
     SPLIT=1,
     FUSED_REDUCE: tl.constexpr = False,
-    LORA_T: tl.constexpr = False,
 ):
     """``yᵀ[64, BLOCK_M] = W_tile · xᵀ`` for W in the MMA layout: one 64-output tile over the K range of split
     ``program_id(1)``, all ``M ≤ BLOCK_M`` rows of x (``program_id(2)`` walks row blocks when M > BLOCK_M).
@@ -528,9 +516,6 @@ def _linear_mma_kernel(
     (``cnt_ptr``, int32, zero on entry); the program that arrives last sums the ``SPLIT`` partials in split order
     (deterministic, whatever the arrival order), writes ``out_ptr`` and puts the counter back to zero for the next
     launch. That saves the second launch, which at decode sizes cost as much as the GEMM of a small weight.
-
-    ``LORA_T`` (with ``HAS_LORA``): ``a_ptr`` holds ``t = x · Aᵀ`` (``[M, R]``, computed before the launch) instead of
-    A, and split 0 adds ``t · Bᵀ`` in its epilogue (:func:`_lora_epilogue_t`).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -552,18 +537,14 @@ def _linear_mma_kernel(
         w = _mma_tile(tl.load(w_tile + 2 * k0), tl.load(s_tile + k0 // 64), sfac, FAST, dtype)
         xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(xt), acc)
-        if HAS_LORA and not LORA_T:
+        if HAS_LORA:
             at = tl.load(a_rows + (k0 + offs_k)[None, :], mask=r_mask[:, None], other=0.0).to(dtype)
             t_acc = tl.dot(at, tl.trans(xt), t_acc)
     acc = tl.trans(acc)  # [BLOCK_M, 64]
     if FAST:
         acc = acc * sfac
     if HAS_LORA:
-        if LORA_T:
-            acc = _lora_epilogue_t(acc, a_ptr, lb_ptr, offs_m, m_mask & (pid_k == 0), offs_n, offs_r, r_mask, R,
-                                   lora_scale, dtype)  # fmt: skip
-        else:
-            acc = _lora_epilogue(acc, t_acc, lb_ptr, offs_n, offs_r, r_mask, R, lora_scale, dtype)
+        acc = _lora_epilogue(acc, t_acc, lb_ptr, offs_n, offs_r, r_mask, R, lora_scale, dtype)
     n_mask = offs_n < N
     _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
     if FUSED_REDUCE:
@@ -967,9 +948,6 @@ class LinearConfig:
     prefetch: bool = False  # register double-buffering of the next K step (used only when K % block_k == 0)
     mma: bool = False  # _linear_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
     fused_reduce: bool = True  # MMA kernel with split-K: the last program of a tile sums the partials (one launch)
-    # MMA kernel with a LoRA adapter: x·Aᵀ computed once by cuBLAS before the launch, instead of by every output tile
-    # over its K range (which reads A from L2 once per 64 outputs); opt-in until measured (NVFP4_LORA_PREPASS=1)
-    lora_prepass: bool = False
 
 
 @dataclass(frozen=True)
@@ -1018,8 +996,6 @@ MMA_STAGES = {32: 3, 128: 2}
 # Split-K summed in the MMA kernel up to this BLOCK_M (H100, same run: 0.5-1.3 µs faster per linear at M ≤ 16; at
 # M = 64/128 the last program's serial sum of [BLOCK_M, 64] partials made it up to 13 µs slower).
 FUSED_REDUCE_MAX_M = 32
-# LinearConfig.lora_prepass for the MMA kernel's fused LoRA (x·Aᵀ by cuBLAS before the launch); off until measured.
-LORA_PREPASS = os.environ.get("NVFP4_LORA_PREPASS") == "1"
 
 
 def mma_config(m: int, n: int, k: int) -> LinearConfig:
@@ -1030,8 +1006,7 @@ def mma_config(m: int, n: int, k: int) -> LinearConfig:
     tiles, steps = n // 64, k // 256
     split = max(1, min(triton.cdiv(MMA_TARGET_PROGRAMS[bound], tiles), steps // 2))
     bm = max(16, triton.next_power_of_2(m))
-    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True, fused_reduce=bm <= FUSED_REDUCE_MAX_M,
-                        lora_prepass=LORA_PREPASS)  # fmt: skip
+    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True, fused_reduce=bm <= FUSED_REDUCE_MAX_M)
 
 
 def linear_config(m: int, n: int, k: int, mma: bool = False) -> LinearConfig:
@@ -1195,9 +1170,6 @@ def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_sp
     if lora is not None:
         a, b, scaling = lora
         r = a.shape[0]
-        if cfg.lora_prepass:  # t = x·Aᵀ once, rounded to x's dtype as PEFT's lora_A output is
-            a = torch.mm(x2, a.to(x2.dtype).t())
-            extra.update(LORA_T=True)
         extra.update(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
                      BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
     _linear_mma_kernel[(n // 64, split, triton.cdiv(m, cfg.block_m))](

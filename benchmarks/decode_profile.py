@@ -25,6 +25,11 @@ Usage::
     uv run python benchmarks/decode_profile.py --tiny                          # CPU smoke test (no kernels timed)
     python3 benchmarks/decode_profile.py --model 7b --arms bf16,bf16-base,nvfp4,nvfp4-base,qlora --batch 1,8 \\
         --out $OUT/decode_profile.json                                          # H100
+    python3 benchmarks/decode_profile.py --model 7b --engine graph --arms nvfp4,nvfp4-base,bf16 --batch 1,8 \\
+        --out $OUT/decode_profile_graph.json                                    # the graph-replayed decode loop
+
+``--engine graph`` profiles ``qerl_trl.graph_generate`` (the rollout benchmark's and the trainer's graph engine)
+instead of ``generate``: the difference of the two profiled calls is then one replayed decode-step graph.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ def run_worker(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "batches": []}
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": args.engine,
+                 "batches": []}  # fmt: skip
     model, info = build_model(
         args.model, args.arm, device, dtype, lora_r=32, lora_dtype=dtype, double_quant=True, nvfp4_method="rtn"
     )
@@ -129,7 +135,19 @@ def run_worker(args) -> dict:
     n = args.profile_tokens
     vocab, hidden = MODELS[args.model]["vocab_size"], MODELS[args.model]["hidden_size"]
 
+    if args.engine == "graph":
+        from qerl_trl.graph_generate import graph_generate
+
     def gen(ids, new: int) -> float:
+        if args.engine == "graph":  # one compiled CUDA graph per decode step, sampling included (rollout.py's engine)
+            with torch.no_grad():
+                _sync()
+                t = time.perf_counter()
+                graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, eos_token_id=None, pad_token_id=0,
+                               max_cache_len=args.prompt_len + max(n + 1, 8), compile=not args.no_compile)  # fmt: skip
+                _sync()
+                return time.perf_counter() - t
         cfg = GenerationConfig(
             max_new_tokens=new,
             min_new_tokens=new,
@@ -204,7 +222,8 @@ def _fmt_row(r: dict, b: dict) -> str:
     col = [cats.get(c, 0.0) for c in ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")]
     idle = b["decode_step_wall_us"] - b["decode_step_kernels_us"]
     return (
-        f"| {r['model']} | {r['label']} | {b['batch']} | {b['decode_step_wall_us'] / 1000:.2f} | "
+        f"| {r['model']} | {r['label']} | {r.get('engine', 'generate')} | {b['batch']} | "
+        f"{b['decode_step_wall_us'] / 1000:.2f} | "
         + " | ".join(f"{c / 1000:.2f}" for c in col)
         + f" | {idle / 1000:.2f} | {b.get('lm_head_us', 0) / 1000:.3f} |"
     )
@@ -212,8 +231,8 @@ def _fmt_row(r: dict, b: dict) -> str:
 
 def table(results: list[dict]) -> str:
     head = (
-        "| model | arm | batch | step ms (wall) | nvfp4 gemm | bnb nf4 | cuBLAS gemm | attention | inductor | other | "
-        "idle (wall - kernels) | lm_head alone |\n|---|---|---:|" + "---:|" * 9
+        "| model | arm | engine | batch | step ms (wall) | nvfp4 gemm | bnb nf4 | cuBLAS gemm | attention | inductor | "
+        "other | idle (wall - kernels) | lm_head alone |\n|---|---|---|---:|" + "---:|" * 9
     )
     rows = [_fmt_row(r, b) for r in results if "batches" in r for b in r["batches"]]
     return "\n".join([head, *rows])
@@ -230,6 +249,8 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, eager, no kernel timings")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--engine", default="generate", choices=["generate", "graph"],
+                   help="transformers generate (decode forward compiled) or qerl_trl.graph_generate")  # fmt: skip
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: arm to run in this process
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -252,7 +273,8 @@ def main(argv=None) -> None:
     def worker_cmd(arm: str, part: Path) -> list[str]:
         cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(part), "--model", args.model]
         cmd += ["--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len)]
-        return cmd + ["--profile-tokens", str(args.profile_tokens)] + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
+        cmd += ["--profile-tokens", str(args.profile_tokens), "--engine", args.engine]
+        return cmd + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
 
     def worker_env(arm: str) -> dict:
         suffixes = arm.split(":")[1:]

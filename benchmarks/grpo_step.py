@@ -673,9 +673,9 @@ def _engine(r: dict) -> str:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | arm | engine | procs | s/step | gen s | prefill s | AQN s | score s | loss fwd s | backward s "
-        "| optimizer s | gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| model | arm | engine | procs | s/step | min s/step | gen s | prefill s | AQN s | score s | loss fwd s "
+        "| backward s | optimizer s | gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         s = r.get("summary")
@@ -683,7 +683,7 @@ def table(results: list[dict]) -> str:
         if not s:
             lines.append(
                 f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} "
-                "| — | — | — | — | — | — | — | — | — | "
+                "| — | — | — | — | — | — | — | — | — | — | "
                 f"{_fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
             )
             continue
@@ -699,7 +699,7 @@ def table(results: list[dict]) -> str:
             tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
         lines.append(
             f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {_fmt(s['step_s'], 2)} "
-            f"| {_fmt(s['gen_s'], 2)} "
+            f"| {_fmt(s.get('step_s_min'), 2)} | {_fmt(s['gen_s'], 2)} "
             f"| {_fmt(s['prefill_s'], 3)} | {_fmt(s['aqn_s'], 3)} | {_fmt(s['score_s'], 3)} | {_fmt(s['loss_fwd_s'], 2)} "
             f"| {_fmt(s['backward_s'], 2)} | {_fmt(s['optimizer_s'], 3)} | {_fmt(tok)} | {_fmt(s['peak_gpu_gb'], 1)} "
             f"| {_fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"

@@ -102,9 +102,9 @@ def _get_state(model: nn.Module, batch: int, cache_len: int, device: torch.devic
 
 def _choose(
     logits: torch.Tensor,
+    tok: torch.Tensor,
     seq: torch.Tensor,
     cur: torch.Tensor,
-    tok: torch.Tensor,
     finished: torch.Tensor,
     gen_len: torch.Tensor,
     eos_mask: torch.Tensor,
@@ -136,28 +136,19 @@ def _choose(
 def _decode_step(
     model: nn.Module,
     cache: StaticCache,
-    tok: torch.Tensor,
     pos: torch.Tensor,
     mask: torch.Tensor,
-    seq: torch.Tensor,
-    cur: torch.Tensor,
-    finished: torch.Tensor,
-    gen_len: torch.Tensor,
-    eos_mask: torch.Tensor,
-    eos_block: torch.Tensor,
-    pad: torch.Tensor,
-    temperature: torch.Tensor,
-    noise: torch.Tensor | None,
-    do_sample: bool,
     keep_last: bool,
+    tok: torch.Tensor,
+    *choose_args: Any,
 ) -> None:
     """One decode step: forward of ``tok`` at ``pos`` (the cache's own counter is the cache position), then
-    :func:`_choose`. Every tensor argument is a static-address buffer; the outputs are in-place updates only."""
+    ``_choose(logits, tok, *choose_args)``. Every tensor argument is a static-address buffer; the outputs are in-place
+    updates only."""
     extra = {"logits_to_keep": 1} if keep_last else {}
     out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra)
     pos.add_(1)
-    _choose(out.logits[:, -1, :], seq, cur, tok, finished, gen_len, eos_mask, eos_block, pad, temperature, noise,
-            do_sample)  # fmt: skip
+    _choose(out.logits[:, -1, :], tok, *choose_args)
 
 
 def _compiled_step(options: Mapping[str, Any]) -> Callable[..., None]:
@@ -326,8 +317,10 @@ def graph_generate(
     st.pos.copy_(mask.sum(-1, keepdim=True))
     if do_sample:
         noise.exponential_(generator=generator)
-    _choose(logits, st.seq, st.cur, st.tok, st.finished, st.gen_len, st.eos_mask, st.eos_block, st.pad,
-            st.temperature, noise, do_sample)  # fmt: skip
+    # the state _choose advances, in its argument order (the prefill and every decode step pass the same tensors)
+    state = (st.tok, st.seq, st.cur, st.finished, st.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature, noise,
+             do_sample)  # fmt: skip
+    _choose(logits, *state)
     del logits
 
     # ---- decode: replay the step, no host sync except the periodic "all finished?" check
@@ -340,8 +333,7 @@ def graph_generate(
             st.eos_block.fill_(False)
         if do_sample:
             noise.exponential_(generator=generator)
-        step(model, st.cache, st.tok, st.pos, st.mask, st.seq, st.cur, st.finished, st.gen_len, st.eos_mask,
-             st.eos_block, st.pad, st.temperature, noise, do_sample, keep_last)  # fmt: skip
+        step(model, st.cache, st.pos, st.mask, keep_last, *state)
         if check and t % check_every == 0 and t >= min_new_tokens and bool(st.finished.all()):
             break
     new = int(st.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row has finished

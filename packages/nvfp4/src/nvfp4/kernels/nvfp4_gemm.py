@@ -525,7 +525,9 @@ def _linear_mma_kernel(
     offs_n = pid_n * 64 + tl.arange(0, 64)
     offs_k = tl.arange(0, 256)
     m_mask = offs_m < M
-    sfac, post = _scale_fold(g_ptr, False)  # FAST: the tile holds W · global · 2^-14, so post = 2^14 / global
+    # sfac = 2^14 / global: the portable tile's factor; FAST multiplies the accumulator by it instead (its tile holds
+    # W · global · 2^-14), so the folded-scale pair of the compressed-tensors kernels (_scale_fold(g, True)) is unused
+    sfac, _ = _scale_fold(g_ptr, False)
     w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_lo = pid_k * K_PER_SPLIT

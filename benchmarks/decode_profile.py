@@ -65,6 +65,10 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels"}
 
 
+# Table columns: every category above, then "other".
+CATEGORY_COLUMNS = ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")
+
+
 def category(kernel: str) -> str:
     for name, pat in CATEGORIES:
         if pat.search(kernel):
@@ -138,16 +142,12 @@ def run_worker(args) -> dict:
     if args.engine == "graph":
         from qerl_trl.graph_generate import graph_generate
 
-    def gen(ids, new: int) -> float:
+    def run(ids, new: int) -> None:
         if args.engine == "graph":  # one compiled CUDA graph per decode step, sampling included (rollout.py's engine)
-            with torch.no_grad():
-                _sync()
-                t = time.perf_counter()
-                graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, eos_token_id=None, pad_token_id=0,
-                               max_cache_len=args.prompt_len + max(n + 1, 8), compile=not args.no_compile)  # fmt: skip
-                _sync()
-                return time.perf_counter() - t
+            graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, max_cache_len=args.prompt_len + max(n + 1, 8),
+                           compile=not args.no_compile)  # fmt: skip
+            return
         cfg = GenerationConfig(
             max_new_tokens=new,
             min_new_tokens=new,
@@ -160,10 +160,13 @@ def run_worker(args) -> dict:
             compile_config=cc,
             disable_compile=args.no_compile,
         )
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+
+    def gen(ids, new: int) -> float:
         with torch.no_grad():
             _sync()
             t = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+            run(ids, new)
             _sync()
             return time.perf_counter() - t
 
@@ -219,7 +222,7 @@ def run_arms(args, tag: str, worker_cmd: Callable[[str, Path], list[str]], worke
 
 def _fmt_row(r: dict, b: dict) -> str:
     cats = b["by_category_us"]
-    col = [cats.get(c, 0.0) for c in ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")]
+    col = [cats.get(c, 0.0) for c in CATEGORY_COLUMNS]
     idle = b["decode_step_wall_us"] - b["decode_step_kernels_us"]
     return (
         f"| {r['model']} | {r['label']} | {r.get('engine', 'generate')} | {b['batch']} | "

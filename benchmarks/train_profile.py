@@ -29,10 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode_profile import _kernel_times, category, run_arms  # noqa: E402
+from decode_profile import CATEGORY_COLUMNS, _kernel_times, category, run_arms  # noqa: E402
 from rollout import ARM_LABEL, ARMS, MODELS, _csv, _gb, _sync, build_model  # noqa: E402
-
-CATS = ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")
 
 
 def _loss(model, ids):
@@ -115,9 +113,9 @@ def run_worker(args) -> dict:
 def table(results: list[dict]) -> str:
     head = (
         "| model | arm | tokens | fwd s | bwd s | fwd+bwd s | kernels s | idle s | "
-        + " | ".join(CATS)
+        + " | ".join(CATEGORY_COLUMNS)
         + " | launches | peak GPU GB |\n|---|---|---:|"
-        + "---:|" * (8 + len(CATS))
+        + "---:|" * (8 + len(CATEGORY_COLUMNS))
     )
     rows = []
     for r in results:
@@ -129,7 +127,7 @@ def table(results: list[dict]) -> str:
             f"| {r['model']} | {r['label']} | {r['batch']}×{r['seq_len']} | {r['forward_s']:.3f} | "
             f"{r['backward_s']:.3f} | {r['forward_s'] + r['backward_s']:.3f} | {r['kernels_s']:.3f} | "
             f"{r['profiled_wall_s'] - r['kernels_s']:.3f} | "
-            + " | ".join(f"{cats.get(c, 0.0):.3f}" for c in CATS)
+            + " | ".join(f"{cats.get(c, 0.0):.3f}" for c in CATEGORY_COLUMNS)
             + f" | {r['kernel_launches']} | {r.get('peak_gpu_gb', '-')} |"
         )
     return "\n".join([head, *rows])

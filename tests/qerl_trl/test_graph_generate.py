@@ -199,3 +199,40 @@ def test_import_is_light(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [BlockTrl(), *sys.meta_path])
     mod = importlib.import_module("qerl_trl.graph_generate")
     assert callable(mod.graph_generate) and "trl" not in sys.modules
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_default_compile_is_greedy_gpu():
+    """The default on CUDA (inductor, ``mode="reduce-overhead"``: CUDA graphs), for a bf16 model with PEFT LoRA and an
+    NVFP4 model (MMA-layout Triton kernels with the fused LoRA; every linear a whole number of kernel tiles): each
+    generated token is the argmax of an uncompiled full-sequence forward (within bf16 noise: inductor and eager round
+    differently, so exact token equality with the eager loop would fail on near-ties), and a second call, replaying
+    the recorded graphs, returns the same tokens."""
+    from nvfp4 import quantize_model
+    from nvfp4.peft import get_peft_model as nvfp4_peft
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoraConfig(r=16, target_modules=targets, init_lora_weights=False)
+    cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)).to("cuda", torch.bfloat16).eval()
+    quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
+    arms = {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
+    ids, mask = _prompts(batch=3, length=9)
+    ids, mask = ids.cuda(), mask.cuda()
+    n = 16
+    for name, model in arms.items():
+        model.eval()
+        torch._dynamo.reset()
+        out = graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True)
+        assert torch.equal(graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True), out)
+        full = torch.cat([mask, torch.ones_like(out[:, 9:])], 1)
+        pos = (full.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, 8:-1].float()
+        chosen = logits.gather(-1, out[:, 9:, None]).squeeze(-1)
+        gap = logits.amax(-1) - chosen
+        tol = 0.05 * logits.std(-1)
+        assert torch.isfinite(logits).all() and (gap <= tol).all(), (name, gap.max().item())
+        release_graph_state(model)

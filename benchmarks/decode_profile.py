@@ -15,7 +15,9 @@ the difference, divided by ``N``, is one decode step. Kernels are grouped by nam
 
 Run the ``-base`` arms too: the LoRA cost of a step is ``arm - arm-base``. ``nvfp4:unfused`` runs the NVFP4 arm with
 ``NVFP4_DISABLE_FUSED_LORA=1`` (PEFT's adapter modules instead of the fused NVFP4+LoRA kernel); ``nvfp4:ct`` with
-``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels). ``lm_head`` alone is timed separately
+``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels); ``:pdl`` / ``:nopdl``
+launch the NVFP4 kernels with / without programmatic dependent launch and ``:ipdl`` lets inductor's kernels use it
+(any arm; see ``SUFFIXES``). ``lm_head`` alone is timed separately
 (``F.linear`` of the same shape in a CUDA graph), since in every arm it is a bf16 GEMM of vocab × hidden.
 ``wall`` is the step time from the wall clock of the profiled calls; ``wall - kernels`` is time the GPU sat idle
 (launch gaps, host work).
@@ -61,8 +63,11 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 
 # Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
 # (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
-# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout.
-SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels"}
+# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout; ":pdl" / ":nopdl" launch the NVFP4 MMA
+# kernels with / without programmatic dependent launch (``NVFP4_PDL``); ":ipdl" lets inductor's own kernels use it
+# (``TORCHINDUCTOR_ENABLE_PDL=1``).
+SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels", "pdl": "NVFP4 kernels with PDL",
+            "nopdl": "NVFP4 kernels without PDL", "ipdl": "inductor kernels with PDL"}  # fmt: skip
 
 
 # Table columns: every category above, then "other".
@@ -137,6 +142,12 @@ def run_worker(args) -> dict:
     if not cuda:
         cc._compile_all_devices = True
     n = args.profile_tokens
+    # the static cache every step attends over (masked beyond the current position): the rollouts' prompt + 1024
+    # new tokens with --cache-len, else just enough for the profiled tokens
+    cache_len = args.cache_len or args.prompt_len + max(n + 1, 8)
+    if cache_len < args.prompt_len + n + 1:
+        raise SystemExit(f"--cache-len {cache_len} < prompt + profiled tokens + 1 = {args.prompt_len + n + 1}")
+    res["cache_len"] = cache_len
     vocab, hidden = MODELS[args.model]["vocab_size"], MODELS[args.model]["hidden_size"]
 
     if args.engine == "graph":
@@ -145,7 +156,7 @@ def run_worker(args) -> dict:
     def run(ids, new: int) -> None:
         if args.engine == "graph":  # one compiled CUDA graph per decode step, sampling included (rollout.py's engine)
             graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           eos_token_id=None, pad_token_id=0, max_cache_len=args.prompt_len + max(n + 1, 8),
+                           eos_token_id=None, pad_token_id=0, max_cache_len=cache_len,
                            compile=not args.no_compile)  # fmt: skip
             return
         cfg = GenerationConfig(
@@ -153,7 +164,7 @@ def run_worker(args) -> dict:
             min_new_tokens=new,
             do_sample=False,
             cache_implementation="static",
-            max_cache_len=args.prompt_len + n + 1,
+            max_cache_len=cache_len,
             eos_token_id=None,
             bos_token_id=None,
             pad_token_id=0,
@@ -248,6 +259,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile-tokens", type=int, default=32, help="decode steps in the profiled generate")
+    p.add_argument("--cache-len", type=int, default=0,
+                   help="static KV-cache length (rollout.py uses prompt + new tokens = 1280); default prompt + N + 1")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_profile.json")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, eager, no kernel timings")
     p.add_argument("--cpu", action="store_true")
@@ -276,13 +289,18 @@ def main(argv=None) -> None:
     def worker_cmd(arm: str, part: Path) -> list[str]:
         cmd = [sys.executable, __file__, "--worker", arm, "--worker-out", str(part), "--model", args.model]
         cmd += ["--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len)]
-        cmd += ["--profile-tokens", str(args.profile_tokens), "--engine", args.engine]
+        cmd += ["--profile-tokens", str(args.profile_tokens), "--engine", args.engine, "--cache-len", str(args.cache_len)]
         return cmd + ["--cpu"] * args.cpu + ["--no-compile"] * args.no_compile
 
     def worker_env(arm: str) -> dict:
         suffixes = arm.split(":")[1:]
-        return {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
-                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
+        env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
+               "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
+        if "pdl" in suffixes or "nopdl" in suffixes:
+            env["NVFP4_PDL"] = "1" if "pdl" in suffixes else "0"
+        if "ipdl" in suffixes:
+            env["TORCHINDUCTOR_ENABLE_PDL"] = "1"
+        return env
 
     results = run_arms(args, "decode_profile", worker_cmd, worker_env)
     print(table(results))

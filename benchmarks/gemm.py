@@ -10,7 +10,11 @@ Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:
 ``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
 kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
 MMA kernel's split-K configs once more with the partials summed by the separate ``_splitk_reduce_kernel`` (the
-previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``.
+previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``; ``--compare-pdl`` times the MMA
+kernel's configs with and without programmatic dependent launch (``pdl_ms`` / ``nopdl_ms``: each call's launch and
+first weight lines overlap the previous call's tail); ``--compare-lora`` times ``nvfp4_lora_linear`` with a rank-32
+adapter fused, with the tuned config (``lora_ms``: tiles grouped per program where the grid stays full, so ``x·Aᵀ``
+is computed once per group) and with the base GEMM's config (``lora_t1_ms``: one tile per program).
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
 
 from nvfp4.codec import quantize  # noqa: E402
-from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad  # noqa: E402
+from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 from nvfp4.layout import mma_layout_supported, to_mma_layout  # noqa: E402
 
@@ -150,6 +154,16 @@ def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf1
     return ours, ref
 
 
+def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
+    """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
+    x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
+    a = torch.randn(r, wts.k, device=DEV, dtype=torch.bfloat16) / wts.k**0.5
+    b = torch.randn(wts.n, r, device=DEV, dtype=torch.bfloat16)
+    nq = _n_calls(len(wts.q))
+    return time_graph([partial(nvfp4_lora_linear, x, *wts.q[i % len(wts.q)], None, a, b, 2.0, config=config)
+                       for i in range(nq)])  # fmt: skip
+
+
 def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
     nq = _n_calls(len(wts.q))
@@ -171,6 +185,8 @@ def run_tables(
     partial: Path | None = None,
     compare_ct: bool = False,
     compare_reduce: bool = False,
+    compare_pdl: bool = False,
+    compare_lora: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
@@ -191,6 +207,14 @@ def run_tables(
                     split = cfg.mma and not cfg.dequant and cfg.split_k > 1
                     sep = replace(cfg, fused_reduce=False)
                     row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
+                cfg = kern.linear_config(m, n, k, mma=wts.mma)
+                if compare_lora and cfg.mma and not cfg.dequant:
+                    row["lora_ms"] = bench_lora(wts, m)
+                    row["lora_t1_ms"] = bench_lora(wts, m, cfg)
+                    row["lora_config"] = kern.linear_config(m, n, k, mma=True, lora=True).__dict__
+                if compare_pdl and cfg.mma and not cfg.dequant:
+                    for col, pdl in (("pdl", True), ("nopdl", False)):
+                        row[f"{col}_ms"] = bench_fwd(wts, m, replace(cfg, pdl=pdl), with_bf16=False)[0]
                 results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
@@ -207,6 +231,11 @@ def run_tables(
     return results
 
 
+# optional per-row timings (``<key>_ms``) and their labels in the layer table
+EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "pdl": "with PDL",
+                 "nopdl": "without PDL", "lora": "+ LoRA r=32 fused", "lora_t1": "+ LoRA, one tile per program"}  # fmt: skip
+
+
 def layer_summary(rows: list[dict]) -> list[dict]:
     out = []
     for (model, m), grp in itertools.groupby(
@@ -218,7 +247,7 @@ def layer_summary(rows: list[dict]) -> list[dict]:
         qbytes = sum(r["weight_GBps"] * r["ours_ms"] * 1e-3 * 1e9 for r in grp)
         row = dict(model=model, M=m, ours_ms=ours, bf16_ms=ref, speedup=ref / ours,
                    weight_GBps=qbytes / (ours * 1e-3) / 1e9)  # fmt: skip
-        for col in ("ct", "sep_reduce"):
+        for col in EXTRA_COLUMNS:
             if all(f"{col}_ms" in r for r in grp):
                 row[f"{col}_ms"] = sum(r[f"{col}_ms"] for r in grp)
                 row[f"{col}_speedup"] = ref / row[f"{col}_ms"]
@@ -236,12 +265,12 @@ def print_tables(results: dict) -> None:
             print(f"| {r['model']} | {r['linear']} | {r['N']}×{r['K']} | {r['M']} | {r['ours_ms']:.4f} | "
                   f"{r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | {r['speedup']:.2f} |")  # fmt: skip
         print(f"\n## {kind}: whole decoder layer (sum of its 7 linears)")
-        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 | CT-layout kernels ms | ×bf16 | separate split-K "
-              "reduce ms | ×bf16 |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| model | M | ours ms | GB/s | bf16 ms | ×bf16 | "
+              + " | ".join(f"{label} ms | ×bf16" for label in EXTRA_COLUMNS.values()) + " |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(EXTRA_COLUMNS))
         for r in layer_summary(rows):
             extra = " | ".join(f"{r[c + '_ms']:.4f} | {r[c + '_speedup']:.2f}" if c + "_ms" in r else "- | -"
-                               for c in ("ct", "sep_reduce"))  # fmt: skip
+                               for c in EXTRA_COLUMNS)  # fmt: skip
             print(f"| {r['model']} | {r['M']} | {r['ours_ms']:.4f} | {r['weight_GBps']:.0f} | {r['bf16_ms']:.4f} | "
                   f"{r['speedup']:.2f} | {extra} |")  # fmt: skip
 
@@ -342,6 +371,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
     ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
     ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
+    ap.add_argument("--compare-pdl", action="store_true", help="also time the MMA kernel with and without PDL")
+    ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (grouped vs not)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
     models = args.models.split(",")
@@ -359,7 +390,8 @@ def main() -> None:
         name = "gemm_sweep.json"
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce)
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
+                         args.compare_pdl, args.compare_lora)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

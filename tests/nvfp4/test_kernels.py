@@ -148,15 +148,15 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 
     torch.manual_seed(4321)
 
-    def mma(m, split, stages=1, fused_reduce=True):
+    def mma(m, split, stages=1, fused_reduce=True, tiles=1):
         return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True,
-                            fused_reduce=fused_reduce)
+                            fused_reduce=fused_reduce, tiles=tiles)
 
     # (M, N, K, config): odd M, several K splits (uneven; split-K summed in the kernel and by the separate reduce
     # kernel), several row blocks (M > BLOCK_M), the default dispatch
     cases = [(1, 64, 256, None), (3, 128, 512, mma(16, 2)), (5, 192, 768, mma(16, 2)), (20, 64, 512, mma(16, 1)),
              (33, 128, 256, mma(64, 1)), (7, 64, 1536, None), (130, 64, 256, None), (20, 128, 768, mma(16, 3)),
-             (5, 192, 768, mma(16, 2, fused_reduce=False))]
+             (5, 192, 768, mma(16, 2, fused_reduce=False)), (3, 320, 512, mma(16, 2, tiles=4))]
     for m, n, k, cfg in cases:
         for with_bias in (False, True):
             q = quantize(torch.randn(n, k))
@@ -166,7 +166,10 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
             ref = x.double() @ wd.T + (b.double() if with_bias else 0)
             y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
             out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
-    for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1))]:
+    # groups of tiles per program (x·Aᵀ computed beside the first tile only): a ragged last group, split-K summed
+    # in the kernel and by the separate kernel
+    for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1)),
+                            (3, 320, 512, 32, mma(16, 2, tiles=4)), (18, 192, 768, 8, mma(16, 3, False, tiles=2))]:
         out.append(lora_case(m, n, k, r, cfg, to_mma_layout))
     for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
         q = quantize(torch.randn(n, k))
@@ -199,7 +202,7 @@ def test_mma_layout_kernels_under_triton_interpreter():
     """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
     float64 reference of the compressed-tensors tensors they were converted from."""
     results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
-    assert len(results) == 18 + 3 + 3 + 2 + 1 + 1
+    assert len(results) == 20 + 5 + 3 + 2 + 1 + 1
     for r in results:
         if r["kind"] == "counters":
             assert r["zero"] and r["used"] == 1, r
@@ -383,6 +386,10 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7)
         assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
         assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
+        if m <= 128:  # groups of 3 tiles per program (ragged where N/64 is not a multiple of 3), x·Aᵀ once per group
+            cfg = replace(linear_config(m, n, k, mma=True), tiles=3)
+            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
+            assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r, cfg)
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
         dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
@@ -422,6 +429,53 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
         for (_, cfg, ref), o in zip(cases, outs):
             assert torch.equal(o, ref), cfg
     assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_programmatic_dependent_launch_chain_in_a_cuda_graph_gpu(poisoned):
+    """``pdl=True`` (programmatic dependent launch, L2 prefetch before ``griddepcontrol.wait``): a chain of 24
+    dependent linears, each reading the previous one's output (split-K summed in the kernel and single-split
+    configs, M = 1 and 13), eagerly and captured in one CUDA graph replayed 4 times with every intermediate reset to
+    NaN before each replay: bit-equal to the same chain without PDL (a program that read x, or touched the shared
+    split-K counters, before the previous kernel finished would differ)."""
+    from nvfp4.kernels import LinearConfig, nvfp4_linear
+    from nvfp4.layout import to_mma_layout
+
+    torch.manual_seed(9)
+    dims = [1024, 2048, 1024, 512, 1024]
+    layers = []
+    for i in range(24):
+        k, n = dims[i % 4], dims[i % 4 + 1]
+        q = quantize(torch.randn(n, k, device="cuda") / k**0.5)
+        layers.append((to_mma_layout(q.packed), q.scale, q.global_scale, LinearConfig(16, 64, 256, (1, 4, 2)[i % 3], 4, 3, mma=True)))  # fmt: skip
+    for m in (1, 13):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+
+        def chain(pdl: bool, outs: list[torch.Tensor] | None = None, x: torch.Tensor = x) -> list[torch.Tensor]:
+            h, res = x, []
+            for j, (packed, scale, g, cfg) in enumerate(layers):
+                h = nvfp4_linear(h, packed, scale, g, None, config=replace(cfg, pdl=pdl))
+                if outs is not None:
+                    outs[j].copy_(h)
+                    h = outs[j]
+                res.append(h)
+            return res
+
+        ref = chain(False)
+        assert all(torch.isfinite(r).all() for r in ref)
+        eager = chain(True)
+        assert all(torch.equal(a, b) for a, b in zip(eager, ref))
+        outs = [torch.empty_like(r) for r in ref]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(True, outs)
+        for _ in range(4):
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, ref)), m
 
 
 @pytest.mark.gpu

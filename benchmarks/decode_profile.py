@@ -15,9 +15,8 @@ the difference, divided by ``N``, is one decode step. Kernels are grouped by nam
 
 Run the ``-base`` arms too: the LoRA cost of a step is ``arm - arm-base``. ``nvfp4:unfused`` runs the NVFP4 arm with
 ``NVFP4_DISABLE_FUSED_LORA=1`` (PEFT's adapter modules instead of the fused NVFP4+LoRA kernel); ``nvfp4:ct`` with
-``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels); ``:pdl`` / ``:nopdl``
-launch the NVFP4 kernels with / without programmatic dependent launch and ``:ipdl`` lets inductor's kernels use it
-(any arm; see ``SUFFIXES``). ``lm_head`` alone is timed separately
+``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels); ``:ipdl`` (any arm)
+lets inductor's kernels use programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``). ``lm_head`` alone is timed separately
 (``F.linear`` of the same shape in a CUDA graph), since in every arm it is a bf16 GEMM of vocab × hidden.
 ``wall`` is the step time from the wall clock of the profiled calls; ``wall - kernels`` is time the GPU sat idle
 (launch gaps, host work).
@@ -63,11 +62,10 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 
 # Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
 # (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
-# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout; ":pdl" / ":nopdl" launch the NVFP4 MMA
-# kernels with / without programmatic dependent launch (``NVFP4_PDL``); ":ipdl" lets inductor's own kernels use it
-# (``TORCHINDUCTOR_ENABLE_PDL=1``).
-SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels", "pdl": "NVFP4 kernels with PDL",
-            "nopdl": "NVFP4 kernels without PDL", "ipdl": "inductor kernels with PDL"}  # fmt: skip
+# (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout; ":ipdl" lets inductor's own kernels use
+# programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``).
+SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels",
+            "ipdl": "inductor kernels with PDL"}  # fmt: skip
 
 
 # Table columns: every category above, then "other".
@@ -296,8 +294,6 @@ def main(argv=None) -> None:
         suffixes = arm.split(":")[1:]
         env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
-        if "pdl" in suffixes or "nopdl" in suffixes:
-            env["NVFP4_PDL"] = "1" if "pdl" in suffixes else "0"
         if "ipdl" in suffixes:
             env["TORCHINDUCTOR_ENABLE_PDL"] = "1"
         return env

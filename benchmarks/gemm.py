@@ -10,11 +10,10 @@ Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:
 ``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
 kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
 MMA kernel's split-K configs once more with the partials summed by the separate ``_splitk_reduce_kernel`` (the
-previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``; ``--compare-pdl`` times the MMA
-kernel's configs with and without programmatic dependent launch (``pdl_ms`` / ``nopdl_ms``: each call's launch and
-first weight lines overlap the previous call's tail); ``--compare-lora`` times ``nvfp4_lora_linear`` with a rank-32
-adapter fused, with the tuned config (``lora_ms``: tiles grouped per program where the grid stays full, so ``x·Aᵀ``
-is computed once per group) and with the base GEMM's config (``lora_t1_ms``: one tile per program).
+previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``; ``--compare-lora`` times
+``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched (``lora_ms``: with split-K summed in the kernel,
+``x·Aᵀ`` computed once per K split and shared by the tiles) and with ``x·Aᵀ`` beside every tile
+(``lora_pertile_ms``, the previous way).
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -185,7 +184,6 @@ def run_tables(
     partial: Path | None = None,
     compare_ct: bool = False,
     compare_reduce: bool = False,
-    compare_pdl: bool = False,
     compare_lora: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
@@ -210,11 +208,7 @@ def run_tables(
                 cfg = kern.linear_config(m, n, k, mma=wts.mma)
                 if compare_lora and cfg.mma and not cfg.dequant:
                     row["lora_ms"] = bench_lora(wts, m)
-                    row["lora_t1_ms"] = bench_lora(wts, m, cfg)
-                    row["lora_config"] = kern.linear_config(m, n, k, mma=True, lora=True).__dict__
-                if compare_pdl and cfg.mma and not cfg.dequant:
-                    for col, pdl in (("pdl", True), ("nopdl", False)):
-                        row[f"{col}_ms"] = bench_fwd(wts, m, replace(cfg, pdl=pdl), with_bf16=False)[0]
+                    row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False))
                 results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
@@ -232,8 +226,8 @@ def run_tables(
 
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
-EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "pdl": "with PDL",
-                 "nopdl": "without PDL", "lora": "+ LoRA r=32 fused", "lora_t1": "+ LoRA, one tile per program"}  # fmt: skip
+EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 fused",
+                 "lora_pertile": "+ LoRA, x·Aᵀ per tile"}  # fmt: skip
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -371,7 +365,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
     ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
     ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
-    ap.add_argument("--compare-pdl", action="store_true", help="also time the MMA kernel with and without PDL")
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (grouped vs not)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
@@ -391,7 +384,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_pdl, args.compare_lora)  # fmt: skip
+                         args.compare_lora)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

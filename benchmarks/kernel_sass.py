@@ -40,7 +40,7 @@ _COMMON = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp3
            "HAS_BIAS": "constexpr", "USE_WS": "constexpr", "BLOCK_M": "constexpr", "FAST": "constexpr",
            "a_ptr": "*bf16", "lb_ptr": "*bf16", "lora_scale": "fp32", "R": "i32", "HAS_LORA": "constexpr",
            "BLOCK_R": "constexpr", "out_ptr": "*bf16", "cnt_ptr": "*i32", "SPLIT": "i32",
-           "FUSED_REDUCE": "constexpr", "PDL": "constexpr", "PREFETCH": "constexpr", "TILES": "constexpr"}  # fmt: skip
+           "FUSED_REDUCE": "constexpr", "t_ptr": "*fp32", "tcnt_ptr": "*i32", "SHARED_T": "constexpr"}  # fmt: skip
 _CT_EXTRA = {"EVEN_K": "constexpr", "SWAP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
              "GROUP_M": "constexpr", "PREFETCH": "constexpr"}  # fmt: skip
 _ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym", "K_PER_SPLIT",
@@ -78,14 +78,17 @@ def main() -> None:
         ("MMA layout, M<=64, 2 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=64), 4, 2),
         ("MMA layout, M<=16, 3 stages, split-K summed in the kernel", kern._linear_mma_kernel, {"y_ptr": "*fp32"},
          dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True), 4, 3),
-        ("MMA layout, M<=16, 3 stages, split-K summed, PDL + L2 prefetch of 2 K steps", kern._linear_mma_kernel,
-         {"y_ptr": "*fp32"}, dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, PDL=True, PREFETCH=2), 4, 3),
+        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32 beside every tile", kern._linear_mma_kernel,
+         {"y_ptr": "*fp32"}, dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32), 4, 3),
+        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32, x·Aᵀ once per split (SHARED_T)",
+         kern._linear_mma_kernel, {"y_ptr": "*fp32"},
+         dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32, SHARED_T=True), 4, 3),
         ("CT layout, M<=16 (tc_config)", kern._linear_kernel, _CT_EXTRA,
          dict(BLOCK_M=16, EVEN_K=True, SWAP=True, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, PREFETCH=False), 4, 1),
     ]  # fmt: skip
     for name, fn, extra, const, warps, stages in cases:
-        constexprs = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16, FUSED_REDUCE=False, PDL=False,
-                          PREFETCH=0, TILES=1)  # fmt: skip
+        constexprs = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16, FUSED_REDUCE=False,
+                          SHARED_T=False)  # fmt: skip
         constexprs |= const
         compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
         line, counts = sass_summary(compiled)

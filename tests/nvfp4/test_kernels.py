@@ -148,15 +148,15 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 
     torch.manual_seed(4321)
 
-    def mma(m, split, stages=1, fused_reduce=True, tiles=1):
+    def mma(m, split, stages=1, fused_reduce=True, shared_t=True):
         return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=stages, mma=True,
-                            fused_reduce=fused_reduce, tiles=tiles)
+                            fused_reduce=fused_reduce, lora_shared_t=shared_t)
 
     # (M, N, K, config): odd M, several K splits (uneven; split-K summed in the kernel and by the separate reduce
     # kernel), several row blocks (M > BLOCK_M), the default dispatch
     cases = [(1, 64, 256, None), (3, 128, 512, mma(16, 2)), (5, 192, 768, mma(16, 2)), (20, 64, 512, mma(16, 1)),
              (33, 128, 256, mma(64, 1)), (7, 64, 1536, None), (130, 64, 256, None), (20, 128, 768, mma(16, 3)),
-             (5, 192, 768, mma(16, 2, fused_reduce=False)), (3, 320, 512, mma(16, 2, tiles=4))]
+             (5, 192, 768, mma(16, 2, fused_reduce=False))]
     for m, n, k, cfg in cases:
         for with_bias in (False, True):
             q = quantize(torch.randn(n, k))
@@ -166,10 +166,11 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
             ref = x.double() @ wd.T + (b.double() if with_bias else 0)
             y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
             out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
-    # groups of tiles per program (x·Aᵀ computed beside the first tile only): a ragged last group, split-K summed
-    # in the kernel and by the separate kernel
+    # x·Aᵀ once per split, shared by the tiles (split-K summed in the kernel; two row blocks), x·Aᵀ beside every
+    # tile (no split, the separate reduce kernel, or asked for)
     for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1)),
-                            (3, 320, 512, 32, mma(16, 2, tiles=4)), (18, 192, 768, 8, mma(16, 3, False, tiles=2))]:
+                            (18, 192, 768, 8, mma(16, 3)), (5, 320, 1024, 32, mma(16, 4)),
+                            (5, 320, 1024, 32, mma(16, 4, shared_t=False)), (5, 192, 768, 16, mma(16, 2, 1, False))]:
         out.append(lora_case(m, n, k, r, cfg, to_mma_layout))
     for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
         q = quantize(torch.randn(n, k))
@@ -202,7 +203,7 @@ def test_mma_layout_kernels_under_triton_interpreter():
     """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
     float64 reference of the compressed-tensors tensors they were converted from."""
     results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
-    assert len(results) == 20 + 5 + 3 + 2 + 1 + 1
+    assert len(results) == 18 + 7 + 3 + 2 + 1 + 1
     for r in results:
         if r["kind"] == "counters":
             assert r["zero"] and r["used"] == 1, r
@@ -386,8 +387,8 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7)
         assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
         assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
-        if m <= 128:  # groups of 3 tiles per program (ragged where N/64 is not a multiple of 3), x·Aᵀ once per group
-            cfg = replace(linear_config(m, n, k, mma=True), tiles=3)
+        if m <= 128:  # x·Aᵀ beside every tile instead of once per split (the default with split-K at M ≤ 32)
+            cfg = replace(linear_config(m, n, k, mma=True), lora_shared_t=False)
             y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
             assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r, cfg)
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
@@ -433,49 +434,43 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
 
 @pytest.mark.gpu
 @cuda
-def test_programmatic_dependent_launch_chain_in_a_cuda_graph_gpu(poisoned):
-    """``pdl=True`` (programmatic dependent launch, L2 prefetch before ``griddepcontrol.wait``): a chain of 24
-    dependent linears, each reading the previous one's output (split-K summed in the kernel and single-split
-    configs, M = 1 and 13), eagerly and captured in one CUDA graph replayed 4 times with every intermediate reset to
-    NaN before each replay: bit-equal to the same chain without PDL (a program that read x, or touched the shared
-    split-K counters, before the previous kernel finished would differ)."""
-    from nvfp4.kernels import LinearConfig, nvfp4_linear
+def test_fused_lora_shared_t_back_to_back_in_a_cuda_graph_gpu(poisoned):
+    """The fused LoRA with ``x·Aᵀ`` shared through the workspace (tile 0's programs publish it, every tile's last
+    program waits for it): 40 launches of 4 adapters × weights (ranks 8-64, 1-2 row blocks, 2-16 splits) in one
+    CUDA graph replayed 5 times; every output equals the eager call's bit for bit and the float64 product within
+    bf16 error, and all counters end at zero (a reader that did not wait, or a counter not reset, would differ)."""
+    from nvfp4.kernels import LinearConfig, nvfp4_lora_linear
+    from nvfp4.kernels import nvfp4_gemm as kern
     from nvfp4.layout import to_mma_layout
 
-    torch.manual_seed(9)
-    dims = [1024, 2048, 1024, 512, 1024]
-    layers = []
-    for i in range(24):
-        k, n = dims[i % 4], dims[i % 4 + 1]
-        q = quantize(torch.randn(n, k, device="cuda") / k**0.5)
-        layers.append((to_mma_layout(q.packed), q.scale, q.global_scale, LinearConfig(16, 64, 256, (1, 4, 2)[i % 3], 4, 3, mma=True)))  # fmt: skip
-    for m in (1, 13):
-        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-
-        def chain(pdl: bool, outs: list[torch.Tensor] | None = None, x: torch.Tensor = x) -> list[torch.Tensor]:
-            h, res = x, []
-            for j, (packed, scale, g, cfg) in enumerate(layers):
-                h = nvfp4_linear(h, packed, scale, g, None, config=replace(cfg, pdl=pdl))
-                if outs is not None:
-                    outs[j].copy_(h)
-                    h = outs[j]
-                res.append(h)
-            return res
-
-        ref = chain(False)
-        assert all(torch.isfinite(r).all() for r in ref)
-        eager = chain(True)
-        assert all(torch.equal(a, b) for a, b in zip(eager, ref))
-        outs = [torch.empty_like(r) for r in ref]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(True, outs)
-        for _ in range(4):
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(outs, ref)), m
+    torch.manual_seed(6)
+    cases = []
+    for n, k, split, m, r in [(512, 3584, 7, 1, 32), (4096, 2048, 4, 16, 8), (64, 4096, 16, 5, 64), (18944, 3584, 2, 24, 16)]:  # fmt: skip
+        q = quantize(torch.randn(n, k, device="cuda"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(r, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, r, device="cuda", dtype=torch.bfloat16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        ref = x.double() @ wd.T + 0.5 * (x.double() @ a.double().T) @ b.double().T
+        args = (x, to_mma_layout(q.packed), q.scale, q.global_scale, None, a, b, 0.5)
+        cfg = LinearConfig(16, 64, 256, split, 4, 3, mma=True)
+        eager = nvfp4_lora_linear(*args, config=cfg)
+        assert _rel(eager, ref) < 1e-2, (n, k, split, m, r)
+        cases.append((args, cfg, eager))
+    outs = [torch.empty_like(e) for _, _, e in cases]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            for (args, cfg, _), o in zip(cases, outs):
+                o.copy_(nvfp4_lora_linear(*args, config=cfg))
+    for _ in range(5):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (_, cfg, eager), o in zip(cases, outs):
+            assert torch.equal(o, eager), cfg
+    assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu

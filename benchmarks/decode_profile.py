@@ -16,7 +16,8 @@ the difference, divided by ``N``, is one decode step. Kernels are grouped by nam
 Run the ``-base`` arms too: the LoRA cost of a step is ``arm - arm-base``. ``nvfp4:unfused`` runs the NVFP4 arm with
 ``NVFP4_DISABLE_FUSED_LORA=1`` (PEFT's adapter modules instead of the fused NVFP4+LoRA kernel); ``nvfp4:ct`` with
 ``NVFP4_MMA_LAYOUT=0`` (weights kept in the compressed-tensors layout: the previous GEMM kernels); ``:ipdl`` (any arm)
-lets inductor's kernels use programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``). ``lm_head`` alone is timed separately
+lets inductor's kernels use programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``); ``:sdpa`` (graph engine)
+keeps SDPA for the decode steps instead of ``qerl_trl.decode_attention``. ``lm_head`` alone is timed separately
 (``F.linear`` of the same shape in a CUDA graph), since in every arm it is a bf16 GEMM of vocab × hidden.
 ``wall`` is the step time from the wall clock of the profiled calls; ``wall - kernels`` is time the GPU sat idle
 (launch gaps, host work).
@@ -63,9 +64,10 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 # Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
 # (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
 # (``NVFP4_MMA_LAYOUT=0``: the previous kernels) instead of the MMA layout; ":ipdl" lets inductor's own kernels use
-# programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``).
+# programmatic dependent launch (``TORCHINDUCTOR_ENABLE_PDL=1``); ":sdpa" (graph engine) keeps SDPA for the decode
+# steps instead of qerl_trl.decode_attention (graph_generate's default on CUDA).
 SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels",
-            "ipdl": "inductor kernels with PDL"}  # fmt: skip
+            "ipdl": "inductor kernels with PDL", "sdpa": "SDPA decode attention"}  # fmt: skip
 
 
 # Table columns: every category above, then "other".
@@ -155,6 +157,7 @@ def run_worker(args) -> dict:
         if args.engine == "graph":  # one compiled CUDA graph per decode step, sampling included (rollout.py's engine)
             graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            eos_token_id=None, pad_token_id=0, max_cache_len=cache_len,
+                           decode_attention=os.environ.get("DECODE_PROFILE_SDPA") != "1",
                            compile=not args.no_compile)  # fmt: skip
             return
         cfg = GenerationConfig(
@@ -294,6 +297,8 @@ def main(argv=None) -> None:
         suffixes = arm.split(":")[1:]
         env = {**os.environ, "NVFP4_DISABLE_FUSED_LORA": "1" if "unfused" in suffixes else "0",
                "NVFP4_MMA_LAYOUT": "0" if "ct" in suffixes else "1"}  # fmt: skip
+        if "sdpa" in suffixes:
+            env["DECODE_PROFILE_SDPA"] = "1"
         if "ipdl" in suffixes:
             env["TORCHINDUCTOR_ENABLE_PDL"] = "1"
         return env

@@ -14,6 +14,7 @@ Only torch and transformers are imported here (no trl), so the benchmarks can im
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -195,6 +196,7 @@ def graph_generate(
     compile_options: Mapping[str, Any] | None = None,
     check_every: int = 32,
     generator: torch.Generator | None = None,
+    decode_attention: bool | None = None,
 ) -> torch.LongTensor:
     """Generate ``max_new_tokens`` tokens per row with a static KV cache and one compiled graph per decode step.
 
@@ -222,6 +224,9 @@ def graph_generate(
         check_every: decode steps between two "all rows finished?" checks (one device-to-host sync each); only
             when there is an EOS id and ``min_new_tokens < max_new_tokens``.
         generator: RNG for sampling, on the device of ``input_ids``; default the global RNG.
+        decode_attention: run attention through :mod:`qerl_trl.decode_attention` (split-KV, skips the cache blocks
+            no row attends to yet) while this call runs, for models on SDPA or eager attention; default on CUDA.
+            The model's attention implementation is restored on return.
 
     Returns:
         ``[B, P + T]`` int64 on the device of ``input_ids``: the prompt followed by the generated tokens, rows that
@@ -272,6 +277,35 @@ def graph_generate(
     if compile is None:
         compile = device.type == "cuda"
 
+    if decode_attention is None:
+        decode_attention = device.type == "cuda"
+    with _decode_attention(model, decode_attention):
+        return _generate(model, input_ids, attention_mask, max_new_tokens, min_new_tokens, temperature, do_sample, eos,
+                         pad_token_id, cache_len, compile, compile_options, check_every, generator)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _decode_attention(model: nn.Module, enable: bool):
+    """Switch a model on SDPA/eager attention to :data:`~qerl_trl.decode_attention.DECODE_ATTENTION` for the block."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prev = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if not enable or prev not in ("sdpa", "eager") or not hasattr(base, "set_attn_implementation"):
+        yield
+        return
+    from .decode_attention import register_decode_attention
+
+    base.set_attn_implementation(register_decode_attention())
+    try:
+        yield
+    finally:
+        base.set_attn_implementation(prev)
+
+
+def _generate(model, input_ids, attention_mask, max_new_tokens, min_new_tokens, temperature, do_sample, eos,
+              pad_token_id, cache_len, compile, compile_options, check_every, generator) -> torch.LongTensor:  # fmt: skip
+    """:func:`graph_generate` after its argument checks."""
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
     st = _get_state(model, batch, cache_len, device)
     if compile:
         odd = sorted({type(layer).__name__ for layer in st.cache.layers if type(layer) is not StaticLayer})

@@ -61,9 +61,10 @@ def decode_attention_reference(
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, m_ptr, l_ptr, acc_ptr, L, HKV, G, S, BPS, qk_scale,
-                  stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-                  stride_mb, stride_ml, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
+def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, m_ptr, l_ptr, acc_ptr, L, HKV, G, S, BPS,
+                                   qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb,
+                                   stride_vh, stride_vl, stride_mb, stride_ml, BLOCK_G: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """Partial attention of the ``G`` query heads of one (row, KV head) over one split of the cache slots."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -102,8 +103,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, m_ptr, l_ptr, acc_ptr, L, HKV, 
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, HKV, G, S, stride_ob, stride_oh, BLOCK_G: tl.constexpr,
-                    D: tl.constexpr):  # fmt: skip
+def _decode_attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, HKV, G, S, stride_ob, stride_oh,
+                                     BLOCK_G: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """Merge the ``S`` partials of one (row, KV head) into ``o[b, j·G + g, :]``."""
     pid = tl.program_id(0)
     b = pid // HKV
@@ -170,13 +171,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     out = torch.empty((b, 1, h, d), dtype=q.dtype, device=q.device)
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
-    _split_kernel[(b * hkv, splits)](
+    _decode_attention_split_kernel[(b * hkv, splits)](
         q, k, v, keep.view(torch.uint8), m, lsum, acc, length, hkv, g, splits, bps, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         keep.stride(0), keep.stride(1), BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=d, num_warps=4, num_stages=2,
     )  # fmt: skip
-    _combine_kernel[(b * hkv,)](m, lsum, acc, out, hkv, g, splits, out.stride(0), out.stride(2), BLOCK_G=block_g, D=d,
-                                num_warps=4)  # fmt: skip
+    _decode_attention_combine_kernel[(b * hkv,)](m, lsum, acc, out, hkv, g, splits, out.stride(0), out.stride(2),
+                                                 BLOCK_G=block_g, D=d, num_warps=4)  # fmt: skip
     return out
 
 

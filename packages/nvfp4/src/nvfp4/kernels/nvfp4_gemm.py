@@ -1037,6 +1037,14 @@ MMA_STAGES = {32: 3, 128: 2}
 FUSED_REDUCE_MAX_M = 32
 
 
+# A fused LoRA's x·Aᵀ is shared by the tiles (SHARED_T) for weights of at least this many elements, or of at least
+# LORA_SHARED_T_MIN_N_M32 rows from BLOCK_M = 32; smaller weights compute it beside every tile (H100, same run,
+# gemm_lora_shared_t.json: 7B k at M = 1 6.7 µs per tile vs 8.6 shared, 7B q 11.1 vs 12.3; 32B q 19.9 vs 16.0, 7B
+# gate 35.0 vs 26.5; 7B q at M = 32 19.6 vs 14.9).
+LORA_SHARED_T_MIN_WEIGHTS = 1 << 24
+LORA_SHARED_T_MIN_N_M32 = 2048
+
+
 def mma_config(m: int, n: int, k: int) -> LinearConfig:
     """Config of :func:`_linear_mma_kernel` for ``m ≤ FUSED_MAX_M`` (``n % 64 == 0``, ``k % 256 == 0``)."""
     if m > FUSED_MAX_M:
@@ -1045,7 +1053,9 @@ def mma_config(m: int, n: int, k: int) -> LinearConfig:
     tiles, steps = n // 64, k // 256
     split = max(1, min(triton.cdiv(MMA_TARGET_PROGRAMS[bound], tiles), steps // 2))
     bm = max(16, triton.next_power_of_2(m))
-    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True, fused_reduce=bm <= FUSED_REDUCE_MAX_M)
+    shared_t = n * k >= LORA_SHARED_T_MIN_WEIGHTS or (bm >= 32 and n >= LORA_SHARED_T_MIN_N_M32)
+    return LinearConfig(bm, 64, 256, split, 4, MMA_STAGES[bound], True, mma=True, fused_reduce=bm <= FUSED_REDUCE_MAX_M,
+                        lora_shared_t=shared_t)  # fmt: skip
 
 
 def linear_config(m: int, n: int, k: int, mma: bool = False) -> LinearConfig:

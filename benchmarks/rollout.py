@@ -30,8 +30,9 @@ LoRA that breaks the compiled path shows up in the table.
 length, lengths, greedy decoding, warm-ups and timings): the whole decode step, sampling included, is one
 ``torch.compile(mode="reduce-overhead")`` graph (``--compile-backend`` / ``--compile-mode`` / ``--fullgraph`` apply to
 it) replayed by a Python loop that never syncs with the GPU, so the host work of ``generate`` between CUDA graphs
-(logits processors, stopping criteria, a sync per step) goes away. Rows carry their ``engine``; ``--merge`` puts both
-engines in one table.
+(logits processors, stopping criteria, a sync per step) goes away; on CUDA its attention is
+``qerl_trl.decode_attention`` (graph_generate's default; every arm alike). Rows carry their ``engine``; ``--merge``
+puts both engines in one table.
 
 Each (model, arm) runs in a fresh subprocess (no compile-cache or allocator interference; OOM = "does not fit"),
 results are appended to ``--out`` after every arm, so a run cut short keeps what it measured.

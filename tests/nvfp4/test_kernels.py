@@ -397,6 +397,30 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
 
 
+def _assert_replays_bit_equal(fn, cases) -> None:
+    """``cases``: ``(args, config, expected)``. Capture 10 rounds of ``fn(*args, config=config)`` for every case in
+    one CUDA graph, replay it 5 times with the outputs reset to NaN first, and require each output to equal
+    ``expected`` bit for bit and the split-K counters to end at zero."""
+    from nvfp4.kernels import nvfp4_gemm as kern
+
+    outs = [torch.empty_like(expected) for _, _, expected in cases]
+    for (args, cfg, _), o in zip(cases, outs):
+        o.copy_(fn(*args, config=cfg))  # allocates the counters outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            for (args, cfg, _), o in zip(cases, outs):
+                o.copy_(fn(*args, config=cfg))
+    for _ in range(5):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (_, cfg, expected), o in zip(cases, outs):
+            assert torch.equal(o, expected), cfg
+    assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+
+
 @pytest.mark.gpu
 @cuda
 def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
@@ -404,7 +428,6 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
     CUDA graph and replayed 5 times; every output equals the separate reduce kernel's bit for bit (a program that
     summed before all partials had landed, or a counter left non-zero, would differ) and the counters end at zero."""
     from nvfp4.kernels import LinearConfig, nvfp4_linear
-    from nvfp4.kernels import nvfp4_gemm as kern
     from nvfp4.layout import to_mma_layout
 
     torch.manual_seed(5)
@@ -415,22 +438,7 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
         cfg = LinearConfig(16, 64, 256, split, 4, 3, mma=True)
         args = (x, to_mma_layout(q.packed), q.scale, q.global_scale, None)
         cases.append((args, cfg, nvfp4_linear(*args, config=replace(cfg, fused_reduce=False))))
-    outs = [torch.empty_like(ref) for _, _, ref in cases]
-    for (args, cfg, _), o in zip(cases, outs):
-        o.copy_(nvfp4_linear(*args, config=cfg))  # allocates the counters outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            for (args, cfg, _), o in zip(cases, outs):
-                o.copy_(nvfp4_linear(*args, config=cfg))
-    for _ in range(5):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for (_, cfg, ref), o in zip(cases, outs):
-            assert torch.equal(o, ref), cfg
-    assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+    _assert_replays_bit_equal(nvfp4_linear, cases)
 
 
 @pytest.mark.gpu
@@ -441,7 +449,6 @@ def test_fused_lora_shared_t_back_to_back_in_a_cuda_graph_gpu(poisoned):
     CUDA graph replayed 5 times; every output equals the eager call's bit for bit and the float64 product within
     bf16 error, and all counters end at zero (a reader that did not wait, or a counter not reset, would differ)."""
     from nvfp4.kernels import LinearConfig, nvfp4_lora_linear
-    from nvfp4.kernels import nvfp4_gemm as kern
     from nvfp4.layout import to_mma_layout
 
     torch.manual_seed(6)
@@ -458,20 +465,7 @@ def test_fused_lora_shared_t_back_to_back_in_a_cuda_graph_gpu(poisoned):
         eager = nvfp4_lora_linear(*args, config=cfg)
         assert _rel(eager, ref) < 1e-2, (n, k, split, m, r)
         cases.append((args, cfg, eager))
-    outs = [torch.empty_like(e) for _, _, e in cases]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            for (args, cfg, _), o in zip(cases, outs):
-                o.copy_(nvfp4_lora_linear(*args, config=cfg))
-    for _ in range(5):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for (_, cfg, eager), o in zip(cases, outs):
-            assert torch.equal(o, eager), cfg
-    assert int(kern._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+    _assert_replays_bit_equal(nvfp4_lora_linear, cases)
 
 
 @pytest.mark.gpu

@@ -206,6 +206,16 @@ def run_worker(args) -> dict:
             "by_category_us": {k: round(v, 1) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
             "top_kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25]),
         }
+        # the 1-token call alone: the eager prefill (plus one step), where NVFP4 ran slower than bf16 in rollout.py
+        pre_cat: dict[str, float] = {}
+        for name, v in runs["prefill"]["kernels"].items():
+            pre_cat[category(name)] = pre_cat.get(category(name), 0.0) + v["us"]
+        row["prefill_wall_us"] = round(runs["prefill"]["wall_s"] * 1e6, 1)
+        row["prefill_kernels_us"] = round(sum(pre_cat.values()), 1)
+        row["prefill_by_category_us"] = {k: round(v, 1) for k, v in sorted(pre_cat.items(), key=lambda kv: -kv[1])}
+        row["prefill_top_kernels_us"] = dict(
+            sorted(((k, round(v["us"], 2)) for k, v in runs["prefill"]["kernels"].items()), key=lambda kv: -kv[1])[:15]
+        )
         if cuda:
             row["lm_head_us"] = _lm_head_us(hidden, vocab, b, device, dtype)
         res["batches"].append(row)
@@ -250,7 +260,17 @@ def table(results: list[dict]) -> str:
         "other | idle (wall - kernels) | lm_head alone |\n|---|---|---|---:|" + "---:|" * 9
     )
     rows = [_fmt_row(r, b) for r in results if "batches" in r for b in r["batches"]]
-    return "\n".join([head, *rows])
+    pre_head = (
+        "\nThe 1-token call (eager prefill + one step), ms:\n\n| model | arm | engine | batch | wall | GPU kernels | "
+        + " | ".join(CATEGORY_COLUMNS) + " |\n|---|---|---|---:|" + "---:|" * (2 + len(CATEGORY_COLUMNS))
+    )
+    pre_rows = [
+        f"| {r['model']} | {r['label']} | {r.get('engine', 'generate')} | {b['batch']} | {b['prefill_wall_us'] / 1000:.2f} | "
+        f"{b['prefill_kernels_us'] / 1000:.2f} | "
+        + " | ".join(f"{b['prefill_by_category_us'].get(c, 0.0) / 1000:.2f}" for c in CATEGORY_COLUMNS) + " |"
+        for r in results if "batches" in r for b in r["batches"] if "prefill_wall_us" in b
+    ]  # fmt: skip
+    return "\n".join([head, *rows, pre_head, *pre_rows])
 
 
 def main(argv=None) -> None:

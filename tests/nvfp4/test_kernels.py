@@ -11,10 +11,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from nvfp4.codec import dequantize, quantize
+from triton_interpreter import run_under_interpreter
 
 SRC = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
 
@@ -115,19 +112,8 @@ _INTERP_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 )
 
 
-def _run_under_interpreter(script: str, timeout: int) -> list[dict]:
-    """Run ``script`` in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported); its RESULT rows."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
-
-
 def test_kernels_under_triton_interpreter():
-    results = _run_under_interpreter(_INTERP_SCRIPT, timeout=300)
+    results = run_under_interpreter(_INTERP_SCRIPT, timeout=300, extra_path=[SRC])
     assert len(results) == 32
     for r in results:
         if r["kind"] == "dequant":
@@ -202,7 +188,7 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
 def test_mma_layout_kernels_under_triton_interpreter():
     """The MMA-layout kernels (forward with bias / split-K / row blocks, fused LoRA, dgrad, dequantize) match the
     float64 reference of the compressed-tensors tensors they were converted from."""
-    results = _run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600)
+    results = run_under_interpreter(_INTERP_MMA_SCRIPT, timeout=600, extra_path=[SRC])
     assert len(results) == 18 + 7 + 3 + 2 + 1 + 1
     for r in results:
         if r["kind"] == "counters":

@@ -3,20 +3,20 @@ on CPU, fp16/fp32; bf16 at a 7B shape on the GPU), inside ``graph_generate`` aga
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from qerl_trl.decode_attention import decode_attention, decode_attention_reference
+from triton_interpreter import run_under_interpreter
+
+TESTS = Path(__file__).resolve().parents[1]
 
 _INTERP = textwrap.dedent(
     """
-    import json, sys
+    import json
     import torch
-    sys.path[:0] = ["tests", "tests/qerl_trl"]
     import qerl_trl.decode_attention as da
     from test_graph_generate import _model, _prompts
     from qerl_trl.graph_generate import graph_generate
@@ -53,14 +53,7 @@ _INTERP = textwrap.dedent(
 
 
 def test_decode_attention_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _INTERP], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=root)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    results = json.loads(proc.stdout.split("RESULT", 1)[1])
+    results = run_under_interpreter(_INTERP, timeout=600, extra_path=[TESTS, TESTS / "qerl_trl"])
     kernels = [r for r in results if r["kind"] == "kernel"]
     assert len(kernels) == 5
     for r in kernels:

@@ -195,17 +195,16 @@ def run_tables(
             wts = Weights(n, k, need_ct=compare_ct)
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
+                cfg = kern.linear_config(m, n, k, mma=wts.mma)
                 row = dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
                            weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours, mma_layout=wts.mma,
-                           config=kern.linear_config(m, n, k, mma=wts.mma).__dict__)  # fmt: skip
+                           config=cfg.__dict__)  # fmt: skip
                 if compare_ct:
                     row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
                 if compare_reduce:
-                    cfg = kern.linear_config(m, n, k, mma=wts.mma)
                     split = cfg.mma and not cfg.dequant and cfg.split_k > 1
                     sep = replace(cfg, fused_reduce=False)
                     row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
-                cfg = kern.linear_config(m, n, k, mma=wts.mma)
                 if compare_lora and cfg.mma and not cfg.dequant:
                     row["lora_ms"] = bench_lora(wts, m)
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False))
@@ -365,7 +364,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
     ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
     ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
-    ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (grouped vs not)")
+    ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
     models = args.models.split(",")

@@ -81,6 +81,19 @@ def category(kernel: str) -> str:
     return "other"
 
 
+def _by_category(kernel_us: dict[str, float], top: int) -> dict:
+    """``{kernel: µs}`` → total (``kernels_us``), per category (``by_category_us``) and the ``top`` largest kernels
+    (``top_kernels_us``), rounded for the JSON."""
+    cats: dict[str, float] = {}
+    for name, us in kernel_us.items():
+        cats[category(name)] = cats.get(category(name), 0.0) + us
+    return {
+        "kernels_us": round(sum(cats.values()), 1),
+        "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels_us": {k: round(v, 2) for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])[:top]},
+    }
+
+
 def _kernel_times(prof) -> dict[str, dict]:
     """``{kernel name: {"us": total device µs, "calls": n}}``: the GPU-side events (kernels, memcpy/memset)."""
     from torch.autograd import DeviceType
@@ -192,30 +205,20 @@ def run_worker(args) -> dict:
             with profile(activities=acts) as prof:
                 wall = gen(ids, new)
             runs[key] = {"wall_s": wall, "kernels": _kernel_times(prof) if cuda else {}}
-        per_step: dict[str, float] = {}
-        kernels: dict[str, float] = {}
-        for name, v in runs["full"]["kernels"].items():
-            us = (v["us"] - runs["prefill"]["kernels"].get(name, {}).get("us", 0.0)) / n
-            kernels[name] = round(us, 2)
-            per_step[category(name)] = per_step.get(category(name), 0.0) + us
+        prefill = {name: v["us"] for name, v in runs["prefill"]["kernels"].items()}
+        step = _by_category({name: (v["us"] - prefill.get(name, 0.0)) / n for name, v in runs["full"]["kernels"].items()},
+                            top=25)  # fmt: skip
         wall_us = (runs["full"]["wall_s"] - runs["prefill"]["wall_s"]) * 1e6 / n
         row = {
             "batch": b,
             "decode_step_wall_us": round(wall_us, 1),
-            "decode_step_kernels_us": round(sum(per_step.values()), 1),
-            "by_category_us": {k: round(v, 1) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
-            "top_kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25]),
+            "decode_step_kernels_us": step["kernels_us"],
+            "by_category_us": step["by_category_us"],
+            "top_kernels_us": step["top_kernels_us"],
+            # the 1-token call alone: the eager prefill (plus one step), where NVFP4 ran slower than bf16 in rollout.py
+            "prefill_wall_us": round(runs["prefill"]["wall_s"] * 1e6, 1),
+            **{f"prefill_{k}": v for k, v in _by_category(prefill, top=15).items()},
         }
-        # the 1-token call alone: the eager prefill (plus one step), where NVFP4 ran slower than bf16 in rollout.py
-        pre_cat: dict[str, float] = {}
-        for name, v in runs["prefill"]["kernels"].items():
-            pre_cat[category(name)] = pre_cat.get(category(name), 0.0) + v["us"]
-        row["prefill_wall_us"] = round(runs["prefill"]["wall_s"] * 1e6, 1)
-        row["prefill_kernels_us"] = round(sum(pre_cat.values()), 1)
-        row["prefill_by_category_us"] = {k: round(v, 1) for k, v in sorted(pre_cat.items(), key=lambda kv: -kv[1])}
-        row["prefill_top_kernels_us"] = dict(
-            sorted(((k, round(v["us"], 2)) for k, v in runs["prefill"]["kernels"].items()), key=lambda kv: -kv[1])[:15]
-        )
         if cuda:
             row["lm_head_us"] = _lm_head_us(hidden, vocab, b, device, dtype)
         res["batches"].append(row)

@@ -191,8 +191,7 @@ def _(q, k, v, keep, scale):
     return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
-def _usable(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-            kwargs: dict) -> bool:  # fmt: skip
+def _usable(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
     return (
         query.shape[2] == 1
         and attention_mask is not None
@@ -220,7 +219,7 @@ def decode_attention_forward(
     with an SDPA-style mask, transformers' ``sdpa_attention_forward`` for everything else."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not _usable(module, query, attention_mask, dropout, kwargs):
+    if not _usable(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
     keep = attention_mask[:, 0, 0, :]

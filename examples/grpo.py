@@ -35,3 +35,4 @@ if __name__ == "__main__":
     )
     trainer.train()
     trainer.save_model(config.output_dir)  # the LoRA adapter; the 4-bit base is never modified
+    trainer.accelerator.end_training()  # under `accelerate launch`, destroys the process group before exit

@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
-        train(*parse_train_args(argv))
+        trainer = train(*parse_train_args(argv))
+        # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
+        # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
+        trainer.accelerator.end_training()
     elif command == "eval":
         from .evaluation import main as eval_main
 

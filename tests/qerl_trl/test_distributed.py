@@ -236,3 +236,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     run(sys.argv[1], sys.argv[2], int(sys.argv[3]))
     run_dapo(sys.argv[1], str(Path(sys.argv[2]) / "dapo"), int(sys.argv[3]))
+    from accelerate import PartialState
+
+    PartialState().destroy_process_group()  # before exit: gloo's threads can abort it otherwise (pytorch#190489)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "rollout.py"
 
@@ -44,3 +46,4 @@ def test_rollout_tiny_graph_engine(tmp_path):
     for row in res["batches"]:
         assert row["length_ok"] and row["new_tokens_generated"] == 6
         assert row["tok_s"] > 0 and row["prefill_s"] > 0
+        assert len(row["prefill_s_all"]) == 3 and row["prefill_s"] == pytest.approx(min(row["prefill_s_all"]), abs=1e-3)

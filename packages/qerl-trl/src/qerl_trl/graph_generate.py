@@ -280,8 +280,72 @@ def graph_generate(
     if decode_attention is None:
         decode_attention = device.type == "cuda"
     with _decode_attention(model, decode_attention):
-        return _generate(model, input_ids, attention_mask, max_new_tokens, min_new_tokens, temperature, do_sample, eos,
-                         pad_token_id, cache_len, compile, compile_options, check_every, generator)  # fmt: skip
+        st = _get_state(model, batch, cache_len, device)
+        if compile:
+            odd = sorted({type(layer).__name__ for layer in st.cache.layers if type(layer) is not StaticLayer})
+            if odd:  # e.g. sliding-window layers keep a Python int counter, which a replayed graph would not advance
+                raise NotImplementedError(f"compiled graph_generate supports full-attention cache layers only, got {odd}")
+        keep_last = _accepts_logits_to_keep(model)
+        extra = {"logits_to_keep": 1} if keep_last else {}
+
+        # ---- prefill (eager)
+        mask = attention_mask.to(torch.long)
+        st.mask[:, :prompt_len].copy_(mask)
+        # generated positions are 1 from the start: the causal mask (query offset = the cache's length) hides the future
+        st.mask[:, prompt_len:].fill_(1)
+        st.seq[:, :prompt_len].copy_(input_ids)
+        st.cur.fill_(prompt_len)
+        st.finished.zero_()
+        st.gen_len.zero_()
+        st.eos_block.fill_(min_new_tokens > 0)
+        st.pad.fill_(pad_token_id)
+        st.temperature.fill_(float(temperature) if do_sample else 1.0)
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate: left padding gets position 0
+        out = model(
+            input_ids=input_ids.to(torch.long),
+            attention_mask=st.mask[:, :prompt_len],  # padded with zeros up to L by transformers' mask code
+            position_ids=position_ids,
+            past_key_values=st.cache,
+            use_cache=True,
+            **extra,
+        )
+        logits = out.logits[:, -1, :]
+        del out
+        vocab = logits.shape[-1]
+        if max(eos + [pad_token_id]) >= vocab:
+            raise ValueError(f"eos_token_id {eos} / pad_token_id {pad_token_id} outside the vocabulary ({vocab})")
+        if st.eos_mask is None or st.eos_mask.shape[0] != vocab:
+            st.eos_mask = _static(torch.zeros(vocab, dtype=torch.bool, device=device))
+        st.eos_mask.zero_()
+        if eos:
+            st.eos_mask[torch.tensor(eos, device=device)] = True
+        if do_sample and (st.noise is None or st.noise.shape[1] != vocab):
+            st.noise = _static(torch.empty(batch, vocab, dtype=torch.float32, device=device))
+        noise = st.noise if do_sample else None
+        st.pos.copy_(mask.sum(-1, keepdim=True))
+        if do_sample:
+            noise.exponential_(generator=generator)
+        # the state _choose advances, in its argument order (the prefill and every decode step pass the same tensors)
+        state = (st.tok, st.seq, st.cur, st.finished, st.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature, noise,
+                 do_sample)  # fmt: skip
+        _choose(logits, *state)
+        del logits
+
+        # ---- decode: replay the step, no host sync except the periodic "all finished?" check
+        step = _decode_step
+        if compile:
+            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options)
+        check = bool(eos) and min_new_tokens < max_new_tokens
+        for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
+            if t == min_new_tokens:
+                st.eos_block.fill_(False)
+            if do_sample:
+                noise.exponential_(generator=generator)
+            step(model, st.cache, st.pos, st.mask, keep_last, *state)
+            if check and t % check_every == 0 and t >= min_new_tokens and bool(st.finished.all()):
+                break
+        new = int(st.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row has finished
+        return st.seq[:, : prompt_len + new].clone()
 
 
 @contextlib.contextmanager
@@ -299,76 +363,3 @@ def _decode_attention(model: nn.Module, enable: bool):
         yield
     finally:
         base.set_attn_implementation(prev)
-
-
-def _generate(model, input_ids, attention_mask, max_new_tokens, min_new_tokens, temperature, do_sample, eos,
-              pad_token_id, cache_len, compile, compile_options, check_every, generator) -> torch.LongTensor:  # fmt: skip
-    """:func:`graph_generate` after its argument checks."""
-    batch, prompt_len = input_ids.shape
-    device = input_ids.device
-    st = _get_state(model, batch, cache_len, device)
-    if compile:
-        odd = sorted({type(layer).__name__ for layer in st.cache.layers if type(layer) is not StaticLayer})
-        if odd:  # e.g. sliding-window layers keep a Python int counter, which a replayed graph would not advance
-            raise NotImplementedError(f"compiled graph_generate supports full-attention cache layers only, got {odd}")
-    keep_last = _accepts_logits_to_keep(model)
-    extra = {"logits_to_keep": 1} if keep_last else {}
-
-    # ---- prefill (eager)
-    mask = attention_mask.to(torch.long)
-    st.mask[:, :prompt_len].copy_(mask)
-    # generated positions are 1 from the start: the causal mask (query offset = the cache's length) hides the future
-    st.mask[:, prompt_len:].fill_(1)
-    st.seq[:, :prompt_len].copy_(input_ids)
-    st.cur.fill_(prompt_len)
-    st.finished.zero_()
-    st.gen_len.zero_()
-    st.eos_block.fill_(min_new_tokens > 0)
-    st.pad.fill_(pad_token_id)
-    st.temperature.fill_(float(temperature) if do_sample else 1.0)
-    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate: left padding gets position 0
-    out = model(
-        input_ids=input_ids.to(torch.long),
-        attention_mask=st.mask[:, :prompt_len],  # padded with zeros up to L by transformers' mask code
-        position_ids=position_ids,
-        past_key_values=st.cache,
-        use_cache=True,
-        **extra,
-    )
-    logits = out.logits[:, -1, :]
-    del out
-    vocab = logits.shape[-1]
-    if max(eos + [pad_token_id]) >= vocab:
-        raise ValueError(f"eos_token_id {eos} / pad_token_id {pad_token_id} outside the vocabulary ({vocab})")
-    if st.eos_mask is None or st.eos_mask.shape[0] != vocab:
-        st.eos_mask = _static(torch.zeros(vocab, dtype=torch.bool, device=device))
-    st.eos_mask.zero_()
-    if eos:
-        st.eos_mask[torch.tensor(eos, device=device)] = True
-    if do_sample and (st.noise is None or st.noise.shape[1] != vocab):
-        st.noise = _static(torch.empty(batch, vocab, dtype=torch.float32, device=device))
-    noise = st.noise if do_sample else None
-    st.pos.copy_(mask.sum(-1, keepdim=True))
-    if do_sample:
-        noise.exponential_(generator=generator)
-    # the state _choose advances, in its argument order (the prefill and every decode step pass the same tensors)
-    state = (st.tok, st.seq, st.cur, st.finished, st.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature, noise,
-             do_sample)  # fmt: skip
-    _choose(logits, *state)
-    del logits
-
-    # ---- decode: replay the step, no host sync except the periodic "all finished?" check
-    step = _decode_step
-    if compile:
-        step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options)
-    check = bool(eos) and min_new_tokens < max_new_tokens
-    for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
-        if t == min_new_tokens:
-            st.eos_block.fill_(False)
-        if do_sample:
-            noise.exponential_(generator=generator)
-        step(model, st.cache, st.pos, st.mask, keep_last, *state)
-        if check and t % check_every == 0 and t >= min_new_tokens and bool(st.finished.all()):
-            break
-    new = int(st.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row has finished
-    return st.seq[:, : prompt_len + new].clone()

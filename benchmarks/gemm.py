@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
+from nvfp4.kernels.large_m import LARGE_M_TILES  # noqa: E402
 from nvfp4.layout import mma_layout_supported, to_mma_layout  # noqa: E402
 
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -68,7 +69,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
         "gate": (27648, 5120), "up": (27648, 5120), "down": (5120, 27648),
     },
 }  # fmt: skip
-FWD_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+FWD_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
 DEV = "cuda"
@@ -119,7 +120,7 @@ class Weights:
     layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU), ``q_ct`` (only with ``need_ct``) in the
     compressed-tensors layout."""
 
-    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False):
+    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False, need_int4: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -129,6 +130,15 @@ class Weights:
         packed = to_mma_layout(q.packed) if self.mma else q.packed
         self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
         self.q_ct = [(q.packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq if need_ct else 0)]
+        # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
+        # on the same GPU, timed on random codes (its speed does not depend on the values)
+        self.int4 = []
+        if need_int4 and k % 128 == 0:
+            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV)
+            packed4 = torch.ops.aten._convert_weight_to_int4pack(codes, 8)
+            sz = torch.randn(k // 128, n, 2, device=DEV, dtype=torch.bfloat16) * 0.01
+            n4 = max(2, math.ceil(ROTATE_BYTES / (n * k // 2 + sz.numel() * 2)))
+            self.int4 = [(packed4.clone(), sz.clone()) for _ in range(n4)]
         self.bf16 = []
         if need_bf16:
             nb = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
@@ -151,6 +161,14 @@ def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf1
         nb = _n_calls(len(wts.bf16))
         ref = time_graph([partial(F.linear, x, wts.bf16[i % len(wts.bf16)]) for i in range(nb)])
     return ours, ref
+
+
+def bench_int4(wts: Weights, m: int) -> float:
+    """torch's tinygemm ``_weight_int4pack_mm`` (group 128) on the rotated int4 copies."""
+    x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
+    n4 = _n_calls(len(wts.int4))
+    return time_graph([partial(torch.ops.aten._weight_int4pack_mm, x, wts.int4[i % len(wts.int4)][0], 128,
+                               wts.int4[i % len(wts.int4)][1]) for i in range(n4)])  # fmt: skip
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
@@ -185,6 +203,7 @@ def run_tables(
     compare_ct: bool = False,
     compare_reduce: bool = False,
     compare_lora: bool = False,
+    peer_int4: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
@@ -192,7 +211,7 @@ def run_tables(
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_ct=compare_ct)
+            wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4)
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
                 cfg = kern.linear_config(m, n, k, mma=wts.mma)
@@ -205,9 +224,12 @@ def run_tables(
                     split = cfg.mma and not cfg.dequant and cfg.split_k > 1
                     sep = replace(cfg, fused_reduce=False)
                     row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
-                if compare_lora and cfg.mma and not cfg.dequant:
+                if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m)
-                    row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False))
+                    small = cfg.mma and not cfg.dequant and not cfg.large_m
+                    row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
+                if wts.int4:
+                    row["int4_ms"] = bench_int4(wts, m)
                 results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
@@ -226,7 +248,7 @@ def run_tables(
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 fused",
-                 "lora_pertile": "+ LoRA, x·Aᵀ per tile"}  # fmt: skip
+                 "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128"}  # fmt: skip
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -241,7 +263,7 @@ def layer_summary(rows: list[dict]) -> list[dict]:
         row = dict(model=model, M=m, ours_ms=ours, bf16_ms=ref, speedup=ref / ours,
                    weight_GBps=qbytes / (ours * 1e-3) / 1e9)  # fmt: skip
         for col in EXTRA_COLUMNS:
-            if all(f"{col}_ms" in r for r in grp):
+            if all(r.get(f"{col}_ms") is not None for r in grp):
                 row[f"{col}_ms"] = sum(r[f"{col}_ms"] for r in grp)
                 row[f"{col}_speedup"] = ref / row[f"{col}_ms"]
         out.append(row)
@@ -271,18 +293,40 @@ def print_tables(results: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Tuning sweep
 # --------------------------------------------------------------------------------------------------------------
-def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfig]:
+def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
+    """``_linear_large_m_kernel`` configs for one (M, N, K): every tile of ``LARGE_M_TILES`` that fits M, with K
+    split (≥ 2 K steps per split) until the grid reaches about one and about two programs per SM."""
+    out = []
+    for tiles, quarters, bm, warps, stages in LARGE_M_TILES:
+        if bm > max(64, triton_next_pow2(m)) or n % 64:
+            continue
+        programs = -(-m // bm) * -(-n // (64 * tiles))
+        steps = k // (64 * quarters)
+        for target in (kern._NUM_SMS, 2 * kern._NUM_SMS):
+            split = max(1, min(-(-target // programs), steps // 2))
+            out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, group_m=8, mma=True,
+                                    large_m=True))  # fmt: skip
+    return list(dict.fromkeys(out))
+
+
+def fwd_candidates(m: int, n: int, k: int, mma: bool = True, retune_small_m: bool = False) -> list[LinearConfig]:
     """Candidate forward configs for one (M, N, K). MMA layout: splits × pipeline depths of ``_linear_mma_kernel``
-    (M ≤ 128); dequantize + cuBLAS from M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and
-    the tensor-core config of ``tc_config`` with and without register prefetch (M ≤ 128)."""
+    (M ≤ 128), the large-M kernel's tiles from M = 32 (:func:`large_m_candidates`), dequantize + cuBLAS from
+    M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
+    ``tc_config`` with and without register prefetch (M ≤ 128). ``retune_small_m``: the decode kernel's splits ×
+    depths too (else only its current config, :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`)."""
     out: list[LinearConfig] = []
     if mma:
         bm = max(16, triton_next_pow2(m))
-        if m <= 128:
+        if m <= 128 and not retune_small_m:
+            out.append(kern.mma_config(m, n, k))
+        elif m <= 128:
             steps = k // 256
             for split in sorted({s for s in (1, 2, 3, 4, 6, 8, 12) if s == 1 or steps // s >= 2}):
                 for stages in (2, 3, 4) if m <= 64 else (1, 2):
                     out.append(LinearConfig(bm, 64, 256, split, 4, stages, True, mma=True))
+        if m >= 32:
+            out += large_m_candidates(m, n, k)
         if m >= 64:
             out.append(LinearConfig(dequant=True, mma=True))
         return out
@@ -299,7 +343,13 @@ def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfi
     return list(dict.fromkeys(out))
 
 
-def bwd_candidates(m: int) -> list[DgradConfig]:
+def bwd_candidates(m: int, mma: bool = True) -> list[DgradConfig]:
+    """Candidate dgrad configs: ``_dgrad_mma_kernel`` tiles (MMA layout) or ``_dgrad_kernel`` tiles, and dequantize +
+    cuBLAS."""
+    if mma:
+        c = [DgradConfig(bm, 64, 256, warps, stages, mma=True) for bm in (64, 128) for warps in (4, 8)
+             for stages in (1, 2, 3) if bm <= max(64, triton_next_pow2(m))]  # fmt: skip
+        return c + [DgradConfig(dequant=True, mma=True)]
     c = [DgradConfig(128, 64, 128, 8, 3), DgradConfig(128, 64, 256, 8, 3), DgradConfig(128, 128, 128, 8, 3),
          DgradConfig(128, 32, 128, 4, 3), DgradConfig(dequant=True)]  # fmt: skip
     return c
@@ -309,12 +359,15 @@ def triton_next_pow2(v: int) -> int:
     return 1 << (v - 1).bit_length()
 
 
-def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline: float) -> dict:
-    shapes = sorted({nk for mdl in models for nk in MODELS[mdl].values()})
+def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline: float,
+              partial: Path | None = None) -> dict:  # fmt: skip
+    """Every candidate config per shape and M (forward, then backward), the models' shapes in order; rows so far are
+    re-written to ``partial`` after each shape."""
+    shapes = list(dict.fromkeys(nk for mdl in models for nk in MODELS[mdl].values()))  # the first model's first
     all_w = {nk: Weights(*nk) for nk in shapes}
     res: dict = {"forward": [], "backward": []}
-    for m in fwd_ms:
-        for (n, k), wts in all_w.items():
+    for (n, k), wts in all_w.items():
+        for m in fwd_ms:
             if time.time() > deadline:
                 break
             _, ref = bench_fwd(wts, m, kern.linear_config(m, n, k, mma=wts.mma))
@@ -328,12 +381,14 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
             best = min((r for r in res["forward"] if (r["N"], r["K"], r["M"]) == (n, k, m)), key=lambda r: r["ours_ms"])
             print(f"fwd N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} ({ref / best['ours_ms']:.2f}x) "
                   f"{best['config']}", flush=True)  # fmt: skip
-    for m in bwd_ms:
-        for (n, k), wts in all_w.items():
+        if partial is not None:
+            partial.write_text(json.dumps(res))
+    for (n, k), wts in all_w.items():
+        for m in bwd_ms:
             if time.time() > deadline:
                 break
             _, ref = bench_bwd(wts, m, kern.dgrad_config(m, n, k, mma=wts.mma), with_bf16=True)
-            for cfg in bwd_candidates(m) if not wts.mma else [kern.dgrad_config(m, n, k, mma=True)]:
+            for cfg in bwd_candidates(m, wts.mma):
                 try:
                     ours, _ = bench_bwd(wts, m, cfg, with_bf16=False)
                 except Exception as e:  # noqa: BLE001
@@ -346,6 +401,27 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
             print(f"bwd N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} ({ref / best['ours_ms']:.2f}x) "
                   f"{best['config']}", flush=True)  # fmt: skip
     return res
+
+
+def dispatch_table_source(sweep: dict) -> str:
+    """The body of ``dispatch_table.FORWARD`` from a sweep's forward rows: per (N, K) and M, the fastest form."""
+    best: dict = {}
+    for r in sweep["forward"]:
+        key = (r["N"], r["K"], r["M"])
+        if key not in best or r["ours_ms"] < best[key]["ours_ms"]:
+            best[key] = r
+    table: dict = {}
+    for (n, k, m), r in sorted(best.items()):
+        c = r["config"]
+        if c["dequant"]:
+            entry = "dequant"
+        elif c.get("large_m"):
+            entry = (c["block_n"] // 64, c["block_k"] // 64, c["block_m"], c["num_warps"], c["num_stages"], c["split_k"])
+        else:
+            entry = "decode"
+        table.setdefault((n, k), {})[m] = entry
+    return "\n".join(f"    ({n}, {k}): {{" + ", ".join(f"{m}: {e!r}" for m, e in row.items()) + "},"
+                     for (n, k), row in table.items())  # fmt: skip
 
 
 def env_info() -> dict:
@@ -365,8 +441,14 @@ def main() -> None:
     ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
     ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
+    ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
+    ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
+                    help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     args = ap.parse_args()
+    if args.write_table:
+        print(dispatch_table_source(json.loads(Path(args.write_table).read_text())))
+        return
     models = args.models.split(",")
     fwd_ms = [int(v) for v in args.ms.split(",")] if args.ms else FWD_MS
     bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v.strip()] if args.bwd_ms is not None else BWD_MS
@@ -377,13 +459,14 @@ def main() -> None:
     if args.sweep:
         global REP_BUDGET_S
         REP_BUDGET_S = 0.06
-        res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget)
+        res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
+                        Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip
         res.update(info)
         name = "gemm_sweep.json"
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_lora)  # fmt: skip
+                         args.compare_lora, args.peer_int4)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

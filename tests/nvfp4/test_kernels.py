@@ -205,6 +205,44 @@ def test_mma_layout_kernels_under_triton_interpreter():
             assert r["shape"] == [r["m"], r["k"] if r["kind"] == "dgrad" else r["n"]], r
 
 
+_INTERP_LARGE_M_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
+    """
+    from nvfp4.layout import to_mma_layout
+
+    torch.manual_seed(2468)
+
+    def large(bm, tiles, quarters, split=1, warps=4):
+        return LinearConfig(block_m=bm, block_n=64 * tiles, block_k=64 * quarters, split_k=split, num_warps=warps,
+                            num_stages=1, group_m=2, mma=True, large_m=True)
+
+    # (M, N, K, config): odd M, several row blocks, N not a multiple of the program's 64·TILES rows, K at the
+    # smallest (256) and larger, every K step (64, 128, 256), uneven split-K, fused LoRA
+    cases = [(5, 64, 256, large(16, 1, 1)), (37, 192, 512, large(32, 2, 2)), (70, 128, 768, large(64, 2, 4, 2)),
+             (33, 320, 1024, large(16, 4, 1, 3)), (100, 192, 256, large(32, 1, 4)), (9, 64, 1280, large(16, 1, 2, 3))]
+    for m, n, k, cfg in cases:
+        q = quantize(torch.randn(n, k))
+        x = torch.randn(m, k, dtype=torch.float16)
+        b = torch.randn(n, dtype=torch.float16)
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
+        out.append(dict(kind="linear", m=m, n=n, rel=rel(y, x.double() @ wd.T + b.double()), shape=list(y.shape)))
+        out.append(lora_case(m, n, k, 16, cfg, to_mma_layout))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_large_m_kernel_under_triton_interpreter():
+    """The large-M kernel (several weight tiles per program, K steps of 64-256, row blocks, split-K, fused LoRA)
+    matches the float64 reference, every output element written."""
+    results = run_under_interpreter(_INTERP_LARGE_M_SCRIPT, timeout=600, extra_path=[SRC])
+    assert len(results) == 12
+    for r in results:
+        assert r["rel"] == r["rel"], f"NaN in output (unwritten element?): {r}"
+        assert r["rel"] < 2e-3, r
+        assert r["shape"] == [r["m"], r["n"]], r
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -381,6 +419,45 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
         dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_m_random_shapes_gpu(dtype, poisoned):
+    """Every swept tile of the large-M kernel on random whole-tile shapes: odd M, N not a multiple of the program's
+    rows, K at 256 and large, split-K, bias, amax > 24, fused LoRA; and the dispatch from M = 32 to 4096."""
+    from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_lora_linear
+    from nvfp4.kernels.large_m import LARGE_M_TILES
+    from nvfp4.layout import to_mma_layout
+
+    gen = torch.Generator().manual_seed(23)
+    for i, (tiles, quarters, bm, warps, stages) in enumerate(LARGE_M_TILES):
+        for m, split in ((int(torch.randint(bm // 2, 3 * bm, (1,), generator=gen)) | 1, 1), (bm + 3, 3)):
+            n = 64 * int(torch.randint(1, 60, (1,), generator=gen))
+            k = 256 * (1 if i % 3 == 0 else int(torch.randint(2, 40, (1,), generator=gen)))
+            q = quantize(torch.randn(n, k, device="cuda") * (100.0 if i % 4 == 1 else 1.0))
+            packed = to_mma_layout(q.packed)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(n, device="cuda", dtype=dtype)
+            ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
+            cfg = LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, mma=True, large_m=True)
+            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert _rel(y, ref) < 1e-2, (m, n, k, cfg)
+            a = torch.randn(32, k, device="cuda") / k**0.5
+            lb = torch.randn(n, 32, device="cuda")
+            lb *= (ref.norm() / (0.7 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
+            delta = 0.7 * (x.double() @ a.double().T) @ lb.double().T
+            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
+            assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, cfg)
+    for m in (32, 65, 128, 255, 512, 1000, 2048, 4096):  # whatever the dispatch table picks
+        n, k = 64 * int(torch.randint(8, 100, (1,), generator=gen)), 256 * int(torch.randint(4, 30, (1,), generator=gen))
+        q = quantize(torch.randn(n, k, device="cuda"))
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T
+        y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale)
+        assert _rel(y, ref) < 1e-2, (m, n, k, linear_config(m, n, k, mma=True))
 
 
 def _assert_replays_bit_equal(fn, cases) -> None:

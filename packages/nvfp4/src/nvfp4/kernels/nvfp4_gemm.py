@@ -103,6 +103,7 @@ import triton
 import triton.language as tl
 
 from ..layout import is_mma_layout
+from . import dispatch_table
 
 __all__ = [
     "DgradConfig",
@@ -428,37 +429,52 @@ def _mul_bf16x2_bits(a, bits):
 
 
 @triton.jit
-def _mma_tile(p, s, sfac, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """One MMA-layout tile → ``W[64, 256]`` in ``OUT_DTYPE``, in the registers of the ``wgmma`` A operand.
+def _mma_tiles(p, s, sfac, TILES: tl.constexpr, QUARTERS: tl.constexpr, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """``TILES`` MMA-layout tiles (stacked along N), ``QUARTERS`` K quarters of each → ``W[64·TILES, 64·QUARTERS]`` in
+    ``OUT_DTYPE``, in the registers of the ``wgmma`` A operand.
 
-    ``p``: uint8 ``[16, 512]`` (the tile's rows as stored, see :mod:`nvfp4.layout`); ``s``: int32 ``[64, 4]`` (the
-    tile's 16 fp8 block scales per row, read as words so that the load vectorizes and pipelines). The reshapes /
-    permutes below only relabel registers: Triton lowers them to nothing, because the layout of a 16-byte-per-thread
-    load of ``p`` already is the ``wgmma`` operand layout after them. ``FAST`` (bf16 on a GPU): PTX decode of codes
-    and scales with integer instructions and one ``mul.bf16x2`` per two weights, exact: the tile holds
-    ``e2m1 · s · 2^-14`` (the caller multiplies its fp32 accumulator by ``2^14 / global``; ``sfac`` is unused).
-    Otherwise fp16 bit placement, fp32 multiply by ``s · sfac`` (``sfac = 2^14 / global``), one rounding: the
-    codec's value.
+    ``p``: uint8 ``[4·QUARTERS·TILES, 512]``, the stored rows ``(quarter, tile, warp)`` in that order (quarter
+    outermost), i.e. for each K quarter ``q`` and tile ``t`` the 4 rows ``t·16 + 4·q .. + 3`` of :mod:`nvfp4.layout`
+    (row ``r = (b6 b5 | n5 n4)``: a quarter of a tile is 4 consecutive rows, one per warp of a warpgroup). With 16
+    bytes per thread and one warp per row, row ``i`` goes to warp ``i % num_warps``: the A rows ``64t + 16w + …`` of
+    the ``wgmma`` accumulator layout of ``num_warps`` warps (4 or 8) stacked along N. ``s``: int32
+    ``[64·TILES, QUARTERS]`` (the 4 fp8 block scales of each row and quarter, read as words so that the load
+    vectorizes and pipelines). The reshapes / permutes below only relabel registers: Triton lowers them to nothing,
+    because the layout of a 16-byte-per-thread load of ``p`` already is the ``wgmma`` operand layout after them.
+    ``FAST`` (bf16 on a GPU): PTX decode of codes and scales with integer instructions and one ``mul.bf16x2`` per two
+    weights, exact: the tile holds ``e2m1 · s · 2^-14`` (the caller multiplies its fp32 accumulator by
+    ``2^14 / global``; ``sfac`` is unused). Otherwise fp16 bit placement, fp32 multiply by ``s · sfac``
+    (``sfac = 2^14 / global``), one rounding: the codec's value.
     """
+    ROWS: tl.constexpr = 4 * QUARTERS * TILES
     if FAST:
         a, b = _e2m1_words_bf16(p)
-        w = tl.reshape(tl.join(a, b), (16, 128, 2, 2, 2))  # word, i1, i0, (a|b): byte 4·word + 2·(a|b) + i1, nibble i0
-        w = tl.reshape(tl.permute(w, (0, 1, 4, 2, 3)), (16, 512, 2))  # [16, 512, 2]: (byte, nibble)
+        # word, i1, i0, (a|b): byte 4·word + 2·(a|b) + i1, nibble i0
+        w = tl.reshape(tl.join(a, b), (ROWS, 128, 2, 2, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 4, 2, 3)), (ROWS, 512, 2))  # [rows, 512, 2]: (byte, nibble)
     else:
         w = _e2m1_words_f16(p)
-    w = tl.reshape(w, (4, 4, 8, 4, 8, 2, 2))  # b65, n54 | n210, b10, b432, n3 | k0
-    w = tl.permute(w, (1, 5, 2, 0, 4, 3, 6))  # n54, n3, n210 | b65, b432, b10, k0
-    w = tl.reshape(w, (64, 256))
+    w = tl.reshape(w, (QUARTERS, TILES, 4, 8, 4, 8, 2, 2))  # q, t, n54 | n210, b10, b432, n3 | k0
+    w = tl.permute(w, (1, 2, 6, 3, 0, 5, 4, 7))  # t, n54, n3, n210 | q, b432, b10, k0
+    w = tl.reshape(w, (64 * TILES, 64 * QUARTERS))
     if FAST:
-        s0, s1, s2, s3 = _scale_words_bf16x2(s)  # [64, 4] int32 each: scale 4·word + j
-        sb = tl.reshape(tl.permute(tl.join(tl.join(s0, s1), tl.join(s2, s3)), (0, 1, 3, 2)), (64, 16))
-        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (64, 16, 16)), (64, 256))
+        s0, s1, s2, s3 = _scale_words_bf16x2(s)  # [64T, Q] int32 each: scale 4·word + j
+        sb = tl.reshape(tl.permute(tl.join(tl.join(s0, s1), tl.join(s2, s3)), (0, 1, 3, 2)), (64 * TILES, 4 * QUARTERS))
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (64 * TILES, 4 * QUARTERS, 16)), (64 * TILES, 64 * QUARTERS))
         return _mul_bf16x2_bits(w, sb)
     else:
         s = (s[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # little-endian bytes of each word
-        sf = tl.reshape(s.to(tl.uint8).to(tl.float8e4nv, bitcast=True), (64, 16)).to(tl.float32) * sfac
-        sb = tl.reshape(tl.broadcast_to(sf[:, :, None], (64, 16, 16)), (64, 256))
+        sf = tl.reshape(s.to(tl.uint8).to(tl.float8e4nv, bitcast=True), (64 * TILES, 4 * QUARTERS)).to(tl.float32)
+        sf = sf * sfac
+        sb = tl.reshape(tl.broadcast_to(sf[:, :, None], (64 * TILES, 4 * QUARTERS, 16)), (64 * TILES, 64 * QUARTERS))
         return (w.to(tl.float32) * sb).to(OUT_DTYPE)
+
+
+@triton.jit
+def _mma_tile(p, s, sfac, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One whole MMA-layout tile → ``W[64, 256]`` (:func:`_mma_tiles` with one tile and its 4 K quarters): ``p``
+    uint8 ``[16, 512]`` (the tile's rows as stored), ``s`` int32 ``[64, 4]``."""
+    return _mma_tiles(p, s, sfac, 1, 4, FAST, OUT_DTYPE)
 
 
 @triton.jit
@@ -987,6 +1003,7 @@ class LinearConfig:
     mma: bool = False  # _linear_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
     fused_reduce: bool = True  # MMA kernel with split-K: the last program of a tile sums the partials (one launch)
     lora_shared_t: bool = True  # ... and with a fused LoRA, x·Aᵀ is computed once per split, not per tile (SHARED_T)
+    large_m: bool = False  # large_m._linear_large_m_kernel (MMA layout; block_n = 64·tiles, block_k = 64·quarters)
 
 
 @dataclass(frozen=True)
@@ -1011,7 +1028,8 @@ def _pick_split(tiles: int, k: int, block_k: int, target: int = 2 * _NUM_SMS, mi
     return int(split)
 
 
-# Largest M served by the fused kernel; above it, dequantize once and call cuBLAS (measured faster on the H100).
+# Compressed-tensors layout: largest M served by the fused kernel; above it, dequantize once and call cuBLAS
+# (measured faster on the H100). The MMA layout's forms per M are in dispatch_table.
 FUSED_MAX_M = 128
 DGRAD_FUSED_MAX_M = 64
 # CUDA-core GEMV kernel: used for M ≤ GEMV_MAX_M on weights with N ≤ GEMV_MAX_N (the k/v projections), where the
@@ -1046,9 +1064,21 @@ LORA_SHARED_T_MIN_N_M32 = 2048
 
 
 def mma_config(m: int, n: int, k: int) -> LinearConfig:
-    """Config of :func:`_linear_mma_kernel` for ``m ≤ FUSED_MAX_M`` (``n % 64 == 0``, ``k % 256 == 0``)."""
-    if m > FUSED_MAX_M:
-        return LinearConfig(dequant=True, mma=True)
+    """Config for a weight in the MMA layout (``n % 64 == 0``, ``k % 256 == 0``): the decode kernel
+    (:func:`_linear_mma_kernel`) at M ≤ 16, above it the form :mod:`~nvfp4.kernels.dispatch_table` froze for
+    ``(m, n, k)``: the decode kernel, the large-M kernel (:mod:`~nvfp4.kernels.large_m`) or dequantize + cuBLAS."""
+    if m > 16:
+        entry = dispatch_table.lookup(m, n, k)
+        if entry == "dequant":
+            return LinearConfig(dequant=True, mma=True)
+        if entry != "decode":
+            tiles, quarters, bm, warps, stages, split = entry
+            return LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, mma=True, large_m=True)
+    return _decode_config(m, n, k)
+
+
+def _decode_config(m: int, n: int, k: int) -> LinearConfig:
+    """:func:`_linear_mma_kernel`'s config at M ≤ 128."""
     bound = 32 if m <= 32 else 128
     tiles, steps = n // 64, k // 256
     split = max(1, min(triton.cdiv(MMA_TARGET_PROGRAMS[bound], tiles), steps // 2))
@@ -1287,7 +1317,7 @@ def nvfp4_lora_linear(
         scaling: the adapter's ``lora_alpha / r``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``. Where the fused kernel does not apply (M > ``FUSED_MAX_M``, float32 x,
+        ``[..., N]`` in ``x.dtype``. Where the fused kernel does not apply (the dequantize + cuBLAS sizes, float32 x,
         R > ``LORA_FUSED_MAX_R``) the same value is computed unfused.
     """
     n, k = scale.shape[0], scale.shape[1] * 16
@@ -1340,9 +1370,17 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     even_k = k % cfg.block_k == 0
     out = y if split == 1 else _empty((split, m, n), torch.float32, x.device)
     counters = None
-    if mma and split > 1 and cfg.fused_reduce:  # a ticket per tile, and two LoRA counters per row block at the end
+    if mma and split > 1 and cfg.fused_reduce and not cfg.large_m:
+        # a ticket per tile, and two LoRA counters per row block at the end
         counters = _splitk_counters(x.device, (n // 64 + 2) * triton.cdiv(m, cfg.block_m))
-    if mma:
+    if mma and cfg.large_m:
+        from .large_m import launch_large_m
+
+        if lora is not None:  # x·Aᵀ by cuBLAS once, rounded to x's dtype as PEFT's lora_A output; ·Bᵀ in the epilogue
+            lora = (torch.nn.functional.linear(x2, lora[0].to(x2.dtype)).contiguous(), lora[1], lora[2])
+        launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, _fast(x.dtype),
+                       lora)  # fmt: skip
+    elif mma:
         _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora, counters)
     elif cfg.gemv:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](

@@ -1,0 +1,59 @@
+"""Which MMA-layout kernel runs each ``y[M, N] = x[M, K] · Wᵀ``, frozen from a measured sweep (no autotuning at import
+or during a CUDA-graph capture).
+
+``FORWARD[(N, K)][M]`` is the fastest form the sweep measured at that M on an H100 SXM (``benchmarks/gemm.py --sweep
+--ms 32,64,128,256,512,1024,2048,4096``, raw numbers in ``benchmarks/results/gemm_sweep_large_m.json``; the shapes are
+the linears of Qwen2.5-7B/14B/32B): ``"decode"`` (``_linear_mma_kernel`` with :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`'s
+decode-size config), ``"dequant"`` (dequantize once, then cuBLAS) or a tile of the large-M kernel, ``(tiles, quarters,
+block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`). A call at M between two measured sizes takes the
+entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
+Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.
+"""
+
+from __future__ import annotations
+
+Entry = str | tuple[int, int, int, int, int, int]
+
+# fmt: off
+FORWARD: dict[tuple[int, int], dict[int, Entry]] = {
+    (512, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 9), 256: (1, 1, 64, 4, 4, 9), 512: 'dequant', 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (1024, 5120): {32: 'decode', 64: (1, 1, 64, 4, 4, 9), 128: (1, 2, 128, 4, 3, 9), 256: (2, 2, 128, 8, 3, 9), 512: 'dequant', 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (3584, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 2), 256: (1, 1, 128, 4, 4, 3), 512: 'dequant', 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (3584, 18944): {32: 'decode', 64: 'decode', 128: (1, 1, 128, 4, 4, 5), 256: (1, 1, 128, 4, 4, 3), 512: 'dequant', 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (5120, 5120): {32: (1, 1, 64, 4, 4, 4), 64: 'decode', 128: (1, 1, 128, 4, 4, 4), 256: (1, 1, 128, 4, 4, 2), 512: 'dequant', 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (5120, 13824): {32: 'decode', 64: 'decode', 128: (1, 1, 128, 4, 4, 4), 256: (1, 1, 128, 4, 4, 2), 512: (2, 1, 256, 8, 3, 4), 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (5120, 27648): {32: 'decode', 64: 'decode', 128: (1, 1, 128, 4, 4, 4), 256: (2, 1, 256, 8, 3, 7), 512: (2, 1, 256, 8, 3, 4), 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (13824, 5120): {32: 'decode', 64: (1, 1, 64, 4, 4, 1), 128: (1, 2, 128, 4, 3, 1), 256: (1, 2, 128, 4, 3, 1), 512: (2, 1, 256, 8, 3, 1), 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (18944, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 128, 4, 4, 1), 256: (1, 2, 128, 4, 3, 1), 512: (2, 1, 256, 8, 3, 1), 1024: 'dequant', 2048: 'dequant', 4096: 'dequant'},
+    (27648, 5120): {32: 'decode', 64: (2, 1, 64, 8, 4, 1), 128: (1, 2, 128, 4, 3, 1), 256: (2, 1, 256, 8, 3, 1), 512: (2, 1, 256, 8, 3, 1), 1024: (2, 1, 256, 8, 3, 1), 2048: 'dequant', 4096: 'dequant'},
+}
+# fmt: on
+
+NUM_SMS = 132
+
+
+def _split_for(programs: int, k_steps: int, target: int = NUM_SMS) -> int:
+    """K splits so that ``programs · split`` reaches ``target``, each split keeping ≥ 2 K steps."""
+    return max(1, min(-(-target // max(programs, 1)), k_steps // 2))
+
+
+def generic(m: int, n: int, k: int) -> Entry:
+    """The rule of the measured table, for shapes it lacks: the decode kernel to M = 64; the large-M kernel with
+    64 × 128 tiles (one warpgroup, K step 64) to M = 256, and 128 × 256 tiles (two warpgroups) for large weights
+    (N ≥ 8192) to M = 512; dequantize + cuBLAS above. K is split until the grid has about one program per SM."""
+    if m <= 64:
+        return "decode"
+    if m <= 256 or (m <= 512 and n >= 8192):
+        tiles, quarters, bm, warps, stages = (2, 1, 256, 8, 3) if m > 128 and n >= 8192 else (1, 1, 128, 4, 4)
+        programs = -(-m // bm) * -(-n // (64 * tiles))
+        return tiles, quarters, bm, warps, stages, _split_for(programs, k // (64 * quarters))
+    return "dequant"
+
+
+def lookup(m: int, n: int, k: int) -> Entry:
+    """The frozen entry for ``(m, n, k)`` (the next larger measured M, or the largest), else :func:`generic`."""
+    row = FORWARD.get((n, k))
+    if row is None:
+        return generic(m, n, k)
+    sizes = sorted(row)
+    return row[next((s for s in sizes if s >= m), sizes[-1])]

@@ -1,0 +1,163 @@
+"""Large-M W4A16 NVFP4 GEMM (batched rollouts, prefill, training: M ≈ 32 … 4096 rows of x), weights 4-bit in HBM.
+
+Design
+======
+
+Beyond M ≈ 74 rows the H100 GEMM is bound by the tensor cores, not by the 0.5625 bytes per weight, so what matters is
+(1) that every decoded weight is reused by many rows of x, (2) that the decode and the loads overlap the MMAs, and
+(3) that the activation tile, re-read once per weight tile, does not swamp L2. The decode-size kernel
+(:func:`nvfp4.kernels.nvfp4_gemm._linear_mma_kernel`) keeps one 64-output tile per program and a whole 256-input K
+step of x in shared memory: at M = 128 that is a 64 KB x tile per pipeline stage, one 4-warp program per SM, and x
+streamed from L2 ``N / 64`` times.
+
+Of the designs studied, this kernel takes Machete's and ``triton_kernels``' Hopper weight path ("swap x/w"): the
+product is computed transposed, ``yᵀ = W · xᵀ``, so that the decoded weight is the *register* A operand of ``wgmma``
+(no shared-memory round trip for W) while the activation tile is the shared-memory B operand, brought in by
+``cp.async`` pipelining (``num_stages``). The weight is read in the MMA layout (:mod:`nvfp4.layout`): a K quarter
+(64 inputs) of a 64-row tile is 4 consecutive stored rows of 512 bytes, one per warp, and a 16-byte load per thread
+lands in that warp's A-fragment registers, so ``TILES`` tiles × ``QUARTERS`` quarters are one ``[4·Q·T, 512]`` load
+relabelled for free (:func:`nvfp4.kernels.nvfp4_gemm._mma_tiles`). Per program: ``BLOCK_N = 64·TILES`` weight rows
+(with 8 warps, two warpgroups each own 64-row tiles) × ``BLOCK_M`` rows of x (the ``wgmma`` N dimension, up to 256),
+K steps of ``64·QUARTERS``. Marlin's alternative (weights decoded by every warp into ``mma.sync`` fragments, x
+through shared memory, a stream-K grid) targets Ampere's ``mma.sync``; on Hopper the ``wgmma`` with a register A
+operand is the only form that skips the decoded tile's trip through shared memory, which Triton lowers from
+``tl.dot`` when the A operand is computed in registers.
+
+Large weight tiles cut the x traffic (a ``[128, 64]`` bf16 x tile feeds 128-256 weight rows per step); programs are
+grouped along M (``GROUP_M``) so the programs that share a weight tile run back to back and W streams from HBM
+about once. Where ``N / BLOCK_N · cdiv(M, BLOCK_M)`` leaves SMs idle (small N at M ≤ 256), K is split and the fp32
+partials are summed by ``_splitk_reduce_kernel``. Tile sizes per (M, N, K) come from a measured sweep
+(``benchmarks/gemm.py --sweep``), frozen in :mod:`nvfp4.kernels.nvfp4_gemm`'s dispatch table: nothing is tuned
+at import or on the first call of a CUDA-graph capture.
+
+A fused LoRA adds ``lora_scale · t · B[rows]ᵀ`` in the epilogue from ``t = x · Aᵀ`` (``[M, R]``, computed by one
+cuBLAS call before the launch and rounded to x's dtype as PEFT's ``lora_A`` output is): at these M the adapter's
+``x · Aᵀ`` inside every tile's K loop would cost ``R / BLOCK_N`` of the base MMAs, and the one extra launch is
+amortised.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .nvfp4_gemm import _lora_epilogue, _mma_tiles, _scale_fold, _store_output
+
+# Tiles the dispatch table was chosen from (``benchmarks/gemm.py --sweep``): (weight tiles of 64 rows, K quarters of
+# 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py``:
+# no shared-memory round trip of the decoded weight, no spills, ≤ 128 registers where 2-3 programs per SM should
+# fit) and the shared memory of the stages.
+LARGE_M_TILES = [(1, 1, 64, 4, 4), (1, 1, 128, 4, 4), (1, 2, 128, 4, 3), (2, 1, 64, 8, 4), (2, 1, 128, 8, 4),
+                 (2, 2, 128, 8, 3), (4, 1, 64, 8, 4), (4, 1, 128, 8, 3), (2, 1, 256, 8, 3)]  # fmt: skip
+
+
+@triton.jit
+def _linear_large_m_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    K_PER_SPLIT,
+    HAS_BIAS: tl.constexpr,
+    USE_WS: tl.constexpr,
+    TILES: tl.constexpr,
+    QUARTERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FAST: tl.constexpr,
+    t_ptr=None,
+    lb_ptr=None,
+    lora_scale=1.0,
+    R=0,
+    HAS_LORA: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 16,
+):
+    """``y[BLOCK_M, 64·TILES] = x_tile · W_tileᵀ`` for W in the MMA layout, over the K range of split ``program_id(1)``.
+
+    x ``[M, K]`` (row stride ``stride_xm``, bf16/fp16); W: packed uint8 ``[N/4, 2K]`` (MMA layout), scales fp8
+    ``[N, K/16]`` (read as int32 words), global fp32 ``[1]``; bias ``[N]``. ``N % 64 == 0``, ``K % 256 == 0``; the
+    last weight tiles of a program past N re-read tile ``N/64 - 1`` and are not stored. ``USE_WS`` (split-K): fp32
+    partials into ``y_ptr`` viewed as ``[split, M, N]``, bias left to the reduce kernel. ``HAS_LORA``: adds
+    ``lora_scale · t · Bᵀ`` with ``t`` ``[M, R]`` (``t_ptr``, contiguous, x's dtype) and B ``[N, R]`` (``lb_ptr``),
+    once (by split 0).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    BLOCK_N: tl.constexpr = 64 * TILES
+    BLOCK_K: tl.constexpr = 64 * QUARTERS
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row blocks of x side by side: the programs that share a weight tile run back to back (W read ~once).
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+
+    dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # Stored rows (quarter, tile, warp) of the MMA layout, quarter outermost (see _mma_tiles); tiles past N re-read
+    # the last one (unpredicated 16-byte loads), their outputs are masked at the store.
+    i = tl.arange(0, 4 * QUARTERS * TILES)
+    tile = tl.minimum(pid_n * TILES + (i // 4) % TILES, N // 64 - 1)
+    stored_row = tile * 16 + 4 * (i // (4 * TILES)) + i % 4
+    w_rows = w_ptr + (stored_row.to(tl.int64) * (2 * K))[:, None] + tl.arange(0, 512)[None, :]
+    rows = tl.minimum(offs_n, N - 1)
+    words = tl.multiple_of(K // 64, 4)  # int32 words (4 fp8 scales) per scale row
+    s_rows = s_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * words + tl.arange(0, QUARTERS)[None, :]
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    sfac, _ = _scale_fold(g_ptr, False)  # 2^14 / global: the portable tile's factor, or FAST's accumulator factor
+
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # K step k0 = 256·(tile column) + 64·(first quarter): stored rows 4·quarter further down, 512 bytes per column
+        p = tl.load(w_rows + ((k0 % 256) // 64) * (8 * K) + (k0 // 256) * 512)
+        w = _mma_tiles(p, tl.load(s_rows + k0 // 64), sfac, TILES, QUARTERS, FAST, dtype)
+        xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        acc = tl.dot(w, tl.trans(xt), acc)
+    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if FAST:
+        acc = acc * sfac
+    if HAS_LORA:  # the adapter once, by split 0 (the splits' partials are summed linearly)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        t = tl.load(t_ptr + offs_m[:, None].to(tl.int64) * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :],
+                    other=0.0)  # fmt: skip
+        acc = _lora_epilogue(acc, tl.trans(t), lb_ptr, rows, offs_r, r_mask, R, tl.where(pid_k == 0, lora_scale, 0.0),
+                             dtype)  # fmt: skip
+    _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
+
+
+def launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, fast, lora=None):
+    """Launch :func:`_linear_large_m_kernel` into ``out`` (``y``, or the ``[split, m, n]`` fp32 workspace).
+
+    ``cfg``: a :class:`~nvfp4.kernels.nvfp4_gemm.LinearConfig` with ``large_m`` (``block_n = 64·TILES``,
+    ``block_k = 64·QUARTERS``). ``lora``: ``(t [m, R] in x's dtype, B [n, R], scaling)``.
+    """
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    extra = {}
+    if lora is not None:
+        t, b, scaling = lora
+        r = t.shape[1]
+        extra = dict(t_ptr=t, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
+                     BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
+    _linear_large_m_kernel[(tiles, split)](
+        x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
+        y.stride(0) if split == 1 else n, k_per_split,
+        HAS_BIAS=bias is not None, USE_WS=split > 1, TILES=cfg.block_n // 64, QUARTERS=cfg.block_k // 64,
+        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, FAST=fast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **extra,
+    )  # fmt: skip

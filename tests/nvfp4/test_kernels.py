@@ -227,6 +227,7 @@ _INTERP_LARGE_M_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
         y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
         out.append(dict(kind="linear", m=m, n=n, rel=rel(y, x.double() @ wd.T + b.double()), shape=list(y.shape)))
         out.append(lora_case(m, n, k, 16, cfg, to_mma_layout))
+    out.append(lora_case(48, 192, 512, 16, None, to_mma_layout))  # the dispatch moves a LoRA at 32 < M ≤ 64 here
     print("RESULT" + json.dumps(out))
     """
 )
@@ -236,7 +237,7 @@ def test_large_m_kernel_under_triton_interpreter():
     """The large-M kernel (several weight tiles per program, K steps of 64-256, row blocks, split-K, fused LoRA)
     matches the float64 reference, every output element written."""
     results = run_under_interpreter(_INTERP_LARGE_M_SCRIPT, timeout=600, extra_path=[SRC])
-    assert len(results) == 12
+    assert len(results) == 13
     for r in results:
         assert r["rel"] == r["rel"], f"NaN in output (unwritten element?): {r}"
         assert r["rel"] < 2e-3, r

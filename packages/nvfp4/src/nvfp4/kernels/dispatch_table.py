@@ -32,7 +32,7 @@ FORWARD: dict[tuple[int, int], dict[int, Entry]] = {
 NUM_SMS = 132
 
 
-def _split_for(programs: int, k_steps: int, target: int = NUM_SMS) -> int:
+def split_for(programs: int, k_steps: int, target: int = NUM_SMS) -> int:
     """K splits so that ``programs · split`` reaches ``target``, each split keeping ≥ 2 K steps."""
     return max(1, min(-(-target // max(programs, 1)), k_steps // 2))
 
@@ -46,7 +46,7 @@ def generic(m: int, n: int, k: int) -> Entry:
     if m <= 256 or (m <= 512 and n >= 8192):
         tiles, quarters, bm, warps, stages = (2, 1, 256, 8, 3) if m > 128 and n >= 8192 else (1, 1, 128, 4, 4)
         programs = -(-m // bm) * -(-n // (64 * tiles))
-        return tiles, quarters, bm, warps, stages, _split_for(programs, k // (64 * quarters))
+        return tiles, quarters, bm, warps, stages, split_for(programs, k // (64 * quarters))
     return "dequant"
 
 

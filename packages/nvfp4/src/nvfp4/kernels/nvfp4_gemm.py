@@ -1362,6 +1362,12 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         raise ValueError(f"nvfp4_linear: config {cfg} does not match the weight's layout (mma={mma})")
     if lora is not None and not mma and (cfg.gemv or not cfg.swap):  # the adapter is fused into tensor-core kernels
         cfg = tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
+    if lora is not None and config is None and cfg.mma and not cfg.large_m and cfg.block_m > FUSED_REDUCE_MAX_M:
+        # Above M = 32 the decode kernel accumulates x·Aᵀ beside every 64-output tile (no shared t without the fused
+        # split-K sum): the 7B layer at M = 64 took 0.305 ms with the adapter against 0.148 without (H100,
+        # gemm.json). The large-M kernel takes t = x·Aᵀ from one cuBLAS call and adds t·Bᵀ in its epilogue.
+        split = dispatch_table.split_for(triton.cdiv(m, 64) * (n // 64), k // 64)
+        cfg = LinearConfig(64, 64, 64, split, 4, 4, True, mma=True, large_m=True)
 
     y = _empty((m, n), x.dtype, x.device)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))

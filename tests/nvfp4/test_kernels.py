@@ -382,6 +382,7 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
     """MMA-layout kernels on random whole-tile shapes, every M range (incl. the dequantize paths), odd M, bias,
     split-K, amax > 24, fused LoRA and dgrad: all against the float64 product of the original tensors."""
     from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
+    from nvfp4.kernels import nvfp4_gemm as kern
     from nvfp4.layout import to_mma_layout
 
     gen = torch.Generator().manual_seed(11)
@@ -399,7 +400,7 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
             assert y.dtype == dtype and y.shape == (m, n)
             assert _rel(y, ref) < 1e-2, (m, n, k, cfg or linear_config(m, n, k, mma=True))
         if m <= 128 and k >= 512:  # split-K summed in the kernel: the separate reduce kernel's sum, bit for bit
-            cfg = linear_config(m, n, k, mma=True)
+            cfg = kern._decode_config(m, n, k)
             cfg = LinearConfig(cfg.block_m, 64, 256, max(2, cfg.split_k), 4, cfg.num_stages, mma=True)
             fused = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
             separate = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=replace(cfg, fused_reduce=False))
@@ -413,7 +414,7 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
         assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
         if m <= 128:  # the other LoRA form: x·Aᵀ beside every tile / once per split (SHARED_T, with split-K at M ≤ 32)
-            cfg = linear_config(m, n, k, mma=True)
+            cfg = kern._decode_config(m, n, k)
             cfg = replace(cfg, lora_shared_t=not cfg.lora_shared_t)
             y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
             assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r, cfg)

@@ -121,6 +121,13 @@ __all__ = [
 POISON_OUTPUTS = False
 
 
+def _large_m_runs(dtype: torch.dtype) -> bool:
+    """The large-M kernel is built for the bf16 decode; with fp16 on a GPU its portable decode needs more shared
+    memory than sm_90 has for the swept tiles (H100: 289 KB asked), so fp16 takes dequantize + cuBLAS there. The
+    Triton interpreter runs it in fp16/fp32 (CPU tests)."""
+    return dtype == torch.bfloat16 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _fast(dtype: torch.dtype) -> bool:
     """Use the PTX bf16 decode (bf16 activations on a real GPU; the interpreter cannot run inline PTX)."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
@@ -1352,6 +1359,8 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     if m == 0:
         return x.new_empty((*lead, n))
     cfg = config or linear_config(m, n, k, mma=mma)
+    if cfg.large_m and not _large_m_runs(x.dtype):
+        cfg = LinearConfig(dequant=True, mma=True)
     if cfg.dequant or x.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
@@ -1362,7 +1371,8 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         raise ValueError(f"nvfp4_linear: config {cfg} does not match the weight's layout (mma={mma})")
     if lora is not None and not mma and (cfg.gemv or not cfg.swap):  # the adapter is fused into tensor-core kernels
         cfg = tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
-    if lora is not None and config is None and cfg.mma and not cfg.large_m and cfg.block_m > FUSED_REDUCE_MAX_M:
+    if (lora is not None and config is None and cfg.mma and not cfg.large_m and cfg.block_m > FUSED_REDUCE_MAX_M
+            and _large_m_runs(x.dtype)):  # fmt: skip
         # Above M = 32 the decode kernel accumulates x·Aᵀ beside every 64-output tile (no shared t without the fused
         # split-K sum): the 7B layer at M = 64 took 0.305 ms with the adapter against 0.148 without (H100,
         # gemm.json). The large-M kernel takes t = x·Aᵀ from one cuBLAS call and adds t·Bᵀ in its epilogue.

@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
 
+from nvfp4.kernels import large_m  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -43,6 +44,10 @@ _COMMON = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp3
            "FUSED_REDUCE": "constexpr", "t_ptr": "*fp32", "tcnt_ptr": "*i32", "SHARED_T": "constexpr"}  # fmt: skip
 _CT_EXTRA = {"EVEN_K": "constexpr", "SWAP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
              "GROUP_M": "constexpr", "PREFETCH": "constexpr"}  # fmt: skip
+_LARGE_M = {k: v for k, v in _COMMON.items() if k not in ("a_ptr", "out_ptr", "cnt_ptr", "SPLIT", "FUSED_REDUCE",
+                                                              "t_ptr", "tcnt_ptr", "SHARED_T", "BLOCK_M")}
+_LARGE_M |= {"TILES": "constexpr", "QUARTERS": "constexpr", "BLOCK_M": "constexpr", "GROUP_M": "constexpr",
+             "t_ptr": "*bf16"}  # fmt: skip
 _ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym", "K_PER_SPLIT",
             "a_ptr", "lb_ptr")  # fmt: skip
 
@@ -83,6 +88,10 @@ def main() -> None:
         ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32, x·Aᵀ once per split (SHARED_T)",
          kern._linear_mma_kernel, {"y_ptr": "*fp32"},
          dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32, SHARED_T=True), 4, 3),
+        ("large-M kernel, 64 x 128 tiles (1 tile, K step 64), 4 warps, 4 stages", large_m._linear_large_m_kernel,
+         _LARGE_M, dict(TILES=1, QUARTERS=1, BLOCK_M=128, GROUP_M=8), 4, 4),
+        ("large-M kernel, 128 x 256 tiles (2 tiles, K step 64), 8 warps, 3 stages", large_m._linear_large_m_kernel,
+         _LARGE_M, dict(TILES=2, QUARTERS=1, BLOCK_M=256, GROUP_M=8), 8, 3),
         ("CT layout, M<=16 (tc_config)", kern._linear_kernel, _CT_EXTRA,
          dict(BLOCK_M=16, EVEN_K=True, SWAP=True, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, PREFETCH=False), 4, 1),
     ]  # fmt: skip

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nvfp4_gemm import _lora_epilogue, _mma_tiles, _scale_fold, _store_output
+from .decode import _lora_epilogue, _mma_tiles, _scale_fold, _store_output
 
 # Tiles the dispatch table was chosen from (``benchmarks/gemm.py --sweep``): (weight tiles of 64 rows, K quarters of
 # 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py``:

@@ -54,7 +54,7 @@ _ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "b_ptr", "y_ptr", "N", "K", "str
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
     """``triton.compile`` for sm_90 with 16-byte divisibility on the aligned arguments."""
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED if a in signature}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED if a in fn.arg_names}
     sig = {a: signature[a] for a in fn.arg_names}
     src = ASTSource(fn, sig, {k: v for k, v in constexprs.items() if k in fn.arg_names}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,

@@ -3,7 +3,7 @@ or during a CUDA-graph capture).
 
 ``FORWARD[(N, K)][M]`` is the fastest form the sweep measured at that M on an H100 SXM (``benchmarks/gemm.py --sweep
 --ms 32,64,128,256,512,1024,2048,4096``, raw numbers in ``benchmarks/results/gemm_sweep_large_m.json``; the shapes are
-the linears of Qwen2.5-7B/14B/32B): ``"decode"`` (``_linear_mma_kernel`` with :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`'s
+the linears of Qwen2.5-7B/14B/32B): ``"decode"`` (``_linear_mma_kernel`` with :func:`~nvfp4.kernels.nvfp4_gemm._decode_config`'s
 decode-size config), ``"dequant"`` (dequantize once, then cuBLAS) or a tile of the large-M kernel, ``(tiles, quarters,
 block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`). A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.

@@ -6,7 +6,7 @@ Design
 Beyond M ≈ 74 rows the H100 GEMM is bound by the tensor cores, not by the 0.5625 bytes per weight, so what matters is
 (1) that every decoded weight is reused by many rows of x, (2) that the decode and the loads overlap the MMAs, and
 (3) that the activation tile, re-read once per weight tile, does not swamp L2. The decode-size kernel
-(:func:`nvfp4.kernels.nvfp4_gemm._linear_mma_kernel`) keeps one 64-output tile per program and a whole 256-input K
+(:func:`nvfp4.kernels.small_m._linear_mma_kernel`) keeps one 64-output tile per program and a whole 256-input K
 step of x in shared memory: at M = 128 that is a 64 KB x tile per pipeline stage, one 4-warp program per SM, and x
 streamed from L2 ``N / 64`` times.
 
@@ -16,7 +16,7 @@ product is computed transposed, ``yᵀ = W · xᵀ``, so that the decoded weight
 ``cp.async`` pipelining (``num_stages``). The weight is read in the MMA layout (:mod:`nvfp4.layout`): a K quarter
 (64 inputs) of a 64-row tile is 4 consecutive stored rows of 512 bytes, one per warp, and a 16-byte load per thread
 lands in that warp's A-fragment registers, so ``TILES`` tiles × ``QUARTERS`` quarters are one ``[4·Q·T, 512]`` load
-relabelled for free (:func:`nvfp4.kernels.nvfp4_gemm._mma_tiles`). Per program: ``BLOCK_N = 64·TILES`` weight rows
+relabelled for free (:func:`nvfp4.kernels.decode._mma_tiles`). Per program: ``BLOCK_N = 64·TILES`` weight rows
 (with 8 warps, two warpgroups each own 64-row tiles) × ``BLOCK_M`` rows of x (the ``wgmma`` N dimension, up to 256),
 K steps of ``64·QUARTERS``. Marlin's alternative (weights decoded by every warp into ``mma.sync`` fragments, x
 through shared memory, a stream-K grid) targets Ampere's ``mma.sync``; on Hopper the ``wgmma`` with a register A
@@ -27,7 +27,7 @@ Large weight tiles cut the x traffic (a ``[128, 64]`` bf16 x tile feeds 128-256 
 grouped along M (``GROUP_M``) so the programs that share a weight tile run back to back and W streams from HBM
 about once. Where ``N / BLOCK_N · cdiv(M, BLOCK_M)`` leaves SMs idle (small N at M ≤ 256), K is split and the fp32
 partials are summed by ``_splitk_reduce_kernel``. Tile sizes per (M, N, K) come from a measured sweep
-(``benchmarks/gemm.py --sweep``), frozen in :mod:`nvfp4.kernels.nvfp4_gemm`'s dispatch table: nothing is tuned
+(``benchmarks/gemm.py --sweep``), frozen in :mod:`nvfp4.kernels.dispatch_table`: nothing is tuned
 at import or on the first call of a CUDA-graph capture.
 
 A fused LoRA adds ``lora_scale · t · B[rows]ᵀ`` in the epilogue from ``t = x · Aᵀ`` (``[M, R]``, computed by one
@@ -139,25 +139,3 @@ def _linear_large_m_kernel(
         acc = _lora_epilogue(acc, tl.trans(t), lb_ptr, rows, offs_r, r_mask, R, tl.where(pid_k == 0, lora_scale, 0.0),
                              dtype)  # fmt: skip
     _store_output(acc, y_ptr, b_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, pid_k, HAS_BIAS, USE_WS)
-
-
-def launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, fast, lora=None):
-    """Launch :func:`_linear_large_m_kernel` into ``out`` (``y``, or the ``[split, m, n]`` fp32 workspace).
-
-    ``cfg``: a :class:`~nvfp4.kernels.nvfp4_gemm.LinearConfig` with ``large_m`` (``block_n = 64·TILES``,
-    ``block_k = 64·QUARTERS``). ``lora``: ``(t [m, R] in x's dtype, B [n, R], scaling)``.
-    """
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    extra = {}
-    if lora is not None:
-        t, b, scaling = lora
-        r = t.shape[1]
-        extra = dict(t_ptr=t, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
-                     BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
-    _linear_large_m_kernel[(tiles, split)](
-        x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
-        y.stride(0) if split == 1 else n, k_per_split,
-        HAS_BIAS=bias is not None, USE_WS=split > 1, TILES=cfg.block_n // 64, QUARTERS=cfg.block_k // 64,
-        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, FAST=fast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **extra,
-    )  # fmt: skip

@@ -29,7 +29,7 @@ from . import dispatch_table
 from .decode import _mma_tile_ptrs  # noqa: F401 - re-exported for benchmarks/gemm_ablation.py
 from .dequant import _dequant_kernel, _dequant_mma_kernel
 from .dgrad import _dgrad_kernel, _dgrad_mma_kernel
-from .large_m import launch_large_m
+from .large_m import _linear_large_m_kernel
 from .small_m import _gemv_kernel, _linear_kernel, _linear_mma_kernel, _splitk_reduce_kernel
 
 __all__ = [
@@ -250,18 +250,19 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
     return is_mma_layout(packed, scale)
 
 
+def _lora_args(first: str, first_tensor: torch.Tensor, b: torch.Tensor, scaling: float, r: int) -> dict:
+    """Kernel arguments of a fused adapter: ``first`` is ``a_ptr`` (A ``[R, K]``) or ``t_ptr`` (``x·Aᵀ`` ``[M, R]``)."""
+    return {first: first_tensor, "lb_ptr": b, "lora_scale": float(scaling), "R": r, "HAS_LORA": True,
+            "BLOCK_R": max(16, triton.next_power_of_2(r))}  # fmt: skip
+
+
 def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, even_k, cfg, lora=None):
     """Launch :func:`_linear_kernel` (tensor-core path) into ``out`` (``y`` or the split-K workspace).
 
     ``lora``: ``(A [R, K], B [N, R], scaling)`` to fuse the adapter (``cfg.swap`` must be True).
     """
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    extra = {}
-    if lora is not None:
-        a, b, scaling = lora
-        r = a.shape[0]
-        extra = dict(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True,
-                     BLOCK_R=max(16, triton.next_power_of_2(r)))  # fmt: skip
+    extra = {} if lora is None else _lora_args("a_ptr", lora[0], lora[1], lora[2], lora[0].shape[0])
     _linear_kernel[(tiles, split)](
         x2,
         packed,
@@ -334,10 +335,8 @@ def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_sp
     if counters is not None:
         extra.update(out_ptr=y, cnt_ptr=counters, SPLIT=split, FUSED_REDUCE=True)
     if lora is not None:
-        a, b, scaling = lora
-        r = a.shape[0]
-        block_r = max(16, triton.next_power_of_2(r))
-        extra.update(a_ptr=a, lb_ptr=b, lora_scale=float(scaling), R=r, HAS_LORA=True, BLOCK_R=block_r)
+        extra.update(_lora_args("a_ptr", lora[0], lora[1], lora[2], lora[0].shape[0]))
+        block_r = extra["BLOCK_R"]
         if counters is not None and cfg.lora_shared_t:  # x·Aᵀ once per split, shared by the tiles (SHARED_T)
             mblocks = triton.cdiv(m, cfg.block_m)
             t_ws = torch.empty(mblocks * split * block_r * cfg.block_m, dtype=torch.float32, device=x2.device)
@@ -347,6 +346,23 @@ def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_sp
         y.stride(0) if split == 1 else n, k_per_split,
         HAS_BIAS=bias is not None, USE_WS=split > 1, BLOCK_M=cfg.block_m, FAST=_fast(x2.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )  # fmt: skip
+
+
+def _launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, fast, lora=None):
+    """Launch :func:`~nvfp4.kernels.large_m._linear_large_m_kernel` into ``out`` (``y``, or the ``[split, m, n]`` fp32 workspace).
+
+    ``cfg``: a :class:`LinearConfig` with ``large_m`` (``block_n = 64·TILES``,
+    ``block_k = 64·QUARTERS``). ``lora``: ``(t [m, R] in x's dtype, B [n, R], scaling)``.
+    """
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    extra = {} if lora is None else _lora_args("t_ptr", lora[0], lora[1], lora[2], lora[0].shape[1])
+    _linear_large_m_kernel[(tiles, split)](
+        x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
+        y.stride(0) if split == 1 else n, k_per_split,
+        HAS_BIAS=bias is not None, USE_WS=split > 1, TILES=cfg.block_n // 64, QUARTERS=cfg.block_k // 64,
+        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, FAST=fast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **extra,
     )  # fmt: skip
 
 
@@ -472,7 +488,7 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     if mma and cfg.large_m:
         if lora is not None:  # x·Aᵀ by cuBLAS once, rounded to x's dtype as PEFT's lora_A output; ·Bᵀ in the epilogue
             lora = (torch.nn.functional.linear(x2, lora[0].to(x2.dtype)).contiguous(), lora[1], lora[2])
-        launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, _fast(x.dtype),
+        _launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, _fast(x.dtype),
                        lora)  # fmt: skip
     elif mma:
         _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_split, split, cfg, lora, counters)

@@ -6,7 +6,7 @@
 import sys
 from pathlib import Path
 
-import nvfp4  # noqa: F401  (registers the NVFP4 quantization method with transformers)
+import nvfp4
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,7 +19,7 @@ if not (path / "config.json").is_file():
     AutoTokenizer.from_pretrained(offline_default_model_path()).save_pretrained(path)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-model = AutoModelForCausalLM.from_pretrained(path, device_map=device)
+model = nvfp4.load_nvfp4_checkpoint(path, device_map=device)  # NVFP4Linear on our kernels (either config)
 tokenizer = AutoTokenizer.from_pretrained(path)
 messages = [{"role": "user", "content": "What is 15 + 27? Answer with the number."}]
 enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(device)

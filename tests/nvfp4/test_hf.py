@@ -27,9 +27,11 @@ def _round_trip(path, tmp_path, ids):
     out = m.generate(ids, max_new_tokens=8, do_sample=False)
     m.save_pretrained(tmp_path / "q")
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == QUANT_METHOD
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"  # what llm-compressor writes
     assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
-    m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert cfg["quantization_config"]["qerl"]["method"] == "rtn"
+    m2 = nvfp4.from_compressed_tensors(tmp_path / "q")
+    assert all(type(a) is type(b) for a, b in zip(m.modules(), m2.modules()))
     assert _state_equal(m, m2)
     assert torch.equal(m2.generate(ids, max_new_tokens=8, do_sample=False), out)
     return m, m2
@@ -101,26 +103,111 @@ def test_truncated_safetensors_fails_clearly(tiny_model_dir, tmp_path):
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
     with pytest.raises(NVFP4CheckpointError, match="truncated"):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+        nvfp4.from_compressed_tensors(tmp_path / "q")
     f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(NVFP4CheckpointError, match="not a readable safetensors"):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+        nvfp4.from_compressed_tensors(tmp_path / "q")
 
 
 def test_config_disagreeing_with_tensors_fails_clearly(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
-    cfg["quantization_config"] = NVFP4Config().to_dict()  # claims NVFP4 but the tensors are dense
-    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(NVFP4CheckpointError, match="disagrees with the tensors"):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "d")
+    for serialization in (QUANT_METHOD, "compressed-tensors"):  # claims NVFP4 but the tensors are dense
+        cfg["quantization_config"] = NVFP4Config(serialization=serialization).to_dict()
+        (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(NVFP4CheckpointError, match="disagrees with the tensors"):
+            nvfp4.load_nvfp4_checkpoint(tmp_path / "d")
 
 
-def test_config_validation_and_serialisation():
-    with pytest.raises(ValueError, match="awq"):
-        NVFP4Config(method="awq")
+def test_config_validation_and_serialisation(tiny_model_dir):
+    with pytest.raises(ValueError, match="awq"):  # awq is read from checkpoints, never computed on load
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(method="awq"))
+    with pytest.raises(ValueError, match="gptq"):
+        NVFP4Config(method="gptq")
     with pytest.raises(ValueError, match="only"):
         NVFP4Config(format="mxfp4")
-    d = NVFP4Config(method="mse").to_dict()
+    with pytest.raises(ValueError, match="serialization"):
+        NVFP4Config(serialization="nvfp4")
+    d = NVFP4Config(method="mse", serialization=QUANT_METHOD).to_dict()
     assert d["quant_method"] == QUANT_METHOD and d["method"] == "mse" and d["modules_to_not_convert"] == ["lm_head"]
+    ct = NVFP4Config(method="mse").to_dict()
+    assert ct["quant_method"] == "compressed-tensors" and ct["ignore"] == ["lm_head"] and ct["qerl"]["method"] == "mse"
+    back = NVFP4Config.from_compressed_tensors_dict(ct)
+    assert (back.method, back.modules_to_not_convert, back.fused_groups) == ("mse", ["lm_head"], NVFP4Config().fused_groups)
+    with pytest.raises(NVFP4CheckpointError, match="W4A4"):
+        NVFP4Config.from_compressed_tensors_dict(
+            ct | {"config_groups": {"g": ct["config_groups"]["group_0"] | {"input_activations": {"num_bits": 4}}}}
+        )
     assert QUANT_METHOD != "nvfp4"  # transformers owns that name
+
+
+def test_old_config_checkpoint_still_loads(tiny_model_dir, tmp_path):
+    """Checkpoints written with the previous ``nvfp4_w4a16`` config load through ``from_pretrained`` (and
+    :func:`nvfp4.load_nvfp4_checkpoint`), bit for bit what the new config loads."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(serialization=QUANT_METHOD))
+    m.save_pretrained(tmp_path / "old")
+    assert json.loads((tmp_path / "old" / "config.json").read_text())["quantization_config"]["quant_method"] == QUANT_METHOD
+    m.config.quantization_config.serialization = "compressed-tensors"
+    m.save_pretrained(tmp_path / "new")
+    for loaded in (AutoModelForCausalLM.from_pretrained(tmp_path / "old"), nvfp4.load_nvfp4_checkpoint(tmp_path / "old"),
+                   nvfp4.load_nvfp4_checkpoint(tmp_path / "new")):  # fmt: skip
+        assert isinstance(loaded.model.layers[0].mlp.up_proj, NVFP4Linear)
+        assert _state_equal(m, loaded)
+    assert nvfp4.hf.nvfp4_checkpoint_kind(tiny_model_dir) is None
+    with pytest.raises(NVFP4CheckpointError, match="not an NVFP4 checkpoint"):
+        nvfp4.load_nvfp4_checkpoint(tiny_model_dir)
+
+
+# Run in a fresh interpreter that never imports nvfp4: stock transformers (+ compressed-tensors) loads our checkpoint.
+_STOCK_LOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)  # compressed-tensors decompresses to bf16
+ids = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    logits = model(ids).logits
+assert "nvfp4" not in sys.modules
+torch.save(logits, sys.argv[3])
+"""
+
+
+def _site_packages_without(tmp_path, *prefixes: str):
+    """A folder of links to every entry of this interpreter's site-packages except those starting with
+    ``prefixes``: run with ``python -S`` and it on PYTHONPATH, the packages are absent as on a machine without them."""
+    import site
+
+    src = next(p for p in map(__import__("pathlib").Path, site.getsitepackages()) if (p / "transformers").is_dir())
+    view = tmp_path / "site-packages"
+    view.mkdir()
+    for entry in src.iterdir():
+        if not entry.name.startswith(prefixes):
+            (view / entry.name).symlink_to(entry)
+    return view
+
+
+def test_saved_checkpoint_loads_in_stock_transformers(tiny_model_dir, tmp_path):
+    """The checkpoint we save loads in a process without ``import nvfp4`` (transformers + compressed-tensors) with
+    logits equal to our ``NVFP4Linear`` model's within bf16 rounding; without compressed-tensors installed the load
+    fails with an error that names it (never a model with random linears)."""
+    import subprocess
+    import sys
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
+    m.save_pretrained(tmp_path / "q")
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = m(ids).logits
+    out = tmp_path / "stock.pt"
+    args = [sys.executable, "-c", _STOCK_LOAD, str(tmp_path / "q"), json.dumps(ids.tolist()), str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = torch.load(out)
+    assert torch.isfinite(stock).all()
+    rel = ((stock.float() - ours.float()).norm() / ours.float().norm()).item()
+    assert rel < 1e-2, f"stock transformers decoded other weights than ours (relative logit error {rel:.2e})"
+
+    view = _site_packages_without(tmp_path, "compressed_tensors", "compressed-tensors", "_nvfp4", "nvfp4", "__editable__")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(view)}
+    proc = subprocess.run([sys.executable, "-S", *args[1:]], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and not out.with_suffix(".none").exists()
+    assert "compressed-tensors" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]

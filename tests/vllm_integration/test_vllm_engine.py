@@ -50,9 +50,8 @@ def engine(ckpt):
 @pytest.fixture(scope="module")
 def hf_model(ckpt):
     import nvfp4  # noqa: F401
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    model = nvfp4.load_nvfp4_checkpoint(ckpt, dtype=torch.bfloat16).eval()
     # the CPU reference op would dequantize every weight on every forward; hold dequant(W) (bit-identical results)
     with nvfp4.cache_dequantized(model, torch.bfloat16) as held:
         assert held > 0

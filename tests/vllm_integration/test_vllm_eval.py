@@ -23,9 +23,8 @@ def adapter(ckpt, tmp_path_factory):
     import nvfp4  # noqa: F401
     from nvfp4.peft import get_peft_model
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = nvfp4.load_nvfp4_checkpoint(ckpt, dtype=torch.float32)
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

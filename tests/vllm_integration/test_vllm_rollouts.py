@@ -149,7 +149,7 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     assert isinstance(trained.vllm_rollout, ColocateVLLMRollout)
     saved = Path(trained.vllm_rollout.engine.model_path)  # the NVFP4 checkpoint written for the engine
     assert saved.parent.name == "vllm-cache"
-    assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == "nvfp4_w4a16"
+    assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     assert trained.use_vllm and not trained.args.use_vllm  # TRL's own VLLMGeneration was never built
     assert trained.state.global_step == 3
     steps = _steps(trained)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-NVFP4_CKPT_NAME = "SmolLM2-135M-Instruct-nvfp4-rtn-v1"
+NVFP4_CKPT_NAME = "SmolLM2-135M-Instruct-nvfp4-rtn-v2"  # v2: saved with the compressed-tensors config
 
 
 def nvfp4_offline_checkpoint() -> Path:
-    """The offline default model quantized to NVFP4 (RTN, our ``nvfp4_w4a16`` format), built once per machine."""
+    """The offline default model quantized to NVFP4 (RTN), saved as ``nvfp4`` saves by default (the compressed-tensors
+    ``NVFP4A16`` config), built once per machine."""
     from nvfp4.offline import cache_dir, offline_default_model_path
 
     target = cache_dir() / NVFP4_CKPT_NAME

@@ -1,4 +1,11 @@
-"""vLLM quantization config for our NVFP4 checkpoints (``quant_method="nvfp4_w4a16"``).
+"""vLLM quantization config for our NVFP4 checkpoints (``quant_method="nvfp4_w4a16"``, and the compressed-tensors
+``NVFP4A16`` config they are saved with by default where stock vLLM has no kernel for it).
+
+Checkpoints saved by ``nvfp4`` carry the compressed-tensors ``quantization_config`` (as llm-compressor writes for
+``NVFP4A16``): on CUDA stock vLLM loads them through its own compressed-tensors scheme, and this plugin stays out of
+the way. Elsewhere (vLLM's CPU engine) :meth:`QeRLNVFP4Config.override_quantization_method` claims weight-only NVFP4
+compressed-tensors checkpoints, which are then loaded as below; checkpoints with the previous ``nvfp4_w4a16`` config
+load here on every platform.
 
 Our checkpoints hold compressed-tensors ``nvfp4-pack-quantized`` tensors (``weight_packed`` uint8 ``[out, in/2]``,
 ``weight_scale`` fp8-e4m3 ``[out, in/16]``, ``weight_global_scale`` fp32 ``[1]``, a divisor) under our own method name.
@@ -54,6 +61,20 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
+def _is_compressed_tensors_nvfp4a16(cfg: dict[str, Any]) -> bool:
+    """Whether ``cfg`` is a compressed-tensors ``nvfp4-pack-quantized`` config with weight-only fp4 group-16 groups."""
+    if cfg.get("quant_method") != "compressed-tensors" or cfg.get("format") != FORMAT:
+        return False
+    groups = cfg.get("config_groups") or {}
+    for group in groups.values():
+        w = group.get("weights") or {}
+        if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", BLOCK_SIZE):
+            return False
+        if group.get("input_activations") or group.get("format", FORMAT) != FORMAT:
+            return False
+    return bool(groups)
+
+
 def _quantized_modules_in(path: str) -> set[str] | None:
     """Names of the modules whose ``weight_packed`` is in the local checkpoint ``path`` (None if not a local dir)."""
     p = Path(path)
@@ -97,7 +118,26 @@ class QeRLNVFP4Config(QuantizationConfig):
         return []  # the config lives in config.json's quantization_config
 
     @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        """Claim a weight-only NVFP4 compressed-tensors checkpoint (``nvfp4-pack-quantized``, fp4 group 16, no
+        activation quantization) where vLLM's own scheme has no kernel (not CUDA, or ``QERL_VLLM_NVFP4_BACKEND=
+        dequant``), unless the user asked for another method; on CUDA stock vLLM's compressed-tensors path runs."""
+        if user_quant not in (None, QUANT_METHOD) or not _is_compressed_tensors_nvfp4a16(hf_quant_cfg):
+            return None
+        if user_quant == QUANT_METHOD or os.environ.get(BACKEND_ENV, "auto").lower() == "dequant":
+            return QUANT_METHOD
+        return None if current_platform.is_cuda() else QUANT_METHOD
+
+    @classmethod
     def from_config(cls, config: dict[str, Any]) -> QeRLNVFP4Config:
+        if config.get("quant_method") == "compressed-tensors":  # nvfp4's default serialization, or llm-compressor's
+            if not _is_compressed_tensors_nvfp4a16(config):
+                raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4 compressed-tensors config: {config!r}")
+            ours = config.get("qerl") or {}
+            ignore = [p[3:] if p.startswith("re:") else p for p in config.get("ignore", [])]
+            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config)
         fmt = config.get("format", FORMAT)
         if fmt != FORMAT:
             raise ValueError(f"{QUANT_METHOD}: only format {FORMAT!r} is supported, got {fmt!r}")

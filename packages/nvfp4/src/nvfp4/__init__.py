@@ -22,6 +22,11 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from .hf import NVFP4CheckpointError, NVFP4Config, from_compressed_tensors  # noqa: E402  (registers with transformers)
+from .hf import (  # noqa: E402  (registers with transformers)
+    NVFP4CheckpointError,
+    NVFP4Config,
+    from_compressed_tensors,
+    load_nvfp4_checkpoint,
+)
 
-__all__ += ["NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors"]
+__all__ += ["NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors", "load_nvfp4_checkpoint"]

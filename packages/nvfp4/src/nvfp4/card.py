@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hf import FORMAT, QUANT_METHOD
+from .hf import FORMAT
 
 __all__ = ["write_model_card"]
 
@@ -21,27 +21,42 @@ def write_model_card(
     text = f"""---
 base_model: {base_model}
 library_name: transformers
-tags: [nvfp4, {QUANT_METHOD}, compressed-tensors, qerl]
+tags: [nvfp4, nvfp4a16, compressed-tensors, qerl]
 ---
 
 # {Path(str(base_model)).name} — NVFP4 (weight-only)
 
-Quantized with [QeRL's `nvfp4`](https://pypi.org/project/nvfp4/) (`quant_method="{QUANT_METHOD}"`).
+## Load it
 
-**Format.** Linear weights are stored in the compressed-tensors `{FORMAT}` layout: E2M1 4-bit values
+The `quantization_config` is the compressed-tensors one that llm-compressor writes for `NVFP4A16`, so the usual
+loaders read it as they are:
+
+- **transformers** (with `pip install compressed-tensors`):
+  ```python
+  from transformers import AutoModelForCausalLM
+  model = AutoModelForCausalLM.from_pretrained("<this repo>")
+  ```
+  Without compressed-tensors installed the load stops with an error that says so.
+- **vLLM**: `vllm serve <this repo>` or `LLM("<this repo>")` (its compressed-tensors NVFP4A16 scheme; Marlin FP4
+  kernels on NVIDIA GPUs). On vLLM's CPU engine, `pip install qerl-vllm` (QeRL's plugin) adds the path it lacks.
+- **`nvfp4`** (QeRL's Triton W4A16 kernels on Hopper, PEFT LoRA on top):
+  ```python
+  import nvfp4
+  model = nvfp4.from_compressed_tensors("<this repo>")   # NVFP4Linear layers
+  ```
+  A plain `from_pretrained` goes through compressed-tensors (transformers picks the loader from `quant_method`).
+
+## Format
+
+Quantized with [QeRL's `nvfp4`](https://pypi.org/project/nvfp4/). Linear weights are stored in the compressed-tensors
+`{FORMAT}` layout: E2M1 4-bit values
 (two per byte, element 2i in the low nibble) in `weight_packed` (uint8 `[out, in/2]`), one FP8-E4M3 scale per 16
 inputs in `weight_scale` (`[out, in/16]`), one FP32 scale per tensor in `weight_global_scale` (a divisor:
 `w ≈ e2m1 · scale / global`). Fused q/k/v and gate/up share one global scale. Activations stay in bf16 (W4A16).
-Embeddings and `lm_head` are kept in full precision.
+Embeddings and `lm_head` are kept in full precision. QeRL's own fields (calibration method, fused groups) sit
+under `quantization_config["qerl"]`, which compressed-tensors ignores.
 
 **Calibration.** `{method}` ({_METHODS.get(method, method)}).
-
-**Load.**
-```python
-import nvfp4  # registers the quantization method with transformers
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("<this repo>")
-```
 """
     if error_table:
         text += f"\n**Measured quality.**\n\n{error_table}\n"

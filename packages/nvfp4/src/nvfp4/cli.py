@@ -54,7 +54,7 @@ def quantize_with_method(
             model(**tokenizer(text, return_tensors="pt", truncation=True, max_length=512))
     stats.remove()
     quantize_model(model, method="awq", act_sq=stats.mean_sq())
-    model.config.quantization_config = NVFP4Config(method="rtn").to_dict() | {"method": "awq"}
+    model.config.quantization_config = NVFP4Config(method="awq")  # saved as compressed-tensors, method under "qerl"
     return model
 
 

@@ -6,9 +6,16 @@ transformers ≥5.2x already owns ``"nvfp4"`` (a Blackwell-only W4A4 path), henc
   quantized as soon as it (and the other members of its fused q/k/v or gate/up group, which share one global scale)
   has been read, so the target device never holds more than one group in full precision.
 * ``save_pretrained`` / ``push_to_hub`` write the compressed-tensors tensors (``weight_packed``, ``weight_scale``,
-  ``weight_global_scale``) plus this config, and a model card (:mod:`nvfp4.card`) when asked.
-* ``from_pretrained(nvfp4_path)`` reloads after ``import nvfp4``.
-* :func:`from_compressed_tensors` loads an llm-compressor ``NVFP4A16`` checkpoint (same tensors) into ``NVFP4Linear``.
+  ``weight_global_scale``) under the compressed-tensors ``quantization_config`` that llm-compressor writes for
+  ``NVFP4A16`` (``quant_method="compressed-tensors"``, one fp4 group-16 ``tensor_group`` config group), so stock
+  transformers (with ``compressed-tensors`` installed) and stock vLLM load the checkpoint, and anything that does not
+  know the format fails loudly instead of initialising the linears at random. What only our loader uses (the
+  calibration method, the fused groups) sits under the key ``"qerl"``, which compressed-tensors ignores.
+  ``NVFP4Config(serialization="nvfp4_w4a16")`` writes the previous, QeRL-only config instead.
+* :func:`from_compressed_tensors` (or :func:`load_nvfp4_checkpoint`, which takes either config) loads such a checkpoint
+  into ``NVFP4Linear`` on our kernels; transformers picks its quantizer from ``quant_method`` alone, so a plain
+  ``from_pretrained`` of a compressed-tensors checkpoint goes through compressed-tensors, not through us.
+* ``from_pretrained(path)`` still loads checkpoints written with the old ``nvfp4_w4a16`` config after ``import nvfp4``.
 """
 
 from __future__ import annotations
@@ -34,10 +41,66 @@ from .linear import (
     fused_group_of,
 )
 
-__all__ = ["QUANT_METHOD", "NVFP4CheckpointError", "NVFP4Config", "NVFP4HfQuantizer", "from_compressed_tensors"]
+__all__ = [
+    "QUANT_METHOD",
+    "NVFP4CheckpointError",
+    "NVFP4Config",
+    "NVFP4HfQuantizer",
+    "compressed_tensors_config",
+    "from_compressed_tensors",
+    "load_nvfp4_checkpoint",
+    "nvfp4_checkpoint_kind",
+]
 
 QUANT_METHOD = "nvfp4_w4a16"
 FORMAT = "nvfp4-pack-quantized"
+CT_METHOD = "compressed-tensors"
+SERIALIZATIONS = (CT_METHOD, QUANT_METHOD)
+
+
+def compressed_tensors_config(ignore: list[str], qerl: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` llm-compressor writes for ``NVFP4A16`` (weight-only NVFP4, round to nearest), with
+    ``ignore`` the modules kept dense and our own fields under ``"qerl"`` (ignored by compressed-tensors)."""
+    cfg: dict[str, Any] = {
+        "quant_method": CT_METHOD,
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK_SIZE,
+                            "strategy": "tensor_group", "dynamic": False, "actorder": None, "block_structure": None,
+                            "observer": "memoryless_minmax", "observer_kwargs": {},
+                            "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None},  # fmt: skip
+                "input_activations": None,
+                "output_activations": None,
+                "format": FORMAT,
+            }
+        },
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+    if qerl:
+        cfg["qerl"] = dict(qerl)
+    return cfg
+
+
+def _check_compressed_tensors_nvfp4(qc: dict[str, Any], where: str) -> None:
+    """Raise :class:`NVFP4CheckpointError` unless ``qc`` is a weight-only NVFP4 compressed-tensors config."""
+    if qc.get("quant_method") != CT_METHOD or qc.get("format") != FORMAT:
+        raise NVFP4CheckpointError(f"{where}: not a compressed-tensors {FORMAT} checkpoint (quantization_config={qc!r})")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise NVFP4CheckpointError(f"{where}: compressed-tensors config without config_groups: {qc!r}")
+    for group in groups.values():
+        w = group.get("weights") or {}
+        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != BLOCK_SIZE:
+            raise NVFP4CheckpointError(f"{where}: config group {group!r} is not NVFP4 weight-only (fp4, group 16)")
+        if group.get("input_activations"):
+            raise NVFP4CheckpointError(f"{where}: config group quantizes activations (W4A4); only W4A16 loads here")
 
 
 class NVFP4CheckpointError(ValueError):
@@ -55,6 +118,9 @@ class NVFP4Config(QuantizationConfigMixin):
             embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
         format: tensor layout, always ``"nvfp4-pack-quantized"``.
+        serialization: the ``quantization_config`` that ``save_pretrained`` writes: ``"compressed-tensors"``
+            (default; what llm-compressor writes for ``NVFP4A16``: stock transformers and vLLM load it, our fields
+            under ``"qerl"``) or ``"nvfp4_w4a16"`` (the previous config, read only with ``import nvfp4``).
     """
 
     def __init__(
@@ -63,14 +129,15 @@ class NVFP4Config(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         fused_groups: list[list[str]] | None = None,
         format: str = FORMAT,
+        serialization: str = CT_METHOD,
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
-        if method not in ("rtn", "mse"):
-            raise ValueError(
-                f"NVFP4Config(method={method!r}): on-load calibration supports 'rtn' and 'mse'; "
-                "activation-aware 'awq' needs calibration batches, see nvfp4.quantize_model"
-            )
+        if serialization not in SERIALIZATIONS:
+            raise ValueError(f"NVFP4Config(serialization={serialization!r}): choose one of {SERIALIZATIONS}")
+        self.serialization = serialization
+        if method not in ("rtn", "mse", "awq"):
+            raise ValueError(f"NVFP4Config(method={method!r}): choose 'rtn' or 'mse' (or 'awq', read from checkpoints)")
         if format != FORMAT:
             raise ValueError(f"NVFP4Config(format={format!r}): only {FORMAT!r} is supported")
         self.method = method
@@ -83,7 +150,8 @@ class NVFP4Config(QuantizationConfigMixin):
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """What ``save_pretrained`` writes as ``quantization_config`` (see ``serialization``)."""
+        ours = {
             "quant_method": QUANT_METHOD,
             "format": self.format,
             "method": self.method,
@@ -92,6 +160,25 @@ class NVFP4Config(QuantizationConfigMixin):
             "fused_groups": self.fused_groups,
             **self.extra,
         }
+        if self.serialization == QUANT_METHOD:
+            return ours
+        ignore = [m for m in self.modules_to_not_convert if m]  # names, suffixes and regexes, as compressed-tensors
+        return compressed_tensors_config(ignore, qerl={k: v for k, v in ours.items() if k != "format"})
+
+    @classmethod
+    def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
+        """The config of a compressed-tensors NVFP4A16 checkpoint (ours: from its ``"qerl"`` fields; llm-compressor's:
+        ``ignore`` as ``modules_to_not_convert``). Raises :class:`NVFP4CheckpointError` for any other config."""
+        _check_compressed_tensors_nvfp4(qc, where)
+        ours = dict(qc.get("qerl") or {})
+        method = ours.pop("method", "rtn")
+        ours.pop("quant_method", None)
+        ours.pop("weight_block_size", None)
+        if "modules_to_not_convert" not in ours:
+            ours["modules_to_not_convert"] = [p[3:] if p.startswith("re:") else p for p in qc.get("ignore", [])] or [
+                "lm_head"
+            ]
+        return cls(method=method, **ours)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -158,6 +245,11 @@ class NVFP4HfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         check_safetensors_files(checkpoint_files)
         cfg = self.quantization_config
+        if not self.pre_quantized and cfg.method not in ("rtn", "mse"):
+            raise ValueError(
+                f"NVFP4Config(method={cfg.method!r}): on-load calibration supports 'rtn' and 'mse'; "
+                "activation-aware 'awq' needs calibration batches, see nvfp4.quantize_model"
+            )
         eligible = [n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert)]
         if self.pre_quantized:
             for name in eligible:
@@ -267,24 +359,50 @@ class _QuantizeOnLoad(ConversionOps):
         return {}
 
 
-def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
-    """Load an llm-compressor / compressed-tensors ``NVFP4A16`` checkpoint (``nvfp4-pack-quantized``) into NVFP4Linear.
+def _checkpoint_quantization_config(path: str | Path) -> dict[str, Any] | None:
+    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    return qc if isinstance(qc, dict) or qc is None else qc.to_dict()
 
-    The tensors are the same as ours; only the config differs (``quant_method="compressed-tensors"`` with
-    ``config_groups``). Modules listed in the checkpoint's ``ignore`` stay dense. Other ``kwargs`` go to
-    ``AutoModelForCausalLM.from_pretrained``.
+
+def nvfp4_checkpoint_kind(path: str | Path) -> str | None:
+    """``"compressed-tensors"`` (a weight-only NVFP4 compressed-tensors checkpoint: ours, or llm-compressor's
+    ``NVFP4A16``), ``"nvfp4_w4a16"`` (ours with the previous config) or None (anything else) for a local folder or
+    Hub id."""
+    qc = _checkpoint_quantization_config(path)
+    if not qc:
+        return None
+    if qc.get("quant_method") == QUANT_METHOD:
+        return QUANT_METHOD
+    try:
+        _check_compressed_tensors_nvfp4(qc, str(path))
+    except NVFP4CheckpointError:
+        return None
+    return CT_METHOD
+
+
+def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
+    """Load a compressed-tensors ``NVFP4A16`` checkpoint (``nvfp4-pack-quantized``: ours, or llm-compressor's) into
+    ``NVFP4Linear`` layers on our kernels.
+
+    The tensors are ours; only the config names compressed-tensors (``quant_method="compressed-tensors"`` with
+    ``config_groups``), so transformers would route a plain ``from_pretrained`` to compressed-tensors. Modules in
+    the checkpoint's ``ignore`` stay dense. Other ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``; the
+    model's ``config.quantization_config`` is then ours, and ``save_pretrained`` writes the compressed-tensors config
+    again.
     """
     config = AutoConfig.from_pretrained(path)
-    qc = getattr(config, "quantization_config", None)
-    qc = qc if isinstance(qc, dict) else (qc.to_dict() if qc is not None else None)
-    if not qc or qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
-        raise NVFP4CheckpointError(
-            f"{path}: not a compressed-tensors {FORMAT} checkpoint (quantization_config={qc!r})"
-        )
-    for group in qc.get("config_groups", {}).values():
-        w = group.get("weights") or {}
-        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != BLOCK_SIZE:
-            raise NVFP4CheckpointError(f"{path}: config group {group!r} is not NVFP4 weight-only (fp4, group 16)")
-    ignore = [p[3:] if p.startswith("re:") else p for p in qc.get("ignore", [])]
-    config.quantization_config = NVFP4Config(modules_to_not_convert=ignore or ["lm_head"]).to_dict()
+    ours = NVFP4Config.from_compressed_tensors_dict(_checkpoint_quantization_config(path) or {}, str(path))
+    ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
+    config.quantization_config = ours.to_dict()
     return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+
+
+def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:
+    """Load an NVFP4 checkpoint of either config (compressed-tensors, or the previous ``nvfp4_w4a16``) into
+    ``NVFP4Linear``; ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``."""
+    kind = nvfp4_checkpoint_kind(path)
+    if kind == CT_METHOD:
+        return from_compressed_tensors(path, **kwargs)
+    if kind == QUANT_METHOD:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={_checkpoint_quantization_config(path)!r})")

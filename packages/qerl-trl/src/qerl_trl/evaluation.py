@@ -334,7 +334,7 @@ def load_model(
     (``rtn``/``mse`` on load, ``awq`` after collecting activation stats on ``calib_texts``). The adapter, if any, is
     loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
     """
-    import nvfp4  # noqa: F401  (registers the nvfp4_w4a16 quantizer, so NVFP4 checkpoints load)
+    import nvfp4.hf  # registers the nvfp4_w4a16 quantizer (checkpoints with the previous config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_path == OFFLINE_DEFAULT:
@@ -360,6 +360,8 @@ def load_model(
         from nvfp4.cli import quantize_with_method
 
         model = quantize_with_method(model_path, "awq", tokenizer, calib_texts, dtype)
+    elif prequantized and nvfp4.hf.nvfp4_checkpoint_kind(model_path) is not None:  # either NVFP4 config
+        model = nvfp4.hf.load_nvfp4_checkpoint(model_path, dtype=dtype, device_map=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device)
     model.to(device)

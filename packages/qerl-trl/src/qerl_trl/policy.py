@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["OFFLINE_DEFAULT", "load_policy", "load_tokenizer", "resolve_model_path"]
 
@@ -22,11 +22,10 @@ def resolve_model_path(name_or_path: str | Path) -> str:
 
 
 def _is_nvfp4_checkpoint(path: str) -> bool:
+    """An NVFP4 checkpoint of either config (compressed-tensors ``NVFP4A16``, or the previous ``nvfp4_w4a16``)."""
     import nvfp4.hf
 
-    qcfg = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", None)
-    return method == nvfp4.hf.QUANT_METHOD
+    return nvfp4.hf.nvfp4_checkpoint_kind(path) is not None
 
 
 def load_policy(
@@ -56,7 +55,11 @@ def load_policy(
     kwargs: dict = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if quantization != "none" and not _is_nvfp4_checkpoint(path):
+    if _is_nvfp4_checkpoint(path):
+        from nvfp4.hf import load_nvfp4_checkpoint
+
+        return load_nvfp4_checkpoint(path, **kwargs)
+    if quantization != "none":
         kwargs["quantization_config"] = NVFP4Config(method=quantization)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 

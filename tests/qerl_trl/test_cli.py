@@ -52,3 +52,24 @@ def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3]
     with pytest.raises(SystemExit, match="no checkpoint"):
         main(["train", "offline-default", *common[:2], "--output_dir", str(tmp_path / "empty"), "--resume", "true"])
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["--quantization", "foo"], ["quantization", "'foo'", "'rtn'", "'none'"]),
+     (["--aqn_sigma_start", "-1"], ["aqn_sigma_start", "-1.0"])],
+)  # fmt: skip
+def test_bad_option_values_print_one_line_and_exit_2(args, words, capsys, monkeypatch):
+    """A bad option value ends in one line (option, value, what is accepted) on stderr and exit code 2, no
+    traceback; ``--debug`` shows the exception itself."""
+    from qerl_trl.cli import DEBUG_ENV, main
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("qerl train: error: ") and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+    with pytest.raises(ValueError):
+        main(["train", *args, "--debug"])

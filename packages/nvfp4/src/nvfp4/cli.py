@@ -6,6 +6,7 @@ With no model argument it uses the offline default (SmolLM2-135M-Instruct shippe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -65,6 +66,25 @@ def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def _input_problem(model: str) -> str | None:
+    """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config,
+    or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
+    path = Path(model)
+    local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if not local:
+        return None
+    if not path.exists():
+        return f"model {model!r}: no such file or folder (give a local checkpoint folder or a Hub id)"
+    if not (path / "config.json").is_file():
+        return f"model {model!r}: not a transformers checkpoint (no config.json)"
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        return (f"model {model!r} is already quantized (quant_method={method!r}); nvfp4-quantize takes a dense "
+                "(bf16/fp16/fp32) checkpoint")  # fmt: skip
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
@@ -75,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--push-to-hub", metavar="REPO", help="also push the checkpoint and its card to this Hub repo")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer briefly.")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -82,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         from .offline import offline_default_model_path
 
         args.model = str(offline_default_model_path())
+    problem = _input_problem(args.model)
+    if problem:
+        if args.debug:
+            raise ValueError(problem)
+        ap.exit(2, f"nvfp4-quantize: error: {problem}\n")
     name = Path(args.model.rstrip("/")).name
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = Path(args.data) if args.data else None

@@ -12,6 +12,7 @@ Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -166,8 +167,22 @@ def _list_recipes() -> None:
         print(f"{p.stem:32s} {first}")
 
 
+DEBUG_ENV = "QERL_DEBUG"
+
+
+def _usage_error(prog: str, error: Exception, debug: bool) -> None:
+    """A bad option or config value: one line naming it (the validators' messages say option, value and what is
+    accepted), exit code 2 as argparse uses; ``--debug`` or ``QERL_DEBUG=1`` re-raises it with its traceback."""
+    if debug:
+        raise error
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     usage = "usage: qerl {train,eval} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes)"
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     if command in ("-h", "--help", "help"):
@@ -177,7 +192,11 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
-        trainer = train(*parse_train_args(argv))
+        try:
+            parsed = parse_train_args(argv)
+        except (ValueError, TypeError) as e:  # the config dataclasses' validation of option values
+            _usage_error("qerl train", e, debug)
+        trainer = train(*parsed)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()

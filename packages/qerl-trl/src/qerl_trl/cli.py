@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
+        from .memory import pin_malloc_mmap_threshold
+
+        pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
         trainer = train(*parse_train_args(argv))
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)

@@ -227,7 +227,35 @@ def test_informative_groups_and_batch_concatenation():
         concat_generation_batches([{**a, "pixel_values": torch.zeros(1)}] * 2, 0)
 
 
+def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokenizer):
+    # the offline default recipe's memory settings: same loss, gradient and LoRA update as one whole-batch forward
+    results = []
+    for kw in ({}, {"gradient_checkpointing": True, "logprob_batch_size": 3}):
+        model = tiny_nvfp4_policy(tokenizer)
+        # plain SGD: Adam's first step turns the rounding noise of LoRA A's ~zero gradient (B starts at 0) into ±lr
+        args = args_for(tmp_path / str(len(results)), max_steps=1, aqn=False, optim="sgd", **kw)
+        trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+        rows: list[int] = []
+
+        def count_rows(module, args, kwargs, rows=rows):  # sequences per forward that builds a graph (the loss)
+            if torch.is_grad_enabled():
+                rows.append(kwargs["input_ids"].shape[0])
+
+        hook = trainer.model.get_base_model().model.register_forward_pre_hook(count_rows, with_kwargs=True)
+        trainer.train()
+        hook.remove()
+        lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        results.append((trainer.state.log_history[0], lora, rows))
+    (logs0, lora0, rows0), (logs1, lora1, rows1) = results
+    assert rows0 == [8] and rows1 == [3, 3, 2]  # scored in 3-sequence forwards
+    assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
+    assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+
+
 def test_config_errors():
+    with pytest.raises(ValueError, match="logprob_batch_size"):
+        QeRLConfig(output_dir="x", logprob_batch_size=0)
     with pytest.raises(ValueError, match="quantization"):
         QeRLConfig(output_dir="x", quantization="int4")
     with pytest.raises(ValueError, match="aqn_mode"):

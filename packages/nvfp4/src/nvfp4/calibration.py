@@ -28,6 +28,7 @@ def search_block_scales(
     act_sq: torch.Tensor | None = None,
     alphas: tuple[float, ...] = DEFAULT_ALPHAS,
     rows_per_chunk: int = 4096,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-block FP8 scales ``[out, in/16]`` minimising (weighted) squared reconstruction error.
 
@@ -37,6 +38,7 @@ def search_block_scales(
         act_sq: optional float32 ``[in]`` per-channel weights (mean squared activations).
         alphas: shrink factors tried on the RTN scale.
         rows_per_chunk: rows processed at once (bounds temporary memory to ~len(alphas) x chunk x in floats).
+        compute_dtype: dtype of ``amax / 6`` before the float32 product with ``global_scale`` (default ``w``'s, as RTN).
     """
     out, k = w.shape
     g = global_scale.to(w.device, torch.float32)
@@ -49,7 +51,8 @@ def search_block_scales(
     result = torch.empty(out, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
     for r0 in range(0, out, rows_per_chunk):
         wb = w[r0 : r0 + rows_per_chunk].float().reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE)
-        base = g * (w[r0 : r0 + rows_per_chunk].abs().reshape(wb.shape).amax(-1) / FP4_MAX).float()
+        amax = w[r0 : r0 + rows_per_chunk].abs().reshape(wb.shape).amax(-1).to(compute_dtype or w.dtype)
+        base = g * (amax / FP4_MAX).float()
         best_err = None
         best = None
         for a in alphas:

@@ -21,10 +21,20 @@ name                     dtype                  shape
 Rounding follows compressed-tensors bit for bit: block scale ``fp8(global * amax_block / 6)`` (clamped to ±448,
 round-to-nearest-even), a zero scale replaced by the FP8 epsilon 0.125 (so all-zero blocks decode to exact zeros),
 E2M1 round-to-nearest with ties to even.
+
+Arithmetic dtype. llm-compressor runs compressed-tensors on the weight in its own dtype, so for a bf16 weight
+``448 * 6 / amax`` and ``amax_block / 6`` are rounded to bf16 before the float32 product and the FP8 cast. We do the
+same by default (``compute_dtype=None``), which makes our RTN bytes those of llm-compressor's ``NVFP4A16`` on the same
+checkpoint. ``compute_dtype=torch.float32`` computes both quotients in float32 instead (what compressed-tensors
+gives for a float32 weight); it is an option, not the default: on bf16 weights its error is the same to 3-4 digits
+(BENCHMARKS.md, "RTN arithmetic"). For float16 weights with ``amax < 2688 / 65504 ≈ 0.041`` the float16 quotient
+overflows and compressed-tensors falls back to a global scale of 1.0 (coarse block scales); we do too, with a warning
+that names ``compute_dtype=torch.float32``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -82,17 +92,50 @@ def check_weight(w: torch.Tensor, name: str = "weight") -> None:
         raise ValueError(f"{name}: contains {bad} NaN/Inf value(s); refusing to quantize")
 
 
-def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
-    """FP32 global scale ``448 * 6 / amax`` as a ``[1]`` tensor (1.0 for an all-zero tensor), as compressed-tensors."""
-    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
-    amax = torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
+def global_scale_from_amax(amax: torch.Tensor | float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP32 global scale ``448 * 6 / amax`` as a ``[1]`` tensor, exactly as compressed-tensors' ``generate_gparam``.
+
+    The quotient is computed in ``dtype`` (default: ``amax``'s dtype when it is a floating tensor, else float32), then
+    cast to float32; ``amax`` is clamped to ``dtype``'s smallest normal, and a non-finite quotient (float16 overflow,
+    all-zero tensor) becomes 1.0.
+    """
+    if dtype is None:
+        dtype = amax.dtype if isinstance(amax, torch.Tensor) and amax.is_floating_point() else torch.float32
+    amax = torch.as_tensor(amax).to(dtype).reshape(1)
+    amax = torch.clamp(amax, min=torch.finfo(dtype).tiny)
     g = FP8_MAX * FP4_MAX / amax
-    return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32)
 
 
-def shared_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One FP32 global scale ``[1]`` for a fused group (q/k/v, gate/up): from the largest ``amax`` of its members."""
-    return global_scale_from_amax(torch.stack([w.detach().abs().amax().float() for w in weights]).amax())
+def _compute_dtype(weights: Iterable[torch.Tensor], compute_dtype: torch.dtype | None) -> torch.dtype:
+    if compute_dtype is not None:
+        if compute_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {SUPPORTED_DTYPES}, got {compute_dtype}")
+        return compute_dtype
+    dtype = None
+    for w in weights:
+        dtype = w.dtype if dtype is None else torch.promote_types(dtype, w.dtype)
+    return dtype or torch.float32
+
+
+def shared_global_scale(weights: Iterable[torch.Tensor], compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One FP32 global scale ``[1]`` for a fused group (q/k/v, gate/up): from the largest ``amax`` of its members.
+
+    ``compute_dtype``: dtype of the quotient ``448 * 6 / amax`` (default the members' own dtype, as llm-compressor,
+    which fuses the same groups); see the module docstring.
+    """
+    weights = list(weights)
+    dtype = _compute_dtype(weights, compute_dtype)
+    amax = torch.stack([w.detach().abs().amax().to(dtype) for w in weights]).amax()  # max is exact in any dtype
+    g = global_scale_from_amax(amax, dtype)
+    if dtype == torch.float16 and g.item() == 1.0 and amax.item() > 0:
+        warnings.warn(
+            f"NVFP4: amax={amax.item():.3g} of a float16 weight is below 2688/65504, so 448*6/amax overflows float16 "
+            "and the global scale falls back to 1.0 (compressed-tensors does the same; the block scales lose "
+            "precision). Pass compute_dtype=torch.float32 (or load the model in bf16/fp32) for a full-range scale.",
+            stacklevel=2,
+        )
+    return g
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -127,13 +170,15 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
-def block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+def block_scales(w: torch.Tensor, global_scale: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Round-to-nearest FP8-E4M3 block scales ``[out, in/16]`` for weight ``w`` ``[out, in]``.
 
-    ``amax / 6`` is evaluated in ``w``'s dtype before the float32 product, exactly as compressed-tensors does.
+    ``amax / 6`` is evaluated in ``compute_dtype`` (default ``w``'s dtype) before the float32 product with
+    ``global_scale``, exactly as compressed-tensors' ``calculate_qparams`` does for a weight of that dtype.
     """
-    amax = w.abs().reshape(w.shape[0], -1, BLOCK_SIZE).amax(-1)
-    return _to_fp8_scale(global_scale.to(w.device) * (amax / FP4_MAX))
+    dtype = _compute_dtype([w], compute_dtype)
+    amax = w.abs().reshape(w.shape[0], -1, BLOCK_SIZE).amax(-1).to(dtype)
+    return _to_fp8_scale(global_scale.to(w.device, torch.float32) * (amax / FP4_MAX))
 
 
 def _to_fp8_scale(s: torch.Tensor) -> torch.Tensor:
@@ -190,33 +235,38 @@ def quantize(
     method: str = "rtn",
     act_sq: torch.Tensor | None = None,
     name: str = "weight",
+    compute_dtype: torch.dtype | None = None,
 ) -> NVFP4Weight:
     """Quantize a dense weight to NVFP4.
 
     Args:
         w: ``[out, in]`` float32/float16/bfloat16 weight; ``in`` must be a multiple of 16.
         global_scale: float32 ``[1]`` to use (shared by a fused q/k/v or gate/up group); default from ``amax(w)``.
-        method: ``"rtn"`` (round to nearest, bit-identical to compressed-tensors), ``"mse"`` (per-block scale search
+        method: ``"rtn"`` (round to nearest, byte-identical to llm-compressor's ``NVFP4A16`` / compressed-tensors on
+            a weight of the same dtype), ``"mse"`` (per-block scale search
             minimising the block's squared error) or ``"awq"`` (the same search weighting each input channel by its
             mean squared activation ``act_sq``).
         act_sq: float32 ``[in]`` mean of ``x**2`` per input channel over calibration batches (for ``"awq"``).
         name: tensor name used in error messages.
+        compute_dtype: dtype of the scale quotients ``448 * 6 / amax`` and ``amax_block / 6``. Default ``None``: ``w``'s
+            own dtype, as llm-compressor (byte-identical checkpoints). ``torch.float32``: float32 quotients, the
+            same error on bf16 weights and a full-range global scale for float16 weights with small ``amax``.
 
     Returns:
         :class:`NVFP4Weight` on ``w``'s device.
     """
     check_weight(w, name)
     if global_scale is None:
-        global_scale = global_scale_from_amax(w.detach().abs().amax().float())
+        global_scale = shared_global_scale([w], compute_dtype)
     global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()  # never shared
     if method == "rtn":
-        scale = block_scales(w, global_scale)
+        scale = block_scales(w, global_scale, compute_dtype)
     elif method in ("mse", "awq"):
         from .calibration import search_block_scales
 
         if method == "awq" and act_sq is None:
             raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
-        scale = search_block_scales(w, global_scale, act_sq if method == "awq" else None)
+        scale = search_block_scales(w, global_scale, act_sq if method == "awq" else None, compute_dtype=compute_dtype)
     else:
         raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'")
     codes = quantize_with_scales(w, scale, global_scale)

@@ -4,7 +4,9 @@ transformers ≥5.2x already owns ``"nvfp4"`` (a Blackwell-only W4A4 path), henc
 
 * ``from_pretrained(bf16_path, quantization_config=NVFP4Config())`` quantizes on load: each linear weight is
   quantized as soon as it (and the other members of its fused q/k/v or gate/up group, which share one global scale)
-  has been read, so the target device never holds more than one group in full precision.
+  has been read, so the target device never holds more than one group in full precision. The arithmetic runs in the
+  dtype the weight has *in the checkpoint* (a bf16 checkpoint loaded with ``dtype=torch.float32`` is quantized in
+  bf16), so RTN gives the bytes llm-compressor's ``NVFP4A16`` gives for that checkpoint whatever the load dtype.
 * ``save_pretrained`` / ``push_to_hub`` write the compressed-tensors tensors (``weight_packed``, ``weight_scale``,
   ``weight_global_scale``) under the compressed-tensors ``quantization_config`` that llm-compressor writes for
   ``NVFP4A16`` (``quant_method="compressed-tensors"``, one fp4 group-16 ``tensor_group`` config group), so stock
@@ -112,7 +114,7 @@ class NVFP4Config(QuantizationConfigMixin):
     """Weight-only NVFP4 (E2M1 values, FP8-E4M3 scale per 16 inputs, FP32 scale per tensor) for ``from_pretrained``.
 
     Args:
-        method: calibration at load time: ``"rtn"`` (round to nearest, compressed-tensors bit-exact) or ``"mse"``
+        method: calibration at load time: ``"rtn"`` (round to nearest, llm-compressor ``NVFP4A16`` byte-identical) or ``"mse"``
             (per-block scale search). The activation-aware ``"awq"`` needs data: use :func:`nvfp4.quantize_model`.
         modules_to_not_convert: names / suffixes / regexes kept in full precision (default ``["lm_head"]``;
             embeddings are never converted).
@@ -214,6 +216,23 @@ def check_safetensors_files(files: list[str] | None) -> None:
             )
 
 
+_SAFETENSORS_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _safetensors_float_dtypes(files: list[str] | None) -> dict[str, torch.dtype]:
+    """Floating dtype of every tensor in the safetensors ``files``, read from their headers (no tensor is loaded)."""
+    dtypes: dict[str, torch.dtype] = {}
+    for f in files or []:
+        if not str(f).endswith(".safetensors"):
+            continue
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for key, info in header.items():
+            if key != "__metadata__" and info.get("dtype") in _SAFETENSORS_FLOAT_DTYPES:
+                dtypes[key] = _SAFETENSORS_FLOAT_DTYPES[info["dtype"]]
+    return dtypes
+
+
 @register_quantizer(QUANT_METHOD)
 class NVFP4HfQuantizer(HfQuantizer):
     """Quantize on load (bf16 checkpoint + :class:`NVFP4Config`) or load our NVFP4 checkpoints."""
@@ -224,6 +243,7 @@ class NVFP4HfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self._pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._targets: set[str] = set()
+        self._stored_dtypes: dict[str, torch.dtype] = {}  # checkpoint key -> dtype of that tensor in the file
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -262,7 +282,22 @@ class NVFP4HfQuantizer(HfQuantizer):
                 self._check_prequantized_tensors(model, checkpoint_files)
         else:
             self._targets = set(eligible)
+            self._stored_dtypes = _safetensors_float_dtypes(checkpoint_files)
+            self._prefix = getattr(model, "base_model_prefix", "")
         return model
+
+    def _quantization_input(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """``w`` back in its checkpoint dtype when the loader widened it (exact), so RTN sees the stored values in the
+        dtype llm-compressor would quantize them in; otherwise ``w`` itself."""
+        key = f"{name}.weight"
+        prefix = getattr(self, "_prefix", "")
+        stored = self._stored_dtypes.get(key)
+        if stored is None and prefix:
+            alt = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else f"{prefix}.{key}"
+            stored = self._stored_dtypes.get(alt)
+        if stored is not None and stored.itemsize < w.dtype.itemsize:
+            return w.to(stored)
+        return w
 
     def _check_prequantized_tensors(self, model, files: list[str]) -> None:
         from safetensors import safe_open
@@ -311,11 +346,12 @@ class NVFP4HfQuantizer(HfQuantizer):
         g = shared_global_scale(weights.values())
         for name, w in weights.items():
             old = model.get_submodule(name)
+            dtype = old.weight.dtype  # the load dtype; `w` may be in the narrower checkpoint dtype
             q = quantize(w, global_scale=g, method=cfg.method, name=f"{name}.weight")
             bias = old.bias.detach().to(w.device) if old.bias is not None and not old.bias.is_meta else None
-            new = NVFP4Linear.from_weight(q, bias, w.dtype)
+            new = NVFP4Linear.from_weight(q, bias, dtype)
             if old.bias is not None and bias is None:  # bias not read yet: keep a slot for the loader
-                new.bias = nn.Parameter(torch.empty(old.out_features, dtype=w.dtype, device="meta"), False)
+                new.bias = nn.Parameter(torch.empty(old.out_features, dtype=dtype, device="meta"), False)
             _mark_initialized(new)
             _replace(model, name, new)
             if missing_keys is not None:
@@ -352,7 +388,7 @@ class _QuantizeOnLoad(ConversionOps):
             full = fused_group_of(name, self.q.quantization_config.fused_groups) or (name,)
             group = tuple(n for n in full if n in self.q._targets)
             got = self.q._pending.setdefault(group, {})
-            got[name] = w
+            got[name] = self.q._quantization_input(name, w)
             if all(n in got for n in group):
                 del self.q._pending[group]
                 self.q._flush(model, group, got, missing_keys)

@@ -270,6 +270,7 @@ def quantize_model(
     device: torch.device | str | None = None,
     progress: bool = True,
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
@@ -278,6 +279,10 @@ def quantize_model(
     ``filter_fn``. Members of a fused group present in the same parent share one global scale. Layers are quantized
     one at a time (optionally moved to ``device`` first), so peak memory is the quantized model plus one group in
     full precision.
+
+    RTN runs in each weight's dtype as the model holds it (``compute_dtype=None``), as llm-compressor does: a model
+    loaded in bf16 gives llm-compressor's ``NVFP4A16`` bytes. ``compute_dtype=torch.float32`` computes the scale
+    quotients in float32 instead (see :mod:`nvfp4.codec`).
     """
     groups = [tuple(g) for g in fused_groups]
     named = [
@@ -294,7 +299,7 @@ def quantize_model(
             continue
         group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]
         weights = {n: chosen[n].weight.to(device) if device is not None else chosen[n].weight for n in group}
-        g = shared_global_scale(weights.values())
+        g = shared_global_scale(weights.values(), compute_dtype)
         for n in group:
             lin_n = chosen[n]
             q = quantize(
@@ -303,6 +308,7 @@ def quantize_model(
                 method=method,
                 act_sq=None if act_sq is None else act_sq.get(n),
                 name=f"{n}.weight",
+                compute_dtype=compute_dtype,
             )
             bias = lin_n.bias.detach().to(q.packed.device) if lin_n.bias is not None else None
             new = NVFP4Linear.from_weight(q, bias, lin_n.weight.dtype)

@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
+        from .memory import pin_malloc_mmap_threshold
+
+        pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
         try:
             parsed = parse_train_args(argv)
         except (ValueError, TypeError) as e:  # the config dataclasses' validation of option values

@@ -73,6 +73,12 @@ class QeRLConfig(GRPOConfig):
             ``max_cache_len``), so every step replays the same graphs whatever the prompt lengths.
         generation_prompt_cache_len: the longest prompt (tokens) that compiled cache holds (and ``"graph"``'s, whose
             cache is sized the same way; a longer prompt is an error there).
+    Memory:
+        logprob_batch_size: sequences per forward when the trainer scores completions (TRL's
+            ``_get_per_token_logps_and_entropies`` ``batch_size``; default: the whole batch). Off Triton devices TRL's
+            chunked LM head scores every position of every sequence in ``[tokens, 32768]`` fp32 vocabulary tiles
+            whose backward takes ~8 tile-sized temporaries (2.6 GB for the offline default's 32 × 74 tokens), so
+            the CPU recipe scores 4 sequences at a time. The same log-probabilities, gradients and batch.
     Several processes (``accelerate launch``, see ``recipes/accelerate/``):
         rollout_seed_per_prompt: sample each prompt's group of ``num_generations`` completions in its own
             ``generate`` call, from a seed that is a function of (``seed``, ``global_step``, the prompt's index in
@@ -150,6 +156,10 @@ class QeRLConfig(GRPOConfig):
             "on any number of processes (one generate call per prompt; transformers or graph rollouts only)."
         },
     )
+    logprob_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Sequences per forward when scoring completions (lower peak memory; default: whole batch)."},
+    )
     ddp_broadcast_buffers: bool | None = field(
         default=False,
         metadata={
@@ -173,6 +183,8 @@ class QeRLConfig(GRPOConfig):
         super().__post_init__()
         if self.quantization not in ("rtn", "mse", "none"):
             raise ValueError(f"quantization must be 'rtn', 'mse' or 'none', got {self.quantization!r}")
+        if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:
+            raise ValueError(f"logprob_batch_size must be > 0 (or None for the whole batch), got {self.logprob_batch_size}")
         if self.lora_r <= 0:
             raise ValueError(f"lora_r must be > 0, got {self.lora_r}")
         if self.lora_alpha is None:

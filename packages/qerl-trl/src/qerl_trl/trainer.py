@@ -406,6 +406,14 @@ class QeRLGRPOTrainer(GRPOTrainer):
         ]
         return completion_ids, None
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        """TRL's, scoring ``logprob_batch_size`` sequences per forward when the caller gives no ``batch_size``."""
+        batch_size = batch_size or self.args.logprob_batch_size
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+        )
+
     def training_step(self, model, inputs, num_items_in_batch):
         self._generation_seconds = 0.0
         start = time.perf_counter()

@@ -1,0 +1,41 @@
+"""Host memory: make glibc give freed tensor memory back to the OS.
+
+glibc ``malloc`` serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB at start) with its own ``mmap``,
+unmapped on ``free``. But each time such a block is freed, glibc raises the threshold to that block's size (up to
+32 MiB), so from then on CPU tensors of a few MiB — every activation of a training step — come from the heap arenas,
+where freed memory stays in the process (fragmented over per-thread arenas) instead of going back to the OS. On the
+offline default job that kept 7.5 GB resident after one step, for ~1.6 GB live (BENCHMARKS.md, "Host memory of the
+main command"). Pinning the threshold with ``mallopt`` turns that adjustment off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+__all__ = ["M_MMAP_THRESHOLD", "pin_malloc_mmap_threshold"]
+
+M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+
+
+def pin_malloc_mmap_threshold(threshold_bytes: int = 64 * 1024) -> bool:
+    """Fix glibc's mmap threshold at ``threshold_bytes`` for this process; returns whether it was set.
+
+    Allocations of at least ``threshold_bytes`` (tensor storages of CPU activations, gradients, temporaries) are then
+    mapped and unmapped on their own, so resident memory follows live memory. The default, 64 KiB (half glibc's
+    starting value), also covers the K/V tensors of the offline default recipe's 2-sequence scoring chunks
+    (``[2, 3, 74, 64]`` fp32, 111 KiB), which left 0.6 GB of freed heap behind at 128 KiB. Process-wide;
+    ``qerl train`` calls it on start. A no-op returning ``False`` off Linux/glibc (macOS, musl).
+    """
+    if threshold_bytes <= 0:
+        raise ValueError(f"threshold_bytes must be positive, got {threshold_bytes}")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)) == 1

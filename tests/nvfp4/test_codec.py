@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,7 +40,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_round_trip_error_is_bounded(out, blocks, log_scale, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(out, blocks * 16, generator=g) * 2.0**log_scale).to(dtype)
-    q = quantize(w)
+    with warnings.catch_warnings(record=True) as fell_back:
+        warnings.simplefilter("always")
+        q = quantize(w)
+    if fell_back:  # fp16 amax < 0.041: compressed-tensors' global scale 1.0 (test_llmcompressor_bytes checks those bytes)
+        q = quantize(w, compute_dtype=torch.float32)
     assert q.packed.shape == (out, blocks * 8) and q.packed.dtype == torch.uint8
     assert q.scale.shape == (out, blocks) and q.scale.dtype == torch.float8_e4m3fn
     assert q.global_scale.shape == (1,) and q.global_scale.dtype == torch.float32

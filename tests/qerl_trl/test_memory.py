@@ -2,35 +2,46 @@
 
 from __future__ import annotations
 
-import os
+import subprocess
 import sys
 
 import pytest
-import torch
+from qerl_trl.memory import pin_malloc_mmap_threshold
+
+# Run in a fresh interpreter: in the test session's process, memory freed by earlier tests is already resident and
+# the 1 MiB blocks below would reuse it without moving RSS at all.
+_FRESH_PROCESS = """
+import os, torch
 from qerl_trl.memory import pin_malloc_mmap_threshold
 
 
-def _rss() -> int:
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+assert pin_malloc_mmap_threshold() is True
+# without the pin, freeing one 8 MiB tensor raises glibc's threshold to 8 MiB, and the 1 MiB tensors after it come
+# from the heap arenas, where they stay resident after being freed
+big = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
+del big
+before = rss()
+blocks = [torch.empty(1 << 20, dtype=torch.uint8).fill_(1) for _ in range(256)]  # 256 MiB, touched
+held = rss()
+keep = blocks[::64]  # a few stay alive between freed ones (fragmentation)
+del blocks
+after = rss()
+print((held - before) >> 20, (after - before) >> 20)
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_freed_tensors_are_returned_to_the_os():
-    assert pin_malloc_mmap_threshold() is True
-    # without the pin, freeing one 8 MiB tensor raises glibc's threshold to 8 MiB, and the 1 MiB tensors after it
-    # come from the heap arenas, where they stay resident after being freed
-    big = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
-    del big
-    before = _rss()
-    blocks = [torch.empty(1 << 20, dtype=torch.uint8).fill_(1) for _ in range(256)]  # 256 MiB, touched
-    held = _rss()
-    keep = blocks[::64]  # a few stay alive between freed ones (fragmentation)
-    del blocks
-    after = _rss()
-    assert held - before > 200 << 20
-    assert after - before < 32 << 20, f"{(after - before) >> 20} MiB still resident after freeing 252 MiB"
-    del keep
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    held_mib, after_mib = map(int, proc.stdout.split())
+    assert held_mib > 200, f"the 256 MiB of blocks raised RSS by {held_mib} MiB only"
+    assert after_mib < 32, f"{after_mib} MiB still resident after freeing 252 MiB"
 
 
 def test_bad_threshold():

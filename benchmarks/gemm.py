@@ -26,6 +26,8 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --compare-ct          # plus the compressed-tensors-layout kernels, side by side
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
+    ncu --section SpeedOfLight --section WarpStateStats --csv python benchmarks/gemm.py --profile 7b:gate:256
+        # one plain launch of ours, ours + LoRA and bf16 per shape (no graph), for a profiler's stall reasons
 """
 
 from __future__ import annotations
@@ -190,6 +192,33 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
         nb = _n_calls(len(wts.bf16))
         ref = time_graph([partial(torch.matmul, dy, wts.bf16[i % len(wts.bf16)]) for i in range(nb)])
     return ours, ref
+
+
+def run_profile(specs: list[str]) -> None:
+    """Launch ours, ours + rank-32 LoRA and bf16 once each (after a warm-up call) per ``model:linear:M`` spec, outside
+    any CUDA graph and on one weight copy, so that a profiler (``ncu``) sees each kernel as dispatched."""
+    for spec in specs:
+        model, linear, m = spec.split(":")
+        name = next(k for k in MODELS if model.lower() in k.lower())
+        n, k = MODELS[name][linear]
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        q = quantize(w)
+        packed = to_mma_layout(q.packed) if mma_layout_supported(n, k) else q.packed
+        x = torch.randn(int(m), k, device=DEV, dtype=torch.bfloat16)
+        a = torch.randn(32, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, 32, device=DEV, dtype=torch.bfloat16)
+        for _ in range(2):  # the first call compiles
+            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours")
+            nvfp4_linear(x, packed, q.scale, q.global_scale, None)
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours+lora")
+            nvfp4_lora_linear(x, packed, q.scale, q.global_scale, None, a, b, 2.0)
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} bf16")
+            F.linear(x, w)
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(f"profiled {name} {linear} N={n} K={k} M={m}: {kern.linear_config(int(m), n, k, mma=True)}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -445,7 +474,12 @@ def main() -> None:
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
+    ap.add_argument("--profile", default=None, metavar="MODEL:LINEAR:M,...",
+                    help="launch each shape once per arm outside CUDA graphs (run under ncu) and exit")
     args = ap.parse_args()
+    if args.profile:
+        run_profile(args.profile.split(","))
+        return
     if args.write_table:
         print(dispatch_table_source(json.loads(Path(args.write_table).read_text())))
         return

@@ -120,10 +120,17 @@ def test_config_disagreeing_with_tensors_fails_clearly(tiny_model_dir, tmp_path)
 
 
 def test_config_validation_and_serialisation(tiny_model_dir):
-    with pytest.raises(ValueError, match="awq"):  # awq is read from checkpoints, never computed on load
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(method="awq"))
-    with pytest.raises(ValueError, match="gptq"):
-        NVFP4Config(method="gptq")
+    for method in ("awq", "gptq"):  # calibrated methods on a dense checkpoint need data
+        with pytest.raises(ValueError, match="needs calibration_data"):
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(method=method))
+    with pytest.raises(ValueError, match="method"):
+        NVFP4Config(method="hqq")
+    with pytest.raises(ValueError, match="takes no calibration_data"):
+        NVFP4Config(method="rtn", calibration_data=[torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match="token ids"):
+        AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir, quantization_config=NVFP4Config(method="gptq", calibration_data=[torch.rand(4)])
+        )
     with pytest.raises(ValueError, match="only"):
         NVFP4Config(format="mxfp4")
     with pytest.raises(ValueError, match="serialization"):
@@ -211,3 +218,26 @@ def test_saved_checkpoint_loads_in_stock_transformers(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-S", *args[1:]], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and not out.with_suffix(".none").exists()
     assert "compressed-tensors" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_method_on_load_saves_and_reloads(tiny_model_dir, tmp_path, method):
+    """``NVFP4Config(method=awq|gptq, calibration_data=...)``: every linear quantized, fused groups keep one global
+    scale, the data is not saved (its count is), and the checkpoint reloads to the same tensors and logits."""
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 256, (int(torch.randint(5, 20, (1,), generator=gen)),), generator=gen) for _ in range(6)]
+    m = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, quantization_config=NVFP4Config(method=method, calibration_data=data)
+    )
+    assert sum(isinstance(x, NVFP4Linear) for x in m.modules()) == 2 * 7
+    attn = m.model.layers[1].self_attn
+    assert attn.q_proj.weight_global_scale.item() == attn.k_proj.weight_global_scale.item()
+    m.save_pretrained(tmp_path / "q")
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["qerl"]["method"] == method
+    assert qc["qerl"]["calibration_samples"] == 6 and "calibration_data" not in json.dumps(qc)
+    m2 = nvfp4.load_nvfp4_checkpoint(tmp_path / "q", dtype=torch.float32)
+    assert _state_equal(m, m2)
+    ids = torch.randint(0, 256, (2, 7), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, m2(ids).logits)

@@ -282,3 +282,29 @@ def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path
         off = QeRLConfig(output_dir=str(tmp_path), compile_generation=False)
         cfg = compiled_generation_config(gc, off if gc.cache_implementation else args)
         assert cfg.disable_compile is True and getattr(cfg, "max_cache_len", None) is None
+
+
+def test_calibrated_policy_is_cached_and_reused_on_resume(tmp_path, tokenizer, tiny_dir, caplog):
+    """``quantization="gptq"``: calibrated on the first training prompts, saved under ``<output_dir>/calibrated``; a
+    second trainer on the same run (a resume) loads that checkpoint instead of calibrating again."""
+    import logging
+
+    args = args_for(tmp_path, quantization="gptq", calibration_samples=4, max_steps=1)
+    first = QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic(),
+                            processing_class=tokenizer)  # fmt: skip
+    cached = list((Path(args.output_dir) / "calibrated").iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith("tiny-llama-gptq-"), cached
+    qc = json.loads((cached[0] / "config.json").read_text())["quantization_config"]
+    assert qc["qerl"]["method"] == "gptq" and qc["qerl"]["calibration_samples"] == 4
+    first.train()
+    with caplog.at_level(logging.INFO, logger="qerl_trl.policy"):
+        again = QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic(),
+                                processing_class=tokenizer)  # fmt: skip
+    assert "no new calibration" in caplog.text
+    packed = lambda m: {n: b for n, b in m.named_buffers() if n.endswith("weight_packed")}  # noqa: E731
+    a, b = packed(first.model), packed(again.model)
+    assert a and set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    # other prompts are another calibration: a new cache entry
+    QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic(32).select(range(8, 32)),
+                    processing_class=tokenizer)  # fmt: skip
+    assert len(list((Path(args.output_dir) / "calibrated").iterdir())) == 2

@@ -70,4 +70,5 @@ _METHODS = {
     "rtn": "round to nearest, bit-identical to compressed-tensors",
     "mse": "per-block FP8 scale search minimising squared weight error",
     "awq": "per-block FP8 scale search weighted by calibration activations' mean squares",
+    "gptq": "GPTQ: column-by-column rounding with the error spread through the inverse input Hessian of calibration data",
 }

@@ -15,13 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .calibration import ActivationStats
+from .calibration import CALIBRATED_METHODS
 from .card import write_model_card
 from .evaluate import gsm8k_texts, perplexity, weight_relative_error
-from .hf import NVFP4Config
-from .linear import DEFAULT_MODULES_TO_NOT_CONVERT, _quantizable, quantize_model
+from .hf import METHODS, NVFP4Config
 
-__all__ = ["dir_bytes", "main", "quantize_with_method"]
+__all__ = ["calibration_ids", "dir_bytes", "main", "quantize_with_method"]
 
 
 def dir_bytes(folder: str | Path) -> int:
@@ -33,6 +32,11 @@ def _load_dense(path: str | Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
+def calibration_ids(tokenizer, texts: list[str], max_length: int = 512) -> list[torch.Tensor]:
+    """Token ids ``[1, T]`` (int64) of each calibration text, truncated to ``max_length``."""
+    return [tokenizer(t, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"] for t in texts]
+
+
 def quantize_with_method(
     path: str | Path,
     method: str,
@@ -40,23 +44,14 @@ def quantize_with_method(
     calib_texts: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ):
-    """Load ``path`` quantized with ``method`` (``rtn``/``mse`` on load; ``awq`` after collecting activation stats)."""
-    if method in ("rtn", "mse"):
+    """Load ``path`` quantized with ``method``: ``rtn`` / ``mse`` from the weights alone, ``awq`` / ``gptq`` calibrated
+    on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``."""
+    if method not in CALIBRATED_METHODS:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=NVFP4Config(method=method))
-    if method != "awq":
-        raise ValueError(f"unknown method {method!r}")
     if not calib_texts:
-        raise ValueError("method 'awq' needs calibration texts (--data)")
-    model = _load_dense(path, dtype)
-    names = [n for n, m in model.named_modules() if _quantizable(n, m, DEFAULT_MODULES_TO_NOT_CONVERT)]
-    stats = ActivationStats(model, names)
-    with torch.no_grad():
-        for text in calib_texts:
-            model(**tokenizer(text, return_tensors="pt", truncation=True, max_length=512))
-    stats.remove()
-    quantize_model(model, method="awq", act_sq=stats.mean_sq())
-    model.config.quantization_config = NVFP4Config(method="awq")  # saved as compressed-tensors, method under "qerl"
-    return model
+        raise ValueError(f"method {method!r} needs calibration texts (--data)")
+    cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
 
 
 def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -88,8 +83,10 @@ def _input_problem(model: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
-    ap.add_argument("--method", default="mse", choices=["rtn", "mse", "awq"])
+    ap.add_argument("--method", default="mse", choices=list(METHODS),
+                    help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts")  # fmt: skip
     ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
+    ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
     ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4)")
     ap.add_argument("--push-to-hub", metavar="REPO", help="also push the checkpoint and its card to this Hub repo")
@@ -112,7 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = Path(args.data) if args.data else None
     eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
-    calib = gsm8k_texts(data / "train.jsonl", 32) if data else None
+    if args.method in CALIBRATED_METHODS and data is None:
+        ap.exit(2, f"nvfp4-quantize: error: --method {args.method} needs --data (calibration texts)\n")
+    if args.calib_samples < 1:
+        ap.exit(2, f"nvfp4-quantize: error: --calib-samples must be >= 1, got {args.calib_samples}\n")
+    calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

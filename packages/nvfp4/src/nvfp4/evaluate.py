@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from .linear import NVFP4Linear
 
-__all__ = ["gsm8k_texts", "perplexity", "weight_relative_error"]
+__all__ = ["gsm8k_texts", "output_relative_error", "perplexity", "weight_relative_error"]
 
 
 @torch.no_grad()
@@ -32,6 +32,40 @@ def weight_relative_error(dense: nn.Module, quantized: nn.Module) -> dict[str, f
             num, den = num + e, den + s
     out["all"] = (num / den) ** 0.5 if den else 0.0
     return out
+
+
+@torch.no_grad()
+def output_relative_error(dense: nn.Module, quantized: nn.Module, batches: list[torch.Tensor]) -> dict[str, float]:
+    """Output error per layer type: ``Σ‖x Wᵀ - x Ŵᵀ‖² / Σ‖x Wᵀ‖²`` (square-rooted) over every NVFP4 layer of
+    ``quantized`` whose name ends in that type (``q_proj``, …, ``down_proj``), ``x`` being the layer's input in the
+    *quantized* model's own forward on ``batches`` (token ids ``[1, T]``), ``W`` the dense model's weight of that name.
+    """
+    dense_modules = dict(dense.named_modules())
+    sums: dict[str, list[float]] = {}
+    handles = []
+
+    def hook(name: str):
+        def fn(module, args, output):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            ref = x @ dense_modules[name].weight.detach().float().T
+            got = x @ module.dequantize(torch.float32).T
+            acc = sums.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+            acc[0] += (got - ref).square().sum().item()
+            acc[1] += ref.square().sum().item()
+
+        return fn
+
+    for name, mod in quantized.named_modules():
+        if isinstance(mod, NVFP4Linear):
+            handles.append(mod.register_forward_hook(hook(name)))
+    try:
+        device = next(quantized.parameters()).device
+        for ids in batches:
+            quantized(ids.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    return {kind: (e / s) ** 0.5 if s else 0.0 for kind, (e, s) in sums.items()}
 
 
 def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:

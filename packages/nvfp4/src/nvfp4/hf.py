@@ -34,6 +34,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .calibration import CALIBRATED_METHODS, calibrate_model
 from .codec import BLOCK_SIZE, quantize, shared_global_scale
 from .linear import (
     DEFAULT_FUSED_GROUPS,
@@ -58,6 +59,7 @@ QUANT_METHOD = "nvfp4_w4a16"
 FORMAT = "nvfp4-pack-quantized"
 CT_METHOD = "compressed-tensors"
 SERIALIZATIONS = (CT_METHOD, QUANT_METHOD)
+METHODS = ("rtn", "mse", *CALIBRATED_METHODS)
 
 
 def compressed_tensors_config(ignore: list[str], qerl: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -114,8 +116,14 @@ class NVFP4Config(QuantizationConfigMixin):
     """Weight-only NVFP4 (E2M1 values, FP8-E4M3 scale per 16 inputs, FP32 scale per tensor) for ``from_pretrained``.
 
     Args:
-        method: calibration at load time: ``"rtn"`` (round to nearest, llm-compressor ``NVFP4A16`` byte-identical) or ``"mse"``
-            (per-block scale search). The activation-aware ``"awq"`` needs data: use :func:`nvfp4.quantize_model`.
+        method: calibration at load time: ``"rtn"`` (round to nearest, llm-compressor ``NVFP4A16`` byte-identical),
+            ``"mse"`` (per-block scale search), or, with ``calibration_data``, ``"awq"`` (activation-weighted scale
+            search) or ``"gptq"`` (error-compensating rounding, :func:`nvfp4.calibration.gptq_quantize`). The
+            calibrated methods load the model dense first, run it on the data, then quantize
+            (:func:`nvfp4.calibration.calibrate_model`), so they need the dense model's memory once.
+        calibration_data: for ``"awq"`` / ``"gptq"``: token ids, each an int64 tensor ``[T]`` or ``[B, T]`` (or a list
+            of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``). Not saved with the
+            checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
         modules_to_not_convert: names / suffixes / regexes kept in full precision (default ``["lm_head"]``;
             embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
@@ -132,14 +140,20 @@ class NVFP4Config(QuantizationConfigMixin):
         fused_groups: list[list[str]] | None = None,
         format: str = FORMAT,
         serialization: str = CT_METHOD,
+        calibration_data: list[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
         if serialization not in SERIALIZATIONS:
             raise ValueError(f"NVFP4Config(serialization={serialization!r}): choose one of {SERIALIZATIONS}")
         self.serialization = serialization
-        if method not in ("rtn", "mse", "awq"):
-            raise ValueError(f"NVFP4Config(method={method!r}): choose 'rtn' or 'mse' (or 'awq', read from checkpoints)")
+        if method not in METHODS:
+            raise ValueError(f"NVFP4Config(method={method!r}): choose one of {METHODS}")
+        if calibration_data is not None and method not in CALIBRATED_METHODS:
+            raise ValueError(f"NVFP4Config(method={method!r}) takes no calibration_data (only {CALIBRATED_METHODS} do)")
+        if calibration_data is not None and len(calibration_data) == 0:
+            raise ValueError("NVFP4Config(calibration_data=[]): give at least one calibration sample")
+        self.calibration_data = calibration_data
         if format != FORMAT:
             raise ValueError(f"NVFP4Config(format={format!r}): only {FORMAT!r} is supported")
         self.method = method
@@ -150,6 +164,8 @@ class NVFP4Config(QuantizationConfigMixin):
         self.format = format
         self.weight_block_size = BLOCK_SIZE
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
+        if calibration_data is not None:
+            self.extra["calibration_samples"] = len(calibration_data)
 
     def to_dict(self) -> dict[str, Any]:
         """What ``save_pretrained`` writes as ``quantization_config`` (see ``serialization``)."""
@@ -265,10 +281,11 @@ class NVFP4HfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         check_safetensors_files(checkpoint_files)
         cfg = self.quantization_config
-        if not self.pre_quantized and cfg.method not in ("rtn", "mse"):
+        calibrated = not self.pre_quantized and cfg.method in CALIBRATED_METHODS
+        if calibrated and not getattr(cfg, "calibration_data", None):
             raise ValueError(
-                f"NVFP4Config(method={cfg.method!r}): on-load calibration supports 'rtn' and 'mse'; "
-                "activation-aware 'awq' needs calibration batches, see nvfp4.quantize_model"
+                f"NVFP4Config(method={cfg.method!r}) needs calibration_data (token ids of a few dozen task prompts) "
+                "to quantize a dense checkpoint; 'rtn' and 'mse' need none"
             )
         eligible = [n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert)]
         if self.pre_quantized:
@@ -280,6 +297,8 @@ class NVFP4HfQuantizer(HfQuantizer):
                 _replace(model, name, new)
             if checkpoint_files:
                 self._check_prequantized_tensors(model, checkpoint_files)
+        elif calibrated:  # the model loads dense; _process_model_after_weight_loading calibrates and quantizes
+            self._targets = set()
         else:
             self._targets = set(eligible)
             self._stored_dtypes = _safetensors_float_dtypes(checkpoint_files)
@@ -325,6 +344,16 @@ class NVFP4HfQuantizer(HfQuantizer):
         return _QuantizeOnLoad(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        cfg = self.quantization_config
+        if not self.pre_quantized and cfg.method in CALIBRATED_METHODS:
+            was_training = model.training
+            model.eval()
+            calibrate_model(model, cfg.method, _calibration_batches(cfg.calibration_data, model),
+                            modules_to_not_convert=cfg.modules_to_not_convert, fused_groups=cfg.fused_groups)  # fmt: skip
+            model.train(was_training)
+            for m in model.modules():
+                if isinstance(m, NVFP4Linear):
+                    _mark_initialized(m)
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
@@ -372,6 +401,25 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+def _calibration_batches(data: list[Any], model: nn.Module) -> list[Any]:
+    """``NVFP4Config.calibration_data`` as model inputs on the model's device: ``[1, T]`` / ``[B, T]`` int64 tensors or
+    keyword dicts."""
+    device = next(p.device for p in model.parameters() if not p.is_meta)
+    batches = []
+    for i, item in enumerate(data):
+        if isinstance(item, dict):
+            batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in item.items()})
+            continue
+        ids = item if isinstance(item, torch.Tensor) else torch.tensor(item)
+        if ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2) or ids.numel() == 0:
+            raise ValueError(
+                f"calibration_data[{i}]: expected token ids (a non-empty int tensor [T] or [B, T], or a list of ints), "
+                f"got {type(item).__name__} {tuple(ids.shape)} {ids.dtype}"
+            )
+        batches.append(ids.reshape(1, -1).to(device, torch.int64) if ids.dim() == 1 else ids.to(device, torch.int64))
+    return batches
 
 
 class _QuantizeOnLoad(ConversionOps):

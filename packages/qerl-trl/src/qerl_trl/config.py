@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
-__all__ = ["QeRLConfig", "QeRLDAPOConfig"]
+__all__ = ["QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
+
+#: ``QeRLConfig.quantization`` values: NVFP4 methods (the calibrated ones last) and the bf16 baseline.
+QUANTIZATIONS = ("rtn", "mse", "awq", "gptq", "none")
 
 #: rollout_engine="graph": sampling settings (GRPOConfig fields or generation_kwargs keys) and the values at which they
 #: do nothing (TRL 1.16 defaults: top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0; -1 is vLLM's "no top-k").
@@ -36,8 +39,13 @@ class QeRLConfig(GRPOConfig):
 
     Policy:
         quantization: how a dense checkpoint is turned into the 4-bit policy on load: ``"rtn"`` / ``"mse"`` (NVFP4 via
-            :class:`nvfp4.NVFP4Config`), or ``"none"`` for the bf16 LoRA baseline. A checkpoint that is already NVFP4
-            loads as it is.
+            :class:`nvfp4.NVFP4Config`, from the weights alone), ``"awq"`` / ``"gptq"`` (calibrated on the first
+            ``calibration_samples`` prompts of the training set, :func:`nvfp4.calibration.calibrate_model`), or
+            ``"none"`` for the bf16 LoRA baseline. A checkpoint that is already NVFP4 loads as it is.
+        calibration_samples: prompts the ``awq`` / ``gptq`` calibration runs on.
+        calibration_cache_dir: where a calibrated policy is saved (an NVFP4 checkpoint keyed by model, method and
+            prompts; default ``<output_dir>/calibrated``), so a resumed or repeated run loads it instead of
+            calibrating again.
         lora_r, lora_alpha, lora_dropout, lora_target_modules: the PEFT ``LoraConfig`` (paper: r=32, α=r, all linear
             projections of attention and MLP).
     AQN (noise on the RMSNorm weights of the model that generates, once per generation step):
@@ -94,7 +102,17 @@ class QeRLConfig(GRPOConfig):
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper: 1e-5)."})
     quantization: str = field(
         default="rtn",
-        metadata={"help": "NVFP4 calibration for a dense checkpoint: 'rtn', 'mse', or 'none' (bf16 LoRA baseline)."},
+        metadata={
+            "help": "NVFP4 calibration for a dense checkpoint: 'rtn', 'mse', 'awq', 'gptq' (the last two calibrated on "
+            "the task's prompts), or 'none' (bf16 LoRA baseline)."
+        },
+    )
+    calibration_samples: int = field(
+        default=32, metadata={"help": "Training prompts the 'awq' / 'gptq' calibration runs on."}
+    )
+    calibration_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where the calibrated NVFP4 policy is cached (default: <output_dir>/calibrated)."},
     )
     lora_r: int = field(default=32, metadata={"help": "LoRA rank."})
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default: = lora_r)."})
@@ -181,8 +199,10 @@ class QeRLConfig(GRPOConfig):
             # transformers only sets up the gloo process group with use_cpu, else each process would train alone
             self.use_cpu = True
         super().__post_init__()
-        if self.quantization not in ("rtn", "mse", "none"):
-            raise ValueError(f"quantization must be 'rtn', 'mse' or 'none', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.calibration_samples < 1:
+            raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:
             raise ValueError(f"logprob_batch_size must be > 0 (or None for the whole batch), got {self.logprob_batch_size}")
         if self.lora_r <= 0:

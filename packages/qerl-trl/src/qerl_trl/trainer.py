@@ -2,8 +2,8 @@
 
 What the subclass adds, each through a method TRL's own trainers override:
 
-* ``__init__``: a model id or path becomes an NVFP4 policy (``quantization="rtn"|"mse"``, or ``"none"`` for the bf16
-  baseline); the PEFT ``LoraConfig`` (paper defaults) maps ``NVFP4Linear`` to :class:`nvfp4.peft.LoraNVFP4Linear`
+* ``__init__``: a model id or path becomes an NVFP4 policy (``quantization="rtn"|"mse"``, ``"awq"|"gptq"`` calibrated
+  on the first training prompts and cached, or ``"none"`` for the bf16 baseline); the PEFT ``LoraConfig`` (paper defaults) maps ``NVFP4Linear`` to :class:`nvfp4.peft.LoraNVFP4Linear`
   through PEFT's custom-module hook, so only the bf16 adapters train and merges export ``dequant(W) + ΔW``.
 * ``_generate_single_turn``: AQN noise goes on the RMSNorm weights of the generating model for one generation step
   (σ from the schedule at ``global_step``; restored bit-identically afterwards, before scoring and the loss);
@@ -126,6 +126,22 @@ def compiled_generation_config(generation_config: GenerationConfig, args: QeRLCo
     return generation_config
 
 
+def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
+    """Token ids ``[1, T]`` of the first ``n`` prompts of ``dataset`` (its ``"prompt"`` column: chat messages get the
+    chat template with the generation prompt, as the rollouts see them; strings are tokenized as they are)."""
+    if dataset is None:
+        raise ValueError("quantization 'awq' / 'gptq' calibrates on the training prompts: pass train_dataset")
+    ids = []
+    for i in range(min(n, len(dataset))):
+        prompt = dataset[i]["prompt"]
+        if isinstance(prompt, list):
+            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        ids.append(tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ValueError("quantization 'awq' / 'gptq': the training set has no prompts to calibrate on")
+    return ids
+
+
 class QeRLGRPOTrainer(GRPOTrainer):
     """GRPO on a 4-bit NVFP4 policy with LoRA and Adaptive Quantization Noise.
 
@@ -166,7 +182,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if isinstance(model, str):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
-            model = load_policy(model, quantization=args.quantization)
+            calibration = None
+            if args.quantization in ("awq", "gptq"):
+                calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
+            model = load_policy(model, quantization=args.quantization, calibration_data=calibration,
+                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"))  # fmt: skip
         engine_path = None
         if args.rollout_engine == "vllm" and not args.vllm_server_url:
             from .vllm_rollout import engine_checkpoint

@@ -1,0 +1,81 @@
+"""GPTQ for NVFP4 (:func:`nvfp4.calibration.gptq_quantize`, :func:`nvfp4.calibration.calibrate_model`) against RTN and
+the activation-weighted search on fresh random layers and a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nvfp4 import NVFP4Linear
+from nvfp4.calibration import calibrate_model, gptq_quantize
+from nvfp4.codec import dequantize, pack_e2m1, quantize, quantize_with_scales
+from tiny_models import tiny_config
+
+
+def _output_error(x: torch.Tensor, w: torch.Tensor, q) -> float:
+    wq = dequantize(q.packed, q.scale, q.global_scale, torch.float32)
+    assert torch.isfinite(wq).all()
+    return ((x @ (w - wq).T).square().sum() / (x @ w.T).square().sum()).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gptq_lowers_output_error_below_rtn_and_awq(seed):
+    gen = torch.Generator().manual_seed(seed)
+    out, k = 96, 256
+    # correlated inputs with uneven channel scales, as LLM activations
+    x = (torch.randn(2048, k, generator=gen) @ (torch.randn(k, k, generator=gen) / k**0.5)) * (
+        torch.rand(k, generator=gen) * 3 + 0.1
+    )
+    w = torch.randn(out, k, generator=gen) * 0.02
+    h = x.T @ x / x.shape[0]
+    rtn = _output_error(x, w, quantize(w))
+    awq = _output_error(x, w, quantize(w, method="awq", act_sq=x.square().mean(0)))
+    gptq = _output_error(x, w, gptq_quantize(w, h))
+    assert gptq < 0.75 * rtn and gptq < awq, (rtn, awq, gptq)
+    # the codes are the ones its scales give: re-rounding the dequantized weight changes nothing
+    q = gptq_quantize(w, h)
+    wq = dequantize(q.packed, q.scale, q.global_scale, torch.float32)
+    again = pack_e2m1(quantize_with_scales(wq, q.scale, q.global_scale))  # -0 may come back as +0: compare values
+    assert torch.equal(dequantize(again, q.scale, q.global_scale, torch.float32), wq)
+
+
+def test_gptq_input_checks_and_dead_inputs():
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="hessian"):
+        gptq_quantize(w, torch.eye(32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gptq_quantize(w, torch.eye(64), block_cols=24)
+    h = torch.eye(64)
+    h[5, 5] = 0.0  # an input that never fires: its weights are dropped, the rest still quantizes
+    q = gptq_quantize(w, h)
+    wq = dequantize(q.packed, q.scale, q.global_scale, torch.float32)
+    assert torch.isfinite(wq).all() and (wq[:, 5] == 0).all()
+
+
+def test_calibrate_model_gptq_tiny_model_beats_rtn():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(tiny_config("qwen2", num_hidden_layers=3)).eval()
+    calib = [torch.randint(0, 256, (1, 24)) for _ in range(8)]
+    held_out = torch.randint(0, 256, (4, 24))
+    with torch.no_grad():
+        ref = dense(held_out).logits
+    import copy
+
+    from nvfp4 import quantize_model
+
+    errs = {}
+    for method in ("rtn", "gptq"):
+        m = copy.deepcopy(dense)
+        if method == "rtn":
+            quantize_model(m, progress=False)
+        else:
+            calibrate_model(m, "gptq", calib, progress=False)
+        assert sum(isinstance(x, NVFP4Linear) for x in m.modules()) == 3 * 7
+        with torch.no_grad():
+            errs[method] = ((m(held_out).logits - ref).norm() / ref.norm()).item()
+    assert errs["gptq"] < errs["rtn"], errs
+    with pytest.raises(ValueError, match="at least one"):
+        calibrate_model(copy.deepcopy(dense), "gptq", [])
+    with pytest.raises(ValueError, match="method"):
+        calibrate_model(copy.deepcopy(dense), "rtn", calib)

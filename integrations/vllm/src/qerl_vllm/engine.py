@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 import torch
 from nvfp4.peft import write_adapter
 
+from . import vllm_missing
+
 __all__ = ["Generation", "VLLMEngine", "norm_param_names", "to_vllm_name"]
 
 SYNCED = "synced"
@@ -190,8 +192,11 @@ class VLLMEngine:
         **llm_kwargs: Any,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocate: the engine lives in this process
-        from vllm import LLM
-        from vllm.platforms import current_platform
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as err:  # the extra is not installed
+            raise vllm_missing(err, "qerl_vllm.engine.VLLMEngine") from err
 
         from .plugin import register
 

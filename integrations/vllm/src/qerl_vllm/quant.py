@@ -31,17 +31,23 @@ from typing import Any
 
 import torch
 from nvfp4.codec import BLOCK_SIZE, dequantize
-from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-    register_weight_loader_v2_supported_method,
-)
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
-from vllm.platforms import current_platform
+
+from . import vllm_missing
+
+try:
+    from vllm.logger import init_logger
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        LinearMethodBase,
+        UnquantizedLinearMethod,
+        register_weight_loader_v2_supported_method,
+    )
+    from vllm.model_executor.layers.quantization import register_quantization_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
+    from vllm.platforms import current_platform
+except ImportError as err:  # the extra is not installed
+    raise vllm_missing(err, "qerl_vllm.quant") from err
 
 logger = init_logger(__name__)
 

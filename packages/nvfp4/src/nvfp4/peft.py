@@ -24,13 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel
-from peft import get_peft_model as _peft_get_peft_model
-from peft.tuners.lora.layer import Linear as _LoraLinear
 from torch import nn
 
 from . import ops
+from .extras import missing_extra
 from .linear import NVFP4Linear
+
+try:
+    from peft import LoraConfig, PeftModel
+    from peft import get_peft_model as _peft_get_peft_model
+    from peft.tuners.lora.layer import Linear as _LoraLinear
+except ImportError as err:  # the extra is not installed
+    raise missing_extra(err, "peft", "nvfp4.peft", "PEFT", "nvfp4[peft]") from err
 
 __all__ = [
     "LoraNVFP4Linear",

@@ -171,8 +171,9 @@ DEBUG_ENV = "QERL_DEBUG"
 
 
 def _usage_error(prog: str, error: Exception, debug: bool) -> None:
-    """A bad option or config value: one line naming it (the validators' messages say option, value and what is
-    accepted), exit code 2 as argparse uses; ``--debug`` or ``QERL_DEBUG=1`` re-raises it with its traceback."""
+    """A bad option or config value, or a missing optional dependency: one line naming it (the validators' messages
+    say option, value and what is accepted; a missing extra's, what to pip install), exit code 2 as argparse uses;
+    ``--debug`` or ``QERL_DEBUG=1`` re-raises it with its traceback."""
     if debug:
         raise error
     print(f"{prog}: error: {error}", file=sys.stderr)
@@ -195,18 +196,28 @@ def main(argv: list[str] | None = None) -> None:
         from .memory import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
+        from nvfp4.extras import MissingExtraError
+
         try:
             parsed = parse_train_args(argv)
         except (ValueError, TypeError) as e:  # the config dataclasses' validation of option values
             _usage_error("qerl train", e, debug)
-        trainer = train(*parsed)
+        try:
+            trainer = train(*parsed)
+        except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]
+            _usage_error("qerl train", e, debug)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()
     elif command == "eval":
+        from nvfp4.extras import MissingExtraError
+
         from .evaluation import main as eval_main
 
-        eval_main(argv)
+        try:
+            eval_main(argv)
+        except MissingExtraError as e:
+            _usage_error("qerl eval", e, debug)
     else:
         raise SystemExit(f"qerl: unknown command {command!r}\n{usage}")
 

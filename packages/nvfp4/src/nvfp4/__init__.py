@@ -1,20 +1,25 @@
 """NVFP4 weight-only quantization: codec, calibration, ``NVFP4Linear``, kernels, transformers/PEFT integration.
 
+MXFP4 (:mod:`nvfp4.mxfp4`) has a codec so far; :func:`get_format` looks up either format (:mod:`nvfp4.formats`).
+
 Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transformers quantization method
 ``"nvfp4_w4a16"`` (:class:`NVFP4Config`), so ``from_pretrained`` reloads our checkpoints.
 """
 
 from .codec import NVFP4Weight, dequantize, pack_e2m1, quantize, unpack_e2m1
 from .extras import MissingExtraError
+from .formats import Format, get_format
 from .linear import NVFP4Linear, cache_dequantized, quantize_model
 from .ops import linear, linear_dgrad
 
 __all__ = [
+    "Format",
     "MissingExtraError",
     "NVFP4Linear",
     "NVFP4Weight",
     "cache_dequantized",
     "dequantize",
+    "get_format",
     "linear",
     "linear_dgrad",
     "pack_e2m1",

@@ -74,17 +74,25 @@ _TIE_DOWN = (0.25, 1.25, 2.5, 5.0)
 _TIE_UP = (0.75, 1.75, 3.5)
 
 
-def check_weight(w: torch.Tensor, name: str = "weight") -> None:
-    """Raise a ValueError naming ``name`` if ``w`` cannot be quantized to NVFP4 (shape, dtype, NaN/Inf)."""
+def check_weight(
+    w: torch.Tensor, name: str = "weight", *, block_size: int = BLOCK_SIZE, format_name: str = "NVFP4"
+) -> None:
+    """Raise a ValueError naming ``name`` if ``w`` cannot be quantized to NVFP4 (shape, dtype, NaN/Inf).
+
+    ``block_size`` / ``format_name``: the inputs per scale and the name in messages of another 4-bit format (MXFP4:
+    32, ``"MXFP4"``), which shares these checks.
+    """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
     if w.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: unsupported dtype {w.dtype}; NVFP4 quantizes float32/float16/bfloat16/float64")
+        raise ValueError(
+            f"{name}: unsupported dtype {w.dtype}; {format_name} quantizes float32/float16/bfloat16/float64"
+        )
     if w.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D [out_features, in_features] weight, got shape {tuple(w.shape)}")
-    if w.shape[1] % BLOCK_SIZE != 0:
+    if w.shape[1] % block_size != 0:
         raise ValueError(
-            f"{name}: in_features={w.shape[1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}; "
+            f"{name}: in_features={w.shape[1]} is not a multiple of the {format_name} block size {block_size}; "
             "such layers are left unquantized (add them to modules_to_not_convert)"
         )
     if not torch.isfinite(w).all():
@@ -227,7 +235,11 @@ class NVFP4Weight:
 
     def state_dict(self, prefix: str = "weight") -> dict[str, torch.Tensor]:
         """Tensors under their compressed-tensors names (``weight_packed``, ``weight_scale``, ``weight_global_scale``)."""
-        return {f"{prefix}_packed": self.packed, f"{prefix}_scale": self.scale, f"{prefix}_global_scale": self.global_scale}
+        return {
+            f"{prefix}_packed": self.packed,
+            f"{prefix}_scale": self.scale,
+            f"{prefix}_global_scale": self.global_scale,
+        }
 
 
 def quantize(

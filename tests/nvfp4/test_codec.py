@@ -110,6 +110,7 @@ def test_bit_exact_with_compressed_tensors(dtype, seed):
     w = (torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g) * 3).to(dtype)
     w[5, :16] = 0  # an all-zero block
     w[7, 32:48] = -1e-3  # a block of small negatives (sign kept on zero codes)
+    w[9, 64:72] = -0.0  # exact negative zeros: code 0, not 8, in compressed-tensors
     absmax = w.abs().amax()  # in w's own dtype, as llm-compressor's observer hands it to generate_gparam
     gs = generate_gparam(-absmax.reshape(1), absmax.reshape(1))
     blk = w.reshape(96, -1, 16)

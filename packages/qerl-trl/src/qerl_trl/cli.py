@@ -12,6 +12,7 @@ Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -126,6 +127,10 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
 
         callbacks.append(RichProgressCallback())
     trainer_cls = QeRLDAPOTrainer if script_args.algorithm == "dapo" else QeRLGRPOTrainer
+    policy_log = logging.getLogger("qerl_trl.policy")  # say whether a calibrated policy was made or loaded
+    if not policy_log.handlers:
+        policy_log.addHandler(logging.StreamHandler(sys.stdout))
+        policy_log.setLevel(logging.INFO)
     trainer = trainer_cls(script_args.model_name_or_path, rewards, config, train_dataset=dataset, callbacks=callbacks)
     if any(type(cb).__name__ == "RichProgressCallback" for cb in callbacks):
         from transformers import ProgressCallback

@@ -347,8 +347,8 @@ def load_model(
     dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
     prequantized = _is_prequantized(model_path)
-    if quantize not in ("none", "rtn", "mse", "awq"):
-        raise ValueError(f"unknown quantize method {quantize!r}; valid: none, rtn, mse, awq")
+    if quantize not in ("none", "rtn", "mse", "awq", "gptq"):
+        raise ValueError(f"unknown quantize method {quantize!r}; valid: none, rtn, mse, awq, gptq")
     if quantize != "none" and prequantized:
         raise ValueError(f"{model_path} is already quantized; drop --quantize {quantize}")
     if quantize in ("rtn", "mse"):  # quantized layer group by layer group while loading, on the target device
@@ -356,10 +356,10 @@ def load_model(
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device,
                                                      quantization_config=NVFP4Config(method=quantize))
-    elif quantize == "awq":  # needs the dense model's activation statistics first
+    elif quantize in ("awq", "gptq"):  # calibrated on the dense model's activations first
         from nvfp4.cli import quantize_with_method
 
-        model = quantize_with_method(model_path, "awq", tokenizer, calib_texts, dtype)
+        model = quantize_with_method(model_path, quantize, tokenizer, calib_texts, dtype)
     elif prequantized and nvfp4.hf.nvfp4_checkpoint_kind(model_path) is not None:  # either NVFP4 config
         model = nvfp4.hf.load_nvfp4_checkpoint(model_path, dtype=dtype, device_map=device)
     else:
@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"HF id or folder (bf16, or an NVFP4 checkpoint); '{OFFLINE_DEFAULT}' (the default) = "
                          "SmolLM2-135M-Instruct")
     ap.add_argument("--tokenizer", help="tokenizer id/folder (default: the model's)")
-    ap.add_argument("--quantize", default="none", choices=["none", "rtn", "mse", "awq"],
+    ap.add_argument("--quantize", default="none", choices=["none", "rtn", "mse", "awq", "gptq"],
                     help="quantize a bf16 model to NVFP4 on load with this method (default: none)")
     ap.add_argument("--adapter", help="LoRA adapter folder (verified to be loaded into the evaluated model)")
     ap.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="(default: %(default)s)")

@@ -106,45 +106,9 @@ def search_block_scales(
     return result
 
 
-class ActivationStats:
-    """Collects per-input-channel ``E[x²]`` of chosen linear layers with forward hooks.
-
-    >>> stats = ActivationStats(model, names)   # names of nn.Linear modules
-    >>> for batch in calib: model(**batch)
-    >>> stats.remove(); act_sq = stats.mean_sq()  # {name: float32 [in_features]}
-    """
-
-    def __init__(self, model: torch.nn.Module, names: list[str]):
-        self._sum: dict[str, torch.Tensor] = {}
-        self._count: dict[str, int] = {}
-        self._handles = []
-        modules = dict(model.named_modules())
-        for name in names:
-            self._handles.append(modules[name].register_forward_pre_hook(self._hook(name)))
-
-    def _hook(self, name: str):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            self._sum[name] = self._sum.get(name, 0) + x.square().sum(0)
-            self._count[name] = self._count.get(name, 0) + x.shape[0]
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def mean_sq(self) -> dict[str, torch.Tensor]:
-        return {n: (s / self._count[n]).cpu() for n, s in self._sum.items()}
-
-
-class HessianStats:
-    """Collects ``H = Σ xᵀx / n`` (float32 ``[in, in]``) of the input of chosen linear layers with forward hooks.
-
-    One matrix per layer, also where layers read the same input (q/k/v): ``[in, in]`` is small next to the weights
-    of the decoder layer being calibrated, and the products are cheap GEMMs.
-    """
+class _InputStats:
+    """Sums a statistic of the input ``x`` (``[tokens, in]``, float32) of chosen linear layers with forward pre-hooks;
+    subclasses say which (:meth:`_term`)."""
 
     def __init__(self, model: nn.Module, names: list[str]):
         self._sum: dict[str, torch.Tensor] = {}
@@ -154,10 +118,14 @@ class HessianStats:
         for name in names:
             self._handles.append(modules[name].register_forward_pre_hook(self._hook(name)))
 
+    @staticmethod
+    def _term(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _hook(self, name: str):
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            self._sum[name] = self._sum.get(name, 0) + x.T @ x
+            self._sum[name] = self._sum.get(name, 0) + self._term(x)
             self._count[name] = self._count.get(name, 0) + x.shape[0]
 
         return hook
@@ -167,11 +135,42 @@ class HessianStats:
             h.remove()
         self._handles.clear()
 
-    def hessian(self, name: str) -> torch.Tensor:
-        """float32 ``[in, in]`` for linear ``name``; raises if the calibration batches never reached it."""
+    def _mean(self, name: str) -> torch.Tensor:
         if name not in self._sum:
             raise RuntimeError(f"{name}: no calibration activations reached this layer")
         return self._sum[name] / self._count[name]
+
+
+class ActivationStats(_InputStats):
+    """Collects per-input-channel ``E[x²]`` of chosen linear layers with forward hooks.
+
+    >>> stats = ActivationStats(model, names)   # names of nn.Linear modules
+    >>> for batch in calib: model(**batch)
+    >>> stats.remove(); act_sq = stats.mean_sq()  # {name: float32 [in_features]}
+    """
+
+    @staticmethod
+    def _term(x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum(0)
+
+    def mean_sq(self) -> dict[str, torch.Tensor]:
+        return {n: self._mean(n).cpu() for n in self._sum}
+
+
+class HessianStats(_InputStats):
+    """Collects ``H = Σ xᵀx / n`` (float32 ``[in, in]``) of the input of chosen linear layers with forward hooks.
+
+    One matrix per layer, also where layers read the same input (q/k/v): ``[in, in]`` is small next to the weights
+    of the decoder layer being calibrated, and the products are cheap GEMMs.
+    """
+
+    @staticmethod
+    def _term(x: torch.Tensor) -> torch.Tensor:
+        return x.T @ x
+
+    def hessian(self, name: str) -> torch.Tensor:
+        """float32 ``[in, in]`` for linear ``name``; raises if the calibration batches never reached it."""
+        return self._mean(name)
 
 
 @torch.no_grad()

@@ -282,7 +282,8 @@ def quantize(
             raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
         scale = search_block_scales(w, global_scale, act_sq if method == "awq" else None, compute_dtype=compute_dtype)
     else:
-        raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'")
+        hint = " ('gptq' needs the layer's input Hessian: nvfp4.calibration.gptq_quantize)" if method == "gptq" else ""
+        raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'{hint}")
     codes = quantize_with_scales(w, scale, global_scale)
     return NVFP4Weight(pack_e2m1(codes), scale, global_scale)
 

@@ -76,6 +76,7 @@ BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
 DEV = "cuda"
 REP_BUDGET_S = 0.1  # replay time per measurement (the sweep uses less)
+FEWER_STAGES = False  # --fewer-stages
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -331,10 +332,12 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
             continue
         programs = -(-m // bm) * -(-n // (64 * tiles))
         steps = k // (64 * quarters)
-        for target in (kern._NUM_SMS, 2 * kern._NUM_SMS):
-            split = max(1, min(-(-target // programs), steps // 2))
-            out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, group_m=8, mma=True,
-                                    large_m=True))  # fmt: skip
+        # --fewer-stages: also one cp.async stage less (less shared memory: more programs per SM hide more latency)
+        for st in (stages, stages - 1) if FEWER_STAGES and stages > 2 else (stages,):
+            for target in (kern._NUM_SMS, 2 * kern._NUM_SMS):
+                split = max(1, min(-(-target // programs), steps // 2))
+                out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, st, True, group_m=8, mma=True,
+                                        large_m=True))  # fmt: skip
     return list(dict.fromkeys(out))
 
 
@@ -474,6 +477,7 @@ def main() -> None:
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
+    ap.add_argument("--fewer-stages", action="store_true", help="sweep: large-M tiles also with one cp.async stage less")
     ap.add_argument("--profile", default=None, metavar="MODEL:LINEAR:M,...",
                     help="launch each shape once per arm outside CUDA graphs (run under ncu) and exit")
     args = ap.parse_args()
@@ -491,8 +495,9 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     t0 = time.time()
     if args.sweep:
-        global REP_BUDGET_S
+        global REP_BUDGET_S, FEWER_STAGES
         REP_BUDGET_S = 0.06
+        FEWER_STAGES = args.fewer_stages
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip
         res.update(info)

@@ -1,8 +1,11 @@
 """One full GRPO step (issue #7): generation + scoring + loss + backward + optimizer, per arm, in the real trainer.
 
 Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` (TRL 1.16's ``GRPOTrainer`` + AQN) for ``--warmup-steps`` +
-``--steps`` optimizer steps on one group per step (``num_generations = per_device_train_batch_size = --group``,
-``gradient_accumulation_steps = 1``), and times every phase of every step:
+``--steps`` optimizer steps, by default on one group per step (``num_generations = per_device_train_batch_size =
+--group``, ``gradient_accumulation_steps = 1``), or at a recipe's generation batch with ``--per-device-batch`` and
+``--grad-accum`` (TRL generates ``per_device_batch × grad_accum`` completions in one round, then trains on them in
+``grad_accum`` micro-batches; the 7B recipe: 16 × 8 = 128 completions, groups of 8), and times every phase of every
+step:
 
 * ``gen``: ``_generate_single_turn`` (transformers ``generate``, AQN noise on/off included), split into ``prefill``
   (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest; with
@@ -326,6 +329,11 @@ def _make_trainer_class(clock: _Clock):
     return TimedTrainer, StepClock
 
 
+def _completions_per_step(args) -> int:
+    """Completions generated per optimizer step and process: TRL's generation batch."""
+    return (args.per_device_batch or args.group) * args.grad_accum
+
+
 def _step_row(c: dict, group: int) -> dict:
     """Derived phases of one step (seconds) from the raw timers."""
     r = {k: c.get(k) for k in ("step", "expected_len", "adv_abs_mean", "adv_std")}
@@ -409,7 +417,7 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     lens_ok = all(
         r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
     )
-    s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == args.group for r in rows))
+    s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
     dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in _DYN_KEYS}
     dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in _DYN_KEYS}
@@ -474,7 +482,8 @@ def run_worker(args) -> dict:
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
     n_steps = args.warmup_steps + args.steps
-    dataset = make_dataset(max(8, n_steps * world * 2), args.prompt_len, vocab)
+    per_step = _completions_per_step(args)
+    dataset = make_dataset(max(8, 2 * n_steps * world * per_step // args.group), args.prompt_len, vocab)
     TimedTrainer, StepClock = _make_trainer_class(clock)
     step_clock = StepClock()
     step_clock.catcher = catcher
@@ -486,9 +495,9 @@ def run_worker(args) -> dict:
     cfg = QeRLConfig(
         output_dir=outdir,
         rollout_engine=engine,
-        per_device_train_batch_size=args.group,
+        per_device_train_batch_size=args.per_device_batch or args.group,
         num_generations=args.group,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=args.grad_accum,
         max_completion_length=args.completion_len,
         temperature=1.0,
         top_p=1.0,
@@ -617,6 +626,8 @@ _PASS = (
     "prompt_len",
     "completion_len",
     "group",
+    "per_device_batch",
+    "grad_accum",
     "steps",
     "warmup_steps",
     "beta",
@@ -744,7 +755,9 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=1024, help="max_completion_length (= min_new_tokens)")
-    ap.add_argument("--group", type=int, default=8, help="num_generations = per_device_train_batch_size")
+    ap.add_argument("--group", type=int, default=8, help="num_generations (and per_device_train_batch_size by default)")
+    ap.add_argument("--per-device-batch", type=int, default=None, help="per_device_train_batch_size (default --group)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (= TRL's steps_per_generation)")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps before the measured ones (compile)")
     ap.add_argument(

@@ -757,7 +757,9 @@ def main(argv=None) -> None:
     ap.add_argument("--completion-len", type=int, default=1024, help="max_completion_length (= min_new_tokens)")
     ap.add_argument("--group", type=int, default=8, help="num_generations (and per_device_train_batch_size by default)")
     ap.add_argument("--per-device-batch", type=int, default=None, help="per_device_train_batch_size (default --group)")
-    ap.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (= TRL's steps_per_generation)")
+    ap.add_argument(
+        "--grad-accum", type=int, default=1, help="gradient_accumulation_steps (= TRL's steps_per_generation)"
+    )
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps before the measured ones (compile)")
     ap.add_argument(

@@ -6,7 +6,7 @@ engine and models: random-weight Qwen2.5 shapes built layer by layer (``rollout.
 ``torch.profiler`` records the CUDA kernels of a ``generate`` of 1 new token (prefill) and one of ``1 + N`` new tokens;
 the difference, divided by ``N``, is one decode step. Kernels are grouped by name:
 
-* ``nvfp4 gemm``: our Triton W4A16 kernels (``_linear_mma_kernel``, ``_linear_kernel``, ``_gemv_kernel``, split-K reduce, dequant)
+* ``nvfp4 gemm``: our Triton W4A16 kernels (``_linear_mma_kernel``, ``_linear_large_m_kernel``, ``_linear_kernel``, ``_gemv_kernel``, split-K reduce, dequant)
 * ``bnb nf4``: bitsandbytes kernels (QLoRA arm)
 * ``cuBLAS gemm``: every cuBLAS/CUTLASS GEMM: the bf16 base linears (bf16 arm), the LoRA A/B products, ``lm_head``
 * ``attention``: SDPA / flash kernels
@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout import ARM_LABEL, ARMS, MODELS, _csv, _sync, build_model, device_name, versions  # noqa: E402
 
 CATEGORIES: list[tuple[str, re.Pattern]] = [
-    ("nvfp4 gemm", re.compile(r"_linear_(mma_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel")),
+    ("nvfp4 gemm", re.compile(r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel")),
     ("bnb nf4", re.compile(r"4bit|kDequantize|kQuantize|nf4", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
     ("cuBLAS gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|splitKreduce|sm90_", re.I)),

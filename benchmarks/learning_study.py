@@ -9,6 +9,21 @@ split; the base models (bf16 and NVFP4-RTN) are evaluated once each. Runs go to 
     uv run python benchmarks/learning_study.py --plot-only     # re-read the run folders, write JSON + PNG
 
 Writes ``results/learning_study.json`` and ``docs/learning_study.png``.
+
+The GPU study (issue #21, ``--gpu``): four arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's
+exponential σ schedule, NVFP4 + LoRA + AQN at a constant σ as the ablation) × seeds × two tasks — arithmetic as a
+curriculum (single-digit sums for the first half of the steps, then two-digit: ``digits: [1, 2]``, not shuffled) and
+GSM8K (``../shared/data/gsm8k``) — each a real ``qerl train`` run (graph rollout engine on CUDA) saving its adapter at
+every ``--eval-at`` step; then ``qerl eval`` (greedy pass@1 and sampled pass@4) of every saved adapter and of the
+base models on held-out test problems (arithmetic: two-digit test stream; GSM8K: test split). Every arm of a seed
+sees the same prompts in the same order (same data seed). Runs execute ``--parallel`` at a time as separate
+processes on one GPU (the model is tiny), one torch thread each::
+
+    python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
+    python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
+    uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
+
+Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``.
 """
 
 from __future__ import annotations
@@ -16,12 +31,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,9 +300,378 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------ GPU study (#21)
+GPU_ARMS = {
+    "bf16+LoRA": {"tag": "bf16", "quantization": "none", "aqn": "false"},
+    "NVFP4+LoRA": {"tag": "nvfp4", "quantization": "rtn", "aqn": "false"},
+    "NVFP4+LoRA+AQN": {"tag": "nvfp4-aqn", "quantization": "rtn", "aqn": "true", "aqn_schedule": "exponential"},
+    # the ablation: the schedule's first σ held for the whole run (no decay)
+    "NVFP4+LoRA+AQN const σ": {"tag": "nvfp4-aqn-const", "quantization": "rtn", "aqn": "true",
+                               "aqn_schedule": "constant"},
+}  # fmt: skip
+GPU_COLORS = COLORS | {"NVFP4+LoRA+AQN const σ": "tab:orange"}
+GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
+# per task: trainer overrides, eval task options / limit / completion budget
+GPU_TASKS = {
+    "arithmetic": {
+        "train": {"task_options": None, "max_completion_length": 12, "shuffle_dataset": "false"},
+        "eval": ["--task", "arithmetic", "--task-option", "digits=2", "--limit", "200", "--max-new-tokens", "12"],
+    },
+    "gsm8k": {
+        "train": {"task": "gsm8k", "task_options": "{}", "max_completion_length": 256},
+        "eval": ["--task", "gsm8k", "--limit", "200", "--max-new-tokens", "256"],
+    },
+}
+GPU_TRAIN = {
+    "per_device_train_batch_size": 16,
+    "num_generations": 4,
+    "learning_rate": 2e-4,
+    "aqn_sigma_start": 1e-2,
+    "aqn_sigma_end": 5e-4,
+    "aqn_num_stages": 10,
+    "rollout_engine": "graph",
+    "save_strategy": "steps",
+    "save_total_limit": 100,
+    "disable_tqdm": "true",
+}
+
+
+def _gsm8k_path() -> Path:
+    path = Path(os.environ.get("QERL_GSM8K", GSM8K_DIR))
+    if not (path / "train.jsonl").is_file() or not (path / "test.jsonl").is_file():
+        raise SystemExit(f"GSM8K not found at {path} (train.jsonl / test.jsonl); set QERL_GSM8K")
+    return path
+
+
+def _gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int], out: Path, tiny: bool) -> list[str]:
+    spec = GPU_ARMS[arm]
+    cfg = dict(GPU_TRAIN) | dict(GPU_TASKS[task]["train"])
+    prompts_per_step = cfg["per_device_train_batch_size"] // cfg["num_generations"]
+    if task == "arithmetic":  # one pass over an ordered curriculum: the first half of the steps 1-digit, then 2-digit
+        cfg["task_options"] = json.dumps({"n_examples": steps * prompts_per_step, "digits": [1, 2], "ops": "+"})
+    else:
+        cfg["data_path"] = str(_gsm8k_path())
+    saves = sorted(s for s in eval_at if s > 0)
+    cfg["save_steps"] = math.gcd(*saves) if saves else steps
+    cfg |= {k: v for k, v in spec.items() if k not in ("tag",)}
+    if tiny:  # CPU smoke: eager transformers rollouts, short everything
+        cfg |= {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
+                "rollout_engine": "transformers"}
+        if task == "arithmetic":
+            cfg["task_options"] = json.dumps({"n_examples": 2 * steps, "digits": [1, 2], "ops": "+"})
+    cmd = [sys.executable, "-m", "qerl_trl.cli", "train", "offline-default", "--output_dir", str(out), "--seed",
+           str(seed), "--max_steps", str(steps)]  # fmt: skip
+    for k, v in cfg.items():
+        if v is not None:
+            cmd += [f"--{k}", str(v)]
+    return cmd
+
+
+def _gpu_eval_argvs(task: str, quantize: str, out: Path, adapter: Path | None, tiny: bool) -> list[list[str]]:
+    """``qerl eval`` argument lists: greedy pass@1 and sampled pass@4 of one model (+ adapter) on held-out problems."""
+    base = ["--model", "offline-default", "--quantize", quantize, "--split", "test", "--no-progress",
+            "--batch-size", "64", *GPU_TASKS[task]["eval"]]  # fmt: skip
+    if task == "gsm8k":
+        base += ["--data-path", str(_gsm8k_path())]
+    if tiny:
+        base += ["--limit", "2", "--max-new-tokens", "4", "--batch-size", "4"]
+    if adapter is not None:
+        base += ["--adapter", str(adapter)]
+    return [base + ["--greedy", "--output", str(out / "greedy")],
+            base + ["--n-samples", "4", "--temperature", "1.0", "--top-p", "1.0", "--output", str(out / "sampled")]]
+
+
+def _eval_many(argvs_json: str) -> None:
+    """In-process: run several ``qerl eval`` argument lists (one interpreter start for a greedy + sampled pair)."""
+    import qerl_trl.evaluation as ev
+
+    for argv in json.loads(argvs_json):
+        if not (Path(argv[argv.index("--output") + 1]) / "eval.json").is_file():
+            ev.main(argv)
+
+
+def _run_eval_job(argvs: list[list[str]], log: Path) -> int:
+    if all((Path(a[a.index("--output") + 1]) / "eval.json").is_file() for a in argvs):
+        return 0
+    rc, _ = _run([sys.executable, str(Path(__file__).resolve()), "_eval_many", json.dumps(argvs)], log)
+    return rc
+
+
+def _gpu_run_dir(runs: Path, task: str, arm: str, seed: int) -> Path:
+    return runs / task / f"{GPU_ARMS[arm]['tag']}-s{seed}"
+
+
+def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], runs: Path, logs: Path,
+             tiny: bool) -> None:  # fmt: skip
+    """Train one (task, arm, seed) run unless its final adapter exists, then evaluate its saved adapters."""
+    out = _gpu_run_dir(runs, task, arm, seed)
+    tag = f"{task}-{GPU_ARMS[arm]['tag']}-s{seed}"
+    if not (out / "final" / "adapter_config.json").is_file():
+        print(f"[{time.strftime('%H:%M:%S')}] train {tag}", flush=True)
+        rc, sec = _run(_gpu_train_cmd(task, arm, seed, steps, eval_at, out, tiny), logs / f"train-{tag}.log")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "wall_time.json").write_text(json.dumps({"train_wall_s": sec, "rc": rc}))
+        print(f"[{time.strftime('%H:%M:%S')}] trained {tag}: rc {rc}, {sec:.0f} s", flush=True)
+    quant = GPU_ARMS[arm]["quantization"]
+    for step in sorted(s for s in eval_at if s > 0):
+        ckpt = out / "final" if step == steps else out / f"checkpoint-{step}"
+        if not (ckpt / "adapter_config.json").is_file():
+            print(f"[warn] {tag}: no adapter at step {step} ({ckpt})", flush=True)
+            continue
+        rc = _run_eval_job(_gpu_eval_argvs(task, quant, out / f"eval-{step}", ckpt, tiny), logs / f"eval-{tag}-{step}.log")
+        print(f"[{time.strftime('%H:%M:%S')}] evaluated {tag} at step {step}: rc {rc}", flush=True)
+
+
+def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
+               logs: Path, parallel: int, tiny: bool) -> None:  # fmt: skip
+    runs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    if 0 in eval_at:  # the base models, once per (task, quantization)
+        for task in tasks:
+            for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms}):
+                argvs = _gpu_eval_argvs(task, quant, runs / task / f"base-{quant}", None, tiny)
+                jobs.append((_run_eval_job, (argvs, logs / f"eval-{task}-base-{quant}.log")))
+    # seeds outermost: a study cut short still has every arm of the first seeds
+    jobs += [(_gpu_job, (task, arm, seed, steps, eval_at, runs, logs, tiny))
+             for seed in seeds for task in tasks for arm in arms]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for f in [pool.submit(fn, *a) for fn, a in jobs]:
+            f.result()
+
+
+def _eval_metrics(folder: Path) -> dict | None:
+    path = folder / "eval.json"
+    return json.loads(path.read_text()).get("metrics") if path.is_file() else None
+
+
+def _ci95(values: list[float]) -> tuple[float, float] | None:
+    """Mean ± half-width of the 95 % t interval over seeds (None with < 2 values)."""
+    import statistics
+
+    if len(values) < 2:
+        return None
+    t = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(len(values), 2.0)
+    return statistics.mean(values), t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
+                tiny: bool) -> dict:  # fmt: skip
+    import torch
+    import transformers
+    import trl
+
+    result: dict = {"tasks": {}}
+    for task in tasks:
+        base = {}
+        for quant in ("none", "rtn"):
+            g, smp = (_eval_metrics(runs / task / f"base-{quant}" / k) for k in ("greedy", "sampled"))
+            base[quant] = {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
+        per_arm: dict = {}
+        for arm in arms:
+            spec = GPU_ARMS[arm]
+            per_seed = {}
+            for seed in seeds:
+                out = _gpu_run_dir(runs, task, arm, seed)
+                rows = _read_metrics(out / "metrics.jsonl")
+                if not rows:
+                    continue
+                evals = {"0": base[spec["quantization"]]}
+                for step in sorted(s for s in eval_at if s > 0):
+                    g, smp = (_eval_metrics(out / f"eval-{step}" / k) for k in ("greedy", "sampled"))
+                    evals[str(step)] = {"greedy_pass@1": g and g.get("pass@1"),
+                                        "sampled_pass@4": smp and smp.get("pass@4")}  # fmt: skip
+                wall = json.loads((out / "wall_time.json").read_text()) if (out / "wall_time.json").is_file() else {}
+                acc_key = next((k for k in rows[0] if k.startswith("rewards/") and "accuracy" in k and
+                                k.endswith("/mean")), None)  # fmt: skip
+                per_seed[str(seed)] = {
+                    "steps_logged": len(rows),
+                    "finished": (out / "final" / "adapter_config.json").is_file(),
+                    "reward": [r.get("reward") for r in rows],
+                    "accuracy_reward": [r.get(acc_key) for r in rows] if acc_key else None,
+                    "entropy": [r.get("entropy") for r in rows],
+                    "aqn_sigma": [r.get("aqn/sigma") for r in rows],
+                    "completion_length": [r.get("completions/mean_length") for r in rows],
+                    "eval": evals,
+                    "train_wall_s": wall.get("train_wall_s"),
+                }
+            per_arm[arm] = {"settings": {k: v for k, v in spec.items() if k != "tag"}, "seeds": per_seed}
+        result["tasks"][task] = {"base_eval": base, "arms": per_arm}
+    return {
+        "benchmark": "learning_study_gpu",
+        "issue": 21,
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "trl": trl.__version__},  # fmt: skip
+        "settings": {"model": "offline-default (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to bf16)",
+                     "steps": steps, "seeds": seeds, "eval_at": eval_at, "train": GPU_TRAIN,
+                     "tasks": {t: GPU_TASKS[t] for t in tasks}, "tiny": tiny,
+                     "entropy": "TRL's 'entropy': mean token entropy of the policy (noise off) over the completions it "
+                                "sampled, computed in the loss forward",
+                     "eval": "qerl eval: greedy pass@1 and pass@4 of 4 samples at T=1.0 on held-out test problems"},
+        **result,
+    }
+
+
+def _summary_rows(res: dict) -> list[dict]:
+    """Per (task, arm): held-out accuracy at the first and last eval (mean, 95 % CI over seeds), final reward, and
+    steps to reach 50 % of bf16 + LoRA's final reward (mean curve over seeds, smoothed over 10 steps)."""
+    import numpy as np
+
+    rows = []
+    for task, data in res["tasks"].items():
+        def mean_curve(arm: str, key: str, data: dict = data):
+            curves = [s[key] for s in data["arms"].get(arm, {}).get("seeds", {}).values() if s.get(key)]
+            if not curves:
+                return None
+            n = min(len(c) for c in curves)
+            arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
+            m = np.nanmean(arr, 0)
+            k = min(10, n)
+            return np.convolve(m, np.ones(k) / k, mode="valid")
+
+        ref = mean_curve("bf16+LoRA", "reward")
+        target = 0.5 * ref[-1] if ref is not None and len(ref) and ref[-1] > 0 else None
+        for arm, a in data["arms"].items():
+            row = {"task": task, "arm": arm, "seeds": len(a["seeds"])}
+            steps = sorted({int(k) for s in a["seeds"].values() for k in s["eval"]})
+            for key in ("greedy_pass@1", "sampled_pass@4"):
+                for label, step in (("start", steps[0] if steps else None), ("end", steps[-1] if steps else None)):
+                    vals = [s["eval"].get(str(step), {}).get(key) for s in a["seeds"].values()]
+                    vals = [v for v in vals if v is not None]
+                    ci = _ci95(vals)
+                    row[f"{key} {label}"] = (ci if ci else (vals[0], None)) if vals else None
+            cur = mean_curve(arm, "reward")
+            row["final_reward"] = None if cur is None else float(cur[-1])
+            window = None if cur is None else len(_reward_curve_len(data, arm)) - len(cur) + 1
+            hit = None if cur is None or target is None else next((i + window for i, v in enumerate(cur) if v >= target),
+                                                                   None)  # fmt: skip
+            row["steps_to_half_bf16_final"] = hit
+            ent = mean_curve(arm, "entropy")
+            row["entropy_first_20"] = None if ent is None else float(ent[: max(1, 20 - 9)].mean())
+            rows.append(row)
+    return rows
+
+
+def _reward_curve_len(data: dict, arm: str) -> range:
+    """Steps of the shortest reward curve of ``arm`` (the x range of its mean curve before smoothing)."""
+    curves = [s["reward"] for s in data["arms"][arm]["seeds"].values() if s.get("reward")]
+    return range(min(len(c) for c in curves)) if curves else range(0)
+
+
+def table_gpu(res: dict) -> str:
+    def f(v) -> str:
+        if v is None:
+            return "—"
+        m, h = v
+        return f"{m:.3f}" if h is None else f"{m:.3f} ± {h:.3f}"
+
+    lines = ["| task | arm | seeds | greedy pass@1 start → end | sampled pass@4 start → end | final reward "
+             "| steps to ½ bf16 final reward | entropy, first 20 steps |",
+             "|---|---|---:|---|---|---:|---:|---:|"]  # fmt: skip
+    for r in _summary_rows(res):
+        fr = "—" if r["final_reward"] is None else f"{r['final_reward']:.3f}"
+        ent = "—" if r["entropy_first_20"] is None else f"{r['entropy_first_20']:.3f}"
+        lines.append(f"| {r['task']} | {r['arm']} | {r['seeds']} | {f(r['greedy_pass@1 start'])} → "
+                     f"{f(r['greedy_pass@1 end'])} | {f(r['sampled_pass@4 start'])} → {f(r['sampled_pass@4 end'])} "
+                     f"| {fr} | {r['steps_to_half_bf16_final'] or '—'} | {ent} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_gpu(res: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import warnings
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (σ of the arms without AQN)
+    paths = []
+    for task, data in res["tasks"].items():
+        fig, axes = plt.subplots(1, 5, figsize=(26, 4.6))
+        panels = (("reward", "mean reward of the step's completions"), ("entropy", "nats / token"),
+                  ("aqn_sigma", "AQN σ"), ("completion_length", "tokens"))  # fmt: skip
+        for axis, (key, ylabel) in zip(axes[:4], panels):
+            for arm, a in data["arms"].items():
+                curves = [s[key] for s in a["seeds"].values() if s.get(key)]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
+                x = np.arange(1, n + 1)
+                mean = np.nanmean(arr, 0)
+                axis.plot(x, mean, color=GPU_COLORS[arm], lw=1.8, label=f"{arm} ({len(curves)} seeds)")
+                if len(curves) > 1:
+                    half = 1.96 * np.nanstd(arr, 0, ddof=1) / np.sqrt(len(curves))
+                    axis.fill_between(x, mean - half, mean + half, color=GPU_COLORS[arm], alpha=0.15)
+            axis.set_xlabel("training step")
+            axis.set_ylabel(ylabel)
+            axis.set_title(key.replace("_", " ") + " (mean, band = 95 % CI over seeds)")
+            axis.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        ax = axes[4]
+        width = 0.8 / max(1, len(data["arms"]))
+        for i, (arm, a) in enumerate(data["arms"].items()):
+            steps = sorted({int(k) for s in a["seeds"].values() for k in s["eval"]})
+            means, errs = [], []
+            for st in steps:
+                vals = [s["eval"].get(str(st), {}).get("greedy_pass@1") for s in a["seeds"].values()]
+                vals = [v for v in vals if v is not None]
+                ci = _ci95(vals)
+                means.append(ci[0] if ci else (vals[0] if vals else np.nan))
+                errs.append(ci[1] if ci else 0.0)
+            xs = np.arange(len(steps)) + (i - (len(data["arms"]) - 1) / 2) * width
+            ax.bar(xs, means, width, yerr=errs, capsize=3, color=GPU_COLORS[arm], edgecolor="k", label=arm)
+            ax.set_xticks(np.arange(len(steps)), [f"step {st}" for st in steps])
+        ax.set_ylabel("greedy pass@1, held-out")
+        ax.set_title("held-out accuracy (mean, 95 % CI)")
+        ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on {task}, {res['settings']['steps']} steps, {res['device']}")
+        fig.tight_layout()
+        path = folder / f"learning_study_gpu_{task}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main_gpu(args) -> None:
+    tasks, arms = args.tasks.split(","), args.arms.split(",") if args.arms else list(GPU_ARMS)
+    for name in arms:
+        if name not in GPU_ARMS:
+            raise SystemExit(f"unknown arm {name!r}; arms: {', '.join(GPU_ARMS)}")
+    for name in tasks:
+        if name not in GPU_TASKS:
+            raise SystemExit(f"unknown task {name!r}; tasks: {', '.join(GPU_TASKS)}")
+    GPU_TRAIN["rollout_engine"] = args.rollout_engine
+    steps, seeds, eval_at = args.steps, args.seeds, sorted(set(args.eval_at))
+    if args.tiny:
+        steps, seeds, eval_at = 2, seeds[:1], [0, 2]
+    if any(s > steps or s < 0 for s in eval_at) or steps not in eval_at:
+        raise SystemExit(f"--eval-at {eval_at}: steps in 0..{steps}, the last one included")
+    runs = args.runs or ROOT / "runs" / ("learning_study_gpu_tiny" if args.tiny else "learning_study_gpu")
+    if not args.plot_only:
+        launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny)
+    res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
+    out = args.json or ROOT / "results" / ("learning_study_gpu_tiny.json" if args.tiny else "learning_study_gpu.json")
+    res["summary"] = _summary_rows(res)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(table_gpu(res))
+    pngs = plot_gpu(res, args.png_dir or (runs if args.tiny else ROOT / "docs"))
+    print(f"written: {out}, " + ", ".join(str(p) for p in pngs))
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_eval"]:
         _cached_eval(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["_eval_many"]:
+        _eval_many(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=15)
@@ -295,7 +681,26 @@ def main() -> None:
     ap.add_argument("--plot-only", action="store_true", help="only read existing run folders and write JSON + PNG")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "learning_study.json")
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "learning_study.png")
+    gpu = ap.add_argument_group("GPU study (issue #21)")
+    gpu.add_argument("--gpu", action="store_true", help="the GPU study: 4 arms x seeds x 2 tasks, evals at steps")
+    gpu.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
+    gpu.add_argument("--arms", default=None, help="comma list of arm names (default: all four)")
+    gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
+    gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
+    gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
+    gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
+    gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
     args = ap.parse_args()
+    if args.gpu:
+        if args.steps == 15:  # the CPU study's default: the GPU study's is 150
+            args.steps = 150
+        if args.seeds == [0, 1]:
+            args.seeds = [0, 1, 2]
+        if args.runs == ROOT / "runs" / "learning_study":
+            args.runs = None
+        if args.json == ROOT / "results" / "learning_study.json":
+            args.json = None
+        return main_gpu(args)
     if not args.plot_only:
         launch(args.steps, args.seeds, args.runs, args.logs)
     result = collect(args.steps, args.seeds, args.runs)

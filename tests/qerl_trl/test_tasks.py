@@ -139,6 +139,19 @@ def test_arithmetic_options_and_prompt():
             load_task("arithmetic", **bad)
 
 
+def test_arithmetic_curriculum_is_ordered_blocks():
+    ds = load_task("arithmetic", n_examples=301, digits=[1, 2], seed=5)
+    assert len(ds) == 301
+    first, second = ds.select(range(151)), ds.select(range(151, 301))
+    # each block is the plain dataset of its digits (its first rows), easiest first
+    assert first.to_list() == arithmetic_dataset(151, digits=1, seed=5).to_list()
+    assert second.to_list() == arithmetic_dataset(150, digits=2, seed=5).to_list()
+    assert max(max(r["a"], r["b"]) for r in first) <= 9 and max(max(r["a"], r["b"]) for r in second) > 9
+    for bad in (dict(digits=[]), dict(digits=[1, "2"]), dict(digits=[1, 2], n_examples=1), dict(digits=[1, 12])):
+        with pytest.raises(ValueError):
+            load_task("arithmetic", **bad)
+
+
 def test_arithmetic_default_rewards():
     ds = load_task("arithmetic", n_examples=4)
     funcs = get_reward_funcs(TASK_DEFAULT_REWARDS["arithmetic"])

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from .rewards import extract_boxed, extract_hash_answer
 
@@ -244,7 +244,7 @@ _OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
 def arithmetic_dataset(
     n_examples: int = 1000,
     *,
-    digits: int = 1,
+    digits: int | Sequence[int] = 1,
     ops: str = "+",
     seed: int = 0,
     split: str = "train",
@@ -259,10 +259,25 @@ def arithmetic_dataset(
 
     The prompt is ``system_prompt``, then (with ``demo``) the one-shot exchange :data:`ARITHMETIC_DEMO`, then
     ``What is a + b?``.
+
+    ``digits`` as a list (e.g. ``[1, 2]``) makes a curriculum: ``len(digits)`` consecutive blocks of rows (sizes
+    differing by at most one), block ``i`` drawn as ``arithmetic_dataset`` with ``digits[i]`` draws it (its rows are
+    that dataset's first rows). The order only reaches the model if the trainer does not shuffle
+    (``shuffle_dataset: false``).
     """
     _check_split("arithmetic", split, ("train", "test"))
     if n_examples < 1:
         raise ValueError(f"n_examples must be >= 1, got {n_examples}")
+    if not isinstance(digits, int):
+        stages = list(digits)
+        if not stages or not all(isinstance(d, int) and not isinstance(d, bool) for d in stages):
+            raise ValueError(f"digits must be an int or a non-empty list of ints, got {digits!r}")
+        if n_examples < len(stages):
+            raise ValueError(f"n_examples ({n_examples}) must be >= the number of curriculum stages ({len(stages)})")
+        sizes = [n_examples // len(stages) + (i < n_examples % len(stages)) for i in range(len(stages))]
+        parts = [arithmetic_dataset(n, digits=d, ops=ops, seed=seed, split=split, system_prompt=system_prompt,
+                                    demo=demo) for n, d in zip(sizes, stages)]  # fmt: skip
+        return concatenate_datasets(parts)
     if not 1 <= digits <= 9:
         raise ValueError(f"digits must be in 1..9, got {digits}")
     bad = [op for op in ops if op not in _OPS]
@@ -315,7 +330,7 @@ def load_task(
         limit: keep the first ``limit`` examples (file/Hub order; the same examples every time).
         seed: seed of the synthetic ``arithmetic`` task (other tasks are not shuffled here; the trainer shuffles).
         **options: task options — ``system_prompt`` (any task; ``None`` for no system message); for ``arithmetic``
-            ``n_examples`` (default 1000 train / 200 test), ``digits`` (default 1), ``ops`` (default ``"+"``, e.g.
+            ``n_examples`` (default 1000 train / 200 test), ``digits`` (default 1; a list: a curriculum), ``ops`` (default ``"+"``, e.g.
             ``"+-*"``), ``demo`` (default ``True``: the one-shot exchange :data:`ARITHMETIC_DEMO`).
 
     Raises:

@@ -274,3 +274,23 @@ def test_per_forward_with_fp32_norms_on_a_bf16_model():
     assert_bit_identical(model, snap)
     layer0 = model.model.layers[0].input_layernorm
     assert not layer0._forward_pre_hooks and not layer0._forward_hooks
+
+
+def test_fp32_norm_storage_is_reused_across_noises():
+    """Every noise puts the fp32 norm weights at the same addresses (a CUDA graph captured during one rollout reads
+    them by address in the next), with each draw's values, and restores the original bf16 storage exactly."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    snap = snapshot(model)
+    noise = NormNoise(model, norm_dtype=torch.float32)
+    originals = {n: p.data for n, p in noise.params.items()}
+    seen = []
+    for step in range(3):
+        with noise.apply(1e-3, seed=0, step=step) as h:
+            ptrs = {n: p.data_ptr() for n, p in noise.params.items()}
+            assert all(p.dtype == torch.float32 for p in noise.params.values())
+            for n, p in noise.params.items():  # this draw's noise on the exact originals
+                torch.testing.assert_close(p.data, originals[n].float() + h.noise[n], rtol=0, atol=0)
+            seen.append(ptrs)
+        assert all(p.data_ptr() == originals[n].data_ptr() and p.dtype == torch.bfloat16 for n, p in noise.params.items())
+        assert_bit_identical(model, snap)
+    assert seen[0] == seen[1] == seen[2]

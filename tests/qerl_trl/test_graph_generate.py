@@ -236,3 +236,29 @@ def test_cuda_graphs_default_compile_is_greedy_gpu():
         tol = 0.05 * logits.std(-1)
         assert torch.isfinite(logits).all() and (gap <= tol).all(), (name, gap.max().item())
         release_graph_state(model)
+
+
+def test_compiled_step_follows_aqn_fp32_norms():
+    """AQN on a bf16 model holds the norm weights in fp32 and hooks the norms for a rollout, which dynamo does not
+    guard: the step compiled before the noise must not be replayed on the fp32 storage (it was: garbage rollouts on
+    the H100 from AQN's first noisy stage on, a dtype error here). Each configuration compiles once; both replay."""
+    from aqn import NormNoise
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model().to(torch.bfloat16)
+    ids, mask = _prompts(batch=2, length=7)
+    opts = {"backend": "aot_eager", "fullgraph": False, "dynamic": False}
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, max_cache_len=24)
+    clean = graph_generate(model, ids, mask, compile=False, **kw)
+    assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), clean)
+    noise = NormNoise(model, norm_dtype=torch.float32)
+    for step in (1, 2):
+        with noise.apply(0.3, seed=0, step=step):
+            got = graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw)
+            assert torch.equal(got, graph_generate(model, ids, mask, compile=False, **kw))
+            assert not torch.equal(got, clean)  # σ = 0.3 changes the greedy tokens of this tiny model
+    assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), clean)
+    assert counters["stats"]["unique_graphs"] == 2  # one per configuration, each replayed afterwards
+    release_graph_state(model)

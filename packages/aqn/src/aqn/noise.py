@@ -274,8 +274,8 @@ class NoiseHandle:
                 self._orig_data = {n: p.data for n, p in o.params.items()}
                 if any(p.dtype != o.norm_dtype for p in o.params.values()):
                     self._upcast = _Upcast(o.norm_modules, o.norm_dtype)
-                    for p in o.params.values():
-                        p.data = p.data.to(o.norm_dtype)
+                    for n, p in o.params.items():
+                        p.data = o._wide_storage(n, p)
             if self.per_forward:
                 target = o.hook_module
                 if target is None:
@@ -422,6 +422,18 @@ class NormNoise:
         self.warn_lossy = warn_lossy
         self._active: NoiseHandle | None = None
         self._warned: set[float] = set()
+        self._wide: dict[str, torch.Tensor] = {}  # norm_dtype storage of the norm weights, reused across noises
+
+    def _wide_storage(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s values in ``norm_dtype``, in a buffer allocated once and reused by every later noise: the norm
+        weights then sit at the same address in every rollout, as a CUDA graph captured on them requires (a fresh
+        ``p.to(norm_dtype)`` per rollout would move them, and a replayed graph would read the old, freed storage)."""
+        buf = self._wide.get(name)
+        if buf is None or buf.shape != p.shape or buf.device != p.device:
+            buf = torch.empty(p.shape, dtype=self.norm_dtype, device=p.device)
+            self._wide[name] = buf
+        buf.copy_(p.data)
+        return buf
 
     @property
     def weight_names(self) -> list[str]:

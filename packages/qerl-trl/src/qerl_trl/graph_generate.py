@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class _State:
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
-_COMPILED: dict[str, Callable[..., None]] = {}
+_COMPILED: dict[tuple, Callable[..., None]] = {}
 
 
 def release_graph_state(model: nn.Module) -> None:
@@ -152,12 +153,27 @@ def _decode_step(
     _choose(out.logits[:, -1, :], tok, *choose_args)
 
 
-def _compiled_step(options: Mapping[str, Any]) -> Callable[..., None]:
-    """One ``torch.compile`` wrapper per set of options, kept for the process: dynamo caches graphs per code object and
-    backend, so a new wrapper on every call would compile again."""
-    key = repr(sorted(options.items()))
+def _model_config(model: nn.Module) -> tuple:
+    """What a compiled step depends on that dynamo does not guard: the dtype of every parameter and which modules
+    carry forward hooks. AQN with ``norm_dtype`` changes both for a rollout (fp32 norm weights, upcasting hooks); a
+    step compiled before that would be replayed unchanged on the fp32 storage (garbage on CUDA, a dtype error on
+    CPU), so each configuration gets its own compiled step."""
+    dtypes = tuple(p.dtype for p in model.parameters())
+    hooked = tuple(i for i, m in enumerate(model.modules()) if m._forward_pre_hooks or m._forward_hooks)
+    return dtypes, hooked
+
+
+def _compiled_step(options: Mapping[str, Any], config: tuple = ()) -> Callable[..., None]:
+    """One ``torch.compile`` wrapper per set of options and model configuration (:func:`_model_config`), kept for the
+    process. Dynamo caches graphs per code object, so each configuration compiles a copy of :func:`_decode_step`
+    with its own code object: its graphs are never reused for another configuration, and switching back replays
+    the graphs already compiled."""
+    key = (repr(sorted(options.items())), config)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_decode_step, **options)
+        n = len(_COMPILED)
+        code = _decode_step.__code__.replace(co_name=f"_decode_step_{n}", co_qualname=f"_decode_step_{n}")
+        fn = types.FunctionType(code, _decode_step.__globals__, code.co_name, _decode_step.__defaults__)
+        _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
 
 
@@ -334,7 +350,8 @@ def graph_generate(
         # ---- decode: replay the step, no host sync except the periodic "all finished?" check
         step = _decode_step
         if compile:
-            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options)
+            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
+                                  _model_config(model))  # fmt: skip
         check = bool(eos) and min_new_tokens < max_new_tokens
         for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
             if t == min_new_tokens:

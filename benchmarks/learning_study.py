@@ -486,7 +486,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
                                 k.endswith("/mean")), None)  # fmt: skip
                 per_seed[str(seed)] = {
                     "steps_logged": len(rows),
-                    "finished": (out / "final" / "adapter_config.json").is_file(),
+                    "finished": (out / "final" / "adapter_config.json").is_file() or len(rows) >= steps,
                     "reward": [r.get("reward") for r in rows],
                     "accuracy_reward": [r.get(acc_key) for r in rows] if acc_key else None,
                     "entropy": [r.get("entropy") for r in rows],
@@ -501,7 +501,9 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
         "benchmark": "learning_study_gpu",
         "issue": 21,
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
+        # --plot-only elsewhere than the runs' machine: QERL_STUDY_DEVICE names the device they ran on
+        "device": os.environ.get("QERL_STUDY_DEVICE")
+        or (torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "trl": trl.__version__},  # fmt: skip
         "settings": {"model": "offline-default (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to bf16)",

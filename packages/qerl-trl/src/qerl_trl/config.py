@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
-__all__ = ["QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
+from .quantization import ALIASES, QUANTIZATIONS, parse_quantization
 
-#: ``QeRLConfig.quantization`` values: NVFP4 methods (the calibrated ones last) and the bf16 baseline.
-QUANTIZATIONS = ("rtn", "mse", "awq", "gptq", "none")
+__all__ = ["ALIASES", "QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
 
 #: rollout_engine="graph": sampling settings (GRPOConfig fields or generation_kwargs keys) and the values at which they
 #: do nothing (TRL 1.16 defaults: top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0; -1 is vLLM's "no top-k").
@@ -38,10 +37,15 @@ class QeRLConfig(GRPOConfig):
     """``GRPOConfig`` with the QeRL parts. Defaults follow the QeRL paper where it states them.
 
     Policy:
-        quantization: how a dense checkpoint is turned into the 4-bit policy on load: ``"rtn"`` / ``"mse"`` (NVFP4 via
-            :class:`nvfp4.NVFP4Config`, from the weights alone), ``"awq"`` / ``"gptq"`` (calibrated on the first
-            ``calibration_samples`` prompts of the training set, :func:`nvfp4.calibration.calibrate_model`), or
-            ``"none"`` for the bf16 LoRA baseline. A checkpoint that is already NVFP4 loads as it is.
+        quantization: ``<format>-<method>``, how a dense checkpoint is turned into the 4-bit policy on load (see
+            :mod:`qerl_trl.quantization`): ``"nvfp4-rtn"`` / ``"nvfp4-mse"`` (NVFP4 via :class:`nvfp4.NVFP4Config`,
+            from the weights alone), ``"nvfp4-awq"`` / ``"nvfp4-gptq"`` (calibrated on the first
+            ``calibration_samples`` prompts of the training set, :func:`nvfp4.calibration.calibrate_model`),
+            ``"mxfp4-rtn"`` (MXFP4, ``NVFP4Config(format="mxfp4")``), ``"nf4"`` (bitsandbytes NF4, QLoRA;
+            ``pip install 'qerl-trl[nf4]'``), or ``"none"`` for the bf16 LoRA baseline. The bare ``"rtn"`` /
+            ``"mse"`` / ``"awq"`` / ``"gptq"`` of earlier versions are aliases of ``"nvfp4-*"`` and are stored in
+            their canonical spelling. A checkpoint that is already NVFP4 loads as it is.
+        nf4_double_quant: ``quantization="nf4"``: quantize the absmax scales again (QLoRA's double quantization).
         calibration_samples: prompts the ``awq`` / ``gptq`` calibration runs on.
         calibration_cache_dir: where a calibrated policy is saved (an NVFP4 checkpoint keyed by model, method and
             prompts; default ``<output_dir>/calibrated``), so a resumed or repeated run loads it instead of
@@ -101,11 +105,15 @@ class QeRLConfig(GRPOConfig):
 
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper: 1e-5)."})
     quantization: str = field(
-        default="rtn",
+        default="nvfp4-rtn",
         metadata={
-            "help": "NVFP4 calibration for a dense checkpoint: 'rtn', 'mse', 'awq', 'gptq' (the last two calibrated on "
-            "the task's prompts), or 'none' (bf16 LoRA baseline)."
+            "help": "4-bit format and method for a dense checkpoint: " + ", ".join(QUANTIZATIONS) + " ('*-awq' / "
+            "'*-gptq' calibrated on the task's prompts; 'nf4' = bitsandbytes QLoRA; 'none' = bf16 LoRA baseline). "
+            "Aliases: " + ", ".join(f"{a} = {c}" for a, c in ALIASES.items()) + "."
         },
+    )
+    nf4_double_quant: bool = field(
+        default=True, metadata={"help": "quantization='nf4': double-quantize the absmax scales (QLoRA)."}
     )
     calibration_samples: int = field(
         default=32, metadata={"help": "Training prompts the 'awq' / 'gptq' calibration runs on."}
@@ -199,8 +207,13 @@ class QeRLConfig(GRPOConfig):
             # transformers only sets up the gloo process group with use_cpu, else each process would train alone
             self.use_cpu = True
         super().__post_init__()
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
+        quant = parse_quantization(self.quantization)  # ValueError listing the valid values and aliases
+        self.quantization = quant.name  # canonical: "rtn" → "nvfp4-rtn"
+        if self.rollout_engine == "vllm" and quant.format not in ("nvfp4", None):
+            raise ValueError(
+                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={quant.name!r} is not "
+                "supported there yet: use rollout_engine='transformers'"
+            )
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:

@@ -11,7 +11,7 @@ Results go to ``<output>/eval.json`` (settings, metrics, one record per example 
 Examples::
 
     qerl eval --model offline-default --task arithmetic --limit 64 --max-new-tokens 32
-    qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantize mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
+    qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantize nvfp4-mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
         --n-samples 8 --output runs/eval/qwen7b-gsm8k
     python -m qerl_trl.evaluation --model runs/SmolLM2-135M-Instruct-nvfp4 --task gsm8k --data-path ../shared/data/gsm8k
 
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from nvfp4 import cache_dequantized
 
+from .quantization import ALIASES, QUANTIZATIONS, canonical_quantization, parse_quantization
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
 
@@ -330,9 +331,11 @@ def load_model(
 ):
     """Load ``(model, tokenizer, info)`` for evaluation: bf16 or NVFP4 checkpoint, optional quantize-on-load, adapter.
 
-    ``model_path`` ``offline-default`` is the offline default model. ``quantize`` is ``none`` or an NVFP4 method
-    (``rtn``/``mse`` on load, ``awq`` after collecting activation stats on ``calib_texts``). The adapter, if any, is
-    loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
+    ``model_path`` ``offline-default`` is the offline default model. ``quantize`` is a :mod:`qerl_trl.quantization`
+    value, as ``qerl train``'s ``quantization``: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load,
+    ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4`` through bitsandbytes; the bare ``rtn``,
+    ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. ``info["quantize"]`` holds the canonical name. The adapter,
+    if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
     """
     import nvfp4.hf  # registers the nvfp4_w4a16 quantizer (checkpoints with the previous config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -346,20 +349,29 @@ def load_model(
     # bf16 matmuls are slow on CPUs: there models run in float32 (NVFP4 tensors are the same either way)
     dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    quant = parse_quantization(quantize, "--quantize")  # ValueError listing the valid values
+    quantize = quant.name
     prequantized = _is_prequantized(model_path)
-    if quantize not in ("none", "rtn", "mse", "awq", "gptq"):
-        raise ValueError(f"unknown quantize method {quantize!r}; valid: none, rtn, mse, awq, gptq")
-    if quantize != "none" and prequantized:
+    if not quant.is_dense and prequantized:
         raise ValueError(f"{model_path} is already quantized; drop --quantize {quantize}")
-    if quantize in ("rtn", "mse"):  # quantized layer group by layer group while loading, on the target device
-        from nvfp4 import NVFP4Config
+    if quant.format == "nf4":  # bitsandbytes quantizes while loading, on the target device
+        from .quantization import bnb_nf4_config, keep_nf4_exact
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device,
-                                                     quantization_config=NVFP4Config(method=quantize))
-    elif quantize in ("awq", "gptq"):  # calibrated on the dense model's activations first
-        from nvfp4.cli import quantize_with_method
+                                                     quantization_config=bnb_nf4_config(dtype))
+        keep_nf4_exact(model)  # no bf16 repack of the NF4 scales on AVX512-BF16 CPUs
+    elif quant.calibrated:  # calibrated on the dense model's activations first
+        from .policy import load_policy
 
-        model = quantize_with_method(model_path, quantize, tokenizer, calib_texts, dtype)
+        if not calib_texts:
+            raise ValueError(f"--quantize {quantize} calibrates: it needs calibration texts")
+        model = load_policy(model_path, quantization=quant.name, dtype=dtype,
+                            calibration_data=[tokenizer(t, return_tensors="pt", truncation=True, max_length=512)
+                                              ["input_ids"] for t in calib_texts])  # fmt: skip
+    elif not quant.is_dense:  # quantized layer group by layer group while loading, on the target device
+        from .policy import load_fp4_or_dense
+
+        model = load_fp4_or_dense(model_path, quant, dtype=dtype, device_map=device)
     elif prequantized and nvfp4.hf.nvfp4_checkpoint_kind(model_path) is not None:  # either NVFP4 config
         model = nvfp4.hf.load_nvfp4_checkpoint(model_path, dtype=dtype, device_map=device)
     else:
@@ -429,6 +441,14 @@ def _task_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _quantize_arg(text: str) -> str:
+    """``--quantize``: the canonical :mod:`qerl_trl.quantization` name (aliases accepted)."""
+    try:
+        return canonical_quantization(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``qerl eval`` argument parser."""
     ap = argparse.ArgumentParser(prog="qerl eval", description=__doc__.split("\n\n")[0].replace("``", ""))
@@ -436,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"HF id or folder (bf16, or an NVFP4 checkpoint); '{OFFLINE_DEFAULT}' (the default) = "
                          "SmolLM2-135M-Instruct")
     ap.add_argument("--tokenizer", help="tokenizer id/folder (default: the model's)")
-    ap.add_argument("--quantize", default="none", choices=["none", "rtn", "mse", "awq", "gptq"],
-                    help="quantize a bf16 model to NVFP4 on load with this method (default: none)")
+    ap.add_argument("--quantize", default="none", type=_quantize_arg, metavar="{" + ",".join(QUANTIZATIONS) + "}",
+                    help="quantize a bf16 model on load: 4-bit format and method, as qerl train's --quantization "
+                         f"(default: none; aliases {', '.join(f'{a}={c}' for a, c in ALIASES.items())})")
     ap.add_argument("--adapter", help="LoRA adapter folder (verified to be loaded into the evaluated model)")
     ap.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="(default: %(default)s)")
     ap.add_argument("--data-path", help="local data: folder with <split>.jsonl or a .jsonl file (no Hub access needed)")
@@ -493,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"qerl eval: {e}") from e
 
     calib = None
-    if args.quantize == "awq":
+    if parse_quantization(args.quantize).calibrated:
         from nvfp4.offline import offline_default_model_path
         from transformers import AutoTokenizer
 
@@ -523,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     name = Path(info["model"].rstrip("/")).name + (f"-{Path(args.adapter.rstrip('/')).name}" if args.adapter else "")
     if args.quantize != "none":
-        name += f"-nvfp4-{args.quantize}"
+        name += f"-{args.quantize}"  # nvfp4-rtn, mxfp4-rtn, nf4, ...
     out = Path(args.output or Path("runs") / "eval" / f"{name}-{args.task}-{args.split}")
     out.mkdir(parents=True, exist_ok=True)
     report = markdown_report(result)

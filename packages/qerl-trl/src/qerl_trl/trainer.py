@@ -2,8 +2,9 @@
 
 What the subclass adds, each through a method TRL's own trainers override:
 
-* ``__init__``: a model id or path becomes an NVFP4 policy (``quantization="rtn"|"mse"``, ``"awq"|"gptq"`` calibrated
-  on the first training prompts and cached, or ``"none"`` for the bf16 baseline); the PEFT ``LoraConfig`` (paper defaults) maps ``NVFP4Linear`` to :class:`nvfp4.peft.LoraNVFP4Linear`
+* ``__init__``: a model id or path becomes a 4-bit policy (``quantization="nvfp4-rtn"|"nvfp4-mse"``,
+  ``"nvfp4-awq"|"nvfp4-gptq"`` calibrated on the first training prompts and cached, ``"mxfp4-rtn"``, ``"nf4"``
+  through bitsandbytes (QLoRA), or ``"none"`` for the bf16 baseline; :mod:`qerl_trl.quantization`); the PEFT ``LoraConfig`` (paper defaults) maps ``NVFP4Linear`` to :class:`nvfp4.peft.LoraNVFP4Linear`
   through PEFT's custom-module hook, so only the bf16 adapters train and merges export ``dequant(W) + ΔW``.
 * ``_generate_single_turn``: AQN noise goes on the RMSNorm weights of the generating model for one generation step
   (σ from the schedule at ``global_step``; restored bit-identically afterwards, before scoring and the loss);
@@ -52,6 +53,7 @@ from trl.trainer.utils import pad
 from .config import QeRLConfig
 from .graph_generate import graph_generate
 from .policy import load_policy, load_tokenizer
+from .quantization import parse_quantization
 
 __all__ = [
     "AQN_STATE_NAME",
@@ -130,7 +132,7 @@ def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: 
     """Token ids ``[1, T]`` of the first ``n`` prompts of ``dataset`` (its ``"prompt"`` column: chat messages get the
     chat template with the generation prompt, as the rollouts see them; strings are tokenized as they are)."""
     if dataset is None:
-        raise ValueError("quantization 'awq' / 'gptq' calibrates on the training prompts: pass train_dataset")
+        raise ValueError("quantization '*-awq' / '*-gptq' calibrates on the training prompts: pass train_dataset")
     ids = []
     for i in range(min(n, len(dataset))):
         prompt = dataset[i]["prompt"]
@@ -138,7 +140,7 @@ def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: 
             prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         ids.append(tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"])
     if not ids:
-        raise ValueError("quantization 'awq' / 'gptq': the training set has no prompts to calibrate on")
+        raise ValueError("quantization '*-awq' / '*-gptq': the training set has no prompts to calibrate on")
     return ids
 
 
@@ -183,10 +185,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
             calibration = None
-            if args.quantization in ("awq", "gptq"):
+            if parse_quantization(args.quantization).calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
             model = load_policy(model, quantization=args.quantization, calibration_data=calibration,
-                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"))  # fmt: skip
+                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
+                                nf4_double_quant=args.nf4_double_quant)  # fmt: skip
         engine_path = None
         if args.rollout_engine == "vllm" and not args.vllm_server_url:
             from .vllm_rollout import engine_checkpoint

@@ -69,7 +69,12 @@ def engine_checkpoint(
     from .policy import _is_nvfp4_checkpoint, resolve_model_path
 
     src = resolve_model_path(name_or_path) if name_or_path is not None else None
-    if src is not None and os.path.isdir(src) and (quantization == "none" or _is_nvfp4_checkpoint(src)):
+    from .quantization import parse_quantization
+
+    quant = parse_quantization(quantization)
+    if quant.format not in ("nvfp4", None):
+        raise ValueError(f"the vLLM engine loads NVFP4 or dense checkpoints; quantization={quant.name!r} is not supported")
+    if src is not None and os.path.isdir(src) and (quant.is_dense or _is_nvfp4_checkpoint(src)):
         return src
     from peft import PeftModel
 
@@ -83,8 +88,9 @@ def engine_checkpoint(
 
         cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
     ident = src or getattr(model.config, "_name_or_path", "") or "model"
-    key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{quantization}".encode()).hexdigest()[:10]
-    target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{quantization}-{key}"
+    tag = quant.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
+    key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
+    target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)

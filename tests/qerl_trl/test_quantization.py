@@ -1,0 +1,168 @@
+"""``quantization`` = ``<format>-<method>`` (issue #22): parsing and aliases, the NF4 (bitsandbytes, QLoRA) and MXFP4
+policies in the trainer and ``qerl eval``, and AQN on every format (noise on, then restored bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from aqn import AQNController, make_schedule
+from qerl_trl.config import QeRLConfig
+from qerl_trl.policy import load_policy
+from qerl_trl.quantization import ALIASES, QUANTIZATIONS, parse_quantization
+from qerl_trl.tasks import load_task
+
+
+def _mxfp4_available() -> bool:
+    import inspect
+
+    import nvfp4
+
+    return "format" in inspect.signature(nvfp4.quantize_model).parameters
+
+
+needs_mxfp4 = pytest.mark.skipif(
+    not _mxfp4_available(), reason="nvfp4 has no quantize_model(format='mxfp4') yet (branch mxfp4-pipeline)"
+)
+
+
+def test_parse_canonical_values_and_aliases():
+    assert QUANTIZATIONS == ("nvfp4-rtn", "nvfp4-mse", "nvfp4-awq", "nvfp4-gptq", "mxfp4-rtn", "nf4", "none")
+    q = parse_quantization("nvfp4-gptq")
+    assert (q.name, q.format, q.method, q.calibrated, q.cache_tag) == ("nvfp4-gptq", "nvfp4", "gptq", True, "gptq")
+    for alias, canonical in ALIASES.items():
+        assert parse_quantization(alias).name == canonical
+        assert parse_quantization(alias.upper()).name == canonical
+    nf4, mx, dense = (parse_quantization(v) for v in ("nf4", "mxfp4-rtn", "none"))
+    assert (nf4.format, nf4.method, nf4.calibrated, nf4.cache_tag) == ("nf4", None, False, "nf4")
+    assert (mx.format, mx.method, mx.cache_tag) == ("mxfp4", "rtn", "mxfp4-rtn")
+    assert dense.is_dense and dense.format is None
+    for bad in ("int4", "mxfp4-gptq", "nf4-rtn", "nvfp4", ""):
+        with pytest.raises(ValueError, match="quantization must be one of") as info:
+            parse_quantization(bad)
+        assert all(repr(v) in str(info.value) for v in QUANTIZATIONS) and "'rtn' (= 'nvfp4-rtn')" in str(info.value)
+
+
+def test_config_stores_the_canonical_name_and_refuses_vllm_for_other_formats(tmp_path):
+    assert QeRLConfig(output_dir=str(tmp_path)).quantization == "nvfp4-rtn"
+    assert QeRLConfig(output_dir=str(tmp_path), quantization="gptq").quantization == "nvfp4-gptq"
+    assert QeRLConfig(output_dir=str(tmp_path), quantization="nf4").quantization == "nf4"
+    with pytest.raises(ValueError, match="'mxfp4-rtn'.*got 'fp8'"):
+        QeRLConfig(output_dir=str(tmp_path), quantization="fp8")
+    for fmt in ("nf4", "mxfp4-rtn"):
+        with pytest.raises(ValueError, match="rollout_engine='vllm'.*not supported"):
+            QeRLConfig(output_dir=str(tmp_path), quantization=fmt, rollout_engine="vllm")
+
+
+def test_old_recipe_with_a_bare_method_still_parses(tmp_path):
+    """A recipe (or a run's saved config) written before formats existed says ``quantization: rtn``."""
+    from qerl_trl.cli import RECIPES_DIR, parse_train_args
+
+    old = (RECIPES_DIR / "offline-default.yaml").read_text().replace("quantization: nvfp4-rtn", "quantization: rtn")
+    assert "quantization: rtn" in old
+    (tmp_path / "old.yaml").write_text(old)
+    _, config = parse_train_args([str(tmp_path / "old.yaml")])
+    assert config.quantization == "nvfp4-rtn"
+    _, config = parse_train_args(["offline-default", "--quantization", "mse"])
+    assert config.quantization == "nvfp4-mse"
+
+
+def test_bnb_missing_names_the_extra(monkeypatch):
+    import sys
+
+    from nvfp4 import MissingExtraError
+    from qerl_trl.quantization import bnb_nf4_config
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(MissingExtraError, match=r"pip install 'qerl-trl\[nf4\]'"):
+        bnb_nf4_config(torch.float32)
+
+
+def _aqn_noise_applied_and_restored(model: torch.nn.Module) -> None:
+    """AQN noise reaches every input/post-attention RMSNorm weight during a rollout and is undone bit for bit; the
+    4-bit weights are not touched."""
+    norms = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("layernorm.weight")}
+    frozen = {n: t.detach().clone() for n, t in model.state_dict().items() if "proj" in n}
+    assert norms and frozen
+    ctl = AQNController(make_schedule("constant", 1e-2, 1e-2, 2, total_steps=4), seed=0)
+    with ctl.rollout(model, 3) as handle:
+        assert handle is not None
+        live = dict(model.named_parameters())
+        for name, clean in norms.items():
+            assert not torch.equal(live[name].detach(), clean), f"{name}: no noise"
+            rel = (live[name].detach().float() - clean.float()).norm() / clean.float().norm()
+            assert 0 < rel < 0.1, (name, rel)
+        model(torch.tensor([[1, 2, 3, 4]]))  # the noisy model runs
+    live = dict(model.named_parameters())
+    for name, clean in norms.items():
+        assert torch.equal(live[name].detach(), clean), f"{name}: not restored exactly"
+    after = model.state_dict()
+    for name, t in frozen.items():
+        assert torch.equal(after[name], t), f"{name} changed"
+
+
+def test_aqn_noise_applied_and_restored_on_nf4(tiny_dir):
+    import bitsandbytes as bnb
+
+    model = load_policy(str(tiny_dir), quantization="nf4")
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) == 14 and all(m.weight.quant_state.quant_type == "nf4" for m in linears)
+    assert all(m.weight.quant_state.nested for m in linears)  # double quantization, as QLoRA
+    _aqn_noise_applied_and_restored(model)
+
+
+@needs_mxfp4
+def test_aqn_noise_applied_and_restored_on_mxfp4(tiny_dir):
+    from nvfp4 import NVFP4Linear
+
+    model = load_policy(str(tiny_dir), quantization="mxfp4-rtn")
+    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    assert len(linears) == 14 and all(getattr(m, "format", None) == "mxfp4" for m in linears)
+    _aqn_noise_applied_and_restored(model)
+
+
+def test_nf4_trainer_builds_a_qlora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir):
+    """``quantization="nf4"`` from a model path: bitsandbytes NF4 base, PEFT LoRA the only trainable parameters, one
+    real GRPO step with AQN on CPU; the NF4 base is unchanged by it."""
+    import bitsandbytes as bnb
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    args = QeRLConfig(output_dir=str(tmp_path / "run"), quantization="nf4", max_steps=1, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, logging_steps=1, save_strategy="no", report_to=[],
+                      learning_rate=1e-2, aqn_num_stages=2, aqn_sigma_start=1e-2, aqn_sigma_end=1e-2,
+                      aqn_schedule="constant", seed=0, disable_tqdm=True)  # fmt: skip
+
+    def reward(completions, completion_ids, **kwargs):
+        return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    trainer = QeRLGRPOTrainer(str(tiny_dir), reward, args, train_dataset=load_task("arithmetic", n_examples=8))
+    model = trainer.model
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
+    assert len(bases) == 14 and all(isinstance(b, bnb.nn.Linear4bit) for b in bases)
+    packed = {n: t.clone() for n, t in model.state_dict().items() if n.endswith("base_layer.weight")}
+    assert packed and all(t.dtype == torch.uint8 for t in packed.values())
+    trainer.train()
+    assert trainer.state.global_step == 1
+    (log,) = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["aqn/sigma"] == pytest.approx(1e-2) and log["entropy"] == log["entropy"]
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, trainable[n])]
+    assert moved, "no LoRA weight moved"
+    after = model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in packed.items()), "NF4 base changed"
+
+
+def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
+    import bitsandbytes as bnb
+    from qerl_trl.evaluation import build_parser, load_model
+
+    parser = build_parser()
+    assert parser.parse_args(["--quantize", "gptq"]).quantize == "nvfp4-gptq"
+    assert parser.parse_args(["--quantize", "nf4"]).quantize == "nf4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantize", "int4"])
+    model, _, info = load_model(str(tiny_dir), quantize="nf4")
+    assert info["quantize"] == "nf4"
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14
+    with pytest.raises(ValueError, match="--quantize must be one of"):
+        load_model(str(tiny_dir), quantize="int8")

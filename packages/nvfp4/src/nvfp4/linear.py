@@ -99,8 +99,9 @@ class NVFP4Linear(nn.Linear):
             )
             self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         # MXFP4 only: the E8M0 scales where the transcode cannot give them back (all-zero groups outside its window),
-        # so that the state dict keeps the checkpoint's bytes; not saved (the state dict writes weight_scale)
-        self.register_buffer("weight_scale_e8m0", None, persistent=False)
+        # so that the state dict keeps the checkpoint's bytes. A plain attribute moved by _apply, not a buffer:
+        # transformers' loader re-creates non-persistent buffers empty after quantize-on-load.
+        self.weight_scale_e8m0: torch.Tensor | None = None
         self._mxfp4_reference = False  # MXFP4 only: the transcode was tried and the tensors have none
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -126,6 +127,8 @@ class NVFP4Linear(nn.Linear):
         # scale are floating point, so nn.Module would convert them and corrupt the format).
         saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS}
         super()._apply(fn, recurse)
+        if self.weight_scale_e8m0 is not None:  # uint8: moved, never cast
+            self.weight_scale_e8m0 = fn(self.weight_scale_e8m0)
         for n, old in saved.items():
             new = self._buffers[n]
             if new is not None and old is not None and new.dtype != old.dtype:

@@ -36,3 +36,8 @@ def test_already_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
     err = _one_line_exit_2([str(tmp_path / "q")], capsys)
     assert "already quantized" in err and "compressed-tensors" in err
+
+
+def test_mxfp4_takes_rtn_only(tiny_model_dir, capsys):
+    err = _one_line_exit_2([str(tiny_model_dir), "--format", "mxfp4", "--method", "mse"], capsys)
+    assert "--format mxfp4 supports --method rtn only" in err

@@ -1,6 +1,8 @@
 """NVFP4 weight-only quantization: codec, calibration, ``NVFP4Linear``, kernels, transformers/PEFT integration.
 
-MXFP4 (:mod:`nvfp4.mxfp4`) has a codec so far; :func:`get_format` looks up either format (:mod:`nvfp4.formats`).
+MXFP4 (:mod:`nvfp4.mxfp4`) runs through the same layer, ops and kernels (``NVFP4Linear(format="mxfp4")``,
+``quantize_model(..., format="mxfp4")``, ``NVFP4Config(format="mxfp4")`` / ``MXFP4Config()``) after an exact scale
+transcode; :func:`get_format` looks up either format (:mod:`nvfp4.formats`).
 
 Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transformers quantization method
 ``"nvfp4_w4a16"`` (:class:`NVFP4Config`), so ``from_pretrained`` reloads our checkpoints.
@@ -30,10 +32,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 from .hf import (  # noqa: E402  (registers with transformers)
+    MXFP4Config,
     NVFP4CheckpointError,
     NVFP4Config,
     from_compressed_tensors,
     load_nvfp4_checkpoint,
 )
 
-__all__ += ["NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors", "load_nvfp4_checkpoint"]
+__all__ += ["MXFP4Config", "NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors", "load_nvfp4_checkpoint"]

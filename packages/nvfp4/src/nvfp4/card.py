@@ -16,8 +16,14 @@ def write_model_card(
     method: str,
     error_table: str | None = None,
     extra: str = "",
+    format: str = "nvfp4",
 ) -> Path:
-    """Write ``folder/README.md`` describing the format, the calibration and (optionally) a measured error table."""
+    """Write ``folder/README.md`` describing the format, the calibration and (optionally) a measured error table.
+
+    ``format``: ``"nvfp4"`` (default) or ``"mxfp4"`` (the MXFP4A16 card: E8M0 scales per 32 inputs).
+    """
+    if format == "mxfp4":
+        return _write_mxfp4_card(folder, base_model=base_model, error_table=error_table, extra=extra)
     text = f"""---
 base_model: {base_model}
 library_name: transformers
@@ -72,3 +78,38 @@ _METHODS = {
     "awq": "per-block FP8 scale search weighted by calibration activations' mean squares",
     "gptq": "GPTQ: column-by-column rounding with the error spread through the inverse input Hessian of calibration data",
 }
+
+
+def _write_mxfp4_card(folder: str | Path, *, base_model: str, error_table: str | None, extra: str) -> Path:
+    text = f"""---
+base_model: {base_model}
+library_name: transformers
+tags: [mxfp4, mxfp4a16, compressed-tensors, qerl]
+---
+
+# {Path(str(base_model)).name} — MXFP4 (weight-only)
+
+## Load it
+
+The `quantization_config` is the compressed-tensors one that llm-compressor writes for `MXFP4A16`:
+
+- **transformers** (with `pip install compressed-tensors`): `AutoModelForCausalLM.from_pretrained("<this repo>")`.
+- **vLLM**: `LLM("<this repo>")` where its compressed-tensors MXFP4 scheme runs; on vLLM's CPU engine,
+  `pip install qerl-vllm` (QeRL's plugin) adds the path.
+- **`nvfp4`** (QeRL's Triton W4A16 kernels, after an exact transcode of the scales; PEFT LoRA on top):
+  `nvfp4.from_compressed_tensors("<this repo>")`.
+
+## Format
+
+Quantized with [QeRL's `nvfp4`](https://pypi.org/project/nvfp4/), round to nearest, bit-identical to
+compressed-tensors. Linear weights are stored in the compressed-tensors `mxfp4-pack-quantized` layout: E2M1 4-bit
+values (two per byte, element 2i in the low nibble) in `weight_packed` (uint8 `[out, in/2]`), one E8M0 scale per 32
+inputs in `weight_scale` (uint8 `[out, in/32]`, `w ≈ e2m1 · 2^(scale - 127)`), no per-tensor scale. Activations stay
+in bf16 (W4A16). Embeddings and `lm_head` are kept in full precision.
+"""
+    if error_table:
+        text += f"\n**Measured quality.**\n\n{error_table}\n"
+    text += extra
+    path = Path(folder) / "README.md"
+    path.write_text(text)
+    return path

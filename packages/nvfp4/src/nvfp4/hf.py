@@ -18,6 +18,10 @@ transformers ≥5.2x already owns ``"nvfp4"`` (a Blackwell-only W4A4 path), henc
   into ``NVFP4Linear`` on our kernels; transformers picks its quantizer from ``quant_method`` alone, so a plain
   ``from_pretrained`` of a compressed-tensors checkpoint goes through compressed-tensors, not through us.
 * ``from_pretrained(path)`` still loads checkpoints written with the old ``nvfp4_w4a16`` config after ``import nvfp4``.
+* MXFP4 (issue #22): ``NVFP4Config(format="mxfp4")`` (or :func:`MXFP4Config`) does all of the above for
+  compressed-tensors ``mxfp4-pack-quantized`` (llm-compressor ``MXFP4A16``: uint8 E8M0 ``weight_scale`` per 32
+  inputs, no global scale), round to nearest only; the layers are ``NVFP4Linear(format="mxfp4")``, which compute
+  through the NVFP4 kernels after an exact scale transcode (:func:`nvfp4.mxfp4.to_nvfp4`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from . import mxfp4
 from .calibration import CALIBRATED_METHODS, calibrate_model
-from .codec import BLOCK_SIZE, quantize, shared_global_scale
+from .codec import quantize, shared_global_scale
+from .formats import FORMATS, MXFP4, NVFP4, Format, get_format
 from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
@@ -46,6 +52,7 @@ from .linear import (
 
 __all__ = [
     "QUANT_METHOD",
+    "MXFP4Config",
     "NVFP4CheckpointError",
     "NVFP4Config",
     "NVFP4HfQuantizer",
@@ -62,23 +69,32 @@ SERIALIZATIONS = (CT_METHOD, QUANT_METHOD)
 METHODS = ("rtn", "mse", *CALIBRATED_METHODS)
 
 
-def compressed_tensors_config(ignore: list[str], qerl: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``quantization_config`` llm-compressor writes for ``NVFP4A16`` (weight-only NVFP4, round to nearest), with
-    ``ignore`` the modules kept dense and our own fields under ``"qerl"`` (ignored by compressed-tensors)."""
+# what compressed-tensors writes per format: (strategy, scale_dtype) of the weights' quantization args
+_CT_WEIGHT_ARGS = {"nvfp4": ("tensor_group", "torch.float8_e4m3fn"), "mxfp4": ("group", "torch.uint8")}
+
+
+def compressed_tensors_config(
+    ignore: list[str], qerl: dict[str, Any] | None = None, format: str | Format = "nvfp4"
+) -> dict[str, Any]:
+    """The ``quantization_config`` llm-compressor writes for ``NVFP4A16`` (weight-only NVFP4, round to nearest) or,
+    with ``format="mxfp4"``, ``MXFP4A16`` (group 32, ``strategy: group``, uint8 E8M0 scales), with ``ignore`` the
+    modules kept dense and our own fields under ``"qerl"`` (ignored by compressed-tensors)."""
+    fmt = get_format(format)
+    strategy, scale_dtype = _CT_WEIGHT_ARGS[fmt.name]
     cfg: dict[str, Any] = {
         "quant_method": CT_METHOD,
-        "format": FORMAT,
+        "format": fmt.ct_format,
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK_SIZE,
-                            "strategy": "tensor_group", "dynamic": False, "actorder": None, "block_structure": None,
+                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": fmt.group_size,
+                            "strategy": strategy, "dynamic": False, "actorder": None, "block_structure": None,
                             "observer": "memoryless_minmax", "observer_kwargs": {},
-                            "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None},  # fmt: skip
+                            "scale_dtype": scale_dtype, "zp_dtype": None},  # fmt: skip
                 "input_activations": None,
                 "output_activations": None,
-                "format": FORMAT,
+                "format": fmt.ct_format,
             }
         },
         "ignore": list(ignore),
@@ -92,19 +108,39 @@ def compressed_tensors_config(ignore: list[str], qerl: dict[str, Any] | None = N
     return cfg
 
 
-def _check_compressed_tensors_nvfp4(qc: dict[str, Any], where: str) -> None:
-    """Raise :class:`NVFP4CheckpointError` unless ``qc`` is a weight-only NVFP4 compressed-tensors config."""
-    if qc.get("quant_method") != CT_METHOD or qc.get("format") != FORMAT:
-        raise NVFP4CheckpointError(f"{where}: not a compressed-tensors {FORMAT} checkpoint (quantization_config={qc!r})")
+_CT_FORMATS = {f.ct_format: f for f in FORMATS.values()}
+
+
+def _check_compressed_tensors_nvfp4(qc: dict[str, Any], where: str) -> Format:
+    """The :class:`Format` of ``qc`` if it is a weight-only NVFP4 or MXFP4 compressed-tensors config; raise
+    :class:`NVFP4CheckpointError` otherwise."""
+    fmt = _CT_FORMATS.get(qc.get("format")) if qc.get("quant_method") == CT_METHOD else None
+    if fmt is None:
+        raise NVFP4CheckpointError(
+            f"{where}: not a compressed-tensors {' / '.join(_CT_FORMATS)} checkpoint (quantization_config={qc!r})"
+        )
     groups = qc.get("config_groups") or {}
     if not groups:
         raise NVFP4CheckpointError(f"{where}: compressed-tensors config without config_groups: {qc!r}")
     for group in groups.values():
         w = group.get("weights") or {}
-        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != BLOCK_SIZE:
-            raise NVFP4CheckpointError(f"{where}: config group {group!r} is not NVFP4 weight-only (fp4, group 16)")
+        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != fmt.group_size:
+            raise NVFP4CheckpointError(
+                f"{where}: config group {group!r} is not {fmt.name.upper()} weight-only (fp4, group {fmt.group_size})"
+            )
+        if group.get("format", fmt.ct_format) != fmt.ct_format:
+            raise NVFP4CheckpointError(f"{where}: config group format {group.get('format')!r} is not {fmt.ct_format!r}")
         if group.get("input_activations"):
             raise NVFP4CheckpointError(f"{where}: config group quantizes activations (W4A4); only W4A16 loads here")
+    return fmt
+
+
+def MXFP4Config(**kwargs: Any) -> NVFP4Config:  # noqa: N802 (a config "class" for discoverability)
+    """``NVFP4Config(format="mxfp4", **kwargs)``: weight-only MXFP4 (compressed-tensors ``MXFP4A16``, round to nearest)
+    for ``from_pretrained(..., quantization_config=MXFP4Config())``; one config class serves both formats."""
+    if kwargs.get("format", "mxfp4") not in ("mxfp4", MXFP4.ct_format):
+        raise ValueError(f"MXFP4Config(format={kwargs['format']!r}): use NVFP4Config for other formats")
+    return NVFP4Config(**{**kwargs, "format": "mxfp4"})
 
 
 class NVFP4CheckpointError(ValueError):
@@ -127,7 +163,9 @@ class NVFP4Config(QuantizationConfigMixin):
         modules_to_not_convert: names / suffixes / regexes kept in full precision (default ``["lm_head"]``;
             embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
-        format: tensor layout, always ``"nvfp4-pack-quantized"``.
+        format: the 4-bit format: ``"nvfp4"`` (default; compressed-tensors ``"nvfp4-pack-quantized"``) or
+            ``"mxfp4"`` (``"mxfp4-pack-quantized"``: E8M0 scale per 32 inputs, no global scale, llm-compressor
+            ``MXFP4A16``; ``method="rtn"`` only, fused groups share nothing). Stored as the compressed-tensors string.
         serialization: the ``quantization_config`` that ``save_pretrained`` writes: ``"compressed-tensors"``
             (default; what llm-compressor writes for ``NVFP4A16``: stock transformers and vLLM load it, our fields
             under ``"qerl"``) or ``"nvfp4_w4a16"`` (the previous config, read only with ``import nvfp4``).
@@ -154,15 +192,23 @@ class NVFP4Config(QuantizationConfigMixin):
         if calibration_data is not None and len(calibration_data) == 0:
             raise ValueError("NVFP4Config(calibration_data=[]): give at least one calibration sample")
         self.calibration_data = calibration_data
-        if format != FORMAT:
-            raise ValueError(f"NVFP4Config(format={format!r}): only {FORMAT!r} is supported")
+        try:
+            fmt = get_format(format)
+        except ValueError:
+            choices = sorted({*FORMATS, *_CT_FORMATS})
+            raise ValueError(f"NVFP4Config(format={format!r}): choose one of {choices}") from None
+        if fmt is MXFP4 and method != "rtn":
+            raise ValueError(
+                f"NVFP4Config(format='mxfp4', method={method!r}): MXFP4 supports method='rtn' only "
+                f"({', '.join(repr(m) for m in METHODS if m != 'rtn')} are NVFP4's)"
+            )
         self.method = method
         self.modules_to_not_convert = (
             list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
         )
         self.fused_groups = [list(g) for g in (fused_groups or DEFAULT_FUSED_GROUPS)]
-        self.format = format
-        self.weight_block_size = BLOCK_SIZE
+        self.format = fmt.ct_format  # what saved configs have always carried for NVFP4
+        self.weight_block_size = fmt.group_size
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
         if calibration_data is not None:
             self.extra["calibration_samples"] = len(calibration_data)
@@ -173,7 +219,7 @@ class NVFP4Config(QuantizationConfigMixin):
             "quant_method": QUANT_METHOD,
             "format": self.format,
             "method": self.method,
-            "weight_block_size": BLOCK_SIZE,
+            "weight_block_size": self.weight_block_size,
             "modules_to_not_convert": self.modules_to_not_convert,
             "fused_groups": self.fused_groups,
             **self.extra,
@@ -181,14 +227,23 @@ class NVFP4Config(QuantizationConfigMixin):
         if self.serialization == QUANT_METHOD:
             return ours
         ignore = [m for m in self.modules_to_not_convert if m]  # names, suffixes and regexes, as compressed-tensors
-        return compressed_tensors_config(ignore, qerl={k: v for k, v in ours.items() if k != "format"})
+        return compressed_tensors_config(
+            ignore, qerl={k: v for k, v in ours.items() if k != "format"}, format=self.weight_format
+        )
+
+    @property
+    def weight_format(self) -> Format:
+        """The :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4)."""
+        return get_format(self.format)
 
     @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
-        """The config of a compressed-tensors NVFP4A16 checkpoint (ours: from its ``"qerl"`` fields; llm-compressor's:
-        ``ignore`` as ``modules_to_not_convert``). Raises :class:`NVFP4CheckpointError` for any other config."""
-        _check_compressed_tensors_nvfp4(qc, where)
+        """The config of a compressed-tensors NVFP4A16 / MXFP4A16 checkpoint (ours: from its ``"qerl"`` fields;
+        llm-compressor's: ``ignore`` as ``modules_to_not_convert``). Raises :class:`NVFP4CheckpointError` for any
+        other config."""
+        fmt = _check_compressed_tensors_nvfp4(qc, where)
         ours = dict(qc.get("qerl") or {})
+        ours["format"] = fmt.ct_format
         method = ours.pop("method", "rtn")
         ours.pop("quant_method", None)
         ours.pop("weight_block_size", None)
@@ -269,7 +324,7 @@ class NVFP4HfQuantizer(HfQuantizer):
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         if self.param_needs_quantization(model, param_name):
-            return 0.5 + 1 / BLOCK_SIZE  # packed nibbles + one FP8 scale per 16
+            return 0.5 + 1 / self.quantization_config.weight_format.group_size  # nibbles + one 1-byte scale per group
         return super().param_element_size(model, param_name, param)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:
@@ -287,13 +342,15 @@ class NVFP4HfQuantizer(HfQuantizer):
                 f"NVFP4Config(method={cfg.method!r}) needs calibration_data (token ids of a few dozen task prompts) "
                 "to quantize a dense checkpoint; 'rtn' and 'mse' need none"
             )
-        eligible = [n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert)]
+        fmt = cfg.weight_format
+        eligible = [
+            n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert, fmt.group_size)
+        ]
         if self.pre_quantized:
             for name in eligible:
                 lin = model.get_submodule(name)
-                new = NVFP4Linear(
-                    lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype, device="meta"
-                )
+                new = NVFP4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                                  device="meta", format=fmt.name, name=name)  # fmt: skip
                 _replace(model, name, new)
             if checkpoint_files:
                 self._check_prequantized_tensors(model, checkpoint_files)
@@ -336,7 +393,8 @@ class NVFP4HfQuantizer(HfQuantizer):
                     missing.append(key)
         if missing:
             raise NVFP4CheckpointError(
-                f"the checkpoint's quantization_config ({QUANT_METHOD}) says {len(missing)} linear layer(s) are NVFP4, "
+                f"the checkpoint's quantization_config ({QUANT_METHOD}) says {len(missing)} linear layer(s) are "
+                f"{self.quantization_config.weight_format.name.upper()}, "
                 f"but their tensors are absent, e.g. {missing[:3]}; the config disagrees with the tensors"
             )
 
@@ -366,19 +424,25 @@ class NVFP4HfQuantizer(HfQuantizer):
             raise NVFP4CheckpointError(f"NVFP4 tensors were not loaded for {len(bad)} layer(s), e.g. {bad[:3]}")
         for m in model.modules():
             if isinstance(m, NVFP4Linear):
-                m.use_kernel_layout()  # pre-quantized tensors arrive in the checkpoint layout
+                # pre-quantized tensors arrive in the checkpoint layout (MXFP4: E8M0 scales, transcoded here)
+                m.use_kernel_layout()
         return model
 
     def _flush(self, model, group: tuple[str, ...], weights: dict[str, torch.Tensor], missing_keys) -> None:
-        """Quantize a complete fused group with one shared global scale and swap its ``nn.Linear``s for ours."""
+        """Quantize a complete fused group with one shared global scale (NVFP4; MXFP4 has none) and swap its
+        ``nn.Linear``s for ours."""
         cfg = self.quantization_config
-        g = shared_global_scale(weights.values())
+        nvfp4 = cfg.weight_format is NVFP4
+        g = shared_global_scale(weights.values()) if nvfp4 else None
         for name, w in weights.items():
             old = model.get_submodule(name)
             dtype = old.weight.dtype  # the load dtype; `w` may be in the narrower checkpoint dtype
-            q = quantize(w, global_scale=g, method=cfg.method, name=f"{name}.weight")
+            if nvfp4:
+                q = quantize(w, global_scale=g, method=cfg.method, name=f"{name}.weight")
+            else:
+                q = mxfp4.quantize(w, name=f"{name}.weight")
             bias = old.bias.detach().to(w.device) if old.bias is not None and not old.bias.is_meta else None
-            new = NVFP4Linear.from_weight(q, bias, dtype)
+            new = NVFP4Linear.from_weight(q, bias, dtype, name=name)
             if old.bias is not None and bias is None:  # bias not read yet: keep a slot for the loader
                 new.bias = nn.Parameter(torch.empty(old.out_features, dtype=dtype, device="meta"), False)
             _mark_initialized(new)
@@ -433,7 +497,8 @@ class _QuantizeOnLoad(ConversionOps):
             w = value[0] if isinstance(value, list) else value
             name = key.rpartition(".")[0]
             # members stay in `_targets` until their group is flushed, so this is the group still to be collected
-            full = fused_group_of(name, self.q.quantization_config.fused_groups) or (name,)
+            cfg = self.q.quantization_config
+            full = (fused_group_of(name, cfg.fused_groups) if cfg.weight_format is NVFP4 else None) or (name,)
             group = tuple(n for n in full if n in self.q._targets)
             got = self.q._pending.setdefault(group, {})
             got[name] = self.q._quantization_input(name, w)
@@ -449,9 +514,9 @@ def _checkpoint_quantization_config(path: str | Path) -> dict[str, Any] | None:
 
 
 def nvfp4_checkpoint_kind(path: str | Path) -> str | None:
-    """``"compressed-tensors"`` (a weight-only NVFP4 compressed-tensors checkpoint: ours, or llm-compressor's
-    ``NVFP4A16``), ``"nvfp4_w4a16"`` (ours with the previous config) or None (anything else) for a local folder or
-    Hub id."""
+    """``"compressed-tensors"`` (a weight-only NVFP4 or MXFP4 compressed-tensors checkpoint: ours, or
+    llm-compressor's ``NVFP4A16`` / ``MXFP4A16``), ``"nvfp4_w4a16"`` (ours with the previous config) or None
+    (anything else) for a local folder or Hub id."""
     qc = _checkpoint_quantization_config(path)
     if not qc:
         return None
@@ -465,8 +530,8 @@ def nvfp4_checkpoint_kind(path: str | Path) -> str | None:
 
 
 def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
-    """Load a compressed-tensors ``NVFP4A16`` checkpoint (``nvfp4-pack-quantized``: ours, or llm-compressor's) into
-    ``NVFP4Linear`` layers on our kernels.
+    """Load a compressed-tensors ``NVFP4A16`` or ``MXFP4A16`` checkpoint (``nvfp4-pack-quantized`` /
+    ``mxfp4-pack-quantized``: ours, or llm-compressor's) into ``NVFP4Linear`` layers on our kernels.
 
     The tensors are ours; only the config names compressed-tensors (``quant_method="compressed-tensors"`` with
     ``config_groups``), so transformers would route a plain ``from_pretrained`` to compressed-tensors. Modules in

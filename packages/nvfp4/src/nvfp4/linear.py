@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import ops
+from . import mxfp4, ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, quantize, shared_global_scale
+from .formats import MXFP4, NVFP4, QuantizedWeight, format_of, get_format
 from .layout import from_mma_layout, is_mma_layout, mma_layout_supported, mma_scales_supported, to_mma_layout
 
 __all__ = [
@@ -33,12 +34,20 @@ DEFAULT_MODULES_TO_NOT_CONVERT: tuple[str, ...] = ("lm_head",)
 
 
 class NVFP4Linear(nn.Linear):
-    """A frozen linear layer whose weight is stored in NVFP4 (compressed-tensors layout).
+    """A frozen linear layer whose weight is stored in NVFP4 or MXFP4 (compressed-tensors layout).
 
     Buffers (saved in the state dict under compressed-tensors names):
-        weight_packed: uint8 ``[out, in/2]``; weight_scale: float8_e4m3fn ``[out, in/16]``;
-        weight_global_scale: float32 ``[1]``.
+        ``format="nvfp4"`` (default): weight_packed: uint8 ``[out, in/2]``; weight_scale: float8_e4m3fn
+        ``[out, in/16]``; weight_global_scale: float32 ``[1]``.
     ``bias`` (if any) is a frozen parameter in the activation dtype.
+
+    ``format="mxfp4"``: the state dict holds compressed-tensors ``mxfp4-pack-quantized`` tensors (weight_packed uint8
+    ``[out, in/2]``, weight_scale uint8 E8M0 ``[out, in/32]``, no global scale). Once the tensors are on a device
+    (quantization, loading, ``.to``) the layer transcodes the E8M0 scales exactly into NVFP4 scales
+    (:func:`nvfp4.mxfp4.to_nvfp4`: FP8 powers of two per 16 inputs and a power-of-two ``weight_global_scale``), so it
+    computes through the same ops and kernels as an NVFP4 layer (and takes the MMA layout on CUDA). A weight whose
+    group exponents span more than E4M3's 18 binades of powers of two keeps its E8M0 tensors and computes with the
+    plain reference (:func:`nvfp4.mxfp4.linear_reference`), with a warning naming the layer.
 
     On CUDA, ``weight_packed`` holds the same bytes in the kernels' MMA layout (``[out/4, 2·in]``,
     :mod:`nvfp4.layout`) when the shape allows it (out % 64 == 0, in % 256 == 0): the layer converts it when it
@@ -60,34 +69,66 @@ class NVFP4Linear(nn.Linear):
         bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        format: str = "nvfp4",
+        name: str | None = None,
     ) -> None:
         nn.Module.__init__(self)
-        if in_features % BLOCK_SIZE:
-            raise ValueError(f"NVFP4Linear: in_features={in_features} must be a multiple of {BLOCK_SIZE}")
+        fmt = get_format(format)
+        if in_features % fmt.group_size:
+            raise ValueError(
+                f"NVFP4Linear({fmt.name}): in_features={in_features} must be a multiple of {fmt.group_size}"
+            )
         self.in_features = in_features
         self.out_features = out_features
+        self.format = fmt.name  # "nvfp4" | "mxfp4": what the state dict holds
+        self.layer_name = name  # the module's name in its model, for messages
         self.orig_dtype = dtype  # dtype of the dense weight it replaced: what dequantize/merge export to
         self.register_buffer(
             "weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
         )
-        self.register_buffer(
-            "weight_scale",
-            torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
-        )
-        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if fmt is MXFP4:  # E8M0 exponents until the tensors are transcoded (use_kernel_layout)
+            self.register_buffer(
+                "weight_scale",
+                torch.zeros(out_features, in_features // fmt.group_size, dtype=torch.uint8, device=device),
+            )
+            self.register_buffer("weight_global_scale", None)
+        else:
+            self.register_buffer(
+                "weight_scale",
+                torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+            )
+            self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        # MXFP4 only: the E8M0 scales where the transcode cannot give them back (all-zero groups outside its window),
+        # so that the state dict keeps the checkpoint's bytes. A plain attribute moved by _apply, not a buffer:
+        # transformers' loader re-creates non-persistent buffers empty after quantize-on-load.
+        self.weight_scale_e8m0: torch.Tensor | None = None
+        self._mxfp4_reference = False  # MXFP4 only: the transcode was tried and the tensors have none
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
         self._load_hook = self.register_load_state_dict_pre_hook(self._check_loaded_tensors)
+        if fmt is MXFP4:
+            self.register_load_state_dict_post_hook(_transcode_after_loading)
 
     _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+    @property
+    def uses_nvfp4_ops(self) -> bool:
+        """Whether the layer computes through the ``nvfp4::`` ops / kernels: NVFP4, or MXFP4 transcoded to NVFP4
+        scales (:func:`nvfp4.mxfp4.to_nvfp4`); False for MXFP4 tensors not (yet) transcoded (the plain reference)."""
+        return self.weight_scale.dtype == torch.float8_e4m3fn
+
+    def _label(self) -> str:
+        return f"{self.layer_name or 'NVFP4Linear'} ({self.format}, {self.out_features}x{self.in_features})"
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` must move the NVFP4 tensors but never cast them (fp8 scales and the fp32 global
         # scale are floating point, so nn.Module would convert them and corrupt the format).
         saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS}
         super()._apply(fn, recurse)
+        if self.weight_scale_e8m0 is not None:  # uint8: moved, never cast
+            self.weight_scale_e8m0 = fn(self.weight_scale_e8m0)
         for n, old in saved.items():
             new = self._buffers[n]
             if new is not None and old is not None and new.dtype != old.dtype:
@@ -98,16 +139,21 @@ class NVFP4Linear(nn.Linear):
     @property
     def mma_layout(self) -> bool:
         """Whether ``weight_packed`` is currently in the kernels' MMA layout (see :mod:`nvfp4.layout`)."""
-        return is_mma_layout(self.weight_packed, self.weight_scale)
+        return self.uses_nvfp4_ops and is_mma_layout(self.weight_packed, self.weight_scale)
 
     @torch.no_grad()
     def use_kernel_layout(self) -> bool:
         """Put ``weight_packed`` in the layout the kernels read fastest on its device: the MMA layout on CUDA when
         the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
         MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
-        ``NVFP4_MMA_LAYOUT=0``. Idempotent; returns :attr:`mma_layout`."""
+        ``NVFP4_MMA_LAYOUT=0``. An MXFP4 layer first transcodes its E8M0 scales to NVFP4 scales (on every device;
+        see the class docstring). Idempotent; returns :attr:`mma_layout`."""
         packed = self.weight_packed
-        if packed.is_meta or self.mma_layout:
+        if packed.is_meta:
+            return False
+        if self.format == MXFP4.name and not self.uses_nvfp4_ops and not self._mxfp4_reference:
+            self._transcode_mxfp4()
+        if not self.uses_nvfp4_ops or self.mma_layout:
             return self.mma_layout
         if (
             packed.is_cuda
@@ -122,10 +168,39 @@ class NVFP4Linear(nn.Linear):
 
     def _warn_ct_layout_kept(self) -> None:
         warnings.warn(
-            f"NVFP4Linear {self.out_features}x{self.in_features}: weight_scale holds zero, negative or NaN block "
+            f"{self._label()}: weight_scale holds zero, negative or NaN block "
             "scales; kept in the compressed-tensors layout (exact, slower kernels)",
             stacklevel=3,
         )
+
+    def _transcode_mxfp4(self) -> None:
+        """E8M0 ``weight_scale`` → exact FP8 scales + power-of-two ``weight_global_scale`` (:func:`mxfp4.to_nvfp4`);
+        where the tensors have none, keep them, compute with the reference and warn once."""
+        scale = self.weight_scale
+        transcoded = mxfp4.to_nvfp4(self.weight_packed, scale)
+        if transcoded is None:
+            self._mxfp4_reference = True
+            warnings.warn(
+                f"{self._label()}: its MXFP4 scales span more than the 18 binades of powers of two FP8-E4M3 holds "
+                "(or hold NaN), so they have no exact NVFP4 transcode; the layer keeps its E8M0 tensors and "
+                "computes with the plain PyTorch reference (dequantize + F.linear: exact, not the Triton kernels)",
+                stacklevel=3,
+            )
+            return
+        fp8, global_scale = transcoded
+        # the state dict must give the checkpoint's bytes back: keep the E8M0 tensor where the transcode cannot
+        lossless = torch.equal(mxfp4.from_nvfp4(fp8, global_scale), scale)
+        self.weight_scale_e8m0 = None if lossless else scale
+        self.weight_scale = fp8
+        self.weight_global_scale = global_scale
+
+    def _e8m0_scale(self) -> torch.Tensor:
+        """The MXFP4 ``weight_scale`` (uint8 E8M0 ``[out, in/32]``) whatever the layer holds now."""
+        if not self.uses_nvfp4_ops:
+            return self.weight_scale
+        if self.weight_scale_e8m0 is not None:
+            return self.weight_scale_e8m0
+        return mxfp4.from_nvfp4(self.weight_scale, self.weight_global_scale)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -133,15 +208,30 @@ class NVFP4Linear(nn.Linear):
 
     @property
     def nvfp4_weight(self) -> NVFP4Weight:
-        """The weight in the compressed-tensors layout (a converted copy of ``weight_packed`` in the MMA layout)."""
+        """The weight in the compressed-tensors layout (a converted copy of ``weight_packed`` in the MMA layout);
+        for a transcoded MXFP4 layer its exact NVFP4 form. Raises ValueError for MXFP4 tensors without one."""
+        if not self.uses_nvfp4_ops:
+            raise ValueError(f"{self._label()}: MXFP4 tensors without an NVFP4 transcode; use quantized_weight")
         packed = from_mma_layout(self.weight_packed) if self.mma_layout else self.weight_packed
         return NVFP4Weight(packed, self.weight_scale, self.weight_global_scale)
+
+    @property
+    def quantized_weight(self) -> QuantizedWeight:
+        """The weight in its own format and the compressed-tensors layout: :class:`NVFP4Weight` or
+        :class:`nvfp4.mxfp4.MXFP4Weight` (what the state dict holds)."""
+        if self.format == NVFP4.name:
+            return self.nvfp4_weight
+        packed = from_mma_layout(self.weight_packed) if self.mma_layout else self.weight_packed
+        return mxfp4.MXFP4Weight(packed, self._e8m0_scale())
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
             destination[key] = from_mma_layout(destination[key].detach())
+        if self.format == MXFP4.name and prefix + "weight_scale" in destination:  # compressed-tensors' MXFP4 tensors
+            destination[prefix + "weight_scale"] = self._e8m0_scale().detach()
+            destination.pop(prefix + "weight_global_scale", None)
 
     @classmethod
     def from_linear(
@@ -152,20 +242,43 @@ class NVFP4Linear(nn.Linear):
         method: str = "rtn",
         act_sq: torch.Tensor | None = None,
         name: str = "weight",
+        format: str = "nvfp4",
+        compute_dtype: torch.dtype | None = None,
     ) -> NVFP4Linear:
-        """Quantize a dense ``nn.Linear`` (see :func:`nvfp4.codec.quantize` for ``method``/``act_sq``)."""
-        q = quantize(linear.weight.detach(), global_scale=global_scale, method=method, act_sq=act_sq, name=name)
-        return cls.from_weight(q, linear.bias.detach() if linear.bias is not None else None, linear.weight.dtype)
+        """Quantize a dense ``nn.Linear`` ``[out, in]``.
+
+        ``format="nvfp4"``: see :func:`nvfp4.codec.quantize` for ``method`` / ``act_sq`` / ``global_scale``.
+        ``format="mxfp4"``: round to nearest (:func:`nvfp4.mxfp4.quantize`, compressed-tensors ``MXFP4A16`` bytes);
+        ``method`` must be ``"rtn"`` and there is no global scale. ``compute_dtype``: the scale arithmetic's dtype
+        (default the weight's own, as llm-compressor).
+        """
+        w = linear.weight.detach()
+        if get_format(format) is MXFP4:
+            _check_mxfp4_options(name, method, global_scale=global_scale, act_sq=act_sq)
+            q = mxfp4.quantize(w, name=name, compute_dtype=compute_dtype)
+        else:
+            q = quantize(w, global_scale=global_scale, method=method, act_sq=act_sq, name=name,
+                         compute_dtype=compute_dtype)  # fmt: skip
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_weight(q, bias, linear.weight.dtype, name=None if name == "weight" else name.removesuffix(".weight"))
 
     @classmethod
     def from_weight(
-        cls, weight: NVFP4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+        cls,
+        weight: NVFP4Weight | mxfp4.MXFP4Weight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str | None = None,
     ) -> NVFP4Linear:
+        """The layer holding ``weight`` (its format follows the container: NVFP4 or MXFP4), ``bias`` ``[out]`` (cast
+        to ``dtype``), ``dtype`` the dense dtype it replaces; ``name`` its module name, for messages."""
+        fmt = format_of(weight)
         out, k = weight.shape
-        mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta")
+        mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta", format=fmt.name, name=name)
         mod.weight_packed = weight.packed
         mod.weight_scale = weight.scale
-        mod.weight_global_scale = weight.global_scale
+        if fmt.has_global_scale:
+            mod.weight_global_scale = weight.global_scale
         if bias is not None:
             mod.bias = nn.Parameter(bias.to(dtype).clone(), requires_grad=False)
         mod.use_kernel_layout()
@@ -173,6 +286,8 @@ class NVFP4Linear(nn.Linear):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``[out, in]`` weight in ``dtype`` (default: the dtype of the layer it replaced)."""
+        if not self.uses_nvfp4_ops:  # MXFP4 tensors as stored (the transcode gives the same values bit for bit)
+            return mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype or self.orig_dtype)
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.orig_dtype)
 
     def to_dense(self) -> nn.Linear:
@@ -190,14 +305,19 @@ class NVFP4Linear(nn.Linear):
         dense = self._dense_cache
         if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
             return F.linear(x, dense, bias)  # == the reference op, minus re-dequantizing (see cache_dequantized)
+        if not self.uses_nvfp4_ops:  # MXFP4 without an NVFP4 transcode: the plain reference (autograd reaches x)
+            return mxfp4.linear_reference(x, self.weight_packed, self.weight_scale, bias)
         return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.format}")  # fmt: skip
 
     def _check_loaded_tensors(self, module, state_dict, prefix, *args, **kwargs) -> None:
         """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype); convert
         a compressed-tensors ``weight_packed`` to the MMA layout when this layer holds that layout."""
+        if self.format == MXFP4.name:
+            return self._check_loaded_mxfp4(state_dict, prefix)
         expected = {
             "weight_packed": (torch.uint8, (self.out_features, self.in_features // 2)),
             "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // BLOCK_SIZE)),
@@ -219,6 +339,37 @@ class NVFP4Linear(nn.Linear):
             else:  # the MMA-layout kernels cannot decode these scales: back to the compressed-tensors layout
                 self.weight_packed = torch.empty_like(state_dict[key], device=self.weight_packed.device)
                 self._warn_ct_layout_kept()
+
+    def _check_loaded_mxfp4(self, state_dict, prefix: str) -> None:
+        """MXFP4: check the compressed-tensors tensors, then give the layer E8M0-shaped buffers for them; the post-hook
+        transcodes after loading (:meth:`use_kernel_layout`)."""
+        if prefix + "weight_global_scale" in state_dict:
+            raise ValueError(
+                f"{prefix}weight_global_scale: the checkpoint holds NVFP4 tensors, this layer is MXFP4 "
+                "(load it with format='nvfp4')"
+            )
+        got = {n: state_dict.get(prefix + n) for n in ("weight_packed", "weight_scale")}
+        if all(t is None for t in got.values()):
+            return
+        for name, (dtype, shape) in MXFP4.tensor_specs(self.out_features, self.in_features).items():
+            t = got[name]
+            if t is None:
+                raise ValueError(f"{prefix}{name}: missing; an MXFP4 layer loads weight_packed and weight_scale together")
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{prefix}{name}: checkpoint has {t.dtype} {tuple(t.shape)}, the MXFP4 layer expects {dtype} "
+                    f"{shape} (in_features={self.in_features}, out_features={self.out_features})"
+                )
+        device = self.weight_packed.device
+        self.weight_packed = torch.empty_like(got["weight_packed"], device=device)
+        self.weight_scale = torch.empty_like(got["weight_scale"], device=device)
+        self.weight_global_scale = None
+        self.weight_scale_e8m0 = None
+        self._mxfp4_reference = False
+
+
+def _transcode_after_loading(module: NVFP4Linear, _incompatible_keys: object) -> None:
+    module.use_kernel_layout()  # MXFP4: E8M0 → NVFP4 scales (and the MMA layout on CUDA)
 
 
 @contextlib.contextmanager
@@ -255,8 +406,20 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
 
 
-def _quantizable(name: str, module: nn.Module, skip: Iterable[str]) -> bool:
-    return type(module) is nn.Linear and module.in_features % BLOCK_SIZE == 0 and not _matches(name, skip)
+def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: int = BLOCK_SIZE) -> bool:
+    return type(module) is nn.Linear and module.in_features % group_size == 0 and not _matches(name, skip)
+
+
+def _check_mxfp4_options(name: str, method: str, **unused: object) -> None:
+    """MXFP4 quantizes by round to nearest only, without NVFP4's global scale or calibration statistics."""
+    if method != "rtn":
+        raise NotImplementedError(
+            f"{name}: method={method!r} is not implemented for MXFP4; MXFP4 supports method='rtn' only "
+            "('mse', 'awq', 'gptq' are NVFP4's)"
+        )
+    given = [k for k, v in unused.items() if v is not None]
+    if given:
+        raise ValueError(f"{name}: MXFP4 takes no {', '.join(given)} (no global scale, no calibration)")
 
 
 @torch.no_grad()
@@ -271,6 +434,7 @@ def quantize_model(
     progress: bool = True,
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
     compute_dtype: torch.dtype | None = None,
+    format: str = "nvfp4",
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
@@ -283,18 +447,32 @@ def quantize_model(
     RTN runs in each weight's dtype as the model holds it (``compute_dtype=None``), as llm-compressor does: a model
     loaded in bf16 gives llm-compressor's ``NVFP4A16`` bytes. ``compute_dtype=torch.float32`` computes the scale
     quotients in float32 instead (see :mod:`nvfp4.codec`).
+
+    ``format="mxfp4"``: MXFP4 layers (compressed-tensors ``MXFP4A16`` bytes; ``in_features % 32 == 0``), round to
+    nearest only (``method="rtn"``, no ``act_sq``); fused groups share nothing (MXFP4 has no global scale).
     """
+    fmt = get_format(format)
+    if fmt is MXFP4:
+        _check_mxfp4_options("quantize_model", method, act_sq=act_sq)
     groups = [tuple(g) for g in fused_groups]
     named = [
         (n, m)
         for n, m in model.named_modules()
-        if _quantizable(n, m, modules_to_not_convert)
+        if _quantizable(n, m, modules_to_not_convert, fmt.group_size)
         and not m.weight.is_meta
         and (filter_fn is None or filter_fn(n, m))
     ]
     chosen = dict(named)
     done: set[str] = set()
-    for name, _lin in tqdm(named, desc="Quantizing to NVFP4", disable=not progress, unit="layer"):
+    for name, lin in tqdm(named, desc=f"Quantizing to {fmt.name.upper()}", disable=not progress, unit="layer"):
+        if fmt is MXFP4:
+            w = lin.weight.to(device) if device is not None else lin.weight
+            q = mxfp4.quantize(w, name=f"{name}.weight", compute_dtype=compute_dtype)
+            bias = lin.bias.detach().to(q.packed.device) if lin.bias is not None else None
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    NVFP4Linear.from_weight(q, bias, lin.weight.dtype, name=name))  # fmt: skip
+            continue
         if name in done:
             continue
         group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]
@@ -311,7 +489,7 @@ def quantize_model(
                 compute_dtype=compute_dtype,
             )
             bias = lin_n.bias.detach().to(q.packed.device) if lin_n.bias is not None else None
-            new = NVFP4Linear.from_weight(q, bias, lin_n.weight.dtype)
+            new = NVFP4Linear.from_weight(q, bias, lin_n.weight.dtype, name=n)
             parent_name, _, child = n.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
             done.add(n)

@@ -51,10 +51,12 @@ __all__ = [
     "dequantize",
     "e8m0_exponents",
     "e8m0_to_float",
+    "from_nvfp4",
     "group_exponents",
     "linear_reference",
     "quantize",
     "quantize_with_scales",
+    "to_nvfp4",
 ]
 
 GROUP_SIZE = 32  # inputs per E8M0 scale (the OCP MX block size)
@@ -235,3 +237,110 @@ def linear_reference(
         then ``F.linear``.
     """
     return F.linear(x, dequantize(packed, scale, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+# ---- exact transcode to NVFP4 scales (the NVFP4 ops and kernels then compute MXFP4 layers) -------------------------
+
+FP8_POW2_MAX = 8  # 2^8 = 256: the largest power of two in E4M3 (448 = 1.75 · 2^8)
+FP8_POW2_MIN = -9  # 2^-9: the smallest E4M3 subnormal; E4M3 holds every power of two in [2^-9, 2^8] exactly
+_GLOBAL_LOG2_MAX = 126  # global = 2^c: the kernels fold 2^14 / global into fp32; keep 1 / global a normal float32
+_GLOBAL_LOG2_MIN = -100  # the kernels' fast path needs 2^126 / (448 / global) ≥ 2^-100 (see kernels/decode.py)
+
+
+def _zero_groups(packed: torch.Tensor) -> torch.Tensor:
+    """bool ``[out, in/32]``: whether all 32 codes of each group are ±0 (magnitude bits 0 in both nibbles)."""
+    out, half = packed.shape
+    return ((packed.reshape(out, half * 2 // GROUP_SIZE, GROUP_SIZE // 2) & 0x77) == 0).all(-1)
+
+
+def _fp8_pow2(j: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn ``2^j`` for int ``j`` in [-9, 8]: bits ``(j+7) << 3`` (normals), ``1 << (j+9)`` (subnormals)."""
+    bits = torch.where(j >= -6, (j + 7) << 3, 1 << (j + 9).clamp_min(0))
+    return bits.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def to_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Exact NVFP4 scales of an MXFP4 weight, or None where the tensor has none.
+
+    ``2^(E-127)`` per 32 inputs becomes the FP8-E4M3 power of two ``2^(E-127+c)`` for both 16-input halves and the
+    global divisor ``2^c``, ``c`` chosen so that the largest scale of a non-zero group is ``2^8``: then
+    ``e2m1 · fp8 / global == e2m1 · 2^(E-127)`` exactly (:func:`nvfp4.codec.dequantize` equals :func:`dequantize`
+    bit for bit) and the NVFP4 ops and kernels compute the layer. E4M3 holds the powers of two ``2^-9 … 2^8``, so the
+    exponents of the non-zero groups must span at most 18 binades. A group whose codes are all ±0 decodes to zeros
+    under any scale: outside the window it gets the nearest one (then :func:`from_nvfp4` does not give its byte back).
+
+    Args:
+        packed: uint8 ``[out, in/2]`` E2M1 codes (compressed-tensors layout).
+        scale: uint8 ``[out, in/32]`` E8M0 exponents.
+
+    Returns:
+        ``(fp8_scale float8_e4m3fn [out, in/16], global_scale float32 [1])`` on ``scale``'s device, every scale a
+        positive power of two (so :func:`nvfp4.layout.mma_scales_supported` holds); or None if a non-zero group lies
+        below the window (more than 18 binades under the largest), a scale is NaN (``E = 255``), or ``c`` leaves
+        [-100, 126] (scales above 2^108 or the whole tensor below 2^-118, where the kernels' folded factors would
+        leave float32's normal range).
+    """
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.dim() != 2 or scale.dim() != 2:
+        raise ValueError(
+            f"to_nvfp4: expected uint8 weight_packed [out, in/2] and uint8 weight_scale [out, in/32], got "
+            f"{packed.dtype} {tuple(packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        )
+    out, half = packed.shape
+    if (half * 2) % GROUP_SIZE or tuple(scale.shape) != (out, half * 2 // GROUP_SIZE):
+        raise ValueError(
+            f"to_nvfp4: weight_packed {tuple(packed.shape)} needs weight_scale {(out, half * 2 // GROUP_SIZE)}, "
+            f"got {tuple(scale.shape)}"
+        )
+    e = scale.to(torch.int32)
+    if bool((e == 0xFF).any()):
+        return None
+    zero = _zero_groups(packed)
+    live = e[~zero]
+    e_max = int(live.max()) if live.numel() else int(e.max()) if e.numel() else E8M0_BIAS
+    c = min(E8M0_BIAS + FP8_POW2_MAX - e_max, _GLOBAL_LOG2_MAX)
+    if c < _GLOBAL_LOG2_MIN:
+        return None
+    j = e - E8M0_BIAS + c  # log2 of the FP8 scale; ≤ 8 for every non-zero group
+    if live.numel() and int(live.min()) - E8M0_BIAS + c < FP8_POW2_MIN:
+        return None
+    fp8 = _fp8_pow2(j.clamp(FP8_POW2_MIN, FP8_POW2_MAX)).repeat_interleave(2, dim=1)  # both 16-halves of a group
+    global_scale = torch.tensor([(c + 127) << 23], dtype=torch.int32, device=scale.device).view(torch.float32)
+    return fp8, global_scale
+
+
+def from_nvfp4(fp8_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents uint8 ``[out, in/32]`` of NVFP4 scales that :func:`to_nvfp4` wrote (its exact inverse).
+
+    Args:
+        fp8_scale: float8_e4m3fn ``[out, in/16]``, powers of two, equal in both 16-input halves of each 32-group.
+        global_scale: float32 ``[1]``, a power of two ``2^c``.
+
+    Raises:
+        ValueError: if a scale is not a positive power of two, the halves of a group differ, or an exponent leaves
+            E8M0's range.
+    """
+    if fp8_scale.dtype != torch.float8_e4m3fn or fp8_scale.dim() != 2 or fp8_scale.shape[1] % 2:
+        raise ValueError(f"from_nvfp4: expected float8_e4m3fn [out, in/16] (in % 32 == 0), got {fp8_scale.dtype} "
+                         f"{tuple(fp8_scale.shape)}")  # fmt: skip
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise ValueError(f"from_nvfp4: expected a float32 [1] global scale, got {global_scale.dtype} "
+                         f"{tuple(global_scale.shape)}")  # fmt: skip
+    g_bits = int(global_scale.reshape(1).view(torch.int32).item())
+    if g_bits & 0x807FFFFF or not 0 < (g_bits >> 23) < 0xFF:
+        raise ValueError(f"from_nvfp4: global scale {global_scale.item()!r} is not a normal power of two")
+    c = (g_bits >> 23) - 127
+    bits = fp8_scale.view(torch.uint8).to(torch.int32)
+    if not torch.equal(bits[:, 0::2], bits[:, 1::2]):
+        raise ValueError("from_nvfp4: the two 16-input scales of a 32-input group differ (not an MXFP4 transcode)")
+    bits = bits[:, 0::2]
+    normal = bits >= 8
+    # subnormal 2^j: bits 1, 2, 4 (j = -9, -8, -7); normal 2^j: exponent field (bits >> 3) = j + 7, mantissa 0
+    pow2 = torch.where(normal, (bits & 7) == 0, (bits & (bits - 1)) == 0) & (bits > 0) & (bits < 0x7F)
+    if not bool(pow2.all()):
+        raise ValueError("from_nvfp4: a scale is not a positive power of two (not an MXFP4 transcode)")
+    sub_log2 = torch.where(bits >= 4, 2, torch.where(bits >= 2, 1, 0))
+    j = torch.where(normal, (bits >> 3) - 7, sub_log2 - 9)
+    e = j - c + E8M0_BIAS
+    if bool(((e < 0) | (e > 254)).any()):
+        raise ValueError(f"from_nvfp4: an exponent leaves E8M0's range (global scale 2^{c})")
+    return e.to(torch.uint8)

@@ -120,16 +120,26 @@ def test_aqn_noise_applied_and_restored_on_mxfp4(tiny_dir):
     _aqn_noise_applied_and_restored(model)
 
 
-def test_nf4_trainer_builds_a_qlora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir):
-    """``quantization="nf4"`` from a model path: bitsandbytes NF4 base, PEFT LoRA the only trainable parameters, one
-    real GRPO step with AQN on CPU; the NF4 base is unchanged by it."""
-    import bitsandbytes as bnb
+def _is_4bit_base(quantization: str, module: torch.nn.Module) -> bool:
+    if quantization == "nf4":
+        import bitsandbytes as bnb
+
+        return isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state.quant_type == "nf4"
+    from nvfp4 import NVFP4Linear
+
+    return isinstance(module, NVFP4Linear) and module.format == "mxfp4"
+
+
+@pytest.mark.parametrize("quantization", ["nf4", pytest.param("mxfp4-rtn", marks=needs_mxfp4)])
+def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, quantization):
+    """``qerl train``'s model builder from a model path: NF4 (bitsandbytes, QLoRA) / MXFP4 base, PEFT LoRA the only
+    trainable parameters, one real GRPO step with AQN noise on CPU; the 4-bit base is unchanged by it."""
     from qerl_trl.trainer import QeRLGRPOTrainer
 
-    args = QeRLConfig(output_dir=str(tmp_path / "run"), quantization="nf4", max_steps=1, per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=4, logging_steps=1, save_strategy="no", report_to=[],
-                      learning_rate=1e-2, aqn_num_stages=2, aqn_sigma_start=1e-2, aqn_sigma_end=1e-2,
-                      aqn_schedule="constant", seed=0, disable_tqdm=True)  # fmt: skip
+    args = QeRLConfig(output_dir=str(tmp_path / "run"), quantization=quantization, max_steps=1,
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=4, logging_steps=1,
+                      save_strategy="no", report_to=[], learning_rate=1e-2, aqn_num_stages=2, aqn_sigma_start=1e-2,
+                      aqn_sigma_end=1e-2, aqn_schedule="constant", seed=0, disable_tqdm=True)  # fmt: skip
 
     def reward(completions, completion_ids, **kwargs):
         return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
@@ -139,9 +149,9 @@ def test_nf4_trainer_builds_a_qlora_policy_and_takes_a_grpo_step(tmp_path, tiny_
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
-    assert len(bases) == 14 and all(isinstance(b, bnb.nn.Linear4bit) for b in bases)
-    packed = {n: t.clone() for n, t in model.state_dict().items() if n.endswith("base_layer.weight")}
-    assert packed and all(t.dtype == torch.uint8 for t in packed.values())
+    assert len(bases) == 14 and all(_is_4bit_base(quantization, b) for b in bases)
+    frozen = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    assert any(t.dtype == torch.uint8 for t in frozen.values())
     trainer.train()
     assert trainer.state.global_step == 1
     (log,) = [h for h in trainer.state.log_history if "reward" in h]
@@ -149,7 +159,8 @@ def test_nf4_trainer_builds_a_qlora_policy_and_takes_a_grpo_step(tmp_path, tiny_
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, trainable[n])]
     assert moved, "no LoRA weight moved"
     after = model.state_dict()
-    assert all(torch.equal(after[n], t) for n, t in packed.items()), "NF4 base changed"
+    changed = [n for n, t in frozen.items() if not torch.equal(after[n], t)]
+    assert not changed, f"frozen base changed: {changed[:3]}"
 
 
 def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
@@ -166,3 +177,7 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14
     with pytest.raises(ValueError, match="--quantize must be one of"):
         load_model(str(tiny_dir), quantize="int8")
+    if _mxfp4_available():
+        model, _, info = load_model(str(tiny_dir), quantize="mxfp4-rtn")
+        assert info["quantize"] == "mxfp4-rtn"
+        assert sum(_is_4bit_base("mxfp4-rtn", m) for m in model.modules()) == 14

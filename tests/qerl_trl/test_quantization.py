@@ -148,6 +148,7 @@ def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, 
     model = trainer.model
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in trainable.values())  # fp32 adapters for every format (not TRL's bf16)
     bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
     assert len(bases) == 14 and all(_is_4bit_base(quantization, b) for b in bases)
     frozen = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
@@ -161,6 +162,12 @@ def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, 
     after = model.state_dict()
     changed = [n for n, t in frozen.items() if not torch.equal(after[n], t)]
     assert not changed, f"frozen base changed: {changed[:3]}"
+    # qerl eval of the trained adapter on the same format (loaded and verified tensor by tensor)
+    from qerl_trl.evaluation import load_model
+
+    trainer.save_model(str(tmp_path / "final"))
+    _, _, info = load_model(str(tiny_dir), quantize=quantization, adapter=str(tmp_path / "final"))
+    assert info["adapter"]["lora_layers"] == 14 and not info["adapter"]["all_b_zero"]
 
 
 def test_eval_accepts_the_same_names(tiny_dir, tmp_path):

@@ -215,6 +215,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+        if peft_config is not None and getattr(self.model, "is_loaded_in_4bit", False):
+            # bitsandbytes NF4 (quantization="nf4"): TRL casts a k-bit model's new adapters to bf16 (its QLoRA recipe);
+            # PEFT keeps them in fp32 for every other policy here (NVFP4, MXFP4, bf16), so do the same: the formats
+            # then differ only in the frozen base weights, not in the precision of what trains
+            for param in self.model.parameters():
+                if param.requires_grad and param.dtype != torch.float32:
+                    param.data = param.data.float()
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)

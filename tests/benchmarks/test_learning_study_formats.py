@@ -1,0 +1,67 @@
+"""The formats comparison of the learning study (issue #22): each new arm becomes a ``qerl train`` command and
+``qerl eval`` argument lists that the real parsers accept with the intended format, and ``--formats`` wires the
+preset arms, the output names and the figure (an empty run folder, ``--plot-only``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "learning_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("learning_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("arm", "quantization", "aqn"),
+    [("NVFP4+LoRA+AQN", "nvfp4-rtn", True), ("MXFP4+LoRA+AQN", "mxfp4-rtn", True), ("NF4 (QLoRA)", "nf4", False),
+     ("NF4+LoRA+AQN", "nf4", True)],
+)  # fmt: skip
+def test_arm_to_train_and_eval_arguments(study, tmp_path, arm, quantization, aqn):
+    from qerl_trl.cli import parse_train_args
+    from qerl_trl.evaluation import build_parser
+
+    assert arm in study.GPU_ARMS and arm in study.GPU_COLORS
+    cmd = study._gpu_train_cmd("arithmetic", arm, 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+    assert cmd[1:4] == ["-m", "qerl_trl.cli", "train"]
+    script, config = parse_train_args(cmd[4:])
+    assert (config.quantization, config.aqn, config.seed, config.max_steps) == (quantization, aqn, 1, 150)
+    assert script.model_name_or_path == "offline-default" and config.rollout_engine == "graph"
+    if aqn:
+        assert (config.aqn_schedule, config.aqn_sigma_start, config.aqn_sigma_end) == ("exponential", 1e-2, 5e-4)
+    # everything but the format (and AQN) as the NVFP4 + AQN arm of the same seed
+    ref = study._gpu_train_cmd("arithmetic", "NVFP4+LoRA+AQN", 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+    _, ref_config = parse_train_args(ref[4:])
+    same = ("learning_rate", "per_device_train_batch_size", "num_generations", "lora_r", "max_completion_length",
+            "save_steps", "temperature")  # fmt: skip
+    assert all(getattr(config, k) == getattr(ref_config, k) for k in same)
+    for argv in study._gpu_eval_argvs("arithmetic", study.GPU_ARMS[arm]["quantization"], tmp_path / "e",
+                                      tmp_path / "run" / "final", tiny=False):  # fmt: skip
+        assert build_parser().parse_args(argv).quantize == quantization
+
+
+def test_formats_preset_plot_only_writes_json_table_and_figure(tmp_path):
+    out = tmp_path / "formats.json"
+    cmd = [sys.executable, str(SCRIPT), "--formats", "--plot-only", "--runs", str(tmp_path / "runs"), "--json",
+           str(out), "--png-dir", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["issue"] == 22 and data["benchmark"] == "learning_study_formats"
+    assert list(data["tasks"]) == ["arithmetic"]
+    assert list(data["tasks"]["arithmetic"]["arms"]) == ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]
+    assert {"nf4", "mxfp4-rtn", "rtn"} <= set(data["tasks"]["arithmetic"]["base_eval"])
+    assert "| arithmetic | MXFP4+LoRA+AQN | 0 |" in p.stdout
+    assert (tmp_path / "learning_study_formats_arithmetic.png").is_file()

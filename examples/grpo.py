@@ -28,7 +28,7 @@ if __name__ == "__main__":
                         report_to="none", save_strategy="no")
     script_args, config = parser.parse_args_and_config()
     trainer = QeRLGRPOTrainer(
-        script_args.model_name_or_path,  # a dense checkpoint is quantized to NVFP4 (config.quantization) while loading
+        script_args.model_name_or_path,  # a dense checkpoint is quantized (config.quantization: nvfp4-rtn, mxfp4-rtn, nf4, ...) while loading
         get_reward_funcs(TASK_DEFAULT_REWARDS[script_args.task]),
         config,
         train_dataset=load_task(script_args.task, "train", path=script_args.data_path),

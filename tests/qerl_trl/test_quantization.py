@@ -172,7 +172,7 @@ def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, 
 
 def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
     import bitsandbytes as bnb
-    from qerl_trl.evaluation import build_parser, load_model
+    from qerl_trl.evaluation import build_parser, load_model, main
 
     parser = build_parser()
     assert parser.parse_args(["--quantize", "gptq"]).quantize == "nvfp4-gptq"
@@ -184,6 +184,8 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14
     with pytest.raises(ValueError, match="--quantize must be one of"):
         load_model(str(tiny_dir), quantize="int8")
+    with pytest.raises(SystemExit, match="--engine vllm loads NVFP4 or dense checkpoints, not --quantize nf4"):
+        main(["--model", str(tiny_dir), "--quantize", "nf4", "--engine", "vllm", "--task", "arithmetic"])
     if _mxfp4_available():
         model, _, info = load_model(str(tiny_dir), quantize="mxfp4-rtn")
         assert info["quantize"] == "mxfp4-rtn"

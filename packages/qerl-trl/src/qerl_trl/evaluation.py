@@ -506,6 +506,9 @@ def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run ``qerl eval`` with ``argv`` (default ``sys.argv[1:]``); returns the result dict it wrote."""
     args = build_parser().parse_args(argv)
+    if args.engine == "vllm" and parse_quantization(args.quantize).format not in ("nvfp4", None):
+        raise SystemExit(f"qerl eval: --engine vllm loads NVFP4 or dense checkpoints, not --quantize {args.quantize}; "
+                         "use --engine transformers")
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
     try:

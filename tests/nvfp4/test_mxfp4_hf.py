@@ -208,3 +208,34 @@ def test_from_pretrained_matches_compressed_tensors(tmp_path, dtype):
     assert _differing(_saved(again, tmp_path / "q2"), ref) == []
     x = torch.randint(0, 256, (1, 6))
     assert torch.equal(q(x).logits, again(x).logits)
+
+
+_STOCK_LOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)  # compressed-tensors decompresses
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[2]))).logits
+assert "nvfp4" not in sys.modules
+torch.save(logits, sys.argv[3])
+"""
+
+
+def test_saved_checkpoint_loads_in_stock_transformers(tmp_path):
+    """Our MXFP4 checkpoint in a process without ``import nvfp4`` (transformers + compressed-tensors decompress it):
+    the same logits as our ``NVFP4Linear(format="mxfp4")`` model (bf16)."""
+    import subprocess
+    import sys
+
+    m = AutoModelForCausalLM.from_pretrained(DENSE, quantization_config=MXFP4Config(), dtype=torch.bfloat16)
+    m.save_pretrained(tmp_path / "q")
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = m(ids).logits
+    out = tmp_path / "stock.pt"
+    args = [sys.executable, "-c", _STOCK_LOAD, str(tmp_path / "q"), json.dumps(ids.tolist()), str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = torch.load(out)
+    rel = ((stock.float() - ours.float()).norm() / ours.float().norm()).item()
+    assert rel < 1e-2, f"stock transformers decoded other weights than ours (relative logit error {rel:.2e})"

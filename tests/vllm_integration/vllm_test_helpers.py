@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 NVFP4_CKPT_NAME = "SmolLM2-135M-Instruct-nvfp4-rtn-v2"  # v2: saved with the compressed-tensors config
+MXFP4_CKPT_NAME = "SmolLM2-135M-Instruct-mxfp4-rtn-v1"
 
 
-def nvfp4_offline_checkpoint() -> Path:
+def nvfp4_offline_checkpoint(format: str = "nvfp4") -> Path:
     """The offline default model quantized to NVFP4 (RTN), saved as ``nvfp4`` saves by default (the compressed-tensors
-    ``NVFP4A16`` config), built once per machine."""
+    ``NVFP4A16`` config), built once per machine; ``format="mxfp4"``: MXFP4 (``MXFP4A16``)."""
     from nvfp4.offline import cache_dir, offline_default_model_path
 
-    target = cache_dir() / NVFP4_CKPT_NAME
+    target = cache_dir() / (MXFP4_CKPT_NAME if format == "mxfp4" else NVFP4_CKPT_NAME)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import nvfp4  # noqa: F401  (registers the transformers quantizer)
@@ -33,7 +34,8 @@ def nvfp4_offline_checkpoint() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = offline_default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
+    cfg = NVFP4Config(format=format)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=torch.bfloat16)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / "ckpt"

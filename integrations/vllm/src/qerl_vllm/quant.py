@@ -18,6 +18,11 @@ Our checkpoints hold compressed-tensors ``nvfp4-pack-quantized`` tensors (``weig
   scale, so it is bit-identical to ``NVFP4Linear.dequantize``) into a dense ``weight`` handled by vLLM's
   ``UnquantizedLinearMethod`` — vLLM's CPU GEMM and CPU LoRA run on it unchanged.
 
+MXFP4 (issue #22): compressed-tensors ``mxfp4-pack-quantized`` checkpoints (ours with ``NVFP4Config(format="mxfp4")``,
+or llm-compressor's ``MXFP4A16``: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` uint8 E8M0 ``[out, in/32]``,
+no global scale) take the same two paths: on CUDA stock vLLM's compressed-tensors MXFP4 scheme (W4A16 through Marlin
+below SM100), elsewhere this plugin dequantizes them once with :func:`nvfp4.mxfp4.dequantize` (no per-shard scale).
+
 Registered by :func:`register` (the ``vllm.general_plugins`` entry point ``qerl_nvfp4``), in every vLLM process.
 """
 
@@ -30,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from nvfp4.codec import BLOCK_SIZE, dequantize
+from nvfp4 import mxfp4
+from nvfp4.codec import dequantize
+from nvfp4.formats import FORMATS, Format, get_format
 
 from . import vllm_missing
 
@@ -67,18 +74,28 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def _is_compressed_tensors_nvfp4a16(cfg: dict[str, Any]) -> bool:
-    """Whether ``cfg`` is a compressed-tensors ``nvfp4-pack-quantized`` config with weight-only fp4 group-16 groups."""
-    if cfg.get("quant_method") != "compressed-tensors" or cfg.get("format") != FORMAT:
-        return False
+_CT_FORMATS = {f.ct_format: f for f in FORMATS.values()}
+
+
+def _compressed_tensors_format(cfg: dict[str, Any]) -> Format | None:
+    """The 4-bit :class:`~nvfp4.formats.Format` of ``cfg`` if it is a weight-only compressed-tensors
+    ``nvfp4-pack-quantized`` (fp4, group 16) or ``mxfp4-pack-quantized`` (fp4, group 32) config, else None."""
+    fmt = _CT_FORMATS.get(cfg.get("format")) if cfg.get("quant_method") == "compressed-tensors" else None
+    if fmt is None:
+        return None
     groups = cfg.get("config_groups") or {}
     for group in groups.values():
         w = group.get("weights") or {}
-        if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", BLOCK_SIZE):
-            return False
-        if group.get("input_activations") or group.get("format", FORMAT) != FORMAT:
-            return False
-    return bool(groups)
+        if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", fmt.group_size):
+            return None
+        if group.get("input_activations") or group.get("format", fmt.ct_format) != fmt.ct_format:
+            return None
+    return fmt if groups else None
+
+
+def _is_compressed_tensors_nvfp4a16(cfg: dict[str, Any]) -> bool:
+    """Whether ``cfg`` is a weight-only NVFP4 (or MXFP4) compressed-tensors config this plugin can load."""
+    return _compressed_tensors_format(cfg) is not None
 
 
 def _quantized_modules_in(path: str) -> set[str] | None:
@@ -97,10 +114,16 @@ def _quantized_modules_in(path: str) -> set[str] | None:
 
 @register_quantization_config(QUANT_METHOD)
 class QeRLNVFP4Config(QuantizationConfig):
-    """Weight-only NVFP4 (our ``nvfp4_w4a16`` checkpoints) for vLLM."""
+    """Weight-only NVFP4 or MXFP4 (our ``nvfp4_w4a16`` checkpoints, weight-only compressed-tensors ones) for vLLM."""
 
-    def __init__(self, modules_to_not_convert: list[str] | None = None, raw: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        modules_to_not_convert: list[str] | None = None,
+        raw: dict[str, Any] | None = None,
+        format: str = "nvfp4",
+    ) -> None:
         super().__init__()
+        self.weight_format = get_format(format)
         self.modules_to_not_convert = list(
             modules_to_not_convert if modules_to_not_convert is not None else ["lm_head"]
         )
@@ -127,8 +150,8 @@ class QeRLNVFP4Config(QuantizationConfig):
     def override_quantization_method(
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
     ) -> str | None:
-        """Claim a weight-only NVFP4 compressed-tensors checkpoint (``nvfp4-pack-quantized``, fp4 group 16, no
-        activation quantization) where vLLM's own scheme has no kernel (not CUDA, or ``QERL_VLLM_NVFP4_BACKEND=
+        """Claim a weight-only NVFP4 / MXFP4 compressed-tensors checkpoint (``nvfp4-pack-quantized`` fp4 group 16,
+        ``mxfp4-pack-quantized`` fp4 group 32; no activation quantization) where vLLM's own scheme has no kernel (not CUDA, or ``QERL_VLLM_NVFP4_BACKEND=
         dequant``), unless the user asked for another method; on CUDA stock vLLM's compressed-tensors path runs."""
         if user_quant not in (None, QUANT_METHOD) or not _is_compressed_tensors_nvfp4a16(hf_quant_cfg):
             return None
@@ -139,18 +162,19 @@ class QeRLNVFP4Config(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QeRLNVFP4Config:
         if config.get("quant_method") == "compressed-tensors":  # nvfp4's default serialization, or llm-compressor's
-            if not _is_compressed_tensors_nvfp4a16(config):
-                raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4 compressed-tensors config: {config!r}")
+            fmt = _compressed_tensors_format(config)
+            if fmt is None:
+                raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
             ignore = [p[3:] if p.startswith("re:") else p for p in config.get("ignore", [])]
-            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config)
-        fmt = config.get("format", FORMAT)
-        if fmt != FORMAT:
-            raise ValueError(f"{QUANT_METHOD}: only format {FORMAT!r} is supported, got {fmt!r}")
-        block = config.get("weight_block_size", BLOCK_SIZE)
-        if block != BLOCK_SIZE:
-            raise ValueError(f"{QUANT_METHOD}: weight_block_size must be {BLOCK_SIZE}, got {block}")
-        return cls(config.get("modules_to_not_convert"), raw=config)
+            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt.name)
+        fmt = _CT_FORMATS.get(config.get("format", FORMAT))
+        if fmt is None:
+            raise ValueError(f"{QUANT_METHOD}: format must be one of {sorted(_CT_FORMATS)}, got {config.get('format')!r}")
+        block = config.get("weight_block_size", fmt.group_size)
+        if block != fmt.group_size:
+            raise ValueError(f"{QUANT_METHOD}: weight_block_size must be {fmt.group_size} for {fmt.ct_format}, got {block}")
+        return cls(config.get("modules_to_not_convert"), raw=config, format=fmt.name)
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         try:
@@ -178,7 +202,7 @@ class QeRLNVFP4Config(QuantizationConfig):
                 )
             return all(q)
         in_features = getattr(layer, "input_size", None)
-        if in_features is not None and in_features % BLOCK_SIZE:
+        if in_features is not None and in_features % self.weight_format.group_size:
             return False
         return not any(_matches(n, self.modules_to_not_convert) for n in names)
 
@@ -191,16 +215,17 @@ class QeRLNVFP4Config(QuantizationConfig):
         return want
 
     def native_config(self) -> QuantizationConfig:
-        """The equivalent compressed-tensors NVFP4A16 config (vLLM's native kernels), built once."""
+        """The equivalent compressed-tensors NVFP4A16 / MXFP4A16 config (vLLM's native kernels), built once."""
         if self._native is None:
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
                 CompressedTensorsConfig,
             )
 
+            fmt = self.weight_format
             self._native = CompressedTensorsConfig.from_config(
                 {
                     "quant_method": "compressed-tensors",
-                    "format": FORMAT,
+                    "format": fmt.ct_format,
                     "ignore": [],  # we decide per layer which layers are quantized (see get_quant_method)
                     "config_groups": {
                         "group_0": {
@@ -208,8 +233,8 @@ class QeRLNVFP4Config(QuantizationConfig):
                             "weights": {
                                 "num_bits": 4,
                                 "type": "float",
-                                "strategy": "tensor_group",
-                                "group_size": BLOCK_SIZE,
+                                "strategy": "tensor_group" if fmt.has_global_scale else "group",
+                                "group_size": fmt.group_size,
                                 "symmetric": True,
                                 "dynamic": False,
                             },
@@ -229,15 +254,17 @@ class QeRLNVFP4Config(QuantizationConfig):
             return UnquantizedLinearMethod()
         if self._backend() == "native":
             return self.native_config().get_quant_method(layer, prefix)
-        return NVFP4DequantLinearMethod()
+        return NVFP4DequantLinearMethod(self.weight_format.name)
 
 
 @register_weight_loader_v2_supported_method
 class NVFP4DequantLinearMethod(LinearMethodBase):
-    """Loads the packed NVFP4 tensors, dequantizes them once after loading, then runs as an unquantized linear."""
+    """Loads the packed NVFP4 (or MXFP4) tensors, dequantizes them once after loading, then runs as an unquantized
+    linear."""
 
-    def __init__(self) -> None:
+    def __init__(self, format: str = "nvfp4") -> None:
         self.dense = UnquantizedLinearMethod()
+        self.weight_format = get_format(format)
 
     def create_weights(
         self,
@@ -249,9 +276,10 @@ class NVFP4DequantLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        if input_size_per_partition % BLOCK_SIZE:
+        group = self.weight_format.group_size
+        if input_size_per_partition % group:
             raise ValueError(
-                f"{QUANT_METHOD}: input size per partition {input_size_per_partition} is not a multiple of {BLOCK_SIZE}"
+                f"{QUANT_METHOD}: input size per partition {input_size_per_partition} is not a multiple of {group}"
             )
         weight_loader = extra_weight_attrs.get("weight_loader")
         out = sum(output_partition_sizes)
@@ -264,22 +292,30 @@ class NVFP4DequantLinearMethod(LinearMethodBase):
             weight_loader=weight_loader,
         )
         scale = GroupQuantScaleParameter(
-            data=torch.empty(out, input_size_per_partition // BLOCK_SIZE, dtype=torch.float8_e4m3fn),
+            data=torch.empty(out, input_size_per_partition // group, dtype=self.weight_format.scale_dtype),
             input_dim=1,
             output_dim=0,
             weight_loader=weight_loader,
         )
-        global_scale = PerTensorScaleParameter(
-            data=torch.empty(len(output_partition_sizes), dtype=torch.float32),
-            weight_loader=weight_loader,
-        )
         layer.register_parameter("weight_packed", packed)
         layer.register_parameter("weight_scale", scale)
-        layer.register_parameter("weight_global_scale", global_scale)
+        if self.weight_format.has_global_scale:
+            global_scale = PerTensorScaleParameter(
+                data=torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                weight_loader=weight_loader,
+            )
+            layer.register_parameter("weight_global_scale", global_scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         packed = layer.weight_packed.data
         scale = layer.weight_scale.data
+        if not self.weight_format.has_global_scale:  # MXFP4: no per-shard scale, one dequantization
+            dense = mxfp4.dequantize(packed, scale, layer.nvfp4_dtype)
+            for n in ("weight_packed", "weight_scale"):
+                delattr(layer, n)
+            layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+            self.dense.process_weights_after_loading(layer)
+            return
         gs = layer.weight_global_scale.data.reshape(-1)
         parts, row = [], 0
         for i, width in enumerate(layer.logical_widths):  # each fused member with its own global scale

@@ -150,7 +150,7 @@ class NVFP4Linear(nn.Linear):
         see the class docstring). Idempotent; returns :attr:`mma_layout`."""
         packed = self.weight_packed
         if packed.is_meta:
-            return False
+            return self.mma_layout
         if self.format == MXFP4.name and not self.uses_nvfp4_ops and not self._mxfp4_reference:
             self._transcode_mxfp4()
         if not self.uses_nvfp4_ops or self.mma_layout:

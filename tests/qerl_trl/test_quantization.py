@@ -66,15 +66,24 @@ def test_old_recipe_with_a_bare_method_still_parses(tmp_path):
     assert config.quantization == "nvfp4-mse"
 
 
-def test_bnb_missing_names_the_extra(monkeypatch):
+def test_bnb_missing_names_the_extra(monkeypatch, tiny_dir, tmp_path, capsys):
+    """Without bitsandbytes, ``quantization="nf4"`` names the extra; ``qerl train`` says it in one line, exit 2."""
     import sys
 
     from nvfp4 import MissingExtraError
+    from qerl_trl.cli import DEBUG_ENV, main
     from qerl_trl.quantization import bnb_nf4_config
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'qerl-trl\[nf4\]'"):
         bnb_nf4_config(torch.float32)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_name_or_path", str(tiny_dir), "--quantization", "nf4", "--output_dir",
+              str(tmp_path / "run"), "--report_to", "none"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "qerl train: error: quantization='nf4' needs bitsandbytes: pip install 'qerl-trl[nf4]'", err
 
 
 def _aqn_noise_applied_and_restored(model: torch.nn.Module) -> None:

@@ -238,6 +238,48 @@ def test_cuda_graphs_default_compile_is_greedy_gpu():
         release_graph_state(model)
 
 
+@pytest.mark.gpu
+def test_cuda_graphs_follow_aqn_fp32_norms_gpu():
+    """The H100 form of the test below, with the default CUDA compile (inductor, CUDA graphs): a bf16 NVFP4 + LoRA
+    model, AQN's fp32 norm storage switched on and off between rollouts. Every generated token of every rollout is
+    the argmax of an uncompiled forward of the model as it is at that moment (noise on or off; within bf16 noise), so
+    no rollout replays a step recorded for the other configuration (before the fix the noisy rollouts replayed the
+    bf16-norm graph: garbage tokens from AQN's first noisy stage)."""
+    from aqn import NormNoise
+    from nvfp4 import quantize_model
+    from nvfp4.peft import get_peft_model as nvfp4_peft
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=16, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
+    cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
+    model = nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora).eval()
+    ids, mask = _prompts(batch=3, length=9)
+    ids, mask = ids.cuda(), mask.cuda()
+    n = 12
+
+    def check(out: torch.Tensor) -> None:
+        full = torch.cat([mask, torch.ones_like(out[:, 9:])], 1)
+        pos = (full.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, 8:-1].float()
+        gap = logits.amax(-1) - logits.gather(-1, out[:, 9:, None]).squeeze(-1)
+        assert torch.isfinite(logits).all() and (gap <= 0.05 * logits.std(-1)).all(), gap.max().item()
+
+    torch._dynamo.reset()
+    clean = graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True)
+    check(clean)
+    noise = NormNoise(model, norm_dtype=torch.float32)
+    for step in (1, 2, 3):
+        with noise.apply(0.3, seed=0, step=step):
+            noisy = graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True)
+            check(noisy)
+            assert not torch.equal(noisy, clean)
+        assert torch.equal(graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True), clean)
+    release_graph_state(model)
+
+
 def test_compiled_step_follows_aqn_fp32_norms():
     """AQN on a bf16 model holds the norm weights in fp32 and hooks the norms for a rollout, which dynamo does not
     guard: the step compiled before the noise must not be replayed on the fp32 storage (it was: garbage rollouts on

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -161,6 +162,26 @@ def _model_config(model: nn.Module) -> tuple:
     dtypes = tuple(p.dtype for p in model.parameters())
     hooked = tuple(i for i, m in enumerate(model.modules()) if m._forward_pre_hooks or m._forward_hooks)
     return dtypes, hooked
+
+
+def _reconfigured(config: tuple) -> bool:
+    """Whether some modules carry forward hooks (:func:`_model_config`): what AQN with ``norm_dtype`` adds for a noisy
+    rollout (upcasting hooks around fp32 norm weights on a bf16 model). A plain model, PEFT included, has none."""
+    return bool(config[1])
+
+
+_WARNED_EAGER = False
+
+
+def _warn_eager_once() -> None:
+    global _WARNED_EAGER
+    if not _WARNED_EAGER:
+        _WARNED_EAGER = True
+        warnings.warn(
+            "graph_generate: the model carries forward hooks (AQN's fp32 norm storage); decoding these rollouts "
+            "eagerly: the compiled step gave garbage tokens on the H100 in this configuration (docs/aqn.md)",
+            stacklevel=3,
+        )
 
 
 def _compiled_step(options: Mapping[str, Any], config: tuple = ()) -> Callable[..., None]:
@@ -349,9 +370,11 @@ def graph_generate(
 
         # ---- decode: replay the step, no host sync except the periodic "all finished?" check
         step = _decode_step
-        if compile:
-            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
-                                  _model_config(model))  # fmt: skip
+        config = _model_config(model)
+        if compile and _reconfigured(config):
+            _warn_eager_once()
+        elif compile:
+            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options, config)
         check = bool(eos) and min_new_tokens < max_new_tokens
         for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
             if t == min_new_tokens:

@@ -104,11 +104,12 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
 
 def train(script_args: ScriptArguments, config: Any) -> Any:
     """Build dataset, rewards and trainer from parsed arguments, train, save the adapter; returns the trainer."""
+    import torch
     from transformers.trainer_utils import get_last_checkpoint
 
     from .dapo import QeRLDAPOTrainer
     from .rewards import get_reward_funcs
-    from .run import RunDirectoryCallback
+    from .run import MallocTrimCallback, RunDirectoryCallback
     from .tasks import TASK_DEFAULT_REWARDS, load_task
     from .trainer import QeRLGRPOTrainer
 
@@ -122,6 +123,8 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     )
     rewards = get_reward_funcs(script_args.rewards or TASK_DEFAULT_REWARDS[script_args.task])
     callbacks: list = [RunDirectoryCallback(title=f"{script_args.model_name_or_path} · {script_args.task}")]
+    if not torch.cuda.is_available():  # CPU training: freed activations in small blocks go back to the OS
+        callbacks.append(MallocTrimCallback())
     if not config.disable_tqdm and sys.stdout.isatty():
         from trl.trainer.callbacks import RichProgressCallback
 

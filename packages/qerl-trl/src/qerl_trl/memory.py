@@ -14,7 +14,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["M_MMAP_THRESHOLD", "pin_malloc_mmap_threshold"]
+__all__ = ["M_MMAP_THRESHOLD", "pin_malloc_mmap_threshold", "trim_malloc"]
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 
@@ -39,3 +39,27 @@ def pin_malloc_mmap_threshold(threshold_bytes: int = 64 * 1024) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)) == 1
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_malloc() -> bool:
+    """Give the free pages inside glibc's heap arenas back to the OS (``malloc_trim(0)``); returns whether any were.
+
+    Below the pinned mmap threshold (small tensors, Python's and the tokenizer's own allocations) freed memory stays in
+    the arenas, fragmented; over a training run that kept ~7 MB per step resident on the offline default job. A no-op
+    returning ``False`` off Linux/glibc.
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1

@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .memory import trim_malloc
+
 __all__ = ["RunDirectoryCallback", "plot_metrics", "read_metrics"]
 
 METRICS_NAME = "metrics.jsonl"
@@ -75,6 +77,17 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str | No
     plt.close(fig)
     os.replace(tmp, out_path)
     return out_path
+
+
+class MallocTrimCallback(TrainerCallback):
+    """:func:`qerl_trl.memory.trim_malloc` when training starts (the model loaded and quantized) and after every
+    optimizer step, so that host memory freed in small blocks leaves the process. ``qerl train`` adds it."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trim_malloc()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trim_malloc()
 
 
 class RunDirectoryCallback(TrainerCallback):

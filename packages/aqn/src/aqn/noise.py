@@ -188,7 +188,12 @@ def measure_rounding_survival(
 
 
 class _Upcast:
-    """Temporarily keep norm weights in a wider dtype; the norm computes in it and casts its output back."""
+    """Temporarily keep norm weights in a wider dtype; the norm computes in it and casts its output back.
+
+    ``compiled_decode_unsafe``: read by ``qerl_trl.graph_generate``, which decodes eagerly while these hooks are on
+    (a decode step compiled with them gave garbage tokens on the H100; docs/aqn.md)."""
+
+    compiled_decode_unsafe = True
 
     def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
         self.dtype = dtype

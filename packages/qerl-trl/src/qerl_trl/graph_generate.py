@@ -164,10 +164,14 @@ def _model_config(model: nn.Module) -> tuple:
     return dtypes, hooked
 
 
-def _reconfigured(config: tuple) -> bool:
-    """Whether some modules carry forward hooks (:func:`_model_config`): what AQN with ``norm_dtype`` adds for a noisy
-    rollout (upcasting hooks around fp32 norm weights on a bf16 model). A plain model, PEFT included, has none."""
-    return bool(config[1])
+def _compiled_decode_unsafe(model: nn.Module) -> bool:
+    """Whether some module carries a forward hook marked ``compiled_decode_unsafe`` (AQN's upcasting hooks around its
+    fp32 norm storage, on for a noisy rollout): a decode step compiled with them gave garbage tokens on the H100."""
+    for m in model.modules():
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            if getattr(getattr(hook, "__self__", None), "compiled_decode_unsafe", False):
+                return True
+    return False
 
 
 _WARNED_EAGER = False
@@ -178,8 +182,8 @@ def _warn_eager_once() -> None:
     if not _WARNED_EAGER:
         _WARNED_EAGER = True
         warnings.warn(
-            "graph_generate: the model carries forward hooks (AQN's fp32 norm storage); decoding these rollouts "
-            "eagerly: the compiled step gave garbage tokens on the H100 in this configuration (docs/aqn.md)",
+            "graph_generate: AQN's fp32 norm hooks are on; decoding these rollouts eagerly: the compiled step gave "
+            "garbage tokens on the H100 in this configuration (docs/aqn.md)",
             stacklevel=3,
         )
 
@@ -370,11 +374,11 @@ def graph_generate(
 
         # ---- decode: replay the step, no host sync except the periodic "all finished?" check
         step = _decode_step
-        config = _model_config(model)
-        if compile and _reconfigured(config):
+        if compile and _compiled_decode_unsafe(model):
             _warn_eager_once()
         elif compile:
-            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options, config)
+            step = _compiled_step(DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
+                                  _model_config(model))  # fmt: skip
         check = bool(eos) and min_new_tokens < max_new_tokens
         for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
             if t == min_new_tokens:

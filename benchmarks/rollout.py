@@ -35,6 +35,16 @@ it) replayed by a Python loop that never syncs with the GPU, so the host work of
 ``qerl_trl.decode_attention`` (graph_generate's default; every arm alike). Rows carry their ``engine``; ``--merge``
 puts both engines in one table.
 
+``--eos-mean-tokens M`` (graph engine) measures completions of varying length instead, as RL rollouts have them:
+the arms sample at T = 1 with a set of ``round(V / M)`` EOS ids (drawn once, seeded); a random-weight model's
+next-token distribution is close to uniform, so past ``--min-new-tokens`` a row ends at each step with probability
+about 1/M (lengths about geometric, a long tail up to ``--new-tokens``). Per batch, after two warm-up rollouts, each
+of ``--repeats`` rounds times three variants with the same seed: ``fixed`` (EOS suppressed: every row runs to the
+cap), ``eos`` (rows stop at EOS, the batch decodes until the last row is done: ``compact=False``) and
+``eos+compact`` (finished rows compacted away, ``graph_generate``'s default). ``tok/s`` there counts real tokens
+(up to and including each row's EOS, no padding) over the wall time of the call (prefill included); the median over
+rounds is reported, and every round is kept.
+
 Each (model, arm) runs in a fresh subprocess (no compile-cache or allocator interference; OOM = "does not fit"),
 results are appended to ``--out`` after every arm, so a run cut short keeps what it measured.
 
@@ -44,6 +54,8 @@ Usage::
     uv run python benchmarks/rollout.py --tiny --no-compile --engine graph   # same, graph_generate engine
     python3 benchmarks/rollout.py --models 7b,14b,32b --arms bf16,qlora,nvfp4 --batch 1,8 \\
         --prompt-len 256 --new-tokens 1024 --out $OUT/rollout.json    # H100
+    python3 benchmarks/rollout.py --models 7b --arms nvfp4,bf16 --batch 64,128 --engine graph --prompt-len 256 \
+        --new-tokens 512 --min-new-tokens 64 --eos-mean-tokens 128 --repeats 2   # H100, lengths spread
     python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
 """
 
@@ -122,6 +134,8 @@ ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
 ENGINES = ("generate", "graph")  # model.generate | qerl_trl.graph_generate.graph_generate
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s
+SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
+SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
 ARM_LABEL = {
     "bf16": "bf16 + LoRA",
     "qlora": "QLoRA (bnb NF4 + LoRA)",
@@ -518,6 +532,26 @@ def run_worker(args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(1, vocab, (b, args.prompt_len), device=device, generator=None)
         n_logs = len(catcher.records)
+        if args.eos_mean_tokens:
+            try:
+                c0 = _dynamo_counters()
+                prefill_all = [generate(ids, 1)[0] for _ in range(PREFILL_SAMPLES)]
+                row["prefill_s"], row["prefill_s_all"] = round(min(prefill_all), 4), [round(t, 4) for t in prefill_all]
+                row.update(measure_spread(args, model, ids, device, graph_opts))
+                row["dynamo_timed"] = _diff(c0, _dynamo_counters())  # compiles of the warm-ups included
+            except torch.OutOfMemoryError as e:
+                row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
+                status = "partial: OOM"
+                del ids
+                break
+            row["torch_log"] = catcher.records[n_logs:][:20]
+            if cuda:
+                row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
+            del ids
+            if getattr(args, "_result", None):
+                with open(args._result, "w") as f:
+                    json.dump({**res, "status": "partial: killed after this batch"}, f)
+            continue
         try:
             c0 = _dynamo_counters()
             row["warmup1_s"], _ = generate(ids, args.warmup_tokens)  # compile + CUDA-graph recording
@@ -583,6 +617,123 @@ def run_worker(args) -> dict:
     return res
 
 
+def spread_eos_ids(vocab: int, mean_tokens: float, seed: int = 0) -> list[int]:
+    """``round(vocab / mean_tokens)`` distinct token ids (never :data:`SPREAD_PAD`), drawn once from ``seed``."""
+    import torch
+
+    k = max(1, round(vocab / mean_tokens))
+    perm = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed))[:k] + 1
+    return sorted(perm.tolist())
+
+
+def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:
+    """Per row of ``gen`` ``[B, T]``: tokens up to and including the first EOS (``T`` without one); and whether every
+    row holds only :data:`SPREAD_PAD` after its EOS."""
+    import torch
+
+    is_eos = torch.isin(gen, torch.tensor(eos, device=gen.device))
+    has = is_eos.any(1)
+    ends = torch.where(has, is_eos.int().argmax(1) + 1, torch.full_like(has, gen.shape[1], dtype=torch.long))
+    after = torch.arange(gen.shape[1], device=gen.device)[None, :] >= ends[:, None]
+    return ends.tolist(), bool((gen[after] == SPREAD_PAD).all())
+
+
+def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
+    """``--eos-mean-tokens``: two warm-up rollouts (compile and record every batch size compaction reaches), then
+    ``args.repeats`` rounds of the :data:`SPREAD_VARIANTS`, each round one seed for all three. Returns the row's
+    ``spread`` results (per variant: median ``tok_s`` of real tokens, every round's time, tokens, steps, mean and
+    max completion length, well-formedness) and the warm-ups' times."""
+    import statistics
+
+    import torch
+    from qerl_trl.graph_generate import graph_generate
+
+    vocab = MODELS[args.model]["vocab_size"]
+    eos = spread_eos_ids(vocab, args.eos_mean_tokens)
+    compact_kw = {} if args.compact_min_batch is None else {"compact_min_batch": args.compact_min_batch}
+    n, p = args.new_tokens, args.prompt_len
+
+    def run(variant: str, seed: int) -> dict:
+        g = torch.Generator(device=device).manual_seed(seed)
+        _sync()
+        t0 = time.perf_counter()
+        out = graph_generate(
+            model,
+            ids,
+            torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n if variant == "fixed" else args.min_new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            eos_token_id=eos,
+            pad_token_id=SPREAD_PAD,
+            max_cache_len=p + n,
+            compile=not args.no_compile,
+            compile_options=graph_opts,
+            compact=variant == "eos+compact",
+            generator=g,
+            **compact_kw,
+        )
+        _sync()
+        dt = time.perf_counter() - t0
+        lengths, ok = completion_lengths(out[:, p:], eos)
+        return {"s": dt, "tokens": sum(lengths), "steps": out.shape[1] - p, "lengths": lengths, "ok": ok}
+
+    warm = [round(run("eos+compact", 1000 + i)["s"], 3) for i in range(2)]
+    rounds = {v: [] for v in SPREAD_VARIANTS}
+    for r in range(args.repeats):
+        for v in SPREAD_VARIANTS:
+            rounds[v].append(run(v, r))
+    spread = {}
+    for v, rs in rounds.items():
+        tok_s = [x["tokens"] / x["s"] for x in rs]
+        lengths = [n_ for x in rs for n_ in x["lengths"]]
+        spread[v] = {
+            "tok_s": round(statistics.median(tok_s), 2),
+            "tok_s_all": [round(t, 2) for t in tok_s],
+            "gen_s_all": [round(x["s"], 4) for x in rs],
+            "tokens_all": [x["tokens"] for x in rs],
+            "steps_all": [x["steps"] for x in rs],
+            "mean_len": round(sum(lengths) / len(lengths), 1),
+            "max_len": max(lengths),
+            "well_formed": all(x["ok"] for x in rs),
+        }
+    return {"warmup_s": warm, "n_eos_ids": len(eos), "spread": spread}
+
+
+def spread_table(results: list[dict]) -> str:
+    """The ``--eos-mean-tokens`` rows: tok/s per variant, completion lengths, and NVFP4 / other-arm ratios."""
+    rows = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
+    if not rows:
+        return ""
+    lines = [
+        "| model | arm | B | fixed tok/s | EOS tok/s | EOS + compaction tok/s | compaction gain | mean / max len "
+        "| steps (EOS) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r, row in rows:
+        sp = row["spread"]
+        gain = sp["eos+compact"]["tok_s"] / sp["eos"]["tok_s"] if sp["eos"]["tok_s"] else None
+        lines.append(
+            f"| {r['model']} | {r['label']} | {row['batch']} | {_fmt(sp['fixed']['tok_s'])} | {_fmt(sp['eos']['tok_s'])} "
+            f"| {_fmt(sp['eos+compact']['tok_s'])} | {_fmt(gain, 2)}× | {sp['eos']['mean_len']} / {sp['eos']['max_len']} "
+            f"| {sp['eos']['steps_all']} |"
+        )
+    by = {(r["model"], r["arm"], row["batch"]): row["spread"] for r, row in rows}
+    rat = []
+    for (m, a, b), sp in sorted(by.items()):
+        if a != "nvfp4":
+            continue
+        for other in ("bf16", "qlora"):
+            o = by.get((m, other, b))
+            if o:
+                cells = " | ".join(f"{sp[v]['tok_s'] / o[v]['tok_s']:.2f}×" for v in SPREAD_VARIANTS)
+                rat.append(f"| {m} | {b} | NVFP4+LoRA / {ARM_LABEL[other]} | {cells} |")
+    if rat:
+        lines += ["", "| model | B | ratio | fixed | EOS | EOS + compaction |", "|---|---:|---|---:|---:|---:|", *rat]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------- driver
 def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
     cmd = [
@@ -617,7 +768,13 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
         args.compile_mode,
         "--engine",
         args.engine,
+        "--eos-mean-tokens",
+        str(args.eos_mean_tokens),
+        "--min-new-tokens",
+        str(args.min_new_tokens),
     ]
+    if args.compact_min_batch is not None:
+        cmd += ["--compact-min-batch", str(args.compact_min_batch)]
     for flag in ("no_compile", "cpu", "fullgraph", "no_double_quant"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -800,6 +957,16 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of each warm-up generate (compile)")
+    ap.add_argument(
+        "--eos-mean-tokens",
+        type=float,
+        default=0.0,
+        help="graph engine: completions of varying length (EOS ids for a mean of this many tokens past "
+        "--min-new-tokens; sampled); 0: fixed lengths, greedy",
+    )
+    ap.add_argument("--min-new-tokens", type=int, default=0, help="with --eos-mean-tokens: EOS suppressed before this")
+    ap.add_argument("--compact-min-batch", type=int, default=None,
+                    help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="timed generates per batch (min is reported)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -847,6 +1014,7 @@ def main(argv=None) -> None:
         meta, results = _merge(args.merge)
         _write(args.out, meta, results)
         print(table(results))
+        print(spread_table(results))
         return
 
     import torch
@@ -854,6 +1022,10 @@ def main(argv=None) -> None:
     models = ["tiny"] if args.tiny else _csv(args.models)
     arms = _csv(args.arms)
     _check_names(ap, models, arms, ARMS)
+    if args.eos_mean_tokens and args.engine != "graph":
+        ap.error("--eos-mean-tokens needs --engine graph (compaction is graph_generate's)")
+    if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.new_tokens:
+        ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
     meta = {
         "benchmark": (
             "rollout tokens/s, transformers generate, static cache" + ("" if args.no_compile else " + compiled decode")
@@ -913,6 +1085,9 @@ def main(argv=None) -> None:
             _write(args.out, meta, results)
     print()
     print(table(results))
+    if args.eos_mean_tokens:
+        print()
+        print(spread_table(results))
     print(f"\nwrote {args.out}")
 
 

@@ -47,3 +47,31 @@ def test_rollout_tiny_graph_engine(tmp_path):
         assert row["length_ok"] and row["new_tokens_generated"] == 6
         assert row["tok_s"] > 0 and row["prefill_s"] > 0
         assert len(row["prefill_s_all"]) == 3 and row["prefill_s"] == pytest.approx(min(row["prefill_s_all"]), abs=1e-3)
+
+
+def test_rollout_tiny_length_spread(tmp_path):
+    """``--eos-mean-tokens``: the three variants per batch, real-token counts, and the compaction table."""
+    out = tmp_path / "spread.json"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--no-compile", "--engine", "graph", "--arms", "bf16", "--batch", "4",
+           "--prompt-len", "8", "--new-tokens", "24", "--min-new-tokens", "2", "--eos-mean-tokens", "6",
+           "--compact-min-batch", "1", "--repeats", "2", "--in-process", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "| EOS + compaction tok/s |" in p.stdout and "| tiny | bf16 + LoRA | 4 |" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["settings"]["eos_mean_tokens"] == 6
+    ((row,),) = [r["batches"] for r in data["results"]]
+    assert row["n_eos_ids"] == round(1024 / 6) and len(row["warmup_s"]) == 2
+    sp = row["spread"]
+    assert set(sp) == {"fixed", "eos", "eos+compact"}
+    assert sp["fixed"]["tokens_all"] == [4 * 24] * 2 and sp["fixed"]["steps_all"] == [24] * 2
+    for v in ("eos", "eos+compact"):
+        assert sp[v]["well_formed"] and len(sp[v]["tok_s_all"]) == 2 and sp[v]["tok_s"] > 0
+        assert 2 < sp[v]["mean_len"] < 24 and all(s <= 24 for s in sp[v]["steps_all"])
+
+
+def test_rollout_spread_needs_graph_engine():
+    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--eos-mean-tokens", "6"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "--engine graph" in p.stderr

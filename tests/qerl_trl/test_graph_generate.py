@@ -74,6 +74,104 @@ def test_greedy_eos_pad_and_early_stop_match_generate(min_new):
         assert out[0, 7 + 3] == eos[0] and (out[0, 7 + 4 :] == PAD).all()
 
 
+def _batch_sizes(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    """Rows of every forward of ``model`` from now on (a pre-hook on its embedding: the public hook, nothing patched;
+    eager only), and the hook's handle."""
+    sizes: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda mod, args: sizes.append(args[0].shape[0]))
+    return sizes, hook
+
+
+def _staggered_eos(model, ids, mask, n: int) -> list[int]:
+    """EOS ids taken from the free-running greedy tokens, so that rows finish one after another."""
+    free = _hf_greedy(model, ids, mask, n)
+    p = ids.shape[1]
+    return sorted({int(free[i, p + 2 + 3 * i]) for i in range(0, ids.shape[0], 2)})
+
+
+@pytest.mark.parametrize("min_batch", [1, 3])
+def test_compaction_greedy_matches_generate(min_batch):
+    """Finished rows compacted away (here at every 2nd step, down to ``min_batch`` rows): the same tokens as
+    transformers' ``generate`` on a left-padded batch, EOS and pad included, and the decode batch shrinks."""
+    model = _model("qwen2")
+    ids, mask = _prompts(batch=8, length=11)
+    eos = _staggered_eos(model, ids, mask, 24)
+    ref = _hf_greedy(model, ids, mask, 24, eos_token_id=eos, min_new_tokens=0)
+    sizes, _ = _batch_sizes(model)
+    out = graph_generate(model, ids, mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+                         check_every=2, compact_min_batch=min_batch)  # fmt: skip
+    assert out.shape == ref.shape and torch.equal(out, ref)
+    decode = sizes[1:]  # after the prefill
+    assert decode[0] == 8 and decode == sorted(decode, reverse=True) and min(decode) < 8, decode
+    assert min(decode) >= min_batch and set(decode) <= {8, 4, 2, 1}
+    sizes.clear()
+    plain = graph_generate(model, ids, mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+                           check_every=2, compact=False)  # fmt: skip
+    assert torch.equal(plain, ref) and set(sizes) == {8}
+
+
+def test_compaction_compiled_one_graph_per_batch():
+    """Compiled (dynamo + AOT autograd): each batch size that compaction reaches compiles once; a second rollout
+    replays them (no new graph) and returns the eager loop's tokens."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    ids, mask = _prompts(batch=8, length=11)
+    eos = _staggered_eos(model, ids, mask, 24)
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
+              compact_min_batch=2, max_cache_len=40)  # fmt: skip
+    sizes, hook = _batch_sizes(model)
+    ref = graph_generate(model, ids, mask, compile=False, **kw)
+    hook.remove()
+    reached = set(sizes[1:])
+    opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    got = graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw)
+    assert torch.equal(got, ref)
+    assert len(reached) >= 2 and counters["stats"]["unique_graphs"] == len(reached), (reached, counters["stats"])
+    assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), ref)
+    assert counters["stats"]["unique_graphs"] == len(reached) and not counters["graph_break"]
+    release_graph_state(model)
+
+
+def test_compaction_sampling():
+    """Sampling with compaction: a temperature near 0 gives the greedy tokens (1e-6: at 1e-4 a near-tie of this tiny
+    model flips one token, with or without compaction); at T = 1 every row is a well-formed
+    completion (pad after its EOS, the call stops when the last row has finished)."""
+    model = _model()
+    ids, mask = _prompts(batch=8, length=11)
+    eos = _staggered_eos(model, ids, mask, 24)
+    kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, check_every=2, compact_min_batch=1)
+    greedy = graph_generate(model, ids, mask, do_sample=False, **kw)
+    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(cold, greedy)
+    _eos_likely(model)
+    sizes, _ = _batch_sizes(model)
+    out = graph_generate(model, ids, mask, max_new_tokens=40, eos_token_id=[EOS, 3], pad_token_id=PAD,
+                         generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1)  # fmt: skip
+    assert min(sizes[1:]) < 8
+    gen = out[:, 11:]
+    ends = []
+    for row in gen:
+        hit = ((row == EOS) | (row == 3)).nonzero()
+        ends.append(int(hit[0]) + 1 if len(hit) else gen.shape[1])
+        assert (row[ends[-1] :] == PAD).all(), row
+    assert gen.shape[1] == max(ends) and torch.equal(out[:, :11], ids)
+
+
+def test_compact_size():
+    from qerl_trl.graph_generate import _compact_size
+
+    assert _compact_size(40, 128, 32) == 64
+    assert _compact_size(20, 128, 32) == 32
+    assert _compact_size(64, 128, 32) == 64
+    assert _compact_size(65, 128, 32) == 128
+    assert _compact_size(1, 100, 1) == 1  # 100 -> 50 -> 25 -> 13 -> 7 -> 4 -> 2 -> 1
+    assert _compact_size(5, 100, 1) == 7
+    assert _compact_size(3, 24, 32) == 24
+
+
 def _eos_likely(model, boost: float = 4.0):
     """Add ``boost`` to the EOS logit (a hook on lm_head): most rows finish within a few dozen sampled tokens."""
     bias = torch.zeros(model.config.vocab_size)
@@ -175,6 +273,7 @@ def test_peft_model():
         ({"max_new_tokens": 4, "input_ids": torch.ones(2, 5)}, TypeError, "integer"),
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
         ({"max_new_tokens": 4, "check_every": 0}, ValueError, "check_every"),
+        ({"max_new_tokens": 4, "compact_min_batch": 0}, ValueError, "compact_min_batch"),
         ({"max_new_tokens": 4, "max_cache_len": 8}, ValueError, "max_cache_len"),
         ({"max_new_tokens": 4, "eos_token_id": -2}, ValueError, "eos_token_id"),
         ({"max_new_tokens": 4, "eos_token_id": 10_000}, ValueError, "vocabulary"),
@@ -239,6 +338,51 @@ def test_cuda_graphs_default_compile_is_greedy_gpu():
         gap = logits.amax(-1) - chosen
         tol = 0.05 * logits.std(-1)
         assert torch.isfinite(logits).all() and (gap <= tol).all(), (name, gap.max().item())
+        release_graph_state(model)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_compaction_gpu():
+    """Compaction under the default CUDA compile (inductor, CUDA graphs; one graph per batch size over views of the
+    same buffers), bf16 + LoRA and NVFP4 + LoRA: rows finish one after another (EOS ids from the free-running tokens)
+    and are compacted at every 2nd step, down to 1 row. Each row's tokens up to its EOS are the argmax of an
+    uncompiled forward (within bf16 noise), pad follows, and a second call (replaying the recorded graphs) agrees."""
+    from nvfp4 import quantize_model
+    from nvfp4.peft import get_peft_model as nvfp4_peft
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoraConfig(r=16, target_modules=targets, init_lora_weights=False)
+    cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)).to("cuda", torch.bfloat16).eval()
+    quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
+    arms = {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
+    ids, mask = _prompts(batch=8, length=9)
+    ids, mask = ids.cuda(), mask.cuda()
+    n = 24
+    for name, model in arms.items():
+        model.eval()
+        torch._dynamo.reset()
+        free = graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True)
+        eos = sorted({int(free[i, 9 + 2 + 2 * i]) for i in range(8)})  # row i ends by its token 3 + 2i
+        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
+                  compact_min_batch=1, compile=True)  # fmt: skip
+        out = graph_generate(model, ids, mask, **kw)
+        assert torch.equal(graph_generate(model, ids, mask, **kw), out), name
+        gen = out[:, 9:]
+        is_eos = torch.isin(gen, torch.tensor(eos, device="cuda"))
+        ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, gen.shape[1])
+        assert len(set(ends.tolist())) >= 3, (name, ends)  # staggered: compaction had rows to drop
+        after = torch.arange(gen.shape[1], device="cuda")[None, :] >= ends[:, None]
+        assert (gen[after] == PAD).all(), name
+        full = torch.cat([mask, torch.ones_like(gen)], 1)
+        pos = (full.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, 8:-1].float()
+        gap = logits.amax(-1) - logits.gather(-1, gen[..., None]).squeeze(-1)
+        ok = (gap <= 0.05 * logits.std(-1)) | after
+        assert torch.isfinite(logits).all() and ok.all(), (name, gap[~after].max().item())
         release_graph_state(model)
 
 

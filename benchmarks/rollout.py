@@ -639,7 +639,8 @@ def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:
 
 
 def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
-    """``--eos-mean-tokens``: two warm-up rollouts (compile and record every batch size compaction reaches), then
+    """``--eos-mean-tokens``: ``args.spread_warmups`` warm-up rollouts (the first compiles and records every batch size
+    compaction reaches; the timed rounds' dynamo counters show any compile they still did), then
     ``args.repeats`` rounds of the :data:`SPREAD_VARIANTS`, each round one seed for all three. Returns the row's
     ``spread`` results (per variant: median ``tok_s`` of real tokens, every round's time, tokens, steps, mean and
     max completion length, well-formedness) and the warm-ups' times."""
@@ -679,7 +680,7 @@ def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
         lengths, ok = completion_lengths(out[:, p:], eos)
         return {"s": dt, "tokens": sum(lengths), "steps": out.shape[1] - p, "lengths": lengths, "ok": ok}
 
-    warm = [round(run("eos+compact", 1000 + i)["s"], 3) for i in range(2)]
+    warm = [round(run("eos+compact", 1000 + i)["s"], 3) for i in range(args.spread_warmups)]
     rounds = {v: [] for v in SPREAD_VARIANTS}
     for r in range(args.repeats):
         for v in SPREAD_VARIANTS:
@@ -772,6 +773,8 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
         str(args.eos_mean_tokens),
         "--min-new-tokens",
         str(args.min_new_tokens),
+        "--spread-warmups",
+        str(args.spread_warmups),
     ]
     if args.compact_min_batch is not None:
         cmd += ["--compact-min-batch", str(args.compact_min_batch)]
@@ -965,6 +968,8 @@ def main(argv=None) -> None:
         "--min-new-tokens; sampled); 0: fixed lengths, greedy",
     )
     ap.add_argument("--min-new-tokens", type=int, default=0, help="with --eos-mean-tokens: EOS suppressed before this")
+    ap.add_argument("--spread-warmups", type=int, default=2,
+                    help="with --eos-mean-tokens: warm-up rollouts per batch (the first compiles and records)")  # fmt: skip
     ap.add_argument("--compact-min-batch", type=int, default=None,
                     help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="timed generates per batch (min is reported)")

@@ -62,7 +62,7 @@ def test_rollout_tiny_length_spread(tmp_path):
     data = json.loads(out.read_text())
     assert data["settings"]["eos_mean_tokens"] == 6
     ((row,),) = [r["batches"] for r in data["results"]]
-    assert row["n_eos_ids"] == round(1024 / 6) and len(row["warmup_s"]) == 2
+    assert row["n_eos_ids"] == round(1024 / 6) and len(row["warmup_s"]) == 2  # the default
     sp = row["spread"]
     assert set(sp) == {"fixed", "eos", "eos+compact"}
     assert sp["fixed"]["tokens_all"] == [4 * 24] * 2 and sp["fixed"]["steps_all"] == [24] * 2

@@ -94,7 +94,7 @@ def test_compaction_greedy_matches_generate(min_batch):
     """Finished rows compacted away (here at every 2nd step, down to ``min_batch`` rows): the same tokens as
     transformers' ``generate`` on a left-padded batch, EOS and pad included, and the decode batch shrinks."""
     model = _model("qwen2")
-    ids, mask = _prompts(batch=8, length=11)
+    ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     ref = _hf_greedy(model, ids, mask, 24, eos_token_id=eos, min_new_tokens=0)
     sizes, _ = _batch_sizes(model)
@@ -118,7 +118,7 @@ def test_compaction_compiled_one_graph_per_batch():
     torch._dynamo.reset()
     counters.clear()
     model = _model()
-    ids, mask = _prompts(batch=8, length=11)
+    ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
               compact_min_batch=2, max_cache_len=40)  # fmt: skip
@@ -140,7 +140,7 @@ def test_compaction_sampling():
     model flips one token, with or without compaction); at T = 1 every row is a well-formed
     completion (pad after its EOS, the call stops when the last row has finished)."""
     model = _model()
-    ids, mask = _prompts(batch=8, length=11)
+    ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, check_every=2, compact_min_batch=1)
     greedy = graph_generate(model, ids, mask, do_sample=False, **kw)
@@ -151,13 +151,13 @@ def test_compaction_sampling():
     out = graph_generate(model, ids, mask, max_new_tokens=40, eos_token_id=[EOS, 3], pad_token_id=PAD,
                          generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1)  # fmt: skip
     assert min(sizes[1:]) < 8
-    gen = out[:, 11:]
+    gen = out[:, 18:]
     ends = []
     for row in gen:
         hit = ((row == EOS) | (row == 3)).nonzero()
         ends.append(int(hit[0]) + 1 if len(hit) else gen.shape[1])
         assert (row[ends[-1] :] == PAD).all(), row
-    assert gen.shape[1] == max(ends) and torch.equal(out[:, :11], ids)
+    assert gen.shape[1] == max(ends) and torch.equal(out[:, :18], ids)
 
 
 def test_compact_size():
@@ -358,19 +358,19 @@ def test_cuda_graphs_compaction_gpu():
     base = AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)).to("cuda", torch.bfloat16).eval()
     quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
     arms = {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
-    ids, mask = _prompts(batch=8, length=9)
+    ids, mask = _prompts(batch=8, length=18)
     ids, mask = ids.cuda(), mask.cuda()
     n = 24
     for name, model in arms.items():
         model.eval()
         torch._dynamo.reset()
         free = graph_generate(model, ids, mask, max_new_tokens=n, do_sample=False, compile=True)
-        eos = sorted({int(free[i, 9 + 2 + 2 * i]) for i in range(8)})  # row i ends by its token 3 + 2i
+        eos = sorted({int(free[i, 18 + 2 + 2 * i]) for i in range(8)})  # row i ends by its token 3 + 2i
         kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
                   compact_min_batch=1, compile=True)  # fmt: skip
         out = graph_generate(model, ids, mask, **kw)
         assert torch.equal(graph_generate(model, ids, mask, **kw), out), name
-        gen = out[:, 9:]
+        gen = out[:, 18:]
         is_eos = torch.isin(gen, torch.tensor(eos, device="cuda"))
         ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, gen.shape[1])
         assert len(set(ends.tolist())) >= 3, (name, ends)  # staggered: compaction had rows to drop
@@ -379,7 +379,7 @@ def test_cuda_graphs_compaction_gpu():
         full = torch.cat([mask, torch.ones_like(gen)], 1)
         pos = (full.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, 8:-1].float()
+            logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, 17:-1].float()
         gap = logits.amax(-1) - logits.gather(-1, gen[..., None]).squeeze(-1)
         ok = (gap <= 0.05 * logits.std(-1)) | after
         assert torch.isfinite(logits).all() and ok.all(), (name, gap[~after].max().item())

@@ -227,7 +227,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
         self.vllm_rollout = None
         #: ``rollout_engine="graph"``: extra keyword arguments of ``graph_generate`` (``compile``, ``compile_options``,
-        #: ``check_every``); empty: its defaults (compiled with CUDA graphs on CUDA, eager elsewhere).
+        #: ``check_every``, ``compact``, ``compact_min_batch``); empty: its defaults (compiled with CUDA graphs on CUDA,
+        #: eager elsewhere; finished rows compacted).
         self.graph_generate_kwargs: dict[str, Any] = {}
         if args.rollout_engine == "graph" and self._is_vlm:
             raise NotImplementedError("rollout_engine='graph' supports text-only models; use 'transformers' or 'vllm'")

@@ -121,7 +121,7 @@ def test_compaction_compiled_one_graph_per_batch():
     ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
-              compact_min_batch=2, max_cache_len=40)  # fmt: skip
+              compact_min_batch=2, max_cache_len=48)  # fmt: skip
     sizes, hook = _batch_sizes(model)
     ref = graph_generate(model, ids, mask, compile=False, **kw)
     hook.remove()
@@ -304,13 +304,9 @@ def test_import_is_light(monkeypatch):
     assert callable(mod.graph_generate) and "trl" not in sys.modules
 
 
-@pytest.mark.gpu
-def test_cuda_graphs_default_compile_is_greedy_gpu():
-    """The default on CUDA (inductor, ``mode="reduce-overhead"``: CUDA graphs), for a bf16 model with PEFT LoRA and an
-    NVFP4 model (MMA-layout Triton kernels with the fused LoRA; every linear a whole number of kernel tiles): each
-    generated token is the argmax of an uncompiled full-sequence forward (within bf16 noise: inductor and eager round
-    differently, so exact token equality with the eager loop would fail on near-ties), and a second call, replaying
-    the recorded graphs, returns the same tokens."""
+def _lora_arms_gpu() -> dict:
+    """A tiny Qwen2 on CUDA in bf16 with PEFT LoRA on every projection, and the same shapes quantized to NVFP4 with
+    our LoRA layer (every linear a whole number of kernel tiles)."""
     from nvfp4 import quantize_model
     from nvfp4.peft import get_peft_model as nvfp4_peft
     from peft import LoraConfig, get_peft_model
@@ -321,7 +317,17 @@ def test_cuda_graphs_default_compile_is_greedy_gpu():
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)).to("cuda", torch.bfloat16).eval()
     quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
-    arms = {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
+    return {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_default_compile_is_greedy_gpu():
+    """The default on CUDA (inductor, ``mode="reduce-overhead"``: CUDA graphs), for a bf16 model with PEFT LoRA and an
+    NVFP4 model (MMA-layout Triton kernels with the fused LoRA; every linear a whole number of kernel tiles): each
+    generated token is the argmax of an uncompiled full-sequence forward (within bf16 noise: inductor and eager round
+    differently, so exact token equality with the eager loop would fail on near-ties), and a second call, replaying
+    the recorded graphs, returns the same tokens."""
+    arms = _lora_arms_gpu()
     ids, mask = _prompts(batch=3, length=9)
     ids, mask = ids.cuda(), mask.cuda()
     n = 16
@@ -347,17 +353,7 @@ def test_cuda_graphs_compaction_gpu():
     same buffers), bf16 + LoRA and NVFP4 + LoRA: rows finish one after another (EOS ids from the free-running tokens)
     and are compacted at every 2nd step, down to 1 row. Each row's tokens up to its EOS are the argmax of an
     uncompiled forward (within bf16 noise), pad follows, and a second call (replaying the recorded graphs) agrees."""
-    from nvfp4 import quantize_model
-    from nvfp4.peft import get_peft_model as nvfp4_peft
-    from peft import LoraConfig, get_peft_model
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoraConfig(r=16, target_modules=targets, init_lora_weights=False)
-    cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)).to("cuda", torch.bfloat16).eval()
-    quantized = quantize_model(AutoModelForCausalLM.from_config(tiny_config("qwen2", **cfg)), progress=False)
-    arms = {"bf16": get_peft_model(base, lora), "nvfp4": nvfp4_peft(quantized.to("cuda", torch.bfloat16), lora)}
+    arms = _lora_arms_gpu()
     ids, mask = _prompts(batch=8, length=18)
     ids, mask = ids.cuda(), mask.cuda()
     n = 24

@@ -69,7 +69,8 @@ def test_grpo_steps_train_only_lora_and_log_qerl_metrics(tmp_path, tokenizer):
         if name.endswith("weight_packed"):
             key = name.split("base_model.model.", 1)[-1].replace(".base_layer", "")
             assert torch.equal(buf, packed_before[key]), f"{name} (4-bit base) changed"
-    assert all(m._dense_cache is None for m in trainer.model.modules() if isinstance(m, NVFP4Linear))
+    nvfp4_layers = [m for m in trainer.model.modules() if isinstance(m, NVFP4Linear)]
+    assert all(m._dense_cache is None and m._codes_cache is None for m in nvfp4_layers)  # released after train()
 
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2

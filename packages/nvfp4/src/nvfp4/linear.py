@@ -14,9 +14,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import mxfp4, ops
-from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, quantize, shared_global_scale
+from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, quantize, shared_global_scale, unpack_e2m1
 from .formats import MXFP4, NVFP4, QuantizedWeight, format_of, get_format
-from .layout import from_mma_layout, is_mma_layout, mma_layout_supported, mma_scales_supported, to_mma_layout
+from .layout import (
+    from_mma_layout,
+    is_mma_layout,
+    mma_layout_supported,
+    mma_scales_supported,
+    packed_in_ct_layout,
+    to_mma_layout,
+)
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -299,12 +306,16 @@ class NVFP4Linear(nn.Linear):
         return dense
 
     _dense_cache: torch.Tensor | None = None
+    _codes_cache: _CodesCache | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         dense = self._dense_cache
         if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
             return F.linear(x, dense, bias)  # == the reference op, minus re-dequantizing (see cache_dequantized)
+        codes = self._codes_cache
+        if codes is not None and x.dtype == torch.float32 and codes.codes.device == x.device:
+            return _CodesLinear.apply(x, codes, bias)  # the same numbers, dequant(W) rebuilt in a scratch buffer
         if not self.uses_nvfp4_ops:  # MXFP4 without an NVFP4 transcode: the plain reference (autograd reaches x)
             return mxfp4.linear_reference(x, self.weight_packed, self.weight_scale, bias)
         return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
@@ -372,25 +383,97 @@ def _transcode_after_loading(module: NVFP4Linear, _incompatible_keys: object) ->
     module.use_kernel_layout()  # MXFP4: E8M0 → NVFP4 scales (and the MMA layout on CUDA)
 
 
+class _CodesCache:
+    """``dequant(W)`` of one NVFP4 layer as int8 ``2 × E2M1 value`` ``[out, in/16, 16]`` and float32 ``step / 2``
+    ``[out, in/16, 1]`` (``step = weight_scale / weight_global_scale``, as :func:`nvfp4.codec.dequantize` computes
+    it): 1.25 bytes a weight instead of float32's 4. :meth:`fill` writes ``codes · half_step`` — one rounding of the
+    same product the reference rounds (``value · step``) — into a float32 buffer shared by the block's layers of
+    this shape, and returns it as ``[out, in]``."""
+
+    __slots__ = ("codes", "half_step", "scratch")
+
+    def __init__(self, codes: torch.Tensor, half_step: torch.Tensor, scratch: dict) -> None:
+        self.codes, self.half_step, self.scratch = codes, half_step, scratch
+
+    def fill(self) -> torch.Tensor:
+        out, groups, size = self.codes.shape
+        key = (out, groups * size, self.codes.device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty(out, groups, size, dtype=torch.float32, device=self.codes.device)
+        torch.mul(self.codes, self.half_step, out=buf)
+        return buf.view(out, groups * size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.half_step.numel() * self.half_step.element_size()
+
+
+class _CodesLinear(torch.autograd.Function):
+    """``F.linear(x, dequant(W), bias)`` with ``dequant(W)`` rebuilt from a :class:`_CodesCache` in the forward and
+    again in the backward, so no dense weight is held between them (the buffer is shared and overwritten by the next
+    layer). The backward is linear's own for the input, ``grad @ W`` (the weight is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cache: _CodesCache, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.cache, ctx.x_shape = cache, x.shape
+        return F.linear(x, cache.fill(), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = flat.mm(ctx.cache.fill()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_bias = flat.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias
+
+
+def _codes_cache(layer: NVFP4Linear, scratch: dict) -> _CodesCache | None:
+    """The layer's :class:`_CodesCache`, or None when it would not give exactly ``layer.dequantize(float32)`` (an
+    MXFP4 layer on the plain reference, or a half step that underflows float32)."""
+    if not layer.uses_nvfp4_ops:
+        return None
+    packed = packed_in_ct_layout(layer.weight_packed, layer.weight_scale)
+    out = packed.shape[0]
+    values = e2m1_to_float(unpack_e2m1(packed)).reshape(out, -1, BLOCK_SIZE)
+    step = layer.weight_scale.float() / layer.weight_global_scale.float().reshape(1, 1)
+    cache = _CodesCache((values * 2).to(torch.int8), (step / 2).unsqueeze(-1), scratch)
+    del values
+    return cache if torch.equal(cache.fill(), layer.dequantize(torch.float32)) else None
+
+
 @contextlib.contextmanager
-def cache_dequantized(model: nn.Module, dtype: torch.dtype) -> Iterator[int]:
+def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = False) -> Iterator[int]:
     """Hold ``dequant(W)`` (``[out, in]``, ``dtype``) of every :class:`NVFP4Linear` in ``model`` for the block.
 
     For the PyTorch reference path (CPU), which otherwise dequantizes each weight on every call — decode calls every
     linear once per token, and training forward + backward twice per step. Results are bit-identical to the uncached
     reference (``F.linear(x, dequant(W))`` is what the reference computes); the price is dense memory for the block.
     Never use it where the Triton kernels run: they read the 4-bit weight directly. Yields the bytes held.
+
+    ``compact=True`` (float32 only): hold each weight as int8 codes and float32 half-steps per 16 inputs (1.25 bytes
+    a weight instead of 4; 133 MB instead of 425 MB on SmolLM2-135M) and rebuild ``dequant(W)`` into a scratch
+    buffer on every call, forward and backward (a float32 multiply, ~0.1 ms for a 576 × 1536 weight on one CPU
+    core). The same products, rounded once as :func:`nvfp4.codec.dequantize` rounds them: the same outputs and input
+    gradients (zeros of the weight are +0). A layer where that is not exact keeps the dense cache.
     """
     layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     held = 0
+    scratch: dict = {}
     try:
         for layer in layers:
-            layer._dense_cache = layer.dequantize(dtype)
-            held += layer._dense_cache.numel() * layer._dense_cache.element_size()
+            codes = _codes_cache(layer, scratch) if compact and dtype == torch.float32 else None
+            if codes is not None:
+                layer._codes_cache = codes
+                held += codes.nbytes
+            else:
+                layer._dense_cache = layer.dequantize(dtype)
+                held += layer._dense_cache.numel() * layer._dense_cache.element_size()
         yield held
     finally:
         for layer in layers:
             layer._dense_cache = None
+            layer._codes_cache = None
+        scratch.clear()
 
 
 def fused_group_of(name: str, groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS) -> tuple[str, ...] | None:

@@ -85,7 +85,8 @@ class LoraNVFP4Linear(_LoraLinear):
         if self.disable_adapters or self.merged or self.fan_in_fan_out:
             return None
         base = self.get_base_layer()
-        if not isinstance(base, NVFP4Linear) or base._dense_cache is not None or not base.uses_nvfp4_ops:
+        cached = isinstance(base, NVFP4Linear) and (base._dense_cache is not None or base._codes_cache is not None)
+        if not isinstance(base, NVFP4Linear) or cached or not base.uses_nvfp4_ops:
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:

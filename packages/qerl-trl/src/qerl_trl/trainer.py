@@ -291,8 +291,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
         cache = contextlib.nullcontext()
         if next(model.parameters()).device.type == "cpu":
             # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
-            # backward); hold dequant(W) for the run instead. Same numbers, dense memory. CUDA runs the 4-bit kernels.
-            cache = cache_dequantized(model, model.get_input_embeddings().weight.dtype)
+            # backward); hold dequant(W) for the run instead. Same numbers. In float32 it is held compact (int8 codes
+            # + half-steps, rebuilt per call into a scratch buffer): 425 → 133 MB on the offline default model, the
+            # largest block of the job's peak RSS (BENCHMARKS.md, "Host memory"). CUDA runs the 4-bit kernels.
+            cache = cache_dequantized(model, model.get_input_embeddings().weight.dtype, compact=True)
         with cache:
             return super().train(*args, **kwargs)
 

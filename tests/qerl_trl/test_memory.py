@@ -82,31 +82,3 @@ print("ok")
         pytest.skip("glibc only")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
-
-
-def test_lean_logprob_backward_gives_trls_bits():
-    """The in-place LM-head backward tile gives TRL's own tile bit for bit: a whole tile and the narrower last
-    vocabulary chunk (a strided view of TRL's buffer), targets inside and outside the chunk, a p that underflows."""
-    import torch
-    from qerl_trl import memory
-    from trl.kernels import chunked_logprob
-
-    assert memory.lean_logprob_backward() is True
-    assert chunked_logprob._backward_tile is memory._lean_backward_tile
-    trl_tile = memory._TRL_BACKWARD_TILE[0]
-    torch.manual_seed(0)
-    n, width = 9, 64
-    buf = torch.randn(n, width) * 4
-    buf[0, 5] = -200.0  # exp underflows to 0: 1[target] - p is an exact 0 there
-    targets = torch.tensor([100, 5, 37, 63, 64, 90, 127, 0, 70])
-    log_z = torch.logsumexp(buf, -1) + torch.rand(n)
-    grad = torch.randn(n)
-    grad[3] = 0.0
-    for vocab_start, cols in ((0, width), (64, 48)):
-        for scale, inv_t in ((1.0, 1.0), (0.5, 1 / 0.7)):
-            a = buf.clone()[:, :cols]  # a view with TRL's row stride when cols < width
-            b = buf.clone()[:, :cols]
-            args = (targets, log_z, log_z, grad, None, vocab_start, cols, scale, 1.0, inv_t, False, True, False, 1024)
-            trl_tile(a, a.stride(0), *args)
-            memory._lean_backward_tile(b, b.stride(0), *args)
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (vocab_start, scale)

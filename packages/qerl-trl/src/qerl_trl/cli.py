@@ -108,7 +108,6 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     from transformers.trainer_utils import get_last_checkpoint
 
     from .dapo import QeRLDAPOTrainer
-    from .memory import lean_logprob_backward
     from .rewards import get_reward_funcs
     from .run import MallocTrimCallback, RunDirectoryCallback
     from .tasks import TASK_DEFAULT_REWARDS, load_task
@@ -126,7 +125,6 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     callbacks: list = [RunDirectoryCallback(title=f"{script_args.model_name_or_path} · {script_args.task}")]
     if not torch.cuda.is_available():  # CPU training: freed activations in small blocks go back to the OS
         callbacks.append(MallocTrimCallback())
-        lean_logprob_backward()  # TRL's LM-head backward without ~7 tile-sized temporaries (same numbers)
     if not config.disable_tqdm and sys.stdout.isatty():
         from trl.trainer.callbacks import RichProgressCallback
 

@@ -14,7 +14,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["M_MMAP_THRESHOLD", "lean_logprob_backward", "pin_malloc_mmap_threshold", "trim_malloc"]
+__all__ = ["M_MMAP_THRESHOLD", "pin_malloc_mmap_threshold", "trim_malloc"]
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 
@@ -63,50 +63,3 @@ def trim_malloc() -> bool:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim(0) == 1
-
-
-def _lean_backward_tile(tile, tile_stride, targets, log_z, entropy, grad_logprobs, grad_entropy, vocab_start, n_cols,
-                        logit_scale, softcap, inv_t, HAS_SOFTCAP, HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD, BLOCK_SIZE):
-    """TRL's ``_backward_tile`` (its torch fallback off Triton devices) computed in the tile itself.
-
-    TRL's version builds ``y``, ``z``, ``log_p``, ``p``, ``grad`` and three temporaries, each a float32 tile
-    (``[tokens, 32768]``: 19 MB for the offline default recipe's 146-token scoring chunks), ~8 alive at once at the
-    start of every LM-head backward. This one runs the same elementwise operations in the same order, in place:
-    the same bits in the tile (``1 - p`` as ``(-p) + 1``, TRL's ``zeros + x`` as ``x + 0``). Cases it does not
-    cover (softcapping, an entropy gradient, a non-float32 tile) go to TRL's own.
-    """
-    import torch
-
-    if HAS_SOFTCAP or HAS_ENTROPY_GRAD or not HAS_LOGPROB_GRAD or tile.dtype != torch.float32:
-        return _TRL_BACKWARD_TILE[0](tile, tile_stride, targets, log_z, entropy, grad_logprobs, grad_entropy,
-                                     vocab_start, n_cols, logit_scale, softcap, inv_t, HAS_SOFTCAP,
-                                     HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD, BLOCK_SIZE)  # fmt: skip
-    tile.mul_(logit_scale).mul_(inv_t)  # z = (tile · logit_scale) · inv_t
-    tile.sub_(log_z.unsqueeze(-1)).exp_().neg_()  # -p = -exp(z - log_z)
-    local = targets - vocab_start
-    rows = ((local >= 0) & (local < n_cols)).nonzero().squeeze(-1)
-    cols = local[rows]
-    tile[rows, cols] = tile[rows, cols] + 1.0  # 1[j = target] - p
-    tile.mul_(grad_logprobs.unsqueeze(-1)).add_(0.0)  # TRL: zeros + grad_logprobs · (1[target] - p)
-    tile.mul_(inv_t).mul_(logit_scale)
-
-
-_TRL_BACKWARD_TILE: list = []
-
-
-def lean_logprob_backward() -> bool:
-    """Make TRL's chunked LM-head backward (``trl.kernels.chunked_logprob``, torch fallback) work in its tile, without
-    ~7 tile-sized temporaries; returns whether it is on. Same numbers (``tests/qerl_trl/test_memory.py``).
-    Process-wide; ``qerl train`` turns it on for CPU runs. Where TRL runs its Triton kernel (CUDA) nothing changes.
-    """
-    try:
-        from trl.kernels import chunked_logprob
-    except ImportError:
-        return False
-    if not _TRL_BACKWARD_TILE:
-        original = getattr(chunked_logprob, "_backward_tile", None)
-        if original is None:
-            return False
-        _TRL_BACKWARD_TILE.append(original)
-    chunked_logprob._backward_tile = _lean_backward_tile
-    return True

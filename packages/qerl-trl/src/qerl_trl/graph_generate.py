@@ -447,7 +447,8 @@ def graph_generate(
 
         if do_sample:
             rows.noise.exponential_(generator=generator)
-        _choose(logits, *choose_args(rows))
+        state = choose_args(rows)  # what the prefill and every decode step pass (rebuilt only when rows change)
+        _choose(logits, *state)
         del logits
 
         # ---- decode: replay the step, no host sync except the periodic "all finished?" check
@@ -468,7 +469,7 @@ def graph_generate(
                 st.eos_block.fill_(False)
             if do_sample:
                 rows.noise.exponential_(generator=generator)
-            step(model, rows.cache, rows.pos, rows.mask, keep_last, *choose_args(rows))
+            step(model, rows.cache, rows.pos, rows.mask, keep_last, *state)
             if not (check and t % check_every == 0 and t >= min_new_tokens):
                 continue
             alive = ~rows.finished[:, 0]
@@ -486,6 +487,7 @@ def graph_generate(
             _move_rows_to_front(st, keep, prompt_len + t)
             row_of = row_of[keep]
             b, rows, step = size, st.rows(size, model.config), step_for(size)
+            state = choose_args(rows)
         if row_of is None:
             new = int(st.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row finished
             return st.seq[:, : prompt_len + new].clone()

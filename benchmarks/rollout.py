@@ -457,6 +457,13 @@ def graph_compile_options(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- worker
+def _save_partial(args, res: dict) -> None:
+    """Write the worker's results so far to its result file, so they survive a timeout kill of the worker."""
+    if getattr(args, "_result", None):
+        with open(args._result, "w") as f:
+            json.dump({**res, "status": "partial: killed after this batch"}, f)
+
+
 def run_worker(args) -> dict:
     import torch
     from transformers import GenerationConfig
@@ -548,9 +555,7 @@ def run_worker(args) -> dict:
             if cuda:
                 row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
             del ids
-            if getattr(args, "_result", None):
-                with open(args._result, "w") as f:
-                    json.dump({**res, "status": "partial: killed after this batch"}, f)
+            _save_partial(args, res)
             continue
         try:
             c0 = _dynamo_counters()
@@ -609,9 +614,7 @@ def run_worker(args) -> dict:
             )
         )
         del ids, out
-        if getattr(args, "_result", None):  # partial result survives a timeout kill of this worker
-            with open(args._result, "w") as f:
-                json.dump({**res, "status": "partial: killed after this batch"}, f)
+        _save_partial(args, res)
     res["status"] = status
     res["peak_rss_gb"] = _rss_peak_gb()
     return res

@@ -26,6 +26,7 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "gemma3_text": transformers.Gemma3TextConfig,  # (1 + w) ⊙ n(x) norms
     }[arch]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**TINY), dtype=torch.float32)

@@ -232,17 +232,18 @@ def test_bf16_small_sigma_is_lost_and_the_fp32_norm_option_keeps_it():
 
     precise = NormNoise(model, norm_dtype=torch.float32)
     with precise.apply(0.0):
-        clean32 = logits(model, ids)  # fp32 norms (single rounding) differ slightly from pure bf16
+        clean32 = logits(model, ids)  # norms in float32 (one rounding) differ slightly from pure bf16
         assert clean32.dtype == torch.bfloat16
+        torch.testing.assert_close(clean32, clean, rtol=0.05, atol=0.05)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with precise.apply(1e-4, seed=0) as h:
-            assert all(p.dtype == torch.float32 for p in precise.params.values())
+            assert all(p.dtype == torch.bfloat16 for p in precise.params.values())  # weights never written
             assert h.survival()["retained"] == pytest.approx(1.0, abs=1e-3)
             noisy = logits(model, ids)
     assert not torch.equal(noisy, clean32)
     assert_bit_identical(model, snap)
-    assert all(p.dtype == torch.bfloat16 for p in precise.params.values())
+    assert torch.equal(logits(model, ids), clean)
 
 
 def test_measure_rounding_survival():
@@ -270,27 +271,60 @@ def test_per_forward_with_fp32_norms_on_a_bf16_model():
     with noise.apply_per_forward(1e-3, seed=0) as h, torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert h.draws == 3 and out.dtype == torch.long
-        assert all(p.dtype == torch.float32 for p in noise.params.values())
+        first = model.model.layers[0].input_layernorm
+        assert torch.equal(first.noise, h.noise["model.layers.0.input_layernorm.weight"])  # the latest draw
     assert_bit_identical(model, snap)
     layer0 = model.model.layers[0].input_layernorm
-    assert not layer0._forward_pre_hooks and not layer0._forward_hooks
+    assert type(layer0).__name__ == "LlamaRMSNorm" and not layer0._forward_pre_hooks and not layer0._forward_hooks
 
 
-def test_fp32_norm_storage_is_reused_across_noises():
-    """Every noise puts the fp32 norm weights at the same addresses (a CUDA graph captured during one rollout reads
-    them by address in the next), with each draw's values, and restores the original bf16 storage exactly."""
+def test_fp32_noise_buffers_are_reused_across_noises():
+    """Every noise swaps in the same wrappers, whose float32 noise buffers stay at one address (a CUDA graph captured
+    during one rollout reads them by address in the next) and hold each draw exactly; the norms and their bf16
+    weights come back untouched."""
     model = tiny_model("llama", dtype=torch.bfloat16)
     snap = snapshot(model)
     noise = NormNoise(model, norm_dtype=torch.float32)
-    originals = {n: p.data for n, p in noise.params.items()}
+    norms = {n: model.get_submodule(n.removesuffix(".weight")) for n in noise.params}
     seen = []
     for step in range(3):
         with noise.apply(1e-3, seed=0, step=step) as h:
-            ptrs = {n: p.data_ptr() for n, p in noise.params.items()}
-            assert all(p.dtype == torch.float32 for p in noise.params.values())
-            for n, p in noise.params.items():  # this draw's noise on the exact originals
-                torch.testing.assert_close(p.data, originals[n].float() + h.noise[n], rtol=0, atol=0)
-            seen.append(ptrs)
-        assert all(p.data_ptr() == originals[n].data_ptr() and p.dtype == torch.bfloat16 for n, p in noise.params.items())
+            wrappers = {n: model.get_submodule(n.removesuffix(".weight")) for n in noise.params}
+            assert all(w.norm is norms[n] and w.noise.dtype == torch.float32 for n, w in wrappers.items())
+            for n, w in wrappers.items():
+                assert torch.equal(w.noise, h.noise[n])
+            seen.append({n: w.noise.data_ptr() for n, w in wrappers.items()})
+        assert all(model.get_submodule(n.removesuffix(".weight")) is m for n, m in norms.items())
         assert_bit_identical(model, snap)
     assert seen[0] == seen[1] == seen[2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_fp32_noise_term_is_the_noisy_weight(arch):
+    """The wrapper's ``norm(x) + Z ⊙ x/rms(x)`` equals the norm run in float32 with ``w + Z`` as its weight, for the
+    ``w ⊙ n(x)`` norms and Gemma's ``(1 + w) ⊙ n(x)``."""
+    from aqn.noise import _NoisyNorm
+
+    model = tiny_model(arch, dtype=torch.float32)
+    noise = NormNoise(model, norm_dtype=torch.float64)  # float32 weights are narrower: wrapped, noise in float64
+    x = torch.randn(3, 5, model.config.hidden_size)
+    with noise.apply(0.05, seed=1) as h:
+        for n in noise.params:
+            wrapper = model.get_submodule(n.removesuffix(".weight"))
+            assert isinstance(wrapper, _NoisyNorm)
+            want_norm = copy.deepcopy(wrapper.norm).double()
+            with torch.no_grad():
+                want_norm.weight += h.noise[n].double()
+                torch.testing.assert_close(wrapper(x).double(), want_norm(x.double()), rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    norm = model.model.layers[0].input_layernorm
+    norm.forward = lambda x: norm.weight * x  # not normalised: the noise term Z ⊙ x/rms(x) would be wrong
+    snap = snapshot(model)
+    noise = NormNoise(model, norm_dtype=torch.float32, method="convention")
+    with pytest.raises(ValueError, match="does not compute"):
+        noise.apply(1e-3, seed=0)
+    assert model.model.layers[0].input_layernorm is norm  # nothing swapped
+    assert_bit_identical(model, snap)

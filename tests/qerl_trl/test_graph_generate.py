@@ -12,6 +12,8 @@ import contextlib
 import importlib
 import sys
 
+import warnings
+
 import pytest
 import torch
 from qerl_trl.graph_generate import graph_generate, release_graph_state
@@ -425,12 +427,11 @@ def test_cuda_graphs_follow_aqn_fp32_norms_gpu():
 
 
 def test_compiled_step_follows_aqn_fp32_norms():
-    """AQN on a bf16 model holds the norm weights in fp32 and hooks the norms for a rollout, which dynamo does not
-    guard: the step compiled before the noise must not be replayed on the fp32 storage (it was: garbage rollouts on
-    the H100 from AQN's first noisy stage on, a dtype error here). The noisy rollouts decode eagerly (with a warning:
-    a step compiled with AQN's hooks still gave garbage on the H100 in the trainer); the clean step compiles once and
-    replays."""
-    import qerl_trl.graph_generate as gg
+    """AQN on a bf16 model swaps the norms for float32-noise wrappers for a rollout. The step compiled before the
+    noise must not be replayed on the noisy model (its earlier form, fp32 weight storage + hooks, was: garbage
+    rollouts on the H100 from AQN's first noisy stage on). The noisy configuration compiles once, replays for every
+    later draw (new noise values in the same buffers), gives the tokens of an eager decode, and the clean step is
+    replayed after it."""
     from aqn import NormNoise
     from torch._dynamo.utils import counters
 
@@ -438,18 +439,20 @@ def test_compiled_step_follows_aqn_fp32_norms():
     counters.clear()
     model = _model().to(torch.bfloat16)
     ids, mask = _prompts(batch=2, length=7)
-    opts = {"backend": "aot_eager", "fullgraph": False, "dynamic": False}
+    opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, max_cache_len=24)
     clean = graph_generate(model, ids, mask, compile=False, **kw)
     assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), clean)
     noise = NormNoise(model, norm_dtype=torch.float32)
-    gg._WARNED_EAGER = False
+    noisy = []
     for step in (1, 2):
-        with noise.apply(0.3, seed=0, step=step):
-            with pytest.warns(UserWarning, match="decoding these rollouts eagerly") if step == 1 else _no_op():
-                got = graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw)
+        with noise.apply(0.3, seed=0, step=step), warnings.catch_warnings():
+            warnings.simplefilter("error")  # compiled, no eager fallback
+            got = graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw)
             assert torch.equal(got, graph_generate(model, ids, mask, compile=False, **kw))
             assert not torch.equal(got, clean)  # σ = 0.3 changes the greedy tokens of this tiny model
+            noisy.append(got)
+    assert not torch.equal(noisy[0], noisy[1])  # each draw's values reach the replayed step
     assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), clean)
-    assert counters["stats"]["unique_graphs"] == 1  # the clean step, replayed after the noisy rollouts
+    assert counters["stats"]["unique_graphs"] == 2  # clean + noisy, each replayed
     release_graph_state(model)

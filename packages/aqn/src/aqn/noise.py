@@ -12,8 +12,9 @@ Noise is drawn in float32 (on the CPU by default, so the same seed gives the sam
 the weight in float32 (or float64 for float64 weights) before being rounded to the weight's dtype. For bf16 weights
 that rounding eats small σ entirely (bf16 has 8 significant bits: the spacing next to |w| ≈ 0.27, the median of
 SmolLM2's norm weights, is 2⁻⁹ ≈ 2e-3) — see ``docs/aqn.md`` and :func:`measure_rounding_survival`. ``norm_dtype=
-torch.float32`` keeps the noisy norm weights in float32 while noise is on (the norm computes in float32 and casts its
-output back to the input dtype), so the perturbation reaches the output, rounded once.
+torch.float32`` leaves the weights alone and, while noise is on, swaps each norm for a wrapper that adds the noise
+term ``Z ⊙ x/rms(x)`` (the exact effect of ``w + Z``) in float32 to the norm's output, so the perturbation reaches the
+output, rounded once.
 
 Seeding. With ``seed=s, step=k`` each parameter named ``n`` gets its own generator seeded from ``(s, k, n, draw)``
 (blake2b), so the noise of a parameter does not depend on which other parameters are noised or in what order:
@@ -187,52 +188,62 @@ def measure_rounding_survival(
     return _survival(w, new, z)
 
 
-class _Upcast:
-    """Temporarily keep norm weights in a wider dtype; the norm computes in it and casts its output back.
+class _NoisyNorm(nn.Module):
+    """An RMSNorm whose weight reads as ``w + Z`` without being touched: ``norm(x) + Z ⊙ n(x)``, ``n(x) = x/rms(x)``.
 
-    ``compiled_decode_unsafe``: read by ``qerl_trl.graph_generate``, which decodes eagerly while these hooks are on
-    (a decode step compiled with them gave garbage tokens on the H100; docs/aqn.md)."""
+    The norm runs on the input cast to ``noise.dtype`` (float32), the noise term is added in it and the sum is rounded
+    once to the input dtype, so σ below the resolution of bf16 weights reaches the output (with ``Z = 0`` this is the
+    norm computed in float32, within one rounding of the bf16 model's own output). AQN swaps these in for the norms while noise is on (``NormNoise(..., norm_dtype=...)``). The model then has
+    no hooks and no parameter of a changed dtype, so a compiled decode step traces it like any module (the hooks and
+    fp32 weight storage this replaces gave garbage tokens under ``torch.compile`` on the H100; docs/aqn.md).
+    ``noise`` (``[d]``) is one buffer for the wrapper's life: a CUDA graph captured on it reads each draw in place.
 
-    compiled_decode_unsafe = True
+    ``n(x)`` is the RMSNorm normalisation, ``x · rsqrt(mean(x²) + eps)`` in float32, which gives the exact noise term
+    for both weight forms in use: ``w ⊙ n(x)`` (Llama, Qwen, Mistral) and ``(1 + w) ⊙ n(x)`` (Gemma).
+    :func:`_check_rmsnorm` verifies one of them on a probe before a norm is wrapped.
+    """
 
-    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.handles: list[Any] = []
-        for m in modules:
-            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post))
-        self._stack: list[torch.dtype | None] = []
+    def __init__(self, norm: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = norm
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        self.eps = None if eps is None else float(eps)  # None: torch.nn.RMSNorm's default, finfo(x.dtype).eps
+        w = norm.weight
+        self.register_buffer("noise", torch.zeros(w.shape, dtype=dtype, device=w.device), persistent=False)
 
-    def _pre(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        in_dtype = None
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """``x / rms(x)`` over the last dim, in ``noise.dtype``."""
+        xf = x.to(self.noise.dtype)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
-        def cast(x: Any) -> Any:
-            nonlocal in_dtype
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-                in_dtype = in_dtype or x.dtype
-                return x.to(self.dtype)
-            return x
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # the norm on a float32 input computes w ⊙ n(x) in float32 (HF norms promote), unrounded: the noise term
+        # then moves the value before its one rounding (added to an already rounded output, small σ would vanish)
+        y = self.norm(x.to(self.noise.dtype), *args, **kwargs)
+        return (y.to(self.noise.dtype) + self.noise * self.normalized(x)).to(x.dtype)
 
-        args = tuple(cast(a) for a in args)
-        kwargs = {k: cast(v) for k, v in kwargs.items()}
-        self._stack.append(in_dtype)
-        return args, kwargs
 
-    def _post(self, _m: nn.Module, _args: Any, out: Any) -> Any:
-        in_dtype = self._stack.pop() if self._stack else None
-        if in_dtype is None:
-            return out
-        back = lambda x: x.to(in_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-        if isinstance(out, tuple):
-            return tuple(back(x) for x in out)
-        if isinstance(out, list):
-            return [back(x) for x in out]
-        return back(out)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+def _check_rmsnorm(name: str, wrapper: _NoisyNorm) -> None:
+    """Raise ``ValueError`` unless the wrapped norm, run as the wrapper runs it (float32 input, ``Z = 0``), computes
+    ``w ⊙ n(x)`` or ``(1 + w) ⊙ n(x)`` on a random probe."""
+    norm, w = wrapper.norm, wrapper.norm.weight
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    why = "does not compute w * x/rms(x) nor (1 + w) * x/rms(x)"
+    try:
+        with torch.no_grad():
+            y = norm(x.to(wrapper.noise.dtype)).double()
+        n = wrapper.normalized(x).double()
+        wd = w.detach().double()
+        err = min(float((y - wd * n).abs().max()), float((y - (1 + wd) * n).abs().max()))
+        ok = err <= 1e-4 * (float(y.abs().max()) + 1e-12)
+    except (RuntimeError, TypeError) as e:  # e.g. a fused norm that wants input and weight of one dtype
+        ok, why = False, f"cannot run on a {wrapper.noise.dtype} input ({e})"
+    if not ok:
+        raise ValueError(
+            f"aqn: {name} ({type(norm).__name__}) {why}, so its noise cannot be added as Z * x/rms(x) in "
+            f"{wrapper.noise.dtype}; use norm_dtype=None (the noise is then rounded into the weight itself)"
+        )
 
 
 class NoiseHandle:
@@ -262,10 +273,12 @@ class NoiseHandle:
         self.draws = 0
         self.noise: dict[str, torch.Tensor] = {}
         self._originals: dict[str, torch.Tensor] = {}
-        self._upcast: _Upcast | None = None
-        self._orig_data: dict[str, torch.Tensor] | None = None
+        self._wrapped = False  # the norms are swapped for their _NoisyNorm wrappers (norm_dtype)
         self._hook: Any = None
         self._active = False
+        #: read by ``qerl_trl.graph_generate``, which decodes eagerly while a hook so marked is on: per-forward noise
+        #: resamples in a Python hook before every forward, which a compiled step cannot replay
+        self.compiled_decode_unsafe = per_forward
 
     # -------------------------------------------------------------- lifecycle
     def _start(self) -> None:
@@ -275,12 +288,10 @@ class NoiseHandle:
         try:
             if o.norm_dtype is not None:
                 if o.norm_modules is None:
-                    raise ValueError("norm_dtype needs a model (norm modules to hook), not a parameter map")
-                self._orig_data = {n: p.data for n, p in o.params.items()}
+                    raise ValueError("norm_dtype needs a model (norm modules to wrap), not a parameter map")
                 if any(p.dtype != o.norm_dtype for p in o.params.values()):
-                    self._upcast = _Upcast(o.norm_modules, o.norm_dtype)
-                    for n, p in o.params.items():
-                        p.data = o._wide_storage(n, p)
+                    o._swap_wrappers(True)
+                    self._wrapped = True
             if self.per_forward:
                 target = o.hook_module
                 if target is None:
@@ -308,31 +319,30 @@ class NoiseHandle:
         self.noise = _draw(named, self.sigma, seed=self.seed, step=self.step, draw=draw, generator=self.generator)
         with torch.no_grad():
             for n, p in o.params.items():
-                p.copy_(_add_noise(self._originals[n], self.noise[n], p.dtype))
+                if self._wrapped:
+                    o._wrappers[n].noise.copy_(self.noise[n])
+                else:
+                    p.copy_(_add_noise(self._originals[n], self.noise[n], p.dtype))
         self.draws += 1
         if o.warn_lossy and not self.per_forward and self.draws == 1:
             o._maybe_warn_lossy(self)
 
     def restore(self) -> None:
-        """Put the exact original weights back (idempotent); removes the per-forward / upcast hooks."""
+        """Put the exact original weights (or norms) back (idempotent); removes the per-forward hook."""
         if not self._active:
             return
         o = self.owner
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._upcast is not None:
-            self._upcast.remove()
-            self._upcast = None
-        orig_data = self._orig_data
-        with torch.no_grad():
-            for n, p in o.params.items():
-                if orig_data is not None and p.data.dtype != orig_data[n].dtype:
-                    p.data = orig_data[n]  # the original storage object; its values were never touched
-                else:
+        if self._wrapped:
+            o._swap_wrappers(False)  # the weights themselves were never touched
+            self._wrapped = False
+        else:
+            with torch.no_grad():
+                for n, p in o.params.items():
                     p.copy_(self._originals[n])
         self._originals = {}
-        self._orig_data = None
         self._active = False
         if o._active is self:
             o._active = None
@@ -346,7 +356,11 @@ class NoiseHandle:
         """How much of the latest draw survived in the stored weights (see :func:`measure_rounding_survival`)."""
         if not self._active or not self.noise:
             raise RuntimeError("no live noise to measure")
-        return _merge_survival([(self._originals[n], p, self.noise[n]) for n, p in self.owner.params.items()])
+        o = self.owner
+        if self._wrapped:  # the noise term is added in norm_dtype: what survives is the draw rounded to it
+            return _merge_survival([(self._originals[n], self._originals[n].to(o.norm_dtype) + o._wrappers[n].noise,
+                                     self.noise[n]) for n in o.params])  # fmt: skip
+        return _merge_survival([(self._originals[n], p, self.noise[n]) for n, p in o.params.items()])
 
     def __enter__(self) -> NoiseHandle:
         return self
@@ -367,9 +381,10 @@ class NormNoise:
             ``{name: 1-D Parameter/Tensor}`` of norm weights to perturb in place (no discovery, no hooks).
         groups: precomputed groups for ``target`` (skips discovery).
         example_inputs, include_final_norm, method: forwarded to :func:`find_norm_linear_pairs`.
-        norm_dtype: e.g. ``torch.float32``: while noise is on, norm weights narrower than this are held in it, and
-            the norms compute in it and cast their output back to their input dtype (HF eager models). Needed for
-            σ below the resolution of bf16 weights; see the module docstring.
+        norm_dtype: e.g. ``torch.float32``: while noise is on, each norm with a narrower weight is swapped for a
+            wrapper that adds the noise term ``Z ⊙ x/rms(x)`` in this dtype to the norm's own output and rounds the
+            sum once (the weight itself is never written). Needed for σ below the resolution of bf16 weights; see
+            the module docstring. Raises ``ValueError`` at the first noise if a norm is not an RMSNorm.
         warn_lossy: warn (once per σ) when less than half of the noise survives rounding to the weight dtype.
 
     Only one noise can be live at a time: ``apply`` while a handle is active raises ``RuntimeError``.
@@ -427,18 +442,25 @@ class NormNoise:
         self.warn_lossy = warn_lossy
         self._active: NoiseHandle | None = None
         self._warned: set[float] = set()
-        self._wide: dict[str, torch.Tensor] = {}  # norm_dtype storage of the norm weights, reused across noises
+        self._norm_slots: dict[str, tuple[nn.Module, str, nn.Module]] = {}  # weight name -> (parent, attribute, norm)
+        if self.model is not None:
+            for g in self.groups:
+                if g.norm is not None and g.weight_name in params and g.weight_name not in self._norm_slots:
+                    parent, _, attr = g.norm_name.rpartition(".")
+                    self._norm_slots[g.weight_name] = (self.model.get_submodule(parent), attr, g.norm)
+        # one wrapper per norm for this object's life: its noise buffer stays at one address (CUDA graphs)
+        self._wrappers: dict[str, _NoisyNorm] = {}
 
-    def _wide_storage(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s values in ``norm_dtype``, in a buffer allocated once and reused by every later noise: the norm
-        weights then sit at the same address in every rollout, as a CUDA graph captured on them requires (a fresh
-        ``p.to(norm_dtype)`` per rollout would move them, and a replayed graph would read the old, freed storage)."""
-        buf = self._wide.get(name)
-        if buf is None or buf.shape != p.shape or buf.device != p.device:
-            buf = torch.empty(p.shape, dtype=self.norm_dtype, device=p.device)
-            self._wide[name] = buf
-        buf.copy_(p.data)
-        return buf
+    def _swap_wrappers(self, on: bool) -> None:
+        """Put each norm's :class:`_NoisyNorm` in its place in the model (``on``), or the norm back."""
+        for n, (_, _, norm) in self._norm_slots.items():  # all built and checked before the model changes
+            wrapper = self._wrappers.get(n)
+            if wrapper is None or wrapper.noise.device != norm.weight.device:
+                wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
+                _check_rmsnorm(n.removesuffix(".weight"), wrapper)
+                self._wrappers[n] = wrapper
+        for n, (parent, attr, norm) in self._norm_slots.items():
+            setattr(parent, attr, self._wrappers[n] if on else norm)
 
     @property
     def weight_names(self) -> list[str]:

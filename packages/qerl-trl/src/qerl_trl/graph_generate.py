@@ -220,18 +220,18 @@ def _decode_step(
 
 
 def _model_config(model: nn.Module) -> tuple:
-    """What a compiled step depends on that dynamo does not guard: the dtype of every parameter and which modules
-    carry forward hooks. AQN with ``norm_dtype`` changes both for a rollout (fp32 norm weights, upcasting hooks); a
-    step compiled before that would be replayed unchanged on the fp32 storage (garbage on CUDA, a dtype error on
-    CPU), so each configuration gets its own compiled step."""
+    """What a compiled step depends on beyond what dynamo guards: the class of every module, the dtype of every
+    parameter and which modules carry forward hooks. AQN with ``norm_dtype`` swaps the norms for noisy wrappers for a
+    rollout; each configuration gets its own compiled step (and CUDA graphs), replayed whenever it comes back."""
+    types = tuple(type(m) for m in model.modules())
     dtypes = tuple(p.dtype for p in model.parameters())
     hooked = tuple(i for i, m in enumerate(model.modules()) if m._forward_pre_hooks or m._forward_hooks)
-    return dtypes, hooked
+    return types, dtypes, hooked
 
 
 def _compiled_decode_unsafe(model: nn.Module) -> bool:
-    """Whether some module carries a forward hook marked ``compiled_decode_unsafe`` (AQN's upcasting hooks around its
-    fp32 norm storage, on for a noisy rollout): a decode step compiled with them gave garbage tokens on the H100."""
+    """Whether some module carries a forward hook marked ``compiled_decode_unsafe`` (AQN's per-forward noise, which
+    resamples in a Python hook before every forward: a replayed step would keep one draw)."""
     for m in model.modules():
         for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
             if getattr(getattr(hook, "__self__", None), "compiled_decode_unsafe", False):
@@ -247,8 +247,8 @@ def _warn_eager_once() -> None:
     if not _WARNED_EAGER:
         _WARNED_EAGER = True
         warnings.warn(
-            "graph_generate: AQN's fp32 norm hooks are on; decoding these rollouts eagerly: the compiled step gave "
-            "garbage tokens on the H100 in this configuration (docs/aqn.md)",
+            "graph_generate: AQN's per-forward noise hook is on (it resamples before every forward, which a compiled "
+            "step cannot replay); decoding these rollouts eagerly",
             stacklevel=3,
         )
 

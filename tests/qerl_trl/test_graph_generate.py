@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-
 import warnings
 
 import pytest

@@ -15,6 +15,7 @@ from aqn_test_helpers import (
     tiny_model,
     tokens,
 )
+from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -316,6 +317,24 @@ def test_fp32_noise_term_is_the_noisy_weight(arch):
             with torch.no_grad():
                 want_norm.weight += h.noise[n].double()
                 torch.testing.assert_close(wrapper(x).double(), want_norm(x.double()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_fp32_noise_on_torch_rmsnorm(eps):
+    """``torch.nn.RMSNorm`` (eps None: finfo of the input dtype, float32 inside the wrapper) on a bf16 weight."""
+    from aqn.noise import _NoisyNorm
+
+    norm = nn.RMSNorm(32, eps=eps).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32) + 0.5)
+    wrapper = _NoisyNorm(norm, torch.float32)
+    aqn.noise._check_rmsnorm("norm", wrapper)
+    z = aqn.sample_noise((32,), 1e-3, seed=0)
+    wrapper.noise.copy_(z)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    want = nn.functional.rms_norm(x.float(), (32,), norm.weight.float() + z, eps).to(torch.bfloat16)
+    torch.testing.assert_close(wrapper(x), want, rtol=0, atol=1e-2)
+    assert wrapper(x).dtype == torch.bfloat16
 
 
 def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():

@@ -207,14 +207,15 @@ class _NoisyNorm(nn.Module):
         super().__init__()
         self.norm = norm
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        self.eps = None if eps is None else float(eps)  # None: torch.nn.RMSNorm's default, finfo(x.dtype).eps
+        # None: torch.nn.RMSNorm's default, finfo of its input's dtype, which is noise.dtype here
+        self.eps = None if eps is None else float(eps)
         w = norm.weight
         self.register_buffer("noise", torch.zeros(w.shape, dtype=dtype, device=w.device), persistent=False)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         """``x / rms(x)`` over the last dim, in ``noise.dtype``."""
         xf = x.to(self.noise.dtype)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        eps = torch.finfo(xf.dtype).eps if self.eps is None else self.eps
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

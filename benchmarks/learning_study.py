@@ -539,6 +539,36 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
     }
 
 
+def take_arms_from(res: dict, specs: list[str]) -> None:
+    """``--arm-from ARM=JSON``: put an earlier study's data for ``ARM`` (every task both hold) in place of this run's.
+
+    For an arm stopped early (say to fit a device's time limit) whose code path did not change: every step this run
+    did log must equal the earlier run's, reward and entropy (the runs are deterministic on one GPU), else
+    ``SystemExit``. The result's ``notes`` say which arm came from where."""
+    for spec in specs:
+        arm, sep, path = spec.partition("=")
+        if not sep or arm not in GPU_ARMS:
+            raise SystemExit(f"--arm-from {spec!r}: expected ARM=JSON with ARM one of {', '.join(GPU_ARMS)}")
+        earlier = json.loads(Path(path).read_text())
+        for task, data in res["tasks"].items():
+            theirs = earlier.get("tasks", {}).get(task, {}).get("arms", {}).get(arm)
+            if theirs is None or arm not in data["arms"]:
+                continue
+            checked = 0
+            for seed, ours in data["arms"][arm]["seeds"].items():
+                old = theirs["seeds"].get(seed, {})
+                for key in ("reward", "entropy"):
+                    n = len(ours[key])
+                    if old.get(key, [])[:n] != ours[key]:
+                        raise SystemExit(f"--arm-from: {task}/{arm} seed {seed}: this run's {key} differs from "
+                                         f"{path}'s within its {n} steps; not the same runs")
+                checked = max(checked, len(ours["reward"]))
+            data["arms"][arm] = theirs | {"source": f"{path} (same settings and seeds; this run's {checked} steps "
+                                                    "of it identical)"}
+            res.setdefault("notes", []).append(f"{task}/{arm}: data from {path} ({earlier.get('date')}); this run "
+                                               f"stopped it after {checked} steps, all identical to that run's.")
+
+
 def _summary_rows(res: dict) -> list[dict]:
     """Per (task, arm): held-out accuracy at the first and last eval (mean, 95 % CI over seeds), final reward, and
     steps to reach 50 % of bf16 + LoRA's final reward (mean curve over seeds, smoothed over 10 steps)."""
@@ -685,6 +715,7 @@ def main_gpu(args) -> None:
     if not args.plot_only:
         launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny)
     res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
+    take_arms_from(res, args.arm_from)
     out = args.json or ROOT / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
     res["summary"] = _summary_rows(res)
     if args.formats:
@@ -725,6 +756,9 @@ def main() -> None:
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
     gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
+    gpu.add_argument("--arm-from", action="append", default=[], metavar="ARM=JSON",
+                     help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "
+                          "steps it logged must equal that run's)")
     args = ap.parse_args()
     if args.formats:
         args.gpu = True

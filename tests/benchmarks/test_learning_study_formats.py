@@ -65,3 +65,25 @@ def test_formats_preset_plot_only_writes_json_table_and_figure(tmp_path):
     assert {"nf4", "mxfp4-rtn", "rtn"} <= set(data["tasks"]["arithmetic"]["base_eval"])
     assert "| arithmetic | MXFP4+LoRA+AQN | 0 |" in p.stdout
     assert (tmp_path / "learning_study_formats_arithmetic.png").is_file()
+
+
+def test_arm_from_an_earlier_study(study, tmp_path):
+    """``--arm-from ARM=JSON`` takes an arm stopped early from an earlier run, only when every step this run logged
+    equals that run's (reward and entropy), and says so in the notes."""
+
+    def arm(rewards):
+        return {"seeds": {"0": {"reward": rewards, "entropy": [r / 2 for r in rewards], "eval": {}}}}
+
+    earlier = {"date": "2026-11-24", "tasks": {"arithmetic": {"arms": {"NVFP4+LoRA": arm([0.1, 0.2, 0.3, 0.4])}}}}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    res = {"tasks": {"arithmetic": {"arms": {"NVFP4+LoRA": arm([0.1, 0.2]), "bf16+LoRA": arm([0.5])}}}}
+    study.take_arms_from(res, [f"NVFP4+LoRA={path}"])
+    assert res["tasks"]["arithmetic"]["arms"]["NVFP4+LoRA"]["seeds"]["0"]["reward"] == [0.1, 0.2, 0.3, 0.4]
+    assert res["tasks"]["arithmetic"]["arms"]["bf16+LoRA"]["seeds"]["0"]["reward"] == [0.5]
+    assert "stopped it after 2 steps" in res["notes"][0]
+    differs = {"tasks": {"arithmetic": {"arms": {"NVFP4+LoRA": arm([0.1, 0.25])}}}}
+    with pytest.raises(SystemExit, match="not the same runs"):
+        study.take_arms_from(differs, [f"NVFP4+LoRA={path}"])
+    with pytest.raises(SystemExit, match="expected ARM=JSON"):
+        study.take_arms_from(res, ["no-such-arm=x.json"])

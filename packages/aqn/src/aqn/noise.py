@@ -193,9 +193,10 @@ class _NoisyNorm(nn.Module):
 
     The norm runs on the input cast to ``noise.dtype`` (float32), the noise term is added in it and the sum is rounded
     once to the input dtype, so σ below the resolution of bf16 weights reaches the output (with ``Z = 0`` this is the
-    norm computed in float32, within one rounding of the bf16 model's own output). AQN swaps these in for the norms while noise is on (``NormNoise(..., norm_dtype=...)``). The model then has
-    no hooks and no parameter of a changed dtype, so a compiled decode step traces it like any module (the hooks and
-    fp32 weight storage this replaces gave garbage tokens under ``torch.compile`` on the H100; docs/aqn.md).
+    norm computed in float32, within one rounding of the bf16 model's own output). AQN swaps these in for the norms
+    while noise is on (``NormNoise(..., norm_dtype=...)``). The model then has no hooks and no parameter of a changed
+    dtype, so a compiled decode step traces it like any module (the hooks and fp32 weight storage this replaces gave
+    garbage tokens under ``torch.compile`` on the H100; docs/aqn.md).
     ``noise`` (``[d]``) is one buffer for the wrapper's life: a CUDA graph captured on it reads each draw in place.
 
     ``n(x)`` is the RMSNorm normalisation, ``x · rsqrt(mean(x²) + eps)`` in float32, which gives the exact noise term
@@ -454,12 +455,13 @@ class NormNoise:
 
     def _swap_wrappers(self, on: bool) -> None:
         """Put each norm's :class:`_NoisyNorm` in its place in the model (``on``), or the norm back."""
-        for n, (_, _, norm) in self._norm_slots.items():  # all built and checked before the model changes
-            wrapper = self._wrappers.get(n)
-            if wrapper is None or wrapper.noise.device != norm.weight.device:
-                wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
-                _check_rmsnorm(n.removesuffix(".weight"), wrapper)
-                self._wrappers[n] = wrapper
+        if on:  # every wrapper built and checked before the model changes
+            for n, (_, _, norm) in self._norm_slots.items():
+                wrapper = self._wrappers.get(n)
+                if wrapper is None or wrapper.noise.device != norm.weight.device:
+                    wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
+                    _check_rmsnorm(n.removesuffix(".weight"), wrapper)
+                    self._wrappers[n] = wrapper
         for n, (parent, attr, norm) in self._norm_slots.items():
             setattr(parent, attr, self._wrappers[n] if on else norm)
 

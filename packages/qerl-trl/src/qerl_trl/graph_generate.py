@@ -223,9 +223,10 @@ def _model_config(model: nn.Module) -> tuple:
     """What a compiled step depends on beyond what dynamo guards: the class of every module, the dtype of every
     parameter and which modules carry forward hooks. AQN with ``norm_dtype`` swaps the norms for noisy wrappers for a
     rollout; each configuration gets its own compiled step (and CUDA graphs), replayed whenever it comes back."""
-    types = tuple(type(m) for m in model.modules())
+    modules = list(model.modules())
+    types = tuple(type(m) for m in modules)
     dtypes = tuple(p.dtype for p in model.parameters())
-    hooked = tuple(i for i, m in enumerate(model.modules()) if m._forward_pre_hooks or m._forward_hooks)
+    hooked = tuple(i for i, m in enumerate(modules) if m._forward_pre_hooks or m._forward_hooks)
     return types, dtypes, hooked
 
 

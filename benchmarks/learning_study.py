@@ -540,17 +540,22 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
 
 
 def take_arms_from(res: dict, specs: list[str]) -> None:
-    """``--arm-from ARM=JSON``: put an earlier study's data for ``ARM`` (every task both hold) in place of this run's.
+    """``--arm-from [TASK/]ARM=JSON``: put an earlier study's data for ``ARM`` (in ``TASK``, or in every task both
+    hold) in place of this run's.
 
     For an arm stopped early (say to fit a device's time limit) whose code path did not change: every step this run
     did log must equal the earlier run's, reward and entropy (the runs are deterministic on one GPU), else
     ``SystemExit``. The result's ``notes`` say which arm came from where."""
     for spec in specs:
-        arm, sep, path = spec.partition("=")
-        if not sep or arm not in GPU_ARMS:
-            raise SystemExit(f"--arm-from {spec!r}: expected ARM=JSON with ARM one of {', '.join(GPU_ARMS)}")
+        name, sep, path = spec.partition("=")
+        only, _, arm = name.rpartition("/")
+        if not sep or arm not in GPU_ARMS or (only and only not in GPU_TASKS):
+            raise SystemExit(f"--arm-from {spec!r}: expected [TASK/]ARM=JSON with TASK one of {', '.join(GPU_TASKS)} "
+                             f"and ARM one of {', '.join(GPU_ARMS)}")
         earlier = json.loads(Path(path).read_text())
         for task, data in res["tasks"].items():
+            if only and task != only:
+                continue
             theirs = earlier.get("tasks", {}).get(task, {}).get("arms", {}).get(arm)
             if theirs is None or arm not in data["arms"]:
                 continue
@@ -756,7 +761,7 @@ def main() -> None:
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
     gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
-    gpu.add_argument("--arm-from", action="append", default=[], metavar="ARM=JSON",
+    gpu.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
                      help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "
                           "steps it logged must equal that run's)")
     args = ap.parse_args()

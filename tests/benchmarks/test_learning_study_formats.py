@@ -85,5 +85,15 @@ def test_arm_from_an_earlier_study(study, tmp_path):
     differs = {"tasks": {"arithmetic": {"arms": {"NVFP4+LoRA": arm([0.1, 0.25])}}}}
     with pytest.raises(SystemExit, match="not the same runs"):
         study.take_arms_from(differs, [f"NVFP4+LoRA={path}"])
-    with pytest.raises(SystemExit, match="expected ARM=JSON"):
+    with pytest.raises(SystemExit, match="expected \\[TASK/\\]ARM=JSON"):
         study.take_arms_from(res, ["no-such-arm=x.json"])
+    with pytest.raises(SystemExit, match="expected \\[TASK/\\]ARM=JSON"):
+        study.take_arms_from(res, [f"no-such-task/NVFP4+LoRA={path}"])
+    # TASK/ARM: only that task's arm is taken; another task's (a full run here, unlike the earlier one's) stays
+    both = {"tasks": {"arithmetic": {"arms": {"NVFP4+LoRA": arm([0.1, 0.2])}},
+                      "gsm8k": {"arms": {"NVFP4+LoRA": arm([0.0, 0.1, 0.2, 0.3, 0.4])}}}}
+    earlier["tasks"]["gsm8k"] = {"arms": {"NVFP4+LoRA": arm([0.0])}}
+    path.write_text(json.dumps(earlier))
+    study.take_arms_from(both, [f"arithmetic/NVFP4+LoRA={path}"])
+    assert both["tasks"]["arithmetic"]["arms"]["NVFP4+LoRA"]["seeds"]["0"]["reward"] == [0.1, 0.2, 0.3, 0.4]
+    assert both["tasks"]["gsm8k"]["arms"]["NVFP4+LoRA"]["seeds"]["0"]["reward"] == [0.0, 0.1, 0.2, 0.3, 0.4]

@@ -20,6 +20,7 @@ sees the same prompts in the same order (same data seed). Runs execute ``--paral
 processes on one GPU (the model is tiny), one torch thread each::
 
     python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
+    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs (~27 min)
     python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
@@ -44,6 +45,7 @@ every other arm's (``QeRLGRPOTrainer`` undoes TRL's bf16 cast of QLoRA adapters)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -413,11 +415,45 @@ def _eval_many(argvs_json: str) -> None:
             ev.main(argv)
 
 
+#: eval jobs that failed (argument lists, log): ``launch_gpu`` runs each once more, alone, after the others
+_FAILED_EVALS: list[tuple[list[list[str]], Path]] = []
+
+
+def _say_failure(what: str, log: Path, lines: int = 25) -> None:
+    """Print the end of a failed job's log into the study's own output (the logs may not outlive the machine)."""
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.is_file() else ["(no log)"]
+    print(f"[fail] {what} (log {log}):\n    " + "\n    ".join(tail), flush=True)
+
+
 def _run_eval_job(argvs: list[list[str]], log: Path) -> int:
     if all((Path(a[a.index("--output") + 1]) / "eval.json").is_file() for a in argvs):
         return 0
     rc, _ = _run([sys.executable, str(Path(__file__).resolve()), "_eval_many", json.dumps(argvs)], log)
+    if rc != 0:
+        _say_failure(f"eval rc {rc}", log)
+        _FAILED_EVALS.append((argvs, log))
     return rc
+
+
+@contextlib.contextmanager
+def _mps_daemon(folder: Path):
+    """Run the study's processes under CUDA MPS: a control daemon with its pipe and log folders under ``folder``,
+    stopped on exit. Without MPS, a dozen processes time-slice the GPU; with it, their small kernels share the SMs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    for d in env.values():
+        Path(d).mkdir(exist_ok=True)
+    try:
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--mps: could not start nvidia-cuda-mps-control ({e}); run without --mps") from e
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ, check=False)
+        for k in env:
+            os.environ.pop(k, None)
 
 
 def _gpu_run_dir(runs: Path, task: str, arm: str, seed: int) -> Path:
@@ -432,6 +468,8 @@ def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], run
     if not (out / "final" / "adapter_config.json").is_file():
         print(f"[{time.strftime('%H:%M:%S')}] train {tag}", flush=True)
         rc, sec = _run(_gpu_train_cmd(task, arm, seed, steps, eval_at, out, tiny), logs / f"train-{tag}.log")
+        if rc != 0:
+            _say_failure(f"train {tag} rc {rc}", logs / f"train-{tag}.log")
         out.mkdir(parents=True, exist_ok=True)
         (out / "wall_time.json").write_text(json.dumps({"train_wall_s": sec, "rc": rc}))
         print(f"[{time.strftime('%H:%M:%S')}] trained {tag}: rc {rc}, {sec:.0f} s", flush=True)
@@ -446,18 +484,30 @@ def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], run
 
 
 def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
-               logs: Path, parallel: int, tiny: bool) -> None:  # fmt: skip
+               logs: Path, parallel: int, tiny: bool, mps: bool = False) -> None:  # fmt: skip
+    """Train and evaluate every (task, arm, seed), ``parallel`` processes at a time (under MPS with ``mps``); an eval
+    that failed runs once more at the end, alone and without MPS, and its log's end is printed either way."""
+    with _mps_daemon(logs / "mps") if mps else contextlib.nullcontext():
+        _launch_gpu(tasks, arms, seeds, steps, eval_at, runs, logs, parallel, tiny)
+    failed, _FAILED_EVALS[:] = list(_FAILED_EVALS), []
+    for argvs, log in failed:
+        rc = _run_eval_job(argvs, log.with_suffix(".retry.log"))
+        print(f"[{time.strftime('%H:%M:%S')}] eval retried alone ({log.name}): rc {rc}", flush=True)
+    _FAILED_EVALS.clear()  # a retry that failed again was printed; it is not retried twice
+
+
+def _launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
+                logs: Path, parallel: int, tiny: bool) -> None:  # fmt: skip
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    jobs = []
-    if 0 in eval_at:  # the base models, once per (task, quantization)
+    # seeds outermost: a study cut short still has every arm of the first seeds
+    jobs = [(_gpu_job, (task, arm, seed, steps, eval_at, runs, logs, tiny))
+            for seed in seeds for task in tasks for arm in arms]  # fmt: skip
+    if 0 in eval_at:  # the base models, once per (task, quantization); last, so that no training run waits for them
         for task in tasks:
             for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms}):
                 argvs = _gpu_eval_argvs(task, quant, runs / task / f"base-{quant}", None, tiny)
                 jobs.append((_run_eval_job, (argvs, logs / f"eval-{task}-base-{quant}.log")))
-    # seeds outermost: a study cut short still has every arm of the first seeds
-    jobs += [(_gpu_job, (task, arm, seed, steps, eval_at, runs, logs, tiny))
-             for seed in seeds for task in tasks for arm in arms]  # fmt: skip
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         for f in [pool.submit(fn, *a) for fn, a in jobs]:
             f.result()
@@ -718,7 +768,7 @@ def main_gpu(args) -> None:
     name = "learning_study_formats" if args.formats else "learning_study_gpu"
     runs = args.runs or ROOT / "runs" / (f"{name}_tiny" if args.tiny else name)
     if not args.plot_only:
-        launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny)
+        launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny, args.mps)
     res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
     take_arms_from(res, args.arm_from)
     out = args.json or ROOT / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
@@ -760,6 +810,8 @@ def main() -> None:
     gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
+    gpu.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "
+                     "study's lifetime): on the H100, 12 GSM8K runs at once made ~10 steps/min each (bf16 + LoRA; ~12 alone)")
     gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
     gpu.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
                      help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "

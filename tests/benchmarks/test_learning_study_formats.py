@@ -97,3 +97,18 @@ def test_arm_from_an_earlier_study(study, tmp_path):
     study.take_arms_from(both, [f"arithmetic/NVFP4+LoRA={path}"])
     assert both["tasks"]["arithmetic"]["arms"]["NVFP4+LoRA"]["seeds"]["0"]["reward"] == [0.1, 0.2, 0.3, 0.4]
     assert both["tasks"]["gsm8k"]["arms"]["NVFP4+LoRA"]["seeds"]["0"]["reward"] == [0.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_failed_eval_is_shown_and_retried_alone(study, tmp_path, capsys):
+    """A ``qerl eval`` job that fails prints its log's end into the study's output (the logs may not outlive the
+    device machine) and runs once more after all other jobs; here it fails for real both times (no adapter there)."""
+    argvs = study._gpu_eval_argvs("arithmetic", "none", tmp_path / "eval-75", tmp_path / "no-adapter", tiny=True)
+    log = tmp_path / "eval.log"
+    assert study._run_eval_job(argvs[:1], log) != 0
+    out = capsys.readouterr().out
+    assert "[fail] eval rc" in out and "no-adapter" in out  # the error names the missing adapter
+    assert study._FAILED_EVALS == [(argvs[:1], log)]
+    study.launch_gpu([], [], [0], 2, [0, 2], tmp_path / "runs", tmp_path, parallel=1, tiny=True)
+    out = capsys.readouterr().out
+    assert "eval retried alone (eval.log): rc" in out and "rc 0" not in out
+    assert (tmp_path / "eval.retry.log").is_file() and study._FAILED_EVALS == []

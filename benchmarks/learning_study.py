@@ -447,13 +447,17 @@ def _mps_daemon(folder: Path):
         subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"--mps: could not start nvidia-cuda-mps-control ({e}); run without --mps") from e
+    before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         yield
     finally:
         subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ, check=False)
-        for k in env:
-            os.environ.pop(k, None)
+        for k, v in before.items():  # the caller's own settings, if it had any, come back
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _gpu_run_dir(runs: Path, task: str, arm: str, seed: int) -> Path:
@@ -489,8 +493,7 @@ def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, 
     that failed runs once more at the end, alone and without MPS, and its log's end is printed either way."""
     with _mps_daemon(logs / "mps") if mps else contextlib.nullcontext():
         _launch_gpu(tasks, arms, seeds, steps, eval_at, runs, logs, parallel, tiny)
-    failed, _FAILED_EVALS[:] = list(_FAILED_EVALS), []
-    for argvs, log in failed:
+    for argvs, log in list(_FAILED_EVALS):
         rc = _run_eval_job(argvs, log.with_suffix(".retry.log"))
         print(f"[{time.strftime('%H:%M:%S')}] eval retried alone ({log.name}): rc {rc}", flush=True)
     _FAILED_EVALS.clear()  # a retry that failed again was printed; it is not retried twice

@@ -112,3 +112,39 @@ def test_failed_eval_is_shown_and_retried_alone(study, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "eval retried alone (eval.log): rc" in out and "rc 0" not in out
     assert (tmp_path / "eval.retry.log").is_file() and study._FAILED_EVALS == []
+
+
+def test_gsm8k_runs_score_the_whole_batch_and_eval_in_one_batch(study, tmp_path, monkeypatch):
+    """GSM8K runs score their 16 sequences in one forward (the recipe's ``logprob_batch_size: 2`` is for CPU host
+    memory and costs 8x the ops per step: ``benchmarks/loss_op_count.py``); the arithmetic runs keep the recipe's value
+    so that the recorded ones re-run identically. GSM8K evals are one batch of the 200 problems."""
+    from qerl_trl.cli import parse_train_args
+    from qerl_trl.evaluation import build_parser
+
+    monkeypatch.setenv("QERL_GSM8K", str(REPO.parent / "shared" / "data" / "gsm8k"))
+    if not (REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl").is_file():
+        (tmp_path / "g").mkdir()
+        for split in ("train", "test"):
+            (tmp_path / "g" / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+        monkeypatch.setenv("QERL_GSM8K", str(tmp_path / "g"))
+    for task, size in (("gsm8k", 16), ("arithmetic", 2)):
+        cmd = study._gpu_train_cmd(task, "NVFP4+LoRA+AQN", 0, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+        _, config = parse_train_args(cmd[4:])
+        assert config.logprob_batch_size == size and config.gradient_checkpointing
+    argv = study._gpu_eval_argvs("gsm8k", "rtn", tmp_path / "e", None, tiny=False)[1]
+    args = build_parser().parse_args(argv)
+    assert (args.batch_size, args.limit, args.n_samples) == (200, 200, 4)
+
+
+def test_stopped_study_says_so_on_its_figure(study, tmp_path, monkeypatch):
+    """A study cut short (here 3 of 150 steps logged) is titled with the steps it reached, not the steps it meant to."""
+    import matplotlib.figure
+
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda self, t, **k: titles.append(t))
+    seed = {"steps_logged": 3, "reward": [0.0, 0.1, 0.2], "entropy": [2.0, 2.1, 2.2], "aqn_sigma": [0.0] * 3,
+            "completion_length": [9.0] * 3, "eval": {}}  # fmt: skip
+    res = {"device": "H100", "settings": {"steps": 150, "eval_at": [0, 75, 150]},
+           "tasks": {"gsm8k": {"base_eval": {}, "arms": {"bf16+LoRA": {"seeds": {"0": seed}}}}}}  # fmt: skip
+    study.plot_gpu(res, tmp_path)
+    assert titles and "stopped at steps 3-3 of 150" in titles[0]

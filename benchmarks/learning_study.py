@@ -20,11 +20,13 @@ sees the same prompts in the same order (same data seed). Runs execute ``--paral
 processes on one GPU (the model is tiny), one torch thread each::
 
     python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
-    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs (~27 min)
+    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs (see below)
     python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
-Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``.
+Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``. The 12 GSM8K runs under
+``--mps`` took 27 min of an H100 when they scored 2 sequences per forward (the recipe's ``logprob_batch_size``);
+they now score all 16 at once (8x fewer ops per loss forward + backward), not yet timed.
 
 The formats comparison (issue #22, ``--formats``): the same harness with the arms NVFP4 + LoRA + AQN, MXFP4 + LoRA +
 AQN (``--quantization mxfp4-rtn``) and NF4 (QLoRA: bitsandbytes NF4, double-quantized absmax, LoRA, no AQN;

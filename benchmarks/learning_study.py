@@ -754,8 +754,7 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
         ax.set_title("held-out accuracy (mean, 95 % CI)")
         ax.grid(alpha=0.3, axis="y")
         steps_total = res["settings"]["steps"]
-        logged = [s.get("steps_logged", len(s.get("reward") or [])) for a in data["arms"].values()
-                  for s in a["seeds"].values()]  # fmt: skip
+        logged = [s["steps_logged"] for a in data["arms"].values() for s in a["seeds"].values()]
         stopped = logged and min(logged) < steps_total  # a study cut short says so on its figure
         span = f"stopped at steps {min(logged)}-{max(logged)} of {steps_total}" if stopped else f"{steps_total} steps"
         fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on {task}, {span}, {res['device']}")

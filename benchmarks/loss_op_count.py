@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+from learning_study import GSM8K_DIR  # this folder is the script's sys.path[0]
 
 
 def count(size: int, data: Path, out_dir: Path) -> dict[str, int]:
@@ -63,7 +63,7 @@ def count(size: int, data: Path, out_dir: Path) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 16])
-    ap.add_argument("--data", type=Path, default=GSM8K, help="GSM8K folder (train.jsonl)")
+    ap.add_argument("--data", type=Path, default=GSM8K_DIR, help="GSM8K folder (train.jsonl)")
     ap.add_argument("--runs", type=Path, default=Path("/tmp/loss_op_count"))
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: print only)")
     ap.add_argument("--_one", type=int, default=None, help=argparse.SUPPRESS)
@@ -85,8 +85,6 @@ def main() -> None:
         print(f"| {r['logprob_batch_size']} | {r['loss_forward']} | {r['backward']} | {r['total']} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        import platform
-
         import torch
         import transformers
         import trl

@@ -121,12 +121,13 @@ def test_gsm8k_runs_score_the_whole_batch_and_eval_in_one_batch(study, tmp_path,
     from qerl_trl.cli import parse_train_args
     from qerl_trl.evaluation import build_parser
 
-    monkeypatch.setenv("QERL_GSM8K", str(REPO.parent / "shared" / "data" / "gsm8k"))
-    if not (REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl").is_file():
-        (tmp_path / "g").mkdir()
+    data = study.GSM8K_DIR
+    if not (data / "train.jsonl").is_file():  # a checkout without ../shared: one-line splits will do
+        data = tmp_path / "gsm8k"
+        data.mkdir()
         for split in ("train", "test"):
-            (tmp_path / "g" / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-        monkeypatch.setenv("QERL_GSM8K", str(tmp_path / "g"))
+            (data / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    monkeypatch.setenv("QERL_GSM8K", str(data))
     for task, size in (("gsm8k", 16), ("arithmetic", 2)):
         cmd = study._gpu_train_cmd(task, "NVFP4+LoRA+AQN", 0, 150, [0, 75, 150], tmp_path / "run", tiny=False)
         _, config = parse_train_args(cmd[4:])

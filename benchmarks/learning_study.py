@@ -25,8 +25,9 @@ processes on one GPU (the model is tiny), one torch thread each::
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
 Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``. The 12 GSM8K runs under
-``--mps`` took 27 min of an H100 when they scored 2 sequences per forward (the recipe's ``logprob_batch_size``);
-they now score all 16 at once (8x fewer ops per loss forward + backward), not yet timed.
+``--mps`` train in ~12 min of an H100 scoring all 16 sequences per loss forward (27 min with the recipe's 2 per
+forward); their 26 evaluations (greedy and sampled: 34-47 s each on the H100) then run ``--eval-parallel`` at a
+time.
 
 The formats comparison (issue #22, ``--formats``): the same harness with the arms NVFP4 + LoRA + AQN, MXFP4 + LoRA +
 AQN (``--quantization mxfp4-rtn``) and NF4 (QLoRA: bitsandbytes NF4, double-quantized absmax, LoRA, no AQN;
@@ -426,6 +427,10 @@ def _eval_many(argvs_json: str) -> None:
 
 #: eval jobs that failed (argument lists, log): ``launch_gpu`` runs each once more, alone, after the others
 _FAILED_EVALS: list[tuple[list[list[str]], Path]] = []
+#: evals running at once (``--eval-parallel``): a sampled GSM8K eval decodes 800 rows in one batch, ~10 GB of KV cache
+#: (800 x ~550 positions x 23 KB for SmolLM2-135M; a sample with 4 running read 38 GB); the nine NVFP4 runs end together,
+#: and nine of those at once beside the runs still training would pass the H100's 80 GB
+_EVAL_SLOTS = threading.BoundedSemaphore(6)
 
 
 def _say_failure(what: str, log: Path, lines: int = 25) -> None:
@@ -437,7 +442,8 @@ def _say_failure(what: str, log: Path, lines: int = 25) -> None:
 def _run_eval_job(argvs: list[list[str]], log: Path) -> int:
     if all((Path(a[a.index("--output") + 1]) / "eval.json").is_file() for a in argvs):
         return 0
-    rc, _ = _run([sys.executable, str(Path(__file__).resolve()), "_eval_many", json.dumps(argvs)], log)
+    with _EVAL_SLOTS:
+        rc, _ = _run([sys.executable, str(Path(__file__).resolve()), "_eval_many", json.dumps(argvs)], log)
     if rc != 0:
         _say_failure(f"eval rc {rc}", log)
         _FAILED_EVALS.append((argvs, log))
@@ -497,9 +503,12 @@ def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], run
 
 
 def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
-               logs: Path, parallel: int, tiny: bool, mps: bool = False) -> None:  # fmt: skip
-    """Train and evaluate every (task, arm, seed), ``parallel`` processes at a time (under MPS with ``mps``); an eval
-    that failed runs once more at the end, alone and without MPS, and its log's end is printed either way."""
+               logs: Path, parallel: int, tiny: bool, mps: bool = False, eval_parallel: int = 6) -> None:  # fmt: skip
+    """Train and evaluate every (task, arm, seed), ``parallel`` processes at a time (under MPS with ``mps``), at most
+    ``eval_parallel`` of them evals; an eval that failed runs once more at the end, alone and without MPS, and its
+    log's end is printed either way."""
+    global _EVAL_SLOTS
+    _EVAL_SLOTS = threading.BoundedSemaphore(eval_parallel)
     with _mps_daemon(logs / "mps") if mps else contextlib.nullcontext():
         _launch_gpu(tasks, arms, seeds, steps, eval_at, runs, logs, parallel, tiny)
     for argvs, log in list(_FAILED_EVALS):
@@ -784,7 +793,8 @@ def main_gpu(args) -> None:
     name = "learning_study_formats" if args.formats else "learning_study_gpu"
     runs = args.runs or ROOT / "runs" / (f"{name}_tiny" if args.tiny else name)
     if not args.plot_only:
-        launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny, args.mps)
+        launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny, args.mps,
+                   args.eval_parallel)
     res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
     take_arms_from(res, args.arm_from)
     out = args.json or ROOT / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
@@ -824,10 +834,12 @@ def main() -> None:
                           "docs/learning_study_formats_<task>.png")
     gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
+    gpu.add_argument("--eval-parallel", type=int, default=6, help="of those, evals at a time (GPU memory: a sampled "
+                     "GSM8K eval holds ~10 GB of KV cache)")
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
     gpu.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "
-                     "study's lifetime): on the H100, 12 GSM8K runs at once made ~10 steps/min each (bf16 + LoRA; ~12 alone)")
+                     "study's lifetime): on the H100, 12 GSM8K runs at once made ~16-18 steps/min each")
     gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
     gpu.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
                      help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "

@@ -143,6 +143,22 @@ def test_verify_adapter_catches_missing_wrong_or_disabled_adapters(tiny_dir, ada
     verify_adapter(peft_model, adapter_dir)  # enabled again
 
 
+def test_verify_adapter_names_a_diverged_adapter(tiny_dir, adapter_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    peft_model, _, _ = load_model(str(tiny_dir), adapter=str(adapter_dir))
+    diverged = tmp_path / "diverged"
+    shutil.copytree(adapter_dir, diverged)
+    weights = load_file(str(diverged / "adapter_model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(diverged / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=rf"1 of {len(weights)} tensors hold NaN or inf, e.g. \['{name}'\]; the run"):
+        verify_adapter(peft_model, diverged)
+
+
 def test_untrained_adapter_warns(tiny_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -254,6 +254,77 @@ def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokeni
     assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
 
 
+def test_training_step_runs_sdpa_without_cudnn(tmp_path, tokenizer):
+    """pytorch/pytorch#196678: cuDNN's SDPA backward can return NaN with a finite loss. Every attention forward of a
+    training step (the loss's, and gradient checkpointing's recompute inside the backward) runs with cuDNN SDPA off;
+    the caller's setting comes back after the step."""
+    model = tiny_nvfp4_policy(tokenizer)
+    args = args_for(tmp_path, max_steps=1, aqn=False, gradient_checkpointing=True)
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    seen: list[tuple[bool, bool]] = []  # (grad enabled, cuDNN SDPA enabled) per attention forward
+
+    def record(module, inputs, output):
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+
+    attention = [m for n, m in trainer.model.named_modules() if n.endswith("self_attn")]
+    hooks = [m.register_forward_hook(record) for m in attention]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default
+    trainer.train()
+    for hook in hooks:
+        hook.remove()
+    n_layers = len(attention)
+    assert sum(grad for grad, _ in seen) >= 2 * n_layers  # the loss forward and the recompute in the backward
+    assert not any(cudnn for _, cudnn in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuDNN SDPA backward runs on CUDA")
+def test_training_sdpa_backends_avoid_the_cudnn_nan_backward():
+    """The bug itself (pytorch/pytorch#196678, torch 2.11 on the H100), torch only: an explicit mask, a length % 128
+    == 64 and rows whose logsumexp is below -88.7 give NaN in dQ with cuDNN, finite with TRAINING_SDPA_BACKENDS."""
+    import math
+
+    import torch.nn.functional as F
+    from qerl_trl.trainer import TRAINING_SDPA_BACKENDS
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def grad_q(backends):
+        torch.manual_seed(0)
+        length, dim = 704, 64
+        q = torch.randn(1, 1, length, dim, device="cuda", dtype=torch.bfloat16) * 0.1
+        k = torch.randn(1, 1, length, dim, device="cuda", dtype=torch.bfloat16) * 0.1
+        v = torch.randn(1, 1, length, dim, device="cuda", dtype=torch.bfloat16)
+        q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(dim)  # every score ~ -120
+        q.requires_grad_()
+        mask = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()[None, None]
+        with sdpa_kernel(backends):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(torch.randn(1, 1, length, dim,
+                                                                                     device="cuda", dtype=q.dtype))
+        return q.grad
+
+    assert torch.isfinite(grad_q(TRAINING_SDPA_BACKENDS)).all()
+    try:
+        cudnn = grad_q([SDPBackend.CUDNN_ATTENTION])
+    except RuntimeError:  # no cuDNN SDPA on this GPU / build
+        return
+    print("cuDNN dQ non-finite elements:", int((~torch.isfinite(cudnn)).sum()))  # the bug, where torch still has it
+
+
+def test_non_finite_gradients_stop_before_the_optimizer_step(tmp_path, tokenizer):
+    from qerl_trl.trainer import NonFiniteGradientError
+
+    model = tiny_nvfp4_policy(tokenizer)
+    args = args_for(tmp_path, max_steps=2, aqn=False)
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    lora = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in lora.items()}
+    name = sorted(lora)[0]
+    lora[name].register_hook(lambda grad: torch.full_like(grad, float("nan")))  # a backward that goes NaN
+    with pytest.raises(NonFiniteGradientError, match=r"step 1: the gradient norm is nan; stopped before"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in lora.items())  # no weight moved
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="logprob_batch_size"):
         QeRLConfig(output_dir="x", logprob_batch_size=0)

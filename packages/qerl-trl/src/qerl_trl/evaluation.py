@@ -279,6 +279,7 @@ def verify_adapter(model, adapter_path: str | Path, adapter_name: str = "default
 
     Raises:
         AdapterNotLoadedError: any of the above fails.
+        ValueError: the adapter file holds NaN or inf.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
@@ -294,6 +295,10 @@ def verify_adapter(model, adapter_path: str | Path, adapter_name: str = "default
         saved = load_file(str(weights_file))
     else:
         saved = torch.load(weights_file, map_location="cpu", weights_only=True)
+    nonfinite = [k for k, v in saved.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:  # NaN != NaN: without this, a diverged run's adapter reads as one that "differs from the model's"
+        raise ValueError(f"adapter {path}: {len(nonfinite)} of {len(saved)} tensors hold NaN or inf, e.g. "
+                         f"{nonfinite[:3]}; the run that saved it diverged (see its grad_norm log)")
     loaded = get_peft_model_state_dict(model, adapter_name=adapter_name)
     missing = [k for k in saved if k not in loaded]
     if missing:

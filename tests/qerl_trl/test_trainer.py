@@ -278,6 +278,7 @@ def test_training_step_runs_sdpa_without_cudnn(tmp_path, tokenizer):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuDNN SDPA backward runs on CUDA")
 def test_training_sdpa_backends_avoid_the_cudnn_nan_backward():
     """The bug itself (pytorch/pytorch#196678, torch 2.11 on the H100), torch only: an explicit mask, a length % 128

@@ -159,7 +159,7 @@ def main() -> None:
     dataset = load_task(script_args.task, script_args.split, path=script_args.data_path, seed=config.seed)
     rewards = get_reward_funcs(TASK_DEFAULT_REWARDS[script_args.task])
     if args.keep_cudnn:
-        qt.TRAINING_SDPA_BACKENDS = [b for b in torch.nn.attention.SDPBackend if b.name != "ERROR"]
+        qt.TRAINING_SDPA_BACKENDS = [*qt.TRAINING_SDPA_BACKENDS, torch.nn.attention.SDPBackend.CUDNN_ATTENTION]
     trainer = qt.QeRLGRPOTrainer(script_args.model_name_or_path, rewards, config, train_dataset=dataset)
     trainer.remove_callback(qt.StopOnNonFiniteGradients)  # the hunter takes the step apart instead
     hunter = _Hunter(trainer, args.out, args.force)

@@ -430,7 +430,8 @@ _FAILED_EVALS: list[tuple[list[list[str]], Path]] = []
 #: evals running at once (``--eval-parallel``): a sampled GSM8K eval decodes 800 rows in one batch, ~10 GB of KV cache
 #: (800 x ~550 positions x 23 KB for SmolLM2-135M; a sample with 4 running read 38 GB); the nine NVFP4 runs end together,
 #: and nine of those at once beside the runs still training would pass the H100's 80 GB
-_EVAL_SLOTS = threading.BoundedSemaphore(6)
+EVAL_PARALLEL = 6
+_EVAL_SLOTS = threading.BoundedSemaphore(EVAL_PARALLEL)
 
 
 def _say_failure(what: str, log: Path, lines: int = 25) -> None:
@@ -503,7 +504,7 @@ def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], run
 
 
 def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
-               logs: Path, parallel: int, tiny: bool, mps: bool = False, eval_parallel: int = 6) -> None:  # fmt: skip
+               logs: Path, parallel: int, tiny: bool, mps: bool = False, eval_parallel: int = EVAL_PARALLEL) -> None:  # fmt: skip
     """Train and evaluate every (task, arm, seed), ``parallel`` processes at a time (under MPS with ``mps``), at most
     ``eval_parallel`` of them evals; an eval that failed runs once more at the end, alone and without MPS, and its
     log's end is printed either way."""
@@ -834,8 +835,8 @@ def main() -> None:
                           "docs/learning_study_formats_<task>.png")
     gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
-    gpu.add_argument("--eval-parallel", type=int, default=6, help="of those, evals at a time (GPU memory: a sampled "
-                     "GSM8K eval holds ~10 GB of KV cache)")
+    gpu.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL,
+                     help="of those, evals at a time (GPU memory: a sampled GSM8K eval holds ~10 GB of KV cache)")
     gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
     gpu.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "

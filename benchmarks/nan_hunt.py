@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from learning_study import GSM8K_DIR  # noqa: E402
+from learning_study import GSM8K_DIR, _gpu_train_cmd  # noqa: E402
 
 
 def _bad_grads(model) -> list[str]:
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="train at most this many steps")
     ap.add_argument("--out", type=Path, default=Path("/tmp/nan_hunt"))
     ap.add_argument("--data-path", type=Path, default=Path(os.environ.get("QERL_GSM8K", GSM8K_DIR)))
-    ap.add_argument("--max-completion-length", type=int, default=256)
+    ap.add_argument("--max-completion-length", type=int, default=None, help="default: the study's (256)")
     ap.add_argument("--force", action="store_true", help="diagnose the first step even if its gradients are finite")
     ap.add_argument("--keep-cudnn", action="store_true",
                     help="let the training step pick cuDNN SDPA and go on past NaN (the behaviour before the fix)")
@@ -149,12 +149,12 @@ def main() -> None:
     from qerl_trl.tasks import TASK_DEFAULT_REWARDS, load_task
 
     cuda = torch.cuda.is_available()
-    argv = ["offline-default", "--output_dir", str(args.out / "run"), "--seed", str(args.seed), "--max_steps",
-            str(args.steps), "--per_device_train_batch_size", "16" if cuda else "4", "--num_generations",
-            "4" if cuda else "2", "--learning_rate", "0.0002", "--rollout_engine", "graph" if cuda else "transformers",
-            "--save_strategy", "no", "--disable_tqdm", "true", "--task", "gsm8k", "--task_options", "{}",
-            "--max_completion_length", str(args.max_completion_length), "--logprob_batch_size", "16",
-            "--data_path", str(args.data_path), "--quantization", "none", "--aqn", "false"]  # fmt: skip
+    # the study's own command for this run (its CPU-smoke sizes without CUDA), minus checkpoints
+    os.environ["QERL_GSM8K"] = str(args.data_path)
+    cmd = _gpu_train_cmd("gsm8k", "bf16+LoRA", args.seed, args.steps, [args.steps], args.out / "run", tiny=not cuda)
+    argv = cmd[cmd.index("offline-default"):] + ["--save_strategy", "no"]
+    if args.max_completion_length is not None:
+        argv += ["--max_completion_length", str(args.max_completion_length)]
     script_args, config = parse_train_args(argv)
     dataset = load_task(script_args.task, script_args.split, path=script_args.data_path, seed=config.seed)
     rewards = get_reward_funcs(TASK_DEFAULT_REWARDS[script_args.task])

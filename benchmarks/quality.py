@@ -124,11 +124,10 @@ def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: 
 
 def formats_main(args: argparse.Namespace) -> None:
     """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``results/quality_formats.json``."""
-    import subprocess
-
     from qerl_trl.policy import load_policy
+    from rollout import git_commit
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     torch.manual_seed(0)
     path = offline_default_model_path()
     tok = AutoTokenizer.from_pretrained(path)

@@ -151,10 +151,26 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def git_commit() -> str:
+    """The repository's short HEAD, ``+dirty`` when tracked files differ from it; ``unknown`` outside a git checkout.
+    Every JSON names the code it measured: a ratio is only stated with its commit."""
+    here = Path(__file__).resolve().parent
+    git = ["git", "-C", str(here)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def versions() -> dict:
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "peft", "triton", "bitsandbytes", "accelerate"):
         try:
             mod = __import__(name)

@@ -144,9 +144,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     import qerl_trl.trainer as qt
-    from qerl_trl.cli import parse_train_args
-    from qerl_trl.rewards import get_reward_funcs
-    from qerl_trl.tasks import TASK_DEFAULT_REWARDS, load_task
+    from qerl_trl.cli import build_trainer, parse_train_args
 
     cuda = torch.cuda.is_available()
     # the study's own command for this run (its CPU-smoke sizes without CUDA), minus checkpoints
@@ -156,11 +154,9 @@ def main() -> None:
     if args.max_completion_length is not None:
         argv += ["--max_completion_length", str(args.max_completion_length)]
     script_args, config = parse_train_args(argv)
-    dataset = load_task(script_args.task, script_args.split, path=script_args.data_path, seed=config.seed)
-    rewards = get_reward_funcs(TASK_DEFAULT_REWARDS[script_args.task])
     if args.keep_cudnn:
         qt.TRAINING_SDPA_BACKENDS = [*qt.TRAINING_SDPA_BACKENDS, torch.nn.attention.SDPBackend.CUDNN_ATTENTION]
-    trainer = qt.QeRLGRPOTrainer(script_args.model_name_or_path, rewards, config, train_dataset=dataset)
+    trainer = build_trainer(script_args, config)  # `qerl train`'s own, before train()
     trainer.remove_callback(qt.StopOnNonFiniteGradients)  # the hunter takes the step apart instead
     hunter = _Hunter(trainer, args.out, args.force)
     hunter.report.update(seed=args.seed, keep_cudnn=args.keep_cudnn, torch=torch.__version__,

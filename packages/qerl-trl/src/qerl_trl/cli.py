@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RECIPES_DIR", "ScriptArguments", "main", "parse_train_args", "train"]
+__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "main", "parse_train_args", "train"]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
@@ -102,10 +102,10 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     return script_args, config
 
 
-def train(script_args: ScriptArguments, config: Any) -> Any:
-    """Build dataset, rewards and trainer from parsed arguments, train, save the adapter; returns the trainer."""
+def build_trainer(script_args: ScriptArguments, config: Any) -> Any:
+    """The trainer ``qerl train`` runs: dataset, rewards, callbacks (run directory, progress) and the GRPO or DAPO
+    trainer from parsed arguments (:func:`parse_train_args`), not yet trained."""
     import torch
-    from transformers.trainer_utils import get_last_checkpoint
 
     from .dapo import QeRLDAPOTrainer
     from .rewards import get_reward_funcs
@@ -139,6 +139,14 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
         from transformers import ProgressCallback
 
         trainer.remove_callback(ProgressCallback)
+    return trainer
+
+
+def train(script_args: ScriptArguments, config: Any) -> Any:
+    """Build dataset, rewards and trainer from parsed arguments, train, save the adapter; returns the trainer."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    trainer = build_trainer(script_args, config)
     resume = None
     if script_args.resume:
         resume = get_last_checkpoint(config.output_dir)

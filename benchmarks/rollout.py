@@ -960,6 +960,56 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_batches(results: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """Tokens/s against batch size per (model, arm), and NVFP4 + LoRA's ratio to each other arm, into a PNG.
+
+    ``results`` are a rollout JSON's ``results`` (one run: ratios across runs would mix machines). Both axes of the
+    throughput panel are logarithmic; the ratio panel marks 1× (parity).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[tuple[str, str], dict[int, float]] = {}
+    for r in results:
+        pts = {row["batch"]: row["tok_s"] for row in r.get("batches", []) if row.get("tok_s")}
+        if pts:
+            curves[(r["model"], r["arm"])] = pts
+    if not curves:
+        raise ValueError("no (model, arm) in these results has a tok/s figure to plot")
+    fig, (tx, rx) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    batches = sorted({b for pts in curves.values() for b in pts})
+    for i, ((m, a), pts) in enumerate(sorted(curves.items())):
+        bs, colour = sorted(pts), colours[i % len(colours)]  # one colour per curve, kept in the ratio panel
+        tx.plot(bs, [pts[b] for b in bs], marker="o", color=colour, label=f"{m} {ARM_LABEL.get(a, a)}")
+        if a != "nvfp4" and (m, "nvfp4") in curves:
+            ours = curves[(m, "nvfp4")]
+            common = [b for b in bs if b in ours]
+            rx.plot(common, [ours[b] / pts[b] for b in common], marker="o", color=colour,
+                    label=f"{m}: ÷ {ARM_LABEL.get(a, a)}")  # fmt: skip
+    for ax in (tx, rx):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch (completions generated at once)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    tx.set_yscale("log")
+    tx.set_ylabel("tokens / s (prefill included)")
+    rx.axhline(1.0, color="grey", lw=1, ls="--")
+    rx.set_ylabel("NVFP4 + LoRA tok/s ÷ other arm")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
 def _write(path: str, meta: dict, results: list[dict]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -1024,6 +1074,8 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout.json"))
     ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
+    ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
+    ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_result", help=argparse.SUPPRESS)
@@ -1034,11 +1086,22 @@ def main(argv=None) -> None:
     if args._worker:
         _worker_exit(args, run_worker, batches=[], engine=args.engine)
 
+    if args.plot_only:
+        if not args.plot:
+            ap.error("--plot-only needs --plot PNG")
+        with open(args.plot_only) as f:
+            d = json.load(f)
+        title = f"{d.get('device', '?')}, {d.get('versions', {}).get('commit', '?')}, {d.get('date', '?')[:10]}"
+        print(f"wrote {plot_batches(d['results'], args.plot, title)}")
+        return
+
     if args.merge:
         meta, results = _merge(args.merge)
         _write(args.out, meta, results)
         print(table(results))
         print(spread_table(results))
+        if args.plot:
+            print(f"wrote {plot_batches(results, args.plot, 'merged runs')}")
         return
 
     import torch
@@ -1061,7 +1124,9 @@ def main(argv=None) -> None:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "versions": versions(),
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
+        "settings": {
+            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose", "plot_only")
+        },
         "configs": {m: MODELS[m] for m in models},
         "tok_s_definition": "batch * new_tokens / wall time of one generate (prefill included), after warm-up; "
         "decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, fastest of 3)",
@@ -1113,6 +1178,9 @@ def main(argv=None) -> None:
         print()
         print(spread_table(results))
     print(f"\nwrote {args.out}")
+    if args.plot:
+        title = f"{meta['device']}, {meta['versions'].get('commit', '?')}, {meta['date'][:10]}"
+        print(f"wrote {plot_batches(results, args.plot, title)}")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,16 @@ def test_rollout_spread_needs_graph_engine():
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--eos-mean-tokens", "6"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "--engine graph" in p.stderr
+
+
+def test_rollout_plot_only(tmp_path):
+    """``--plot PNG --plot-only JSON`` draws a committed H100 result (three arms, five batch sizes) without running."""
+    png = tmp_path / "batches.png"
+    src = REPO / "benchmarks" / "results" / "rollout_batches.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(png), "--plot-only", str(src)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    p = subprocess.run([sys.executable, str(SCRIPT), "--plot-only", str(src)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "--plot-only needs --plot" in p.stderr

@@ -963,32 +963,40 @@ def table(results: list[dict]) -> str:
 def plot_batches(results: list[dict], path: str | Path, title: str | None = None) -> Path:
     """Tokens/s against batch size per (model, arm), and NVFP4 + LoRA's ratio to each other arm, into a PNG.
 
-    ``results`` are a rollout JSON's ``results`` (one run: ratios across runs would mix machines). Both axes of the
-    throughput panel are logarithmic; the ratio panel marks 1× (parity).
+    ``results`` are a rollout JSON's ``results``; rows merged from several runs (``--merge`` tags them) stay separate
+    curves, and a ratio is only drawn within one run and engine. Both axes of the throughput panel are logarithmic;
+    the ratio panel marks 1× (parity).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves: dict[tuple[str, str], dict[int, float]] = {}
+    # one curve per (model, engine, run, arm); ratios only within one (model, engine, run)
+    curves: dict[tuple[str, str, int, str], dict[int, float]] = {}
     for r in results:
         pts = {row["batch"]: row["tok_s"] for row in r.get("batches", []) if row.get("tok_s")}
         if pts:
-            curves[(r["model"], r["arm"])] = pts
+            curves[(r["model"], r.get("engine", "generate"), r.get("run", 0), r["arm"])] = pts
     if not curves:
         raise ValueError("no (model, arm) in these results has a tok/s figure to plot")
+    several_engines = len({k[1] for k in curves}) > 1
+    several_runs = len({k[2] for k in curves}) > 1
+
+    def name(m: str, e: str, run: int) -> str:
+        return m + (f" {e}" if several_engines else "") + (f" run {run}" if several_runs else "")
+
     fig, (tx, rx) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     batches = sorted({b for pts in curves.values() for b in pts})
-    for i, ((m, a), pts) in enumerate(sorted(curves.items())):
+    for i, ((m, e, run, a), pts) in enumerate(sorted(curves.items())):
         bs, colour = sorted(pts), colours[i % len(colours)]  # one colour per curve, kept in the ratio panel
-        tx.plot(bs, [pts[b] for b in bs], marker="o", color=colour, label=f"{m} {ARM_LABEL.get(a, a)}")
-        if a != "nvfp4" and (m, "nvfp4") in curves:
-            ours = curves[(m, "nvfp4")]
+        tx.plot(bs, [pts[b] for b in bs], marker="o", color=colour, label=f"{name(m, e, run)} {ARM_LABEL.get(a, a)}")
+        ours = curves.get((m, e, run, "nvfp4"))
+        if a != "nvfp4" and ours:
             common = [b for b in bs if b in ours]
             rx.plot(common, [ours[b] / pts[b] for b in common], marker="o", color=colour,
-                    label=f"{m}: ÷ {ARM_LABEL.get(a, a)}")  # fmt: skip
+                    label=f"{name(m, e, run)}: ÷ {ARM_LABEL.get(a, a)}")  # fmt: skip
     for ax in (tx, rx):
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])

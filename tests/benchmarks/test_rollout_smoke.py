@@ -88,3 +88,10 @@ def test_rollout_plot_only(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), "--plot-only", str(src)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "--plot-only needs --plot" in p.stderr
+    # two runs merged: their curves stay apart (a ratio is drawn only within one run)
+    old_run = REPO / "benchmarks" / "results" / "rollout_batches_7b_d4205f1.json"
+    merged, png2 = tmp_path / "merged.json", tmp_path / "merged.png"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(src), str(old_run), "--out", str(merged), "--plot",
+                        str(png2)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert png2.stat().st_size > 10_000 and len(json.loads(merged.read_text())["results"]) == 5

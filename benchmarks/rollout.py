@@ -1018,6 +1018,11 @@ def plot_batches(results: list[dict], path: str | Path, title: str | None = None
     return out
 
 
+def _run_title(meta: dict) -> str:
+    """A plot title naming the run: device, commit, date (``?`` where a result file predates the field)."""
+    return f"{meta.get('device', '?')}, {meta.get('versions', {}).get('commit', '?')}, {meta.get('date', '?')[:10]}"
+
+
 def _write(path: str, meta: dict, results: list[dict]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -1099,8 +1104,7 @@ def main(argv=None) -> None:
             ap.error("--plot-only needs --plot PNG")
         with open(args.plot_only) as f:
             d = json.load(f)
-        title = f"{d.get('device', '?')}, {d.get('versions', {}).get('commit', '?')}, {d.get('date', '?')[:10]}"
-        print(f"wrote {plot_batches(d['results'], args.plot, title)}")
+        print(f"wrote {plot_batches(d['results'], args.plot, _run_title(d))}")
         return
 
     if args.merge:
@@ -1187,8 +1191,7 @@ def main(argv=None) -> None:
         print(spread_table(results))
     print(f"\nwrote {args.out}")
     if args.plot:
-        title = f"{meta['device']}, {meta['versions'].get('commit', '?')}, {meta['date'][:10]}"
-        print(f"wrote {plot_batches(results, args.plot, title)}")
+        print(f"wrote {plot_batches(results, args.plot, _run_title(meta))}")
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def run_worker(args) -> dict:
         runs = {}
         for key, new in (("prefill", 1), ("full", 1 + n)):
             # fastest of 2 profiled calls: the step's wall time is a difference of two calls, and one slow sample
-            # (seen on CPU: the 1-token call 0.12 s slower than the 33-token one) made it negative
+            # (seen on CPU with --tiny: the 1-token call 15 ms slower than the 5-token one) made it negative
             walls = []
             for _ in range(2):
                 with profile(activities=acts) as prof:

@@ -202,6 +202,49 @@ def bench_int4(wts: Weights, m: int) -> float:
                                wts.int4[i % len(wts.int4)][1]) for i in range(n4)])  # fmt: skip
 
 
+def humming_layers(wts: Weights) -> list:
+    """Humming 0.1.10 (``humming-kernels``, what vLLM 0.26 ships) layers of the rotated bf16 copies: NVFP4 e2m1 values,
+    e4m3 scale per 16, fp32 global scale, quantized by Humming's own quantizer (its 0.1.10 quantizer returns a 0-dim
+    global scale that its layer wants as shape (1,)). As many layers as our rotated copies."""
+    from humming.layer import HummingLayer
+    from humming.utils.weight import quantize_weight
+
+    layers = []
+    for i in range(len(wts.q)):
+        w = wts.bf16[i % len(wts.bf16)]
+        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, torch_dtype=torch.bfloat16,
+                             weight_config={"dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16,
+                                            "scale_type": "group_tensor"}).cuda()  # fmt: skip
+        sch = layer.weight_schema
+        qw, ws, _, gs = quantize_weight(w, dtype=sch.b_dtype, scale_dtype=sch.bs_dtype, group_size=16,
+                                        has_global_scale=True, pack=True)  # fmt: skip
+        layer.load_from_tensors({"weight": qw, "weight_scale": ws, "global_scale": gs.reshape(1)})
+        layer.transform()
+        layers.append(layer)
+    return layers
+
+
+def bench_humming(wts: Weights, layers: list, m: int) -> tuple[float, float]:
+    """(ms per call of Humming's forward on the rotated layers, its relative L2 error against the bf16 product)."""
+    x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
+    ref = F.linear(x, wts.bf16[0]).float()
+    err = ((layers[0](x).float() - ref).norm() / ref.norm()).item()
+    return time_graph([partial(layers[i % len(layers)], x) for i in range(_n_calls(len(layers)))]), err
+
+
+# The warp-specialised kernel's candidate tiles per M (benchmarks/gemm_ws_spike.py on the 7B gate/down shapes):
+# (block_m, weight tiles, stages, stages per stream-K unit). Below M = 64 the decode kernel is measured faster.
+WS_CANDIDATES = {64: (64, 2, 12, 2), 128: (128, 2, 8, 2), 256: (256, 2, 3, 1), 4096: (256, 2, 3, 1)}
+
+
+def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
+    """The warp-specialised kernel's config for this M (None where it is not a candidate)."""
+    if m < 64 or n % 128 or k % 256:
+        return None
+    bm, tiles, stages, sub = WS_CANDIDATES[min(s for s in WS_CANDIDATES if s >= m) if m <= 4096 else 4096]
+    return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+
+
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
     """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
@@ -263,21 +306,35 @@ def run_tables(
     compare_lora: bool = False,
     peer_int4: bool = False,
     with_mxfp4: bool = True,
+    peer_humming: bool = False,
+    with_ws: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
     ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K);
-    ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``)."""
+    ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
+    ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming 0.1.10 on the same bf16 weights, its quantizer).
+    ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
+    faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
+    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
             wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4, need_mxfp4=with_mxfp4)
+            hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
                 cfg = kern.linear_config(m, n, k, mma=wts.mma)
+                form, prev = ("dispatch", ours)
+                wcfg = ws_candidate(m, n, k) if with_ws and wts.mma else None
+                ws_ms = bench_fwd(wts, m, wcfg, with_bf16=False)[0] if wcfg is not None else None
+                if ws_ms is not None and ws_ms < ours:
+                    form, ours, cfg = "ws", ws_ms, wcfg
                 row = dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
                            weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours, mma_layout=wts.mma,
-                           config=cfg.__dict__)  # fmt: skip
+                           config=cfg.__dict__, ours_form=form, prev_ms=prev, ws_ms=ws_ms)  # fmt: skip
+                if hum:
+                    row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
                 if compare_ct:
                     row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
                 if compare_reduce:
@@ -285,7 +342,7 @@ def run_tables(
                     sep = replace(cfg, fused_reduce=False)
                     row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
-                    row["lora_ms"] = bench_lora(wts, m)
+                    row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
                 if wts.int4:
@@ -301,7 +358,7 @@ def run_tables(
                          weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
                          config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__)
                 )  # fmt: skip
-            del wts
+            del wts, hum
             torch.cuda.empty_cache()
             print(f"  done {model} {name}", flush=True)
             if partial is not None:
@@ -310,9 +367,10 @@ def run_tables(
 
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
-EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 fused",
+EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 as dispatched",
                  "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
-                 "mxfp4": "MXFP4 layer (transcoded)"}  # fmt: skip
+                 "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming 0.1.10 NVFP4",
+                 "prev": "previous dispatch (same run)"}  # fmt: skip
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -475,6 +533,8 @@ def dispatch_table_source(sweep: dict) -> str:
     """The body of ``dispatch_table.FORWARD`` from a sweep's forward rows: per (N, K) and M, the fastest form."""
     best: dict = {}
     for r in sweep["forward"]:
+        if r["M"] <= 16:  # the decode kernel's own configs (not in the table)
+            continue
         key = (r["N"], r["K"], r["M"])
         if key not in best or r["ours_ms"] < best[key]["ours_ms"]:
             best[key] = r
@@ -483,6 +543,8 @@ def dispatch_table_source(sweep: dict) -> str:
         c = r["config"]
         if c["dequant"]:
             entry = "dequant"
+        elif c.get("ws"):
+            entry = ("ws", c["block_m"], c["block_n"] // 64, c["num_stages"], c["sub"])
         elif c.get("large_m"):
             entry = (c["block_n"] // 64, c["block_k"] // 64, c["block_m"], c["num_warps"], c["num_stages"], c["split_k"])
         else:
@@ -490,6 +552,17 @@ def dispatch_table_source(sweep: dict) -> str:
         table.setdefault((n, k), {})[m] = entry
     return "\n".join(f"    ({n}, {k}): {{" + ", ".join(f"{m}: {e!r}" for m, e in row.items()) + "},"
                      for (n, k), row in table.items())  # fmt: skip
+
+
+def apply_table(runs: list[dict]) -> None:
+    """Rewrite the ``FORWARD`` block of ``nvfp4/kernels/dispatch_table.py`` with the fastest forms of ``runs``."""
+    path = Path(__file__).resolve().parents[1] / "packages/nvfp4/src/nvfp4/kernels/dispatch_table.py"
+    text = path.read_text()
+    head, rest = text.split("FORWARD: dict[tuple[int, int], dict[int, Entry]] = {\n", 1)
+    _, tail = rest.split("\n}\n# fmt: on", 1)
+    body = dispatch_table_source({"forward": [r for run in runs for r in run["forward"]]})
+    path.write_text(head + "FORWARD: dict[tuple[int, int], dict[int, Entry]] = {\n" + body + "\n}\n# fmt: on" + tail)
+    print(f"rewrote {path} from {len(runs)} run(s)")
 
 
 def env_info() -> dict:
@@ -500,6 +573,7 @@ def env_info() -> dict:
 
 
 def main() -> None:
+    global REP_BUDGET_S, FEWER_STAGES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="also write the JSON into this folder")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
@@ -511,8 +585,13 @@ def main() -> None:
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
+    ap.add_argument("--peer-humming", action="store_true", help="also time Humming 0.1.10 NVFP4 (humming-kernels)")
+    ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
+    ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
+    ap.add_argument("--apply-table", default=None, metavar="JSON", nargs="+",
+                    help="rewrite dispatch_table.FORWARD from the fastest forms of these runs (sweep or --ws tables)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
     ap.add_argument("--fewer-stages", action="store_true", help="sweep: large-M tiles also with one cp.async stage less")
     ap.add_argument("--profile", default=None, metavar="MODEL:LINEAR:M,...",
@@ -524,6 +603,9 @@ def main() -> None:
     if args.write_table:
         print(dispatch_table_source(json.loads(Path(args.write_table).read_text())))
         return
+    if args.apply_table:
+        apply_table([json.loads(Path(f).read_text()) for f in args.apply_table])
+        return
     models = args.models.split(",")
     fwd_ms = [int(v) for v in args.ms.split(",")] if args.ms else FWD_MS
     bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v.strip()] if args.bwd_ms is not None else BWD_MS
@@ -532,7 +614,6 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     t0 = time.time()
     if args.sweep:
-        global REP_BUDGET_S, FEWER_STAGES
         REP_BUDGET_S = 0.06
         FEWER_STAGES = args.fewer_stages
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
@@ -541,8 +622,9 @@ def main() -> None:
         name = "gemm_sweep.json"
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
+        REP_BUDGET_S = args.rep_budget
         res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_lora, args.peer_int4, not args.no_mxfp4)  # fmt: skip
+                         args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -23,8 +23,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .small_m import _splitk_reduce_kernel
-
 POISON = False  # tests: outputs start as NaN, so an element the kernel never writes cannot pass
 
 
@@ -63,9 +61,9 @@ def _mul_bf16x2(a, b):
 
 
 @gluon.jit
-def _decode_tile(p, s_smem, T: gl.constexpr, a_layout: gl.constexpr):
-    """``p`` uint8 ``[4T, 512]`` (one K quarter of ``T`` MMA-layout tiles, rows (tile, warp)), ``s_smem`` uint8
-    ``[64T, 4]`` block scales in shared memory → bf16 ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout`` (the wgmma A operand)."""
+def _decode_tile(p, s, T: gl.constexpr, a_layout: gl.constexpr):
+    """``p`` uint8 ``[4T, 512]`` (one K quarter of ``T`` MMA-layout tiles, rows (tile, warp)), ``s`` uint8
+    ``[64T, 4]`` block scales (in the slice layout of the ``[64T, 4, 16]`` view of ``a_layout``) → bf16 ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout`` (the wgmma A operand)."""
     a, b = _e2m1_words_bf16(p)
     w = gl.reshape(gl.join(a, b), (4 * T, 128, 2, 2, 2))
     w = gl.reshape(gl.permute(w, (0, 1, 4, 2, 3)), (4 * T, 512, 2))
@@ -74,7 +72,6 @@ def _decode_tile(p, s_smem, T: gl.constexpr, a_layout: gl.constexpr):
     w = gl.convert_layout(gl.reshape(w, (64 * T, 64)), a_layout, assert_trivial=True)
     w3 = gl.reshape(w, (64 * T, 4, 16))
     # FP8 scale → fp16 (exact) → bf16 bits of s · 2^112 (valid for positive finite scales)
-    s = s_smem.load(gl.SliceLayout(2, w3.type.layout))
     sh = s.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.uint16, bitcast=True)
     sb = (((sh >> 3) & 0x0FFF) | 0x7000).to(gl.bfloat16, bitcast=True)
     w3 = _mul_bf16x2(w3, gl.expand_dims(sb, 2).broadcast_to((64 * T, 4, 16)))
@@ -82,152 +79,231 @@ def _decode_tile(p, s_smem, T: gl.constexpr, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, off_m, tile0, k_lo,
-              n_iters, STAGES: gl.constexpr):  # fmt: skip
-    for i in range(n_iters):
-        st = i % STAGES
-        k0 = k_lo + i * 64
-        q = i % 4
-        if q == 0:
-            j = i // 4
-            mbarrier.wait(s_empty.index(j % 2), ((j // 2) & 1) ^ 1)
-            fence_async_shared()
-            mbarrier.expect(s_ready.index(j % 2), s_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(s_desc, [tile0 * 64, k0 // 16], s_ready.index(j % 2), s_bufs.index(j % 2))
-        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-        fence_async_shared()  # the consumers' shared-memory reads of this stage before the TMA overwrites it
-        mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k0], ready.index(st), x_bufs.index(st))
-        tma.async_copy_global_to_shared(w_desc, [tile0, 4 * ((k0 % 256) // 64), 2 * (k0 // 256), 0], ready.index(st),
-                                        w_bufs.index(st))  # fmt: skip
+def _segment(u, u_end, KS):
+    """The run of K stages a program does next from unit ``u`` (units are (tile, 64-input stage), tile-major):
+    (tile, first stage, end stage)."""
+    tile = u // KS
+    kb = u % KS
+    return tile, kb, gl.minimum(KS, kb + (u_end - u))
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, g_ptr, y_ptr, off_m, off_n, M, N, stride_ym,
-              pid_k, n_iters, WG: gl.constexpr, TC: gl.constexpr, USE_WS: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """One consumer partition of ``WARPS`` warps: output rows ``[off_n + 64·TC·WG, … + 64·TC)`` of the tile."""
+def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M: gl.constexpr,
+              T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+    i = 0
+    u = u0
+    while u < u1:
+        tile, kb, ke = _segment(u, u1, KU)
+        off_m = (tile % num_m) * BLOCK_M
+        tile0 = (tile // num_m) * T
+        for kk in range(kb * SUB, ke * SUB):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            fence_async_shared()  # the consumers' shared-memory reads of this stage before the TMA overwrites it
+            mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, kk * 64], ready.index(st), x_bufs.index(st))
+            # the scales of the stage's 256-input group (16 bytes a row: TMA's smallest row), 4x the bytes needed
+            tma.async_copy_global_to_shared(s_desc, [tile0 * 64, (kk // 4) * 4], ready.index(st), s_bufs.index(st))
+            tma.async_copy_global_to_shared(w_desc, [tile0, 4 * (kk % 4), 2 * (kk // 4), 0], ready.index(st),
+                                            w_bufs.index(st))  # fmt: skip
+            i += 1
+        u += ke - kb
+
+
+@gluon.jit
+def _scale_bytes(words, cols):
+    """int32 ``[R]`` words → uint8 ``[R, 4]`` (byte ``j`` of each word in column ``j``)."""
+    return ((words[:, None] >> (cols * 8)[None, :]) & 0xFF).to(gl.uint8)
+
+
+@gluon.jit
+def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.constexpr, STAGES: gl.constexpr,
+                   a_layout: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+    """Wait for stage ``i`` (K step ``kk``) and decode this consumer's rows of its weight tile: the wgmma A operand."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    st = i % STAGES
+    mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+    p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
+    # this stage's word of 4 scales per row: column kk % 4 of the group's [rows, 4] int32 words
+    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, s_layout))
+    sw = s_bufs.index(st).slice(64 * TC * WG, 64 * TC).load(s_layout)
+    sw = gl.sum(gl.where(s_cols[None, :] == kk % 4, sw, 0), axis=1)
+    return _decode_tile(p, _scale_bytes(sw, s_cols), TC, a_layout)
+
+
+@gluon.jit
+def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
+              N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+              T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+    """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     p_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    acc = gl.zeros([64 * TC, BLOCK_M], gl.float32, acc_layout)
-    for j in range(n_iters // 4):  # 256 inputs: one row of block scales, four stages of 64
-        mbarrier.wait(s_ready.index(j % 2), (j // 2) & 1)
-        s_rows = s_bufs.index(j % 2).slice(64 * TC * WG, 64 * TC, dim=0)
-        for q in gl.static_range(4):
-            i = 4 * j + q
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
-            a = _decode_tile(p, s_rows.slice(4 * q, 4, dim=1), TC, a_layout)
-            if q == 3:
-                mbarrier.arrive(s_empty.index(j % 2), count=1)
-            acc = warpgroup_mma(a, x_bufs.index(st).permute((1, 0)), acc, is_async=True)
-            # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515),
-            # so each stage's 4·TC wgmmas go out back to back and retire before the next decode; the other
-            # consumer partition decodes meanwhile (ping-pong through the warp schedulers).
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(st), count=1)
-    acc = acc * (16384.0 / gl.load(g_ptr))
-    # y[m, n] = acc[n, m], stored from the accumulator's registers (a layout conversion would need 64 KB of shared
-    # memory beside the stages)
-    offs_n = off_n + 64 * TC * WG + gl.arange(0, 64 * TC, layout=gl.SliceLayout(1, acc_layout))
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    if USE_WS:
-        gl.store(y_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * N + offs_n[:, None], acc, mask=mask)
-    else:
-        ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-        gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    # the scales' layout: one row of 4 block scales per A-operand row a thread holds (see _decode_tile)
+    s_layout: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([64 * TC, 64], gl.bfloat16, a_layout),
+                                                          (64 * TC, 4, 16)).type.layout)  # fmt: skip
+    rows_c = gl.arange(0, 64 * TC, layout=gl.SliceLayout(1, acc_layout))
+    cols_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    # a partial tile's fp32 slot in the workspace: one per (program, consumer), [64·TC, BLOCK_M] row-major
+    slot = rows_c[:, None] * BLOCK_M + cols_c[None, :]
+    me = gl.program_id(0)
+    post = 16384.0 / gl.load(g_ptr)
+    i = 0
+    u = u0
+    while u < u1:
+        tile, kb, ke = _segment(u, u1, KU)
+        n0 = (tile // num_m) * 64 * T
+        acc = gl.zeros([64 * TC, BLOCK_M], gl.float32, acc_layout)
+        for ku in range(kb, ke):
+            # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
+            # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
+            # decode; the other consumer partition decodes meanwhile.
+            a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout)
+            if SUB == 2:
+                a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
+                                    s_layout)  # fmt: skip
+                acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+            else:
+                acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+            i += SUB
+        u += ke - kb
+        # Stream-K: a tile split between programs is summed by the program holding its first stages (it reaches
+        # them last, so the others' parts are written by then), in program order: deterministic.
+        flag = flag_ptr + 2 * me + WG
+        if kb > 0:
+            gl.store(ws_ptr + (2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot, acc)
+            gl.thread_barrier()  # every thread's part is out before the flag goes up
+            gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+        else:
+            covered = ke
+            other = me + 1
+            while covered < KU:
+                oflag = flag_ptr + 2 * other + WG
+                while gl.atomic_add(oflag, 0, sem="acquire", scope="gpu") == 0:
+                    pass
+                acc += gl.load(ws_ptr + (2 * other + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot,
+                               cache_modifier=".cg")  # fmt: skip
+                gl.atomic_xchg(oflag, 0, sem="relaxed", scope="gpu")
+                covered = gl.minimum(KU, (other + 1) * U // G - tile * KU)
+                other += 1
+            offs_n = n0 + 64 * TC * WG + rows_c
+            offs_m = (tile % num_m) * BLOCK_M + cols_c
+            out = acc * post
+            if HAS_BIAS:
+                out += gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+            mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+            ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, y_ptr, M, N, K, stride_ym, K_PER_SPLIT,
-                      USE_WS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """``CONSUMERS`` = 1: one consumer partition of ``num_warps`` warps (cooperative, one barrier arrival per stage);
-    2: two independent 4-warp consumer partitions, each with half of the ``T`` weight tiles."""
-    BLOCK_N: gl.constexpr = 64 * T
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
+def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
+                      HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
+                      SUB: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
+    (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
+    partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
     num_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    k_lo = pid_k * K_PER_SPLIT
-    n_iters = (gl.minimum(k_lo + K_PER_SPLIT, K) - k_lo) // 64
+    KU = K // (64 * SUB)  # units of SUB stages of 64 inputs per tile
+    U = num_m * (N // (64 * T)) * KU
+    G = gl.num_programs(0)
+    me = gl.program_id(0)
+    u0 = me * U // G
+    u1 = (me + 1) * U // G
 
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 4, 2, 256], w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, 16], s_desc.layout)
+    s_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * T, 4], s_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    s_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    s_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(s_empty.index(i), count=CONSUMERS)
-        mbarrier.init(s_ready.index(i), count=1)
 
-    if CONSUMERS == 1:
-        gl.warp_specialize(
-            [
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, g_ptr, y_ptr, off_m, off_n, M, N,
-                             stride_ym, pid_k, n_iters, 0, T, USE_WS, BLOCK_M, STAGES, num_warps)),
-                (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, off_m,
-                             pid_n * T, k_lo, n_iters, STAGES)),
-            ],
-            [1],
-            [40],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, g_ptr, y_ptr, off_m, off_n, M, N,
-                             stride_ym, pid_k, n_iters, 0, T // 2, USE_WS, BLOCK_M, STAGES, num_warps)),
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, g_ptr, y_ptr, off_m, off_n, M, N,
-                             stride_ym, pid_k, n_iters, 1, T // 2, USE_WS, BLOCK_M, STAGES, num_warps)),
-                (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, s_empty, s_ready, off_m,
-                             pid_n * T, k_lo, n_iters, STAGES)),
-            ],
-            [num_warps, 1],
-            [232, 40],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB)),
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB)),
+            (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
+                         STAGES, SUB)),
+        ],
+        [num_warps, 1],
+        [232, 40],
+    )  # fmt: skip
 
 
-def _layouts(block_m: int, t: int):
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    return x_layout, w_layout, s_layout
+_NUM_SMS: dict[int, int] = {}
 
 
-def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-              block_m: int = 128, tiles: int = 4, stages: int = 4, split: int = 1, consumers: int = 2) -> torch.Tensor:  # fmt: skip
-    """``y = x · dequant(W)ᵀ``: x bf16 ``[M, K]``, W in the MMA layout (packed ``[N/4, 2K]``)."""
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached: the persistent grid is one program per SM)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
+    """Whether the kernel runs here: bf16 activations on a Hopper GPU (sm_90: TMA, wgmma, setmaxnreg), whole
+    ``64·tiles``-row tiles and 256-input K tiles of the MMA layout."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and n % (64 * tiles) == 0 and k % 256 == 0)  # fmt: skip
+
+
+def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+           bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
+           stages: int = 8, sub: int = 2, programs: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``y = x · dequant(W)ᵀ + bias`` into ``y``.
+
+    Args:
+        x: bf16 ``[M, K]``, row stride a multiple of 8, 16-byte aligned (TMA).
+        packed: uint8 ``[N/4, 2K]`` (MMA layout); scale: fp8 ``[N, K/16]``; global_scale: fp32 ``[1]``.
+        bias: optional ``[N]`` in x's dtype.
+        y: ``[M, N]`` output in x's dtype, row-contiguous.
+        flags: int32, at least ``2·programs`` zeros (each launch leaves them zero).
+        block_m, tiles, stages, sub: rows of x per tile (the wgmma N), weight tiles of 64 rows (``64·tiles``
+            output rows, split between the two consumer warpgroups), pipeline stages of 64 inputs, stages per
+            scheduling unit.
+        programs: persistent programs (default: one per SM).
+    """
     m, k = x.shape
     n = scale.shape[0]
-    x_layout, w_layout, s_layout = _layouts(block_m, tiles)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
                               w_layout)  # fmt: skip
-    s8 = scale.view(torch.uint8)
-    s_desc = TensorDescriptor(s8, [n, k // 16], [k // 16, 1], [64 * tiles, 16], s_layout)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), 256) * 256
-    split = triton.cdiv(k, k_per_split)
-    alloc = partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
-    y = alloc((m, n), dtype=x.dtype, device=x.device)
-    out = y if split == 1 else alloc((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 64 * tiles), split)
-    _ws_linear_kernel[grid](x_desc, w_desc, s_desc, global_scale, out, m, n, k, y.stride(0), k_per_split,
-                            USE_WS=split > 1, BLOCK_M=block_m, T=tiles, STAGES=stages, CONSUMERS=consumers,
-                            num_warps=8 // consumers, maxnreg=168)  # fmt: skip
-    if split > 1:
-        _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](out, y, y, m * n, n, split, HAS_BIAS=False, BLOCK=1024,
-                                                            num_warps=4)  # fmt: skip
+    s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
+    units = triton.cdiv(m, block_m) * (n // (64 * tiles)) * (k // (64 * sub))
+    g = min(programs or num_sms(x.device), units)
+    if flags.numel() < 2 * g:
+        raise ValueError(f"hopper_ws.launch: {flags.numel()} flags for {g} programs (needs {2 * g})")
+    ws = torch.empty((2 * g, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
+    _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
+                            k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
+                            SUB=sub, num_warps=4, maxnreg=168)  # fmt: skip
     return y
+
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
+    """:func:`launch` with its own output and flags (benchmarks, tests); ``config``: :func:`launch`'s tile arguments."""
+    m, n = x.shape[0], scale.shape[0]
+    flags = _FLAGS.get(x.device)
+    if flags is None:
+        flags = _FLAGS[x.device] = torch.zeros(1024, dtype=torch.int32, device=x.device)
+    alloc = partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
+    return launch(x, packed, scale, global_scale, bias, alloc((m, n), dtype=x.dtype, device=x.device), flags, **config)

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from ..layout import is_mma_layout
-from . import dispatch_table
+from . import dispatch_table, hopper_ws
 from .decode import _mma_tile_ptrs  # noqa: F401 - re-exported for benchmarks/gemm_ablation.py
 from .dequant import _dequant_kernel, _dequant_mma_kernel
 from .dgrad import _dgrad_kernel, _dgrad_mma_kernel
@@ -91,6 +91,8 @@ class LinearConfig:
     fused_reduce: bool = True  # MMA kernel with split-K: the last program of a tile sums the partials (one launch)
     lora_shared_t: bool = True  # ... and with a fused LoRA, x·Aᵀ is computed once per split, not per tile (SHARED_T)
     large_m: bool = False  # large_m._linear_large_m_kernel (MMA layout; block_n = 64·tiles, block_k = 64·quarters)
+    ws: bool = False  # hopper_ws: warp-specialised persistent stream-K (block_n = 64·tiles; num_stages; sub below)
+    sub: int = 1  # hopper_ws: pipeline stages (64 inputs each) per stream-K unit
 
 
 @dataclass(frozen=True)
@@ -155,13 +157,21 @@ def mma_config(m: int, n: int, k: int) -> LinearConfig:
     (:func:`_linear_mma_kernel`) at M ≤ 16, above it the form :mod:`~nvfp4.kernels.dispatch_table` froze for
     ``(m, n, k)``: the decode kernel, the large-M kernel (:mod:`~nvfp4.kernels.large_m`) or dequantize + cuBLAS."""
     if m > 16:
-        entry = dispatch_table.lookup(m, n, k)
-        if entry == "dequant":
-            return LinearConfig(dequant=True, mma=True)
-        if entry != "decode":
-            tiles, quarters, bm, warps, stages, split = entry
-            return LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, mma=True, large_m=True)
+        return entry_config(dispatch_table.lookup(m, n, k), m, n, k)
     return _decode_config(m, n, k)
+
+
+def entry_config(entry: dispatch_table.Entry, m: int, n: int, k: int) -> LinearConfig:
+    """The :class:`LinearConfig` of a :mod:`~nvfp4.kernels.dispatch_table` entry for ``(m, n, k)``."""
+    if entry == "dequant":
+        return LinearConfig(dequant=True, mma=True)
+    if entry == "decode":
+        return _decode_config(m, n, k)
+    if entry[0] == "ws":
+        _, bm, tiles, stages, sub = entry
+        return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    tiles, quarters, bm, warps, stages, split = entry
+    return LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, mma=True, large_m=True)
 
 
 def _decode_config(m: int, n: int, k: int) -> LinearConfig:
@@ -457,6 +467,13 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
     cfg = config or linear_config(m, n, k, mma=mma)
     if cfg.large_m and not _large_m_runs(x.dtype):
         cfg = LinearConfig(dequant=True, mma=True)
+    if cfg.ws:
+        flags = _ws_flags(x2, cfg) if hopper_ws.supported(x2, n, k, cfg.block_n // 64) else None
+        if flags is not None:
+            return _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags).reshape(*lead, n)
+        # fp16, the interpreter, another GPU, or a first call inside a graph capture (no flags yet): the form the
+        # table's rule takes without this kernel
+        cfg = _without_ws(m, n, k, x.dtype)
     if cfg.dequant or x.dtype == torch.float32:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
@@ -509,6 +526,33 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return y.reshape(*lead, n)
+
+
+def _without_ws(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The config of :func:`mma_config` where the warp-specialised kernel cannot run (its table row's rule)."""
+    cfg = entry_config(dispatch_table.generic(m, n, k), m, n, k)
+    return LinearConfig(dequant=True, mma=True) if cfg.large_m and not _large_m_runs(dtype) else cfg
+
+
+def _ws_flags(x2: torch.Tensor, cfg: LinearConfig) -> torch.Tensor | None:
+    """The stream-K flags of :func:`hopper_ws.launch` (the split-K tickets; None where they cannot be had)."""
+    return _splitk_counters(x2.device, 2 * hopper_ws.num_sms(x2.device))
+
+
+def _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags):
+    """The warp-specialised kernel (:mod:`nvfp4.kernels.hopper_ws`); a LoRA adapter is added by cuBLAS after it
+    (``y += scaling · (x·Aᵀ)·Bᵀ``, ``x·Aᵀ`` rounded to x's dtype as PEFT's ``lora_A`` output is)."""
+    m, n = x2.shape[0], scale.shape[0]
+    if x2.data_ptr() % 16 or x2.stride(0) % 8:  # TMA: 16-byte aligned base and rows
+        x2 = x2.contiguous()
+    y = _empty((m, n), x2.dtype, x2.device)
+    hopper_ws.launch(x2, packed, scale, global_scale, bias, y, flags, block_m=cfg.block_m, tiles=cfg.block_n // 64,
+                     stages=cfg.num_stages, sub=cfg.sub)  # fmt: skip
+    if lora is not None:
+        a, b, scaling = lora
+        t = torch.nn.functional.linear(x2, a.to(x2.dtype))
+        y = torch.addmm(y, t, b.to(x2.dtype).t(), alpha=scaling)
+    return y
 
 
 def nvfp4_linear_dgrad(

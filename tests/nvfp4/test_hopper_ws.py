@@ -1,0 +1,152 @@
+"""The warp-specialised Gluon kernel (:mod:`nvfp4.kernels.hopper_ws`).
+
+* CPU (CI): the kernel compiles for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``), its SASS has the
+  Hopper instructions it is built on (``HGMMA`` with a register A operand, ``UTMALDG`` bulk tensor copies,
+  ``SYNCS`` mbarriers) and no local-memory spills; the dispatch falls back to the Triton kernels where it cannot run.
+* GPU (``-m gpu``, the H100): every config the dispatch table uses against the float64 PyTorch reference on fresh
+  random inputs (odd M, bias, NaN-poisoned outputs), bit-equal repeated calls (stream-K sums its split tiles in a
+  fixed order), a LoRA adapter through ``nvfp4_lora_linear``, and CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from nvfp4.codec import dequantize, quantize
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _table_configs() -> list[tuple[int, int, int, int]]:
+    """The (block_m, tiles, stages, sub) tuples of the dispatch table's warp-specialised entries (or the default)."""
+    from nvfp4.kernels import dispatch_table
+
+    found = {e[1:] for row in dispatch_table.FORWARD.values() for e in row.values() if isinstance(e, tuple) and e[0] == "ws"}
+    return sorted(found) or [(128, 2, 8, 2)]
+
+
+def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int):
+    import triton
+    from nvfp4.kernels import hopper_ws
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    xl = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
+    wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    fn = hopper_ws._ws_linear_kernel
+    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
+           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
+           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
+           "num_warps": "constexpr"}  # fmt: skip
+    consts = {"HAS_BIAS": True, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "num_warps": 4}
+    aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
+
+
+@pytest.mark.parametrize("config", _table_configs()[:1])
+def test_compiles_for_sm90a_without_a_gpu(config):
+    """CI's build check: a kernel that no longer compiles for sm_90a, or that spills, fails here."""
+    import triton
+
+    compiled = _compile_sm90(*config)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    assert "sm_90a" in compiled.asm["ptx"] or ".target sm_90a" in compiled.asm["ptx"]
+    assert re.search(r"STACK:0\b", usage), usage  # no local-memory spills
+    assert "LDL" not in sass and "STL" not in sass
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass), "wgmma with a register A operand"
+    assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
+
+
+def test_dispatch_falls_back_where_the_kernel_cannot_run():
+    """On the CPU (or fp16, or another GPU) a table entry of the warp-specialised kernel takes the Triton kernels'
+    form of the table's rule instead."""
+    from nvfp4.kernels import hopper_ws, nvfp4_gemm
+
+    x = torch.zeros(128, 3584, dtype=torch.bfloat16)
+    assert not hopper_ws.supported(x, 18944, 3584, 2)
+    cfg = nvfp4_gemm._without_ws(128, 18944, 3584, torch.bfloat16)
+    assert not cfg.ws and cfg.mma
+    ws = nvfp4_gemm.entry_config(("ws", 128, 2, 8, 2), 128, 18944, 3584)
+    assert ws == nvfp4_gemm.LinearConfig(128, 128, 64, 1, 4, 8, True, mma=True, ws=True, sub=2)
+    assert not nvfp4_gemm._without_ws(128, 18944, 3584, torch.float16).large_m  # fp16: dequantize + cuBLAS
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in output (an element never written)"
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", _table_configs())
+def test_random_shapes_against_the_reference_gpu(config):
+    from nvfp4.kernels import LinearConfig, hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
+    from nvfp4.layout import to_mma_layout
+
+    block_m, tiles, stages, sub = config
+    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    gen = torch.Generator().manual_seed(sum(config))
+    nvfp4_gemm.POISON_OUTPUTS = hopper_ws.POISON = True
+    try:
+        for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700):
+            n = 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen))
+            k = 256 * int(torch.randint(1, 30, (1,), generator=gen))
+            q = quantize(torch.randn(n, k, device="cuda"))
+            packed = to_mma_layout(q.packed)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
+            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert _rel(y, ref) < 1e-2, (m, n, k, config)
+            assert torch.equal(y, nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)), "not deterministic"
+            a = torch.randn(32, k, device="cuda") / k**0.5
+            lb = torch.randn(n, 32, device="cuda")
+            delta = 0.5 * (x.double() @ a.double().T) @ lb.double().T
+            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.5, config=cfg)
+            assert _rel(y.double() - ref, delta) < 3e-2, (m, n, k, config)
+        flags = nvfp4_gemm._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())]
+        assert int(flags.abs().sum()) == 0  # every launch leaves its flags at zero
+    finally:
+        nvfp4_gemm.POISON_OUTPUTS = hopper_ws.POISON = False
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_replays_are_bit_equal_gpu():
+    from nvfp4.kernels import LinearConfig, nvfp4_linear
+    from nvfp4.layout import to_mma_layout
+
+    block_m, tiles, stages, sub = _table_configs()[0]
+    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    q = quantize(torch.randn(64 * tiles * 37, 3584, device="cuda"))
+    packed = to_mma_layout(q.packed)
+    x = torch.randn(block_m + 5, 3584, device="cuda", dtype=torch.bfloat16)
+    expected = nvfp4_linear(x, packed, q.scale, q.global_scale, config=cfg)
+    out = torch.empty_like(expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(5):
+            out.copy_(nvfp4_linear(x, packed, q.scale, q.global_scale, config=cfg))
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

@@ -12,7 +12,7 @@ Measures, on SmolLM2-135M-Instruct (CPU):
    KL(clean ‖ noisy) and top-1 flip rate, for the fp32 model and for a bf16 model with bf16 norm weights vs with
    ``norm_dtype=torch.float32``, σ ∈ {1e-4, 1e-3, 1e-2}, 3 noise seeds.
 
-Writes ``results/aqn_entropy.json`` and (``--plot``, on by default) ``docs/aqn_schedules.png``.
+Writes ``benchmarks/results/aqn_entropy.json`` and (``--plot``, on by default) ``docs/aqn_schedules.png``.
 
     uv run python benchmarks/aqn_entropy.py            # ~3-4 min on 2 CPU cores
     uv run python benchmarks/aqn_entropy.py --plot-only
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this size on 2 cores)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "aqn_entropy.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "aqn_entropy.json")
     args = ap.parse_args()
 
     if args.plot or args.plot_only:

@@ -21,7 +21,7 @@ Two views:
     uv run python benchmarks/entropy_quantization.py            # 23 min on 2 heavily shared CPU cores (2026-11-22)
     uv run python benchmarks/entropy_quantization.py --plot-only
 
-Writes ``results/entropy_quantization.json`` and ``docs/entropy_quantization.png``.
+Writes ``benchmarks/results/entropy_quantization.json`` and ``docs/entropy_quantization.png``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--awq", action=argparse.BooleanOptionalAction, default=False, help="add the NVFP4-AWQ arm")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=GSM8K)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "entropy_quantization.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "entropy_quantization.json")
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "entropy_quantization.png")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()

@@ -8,7 +8,7 @@ split; the base models (bf16 and NVFP4-RTN) are evaluated once each. Runs go to 
     uv run python benchmarks/learning_study.py                 # train + eval + plot (~50 min on 2 shared CPU cores)
     uv run python benchmarks/learning_study.py --plot-only     # re-read the run folders, write JSON + PNG
 
-Writes ``results/learning_study.json`` and ``docs/learning_study.png``.
+Writes ``benchmarks/results/learning_study.json`` and ``docs/learning_study.png``.
 
 The GPU study (issue #21, ``--gpu``): four arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's
 exponential σ schedule, NVFP4 + LoRA + AQN at a constant σ as the ablation) × seeds × two tasks — arithmetic as a
@@ -24,7 +24,7 @@ processes on one GPU (the model is tiny), one torch thread each::
     python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
-Writes ``results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``. The 12 GSM8K runs under
+Writes ``benchmarks/results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``. The 12 GSM8K runs under
 ``--mps`` train in ~12 min of an H100 scoring all 16 sequences per loss forward (27 min with the recipe's 2 per
 forward); their 26 evaluations (greedy and sampled: 34-47 s each on the H100) then run ``--eval-parallel`` at a
 time.
@@ -39,7 +39,7 @@ per arm) and one table (``table_gpu``)::
     python3 benchmarks/learning_study.py --formats --arms "NVFP4+LoRA+AQN,MXFP4+LoRA+AQN,NF4 (QLoRA),bf16+LoRA"
     python3 benchmarks/learning_study.py --formats --plot-only
 
-Writes ``results/learning_study_formats.json`` and ``docs/learning_study_formats_<task>.png``. (``NF4+LoRA+AQN`` is
+Writes ``benchmarks/results/learning_study_formats.json`` and ``docs/learning_study_formats_<task>.png``. (``NF4+LoRA+AQN`` is
 available as a further arm; every arm is selectable with ``--gpu --arms``.) The NF4 arm's LoRA adapters are fp32 like
 every other arm's (``QeRLGRPOTrainer`` undoes TRL's bf16 cast of QLoRA adapters), so the arms differ in the frozen
 4-bit base only.
@@ -798,7 +798,7 @@ def main_gpu(args) -> None:
                    args.eval_parallel)
     res = collect_gpu(tasks, arms, seeds, steps, eval_at, runs, args.tiny)
     take_arms_from(res, args.arm_from)
-    out = args.json or ROOT / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
+    out = args.json or ROOT / "benchmarks" / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
     res["summary"] = _summary_rows(res)
     if args.formats:
         res["issue"], res["benchmark"] = 22, "learning_study_formats"
@@ -822,7 +822,7 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "learning_study")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/learning_study_logs"))
     ap.add_argument("--plot-only", action="store_true", help="only read existing run folders and write JSON + PNG")
-    ap.add_argument("--json", type=Path, default=ROOT / "results" / "learning_study.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "learning_study.json")
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "learning_study.png")
     gpu = ap.add_argument_group("GPU study (issue #21)")
     gpu.add_argument("--gpu", action="store_true", help="the GPU study: 4 arms x seeds x 2 tasks, evals at steps")
@@ -831,7 +831,7 @@ def main() -> None:
                      "NVFP4+LoRA, NVFP4+LoRA+AQN, NVFP4+LoRA+AQN const σ); all: " + ", ".join(GPU_ARMS))
     gpu.add_argument("--formats", action="store_true",
                      help="the formats comparison (issue #22): --gpu with --arms " + ",".join(FORMAT_ARMS) + " and "
-                          "--tasks arithmetic unless given; writes results/learning_study_formats.json and "
+                          "--tasks arithmetic unless given; writes benchmarks/results/learning_study_formats.json and "
                           "docs/learning_study_formats_<task>.png")
     gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
@@ -858,7 +858,7 @@ def main() -> None:
             args.seeds = [0, 1, 2]
         if args.runs == ROOT / "runs" / "learning_study":
             args.runs = None
-        if args.json == ROOT / "results" / "learning_study.json":
+        if args.json == ROOT / "benchmarks" / "results" / "learning_study.json":
             args.json = None
         return main_gpu(args)
     if not args.plot_only:

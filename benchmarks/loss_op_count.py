@@ -7,7 +7,7 @@ GSM8K (16 sequences = 4 prompts × 4 samples, bf16 + LoRA, gradient checkpointin
 Each setting runs in its own process; CPU is enough (the count does not depend on the device)::
 
     uv run python benchmarks/loss_op_count.py                       # logprob_batch_size 2 (recipe) and 16, ~3 min
-    uv run python benchmarks/loss_op_count.py --sizes 2 4 16 --out results/loss_op_count.json
+    uv run python benchmarks/loss_op_count.py --sizes 2 4 16 --out benchmarks/results/loss_op_count.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ linears (their stored tensors), weight error, output error per layer type, GSM8K
 weights are dequantized once into plain fp32 linears for the measurements (the CPU forward of every format is
 dequantize-then-matmul; for NF4 the JSON records the largest logit difference to bitsandbytes' own forward)::
 
-    uv run python benchmarks/quality.py --formats --data ../shared/data/gsm8k     # → results/quality_formats.json
+    uv run python benchmarks/quality.py --formats --data ../shared/data/gsm8k     # → benchmarks/results/quality_formats.json
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: 
 
 
 def formats_main(args: argparse.Namespace) -> None:
-    """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``results/quality_formats.json``."""
+    """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``benchmarks/results/quality_formats.json``."""
     from qerl_trl.policy import load_policy
     from rollout import git_commit
 
@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=64)
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--methods", default="rtn,mse,awq,gptq")
-    ap.add_argument("--json", default=None, help="default results/quality.json (--formats: quality_formats.json)")
+    ap.add_argument("--json", default=None, help="default benchmarks/results/quality.json (--formats: …/quality_formats.json)")
     ap.add_argument("--formats", action="store_true", help="NVFP4 / MXFP4 / NF4 at equal method (issue #22)")
     ap.add_argument("--arms", default=None, help="--formats: comma list of " + ", ".join(FORMAT_ARMS))
     args = ap.parse_args()

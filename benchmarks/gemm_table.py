@@ -5,7 +5,8 @@
 
 Forward: ``speedup`` (bf16 time ÷ ours, no LoRA on either side) and, where ``gemm.py --compare-lora`` ran,
 ``lora_speedup`` (bf16 without LoRA ÷ ours with the fused rank-32 LoRA, so a lower bound on ours + LoRA against
-bf16 + LoRA). Backward: ``speedup`` of ``dx = dy·W``. Each row names its source file and commit, as
+bf16 + LoRA); where ``--peer-humming`` ran, ``humming_speedup`` (Humming 0.1.10's NVFP4 GEMM, same run). Backward:
+``speedup`` of ``dx = dy·W``. Each row names its source file and commit, as
 ``tests/test_claims.py`` asks; paste the output over the tables under "Kernels" in BENCHMARKS.md.
 """
 
@@ -29,7 +30,8 @@ def tables(data: dict, source: str, commit: str) -> str:
     out = []
     for key, label, extra in (("layer_forward", "", True), ("layer_backward", "dx ", False)):
         rows = data.get(key, [])
-        fields = f"{key}/speedup" + (f",{key}/lora_speedup" if extra else "")  # the numbers this table prints
+        has_hum = extra and any("humming_speedup" in r for r in rows)
+        fields = f"{key}/speedup" + (f",{key}/lora_speedup" if extra else "") + (f",{key}/humming_speedup" if has_hum else "")
         src = f"[{Path(source).name}]({source}#{fields}), {commit}"
         if not rows:
             continue
@@ -38,12 +40,16 @@ def tables(data: dict, source: str, commit: str) -> str:
         has_lora = extra and any("lora_speedup" in r for r in rows)
         if has_lora:
             cols += [f"{short[m]} + LoRA" for m in models]
+        if has_hum:
+            cols += [f"Humming {short[m]}" for m in models]
         out += [f"<!-- claims: {' | '.join(cols)} -->", f"| M | {' | '.join(cols)} | source |"]
         out.append("|---:|" + "---:|" * len(cols) + "---|")
         for m_rows in sorted({r["M"] for r in rows}):
             cells = [by.get((m, m_rows), {}).get("speedup") for m in models]
             if has_lora:
                 cells += [by.get((m, m_rows), {}).get("lora_speedup") for m in models]
+            if has_hum:
+                cells += [by.get((m, m_rows), {}).get("humming_speedup") for m in models]
             shown = " | ".join("—" if c is None else f"{c:.2f}×" for c in cells)
             out.append(f"| {m_rows} | {shown} | {src} |")
         out.append("")

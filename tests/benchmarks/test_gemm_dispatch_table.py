@@ -1,0 +1,52 @@
+"""The frozen dispatch table and the tooling that writes it (``benchmarks/gemm.py --apply-table``), on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gemm_module():
+    spec = importlib.util.spec_from_file_location("gemm_bench", ROOT / "benchmarks" / "gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gemm_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_table_entry_is_a_valid_config():
+    """Each entry of the committed table turns into a config the launcher accepts for its shape: the
+    warp-specialised kernel only where its tiles divide N, K in whole 256-input tiles."""
+    from nvfp4.kernels import dispatch_table, nvfp4_gemm
+
+    for (n, k), row in dispatch_table.FORWARD.items():
+        for m, entry in row.items():
+            cfg = nvfp4_gemm.entry_config(entry, m, n, k)
+            assert cfg.mma
+            if cfg.ws:
+                assert n % cfg.block_n == 0 and k % 256 == 0 and cfg.block_m in (64, 128, 256), (n, k, m, entry)
+                assert cfg.sub in (1, 2) and 3 <= cfg.num_stages <= 12
+
+
+def test_table_source_takes_the_fastest_form_per_shape_and_size():
+    gemm = _gemm_module()
+    ws = dict(block_m=128, block_n=128, num_stages=8, sub=2, ws=True, dequant=False, large_m=False)
+    old = dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, split_k=1, ws=False, dequant=False,
+               large_m=True)  # fmt: skip
+    rows = [dict(N=256, K=512, M=128, ours_ms=1.0, config=old), dict(N=256, K=512, M=128, ours_ms=0.5, config=ws),
+            dict(N=256, K=512, M=256, ours_ms=0.7, config=dict(ws, dequant=True)),
+            dict(N=256, K=512, M=16, ours_ms=0.1, config=old)]  # fmt: skip
+    src = gemm.dispatch_table_source({"forward": rows})
+    table = eval("{" + src + "}")  # the printed body is a dict literal's items
+    assert table == {(256, 512): {128: ("ws", 128, 2, 8, 2), 256: "dequant"}}  # M <= 16: the decode kernel's own
+
+
+def test_ws_candidates_only_where_the_kernel_applies():
+    gemm = _gemm_module()
+    assert gemm.ws_candidate(32, 18944, 3584) is None  # the decode kernel's sizes
+    assert gemm.ws_candidate(128, 18944 + 64, 3584) is None  # N not a multiple of 128
+    cfg = gemm.ws_candidate(128, 18944, 3584)
+    assert cfg.ws and cfg.block_m == 128 and cfg.block_n == 128

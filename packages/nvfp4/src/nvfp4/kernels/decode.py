@@ -243,18 +243,9 @@ def _e2m1_bf16_bits(packed):
     )
 
 
-@triton.jit
-def _e2m1_words_bf16(packed):
-    """uint8 MMA-layout tile (bit-permuted words, :mod:`nvfp4.layout`) → two bf16 tensors of its shape holding
-    ``e2m1 · 2^-126``: per word (4 elements), ``a`` = (byte 0 low nibble, byte 0 high, byte 1 low, byte 1 high) and
-    ``b`` = the same for bytes 2 and 3, i.e. each 32-bit register is one bf16x2 ``wgmma`` A-fragment register.
-
-    9 instructions per word (8 weights): register ``j`` is ``rotr(q, t_j) & 0x81C081C0`` (sign at bit 15, ``e1 e0 m``
-    at bits 8..6 of each half; ``e = 0`` lands on the exact bf16 subnormal), the last one takes two rotations.
-    """
-    return _bf16x2_pairs_from_word(
-        packed,
-        """
+# One bit-permuted MMA-layout word ($4: 8 codes) → four bf16x2 A-fragment registers ($0..$3) holding e2m1 · 2^-126
+# (:func:`_e2m1_words_bf16`; also the Gluon kernel's decoder, :mod:`nvfp4.kernels.hopper_ws`).
+E2M1_WORDS_BF16_ASM = tl.constexpr("""
         {
         .reg .b32 r, t;
         and.b32 $0, $4, 0x81C081C0;
@@ -268,8 +259,19 @@ def _e2m1_words_bf16(packed):
         and.b32 t, t, 0x01000100;
         or.b32 $3, r, t;
         }
-        """,
-    )
+        """)
+
+
+@triton.jit
+def _e2m1_words_bf16(packed):
+    """uint8 MMA-layout tile (bit-permuted words, :mod:`nvfp4.layout`) → two bf16 tensors of its shape holding
+    ``e2m1 · 2^-126``: per word (4 elements), ``a`` = (byte 0 low nibble, byte 0 high, byte 1 low, byte 1 high) and
+    ``b`` = the same for bytes 2 and 3, i.e. each 32-bit register is one bf16x2 ``wgmma`` A-fragment register.
+
+    9 instructions per word (8 weights): register ``j`` is ``rotr(q, t_j) & 0x81C081C0`` (sign at bit 15, ``e1 e0 m``
+    at bits 8..6 of each half; ``e = 0`` lands on the exact bf16 subnormal), the last one takes two rotations.
+    """
+    return _bf16x2_pairs_from_word(packed, E2M1_WORDS_BF16_ASM)
 
 
 @triton.jit

@@ -23,6 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .decode import E2M1_WORDS_BF16_ASM
+
 POISON = False  # tests: outputs start as NaN, so an element the kernel never writes cannot pass
 
 
@@ -31,21 +33,7 @@ def _e2m1_words_bf16(p):
     """uint8 MMA-layout bytes (4 per thread-register word) → two bf16 tensors (``e2m1 · 2^-126``), as
     :func:`nvfp4.kernels.decode._e2m1_words_bf16`."""
     return gl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 r, t;
-        and.b32 $0, $4, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 4;
-        and.b32 $1, r, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 10;
-        and.b32 $2, r, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 30;
-        shf.r.wrap.b32 t, $4, $4, 6;
-        and.b32 r, r, 0x80C080C0;
-        and.b32 t, t, 0x01000100;
-        or.b32 $3, r, t;
-        }
-        """,
+        E2M1_WORDS_BF16_ASM,
         "=r,=r,=r,=r,r",
         [p],
         dtype=(gl.bfloat16, gl.bfloat16),

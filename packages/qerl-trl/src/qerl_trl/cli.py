@@ -107,7 +107,7 @@ def _read_recipe(path: str) -> dict:
         with open(path) as f:
             recipe = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"recipe {path!r}: not readable YAML ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"recipe {path!r}: not readable YAML ({str(e).splitlines()[0]})") from e
     if not isinstance(recipe, dict):
         raise UsageError(f"recipe {path!r}: expected a mapping of option: value, got {type(recipe).__name__}")
     return recipe

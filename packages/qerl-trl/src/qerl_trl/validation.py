@@ -113,7 +113,7 @@ def check_config_values(config: Any) -> None:
         fields = f"aqn_schedule={config.aqn_schedule!r}"
         if aqn:
             fields += f", aqn_sigma_start={values[0]}, aqn_sigma_end={values[1]}, aqn_num_stages={values[2]}"
-        raise UsageError(f"{fields}: {e}") from None
+        raise UsageError(f"{fields}: {e}") from e
 
 
 # ------------------------------------------------------------------------------------------------------------- paths
@@ -155,17 +155,17 @@ def _check_hub_model(argument: str, repo_id: str) -> None:
         )
     try:
         HfApi().model_info(repo_id, timeout=10)
-    except RepositoryNotFoundError:
+    except RepositoryNotFoundError as e:
         raise UsageError(
             f"{argument} {repo_id!r}: no such local folder, and no such model on the Hugging Face Hub (a private or "
             f"gated one needs `hf auth login`): {expected}"
-        ) from None
+        ) from e
     except Exception as e:  # noqa: BLE001 - httpx / OSError / HfHubHTTPError: the Hub cannot be reached
         why = str(e).splitlines()[0] if str(e) else ""
         raise UsageError(
             f"{argument} {repo_id!r}: no such local folder, and the Hugging Face Hub cannot be reached to fetch it "
             f"({type(e).__name__}: {why}): {expected}"
-        ) from None
+        ) from e
 
 
 def _check_safetensors_in(argument: str, value: str, folder: Path, pattern: str) -> None:
@@ -173,7 +173,7 @@ def _check_safetensors_in(argument: str, value: str, folder: Path, pattern: str)
         try:
             check_safetensors(file)
         except CheckpointError as e:
-            raise UsageError(f"{argument} {value!r}: {e.relative_to(folder)}") from None
+            raise UsageError(f"{argument} {value!r}: {e.relative_to(folder)}") from e
 
 
 def check_model_source(argument: str, value: str, *, tokenizer: bool = True, weights: bool = True) -> None:
@@ -267,9 +267,9 @@ def load_task_data(task: str, split: str, path: str | None, limit: int | None, s
     try:
         return load_task(task, split, path=path, limit=limit, seed=seed, **(options or {}))
     except TaskDataError as e:
-        raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from None
+        raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from e
     except (TypeError, ValueError) as e:  # the task's options (n_examples, digits, ops, ...)
-        raise UsageError(f"{options_arg} {options}: {e}") from None
+        raise UsageError(f"{options_arg} {options}: {e}") from e
 
 
 def load_train_data(script_args: Any, config: Any) -> Any:
@@ -310,7 +310,7 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
         try:
             check_checkpoint(script_args.resume, required)
         except CheckpointError as e:
-            raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from None
+            raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
     return TrainInputs(dataset=load_train_data(script_args, config), resume=resume)
 

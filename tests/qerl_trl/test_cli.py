@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 from qerl_trl.cli import RECIPES_DIR, main, parse_train_args
 from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
 from qerl_trl.run import read_metrics
+from qerl_trl.validation import UsageError
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -31,9 +36,9 @@ def test_overrides_and_errors():
     assert parse_train_args([])[0].model_name_or_path == "offline-default"  # no arguments: the offline default
     _, dapo = parse_train_args(["offline-default", "--algorithm", "dapo"])
     assert isinstance(dapo, QeRLDAPOConfig)
-    with pytest.raises(SystemExit, match="no recipe named"):
+    with pytest.raises(UsageError, match="recipe 'no-such-recipe': no recipe of that name"):
         parse_train_args(["no-such-recipe"])
-    with pytest.raises(SystemExit, match="algorithm"):
+    with pytest.raises(UsageError, match="algorithm"):
         parse_train_args(["offline-default", "--algorithm", "ppo"])
 
 
@@ -50,26 +55,123 @@ def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
     main(["train", "offline-default", *common, "--max_steps", "3", "--resume", "true"])
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["train", "offline-default", *common[:2], "--output_dir", str(tmp_path / "empty"), "--resume", "true"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"--resume true: no usable checkpoint in {tmp_path / 'empty'} "
+                                                    "(no checkpoint-N folder)")  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("args", "words"),
-    [(["--quantization", "foo"], ["quantization", "'foo'", "'rtn'", "'none'"]),
-     (["--aqn_sigma_start", "-1"], ["aqn_sigma_start", "-1.0"])],
-)  # fmt: skip
-def test_bad_option_values_print_one_line_and_exit_2(args, words, capsys, monkeypatch):
-    """A bad option value ends in one line (option, value, what is accepted) on stderr and exit code 2, no
-    traceback; ``--debug`` shows the exception itself."""
-    from qerl_trl.cli import DEBUG_ENV, main
+def _cut_safetensors(path: Path) -> None:
+    """A small real safetensors file cut to half its size, as a kill mid-write leaves it."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"lora_A": torch.ones(4, 8)}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory) -> Path:
+    """Things a user can point at by mistake: a file, a folder that is no model, checkpoints and an adapter whose
+    safetensors file was cut short."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "a-file").write_text("not a folder")
+    (root / "not-a-model").mkdir()
+    (root / "not-a-model" / "notes.txt").write_text("hello")
+    ckpt = root / "run" / "checkpoint-2"
+    _cut_safetensors(ckpt / "adapter_model.safetensors")
+    for name, text in {"trainer_state.json": "{}", "aqn_state.json": "{}", "optimizer.pt": "", "scheduler.pt": ""}.items():
+        (ckpt / name).write_text(text)
+    _cut_safetensors(root / "adapter" / "adapter_model.safetensors")
+    (root / "adapter" / "adapter_config.json").write_text("{}")
+    return root
+
+
+#: (argv, words the one line must hold); ``{bad}`` is the bad_inputs folder. Each: exit 2, one line on stderr.
+BAD_INPUTS = [
+    (["train", "no-such-recipe"], ["recipe", "'no-such-recipe'", "offline-default"]),
+    (["train", "{bad}/missing.yaml"], ["recipe", "missing.yaml", "no such file"]),
+    (["train", "--model_name_or_path", "/nonexistent/model", "--max_steps", "1"],
+     ["--model_name_or_path", "'/nonexistent/model'", "no such file or folder", "config.json"]),
+    (["train", "--model_name_or_path", "{bad}/not-a-model"], ["--model_name_or_path", "not-a-model", "no config.json"]),
+    (["train", "--model_name_or_path", "qerl-tests/no-such-model"],
+     ["--model_name_or_path", "'qerl-tests/no-such-model'", "Hub", "offline"]),
+    (["train", "--max_steps", "-3"], ["max_steps", "-3", "-1", ">= 1"]),
+    (["train", "--max_steps", "abc"], ["--max_steps", "'abc'"]),
+    (["train", "--max_completion_length", "-1"], ["max_completion_length", "-1", ">= 1"]),
+    (["train", "--per_device_train_batch_size", "0"], ["per_device_train_batch_size", "0"]),
+    (["train", "--aqn_sigma_start", "-1"], ["aqn_sigma_start", "-1.0"]),
+    (["train", "--aqn", "false", "--aqn_sigma_end", "-0.5"], ["aqn_sigma_end", "-0.5", ">= 0"]),
+    (["train", "--aqn_schedule", "zigzag"], ["aqn_schedule", "'zigzag'", "exponential"]),
+    (["train", "--aqn_num_stages", "1"], ["aqn_num_stages=1", ">= 2"]),
+    (["train", "--temperature", "0"], ["temperature", "> 0"]),
+    (["train", "--quantization", "foo"], ["quantization", "'foo'", "'rtn'", "'none'"]),
+    (["train", "--limit", "0"], ["--limit", ">= 1", "0"]),
+    (["train", "--task", "nope"], ["--task", "'nope'", "gsm8k"]),
+    (["train", "--rewards", "nope"], ["--rewards", "'nope'", "format"]),
+    (["train", "--algorithm", "ppo"], ["--algorithm", "'ppo'"]),
+    (["train", "--no_such_option", "1"], ["--no_such_option"]),
+    (["train", "--task", "gsm8k", "--data_path", "{bad}/no-data"], ["--data_path", "no-data", "train.jsonl"]),
+    (["train", "--task_options", '{"digits": 12}'], ["--task_options", "digits", "1..9"]),
+    (["train", "--output_dir", "{bad}/a-file"], ["--output_dir", "a-file", "a file; expected a folder"]),
+    (["train", "--output_dir", "{bad}/a-file/run"], ["--output_dir", "a-file/run", "is a file"]),
+    (["train", "--output_dir", "{bad}/empty", "--resume", "true"], ["--resume true", "no usable checkpoint", "empty"]),
+    (["train", "--output_dir", "{bad}/run", "--resume", "true"],
+     ["--resume true", "no usable checkpoint", "checkpoint-2 (adapter_model.safetensors: not a complete safetensors"]),
+    (["train", "--resume", "{bad}/run/checkpoint-2"],
+     ["--resume", "checkpoint-2", "adapter_model.safetensors: not a complete safetensors file", "not fully covered"]),
+    (["train", "--resume", "{bad}/run/checkpoint-9"], ["--resume", "checkpoint-9", "no such checkpoint folder"]),
+    (["eval", "--model", "offline-default", "--adapter", "/nonexistent", "--task", "arithmetic"],
+     ["--adapter", "'/nonexistent'", "no such folder", "LoRA adapter"]),
+    (["eval", "--adapter", "{bad}/not-a-model", "--task", "arithmetic"], ["--adapter", "not a LoRA adapter folder"]),
+    (["eval", "--adapter", "{bad}/adapter", "--task", "arithmetic"],
+     ["--adapter", "adapter_model.safetensors: not a complete safetensors file"]),
+    (["eval", "--model", "/nonexistent", "--task", "arithmetic"], ["--model", "'/nonexistent'", "no such file"]),
+    (["eval", "--task", "gsm8k", "--data-path", "{bad}/no-data"], ["--data-path", "no-data", "test.jsonl"]),
+    (["eval", "--n-samples", "0"], ["--n-samples", ">= 1", "0"]),
+    (["eval", "--temperature", "0"], ["--temperature", "> 0", "--greedy"]),
+    (["eval", "--task", "nope"], ["--task", "'nope'"]),
+    (["frobnicate"], ["unknown command", "'frobnicate'"]),
+]  # fmt: skip
+
+
+def test_bad_inputs_print_one_line_and_exit_2(bad_inputs, capsys, monkeypatch):
+    """Every bad path or value of the issue's table and more, through ``main`` in this process: exit code 2, one line
+    on stderr that names the argument and the value, no traceback; with ``--debug`` the exception itself (its
+    traceback) instead."""
+    from qerl_trl.cli import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("qerl train: error: ") and "Traceback" not in err, err
-    assert all(w in err for w in words), err
-    with pytest.raises(ValueError):
-        main(["train", *args, "--debug"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id is refused as offline here, whatever the network
+    for argv, words in BAD_INPUTS:
+        argv = [a.replace("{bad}", str(bad_inputs)) for a in argv]
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2, (argv, err)
+        assert len(err.splitlines()) == 1 and ": error: " in err and "Traceback" not in err, (argv, err)
+        assert all(w.replace("{bad}", str(bad_inputs)) in err for w in words), (argv, err)
+        with pytest.raises(Exception) as debug_info:  # noqa: B017 - whichever exception the message came from
+            main([*argv, "--debug"])
+        assert not isinstance(debug_info.value, SystemExit) and debug_info.value.__traceback__ is not None, argv
+        capsys.readouterr()
+
+
+def test_bad_input_from_the_shell_exits_2_in_one_line_and_debug_shows_the_traceback(tmp_path):
+    """The same through the installed ``qerl`` entry point, in two real processes (both fail before torch loads)."""
+    import shutil
+    import subprocess
+
+    qerl = shutil.which("qerl") or str(Path(sys.executable).with_name("qerl"))
+    env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"}
+    plain = subprocess.run([qerl, "train", "no-such-recipe"], capture_output=True, text=True, env=env, timeout=120)
+    assert plain.returncode == 2 and plain.stdout == "", plain
+    assert plain.stderr.splitlines() == [
+        "qerl train: error: recipe 'no-such-recipe': no recipe of that name, nor a .yaml file; shipped recipes: "
+        "bigmath-qwen2.5-32b-dapo, gsm8k-qwen2.5-7b-grpo, offline-default"
+    ]
+    debug = subprocess.run([qerl, "train", "no-such-recipe", "--debug"], capture_output=True, text=True, env=env,
+                           timeout=120)  # fmt: skip
+    assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):"), debug
+    assert debug.stderr.splitlines()[-1].startswith("qerl_trl.validation.UsageError: recipe 'no-such-recipe'")

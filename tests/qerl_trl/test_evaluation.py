@@ -10,6 +10,7 @@ import pytest
 import torch
 from qerl_trl.evaluation import AdapterNotLoadedError, evaluate, load_model, main, pass_at_k, verify_adapter
 from qerl_trl.tasks import load_task
+from qerl_trl.validation import UsageError
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -177,10 +178,13 @@ def test_cli_errors(tiny_dir, tmp_path):
     q.save_pretrained(tmp_path / "q")
     with pytest.raises(ValueError, match="already quantized"):
         load_model(str(tmp_path / "q"), quantize="rtn", tokenizer_path=str(tiny_dir))
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="argument --task: invalid choice: 'nope'"):
         main(["--task", "nope"])
-    with pytest.raises(SystemExit, match="qerl eval: .*does not exist"):
+    with pytest.raises(UsageError, match="--data-path .*missing': no such file or folder"):
         main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(tmp_path / "missing")])
+    (tmp_path / "data").mkdir()
+    with pytest.raises(UsageError, match="--data-path .*data': task 'gsm8k': .* has no test.jsonl"):
+        main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(tmp_path / "data")])
     with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
         verify_adapter(__import__("peft").get_peft_model(q, __import__("peft").LoraConfig(target_modules=["q_proj"])),
                        tmp_path)

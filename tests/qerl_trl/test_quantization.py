@@ -186,14 +186,14 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
     parser = build_parser()
     assert parser.parse_args(["--quantize", "gptq"]).quantize == "nvfp4-gptq"
     assert parser.parse_args(["--quantize", "nf4"]).quantize == "nf4"
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="argument --quantize"):  # qerl_trl.validation.UsageError
         parser.parse_args(["--quantize", "int4"])
     model, _, info = load_model(str(tiny_dir), quantize="nf4")
     assert info["quantize"] == "nf4"
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14
     with pytest.raises(ValueError, match="--quantize must be one of"):
         load_model(str(tiny_dir), quantize="int8")
-    with pytest.raises(SystemExit, match="--engine vllm loads NVFP4 or dense checkpoints, not --quantize nf4"):
+    with pytest.raises(ValueError, match="--engine vllm loads NVFP4 or dense checkpoints, not --quantize nf4"):
         main(["--model", str(tiny_dir), "--quantize", "nf4", "--engine", "vllm", "--task", "arithmetic"])
     if _mxfp4_available():
         model, _, info = load_model(str(tiny_dir), quantize="mxfp4-rtn")

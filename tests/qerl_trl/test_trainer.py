@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import nvfp4
@@ -10,6 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from nvfp4.linear import NVFP4Linear
+from qerl_trl.checkpoints import CheckpointError
 from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
 from qerl_trl.dapo import OverlongPenalty, QeRLDAPOTrainer, concat_generation_batches, informative_groups
 from qerl_trl.policy import load_tokenizer
@@ -164,8 +167,62 @@ def test_resume_without_aqn_state_fails_clearly(tmp_path, tokenizer):
     (ckpt / AQN_STATE_NAME).unlink()
     trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, max_steps=2),
                               train_dataset=arithmetic(), processing_class=tokenizer)
-    with pytest.raises(FileNotFoundError, match="aqn_state.json"):
+    with pytest.raises(CheckpointError, match=r"checkpoint-1/aqn_state.json: missing"):
         trainer.train(resume_from_checkpoint=str(ckpt))
+    with pytest.raises(CheckpointError, match=r"run: no complete checkpoint-N folder: checkpoint-1 \(aqn_state.json"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def step_numbers(trainer, after: int = 0) -> dict[int, dict]:
+    """Every logged number of each step after ``after``, except timings (tokens/s), which no two runs share."""
+    return {h["step"]: {k: v for k, v in h.items() if "per_second" not in k and "time" not in k}
+            for h in trainer.state.log_history if "reward" in h and h["step"] > after}  # fmt: skip
+
+
+def test_resume_skips_damaged_checkpoints_and_continues_to_the_same_numbers(tmp_path, tokenizer, caplog):
+    """``train(resume_from_checkpoint=True)`` after checkpoint-4's adapter was cut short resumes from checkpoint-3;
+    with checkpoint-3's optimizer missing too, from checkpoint-2. Each time the steps after it log the numbers of an
+    uninterrupted run (reward, loss, grad norm, entropy, σ, ...), the damaged folders are replaced by complete ones,
+    and what was skipped is said in one warning."""
+    import logging
+    import shutil
+
+    from qerl_trl.checkpoints import check_checkpoint
+
+    kw = dict(max_steps=4, save_steps=1, aqn_num_stages=4)
+    full = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path / "full", **kw),
+                           train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    full.train()
+    full_run = Path(full.args.output_dir)
+
+    def damage_and_resume(tag: str, damage) -> tuple[QeRLGRPOTrainer, str]:
+        run = tmp_path / tag / "run"
+        shutil.copytree(full_run, run)
+        damage(run)
+        resumed = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path / tag, **kw),
+                                  train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer"):
+            resumed.train(resume_from_checkpoint=True)
+        for step in (1, 2, 3, 4):
+            check_checkpoint(run / f"checkpoint-{step}", ["optimizer.pt", "scheduler.pt", AQN_STATE_NAME])
+        return resumed, caplog.text
+
+    def cut_adapter(run: Path) -> None:
+        path = run / "checkpoint-4" / "adapter_model.safetensors"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    resumed, said = damage_and_resume("cut", cut_adapter)
+    assert f"resuming from {tmp_path / 'cut' / 'run' / 'checkpoint-3'}; skipped checkpoint-4 (adapter_model" in said
+    assert step_numbers(resumed, after=3) == step_numbers(full, after=3) != {}
+
+    def cut_adapter_and_drop_optimizer(run: Path) -> None:
+        cut_adapter(run)
+        (run / "checkpoint-3" / "optimizer.pt").unlink()
+
+    resumed, said = damage_and_resume("cut-and-missing", cut_adapter_and_drop_optimizer)
+    assert "checkpoint-2; skipped checkpoint-4 (adapter_model" in said and "; checkpoint-3 (optimizer.pt: missing)" in said
+    assert step_numbers(resumed, after=2) == step_numbers(full, after=2) and len(step_numbers(full, after=2)) == 2
 
 
 def test_dapo_steps_with_dynamic_sampling_refill(tmp_path, tokenizer):
@@ -381,3 +438,57 @@ def test_calibrated_policy_is_cached_and_reused_on_resume(tmp_path, tokenizer, t
     QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic(32).select(range(8, 32)),
                     processing_class=tokenizer)  # fmt: skip
     assert len(list((Path(args.output_dir) / "calibrated").iterdir())) == 2
+
+
+class SlowSaveTrainer(QeRLGRPOTrainer):
+    """Saves step ``slow_step`` slowly: after the adapter and optimizer are written, it touches ``marker`` and sleeps,
+    so the test can kill the process in the middle of that save."""
+
+    slow_step, marker = 0, ""
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        if self.state.global_step == self.slow_step:
+            Path(self.marker).touch()
+            time.sleep(300)
+
+
+def _train_until_killed(args, tokenizer, marker: str) -> None:
+    SlowSaveTrainer.slow_step, SlowSaveTrainer.marker = 2, marker
+    SlowSaveTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
+                    processing_class=tokenizer).train()  # fmt: skip
+
+
+def test_kill_during_a_save_leaves_no_checkpoint_folder_and_resume_continues(tmp_path, tokenizer):
+    """SIGKILL while checkpoint-2 is being written (a forked training process, its save slowed by a test hook): no
+    ``checkpoint-2`` appears, ``save_total_limit=1`` has not deleted checkpoint-1 (rotation waits for the new folder),
+    and ``resume_from_checkpoint=True`` continues from checkpoint-1 to a complete checkpoint-2."""
+    import multiprocessing
+    import signal
+
+    from qerl_trl.checkpoints import STAGING_DIR, check_checkpoint, checkpoint_folders
+
+    args = args_for(tmp_path, max_steps=2, save_steps=1, save_total_limit=1)
+    run, marker = Path(args.output_dir), tmp_path / "saving-step-2"
+    child = multiprocessing.get_context("fork").Process(target=_train_until_killed, args=(args, tokenizer, str(marker)))
+    child.start()
+    deadline = time.monotonic() + 240
+    while not marker.exists() and child.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), f"the training process never reached the save of step 2 (exit code {child.exitcode})"
+    staged = run / STAGING_DIR / "checkpoint-2"
+    assert (staged / "adapter_model.safetensors").is_file() and (staged / "optimizer.pt").is_file()  # mid-save
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
+
+    assert [p.name for p in checkpoint_folders(run)] == ["checkpoint-1"]
+    required = ["optimizer.pt", "scheduler.pt", AQN_STATE_NAME]
+    check_checkpoint(run / "checkpoint-1", required)
+    resumed = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2 and sorted(step_numbers(resumed)) == [1, 2]
+    assert [p.name for p in checkpoint_folders(run)] == ["checkpoint-2"]  # rotated once checkpoint-2 was in place
+    check_checkpoint(run / "checkpoint-2", required)
+    assert not (run / STAGING_DIR).exists()

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from .validation import TrainInputs, UsageError, UsageErrorParser, load_train_data, validate_train_args
+
 __all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "main", "parse_train_args", "train"]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -50,9 +52,20 @@ class ScriptArguments:
             "help": 'Task options (YAML mapping or JSON string), e.g. {"n_examples": 500, "digits": 1} for arithmetic.'
         },
     )
-    resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in output_dir."})
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "'true': continue from the newest complete checkpoint in output_dir (damaged newer ones are "
+            "skipped, saying why); a checkpoint-N folder: continue from it; 'false' (default): start afresh."
+        },
+    )
 
     def __post_init__(self) -> None:
+        flag = str(self.resume).strip().lower()  # YAML gives a bool, the command line a string
+        if self.resume is None or flag in ("false", "no", ""):
+            self.resume = None
+        elif flag in ("true", "yes"):
+            self.resume = "true"
         if isinstance(self.task_options, str):
             try:
                 self.task_options = json.loads(self.task_options)
@@ -61,12 +74,17 @@ class ScriptArguments:
         if self.task_options is not None and not isinstance(self.task_options, dict):
             raise ValueError(f"task_options must be a mapping, got {type(self.task_options).__name__}")
 
+    @property
+    def resume_latest(self) -> bool:
+        """``--resume true``: the newest usable checkpoint of ``output_dir``."""
+        return self.resume == "true"
+
 
 def _config_class(algorithm: str):
     from .config import QeRLConfig, QeRLDAPOConfig
 
     if algorithm not in ("grpo", "dapo"):
-        raise SystemExit(f"qerl train: algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
+        raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
     return QeRLDAPOConfig if algorithm == "dapo" else QeRLConfig
 
 
@@ -75,52 +93,69 @@ def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise SystemExit(f"qerl train: recipe file {path} not found")
+            raise UsageError(f"recipe {name_or_path!r}: no such file")
         return path
     shipped = RECIPES_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
         names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-        raise SystemExit(f"qerl train: no recipe named {name_or_path!r}; shipped recipes: {names}")
+        raise UsageError(f"recipe {name_or_path!r}: no recipe of that name, nor a .yaml file; shipped recipes: {names}")
     return shipped
 
 
-def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
-    """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config."""
+def _read_recipe(path: str) -> dict:
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"recipe {path!r}: not readable YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(recipe, dict):
+        raise UsageError(f"recipe {path!r}: expected a mapping of option: value, got {type(recipe).__name__}")
+    return recipe
+
+
+def _train_parser(dataclasses: tuple) -> Any:
+    """TRL's ``TrlParser``, whose command-line errors raise :class:`UsageError` (:class:`UsageErrorParser`)."""
     from trl import TrlParser
 
+    class Parser(UsageErrorParser, TrlParser):
+        pass
+
+    return Parser(dataclasses)
+
+
+def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
+    """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config.
+
+    Raises :class:`~qerl_trl.validation.UsageError` (or the config's ``ValueError``) for an unknown recipe, an
+    unknown option, or a value of the wrong type or outside its domain; paths are checked later, by
+    :func:`~qerl_trl.validation.validate_train_args`."""
     argv = list(argv)
     if "--config" not in argv:
         recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
         argv = ["--config", str(recipe_path(recipe)), *argv]
     config_file = argv[argv.index("--config") + 1]
-    with open(config_file) as f:
-        algorithm = (yaml.safe_load(f) or {}).get("algorithm", "grpo")
+    algorithm = _read_recipe(config_file).get("algorithm", "grpo")
     if "--algorithm" in argv:
         algorithm = argv[argv.index("--algorithm") + 1]
-    parser = TrlParser((ScriptArguments, _config_class(algorithm)))
+    parser = _train_parser((ScriptArguments, _config_class(algorithm)))
     script_args, config = parser.parse_args_and_config(argv)
     return script_args, config
 
 
-def build_trainer(script_args: ScriptArguments, config: Any) -> Any:
-    """The trainer ``qerl train`` runs: dataset, rewards, callbacks (run directory, progress) and the GRPO or DAPO
-    trainer from parsed arguments (:func:`parse_train_args`), not yet trained."""
+def build_trainer(script_args: ScriptArguments, config: Any, dataset: Any = None) -> Any:
+    """The trainer ``qerl train`` runs: dataset (``dataset``, or the task's, loaded here), rewards, callbacks (run
+    directory, progress) and the GRPO or DAPO trainer from parsed arguments (:func:`parse_train_args`), not yet
+    trained."""
     import torch
 
     from .dapo import QeRLDAPOTrainer
     from .rewards import get_reward_funcs
     from .run import MallocTrimCallback, RunDirectoryCallback
-    from .tasks import TASK_DEFAULT_REWARDS, load_task
+    from .tasks import TASK_DEFAULT_REWARDS
     from .trainer import QeRLGRPOTrainer
 
-    dataset = load_task(
-        script_args.task,
-        script_args.split,
-        path=script_args.data_path,
-        limit=script_args.limit,
-        seed=config.seed,
-        **(script_args.task_options or {}),
-    )
+    if dataset is None:
+        dataset = load_train_data(script_args, config)
     rewards = get_reward_funcs(script_args.rewards or TASK_DEFAULT_REWARDS[script_args.task])
     callbacks: list = [RunDirectoryCallback(title=f"{script_args.model_name_or_path} · {script_args.task}")]
     if not torch.cuda.is_available():  # CPU training: freed activations in small blocks go back to the OS
@@ -142,16 +177,16 @@ def build_trainer(script_args: ScriptArguments, config: Any) -> Any:
     return trainer
 
 
-def train(script_args: ScriptArguments, config: Any) -> Any:
-    """Build dataset, rewards and trainer from parsed arguments, train, save the adapter; returns the trainer."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    trainer = build_trainer(script_args, config)
-    resume = None
-    if script_args.resume:
-        resume = get_last_checkpoint(config.output_dir)
-        if resume is None:
-            raise SystemExit(f"qerl train --resume: no checkpoint-N folder in {config.output_dir}")
+def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None = None) -> Any:
+    """Check the arguments (:func:`~qerl_trl.validation.validate_train_args`, unless ``inputs`` holds its result),
+    build dataset, rewards and trainer, train (from the checkpoint ``--resume`` picked), save the adapter; returns the
+    trainer."""
+    if inputs is None:
+        inputs = validate_train_args(script_args, config)
+    resume = inputs.resume.path if inputs.resume is not None else None
+    if inputs.resume is not None and inputs.resume.skipped and _is_main_process():
+        print(f"qerl train: resuming from {resume}; skipped {inputs.resume.skipped_line()}", file=sys.stderr)
+    trainer = build_trainer(script_args, config, inputs.dataset)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
@@ -160,6 +195,11 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     if trainer.accelerator.is_main_process:  # under `accelerate launch`, once
         _print_summary(trainer, seconds, final)
     return trainer
+
+
+def _is_main_process() -> bool:
+    """Rank 0, or a single process (``accelerate launch`` / ``torchrun`` set ``RANK``)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _print_summary(trainer: Any, seconds: float, final: Path) -> None:
@@ -187,12 +227,13 @@ DEBUG_ENV = "QERL_DEBUG"
 
 
 def _usage_error(prog: str, error: Exception, debug: bool) -> None:
-    """A bad option or config value, or a missing optional dependency: one line naming it (the validators' messages
+    """A bad option, path or value, or a missing optional dependency: one line naming it (the validators' messages
     say option, value and what is accepted; a missing extra's, what to pip install), exit code 2 as argparse uses;
     ``--debug`` or ``QERL_DEBUG=1`` re-raises it with its traceback."""
     if debug:
         raise error
-    print(f"{prog}: error: {error}", file=sys.stderr)
+    message = " ".join(str(error).split())  # one line, whatever the message holds
+    print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -212,14 +253,15 @@ def main(argv: list[str] | None = None) -> None:
         from .memory import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
+        try:  # a bad recipe name fails here before torch is imported; the config's values, paths, data, --resume
+            script_args, config = parse_train_args(argv)  # before the model loads
+            inputs = validate_train_args(script_args, config)
+        except (ValueError, TypeError) as e:
+            _usage_error("qerl train", e, debug)
         from nvfp4.extras import MissingExtraError
 
         try:
-            parsed = parse_train_args(argv)
-        except (ValueError, TypeError) as e:  # the config dataclasses' validation of option values
-            _usage_error("qerl train", e, debug)
-        try:
-            trainer = train(*parsed)
+            trainer = train(script_args, config, inputs)
         except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]
             _usage_error("qerl train", e, debug)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
@@ -232,10 +274,10 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             eval_main(argv)
-        except MissingExtraError as e:
+        except (UsageError, MissingExtraError) as e:
             _usage_error("qerl eval", e, debug)
     else:
-        raise SystemExit(f"qerl: unknown command {command!r}\n{usage}")
+        _usage_error("qerl", UsageError(f"unknown command {command!r}; {usage}"), debug)
 
 
 if __name__ == "__main__":

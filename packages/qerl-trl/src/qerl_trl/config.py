@@ -13,6 +13,7 @@ import torch
 from trl import GRPOConfig
 
 from .quantization import ALIASES, QUANTIZATIONS, parse_quantization
+from .validation import check_config_values
 
 __all__ = ["ALIASES", "QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
 
@@ -252,6 +253,7 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(
                 f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
             )
+        check_config_values(self)  # max_steps, lengths, σ, schedule, ...: qerl_trl.validation.CONFIG_RULES
 
     def _check_graph_rollouts(self) -> None:
         """``rollout_engine="graph"``: refuse, at config time, what ``graph_generate`` cannot do.

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,7 +40,8 @@ from nvfp4 import cache_dequantized
 
 from .quantization import ALIASES, QUANTIZATIONS, canonical_quantization, parse_quantization
 from .rewards import REWARD_FUNCS, get_reward_funcs
-from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
+from .tasks import TASK_EVAL_REWARD, TASKS, load_task
+from .validation import UsageError, UsageErrorParser, load_task_data, validate_eval_args
 
 __all__ = ["AdapterNotLoadedError", "evaluate", "load_model", "main", "markdown_report", "pass_at_k", "verify_adapter"]
 
@@ -454,9 +456,13 @@ def _quantize_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+class _Parser(UsageErrorParser, argparse.ArgumentParser):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``qerl eval`` argument parser."""
-    ap = argparse.ArgumentParser(prog="qerl eval", description=__doc__.split("\n\n")[0].replace("``", ""))
+    """The ``qerl eval`` argument parser (its errors raise :class:`~qerl_trl.validation.UsageError`)."""
+    ap = _Parser(prog="qerl eval", description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--model", default=OFFLINE_DEFAULT,
                     help=f"HF id or folder (bf16, or an NVFP4 checkpoint); '{OFFLINE_DEFAULT}' (the default) = "
                          "SmolLM2-135M-Instruct")
@@ -509,17 +515,19 @@ def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run ``qerl eval`` with ``argv`` (default ``sys.argv[1:]``); returns the result dict it wrote."""
+    """Run ``qerl eval`` with ``argv`` (default ``sys.argv[1:]``); returns the result dict it wrote.
+
+    Raises :class:`~qerl_trl.validation.UsageError` for a bad path or value (checked before the model loads:
+    :func:`~qerl_trl.validation.validate_eval_args`, then the task's data); ``qerl eval`` prints it as one line."""
     args = build_parser().parse_args(argv)
     if args.engine == "vllm" and parse_quantization(args.quantize).format not in ("nvfp4", None):
-        raise SystemExit(f"qerl eval: --engine vllm loads NVFP4 or dense checkpoints, not --quantize {args.quantize}; "
+        raise UsageError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantize {args.quantize}; "
                          "use --engine transformers")
+    validate_eval_args(args)
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
-    try:
-        dataset = load_task(args.task, args.split, path=args.data_path, limit=args.limit, seed=args.seed, **options)
-    except (TaskDataError, TypeError, ValueError) as e:
-        raise SystemExit(f"qerl eval: {e}") from e
+    dataset = load_task_data(args.task, args.split, args.data_path, args.limit, args.seed, options,
+                             ("--data-path", "--task-option"))  # fmt: skip
 
     calib = None
     if parse_quantization(args.quantize).calibrated:
@@ -562,5 +570,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # as `qerl eval`: bad input is one line, exit 2
+    from .cli import main as cli_main
+
+    cli_main(["eval", *sys.argv[1:]])

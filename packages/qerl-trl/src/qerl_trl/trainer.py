@@ -18,10 +18,12 @@ What the subclass adds, each through a method TRL's own trainers override:
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
   DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
 * ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
-* ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder and renamed
-  into place (a crash never leaves a half-written ``checkpoint-N``; with several processes the main one renames it
-  once every rank has written its RNG state), with the AQN controller state beside the optimizer (written once), so
-  ``resume_from_checkpoint`` continues in the same σ stage with the same noise.
+* ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder, fsynced and
+  renamed into place (:mod:`qerl_trl.checkpoints`: a crash never leaves a half-written ``checkpoint-N``; with several
+  processes the main one renames it once every rank has written its RNG state), with the AQN controller state beside
+  the optimizer (written once), so ``resume_from_checkpoint`` continues in the same σ stage with the same noise;
+  ``save_total_limit`` rotates older ones only after the new one is in place, and never the newest.
+* ``train(resume_from_checkpoint=True)``: the newest checkpoint that is complete and readable, not the newest folder.
 
 Metrics added to TRL's (reward mean/std, ``entropy``, ``clip_ratio/*``, ``completions/mean_length``):
 ``aqn/sigma``, ``aqn/stage``, ``tokens_per_second/generation``, ``tokens_per_second/training``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -45,12 +48,24 @@ from nvfp4.peft import register_nvfp4_lora
 from peft import LoraConfig, PeftModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from .checkpoints import (
+    AQN_STATE_NAME,
+    STAGING_DIR,
+    CheckpointError,
+    check_checkpoint,
+    find_resume_checkpoint,
+    publish_checkpoint,
+    required_checkpoint_files,
+    rotate_checkpoints,
+    write_manifest,
+)
 from .config import QeRLConfig
 from .graph_generate import graph_generate
 from .policy import load_policy, load_tokenizer
@@ -62,6 +77,8 @@ from .quantization import parse_quantization
 #: the LoRA weights silently turn NaN: GSM8K seed 0 did so at step 31 in every arm, the batch of 448 tokens. The whole
 #: step runs under it because gradient checkpointing recomputes the forward inside the backward.
 TRAINING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AQN_STATE_NAME",
@@ -75,9 +92,6 @@ __all__ = [
     "quantized_buffer_names",
     "rollout_seed",
 ]
-
-AQN_STATE_NAME = "aqn_state.json"
-_STAGING = ".staging"
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -315,14 +329,20 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return ctl.rollout(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
     # ------------------------------------------------------------------ hooks
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below).
+
+        ``resume_from_checkpoint=True`` resumes from the newest checkpoint of ``output_dir`` that is complete and
+        readable (:func:`qerl_trl.checkpoints.find_resume_checkpoint`; newer damaged ones are skipped with a warning),
+        not from the newest folder; a checkpoint path is checked the same way first. Either raises
+        :class:`~qerl_trl.checkpoints.CheckpointError` naming the file and the problem.
 
         With several processes, DDP is told to leave the NVFP4 buffers alone (``_ddp_params_and_buffers_to_ignore``):
         they are frozen and identical on every rank (each loads the same checkpoint), so neither the broadcast of
         module states when DDP wraps the model nor ``broadcast_buffers`` has anything to do with them — and gloo
         cannot send float8 tensors anyway. Only the LoRA gradients are all-reduced.
         """
+        resume_from_checkpoint = self._checked_resume_checkpoint(resume_from_checkpoint)
         model = self.accelerator.unwrap_model(self.model)
         if self.accelerator.num_processes > 1:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -335,7 +355,22 @@ class QeRLGRPOTrainer(GRPOTrainer):
             # largest block of the job's peak RSS (BENCHMARKS.md, "Host memory"). CUDA runs the 4-bit kernels.
             cache = cache_dequantized(model, model.get_input_embeddings().weight.dtype, compact=True)
         with cache:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _checked_resume_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return None
+        required = required_checkpoint_files(self.args)
+        if resume_from_checkpoint is True:
+            found = find_resume_checkpoint(self.args.output_dir, required)
+            if found.path is None:
+                why = f": {found.skipped_line()}" if found.skipped else ""
+                raise CheckpointError(self.args.output_dir, f"no complete checkpoint-N folder{why}")
+            if found.skipped:
+                logger.warning("resuming from %s; skipped %s", found.path, found.skipped_line())
+            return found.path
+        check_checkpoint(resume_from_checkpoint, required)
+        return str(resume_from_checkpoint)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         mode = "train" if self.model.training else "eval"
@@ -503,27 +538,37 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return staging if staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` into ``<output_dir>/.staging`` (through :meth:`_get_output_dir`), then the AQN
+        state and a manifest of the files beside it, fsync, and one rename to ``checkpoint-N``
+        (:func:`qerl_trl.checkpoints.publish_checkpoint`); older checkpoints are rotated only after that."""
         run_dir = super()._get_output_dir(trial)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self._staging_dir = os.path.join(run_dir, _STAGING)
+        staging = os.path.join(run_dir, STAGING_DIR)
+        if self.args.should_save and os.path.lexists(staging):
+            shutil.rmtree(staging)  # what a save killed midway left behind
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()  # cleared before any rank writes into it
+        self._staging_dir = staging
         try:
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(model, trial)  # its rotation sees the staging folder only: a no-op
         finally:
             self._staging_dir = None
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()  # every rank has written its rng_state_<rank>.pth into the staging folder
         if not self.args.should_save:
             return
-        staged, final = os.path.join(run_dir, _STAGING, folder), os.path.join(run_dir, folder)
+        staged, final = os.path.join(staging, folder), os.path.join(run_dir, folder)
         if self.aqn is not None:
             with open(os.path.join(staged, AQN_STATE_NAME), "w") as f:
                 json.dump(self.aqn.state_dict(), f, indent=2)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(staged, final)  # the checkpoint appears whole or not at all
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.join(run_dir, _STAGING))
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        best = self.state.best_model_checkpoint
+        if best is not None and os.path.dirname(best) == staging:  # Trainer found the best checkpoint in staging
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        write_manifest(staged, self.state.global_step)
+        publish_checkpoint(staged, final)
+        shutil.rmtree(staging)
+        rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(final, self.state.best_model_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

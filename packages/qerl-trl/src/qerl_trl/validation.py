@@ -1,0 +1,336 @@
+"""What ``qerl train`` / ``qerl eval`` check before any heavy work: every path and value a user can type.
+
+A bad one raises :class:`UsageError`, whose message names the argument, the value and what was expected; the CLI
+prints it as one line and exits with code 2 (``--debug``: the traceback). Three entry points, each run once:
+
+* :func:`check_config_values`: the trainer config's numbers and names (from ``QeRLConfig.__post_init__``, so a
+  recipe, the command line and Python all get it);
+* :func:`validate_train_args`: ``qerl train``'s model, data, output folder and ``--resume`` (the checkpoint it picks);
+* :func:`validate_eval_args`: ``qerl eval``'s model, tokenizer, adapter, output and sampling values.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import (
+    WEIGHT_NAMES,
+    CheckpointError,
+    ResumePoint,
+    check_checkpoint,
+    check_safetensors,
+    find_resume_checkpoint,
+    required_checkpoint_files,
+)
+
+__all__ = [
+    "TrainInputs",
+    "UsageError",
+    "UsageErrorParser",
+    "check_adapter_dir",
+    "check_config_values",
+    "check_data_path",
+    "check_model_source",
+    "check_output_dir",
+    "load_task_data",
+    "load_train_data",
+    "validate_eval_args",
+    "validate_train_args",
+]
+
+OFFLINE_DEFAULT = "offline-default"  # qerl_trl.policy.OFFLINE_DEFAULT (not imported: that module loads transformers)
+_MODEL_WEIGHTS = tuple(n for n in WEIGHT_NAMES if not n.startswith("adapter_"))
+_ADAPTER_WEIGHTS = tuple(n for n in WEIGHT_NAMES if n.startswith("adapter_"))
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class UsageError(ValueError):
+    """A path or value the user gave cannot be used; the message names the argument, the value and what is expected."""
+
+
+class UsageErrorParser:
+    """Mixin for an ``argparse.ArgumentParser`` (or TRL's ``TrlParser``): a command-line error (unknown option, bad
+    type, missing value) raises :class:`UsageError` with argparse's message instead of printing the usage of every
+    option and exiting, so the CLI reports it as its one line like every other bad input."""
+
+    def error(self, message: str):  # argparse's documented hook for every parse error
+        raise UsageError(message)
+
+
+# ------------------------------------------------------------------------------------------------------------ values
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: v >= low
+
+
+#: (config field, accepted?, what is accepted). ``None`` (the library's default where a field allows it) is not
+#: checked; NaN fails every comparison, so it is refused.
+CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("max_steps", lambda v: v == -1 or v >= 1, "-1 (train for num_train_epochs) or >= 1"),
+    ("num_train_epochs", lambda v: v > 0, "> 0"),
+    ("per_device_train_batch_size", _at_least(1), ">= 1"),
+    ("gradient_accumulation_steps", _at_least(1), ">= 1"),
+    ("num_iterations", _at_least(1), ">= 1"),
+    ("max_completion_length", _at_least(1), ">= 1"),
+    ("generation_prompt_cache_len", _at_least(1), ">= 1"),
+    ("learning_rate", _at_least(0), ">= 0"),
+    ("temperature", lambda v: v > 0, "> 0"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("max_grad_norm", _at_least(0), ">= 0 (0: no clipping)"),
+    ("save_steps", lambda v: v > 0, "> 0 (a step count, or a fraction of the run below 1)"),
+    ("logging_steps", lambda v: v > 0, "> 0"),
+    ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    ("beta", _at_least(0), ">= 0"),
+    ("epsilon", _at_least(0), ">= 0"),
+    ("epsilon_high", _at_least(0), ">= 0"),
+    ("lora_alpha", lambda v: v > 0, "> 0"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("aqn_sigma_start", _at_least(0), ">= 0 (σ is a standard deviation)"),
+    ("aqn_sigma_end", _at_least(0), ">= 0 (σ is a standard deviation)"),
+]
+
+
+def check_config_values(config: Any) -> None:
+    """Raise :class:`UsageError` for the first field of ``config`` (a ``QeRLConfig``) outside its domain
+    (:data:`CONFIG_RULES`, e.g. ``max_steps -3``, which transformers would read as "train for num_train_epochs"), or
+    an AQN schedule that :func:`aqn.make_schedule` refuses (unknown kind, fewer than 2 stages, ...)."""
+    from aqn import make_schedule
+
+    for name, accepted, expected in CONFIG_RULES:
+        value = getattr(config, name, None)
+        if value is not None and not accepted(value):
+            raise UsageError(f"{name} must be {expected}, got {value!r}")
+    # the schedule's own checks (kind, exponential's σ > 0, K >= 2); with AQN off only the kind matters
+    aqn = getattr(config, "aqn", False)
+    values = (config.aqn_sigma_start, config.aqn_sigma_end, config.aqn_num_stages) if aqn else (1.0, 0.5, 2)
+    try:
+        make_schedule(config.aqn_schedule, *values, total_steps=max(int(config.max_steps), 1))
+    except ValueError as e:
+        fields = f"aqn_schedule={config.aqn_schedule!r}"
+        if aqn:
+            fields += f", aqn_sigma_start={values[0]}, aqn_sigma_end={values[1]}, aqn_num_stages={values[2]}"
+        raise UsageError(f"{fields}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------------------- paths
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+
+def _is_hub_id(value: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if value.startswith((".", "~", os.sep)):
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_hub_model(argument: str, repo_id: str) -> None:
+    """A Hub id: fine if its ``config.json`` is in the local cache, or if the Hub is online and knows it."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    expected = "give a local model folder (with config.json) or 'offline-default'"
+    if _hub_offline():
+        raise UsageError(
+            f"{argument} {repo_id!r}: no such local folder, and as a Hugging Face Hub id it is not in the local cache "
+            f"while the Hub is offline (HF_HUB_OFFLINE): {expected}"
+        )
+    try:
+        HfApi().model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError as e:
+        raise UsageError(
+            f"{argument} {repo_id!r}: no such local folder, and no such model on the Hugging Face Hub (a private or "
+            f"gated one needs `hf auth login`): {expected}"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - httpx / OSError / HfHubHTTPError: the Hub cannot be reached
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(
+            f"{argument} {repo_id!r}: no such local folder, and the Hugging Face Hub cannot be reached to fetch it "
+            f"({type(e).__name__}: {why}): {expected}"
+        ) from e
+
+
+def _check_safetensors_in(argument: str, value: str, folder: Path, pattern: str) -> None:
+    for file in sorted(folder.glob(pattern)):
+        try:
+            check_safetensors(file)
+        except CheckpointError as e:
+            raise UsageError(f"{argument} {value!r}: {e.relative_to(folder)}") from e
+
+
+def check_model_source(argument: str, value: str, *, tokenizer: bool = True, weights: bool = True) -> None:
+    """``value`` is ``'offline-default'``, a model folder (``config.json``, weights whose safetensors headers parse,
+    and with ``tokenizer`` a tokenizer), or a Hub id that is cached or reachable; else :class:`UsageError`.
+    ``weights=False`` checks a tokenizer-only folder."""
+    if value == OFFLINE_DEFAULT:
+        return
+    path = Path(value).expanduser()
+    if not path.exists():
+        if not _is_hub_id(value):
+            raise UsageError(
+                f"{argument} {value!r}: no such file or folder (expected a model folder with config.json, a Hugging "
+                "Face Hub id such as Qwen/Qwen2.5-7B-Instruct, or 'offline-default')"
+            )
+        _check_hub_model(argument, value)
+        return
+    if not path.is_dir():
+        raise UsageError(f"{argument} {value!r}: a file; expected a model folder (with config.json) or a Hub id")
+    if weights:
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{argument} {value!r}: not a model folder (no config.json)")
+        if not any((path / name).is_file() for name in _MODEL_WEIGHTS):
+            raise UsageError(f"{argument} {value!r}: a model folder without weights (no {' / '.join(_MODEL_WEIGHTS)})")
+        _check_safetensors_in(argument, value, path, "*.safetensors")
+    if tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise UsageError(f"{argument} {value!r}: no tokenizer files (none of {', '.join(_TOKENIZER_FILES)})")
+
+
+def check_adapter_dir(argument: str, value: str) -> None:
+    """``value`` is a local PEFT adapter folder (``adapter_config.json`` and a complete ``adapter_model.safetensors``
+    or ``.bin``), e.g. a run's ``final/`` or ``checkpoint-N/``; else :class:`UsageError`."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such folder"
+        raise UsageError(f"{argument} {value!r}: {what}; expected a LoRA adapter folder (e.g. runs/<run>/final)")
+    if not (path / "adapter_config.json").is_file() or not any((path / n).is_file() for n in _ADAPTER_WEIGHTS):
+        raise UsageError(
+            f"{argument} {value!r}: not a LoRA adapter folder (expected adapter_config.json and "
+            "adapter_model.safetensors, as in runs/<run>/final)"
+        )
+    _check_safetensors_in(argument, value, path, "adapter_model*.safetensors")
+
+
+def check_output_dir(argument: str, value: str) -> None:
+    """``value`` is a folder, or can be made one: not a file, and its nearest existing parent a writable folder."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{argument} {value!r}: a file; expected a folder (created if missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{argument} {value!r}: {existing} is a file, so the folder cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{argument} {value!r}: {existing} is not writable")
+
+
+def check_data_path(argument: str, value: str | None, split: str) -> None:
+    """``value`` (``None``: the task's own source) exists: a ``.jsonl`` file or a folder with ``<split>.jsonl`` (what is
+    inside is the task loader's to check)."""
+    if value is not None and not Path(value).expanduser().exists():
+        raise UsageError(
+            f"{argument} {value!r}: no such file or folder (expected a folder with {split}.jsonl or a .jsonl file)"
+        )
+
+
+def _check_positive(argument: str, value: Any) -> None:
+    if value is not None and not value >= 1:
+        raise UsageError(f"{argument} must be >= 1, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------------------- entry points
+@dataclass
+class TrainInputs:
+    """What :func:`validate_train_args` checked and loaded: the training set and the checkpoint to resume from."""
+
+    dataset: Any
+    resume: ResumePoint | None
+
+
+def load_task_data(task: str, split: str, path: str | None, limit: int | None, seed: int, options: dict | None,
+                   arguments: tuple[str, str]) -> Any:  # fmt: skip
+    """:func:`qerl_trl.tasks.load_task` (local files, synthetic, or the Hub), whose errors become a
+    :class:`UsageError` naming the argument at fault: ``arguments`` are the CLI's names of the data path and the task
+    options (``("--data_path", "--task_options")`` for ``qerl train``)."""
+    from .tasks import TaskDataError, load_task
+
+    path_arg, options_arg = arguments
+    check_data_path(path_arg, path, split)
+    try:
+        return load_task(task, split, path=path, limit=limit, seed=seed, **(options or {}))
+    except TaskDataError as e:
+        raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from e
+    except (TypeError, ValueError) as e:  # the task's options (n_examples, digits, ops, ...)
+        raise UsageError(f"{options_arg} {options}: {e}") from e
+
+
+def load_train_data(script_args: Any, config: Any) -> Any:
+    """``qerl train``'s training set (:func:`load_task_data`)."""
+    return load_task_data(script_args.task, script_args.split, script_args.data_path, script_args.limit, config.seed,
+                          script_args.task_options, ("--data_path", "--task_options"))  # fmt: skip
+
+
+def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
+    """Check ``qerl train``'s arguments (parsed by :func:`qerl_trl.cli.parse_train_args`) before the model loads:
+    algorithm, task, rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir``, ``--data_path`` (the training set
+    is loaded here), and ``--resume``: ``true`` picks the newest complete, readable checkpoint of ``output_dir``
+    (:func:`~qerl_trl.checkpoints.find_resume_checkpoint`), a path must be one. The config's own values were checked
+    when it was built (:func:`check_config_values`). Raises :class:`UsageError`."""
+    from .rewards import REWARD_FUNCS
+    from .tasks import TASKS
+
+    if script_args.algorithm not in ("grpo", "dapo"):
+        raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {script_args.algorithm!r}")
+    if script_args.task not in TASKS:
+        raise UsageError(f"--task must be one of {', '.join(sorted(TASKS))}, got {script_args.task!r}")
+    unknown = [r for r in script_args.rewards or () if not callable(r) and r not in REWARD_FUNCS]
+    if unknown:
+        raise UsageError(
+            f"--rewards: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(REWARD_FUNCS))}"
+        )
+    _check_positive("--limit", script_args.limit)
+    check_model_source("--model_name_or_path", script_args.model_name_or_path)
+    check_output_dir("--output_dir", config.output_dir)
+    resume = None
+    required = required_checkpoint_files(config)
+    if script_args.resume_latest:
+        resume = find_resume_checkpoint(config.output_dir, required)
+        if resume.path is None:
+            why = f": {resume.skipped_line()}" if resume.skipped else " (no checkpoint-N folder)"
+            raise UsageError(f"--resume true: no usable checkpoint in {config.output_dir}{why}")
+    elif script_args.resume is not None:
+        try:
+            check_checkpoint(script_args.resume, required)
+        except CheckpointError as e:
+            raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
+        resume = ResumePoint(str(script_args.resume))
+    return TrainInputs(dataset=load_train_data(script_args, config), resume=resume)
+
+
+def validate_eval_args(args: Any) -> None:
+    """Check ``qerl eval``'s parsed arguments (:func:`qerl_trl.evaluation.build_parser`) before the model loads:
+    ``--model``, ``--tokenizer``, ``--adapter``, ``--output``, and the sampling values. Raises :class:`UsageError`."""
+    for argument, value in (("--n-samples", args.n_samples), ("--max-new-tokens", args.max_new_tokens),
+                            ("--batch-size", args.batch_size), ("--limit", args.limit)):  # fmt: skip
+        _check_positive(argument, value)
+    if not args.greedy and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UsageError(f"--temperature must be > 0 (or use --greedy), got {args.temperature!r}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p!r}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed!r}")
+    check_model_source("--model", args.model, tokenizer=args.tokenizer is None)
+    if args.tokenizer is not None:
+        check_model_source("--tokenizer", args.tokenizer, weights=False)
+    if args.adapter is not None:
+        check_adapter_dir("--adapter", args.adapter)
+    if args.output is not None:
+        check_output_dir("--output", args.output)

@@ -116,7 +116,7 @@ def _cached_eval(argv: list[str]) -> None:
 
 
 def _eval_cmd(quantize: str, out: Path, adapter: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--model", "offline-default", "--quantize",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--model", "offline-default", "--quantization",
            quantize, *EVAL_ARGS, "--output", str(out)]
     return cmd + (["--adapter", str(adapter)] if adapter else [])
 
@@ -404,7 +404,7 @@ def _gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int
 
 def _gpu_eval_argvs(task: str, quantize: str, out: Path, adapter: Path | None, tiny: bool) -> list[list[str]]:
     """``qerl eval`` argument lists: greedy pass@1 and sampled pass@4 of one model (+ adapter) on held-out problems."""
-    base = ["--model", "offline-default", "--quantize", quantize, "--split", "test", "--no-progress",
+    base = ["--model", "offline-default", "--quantization", quantize, "--split", "test", "--no-progress",
             "--batch-size", "64", *GPU_TASKS[task]["eval"]]  # fmt: skip
     if task == "gsm8k":
         base += ["--data-path", str(_gsm8k_path())]

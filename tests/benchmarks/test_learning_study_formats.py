@@ -49,7 +49,7 @@ def test_arm_to_train_and_eval_arguments(study, tmp_path, arm, quantization, aqn
     assert all(getattr(config, k) == getattr(ref_config, k) for k in same)
     for argv in study._gpu_eval_argvs("arithmetic", study.GPU_ARMS[arm]["quantization"], tmp_path / "e",
                                       tmp_path / "run" / "final", tiny=False):  # fmt: skip
-        assert build_parser().parse_args(argv).quantize == quantization
+        assert build_parser().parse_args(argv).quantization.name == quantization
 
 
 def test_formats_preset_plot_only_writes_json_table_and_figure(tmp_path):

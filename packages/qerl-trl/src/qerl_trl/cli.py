@@ -84,19 +84,33 @@ def recipe_path(name_or_path: str) -> Path:
     return shipped
 
 
+def _option(argv: list[str], recipe: dict[str, Any], name: str, default: Any) -> Any:
+    """``--name VALUE`` / ``--name=VALUE`` from the command line, else the recipe's ``name``, else ``default``."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return recipe.get(name, default)
+
+
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config."""
-    from trl import TrlParser
-
     argv = list(argv)
     if "--config" not in argv:
         recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
         argv = ["--config", str(recipe_path(recipe)), *argv]
     config_file = argv[argv.index("--config") + 1]
     with open(config_file) as f:
-        algorithm = (yaml.safe_load(f) or {}).get("algorithm", "grpo")
-    if "--algorithm" in argv:
-        algorithm = argv[argv.index("--algorithm") + 1]
+        recipe = yaml.safe_load(f) or {}
+    algorithm = _option(argv, recipe, "algorithm", "grpo")
+    # before TRL is imported: importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
+    # warning on some CPUs; a bad value is then reported alone, and bitsandbytes loads only for quantization="nf4"
+    from .quantization import get_scheme
+
+    get_scheme(_option(argv, recipe, "quantization", "nvfp4-rtn"))
+    from trl import TrlParser
+
     parser = TrlParser((ScriptArguments, _config_class(algorithm)))
     script_args, config = parser.parse_args_and_config(argv)
     return script_args, config

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
-from .quantization import ALIASES, QUANTIZATIONS, parse_quantization
+from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 
-__all__ = ["ALIASES", "QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
+__all__ = ["QeRLConfig", "QeRLDAPOConfig"]
 
 #: rollout_engine="graph": sampling settings (GRPOConfig fields or generation_kwargs keys) and the values at which they
 #: do nothing (TRL 1.16 defaults: top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0; -1 is vLLM's "no top-k").
@@ -107,7 +107,7 @@ class QeRLConfig(GRPOConfig):
     quantization: str = field(
         default="nvfp4-rtn",
         metadata={
-            "help": "4-bit format and method for a dense checkpoint: " + ", ".join(QUANTIZATIONS) + " ('*-awq' / "
+            "help": "4-bit format and method for a dense checkpoint: " + ", ".join(SCHEMES) + " ('*-awq' / "
             "'*-gptq' calibrated on the task's prompts; 'nf4' = bitsandbytes QLoRA; 'none' = bf16 LoRA baseline). "
             "Aliases: " + ", ".join(f"{a} = {c}" for a, c in ALIASES.items()) + "."
         },
@@ -207,12 +207,13 @@ class QeRLConfig(GRPOConfig):
             # transformers only sets up the gloo process group with use_cpu, else each process would train alone
             self.use_cpu = True
         super().__post_init__()
-        quant = parse_quantization(self.quantization)  # ValueError listing the valid values and aliases
-        self.quantization = quant.name  # canonical: "rtn" → "nvfp4-rtn"
-        if self.rollout_engine == "vllm" and quant.format not in ("nvfp4", None):
+        #: the parsed ``quantization`` (ValueError listing the valid values and aliases); the trainer uses this object
+        self.quant_scheme: QuantScheme = get_scheme(self.quantization)
+        self.quantization = self.quant_scheme.name  # canonical: "rtn" → "nvfp4-rtn"
+        if self.rollout_engine == "vllm" and not self.quant_scheme.vllm_engine:
             raise ValueError(
-                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={quant.name!r} is not "
-                "supported there yet: use rollout_engine='transformers'"
+                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={self.quantization!r} is "
+                "not supported there yet: use rollout_engine='transformers'"
             )
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")

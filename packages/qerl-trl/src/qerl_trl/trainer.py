@@ -54,7 +54,6 @@ from trl.trainer.utils import pad
 from .config import QeRLConfig
 from .graph_generate import graph_generate
 from .policy import load_policy, load_tokenizer
-from .quantization import parse_quantization
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
 #: a sequence length % 128 == 64 and a row whose logsumexp is below -88.7, e.g. a left-padded prompt position
@@ -223,9 +222,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
             calibration = None
-            if parse_quantization(args.quantization).calibrated:
+            if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
-            model = load_policy(model, quantization=args.quantization, calibration_data=calibration,
+            model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
                                 cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
         engine_path = None
@@ -234,7 +233,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
             # the NVFP4 base the engine loads: saved once, before PEFT wraps the model
             engine_path = engine_checkpoint(
-                model_name, model, args.quantization, override=args.vllm_model_path, cache_dir=args.vllm_cache_dir
+                model_name, model, args.quant_scheme, override=args.vllm_model_path, cache_dir=args.vllm_cache_dir
             )
         if isinstance(model, PeftModel):
             peft_config = None

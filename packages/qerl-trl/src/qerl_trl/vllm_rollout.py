@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from nvfp4.peft import write_adapter
 
+from .quantization import QuantScheme
+
 __all__ = [
     "ColocateVLLMRollout",
     "ServerVLLMRollout",
@@ -59,9 +61,14 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def engine_checkpoint(
-    name_or_path: str | None, model: Any, quantization: str, *, override: str | None = None, cache_dir: str | None = None
+    name_or_path: str | None,
+    model: Any,
+    scheme: QuantScheme,
+    *,
+    override: str | None = None,
+    cache_dir: str | None = None,
 ) -> str:
-    """The checkpoint folder the engine loads: ``override`` if given; an NVFP4 (or, with ``quantization="none"``,
+    """The checkpoint folder the engine loads: ``override`` if given; an NVFP4 (or, with the dense ``scheme``,
     dense) checkpoint on disk as it is; otherwise the loaded NVFP4 ``model`` (quantized on load, before PEFT wraps it)
     saved once with its tokenizer under ``cache_dir`` (default: the nvfp4 cache), keyed by source path + method."""
     if override:
@@ -69,12 +76,9 @@ def engine_checkpoint(
     from .policy import _is_nvfp4_checkpoint, resolve_model_path
 
     src = resolve_model_path(name_or_path) if name_or_path is not None else None
-    from .quantization import parse_quantization
-
-    quant = parse_quantization(quantization)
-    if quant.format not in ("nvfp4", None):
-        raise ValueError(f"the vLLM engine loads NVFP4 or dense checkpoints; quantization={quant.name!r} is not supported")
-    if src is not None and os.path.isdir(src) and (quant.is_dense or _is_nvfp4_checkpoint(src)):
+    if not scheme.vllm_engine:
+        raise ValueError(f"the vLLM engine loads NVFP4 or dense checkpoints; quantization={scheme.name!r} is not supported")
+    if src is not None and os.path.isdir(src) and (scheme.is_dense or _is_nvfp4_checkpoint(src)):
         return src
     from peft import PeftModel
 
@@ -88,7 +92,7 @@ def engine_checkpoint(
 
         cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
     ident = src or getattr(model.config, "_name_or_path", "") or "model"
-    tag = quant.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
+    tag = scheme.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
     key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     if (target / "config.json").is_file():

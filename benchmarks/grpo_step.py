@@ -36,7 +36,7 @@ code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoin
 
 Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
 with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; the trainer turns
-the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.trainer.compiled_generation_config``)
+the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.rollout.transformers.compiled_generation_config``)
 and this script sets its own ``CompileConfig`` knobs on top (default ``dynamic=False, mode="reduce-overhead"``), so
 transformers compiles the decode forward with CUDA graphs as in ``rollout.py`` (``--no-compile``: eager decode,
 ``compile_generation=False``). On CPU the compile is forced (``_compile_all_devices``).
@@ -477,7 +477,7 @@ def run_worker(args) -> dict:
     base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
-    from qerl_trl.trainer import compiled_generation_config
+    from qerl_trl.rollout.transformers import compiled_generation_config
 
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)

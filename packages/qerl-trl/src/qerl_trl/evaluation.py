@@ -486,7 +486,7 @@ def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> 
     """A vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on load), with ``--adapter`` synced."""
     from peft import PeftModel
 
-    from .vllm_rollout import engine_checkpoint
+    from .rollout.vllm import engine_checkpoint
 
     try:
         from qerl_vllm.engine import VLLMEngine

@@ -125,8 +125,12 @@ class QuantScheme:
             kwargs["quantization_config"] = cfg
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
-    def quantize_(self, model: nn.Module, *, calibration_data: Sequence[Any] | None = None) -> nn.Module:
-        """Convert the linears of a loaded dense ``model`` in place and return it (torchao's ``quantize_``)."""
+    def quantize_(
+        self, model: nn.Module, *, calibration_data: Sequence[Any] | None = None, double_quant: bool = True
+    ) -> nn.Module:
+        """Convert the linears of a loaded dense ``model`` in place and return it (torchao's ``quantize_``); as
+        loading does, ``lm_head`` stays dense. ``calibration_data``: model inputs for the calibrated schemes;
+        ``double_quant``: NF4's double quantization."""
         raise NotImplementedError
 
 
@@ -172,7 +176,7 @@ class _FP4Scheme(QuantScheme):
         logger.info("saved the %s-calibrated policy to %s", self.name, cached)
         return model
 
-    def quantize_(self, model, *, calibration_data=None):
+    def quantize_(self, model, *, calibration_data=None, double_quant=True):
         if self.calibrated:
             from nvfp4.calibration import calibrate_model
 
@@ -218,8 +222,26 @@ class _NF4Scheme(QuantScheme):
         keep_nf4_exact(model)  # no bf16 repack of the NF4 scales on AVX512-BF16 CPUs
         return model
 
-    def quantize_(self, model, *, calibration_data=None):
-        raise NotImplementedError("quantization='nf4' quantizes while loading (bitsandbytes): use QuantScheme.load")
+    def quantize_(self, model, *, calibration_data=None, double_quant=True):
+        """Each ``nn.Linear`` (not ``lm_head``) → ``bnb.nn.Linear4bit`` (NF4) computing in its weight's dtype, as
+        :meth:`hf_config` does while loading; bitsandbytes quantizes the weight when it is moved to its (CUDA) device."""
+        bnb = _bitsandbytes()
+        for name, lin in list(model.named_modules()):
+            if type(lin) is not nn.Linear or name.rpartition(".")[2] == "lm_head":
+                continue
+            dtype, device = lin.weight.dtype, lin.weight.device
+            new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=dtype,
+                                    compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8,
+                                    device="meta")  # fmt: skip
+            weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=double_quant,
+                                       quant_type="nf4", quant_storage=torch.uint8, module=new)  # fmt: skip
+            new.weight = weight.to(device)
+            if lin.bias is not None:
+                new.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+        keep_nf4_exact(model)  # no bf16 repack of the NF4 scales on AVX512-BF16 CPUs
+        return model
 
 
 @dataclass(frozen=True)
@@ -237,7 +259,7 @@ class _DenseScheme(QuantScheme):
     def hf_config(self, dtype, *, calibration_data=None, double_quant=True):
         return None
 
-    def quantize_(self, model, *, calibration_data=None):
+    def quantize_(self, model, *, calibration_data=None, double_quant=True):
         return model
 
 

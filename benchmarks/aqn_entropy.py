@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import time
 import warnings
 from pathlib import Path
 
 import aqn
 import torch
+from common.entropy import compare, entropy_of, mean_dicts, sample, teacher_forced_logits
+from common.env import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DATE = datetime.date.today().isoformat()  # the day the script runs
@@ -53,16 +54,6 @@ PROMPTS = [
     "If a pencil costs 3 dollars, how much do 4 pencils cost?",
     "What is 11 squared?",
 ]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------------------------------------ schedules plot
@@ -127,64 +118,8 @@ def plot_schedules(path: Path, total_steps: int = 600, num_stages: int = 10, a: 
 
 
 # ------------------------------------------------------------------------------------------------ measurement
-def entropy_of(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] logits → [...] entropy in nats (float64 accumulation)."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, T] → bool mask of tokens up to and including the first EOS."""
-    is_eos = completions == eos_id
-    after = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()  # number of EOS strictly before each position
-    return after == 0
-
-
-def sample(model, enc, eos_id: int, new_tokens: int, seed: int):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=new_tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=eos_id,
-            eos_token_id=eos_id,
-        )
-    prompt_len = enc["input_ids"].shape[1]
-    completions = out.sequences[:, prompt_len:]
-    logits = torch.stack(out.logits, dim=1).float()  # [B, T, V] raw logits = sampling distribution at T = 1
-    mask = completion_mask(completions, eos_id)
-    ent = entropy_of(logits)
-    return completions, mask, float(ent[mask].mean()), int(mask.sum())
-
-
-def teacher_forced_logits(model, enc, completions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    ids = torch.cat([enc["input_ids"], completions], dim=1)
-    att = torch.cat([enc["attention_mask"], mask.long()], dim=1)
-    t = completions.shape[1]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=t + 1).logits
-    return logits[:, :t].float()
-
-
-def compare(clean: torch.Tensor, noisy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    lp, lq = torch.log_softmax(clean.double(), -1), torch.log_softmax(noisy.double(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return {
-        "entropy": float(entropy_of(noisy)[mask].mean()),
-        "kl_clean_to_noisy": float(kl[mask].mean()),
-        "top1_flip_rate": float((clean.argmax(-1) != noisy.argmax(-1))[mask].double().mean()),
-        "max_abs_logit_delta": float((clean - noisy).abs().amax(-1)[mask].max()),
-    }
-
-
-def mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(d[k] for d in ds) / len(ds) for k in ds[0]}
+def _compare(clean: torch.Tensor, noisy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return compare(clean, noisy, mask, kl_key="kl_clean_to_noisy", logit_delta=True)
 
 
 def main() -> None:
@@ -275,8 +210,8 @@ def main() -> None:
         runs = []
         for r in range(args.repeats):
             with noise.apply(s, seed=r, step=0):
-                comp, mask, ent, n = sample(model, enc, eos_id, args.new_tokens, seed=r)
-            runs.append({"entropy": ent, "tokens": n})
+                comp, mask, logits = sample(model, enc, eos_id, args.new_tokens, seed=r)
+            runs.append({"entropy": float(entropy_of(logits)[mask].mean()), "tokens": int(mask.sum())})
             if s == 0 and r == 0:
                 clean_completions = (comp, mask)
         ents = [x["entropy"] for x in runs]
@@ -289,8 +224,8 @@ def main() -> None:
     runs = []
     for r in range(args.repeats):
         with noise.apply_per_forward(1e-2, seed=r, step=0):
-            _, _, ent, _ = sample(model, enc, eos_id, args.new_tokens, seed=r)
-        runs.append(ent)
+            _, mask, logits = sample(model, enc, eos_id, args.new_tokens, seed=r)
+        runs.append(float(entropy_of(logits)[mask].mean()))
     sampled["0.01/per_forward"] = {"mean_entropy": sum(runs) / len(runs), "per_repeat": runs}
     print(f"sampled fp32 σ=0.01 per-forward: mean entropy {sum(runs) / len(runs):.4f}  {runs}")
     results["sampled_fp32"] = sampled
@@ -302,12 +237,12 @@ def main() -> None:
     comp, mask = clean_completions
     tf: dict = {}
     clean_logits = teacher_forced_logits(model, enc, comp, mask)
-    tf["fp32"] = {"0": compare(clean_logits, clean_logits, mask)}
+    tf["fp32"] = {"0": _compare(clean_logits, clean_logits, mask)}
     for s in TF_SIGMAS:
         runs = []
         for r in range(3):
             with noise.apply(s, seed=r, step=0):
-                runs.append(compare(clean_logits, teacher_forced_logits(model, enc, comp, mask), mask))
+                runs.append(_compare(clean_logits, teacher_forced_logits(model, enc, comp, mask), mask))
         tf["fp32"][f"{s:g}"] = mean_dicts(runs)
     fp32_clean = clean_logits
     timings["teacher_forced_fp32_s"] = round(time.time() - t0, 1)
@@ -317,8 +252,8 @@ def main() -> None:
         nn_ = aqn.NormNoise(model, norm_dtype=norm_dtype, warn_lossy=False)
         with nn_.apply(0.0):
             base = teacher_forced_logits(model, enc, comp, mask)
-        tf[label] = {"0": compare(base, base, mask)}
-        tf[label]["0"]["kl_fp32_to_this"] = compare(fp32_clean, base, mask)["kl_clean_to_noisy"]
+        tf[label] = {"0": _compare(base, base, mask)}
+        tf[label]["0"]["kl_fp32_to_this"] = _compare(fp32_clean, base, mask)["kl_clean_to_noisy"]
         for s in TF_SIGMAS:
             runs = []
             for r in range(3):
@@ -326,7 +261,7 @@ def main() -> None:
                     warnings.simplefilter("ignore")
                     with nn_.apply(s, seed=r, step=0) as h:
                         st = h.survival()
-                        row = compare(base, teacher_forced_logits(model, enc, comp, mask), mask)
+                        row = _compare(base, teacher_forced_logits(model, enc, comp, mask), mask)
                 row["weight_noise_retained"] = st["retained"]
                 runs.append(row)
             tf[label][f"{s:g}"] = mean_dicts(runs)

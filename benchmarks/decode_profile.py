@@ -1,7 +1,7 @@
 """Where a compiled decode step spends its time (issue #7): GPU kernel time per category, per arm.
 
 The rollout benchmark (``benchmarks/rollout.py``) measures end-to-end tokens/s; this script explains them. Same
-engine and models: random-weight Qwen2.5 shapes built layer by layer (``rollout.build_model``), transformers
+engine and models: random-weight Qwen2.5 shapes built layer by layer (``common.models.build_model``), transformers
 ``generate`` with a static cache, decode compiled with CUDA graphs (two warm-up ``generate`` calls first). Then
 ``torch.profiler`` records the CUDA kernels of a ``generate`` of 1 new token (prefill) and one of ``1 + N`` new tokens;
 the difference, divided by ``N``, is one decode step. Kernels are grouped by name:
@@ -37,29 +37,17 @@ instead of ``generate``: the difference of the two profiled calls is then one re
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import re
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from rollout import ARM_LABEL, ARMS, MODELS, _csv, _sync, build_model, device_name, versions  # noqa: E402
-
-CATEGORIES: list[tuple[str, re.Pattern]] = [
-    ("nvfp4 gemm", re.compile(r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel")),
-    ("bnb nf4", re.compile(r"4bit|kDequantize|kQuantize|nf4", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
-    ("cuBLAS gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|splitKreduce|sm90_", re.I)),
-    ("inductor (fused)", re.compile(r"^triton_")),
-]
-
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import csv_list, sync
+from common.models import ARM_LABEL, ARMS, build_model
+from common.profiler import CATEGORY_COLUMNS, by_category, kernel_times, run_arms
+from common.shapes import MODELS
 
 # Arm suffixes: ":unfused" runs LoRA through PEFT's own modules instead of the fused NVFP4+LoRA kernel
 # (``NVFP4_DISABLE_FUSED_LORA=1``); ":ct" keeps the weights in the compressed-tensors layout on the GPU
@@ -68,42 +56,6 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 # steps instead of qerl_trl.decode_attention (graph_generate's default on CUDA).
 SUFFIXES = {"unfused": "adapters unfused", "ct": "compressed-tensors layout kernels",
             "ipdl": "inductor kernels with PDL", "sdpa": "SDPA decode attention"}  # fmt: skip
-
-
-# Table columns: every category above, then "other".
-CATEGORY_COLUMNS = ("nvfp4 gemm", "bnb nf4", "cuBLAS gemm", "attention", "inductor (fused)", "other")
-
-
-def category(kernel: str) -> str:
-    for name, pat in CATEGORIES:
-        if pat.search(kernel):
-            return name
-    return "other"
-
-
-def _by_category(kernel_us: dict[str, float], top: int) -> dict:
-    """``{kernel: µs}`` → total (``kernels_us``), per category (``by_category_us``) and the ``top`` largest kernels
-    (``top_kernels_us``), rounded for the JSON."""
-    cats: dict[str, float] = {}
-    for name, us in kernel_us.items():
-        cats[category(name)] = cats.get(category(name), 0.0) + us
-    return {
-        "kernels_us": round(sum(cats.values()), 1),
-        "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-        "top_kernels_us": {k: round(v, 2) for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])[:top]},
-    }
-
-
-def _kernel_times(prof) -> dict[str, dict]:
-    """``{kernel name: {"us": total device µs, "calls": n}}``: the GPU-side events (kernels, memcpy/memset)."""
-    from torch.autograd import DeviceType
-
-    out: dict[str, dict] = {}
-    for evt in prof.key_averages():
-        if evt.device_type != DeviceType.CUDA:
-            continue  # CPU ops (their device time would count their kernels twice)
-        out[evt.key] = {"us": float(evt.self_device_time_total), "calls": int(evt.count)}
-    return out
 
 
 def _lm_head_us(hidden: int, vocab: int, batch: int, device, dtype) -> float:
@@ -189,10 +141,10 @@ def run_worker(args) -> dict:
 
     def gen(ids, new: int) -> float:
         with torch.no_grad():
-            _sync()
+            sync()
             t = time.perf_counter()
             run(ids, new)
-            _sync()
+            sync()
             return time.perf_counter() - t
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -208,9 +160,9 @@ def run_worker(args) -> dict:
             for _ in range(2):
                 with profile(activities=acts) as prof:
                     walls.append(gen(ids, new))
-            runs[key] = {"wall_s": min(walls), "kernels": _kernel_times(prof) if cuda else {}}
+            runs[key] = {"wall_s": min(walls), "kernels": kernel_times(prof) if cuda else {}}
         prefill = {name: v["us"] for name, v in runs["prefill"]["kernels"].items()}
-        step = _by_category({name: (v["us"] - prefill.get(name, 0.0)) / n for name, v in runs["full"]["kernels"].items()},
+        step = by_category({name: (v["us"] - prefill.get(name, 0.0)) / n for name, v in runs["full"]["kernels"].items()},
                             top=25)  # fmt: skip
         wall_us = (runs["full"]["wall_s"] - runs["prefill"]["wall_s"]) * 1e6 / n
         row = {
@@ -221,32 +173,12 @@ def run_worker(args) -> dict:
             "top_kernels_us": step["top_kernels_us"],
             # the 1-token call alone: the eager prefill (plus one step), where NVFP4 ran slower than bf16 in rollout.py
             "prefill_wall_us": round(runs["prefill"]["wall_s"] * 1e6, 1),
-            **{f"prefill_{k}": v for k, v in _by_category(prefill, top=15).items()},
+            **{f"prefill_{k}": v for k, v in by_category(prefill, top=15).items()},
         }
         if cuda:
             row["lm_head_us"] = _lm_head_us(hidden, vocab, b, device, dtype)
         res["batches"].append(row)
     return res
-
-
-def run_arms(args, tag: str, worker_cmd: Callable[[str, Path], list[str]], worker_env=None) -> list[dict]:
-    """Run each of ``args.arms`` in a fresh process (``worker_cmd(arm, part_json)``, environment ``worker_env(arm)``)
-    and collect the JSON each writes; ``args.out`` is rewritten after every arm (device, versions, date, arguments and
-    the results so far), so a killed run keeps what it measured. Shared with ``train_profile.py``."""
-    results = []
-    for arm in args.arms:
-        part = Path(args.out).with_suffix(f".{arm.replace(':', '-')}.part.json")
-        print(f"[{tag}] {args.model} {arm} ...", flush=True)
-        proc = subprocess.run(worker_cmd(arm, part), env=worker_env(arm) if worker_env else None)
-        if proc.returncode == 0 and part.exists():
-            results.append(json.loads(part.read_text()))
-            part.unlink()
-        else:
-            results.append({"model": args.model, "arm": arm, "status": f"failed (rc {proc.returncode})"})
-        meta = {"device": device_name(), "versions": versions(), "date": _dt.date.today().isoformat(), "args": vars(args)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    return results
 
 
 def _fmt_row(r: dict, b: dict) -> str:
@@ -283,8 +215,8 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7b", choices=sorted(MODELS))
-    p.add_argument("--arms", type=_csv, default=["bf16", "bf16-base", "nvfp4", "nvfp4-base"])
-    p.add_argument("--batch", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8])
+    p.add_argument("--arms", type=csv_list, default=["bf16", "bf16-base", "nvfp4", "nvfp4-base"])
+    p.add_argument("--batch", type=lambda s: [int(x) for x in csv_list(s)], default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile-tokens", type=int, default=32, help="decode steps in the profiled generate")
     p.add_argument("--cache-len", type=int, default=0,

@@ -35,66 +35,14 @@ import time
 from pathlib import Path
 
 import torch
+from common.entropy import compare, entropy_of, mean_dicts, sample, teacher_forced_logits
+from common.env import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DATE = datetime.date.today().isoformat()  # the day the script runs
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 COLORS = {"bf16": "tab:gray", "NVFP4-RTN": "tab:blue", "NVFP4-MSE": "tab:green", "NVFP4-AWQ": "tab:purple",
           "NVFP4-RTN+AQN": "tab:red"}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def entropy_of(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
-    is_eos = (completions == eos_id).int()
-    return (torch.cumsum(is_eos, dim=1) - is_eos) == 0  # tokens up to and including the first EOS
-
-
-def sample(model, enc, eos_id: int, new_tokens: int, seed: int):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=eos_id,
-                             eos_token_id=eos_id)
-    completions = out.sequences[:, enc["input_ids"].shape[1]:]
-    logits = torch.stack(out.logits, dim=1).float()  # raw logits = the sampling distribution at T = 1
-    return completions, completion_mask(completions, eos_id), logits
-
-
-def teacher_forced_logits(model, enc, completions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    ids = torch.cat([enc["input_ids"], completions], dim=1)
-    att = torch.cat([enc["attention_mask"], mask.long()], dim=1)
-    t = completions.shape[1]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=att, logits_to_keep=t + 1).logits
-    return logits[:, :t].float()
-
-
-def compare(ref: torch.Tensor, arm: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(arm.double(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return {
-        "entropy": float(entropy_of(arm)[mask].mean()),
-        "kl_dense_to_arm": float(kl[mask].mean()),
-        "top1_flip_rate": float((ref.argmax(-1) != arm.argmax(-1))[mask].double().mean()),
-    }
-
-
-def mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(d[k] for d in ds) / len(ds) for k in ds[0]}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -252,7 +200,7 @@ def main() -> None:
                 for s in seeds_tf:
                     with noise_ctx(model, ctl, s or 0):
                         lg = teacher_forced_logits(model, enc, comp, mask)
-                    tf_rows.append(compare(ref_logits[name], lg, mask))
+                    tf_rows.append(compare(ref_logits[name], lg, mask, kl_key="kl_dense_to_arm"))
                 per_arm_tf[arm][name] = tf_rows
                 smp = []
                 for s in seeds_smp:

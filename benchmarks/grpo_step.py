@@ -22,7 +22,7 @@ peak after generation, loss forward, backward and optimizer), peak host RSS, and
 breaks, new graphs = (re)compiles, skipped CUDA graphs): the decode is compiled on the warm-up step, and a measured
 step that compiles again (or breaks) shows up as ``compiled path`` ≠ ok.
 
-Models and arms are those of ``benchmarks/rollout.py`` (``build_model``): random weights with the real Qwen2.5-7B /
+Models and arms are :mod:`common.models`' (``build_model``): random weights with the real Qwen2.5-7B /
 14B / 32B shapes, built and quantized layer by layer on the GPU (the 32B never exists in bf16 in full), LoRA r=32 on
 q/k/v/o/gate/up/down in every arm (adapters in ``--lora-dtype``): ``bf16`` (bf16 base + LoRA), ``qlora``
 (bitsandbytes NF4 + LoRA), ``nvfp4`` (NVFP4 + LoRA, ours). The trainer gets the ``PeftModel`` (its ``peft_config`` is
@@ -36,13 +36,13 @@ code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoin
 
 Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
 with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; the trainer turns
-the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.trainer.compiled_generation_config``)
+the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.rollout.transformers.compiled_generation_config``)
 and this script sets its own ``CompileConfig`` knobs on top (default ``dynamic=False, mode="reduce-overhead"``), so
 transformers compiles the decode forward with CUDA graphs as in ``rollout.py`` (``--no-compile``: eager decode,
 ``compile_generation=False``). On CPU the compile is forced (``_compile_all_devices``).
 ``--rollout-engine graph`` sets ``QeRLConfig.rollout_engine="graph"`` instead: the trainer generates with
 ``qerl_trl.graph_generate`` (one compiled graph per decode step, sampling included), its ``torch.compile`` options from
-the same knobs (``rollout.graph_compile_options``; compiled on CPU too unless ``--no-compile``), the same fixed
+the same knobs (``common.models.graph_compile_options``; compiled on CPU too unless ``--no-compile``), the same fixed
 completion lengths and cache length. Rows carry their ``rollout_engine``.
 
 Each (model, arm) runs in a fresh subprocess (OOM = "does not fit", recorded with the phase it happened in); results
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
 import json
 import os
@@ -84,33 +83,29 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _p in sorted((ROOT / "packages").glob("*/src")) + [HERE]:
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from rollout import (  # noqa: E402  (benchmarks/rollout.py: shapes, arms, model builder, helpers)
-    ARM_LABEL,
-    MODELS,
-    _check_names,
-    _csv,
-    _dynamo_counters,
-    _exception_result,
-    _failed,
-    _fmt,
-    _gb,
-    _LogCatcher,
-    _merge,
-    _rss_peak_gb,
-    _run_worker_subprocess,
-    _worker_exit,
-    _write,
-    build_arm,
-    compile_config,
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import (
+    RESULTS,
+    csv_list,
     device_name,
-    graph_compile_options,
+    gb,
+    merge_results,
+    now,
+    rss_peak_gb,
     versions,
+    write_result,
+)
+from common.models import ARM_LABEL, OURS, build_arm, compile_config, graph_compile_options
+from common.shapes import MODELS
+from common.tables import fmt
+from common.workers import (
+    LogCatcher,
+    check_names,
+    dynamo_counters,
+    exception_result,
+    failed,
+    run_worker_subprocess,
+    worker_exit,
 )
 
 ARMS = ("bf16", "qlora", "nvfp4")
@@ -187,7 +182,7 @@ class _Clock:
 
     def peak(self, key: str) -> None:
         if self.cuda:
-            self.cur[key] = _gb(self._torch.cuda.max_memory_allocated(self.device))
+            self.cur[key] = gb(self._torch.cuda.max_memory_allocated(self.device))
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -268,7 +263,7 @@ def _make_trainer_class(clock: _Clock):
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
-            self.catcher: _LogCatcher | None = None
+            self.catcher: LogCatcher | None = None
             self.lengths: list[int] = []  # completion length of each step (warm-up steps may be shorter)
             self.trainer = None
             self.after_step = None  # called after every step (partial results survive a kill)
@@ -283,7 +278,7 @@ def _make_trainer_class(clock: _Clock):
             gc.collect()
             if clock.cuda:
                 torch.cuda.reset_peak_memory_stats(clock.device)
-            clock.cur = {"step": state.global_step, "dyn0": _dynamo_counters(), "expected_len": n}
+            clock.cur = {"step": state.global_step, "dyn0": dynamo_counters(), "expected_len": n}
             clock.cur["n_logs0"] = len(self.catcher.records) if self.catcher else 0
             clock.cur["t0"] = clock.now()
 
@@ -301,16 +296,16 @@ def _make_trainer_class(clock: _Clock):
 
             c = clock.cur
             c["step_s"] = clock.now() - c.pop("t0")
-            d0, d1 = c.pop("dyn0"), _dynamo_counters()
+            d0, d1 = c.pop("dyn0"), dynamo_counters()
             c["dynamo"] = {k: d1[k] - d0[k] for k in _DYN_KEYS}
             c["graph_break_reasons"] = d1["graph_break_reasons"] if c["dynamo"]["graph_breaks"] else {}
             n0 = c.pop("n_logs0")
             if self.catcher:
                 c["torch_log"] = self.catcher.records[n0:][:12]
             if clock.cuda:
-                c["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated(clock.device))
-                c["peak_gpu_reserved_gb"] = _gb(torch.cuda.max_memory_reserved(clock.device))
-            c["peak_rss_gb"] = _rss_peak_gb()
+                c["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated(clock.device))
+                c["peak_gpu_reserved_gb"] = gb(torch.cuda.max_memory_reserved(clock.device))
+            c["peak_rss_gb"] = rss_peak_gb()
             for k in ("t_train_step_end", "t_opt0"):
                 c.pop(k, None)
             clock.steps.append(c)
@@ -413,7 +408,7 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     s["peak_gpu_gb"] = max(peaks) if peaks else None
     resv = [r.get("peak_gpu_reserved_gb") for r in rows if r.get("peak_gpu_reserved_gb") is not None]
     s["peak_gpu_reserved_gb"] = max(resv) if resv else None
-    s["peak_rss_gb"] = _rss_peak_gb()
+    s["peak_rss_gb"] = rss_peak_gb()
     lens_ok = all(
         r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
     )
@@ -456,7 +451,7 @@ def run_worker(args) -> dict:
         device = torch.device("cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(0)
-    catcher = _LogCatcher()
+    catcher = LogCatcher()
     catcher.install()
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
     clock = _Clock(device)
@@ -477,7 +472,7 @@ def run_worker(args) -> dict:
     base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
-    from qerl_trl.trainer import compiled_generation_config
+    from qerl_trl.rollout.transformers import compiled_generation_config
 
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -593,7 +588,7 @@ def run_worker(args) -> dict:
     except torch.OutOfMemoryError as e:
         status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
         if cuda:
-            res["peak_gpu_gb_at_oom"] = _gb(torch.cuda.max_memory_allocated(device))
+            res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
     rows = [_step_row(c, args.group) for c in clock.steps]
     _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
     if status == "ok" and len(rows) < n_steps:
@@ -616,7 +611,7 @@ def run_worker(args) -> dict:
         tok = [g["gen_tok_s"] for g in gathered if g and g.get("gen_tok_s")]
         if res.get("summary") and tok:
             res["summary"]["gen_tok_s_all_processes"] = round(sum(tok), 2)
-    res["peak_rss_gb"] = _rss_peak_gb()
+    res["peak_rss_gb"] = rss_peak_gb()
     del trainer, model
     return res
 
@@ -658,9 +653,7 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
 
 
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    with tempfile.TemporaryDirectory() as td:
-        rp = os.path.join(td, "r.json")
-        return _run_worker_subprocess(_worker_cmd(args, model, arm, rp), rp, model, arm, args)
+    return run_worker_subprocess(lambda rp: _worker_cmd(args, model, arm, rp), model, arm, args, ARM_LABEL[arm])
 
 
 def _run_in_process(args, model: str, arm: str) -> dict:
@@ -670,7 +663,7 @@ def _run_in_process(args, model: str, arm: str) -> dict:
     try:
         res = run_worker(wargs)
     except Exception as e:  # noqa: BLE001
-        res = _exception_result(model, arm, e)
+        res = exception_result(model, arm, e, ARM_LABEL[arm])
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -695,7 +688,7 @@ def table(results: list[dict]) -> str:
             lines.append(
                 f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} "
                 "| — | — | — | — | — | — | — | — | — | — | "
-                f"{_fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
+                f"{fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
             )
             continue
         cp = s.get("compiled_path_ok")
@@ -709,11 +702,11 @@ def table(results: list[dict]) -> str:
         if r.get("world_size", 1) > 1 and s.get("gen_tok_s_all_processes"):
             tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
         lines.append(
-            f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {_fmt(s['step_s'], 2)} "
-            f"| {_fmt(s.get('step_s_min'), 2)} | {_fmt(s['gen_s'], 2)} "
-            f"| {_fmt(s['prefill_s'], 3)} | {_fmt(s['aqn_s'], 3)} | {_fmt(s['score_s'], 3)} | {_fmt(s['loss_fwd_s'], 2)} "
-            f"| {_fmt(s['backward_s'], 2)} | {_fmt(s['optimizer_s'], 3)} | {_fmt(tok)} | {_fmt(s['peak_gpu_gb'], 1)} "
-            f"| {_fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"
+            f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {fmt(s['step_s'], 2)} "
+            f"| {fmt(s.get('step_s_min'), 2)} | {fmt(s['gen_s'], 2)} "
+            f"| {fmt(s['prefill_s'], 3)} | {fmt(s['aqn_s'], 3)} | {fmt(s['score_s'], 3)} | {fmt(s['loss_fwd_s'], 2)} "
+            f"| {fmt(s['backward_s'], 2)} | {fmt(s['optimizer_s'], 3)} | {fmt(tok)} | {fmt(s['peak_gpu_gb'], 1)} "
+            f"| {fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"
         )
     by = {
         (r["model"], r["arm"], r.get("world_size", 1), _engine(r)): (r["summary"], r.get("run"))
@@ -722,7 +715,7 @@ def table(results: list[dict]) -> str:
     }
     rat = []
     for (m, a, w, e), (s, run) in sorted(by.items()):
-        if a != "nvfp4":
+        if a != OURS:
             continue
         parts = []
         for other in ("bf16", "qlora"):
@@ -800,7 +793,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
     ap.add_argument("--arm-timeout", type=float, default=1200.0, help="seconds per (model, arm) subprocess")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new (model, arm) after this many seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpo_step.json"))
+    ap.add_argument("--out", default=str(RESULTS / "grpo_step.json"))
     ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
@@ -819,11 +812,11 @@ def main(argv=None) -> None:
         ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 
     if args._worker:
-        _worker_exit(args, run_worker)
+        worker_exit(args, run_worker, ARM_LABEL.get(args.arm))
 
     if args.merge:
-        meta, results = _merge(args.merge)
-        _write(args.out, meta, results)
+        meta, results = merge_results(args.merge)
+        write_result(args.out, meta, results)
         print(table(results))
         return
 
@@ -832,8 +825,9 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     in_process = args.no_subprocess or world > 1
-    models, arms = _csv(args.models), _csv(args.arms)
-    _check_names(ap, models, arms, ARMS)
+    models, arms = csv_list(args.models), csv_list(args.arms)
+    check_names(ap, models, MODELS, "model")
+    check_names(ap, arms, ARMS, "arm")
     main_proc = rank == 0
     meta = {
         "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation ("
@@ -844,7 +838,7 @@ def main(argv=None) -> None:
         )
         + ("" if args.no_compile or args.no_static_cache else " + compiled decode")
         + ") + scoring + loss forward + backward + AdamW step",
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "world_size": world,
         "versions": versions() | {k: _version(k) for k in ("trl", "datasets")},
@@ -866,7 +860,7 @@ def main(argv=None) -> None:
         for a in arms:
             t0 = time.perf_counter()
             if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = _failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", wall_s=0.0)
+                res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", ARM_LABEL[a], wall_s=0.0)
             else:
                 if main_proc:
                     print(f"[{m}/{a}] running ...", flush=True)
@@ -883,7 +877,7 @@ def main(argv=None) -> None:
                     f"compiled ok={s.get('compiled_path_ok')}",
                     flush=True,
                 )
-                _write(args.out, meta, results)
+                write_result(args.out, meta, results)
     if main_proc:
         print()
         print(table(results))

@@ -116,7 +116,7 @@ def _cached_eval(argv: list[str]) -> None:
 
 
 def _eval_cmd(quantize: str, out: Path, adapter: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--model", "offline-default", "--quantize",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--model", "offline-default", "--quantization",
            quantize, *EVAL_ARGS, "--output", str(out)]
     return cmd + (["--adapter", str(adapter)] if adapter else [])
 
@@ -378,7 +378,9 @@ def _gsm8k_path() -> Path:
     return path
 
 
-def _gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int], out: Path, tiny: bool) -> list[str]:
+def gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int], out: Path, tiny: bool) -> list[str]:
+    """The ``qerl train`` command line of one GPU run of the study (arm, seed, steps; checkpoints at ``eval_at``);
+    ``tiny``: CPU-smoke sizes. ``nan_hunt.py`` replays its bf16 + LoRA GSM8K run."""
     spec = GPU_ARMS[arm]
     cfg = dict(GPU_TRAIN) | dict(GPU_TASKS[task]["train"])
     prompts_per_step = cfg["per_device_train_batch_size"] // cfg["num_generations"]
@@ -404,7 +406,7 @@ def _gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int
 
 def _gpu_eval_argvs(task: str, quantize: str, out: Path, adapter: Path | None, tiny: bool) -> list[list[str]]:
     """``qerl eval`` argument lists: greedy pass@1 and sampled pass@4 of one model (+ adapter) on held-out problems."""
-    base = ["--model", "offline-default", "--quantize", quantize, "--split", "test", "--no-progress",
+    base = ["--model", "offline-default", "--quantization", quantize, "--split", "test", "--no-progress",
             "--batch-size", "64", *GPU_TASKS[task]["eval"]]  # fmt: skip
     if task == "gsm8k":
         base += ["--data-path", str(_gsm8k_path())]
@@ -487,7 +489,7 @@ def _gpu_job(task: str, arm: str, seed: int, steps: int, eval_at: list[int], run
     tag = f"{task}-{GPU_ARMS[arm]['tag']}-s{seed}"
     if not (out / "final" / "adapter_config.json").is_file():
         print(f"[{time.strftime('%H:%M:%S')}] train {tag}", flush=True)
-        rc, sec = _run(_gpu_train_cmd(task, arm, seed, steps, eval_at, out, tiny), logs / f"train-{tag}.log")
+        rc, sec = _run(gpu_train_cmd(task, arm, seed, steps, eval_at, out, tiny), logs / f"train-{tag}.log")
         if rc != 0:
             _say_failure(f"train {tag} rc {rc}", logs / f"train-{tag}.log")
         out.mkdir(parents=True, exist_ok=True)

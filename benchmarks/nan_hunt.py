@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from learning_study import GSM8K_DIR, _gpu_train_cmd  # noqa: E402
+from learning_study import GSM8K_DIR, gpu_train_cmd  # noqa: E402
 
 
 def _bad_grads(model) -> list[str]:
@@ -149,7 +149,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     # the study's own command for this run (its CPU-smoke sizes without CUDA), minus checkpoints
     os.environ["QERL_GSM8K"] = str(args.data_path)
-    cmd = _gpu_train_cmd("gsm8k", "bf16+LoRA", args.seed, args.steps, [args.steps], args.out / "run", tiny=not cuda)
+    cmd = gpu_train_cmd("gsm8k", "bf16+LoRA", args.seed, args.steps, [args.steps], args.out / "run", tiny=not cuda)
     argv = cmd[cmd.index("offline-default"):] + ["--save_strategy", "no"]
     if args.max_completion_length is not None:
         argv += ["--max_completion_length", str(args.max_completion_length)]

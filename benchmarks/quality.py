@@ -30,20 +30,26 @@ from pathlib import Path
 import nvfp4
 import torch
 import transformers
-from nvfp4.cli import _load_dense, dir_bytes, quantize_with_method
+from common.env import git_commit
+from nvfp4.cli import dir_bytes, quantize_with_method
 from nvfp4.evaluate import gsm8k_texts, output_relative_error, perplexity, weight_relative_error
 from nvfp4.offline import offline_default_model_path
 from torch import nn
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 KINDS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-#: --formats arms: row name → (qerl_trl quantization value, NF4 double quantization)
-FORMAT_ARMS: dict[str, tuple[str, bool]] = {
-    "NVFP4-RTN": ("nvfp4-rtn", False),
-    "MXFP4-RTN": ("mxfp4-rtn", False),
-    "NF4 (bnb, double-quant absmax, = QLoRA)": ("nf4", True),
-    "NF4 (bnb, fp32 absmax)": ("nf4", False),
+#: --formats arms: row name → (qerl_trl quantization value, NF4 double quantization, whether the library computes the
+#: arm's forward itself: bitsandbytes' forward is then compared with the dequantized copy's)
+FORMAT_ARMS: dict[str, tuple[str, bool, bool]] = {
+    "NVFP4-RTN": ("nvfp4-rtn", False, False),
+    "MXFP4-RTN": ("mxfp4-rtn", False, False),
+    "NF4 (bnb, double-quant absmax, = QLoRA)": ("nf4", True, True),
+    "NF4 (bnb, fp32 absmax)": ("nf4", False, True),
 }
+
+
+def _load_dense(path: str | Path, dtype: torch.dtype):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def _dequantize_linears(model: nn.Module) -> tuple[dict[str, float], dict[str, str]]:
@@ -125,7 +131,6 @@ def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: 
 def formats_main(args: argparse.Namespace) -> None:
     """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``benchmarks/results/quality_formats.json``."""
     from qerl_trl.policy import load_policy
-    from rollout import git_commit
 
     commit = git_commit()
     torch.manual_seed(0)
@@ -142,16 +147,16 @@ def formats_main(args: argparse.Namespace) -> None:
              "eval_s": time.perf_counter() - t}]  # fmt: skip
     arms = args.arms.split(",") if args.arms else list(FORMAT_ARMS)
     for arm in arms:
-        quantization, double_quant = FORMAT_ARMS[arm]
+        quantization, double_quant, own_forward = FORMAT_ARMS[arm]
         t = time.perf_counter()
         q = load_policy(str(path), quantization=quantization, dtype=dtype, nf4_double_quant=double_quant)
         quant_s = time.perf_counter() - t
         check = None
-        if quantization == "nf4":  # bitsandbytes' own forward vs the dequantized copy, on one text
+        if own_forward:  # bitsandbytes' own forward vs the dequantized copy, on one text
             ids = out_texts[0][:, :64]
             real = q(ids).logits
         bits, kinds = _dequantize_linears(q)
-        if quantization == "nf4":
+        if own_forward:
             check = (q(ids).logits - real).abs().max().item()
         names = sorted(bits)
         t = time.perf_counter()

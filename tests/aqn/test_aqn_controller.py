@@ -116,3 +116,47 @@ def test_bad_arguments():
         AQNController(sched, apply_to="train")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         AQNController(lambda step: 0.1)  # type: ignore[arg-type]
+
+
+class _ModelCopyEngine:
+    """An engine generating from its own copy of the model, as vLLM does: norm weights set by name, restored after."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import copy
+
+        self.model = copy.deepcopy(model)
+        self.params = dict(self.model.named_parameters())
+        self.clean: dict[str, torch.Tensor] = {}
+        self.restores = 0
+
+    @torch.no_grad()
+    def set_norm_weights(self, named) -> None:
+        for name, w in named.items():
+            self.clean[name] = self.params[name].detach().clone()
+            self.params[name].copy_(w)
+
+    @torch.no_grad()
+    def restore_norm_weights(self) -> None:
+        for name, w in self.clean.items():
+            self.params[name].copy_(w)
+        self.restores += 1
+
+
+def test_rollout_on_an_external_engine_gives_it_the_models_noise():
+    """``rollout(model, step, engine=...)``: the engine's norms carry the very draw ``rollout(model, step)`` puts on the
+    model, the model stays clean, and the engine is restored after; stage 0 touches nothing."""
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    engine = _ModelCopyEngine(model)
+    ctl = controller()
+    with ctl.rollout(model, 33, engine=engine) as handle:
+        assert handle is not None and ctl.step == 33
+        assert_bit_identical(model, snap)
+        on_engine = {k: engine.params[k].detach().clone() for k in ctl.norm_noise(model).params}
+    assert engine.restores == 1 and all(torch.equal(engine.params[k], snap[k]) for k in on_engine)
+    with ctl.rollout(model, 33):
+        live = dict(model.named_parameters())
+        assert all(torch.equal(on_engine[k], live[k]) for k in on_engine)
+    with ctl.rollout(model, 0, engine=engine) as handle:  # σ = 0: nothing loaded, nothing to restore
+        assert handle is None
+    assert engine.restores == 1

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from result_schema import assert_fields_of
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "grpo_step.py"
 
@@ -75,3 +77,5 @@ def test_grpo_step_tiny_nvfp4_graph_engine(tmp_path):
     assert s["completion_lengths_ok"] and s["advantages_nonzero"] and s["gen_tok_s"] > 0
     assert s["dynamo_warmup"]["unique_graphs"] >= 1  # graph_generate's decode step compiled on the warm-up step ...
     assert s["compiled_path_ok"], s["dynamo_measured"]  # ... and replayed without recompiling afterwards
+    # every field of the latest committed H100 run (BENCHMARKS.md's 7B step at the recipe's batch), GPU memory aside
+    assert_fields_of("grpo_step_7b_b128_no_cudnn.json", data, skip=("$.configs.",))  # configs: by model name

@@ -34,7 +34,7 @@ def test_arm_to_train_and_eval_arguments(study, tmp_path, arm, quantization, aqn
     from qerl_trl.evaluation import build_parser
 
     assert arm in study.GPU_ARMS and arm in study.GPU_COLORS
-    cmd = study._gpu_train_cmd("arithmetic", arm, 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+    cmd = study.gpu_train_cmd("arithmetic", arm, 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
     assert cmd[1:4] == ["-m", "qerl_trl.cli", "train"]
     script, config = parse_train_args(cmd[4:])
     assert (config.quantization, config.aqn, config.seed, config.max_steps) == (quantization, aqn, 1, 150)
@@ -42,14 +42,14 @@ def test_arm_to_train_and_eval_arguments(study, tmp_path, arm, quantization, aqn
     if aqn:
         assert (config.aqn_schedule, config.aqn_sigma_start, config.aqn_sigma_end) == ("exponential", 1e-2, 5e-4)
     # everything but the format (and AQN) as the NVFP4 + AQN arm of the same seed
-    ref = study._gpu_train_cmd("arithmetic", "NVFP4+LoRA+AQN", 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+    ref = study.gpu_train_cmd("arithmetic", "NVFP4+LoRA+AQN", 1, 150, [0, 75, 150], tmp_path / "run", tiny=False)
     _, ref_config = parse_train_args(ref[4:])
     same = ("learning_rate", "per_device_train_batch_size", "num_generations", "lora_r", "max_completion_length",
             "save_steps", "temperature")  # fmt: skip
     assert all(getattr(config, k) == getattr(ref_config, k) for k in same)
     for argv in study._gpu_eval_argvs("arithmetic", study.GPU_ARMS[arm]["quantization"], tmp_path / "e",
                                       tmp_path / "run" / "final", tiny=False):  # fmt: skip
-        assert build_parser().parse_args(argv).quantize == quantization
+        assert build_parser().parse_args(argv).quantization.name == quantization
 
 
 def test_formats_preset_plot_only_writes_json_table_and_figure(tmp_path):
@@ -129,7 +129,7 @@ def test_gsm8k_runs_score_the_whole_batch_and_eval_in_one_batch(study, tmp_path,
             (data / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     monkeypatch.setenv("QERL_GSM8K", str(data))
     for task, size in (("gsm8k", 16), ("arithmetic", 2)):
-        cmd = study._gpu_train_cmd(task, "NVFP4+LoRA+AQN", 0, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+        cmd = study.gpu_train_cmd(task, "NVFP4+LoRA+AQN", 0, 150, [0, 75, 150], tmp_path / "run", tiny=False)
         _, config = parse_train_args(cmd[4:])
         assert config.logprob_batch_size == size and config.gradient_checkpointing
     argv = study._gpu_eval_argvs("gsm8k", "rtn", tmp_path / "e", None, tiny=False)[1]

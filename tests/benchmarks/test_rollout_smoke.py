@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from result_schema import assert_fields_of
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "rollout.py"
@@ -47,6 +48,8 @@ def test_rollout_tiny_graph_engine(tmp_path):
         assert row["length_ok"] and row["new_tokens_generated"] == 6
         assert row["tok_s"] > 0 and row["prefill_s"] > 0
         assert len(row["prefill_s_all"]) == 3 and row["prefill_s"] == pytest.approx(min(row["prefill_s_all"]), abs=1e-3)
+    # the latest committed run (H100, graph engine): its fields, GPU memory and its model's config key aside
+    assert_fields_of("rollout_batches.json", data, skip=("$.configs.",))
 
 
 def test_rollout_tiny_length_spread(tmp_path):
@@ -69,6 +72,7 @@ def test_rollout_tiny_length_spread(tmp_path):
     for v in ("eos", "eos+compact"):
         assert sp[v]["well_formed"] and len(sp[v]["tok_s_all"]) == 2 and sp[v]["tok_s"] > 0
         assert 2 < sp[v]["mean_len"] < 24 and all(s <= 24 for s in sp[v]["steps_all"])
+    assert_fields_of("rollout_spread_7b_b128.json", data, skip=("$.configs.",))
 
 
 def test_rollout_spread_needs_graph_engine():

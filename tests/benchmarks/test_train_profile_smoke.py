@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from result_schema import assert_fields_of
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -27,7 +29,9 @@ def test_train_profile_tiny_nvfp4(tmp_path):
                        timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| tiny | NVFP4 + LoRA (ours) | 2×16 |" in p.stdout
-    (res,) = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    (res,) = data["results"]
     assert res["status"] == "ok" and res["trainable_params"] > 0
     assert res["lora_grads_nonzero"] > 0 and res["lora_grads_nonzero"] >= res["lora_tensors"] // 2  # B starts at 0
     assert res["forward_s"] > 0 and res["backward_s"] > 0 and res["profiled_wall_s"] > 0
+    assert_fields_of("train_profile_7b.json", data, skip=("$.results[0].by_category_s.", "$.results[0].top_kernels."))

@@ -7,7 +7,8 @@ import pytest
 import torch
 from nvfp4 import NVFP4Linear
 from nvfp4.calibration import calibrate_model, gptq_quantize
-from nvfp4.codec import dequantize, pack_e2m1, quantize, quantize_with_scales
+from nvfp4.codec import dequantize, pack_e2m1, quantize_with_scales
+from nvfp4.methods import quantize
 from tiny_models import tiny_config
 
 

@@ -220,6 +220,42 @@ def test_saved_checkpoint_loads_in_stock_transformers(tiny_model_dir, tmp_path):
     assert "compressed-tensors" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
+_STOCK_LOAD_DTYPES = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+ids = torch.tensor([[1, 2, 3]])
+for dtype in (None, torch.bfloat16):
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], **({"dtype": dtype} if dtype else {}))
+    try:
+        with torch.no_grad():
+            model(ids)
+        print(dtype, "ok")
+    except RuntimeError as e:
+        print(dtype, "fails:", str(e).splitlines()[0])
+"""
+
+
+def test_saving_a_float32_checkpoint_warns_that_stock_loads_need_bf16(tiny_model_dir, tmp_path):
+    """compressed-tensors 0.20 decompresses FP4 weights to bf16: a float32 checkpoint of ours loads in stock
+    transformers but its first forward fails unless the load asks for bf16. Our save says so; a bf16 save does not."""
+    import subprocess
+    import sys
+    import warnings
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(), dtype=torch.float32)
+    with pytest.warns(UserWarning, match="dense tensors are float32: compressed-tensors decompresses FP4 weights"):
+        m.save_pretrained(tmp_path / "fp32")
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bf16.save_pretrained(tmp_path / "bf16")
+    proc = subprocess.run([sys.executable, "-c", _STOCK_LOAD_DTYPES, str(tmp_path / "fp32")], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("None fails: expected m1 and m2 to have the same dtype") and lines[1] == "torch.bfloat16 ok"
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_method_on_load_saves_and_reloads(tiny_model_dir, tmp_path, method):
     """``NVFP4Config(method=awq|gptq, calibration_data=...)``: every linear quantized, fused groups keep one global

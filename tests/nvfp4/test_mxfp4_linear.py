@@ -121,15 +121,6 @@ def test_load_state_dict_round_trip_and_checks():
         NVFP4Linear(64, 64, format="int4")
 
 
-def test_to_dtype_moves_but_never_casts():
-    layer = NVFP4Linear.from_linear(_linear(), format="mxfp4")
-    before = {k: v.clone() for k, v in layer.state_dict().items() if k != "bias"}
-    layer.to(torch.bfloat16)
-    after = layer.state_dict()
-    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
-    assert layer.weight_scale.dtype == torch.float8_e4m3fn and layer.weight_global_scale.dtype == torch.float32
-
-
 def test_quantize_model_mxfp4():
     torch.manual_seed(0)
     model = nn.Sequential()

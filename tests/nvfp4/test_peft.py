@@ -1,25 +1,33 @@
-"""PEFT LoRA on NVFP4Linear: attach by names and all-linear, only LoRA trains, save/load, merge to a dense model."""
+"""PEFT LoRA on NVFP4Linear in every 4-bit format (``nvfp4.formats.FORMATS``): attach by names and all-linear, only
+LoRA trains, save/load, merge to a dense model; an MXFP4 layer without an NVFP4 transcode (the plain reference path)
+trains and merges the same way."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from nvfp4 import NVFP4Linear, quantize_model
+from nvfp4 import NVFP4Linear, mxfp4, quantize_model
+from nvfp4.formats import FORMATS
 from nvfp4.peft import LoraNVFP4Linear, get_peft_model, load_adapter, merge_and_unload
 from peft import LoraConfig
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 
-def _model():
+def _model(format: str = "nvfp4"):
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    return quantize_model(m, progress=False)
+    return quantize_model(m, format=format, progress=False)
 
 
+@pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
-def test_lora_attaches_and_only_lora_trains(targets):
-    pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+def test_lora_attaches_and_only_lora_trains(targets, format):
+    model = _model(format)
+    assert {m.format for m in model.modules() if isinstance(m, NVFP4Linear)} == {format}
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     wrapped = [m for m in pm.modules() if isinstance(m, LoraNVFP4Linear)]
     assert len(wrapped) == (14 if targets == "all-linear" else 6)
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
@@ -43,8 +51,9 @@ def test_plain_peft_trains_but_refuses_to_merge_into_4bit():
         pm.merge_and_unload()
 
 
-def test_adapter_save_load_and_merge(tmp_path):
-    base = _model()
+@pytest.mark.parametrize("format", FORMATS)
+def test_adapter_save_load_and_merge(tmp_path, format):
+    base = _model(format)
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     pm = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     ids = torch.randint(0, 256, (2, 9))
@@ -52,7 +61,7 @@ def test_adapter_save_load_and_merge(tmp_path):
         ref = pm(input_ids=ids).logits
     pm.save_pretrained(tmp_path / "adapter")
     fresh = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    quantize_model(fresh, progress=False)
+    quantize_model(fresh, format=format, progress=False)
     fresh.load_state_dict(base_state)
     reloaded = load_adapter(fresh, str(tmp_path / "adapter"))
     with torch.no_grad():
@@ -117,3 +126,34 @@ def test_fused_lora_generation_matches_peft_path_gpu(compiled, monkeypatch):
     rel = ((fused - unfused).norm() / unfused.norm()).item()
     assert rel < 2e-2, rel
     assert layers[0]._fusable_adapter(x.requires_grad_(), (), {}) is None  # grad enabled: PEFT's path
+
+
+def test_lora_on_an_mxfp4_layer_without_transcode_trains_and_merges():
+    """An MXFP4 layer whose scales have no NVFP4 transcode computes with the plain reference: its LoRA trains, its
+    output is ``mxfp4.linear_reference`` plus PEFT's term, and the merge exports ``dequant(W) + ΔW``."""
+    m = _model("mxfp4")
+    layer = m.model.layers[1].mlp.down_proj
+    q = layer.quantized_weight
+    q.scale[0, 0] += 20  # 20 more binades than FP8-E4M3 holds
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.model.layers[1].mlp.down_proj = NVFP4Linear.from_weight(q, None, layer.orig_dtype, name="down_proj")
+    assert sum(not x.uses_nvfp4_ops for x in m.modules() if isinstance(x, NVFP4Linear)) == 1
+    pm = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 256, (2, 10))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    changed = {n for n, p in pm.named_parameters() if not torch.equal(before[n], p)}
+    assert any("layers.1.mlp.down_proj.lora_A" in n for n in changed)  # the reference-path layer trains its LoRA
+    wrapped = pm.base_model.model.model.layers[1].mlp.down_proj
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        lora = wrapped.lora_B["default"](wrapped.lora_A["default"](x)) * wrapped.scaling["default"]
+        assert torch.allclose(wrapped(x), mxfp4.linear_reference(x, q.packed, q.scale) + lora, atol=1e-6)
+        merged = merge_and_unload(pm)
+    dense = merged.model.layers[1].mlp.down_proj
+    delta = wrapped.lora_B["default"].weight @ wrapped.lora_A["default"].weight * wrapped.scaling["default"]
+    assert type(dense) is torch.nn.Linear
+    assert torch.allclose(dense.weight, q.dequantize(torch.float32) + delta, atol=1e-6)

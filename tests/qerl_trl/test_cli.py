@@ -42,6 +42,34 @@ def test_overrides_and_errors():
         parse_train_args(["offline-default", "--algorithm", "ppo"])
 
 
+def test_vllm_settings_nest_and_the_flat_keys_still_set_them(tmp_path):
+    """``vllm`` holds the vLLM engine's settings (YAML mapping, JSON on the command line, dict in Python); the flat
+    ``vllm_<name>`` keys of earlier recipes and command lines set the same setting, with a FutureWarning."""
+    import dataclasses
+
+    from qerl_trl.config import VLLMRolloutConfig
+
+    default = QeRLConfig(output_dir=str(tmp_path))
+    assert default.vllm == VLLMRolloutConfig() and default.vllm.dtype == "auto" and default.vllm.server_timeout == 600
+    nested = QeRLConfig(output_dir=str(tmp_path), vllm={"max_model_len": 512, "gpu_memory_utilization": 0.3})
+    assert (nested.vllm.max_model_len, nested.vllm.gpu_memory_utilization) == (512, 0.3)
+    assert nested.to_dict()["vllm"] == dataclasses.asdict(nested.vllm)  # plain JSON for loggers
+    json.dumps(nested.to_dict())
+    with pytest.warns(FutureWarning, match="vllm_max_model_len is deprecated: set vllm.max_model_len"):
+        flat = QeRLConfig(output_dir=str(tmp_path), vllm_max_model_len=512, vllm_server_url="http://h:1")
+    assert (flat.vllm.max_model_len, flat.vllm.server_url, flat.vllm_max_model_len) == (512, "http://h:1", None)
+    with pytest.raises(ValueError, match="unknown setting"):
+        QeRLConfig(output_dir=str(tmp_path), vllm={"max_len": 512})
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text() + "vllm:\n  max_model_len: 256\n")
+    assert parse_train_args([str(recipe)])[1].vllm.max_model_len == 256
+    _, cli = parse_train_args(["offline-default", "--vllm", '{"enforce_eager": true}'])
+    assert cli.vllm.enforce_eager is True
+    with pytest.warns(FutureWarning, match="vllm_gpu_memory_utilization is deprecated"):
+        _, old = parse_train_args(["offline-default", "--vllm_gpu_memory_utilization", "0.3"])
+    assert old.vllm.gpu_memory_utilization == 0.3
+
+
 def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
     out = tmp_path / "run"
     common = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(out), "--per_device_train_batch_size", "8",

@@ -120,11 +120,11 @@ def test_adapter_that_changes_outputs_changes_records_and_score(tiny_dir, adapte
 def test_adapter_on_nvfp4_quantized_base(tiny_dir, adapter_dir, tmp_path):
     from nvfp4 import NVFP4Linear
 
-    res, md = _run(tmp_path, "q", "--model", str(tiny_dir), "--greedy", "--quantize", "rtn", "--adapter",
+    res, md = _run(tmp_path, "q", "--model", str(tiny_dir), "--greedy", "--quantization", "rtn", "--adapter",
                    str(adapter_dir))
     # the bare "rtn" of earlier versions is an alias: recorded by its canonical name
     assert res["settings"]["quantize"] == "nvfp4-rtn" and res["settings"]["adapter"]["lora_layers"] == 14
-    model, _, _ = load_model(str(tiny_dir), quantize="nvfp4-rtn", adapter=str(adapter_dir))
+    model, _, _ = load_model(str(tiny_dir), quantization="nvfp4-rtn", adapter=str(adapter_dir))
     bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
     assert bases and all(isinstance(b, NVFP4Linear) for b in bases)
     assert "| nvfp4-rtn |" in md
@@ -177,7 +177,7 @@ def test_cli_errors(tiny_dir, tmp_path):
     q = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(method="rtn"))
     q.save_pretrained(tmp_path / "q")
     with pytest.raises(ValueError, match="already quantized"):
-        load_model(str(tmp_path / "q"), quantize="rtn", tokenizer_path=str(tiny_dir))
+        load_model(str(tmp_path / "q"), quantization="rtn", tokenizer_path=str(tiny_dir))
     with pytest.raises(UsageError, match="argument --task: invalid choice: 'nope'"):
         main(["--task", "nope"])
     with pytest.raises(UsageError, match="--data-path .*missing': no such file or folder"):

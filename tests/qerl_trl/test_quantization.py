@@ -1,5 +1,6 @@
-"""``quantization`` = ``<format>-<method>`` (issue #22): parsing and aliases, the NF4 (bitsandbytes, QLoRA) and MXFP4
-policies in the trainer and ``qerl eval``, and AQN on every format (noise on, then restored bit for bit)."""
+"""``quantization`` = ``<format>-<method>`` (issues #22, #38): the scheme registry (one parser, aliases, each scheme's
+config, load, conversion and layers), the NF4 (bitsandbytes, QLoRA) and MXFP4 policies in the trainer and ``qerl eval``,
+and AQN on every scheme (noise on, then restored bit for bit)."""
 
 from __future__ import annotations
 
@@ -8,43 +9,100 @@ import torch
 from aqn import AQNController, make_schedule
 from qerl_trl.config import QeRLConfig
 from qerl_trl.policy import load_policy
-from qerl_trl.quantization import ALIASES, QUANTIZATIONS, parse_quantization
+from qerl_trl.quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from qerl_trl.tasks import load_task
 
-
-def _mxfp4_available() -> bool:
-    import inspect
-
-    import nvfp4
-
-    return "format" in inspect.signature(nvfp4.quantize_model).parameters
-
-
-needs_mxfp4 = pytest.mark.skipif(
-    not _mxfp4_available(), reason="nvfp4 has no quantize_model(format='mxfp4') yet (branch mxfp4-pipeline)"
-)
+#: every scheme that loads from the weights alone (the calibrated ones need prompts: tested below)
+LOADABLE = [s for s in SCHEMES.values() if not s.calibrated]
 
 
 def test_parse_canonical_values_and_aliases():
-    assert QUANTIZATIONS == ("nvfp4-rtn", "nvfp4-mse", "nvfp4-awq", "nvfp4-gptq", "mxfp4-rtn", "nf4", "none")
-    q = parse_quantization("nvfp4-gptq")
-    assert (q.name, q.format, q.method, q.calibrated, q.cache_tag) == ("nvfp4-gptq", "nvfp4", "gptq", True, "gptq")
+    assert tuple(SCHEMES) == ("nvfp4-rtn", "nvfp4-mse", "nvfp4-awq", "nvfp4-gptq", "mxfp4-rtn", "nf4", "none")
+    q = get_scheme("nvfp4-gptq")
+    assert (q.name, q.format.name, q.method, q.calibrated, q.cache_tag) == ("nvfp4-gptq", "nvfp4", "gptq", True, "gptq")
+    assert get_scheme(q) is q and str(q) == "nvfp4-gptq"
     for alias, canonical in ALIASES.items():
-        assert parse_quantization(alias).name == canonical
-        assert parse_quantization(alias.upper()).name == canonical
-    nf4, mx, dense = (parse_quantization(v) for v in ("nf4", "mxfp4-rtn", "none"))
-    assert (nf4.format, nf4.method, nf4.calibrated, nf4.cache_tag) == ("nf4", None, False, "nf4")
-    assert (mx.format, mx.method, mx.cache_tag) == ("mxfp4", "rtn", "mxfp4-rtn")
+        assert get_scheme(alias) is SCHEMES[canonical]
+        assert get_scheme(alias.upper()) is SCHEMES[canonical]
+    nf4, mx, dense = (get_scheme(v) for v in ("nf4", "mxfp4-rtn", "none"))
+    assert (nf4.format, nf4.method, nf4.calibrated, nf4.cache_tag) == (None, None, False, "nf4")
+    assert (mx.format.name, mx.method, mx.cache_tag) == ("mxfp4", "rtn", "mxfp4-rtn")
     assert dense.is_dense and dense.format is None
+    assert [s.name for s in SCHEMES.values() if s.vllm_engine] == [*(f"nvfp4-{m}" for m in ALIASES), "none"]
     for bad in ("int4", "mxfp4-gptq", "nf4-rtn", "nvfp4", ""):
         with pytest.raises(ValueError, match="quantization must be one of") as info:
-            parse_quantization(bad)
-        assert all(repr(v) in str(info.value) for v in QUANTIZATIONS) and "'rtn' (= 'nvfp4-rtn')" in str(info.value)
+            get_scheme(bad)
+        assert all(repr(v) in str(info.value) for v in SCHEMES) and "'rtn' (= 'nvfp4-rtn')" in str(info.value)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES.values(), ids=str)
+def test_each_scheme_knows_its_config(scheme: QuantScheme):
+    """The transformers config each scheme quantizes with on load: ``NVFP4Config`` in the scheme's format and method,
+    bitsandbytes' QLoRA config, or none; calibrated schemes refuse to build one without prompts."""
+    from nvfp4 import NVFP4Config
+    from transformers import BitsAndBytesConfig
+
+    data = [torch.tensor([1, 2, 3])] if scheme.calibrated else None
+    cfg = scheme.hf_config(torch.float32, calibration_data=data)
+    if scheme.format is not None:
+        assert isinstance(cfg, NVFP4Config) and cfg.weight_format is scheme.format and cfg.method == scheme.method
+    elif scheme.is_dense:
+        assert cfg is None
+    else:
+        assert (
+            isinstance(cfg, BitsAndBytesConfig) and cfg.bnb_4bit_quant_type == "nf4" and cfg.bnb_4bit_use_double_quant
+        )
+    if scheme.calibrated:
+        with pytest.raises(ValueError, match="needs calibration_data"):
+            scheme.hf_config(torch.float32)
+
+
+@pytest.mark.parametrize("scheme", LOADABLE, ids=str)
+def test_each_scheme_loads_and_converts_to_its_layers(tiny_dir, scheme: QuantScheme):
+    """``load`` (quantize while loading) gives ``layer_type`` for all 14 linears; ``quantize_`` of the dense model
+    gives the same layers with the same tensors (``lm_head`` dense in both)."""
+    model = load_policy(str(tiny_dir), quantization=scheme)
+    layers = [m for n, m in model.named_modules() if n.endswith("_proj")]
+    assert len(layers) == 14 and all(type(m) is scheme.layer_type for m in layers)
+    converted = scheme.quantize_(load_policy(str(tiny_dir), quantization="none"))
+    assert [type(m) for m in converted.modules()] == [type(m) for m in model.modules()]
+    ours, theirs = model.state_dict(), converted.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_calibrated_scheme_converts_a_held_model(tiny_dir):
+    """``quantize_`` with calibration batches (torchao style) on a calibrated scheme: every linear is NVFP4."""
+    from nvfp4 import NVFP4Linear
+
+    scheme = get_scheme("nvfp4-awq")
+    with pytest.raises(ValueError, match="needs calibration_data"):
+        scheme.quantize_(load_policy(str(tiny_dir), quantization="none"))
+    model = scheme.quantize_(
+        load_policy(str(tiny_dir), quantization="none"), calibration_data=[torch.tensor([[1, 2, 3]])]
+    )
+    assert sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 14
+
+
+def test_optional_backends_load_only_for_their_scheme():
+    """``qerl train --quantization foo`` stops with one line before TRL (hence PEFT, hence bitsandbytes) is imported;
+    bitsandbytes' import logs a warning on AVX512-BF16 CPUs (kernels-community), which must not precede our error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from qerl_trl.cli import parse_train_args\n"
+        "try:\n    parse_train_args(['--quantization', 'foo'])\nexcept ValueError as e:\n    print(e)\n"
+        "print(sorted(m for m in ('bitsandbytes', 'peft', 'trl') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.splitlines()[0].startswith("quantization must be one of") and out.splitlines()[-1] == "[]", out
 
 
 def test_config_stores_the_canonical_name_and_refuses_vllm_for_other_formats(tmp_path):
     assert QeRLConfig(output_dir=str(tmp_path)).quantization == "nvfp4-rtn"
-    assert QeRLConfig(output_dir=str(tmp_path), quantization="gptq").quantization == "nvfp4-gptq"
+    config = QeRLConfig(output_dir=str(tmp_path), quantization="gptq")
+    assert config.quantization == "nvfp4-gptq" and config.quant_scheme is SCHEMES["nvfp4-gptq"]
     assert QeRLConfig(output_dir=str(tmp_path), quantization="nf4").quantization == "nf4"
     with pytest.raises(ValueError, match="'mxfp4-rtn'.*got 'fp8'"):
         QeRLConfig(output_dir=str(tmp_path), quantization="fp8")
@@ -70,14 +128,14 @@ def test_bnb_missing_names_the_extra(monkeypatch, tiny_dir, tmp_path, capsys):
     """Without bitsandbytes, ``quantization="nf4"`` names the extra; ``qerl train`` says it in one line, exit 2."""
     import sys
 
+    import qerl_trl.trainer  # noqa: F401  (TRL imports bitsandbytes whenever it is installed: before hiding it)
     from nvfp4 import MissingExtraError
     from qerl_trl.cli import DEBUG_ENV, main
-    from qerl_trl.quantization import bnb_nf4_config
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'qerl-trl\[nf4\]'"):
-        bnb_nf4_config(torch.float32)
+        SCHEMES["nf4"].hf_config(torch.float32)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model_name_or_path", str(tiny_dir), "--quantization", "nf4", "--output_dir",
               str(tmp_path / "run"), "--report_to", "none"])  # fmt: skip
@@ -109,37 +167,16 @@ def _aqn_noise_applied_and_restored(model: torch.nn.Module) -> None:
         assert torch.equal(after[name], t), f"{name} changed"
 
 
-def test_aqn_noise_applied_and_restored_on_nf4(tiny_dir):
-    import bitsandbytes as bnb
-
-    model = load_policy(str(tiny_dir), quantization="nf4")
-    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert len(linears) == 14 and all(m.weight.quant_state.quant_type == "nf4" for m in linears)
-    assert all(m.weight.quant_state.nested for m in linears)  # double quantization, as QLoRA
+@pytest.mark.parametrize("scheme", LOADABLE, ids=str)
+def test_aqn_noise_applied_and_restored_on_every_scheme(tiny_dir, scheme: QuantScheme):
+    model = load_policy(str(tiny_dir), quantization=scheme)
+    if scheme.name == "nf4":  # bitsandbytes' own state: NF4 with double quantization, as QLoRA
+        linears = [m for m in model.modules() if isinstance(m, scheme.layer_type)]
+        assert all(m.weight.quant_state.quant_type == "nf4" and m.weight.quant_state.nested for m in linears)
     _aqn_noise_applied_and_restored(model)
 
 
-@needs_mxfp4
-def test_aqn_noise_applied_and_restored_on_mxfp4(tiny_dir):
-    from nvfp4 import NVFP4Linear
-
-    model = load_policy(str(tiny_dir), quantization="mxfp4-rtn")
-    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-    assert len(linears) == 14 and all(getattr(m, "format", None) == "mxfp4" for m in linears)
-    _aqn_noise_applied_and_restored(model)
-
-
-def _is_4bit_base(quantization: str, module: torch.nn.Module) -> bool:
-    if quantization == "nf4":
-        import bitsandbytes as bnb
-
-        return isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state.quant_type == "nf4"
-    from nvfp4 import NVFP4Linear
-
-    return isinstance(module, NVFP4Linear) and module.format == "mxfp4"
-
-
-@pytest.mark.parametrize("quantization", ["nf4", pytest.param("mxfp4-rtn", marks=needs_mxfp4)])
+@pytest.mark.parametrize("quantization", ["nf4", "mxfp4-rtn"])
 def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, quantization):
     """``qerl train``'s model builder from a model path: NF4 (bitsandbytes, QLoRA) / MXFP4 base, PEFT LoRA the only
     trainable parameters, one real GRPO step with AQN noise on CPU; the 4-bit base is unchanged by it."""
@@ -159,7 +196,7 @@ def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, 
     assert trainable and all("lora_" in n for n in trainable)
     assert all(p.dtype == torch.float32 for p in trainable.values())  # fp32 adapters for every format (not TRL's bf16)
     bases = [m.get_base_layer() for m in model.modules() if hasattr(m, "lora_A")]
-    assert len(bases) == 14 and all(_is_4bit_base(quantization, b) for b in bases)
+    assert len(bases) == 14 and all(type(b) is args.quant_scheme.layer_type for b in bases)
     frozen = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
     assert any(t.dtype == torch.uint8 for t in frozen.values())
     trainer.train()
@@ -175,27 +212,29 @@ def test_trainer_builds_a_lora_policy_and_takes_a_grpo_step(tmp_path, tiny_dir, 
     from qerl_trl.evaluation import load_model
 
     trainer.save_model(str(tmp_path / "final"))
-    _, _, info = load_model(str(tiny_dir), quantize=quantization, adapter=str(tmp_path / "final"))
+    _, _, info = load_model(str(tiny_dir), quantization=quantization, adapter=str(tmp_path / "final"))
     assert info["adapter"]["lora_layers"] == 14 and not info["adapter"]["all_b_zero"]
 
 
-def test_eval_accepts_the_same_names(tiny_dir, tmp_path):
+def test_eval_accepts_the_same_names(tiny_dir, tmp_path, capsys):
     import bitsandbytes as bnb
     from qerl_trl.evaluation import build_parser, load_model, main
 
     parser = build_parser()
-    assert parser.parse_args(["--quantize", "gptq"]).quantize == "nvfp4-gptq"
-    assert parser.parse_args(["--quantize", "nf4"]).quantize == "nf4"
-    with pytest.raises(ValueError, match="argument --quantize"):  # qerl_trl.validation.UsageError
-        parser.parse_args(["--quantize", "int4"])
-    model, _, info = load_model(str(tiny_dir), quantize="nf4")
+    assert parser.parse_args(["--quantization", "gptq"]).quantization is SCHEMES["nvfp4-gptq"]
+    assert parser.parse_args([]).quantization is SCHEMES["none"]
+    capsys.readouterr()
+    assert parser.parse_args(["--quantize", "nf4"]).quantization is SCHEMES["nf4"]  # the deprecated name
+    assert "--quantize is deprecated, use --quantization" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="argument --quantization: --quantization must be one of"):  # UsageError
+        parser.parse_args(["--quantization", "int4"])
+    model, _, info = load_model(str(tiny_dir), quantization="nf4")
     assert info["quantize"] == "nf4"
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 14
-    with pytest.raises(ValueError, match="--quantize must be one of"):
-        load_model(str(tiny_dir), quantize="int8")
-    with pytest.raises(ValueError, match="--engine vllm loads NVFP4 or dense checkpoints, not --quantize nf4"):
-        main(["--model", str(tiny_dir), "--quantize", "nf4", "--engine", "vllm", "--task", "arithmetic"])
-    if _mxfp4_available():
-        model, _, info = load_model(str(tiny_dir), quantize="mxfp4-rtn")
-        assert info["quantize"] == "mxfp4-rtn"
-        assert sum(_is_4bit_base("mxfp4-rtn", m) for m in model.modules()) == 14
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(str(tiny_dir), quantization="int8")
+    with pytest.raises(ValueError, match="--engine vllm loads NVFP4 or dense checkpoints, not --quantization nf4"):
+        main(["--model", str(tiny_dir), "--quantization", "nf4", "--engine", "vllm", "--task", "arithmetic"])
+    model, _, info = load_model(str(tiny_dir), quantization="mxfp4-rtn")
+    assert info["quantize"] == "mxfp4-rtn"
+    assert sum(m.format == "mxfp4" for m in model.modules() if isinstance(m, SCHEMES["mxfp4-rtn"].layer_type)) == 14

@@ -400,7 +400,7 @@ def test_config_errors():
 def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path):
     """TRL builds its generation config with disable_compile=True; on CUDA the trainer turns the compiled decode
     back on for a static cache, with a fixed cache length (no recompile per prompt length)."""
-    from qerl_trl.trainer import compiled_generation_config
+    from qerl_trl.rollout.transformers import compiled_generation_config
     from transformers import GenerationConfig
 
     args = QeRLConfig(output_dir=str(tmp_path), max_completion_length=64, generation_prompt_cache_len=100)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from qerl_trl import trainer as trainer_mod
 from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
 from qerl_trl.dapo import QeRLDAPOTrainer
 from qerl_trl.graph_generate import graph_generate
 from qerl_trl.policy import load_tokenizer
+from qerl_trl.rollout import graph as graph_engine_mod
+from qerl_trl.rollout.graph import GraphRollout
+from qerl_trl.rollout.transformers import TransformersRollout
 from qerl_trl.tasks import load_task
 from qerl_trl.trainer import QeRLGRPOTrainer
 from tiny_models import tiny_config
@@ -117,7 +119,8 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     assert trainer.generation_config.max_new_tokens == MAX_NEW and trainer.generation_config.do_sample
 
     torch.manual_seed(1234)
-    got, logprobs = trainer._generate_graph(prompts, None, {})
+    assert isinstance(trainer.rollout, GraphRollout)
+    got, logprobs = trainer.rollout.generate(prompts, None, {}, 1)
     assert logprobs is None and len(got) == len(prompts)
 
     width = -(-max(map(len, prompts)) // 8) * 8
@@ -137,27 +140,26 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     # greedy: the graph path == TRL's transformers path (generate with a static cache of the same length)
     gen = trainer.generation_config
     gen.do_sample, gen.cache_implementation, gen.max_cache_len = False, "static", 192 + MAX_NEW
-    graph_greedy, _ = trainer._generate_graph(prompts, None, {})
-    trainer.args.rollout_engine = "transformers"
-    trl_greedy, _ = trainer._generate_turn(prompts, None, {}, 1)
+    graph_greedy, _ = trainer.rollout.generate(prompts, None, {}, 1)
+    trl_greedy, _ = TransformersRollout(trainer).generate(prompts, None, {}, 1)
     assert graph_greedy == trl_greedy
     # temperature -> 0 sampling on the graph path: the greedy tokens
-    trainer.args.rollout_engine = "graph"
     gen.do_sample, gen.temperature = True, 1e-4
-    assert trainer._generate_graph(prompts, None, {})[0] == graph_greedy
+    assert trainer.rollout.generate(prompts, None, {}, 1)[0] == graph_greedy
 
 
 def test_graph_path_refuses_long_prompts_and_multimodal(tmp_path, tokenizer):
     args = args_for(tmp_path, aqn=False, generation_prompt_cache_len=4)
     trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
                               processing_class=tokenizer)  # fmt: skip
+    engine = trainer.rollout
     with pytest.raises(ValueError, match="generation_prompt_cache_len"):
-        trainer._generate_graph([[5] * 5], None, {})
-    trainer._generate_graph([[5] * 4], None, {})  # 4 + 8 tokens fit the 12-token cache
+        engine.generate([[5] * 5], None, {}, 1)
+    engine.generate([[5] * 4], None, {}, 1)  # 4 + 8 tokens fit the 12-token cache
     with pytest.raises(NotImplementedError, match="text-only"):
-        trainer._generate_graph([[5]], [object()], {})
+        engine.generate([[5]], [object()], {}, 1)
     with pytest.raises(NotImplementedError, match="text-only"):
-        trainer._generate_graph([[5]], None, {"pixel_values": torch.zeros(1)})
+        engine.generate([[5]], None, {"pixel_values": torch.zeros(1)}, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------- training
@@ -172,7 +174,7 @@ def test_graph_training_step_seeded(tmp_path, tokenizer, monkeypatch, cls):
         calls.append((input_ids.shape[0], kw["max_cache_len"]))
         return graph_generate(model, input_ids, attention_mask, **kw)
 
-    monkeypatch.setattr(trainer_mod, "graph_generate", spy)
+    monkeypatch.setattr(graph_engine_mod, "graph_generate", spy)
     seen: list[list[int]] = []
 
     def reward(completions, completion_ids, **kwargs):

@@ -40,7 +40,7 @@ def even_token_reward(completions, completion_ids, **kwargs):
     return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def _args(tmp: Path, cls=None, **kw):
+def _args(tmp: Path, cls=None, vllm: dict | None = None, **kw):
     from qerl_trl.config import QeRLConfig
 
     base = dict(
@@ -49,7 +49,7 @@ def _args(tmp: Path, cls=None, **kw):
         gradient_checkpointing=False, seed=0, disable_tqdm=True, lora_r=LORA_RANK,
         # two stages over the run: noise-free first, then σ = SIGMA
         aqn_num_stages=2, aqn_sigma_start=SIGMA, aqn_sigma_end=SIGMA,
-        rollout_engine="vllm", vllm_max_model_len=512, vllm_kv_cache_memory_bytes=64 << 20,
+        rollout_engine="vllm", vllm={"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, **(vllm or {})},
     )
     base.update(kw)
     return (cls or QeRLConfig)(**base)
@@ -80,7 +80,7 @@ def test_dapo_step_with_dynamic_sampling_through_colocated_vllm(ckpt, tmp_path):
     try:
         trainer.train()
     finally:
-        trainer.vllm_rollout.close()
+        trainer.rollout.generation.close()
     steps = _steps(trainer)
     assert trainer.state.global_step == 1 and len(steps) == 1
     gap = steps[0]["sampling/sampling_logp_difference/mean"]
@@ -98,13 +98,13 @@ def trained(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("colocate")
     trainer = QeRLGRPOTrainer(
-        "offline-default", even_token_reward, _args(tmp, vllm_cache_dir=str(tmp / "vllm-cache")), train_dataset=_dataset()
+        "offline-default", even_token_reward, _args(tmp, vllm={"cache_dir": str(tmp / "vllm-cache")}), train_dataset=_dataset()
     )
     start = time.perf_counter()
     trainer.train()
     trainer._test_train_seconds = time.perf_counter() - start
     yield trainer
-    trainer.vllm_rollout.close()
+    trainer.rollout.generation.close()
 
 
 def _prompt_ids(trainer):
@@ -115,7 +115,7 @@ def _prompt_ids(trainer):
 def _engine_greedy(trainer, prompt_ids, **kw):
     # no min_tokens: with processed_logprobs vLLM reports logprobs after its min-tokens EOS mask (renormalized),
     # HF's raw logits do not; both sides stop at EOS instead
-    return trainer.vllm_rollout.engine.generate(prompt_ids, {"temperature": 0.0, "max_tokens": N_TOKENS}, **kw)
+    return trainer.rollout.generation.engine.generate(prompt_ids, {"temperature": 0.0, "max_tokens": N_TOKENS}, **kw)
 
 
 @torch.no_grad()
@@ -144,10 +144,10 @@ def _hf_greedy(trainer, prompt_ids):
 
 
 def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
-    from qerl_trl.vllm_rollout import ColocateVLLMRollout
+    from qerl_trl.rollout.vllm import ColocateVLLMGeneration
 
-    assert isinstance(trained.vllm_rollout, ColocateVLLMRollout)
-    saved = Path(trained.vllm_rollout.engine.model_path)  # the NVFP4 checkpoint written for the engine
+    assert isinstance(trained.rollout.generation, ColocateVLLMGeneration)
+    saved = Path(trained.rollout.generation.engine.model_path)  # the NVFP4 checkpoint written for the engine
     assert saved.parent.name == "vllm-cache"
     assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     assert trained.use_vllm and not trained.args.use_vllm  # TRL's own VLLMGeneration was never built
@@ -165,7 +165,7 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     # step 2: the engine sampled under AQN noise, the trainer scores with the clean policy (IS correction applies)
     assert CLEAN_GAP < gaps[2] < NOISY_GAP
     assert all("sampling/importance_sampling_ratio/mean" in s for s in steps)
-    assert trained.vllm_rollout.last_synced_step == 2
+    assert trained.rollout.generation.last_synced_step == 2
     lora_moved = [
         n for n, p in trained.model.named_parameters() if p.requires_grad and "lora_B" in n and p.abs().max() > 0
     ]
@@ -173,8 +173,8 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
 
 
 def test_engine_follows_lora_update_like_the_trainer(trained):
-    trained.vllm_rollout.sync_weights()  # the adapter after the last optimizer step (global_step 3)
-    assert trained.vllm_rollout.last_synced_step == 3
+    trained.rollout.generation.sync_weights()  # the adapter after the last optimizer step (global_step 3)
+    assert trained.rollout.generation.last_synced_step == 3
     prompt_ids = _prompt_ids(trained)
     ours = _engine_greedy(trained, prompt_ids)
     ref = _hf_greedy(trained, prompt_ids)
@@ -188,14 +188,14 @@ def test_engine_follows_lora_update_like_the_trainer(trained):
 
 
 def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):
-    ctl, rollout = trained.aqn, trained.vllm_rollout
+    ctl, rollout = trained.aqn, trained.rollout.generation
     model = trained.accelerator.unwrap_model(trained.model)
     step = 2
     assert ctl.sigma(step) == SIGMA
     prompt_ids = _prompt_ids(trained)
     clean_w = rollout.engine.norm_weights()
     before = _engine_greedy(trained, prompt_ids)
-    with rollout.noise(ctl, model, step):
+    with trained.rollout.set_noise(ctl, model, step):  # the controller's draw, on the engine's norms
         during = _engine_greedy(trained, prompt_ids)
     after = _engine_greedy(trained, prompt_ids)
     with ctl.rollout(model, step):  # the transformers path's noise at the same step
@@ -239,14 +239,14 @@ def _server_greedy(rollout, prompt_ids, lora: str | None):
 
 
 def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
+    from qerl_trl.rollout.vllm import ServerVLLMGeneration
     from qerl_trl.trainer import QeRLGRPOTrainer
-    from qerl_trl.vllm_rollout import ServerVLLMRollout
 
     url, shared = server
-    args = _args(tmp_path, max_steps=2, vllm_server_url=url, vllm_adapter_dir=str(shared / "adapters"))
+    args = _args(tmp_path, max_steps=2, vllm={"server_url": url, "adapter_dir": str(shared / "adapters")})
     trainer = QeRLGRPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
-    rollout = trainer.vllm_rollout
-    assert isinstance(rollout, ServerVLLMRollout) and trainer.vllm_mode == "server"
+    rollout = trainer.rollout.generation
+    assert isinstance(rollout, ServerVLLMGeneration) and trainer.vllm_mode == "server"
     prompt_ids = _prompt_ids(trainer)
     base_before = _server_greedy(rollout, prompt_ids, None)
     start = time.perf_counter()
@@ -286,10 +286,10 @@ def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> N
     from qerl_trl.trainer import QeRLGRPOTrainer
 
     out = Path(out_dir)
-    args = _args(out, max_steps=2, vllm_server_url=url, vllm_adapter_dir=adapter_dir, per_device_train_batch_size=4)
+    args = _args(out, max_steps=2, vllm={"server_url": url, "adapter_dir": adapter_dir}, per_device_train_batch_size=4)
     trainer = QeRLGRPOTrainer(ckpt, even_token_reward, args, train_dataset=_dataset())
     sent: list[int] = []
-    request = trainer.vllm_rollout._request
+    request = trainer.rollout.generation._request
 
     def counting(method, path, payload=None):  # what this rank sends to the server, by route
         if path == "/v1/completions":
@@ -298,7 +298,7 @@ def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> N
             sent.append(path)
         return request(method, path, payload)
 
-    trainer.vllm_rollout._request = counting
+    trainer.rollout.generation._request = counting
     trainer.train()
     rank = trainer.accelerator.process_index
     report = {
@@ -308,7 +308,7 @@ def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> N
         "steps": _steps(trainer),
         "prompts_sent": sum(x for x in sent if isinstance(x, int)),
         "syncs_sent": [x for x in sent if isinstance(x, str)],
-        "lora_name": trainer.vllm_rollout.lora_name,
+        "lora_name": trainer.rollout.generation.lora_name,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     # gloo's threads abort the process at interpreter exit now and then unless the group is destroyed first

@@ -9,8 +9,12 @@ Typical use in a GRPO step (the trainer owns ``step``, 0-based)::
     with ctl.train(policy_model, step):            # no-op unless apply_to="rollout_and_train"
         loss = ...; loss.backward()                # restore only after backward (autograd saved the weights)
 
-For an external engine (vLLM) push ``ctl.engine_weights(norm_params, step)`` through its weight-update call before
-generating, and the clean weights afterwards.
+For an external engine (vLLM) that holds its own copy of the model, give it as ``engine``: the same draw goes to its
+norm weights (``engine.set_norm_weights(named)``) for the rollout and ``engine.restore_norm_weights()`` puts the clean
+ones back::
+
+    with ctl.rollout(policy_model, step, engine=vllm_engine):   # policy_model's norms name the weights; it stays clean
+        completions = vllm_engine.generate(...)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -27,11 +31,32 @@ from .discovery import ExampleInputs
 from .noise import NoiseHandle, NormNoise, noisy_norm_weights
 from .schedules import SigmaSchedule, schedule_from_state_dict
 
-__all__ = ["AQNController"]
+__all__ = ["AQNController", "NormWeightsEngine"]
 
 Mode = Literal["per_step", "per_forward"]
 ApplyTo = Literal["rollout", "rollout_and_train"]
 _STATE_VERSION = 1
+
+
+class NormWeightsEngine(Protocol):
+    """An external engine with its own copy of the model's norm weights (e.g. ``qerl_vllm.engine.VLLMEngine``)."""
+
+    def set_norm_weights(self, named: Mapping[str, torch.Tensor]) -> None: ...
+
+    def restore_norm_weights(self) -> None: ...
+
+
+class _EngineNoise:
+    """Noisy norm weights loaded into an external engine; ``restore()`` has it put the clean ones back."""
+
+    def __init__(self, engine: NormWeightsEngine) -> None:
+        self.engine = engine
+        self.active = True
+
+    def restore(self) -> None:
+        if self.active:
+            self.active = False
+            self.engine.restore_norm_weights()
 
 
 class AQNController:
@@ -108,24 +133,36 @@ class AQNController:
             self._noises[model] = noise
         return noise
 
-    def _start(self, model: nn.Module | NormNoise, step: int, draw_mode: Mode) -> NoiseHandle | None:
+    def _start(
+        self, model: nn.Module | NormNoise, step: int, draw_mode: Mode, engine: NormWeightsEngine | None = None
+    ) -> NoiseHandle | _EngineNoise | None:
         sigma = self.sigma(step)
         noise = self.norm_noise(model)  # discover (and fail loudly) even in the noise-free stage 0
         if sigma == 0.0:
             return None
+        if engine is not None:
+            if draw_mode == "per_forward":
+                raise ValueError("an external engine takes one draw per rollout: use mode='per_step'")
+            engine.set_norm_weights(dict(self.engine_weights(noise, step, dtype=torch.float32)))
+            return _EngineNoise(engine)
         if draw_mode == "per_forward":
             return noise.apply_per_forward(sigma, seed=self.seed, step=step)
         return noise.apply(sigma, seed=self.seed, step=step)
 
-    def begin_rollout(self, model: nn.Module | NormNoise, step: int) -> NoiseHandle | None:
+    def begin_rollout(
+        self, model: nn.Module | NormNoise, step: int, engine: NormWeightsEngine | None = None
+    ) -> NoiseHandle | _EngineNoise | None:
         """Put step-``step`` noise on ``model``'s norms for generation; ``None`` when σ = 0 (nothing to do).
+
+        ``engine``: an external engine generating from its own copy of ``model`` (vLLM): the same draw, in float32,
+        goes to its norm weights instead, and ``model`` stays clean (its norms name and size the weights).
 
         Raises ``RuntimeError`` if the previous rollout was not ended.
         """
         if self._rollout is not None and self._rollout.active:
             raise RuntimeError("begin_rollout called twice without end_rollout")
         self.step = int(step)
-        self._rollout = self._start(model, step, self.mode)
+        self._rollout = self._start(model, step, self.mode, engine)
         return self._rollout
 
     def end_rollout(self) -> None:
@@ -135,9 +172,11 @@ class AQNController:
             self._rollout = None
 
     @contextlib.contextmanager
-    def rollout(self, model: nn.Module | NormNoise, step: int) -> Iterator[NoiseHandle | None]:
+    def rollout(
+        self, model: nn.Module | NormNoise, step: int, engine: NormWeightsEngine | None = None
+    ) -> Iterator[NoiseHandle | _EngineNoise | None]:
         """Context-manager form of :meth:`begin_rollout` / :meth:`end_rollout`."""
-        handle = self.begin_rollout(model, step)
+        handle = self.begin_rollout(model, step, engine)
         try:
             yield handle
         finally:

@@ -8,10 +8,11 @@ Importing ``nvfp4`` registers the ``nvfp4::linear`` custom ops and the transform
 ``"nvfp4_w4a16"`` (:class:`NVFP4Config`), so ``from_pretrained`` reloads our checkpoints.
 """
 
-from .codec import NVFP4Weight, dequantize, pack_e2m1, quantize, unpack_e2m1
+from .codec import NVFP4Weight, dequantize, pack_e2m1, unpack_e2m1
 from .extras import MissingExtraError
 from .formats import Format, get_format
 from .linear import NVFP4Linear, cache_dequantized, quantize_model
+from .methods import quantize
 from .ops import linear, linear_dgrad
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .formats import get_format
 from .hf import FORMAT
 
 __all__ = ["write_model_card"]
@@ -22,8 +23,17 @@ def write_model_card(
 
     ``format``: ``"nvfp4"`` (default) or ``"mxfp4"`` (the MXFP4A16 card: E8M0 scales per 32 inputs).
     """
-    if format == "mxfp4":
-        return _write_mxfp4_card(folder, base_model=base_model, error_table=error_table, extra=extra)
+    write = {"nvfp4": _write_nvfp4_card, "mxfp4": _write_mxfp4_card}[get_format(format).name]
+    return write(folder, base_model=base_model, method=method, error_table=error_table, extra=extra)
+
+
+_STOCK_DTYPE_NOTE = (
+    "  compressed-tensors (0.20) decompresses the 4-bit weights to bf16, so this path needs a bf16 checkpoint: one\n"
+    "  saved in float16/float32 fails at the first forward there (the loaders below take any dtype).\n"
+)
+
+
+def _write_nvfp4_card(folder: str | Path, *, base_model: str, method: str, error_table: str | None, extra: str) -> Path:
     text = f"""---
 base_model: {base_model}
 library_name: transformers
@@ -43,7 +53,7 @@ loaders read it as they are:
   model = AutoModelForCausalLM.from_pretrained("<this repo>")
   ```
   Without compressed-tensors installed the load stops with an error that says so.
-- **vLLM**: `vllm serve <this repo>` or `LLM("<this repo>")` (its compressed-tensors NVFP4A16 scheme; Marlin FP4
+{_STOCK_DTYPE_NOTE}- **vLLM**: `vllm serve <this repo>` or `LLM("<this repo>")` (its compressed-tensors NVFP4A16 scheme; Marlin FP4
   kernels on NVIDIA GPUs). On vLLM's CPU engine, `pip install qerl-vllm` (QeRL's plugin) adds the path it lacks.
 - **`nvfp4`** (QeRL's Triton W4A16 kernels on Hopper, PEFT LoRA on top):
   ```python
@@ -80,7 +90,7 @@ _METHODS = {
 }
 
 
-def _write_mxfp4_card(folder: str | Path, *, base_model: str, error_table: str | None, extra: str) -> Path:
+def _write_mxfp4_card(folder: str | Path, *, base_model: str, method: str, error_table: str | None, extra: str) -> Path:
     text = f"""---
 base_model: {base_model}
 library_name: transformers
@@ -94,7 +104,7 @@ tags: [mxfp4, mxfp4a16, compressed-tensors, qerl]
 The `quantization_config` is the compressed-tensors one that llm-compressor writes for `MXFP4A16`:
 
 - **transformers** (with `pip install compressed-tensors`): `AutoModelForCausalLM.from_pretrained("<this repo>")`.
-- **vLLM**: `LLM("<this repo>")` where its compressed-tensors MXFP4 scheme runs; on vLLM's CPU engine,
+{_STOCK_DTYPE_NOTE}- **vLLM**: `LLM("<this repo>")` where its compressed-tensors MXFP4 scheme runs; on vLLM's CPU engine,
   `pip install qerl-vllm` (QeRL's plugin) adds the path.
 - **`nvfp4`** (QeRL's Triton W4A16 kernels, after an exact transcode of the scales; PEFT LoRA on top):
   `nvfp4.from_compressed_tensors("<this repo>")`.

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .calibration import CALIBRATED_METHODS
 from .card import write_model_card
 from .evaluate import gsm8k_texts, perplexity, weight_relative_error
-from .hf import METHODS, NVFP4Config
+from .formats import FORMATS, get_format
+from .hf import NVFP4Config
+from .methods import CALIBRATED_METHODS, METHODS
 
 __all__ = ["calibration_ids", "dir_bytes", "main", "quantize_with_method"]
 
@@ -87,7 +88,7 @@ def _input_problem(model: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
-    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"],
+    ap.add_argument("--format", default="nvfp4", choices=list(FORMATS),
                     help="nvfp4 (FP8 scale per 16 + FP32 per tensor) or mxfp4 (E8M0 scale per 32; --method rtn only)")
     ap.add_argument("--method", default=None, choices=list(METHODS),
                     help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts "
@@ -101,10 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = ap.parse_args(argv)
+    methods = get_format(args.format).methods
     if args.method is None:
-        args.method = "rtn" if args.format == "mxfp4" else "mse"
-    if args.format == "mxfp4" and args.method != "rtn":
-        ap.exit(2, f"nvfp4-quantize: error: --format mxfp4 supports --method rtn only, got {args.method}\n")
+        args.method = "mse" if "mse" in methods else methods[0]
+    if args.method not in methods:
+        ap.exit(2, f"nvfp4-quantize: error: --format {args.format} supports --method {'/'.join(methods)} only, "
+                   f"got {args.method}\n")  # fmt: skip
 
     torch.manual_seed(0)
     if args.model is None:

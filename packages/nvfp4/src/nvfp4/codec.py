@@ -54,6 +54,7 @@ __all__ = [
     "e2m1_to_float",
     "global_scale_from_amax",
     "pack_e2m1",
+    "prepare_global_scale",
     "quantize",
     "quantize_with_scales",
     "round_to_e2m1",
@@ -242,25 +243,30 @@ class NVFP4Weight:
         }
 
 
+def prepare_global_scale(
+    w: torch.Tensor, global_scale: torch.Tensor | None, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The float32 ``[1]`` global scale ``w`` is quantized with, on ``w``'s device and never shared with the caller's
+    tensor: ``global_scale`` (a fused group's) or, when None, ``448 * 6 / amax(w)`` (:func:`shared_global_scale`)."""
+    if global_scale is None:
+        global_scale = shared_global_scale([w], compute_dtype)
+    return global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()
+
+
 def quantize(
     w: torch.Tensor,
     *,
     global_scale: torch.Tensor | None = None,
-    method: str = "rtn",
-    act_sq: torch.Tensor | None = None,
     name: str = "weight",
     compute_dtype: torch.dtype | None = None,
 ) -> NVFP4Weight:
-    """Quantize a dense weight to NVFP4.
+    """Quantize a dense weight to NVFP4 by round to nearest (byte-identical to llm-compressor's ``NVFP4A16`` /
+    compressed-tensors on a weight of the same dtype). The other methods (``mse``, ``awq``, ``gptq``) build on this
+    codec one level up: :func:`nvfp4.quantize` / :mod:`nvfp4.methods`.
 
     Args:
         w: ``[out, in]`` float32/float16/bfloat16 weight; ``in`` must be a multiple of 16.
         global_scale: float32 ``[1]`` to use (shared by a fused q/k/v or gate/up group); default from ``amax(w)``.
-        method: ``"rtn"`` (round to nearest, byte-identical to llm-compressor's ``NVFP4A16`` / compressed-tensors on
-            a weight of the same dtype), ``"mse"`` (per-block scale search
-            minimising the block's squared error) or ``"awq"`` (the same search weighting each input channel by its
-            mean squared activation ``act_sq``).
-        act_sq: float32 ``[in]`` mean of ``x**2`` per input channel over calibration batches (for ``"awq"``).
         name: tensor name used in error messages.
         compute_dtype: dtype of the scale quotients ``448 * 6 / amax`` and ``amax_block / 6``. Default ``None``: ``w``'s
             own dtype, as llm-compressor (byte-identical checkpoints). ``torch.float32``: float32 quotients, the
@@ -270,20 +276,8 @@ def quantize(
         :class:`NVFP4Weight` on ``w``'s device.
     """
     check_weight(w, name)
-    if global_scale is None:
-        global_scale = shared_global_scale([w], compute_dtype)
-    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()  # never shared
-    if method == "rtn":
-        scale = block_scales(w, global_scale, compute_dtype)
-    elif method in ("mse", "awq"):
-        from .calibration import search_block_scales
-
-        if method == "awq" and act_sq is None:
-            raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
-        scale = search_block_scales(w, global_scale, act_sq if method == "awq" else None, compute_dtype=compute_dtype)
-    else:
-        hint = " ('gptq' needs the layer's input Hessian: nvfp4.calibration.gptq_quantize)" if method == "gptq" else ""
-        raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'{hint}")
+    global_scale = prepare_global_scale(w, global_scale, compute_dtype)
+    scale = block_scales(w, global_scale, compute_dtype)
     codes = quantize_with_scales(w, scale, global_scale)
     return NVFP4Weight(pack_e2m1(codes), scale, global_scale)
 

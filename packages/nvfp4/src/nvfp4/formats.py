@@ -10,8 +10,11 @@ Both store E2M1 values packed two per byte in the compressed-tensors layout (``w
 
 A :class:`Format` carries what code outside the codecs needs to handle a weight without knowing which format it is:
 the tensors' names, dtypes and shapes (layers, checkpoint checks), the compressed-tensors strings (saved configs, the
-vLLM plugin), ``quantize`` and the reference ``dequantize`` / ``linear`` (CPU path, kernel tests). Look one up with
-:func:`get_format` (``"nvfp4"``, ``"mxfp4"`` or a compressed-tensors format string) or :func:`format_of` (a weight).
+vLLM plugin), the methods it implements, ``quantize`` / ``quantize_group`` (a fused group shares a global scale where
+the format has one), the scale transcode that lets the ``nvfp4::`` ops compute it, and the reference ``dequantize`` /
+``linear`` (CPU path, kernel tests). Code outside this registry asks the :class:`Format` instead of comparing format
+names. Look one up with :func:`get_format` (``"nvfp4"``, ``"mxfp4"`` or a compressed-tensors format string) or
+:func:`format_of` (a weight).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import codec, mxfp4, ops
+from . import codec, methods, mxfp4, ops
 
 __all__ = ["FORMATS", "MXFP4", "NVFP4", "Format", "QuantizedWeight", "format_of", "get_format"]
 
@@ -48,29 +51,41 @@ class QuantizedWeight(Protocol):
 
 @dataclass(frozen=True)
 class Format:
-    """One 4-bit weight format.
+    """One 4-bit weight format, with everything code outside the codecs asks of it.
 
     Attributes:
         name: ``"nvfp4"`` or ``"mxfp4"``.
         group_size: inputs per scale (16 / 32); ``in_features`` must be a multiple of it.
         scale_dtype: dtype of ``weight_scale`` (``float8_e4m3fn`` / ``uint8`` holding E8M0 exponents).
-        has_global_scale: whether a float32 ``[1]`` ``weight_global_scale`` divides the scales (NVFP4 only).
+        has_global_scale: whether a float32 ``[1]`` ``weight_global_scale`` divides the scales (NVFP4 only); the
+            members of a fused group (q/k/v, gate/up) then share one (:meth:`quantize_group`).
+        methods: the weight-only methods the format implements (``"rtn"`` first; model-level ``"gptq"`` included).
         ct_format: compressed-tensors format string of the checkpoint tensors.
         ct_scheme: the compressed-tensors preset (llm-compressor scheme) of weight-only quantization in this format.
+        ct_strategy, ct_scale_dtype: the ``strategy`` and ``scale_dtype`` compressed-tensors writes in the config's
+            weight arguments.
         weight_type: the codec's container class.
-        quantize: ``(w [out, in], *, method="rtn", name="weight", compute_dtype=None, ...) -> weight``; RTN gives
-            compressed-tensors' bytes for ``ct_scheme``.
+        to_nvfp4_scales / from_nvfp4_scales: for a format computed through the ``nvfp4::`` ops after an exact scale
+            transcode (MXFP4: :func:`nvfp4.mxfp4.to_nvfp4` / :func:`~nvfp4.mxfp4.from_nvfp4`); ``None`` for NVFP4,
+            whose tensors feed the ops as they are.
     """
 
     name: str
     group_size: int
     scale_dtype: torch.dtype
     has_global_scale: bool
+    methods: tuple[str, ...]
     ct_format: str
     ct_scheme: str
+    ct_strategy: str
+    ct_scale_dtype: str
     weight_type: type
-    quantize: Callable[..., QuantizedWeight]
+    _quantize: Callable[..., QuantizedWeight] = field(repr=False)
     _linear_reference: Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor] = field(repr=False)
+    to_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = field(
+        default=None, repr=False
+    )
+    from_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -106,6 +121,72 @@ class Format:
                 )
         return self.weight_type(*got.values())  # the containers take (packed, scale[, global_scale]) in this order
 
+    def check_options(
+        self, where: str, method: str, *, global_scale: torch.Tensor | None = None, act_sq: object = None
+    ) -> None:
+        """Raise for a method this format does not implement (NotImplementedError naming the ones it does) or for
+        options it has no use for (ValueError: a global scale without one, activation statistics without ``awq``)."""
+        if method not in self.methods:
+            elsewhere = {m: f.name.upper() for f in FORMATS.values() for m in f.methods if m not in self.methods}
+            owners = "/".join(sorted(set(elsewhere.values())))
+            hint = f" ({', '.join(map(repr, elsewhere))} are {owners}'s)" if elsewhere else ""
+            raise NotImplementedError(
+                f"{where}: method={method!r} is not implemented for {self.name.upper()}; {self.name.upper()} supports "
+                f"method={' / '.join(map(repr, self.methods))} only{hint}"
+            )
+        unused = {
+            "global_scale": None if self.has_global_scale else global_scale,
+            "act_sq": None if "awq" in self.methods else act_sq,
+        }
+        given = [k for k, v in unused.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{where}: {self.name.upper()} takes no {', '.join(given)} (no global scale, no calibration)"
+            )
+
+    def quantize(
+        self,
+        w: torch.Tensor,
+        *,
+        method: str = "rtn",
+        global_scale: torch.Tensor | None = None,
+        act_sq: torch.Tensor | None = None,
+        name: str = "weight",
+        compute_dtype: torch.dtype | None = None,
+    ) -> QuantizedWeight:
+        """Quantize one ``[out, in]`` weight in this format; RTN gives compressed-tensors' bytes for ``ct_scheme``.
+        NVFP4: :func:`nvfp4.quantize` (``rtn`` / ``mse`` / ``awq``; ``global_scale`` shared by a fused group);
+        MXFP4: :func:`nvfp4.mxfp4.quantize`."""
+        self.check_options(name, method, global_scale=global_scale, act_sq=act_sq)
+        extra = {"global_scale": global_scale, "act_sq": act_sq} if self.has_global_scale else {}
+        return self._quantize(w, method=method, name=name, compute_dtype=compute_dtype, **extra)
+
+    def quantize_group(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        method: str = "rtn",
+        act_sq: Mapping[str, torch.Tensor] | None = None,
+        global_scale: torch.Tensor | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> dict[str, QuantizedWeight]:
+        """The weights of one fused group (``{module name: [out, in] weight}``, e.g. q/k/v) quantized together: one
+        shared global scale where the format has one (``global_scale`` if given, else from the members' largest
+        ``amax``), each member alone otherwise. ``act_sq``: per-member activation statistics (``awq``)."""
+        if self.has_global_scale and global_scale is None:
+            global_scale = codec.shared_global_scale(weights.values(), compute_dtype)
+        return {
+            n: self.quantize(
+                w,
+                method=method,
+                global_scale=global_scale,
+                act_sq=None if act_sq is None else act_sq.get(n),
+                name=f"{n}.weight" if n else "weight",
+                compute_dtype=compute_dtype,
+            )  # fmt: skip
+            for n, w in weights.items()
+        }
+
     def _check(self, weight: QuantizedWeight) -> None:
         if not isinstance(weight, self.weight_type):
             raise TypeError(f"{self.name}: expected a {self.weight_type.__name__}, got {type(weight).__name__}")
@@ -136,10 +217,13 @@ NVFP4 = Format(
     group_size=codec.BLOCK_SIZE,
     scale_dtype=torch.float8_e4m3fn,
     has_global_scale=True,
+    methods=methods.METHODS,
     ct_format="nvfp4-pack-quantized",
     ct_scheme="NVFP4A16",
+    ct_strategy="tensor_group",
+    ct_scale_dtype="torch.float8_e4m3fn",
     weight_type=codec.NVFP4Weight,
-    quantize=codec.quantize,
+    _quantize=methods.quantize,
     _linear_reference=_nvfp4_linear,
 )
 
@@ -148,11 +232,16 @@ MXFP4 = Format(
     group_size=mxfp4.GROUP_SIZE,
     scale_dtype=torch.uint8,
     has_global_scale=False,
+    methods=("rtn",),
     ct_format="mxfp4-pack-quantized",
     ct_scheme="MXFP4A16",
+    ct_strategy="group",
+    ct_scale_dtype="torch.uint8",
     weight_type=mxfp4.MXFP4Weight,
-    quantize=mxfp4.quantize,
+    _quantize=mxfp4.quantize,
     _linear_reference=_mxfp4_linear,
+    to_nvfp4_scales=mxfp4.to_nvfp4,
+    from_nvfp4_scales=mxfp4.from_nvfp4,
 )
 
 FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (NVFP4, MXFP4)})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,8 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import mxfp4
-from .calibration import CALIBRATED_METHODS, calibrate_model
-from .codec import quantize, shared_global_scale
-from .formats import FORMATS, MXFP4, NVFP4, Format, get_format
+from .calibration import calibrate_model
+from .formats import FORMATS, MXFP4, Format, get_format
 from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
@@ -49,9 +48,11 @@ from .linear import (
     _quantizable,
     fused_group_of,
 )
+from .methods import CALIBRATED_METHODS, METHODS
 
 __all__ = [
     "QUANT_METHOD",
+    "STOCK_LOAD_DTYPE",
     "MXFP4Config",
     "NVFP4CheckpointError",
     "NVFP4Config",
@@ -66,11 +67,6 @@ QUANT_METHOD = "nvfp4_w4a16"
 FORMAT = "nvfp4-pack-quantized"
 CT_METHOD = "compressed-tensors"
 SERIALIZATIONS = (CT_METHOD, QUANT_METHOD)
-METHODS = ("rtn", "mse", *CALIBRATED_METHODS)
-
-
-# what compressed-tensors writes per format: (strategy, scale_dtype) of the weights' quantization args
-_CT_WEIGHT_ARGS = {"nvfp4": ("tensor_group", "torch.float8_e4m3fn"), "mxfp4": ("group", "torch.uint8")}
 
 
 def compressed_tensors_config(
@@ -80,7 +76,6 @@ def compressed_tensors_config(
     with ``format="mxfp4"``, ``MXFP4A16`` (group 32, ``strategy: group``, uint8 E8M0 scales), with ``ignore`` the
     modules kept dense and our own fields under ``"qerl"`` (ignored by compressed-tensors)."""
     fmt = get_format(format)
-    strategy, scale_dtype = _CT_WEIGHT_ARGS[fmt.name]
     cfg: dict[str, Any] = {
         "quant_method": CT_METHOD,
         "format": fmt.ct_format,
@@ -89,9 +84,9 @@ def compressed_tensors_config(
             "group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": fmt.group_size,
-                            "strategy": strategy, "dynamic": False, "actorder": None, "block_structure": None,
+                            "strategy": fmt.ct_strategy, "dynamic": False, "actorder": None, "block_structure": None,
                             "observer": "memoryless_minmax", "observer_kwargs": {},
-                            "scale_dtype": scale_dtype, "zp_dtype": None},  # fmt: skip
+                            "scale_dtype": fmt.ct_scale_dtype, "zp_dtype": None},  # fmt: skip
                 "input_activations": None,
                 "output_activations": None,
                 "format": fmt.ct_format,
@@ -138,9 +133,9 @@ def _check_compressed_tensors_nvfp4(qc: dict[str, Any], where: str) -> Format:
 def MXFP4Config(**kwargs: Any) -> NVFP4Config:  # noqa: N802 (a config "class" for discoverability)
     """``NVFP4Config(format="mxfp4", **kwargs)``: weight-only MXFP4 (compressed-tensors ``MXFP4A16``, round to nearest)
     for ``from_pretrained(..., quantization_config=MXFP4Config())``; one config class serves both formats."""
-    if kwargs.get("format", "mxfp4") not in ("mxfp4", MXFP4.ct_format):
-        raise ValueError(f"MXFP4Config(format={kwargs['format']!r}): use NVFP4Config for other formats")
-    return NVFP4Config(**{**kwargs, "format": "mxfp4"})
+    if "format" in kwargs:  # the format is what this name says
+        raise ValueError(f"MXFP4Config(format={kwargs['format']!r}): use NVFP4Config(format=...) to choose a format")
+    return NVFP4Config(**{**kwargs, "format": MXFP4.name})
 
 
 class NVFP4CheckpointError(ValueError):
@@ -197,11 +192,10 @@ class NVFP4Config(QuantizationConfigMixin):
         except ValueError:
             choices = sorted({*FORMATS, *_CT_FORMATS})
             raise ValueError(f"NVFP4Config(format={format!r}): choose one of {choices}") from None
-        if fmt is MXFP4 and method != "rtn":
-            raise ValueError(
-                f"NVFP4Config(format='mxfp4', method={method!r}): MXFP4 supports method='rtn' only "
-                f"({', '.join(repr(m) for m in METHODS if m != 'rtn')} are NVFP4's)"
-            )
+        try:
+            fmt.check_options(f"NVFP4Config(format={fmt.name!r}, method={method!r})", method)
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
         self.method = method
         self.modules_to_not_convert = (
             list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
@@ -429,18 +423,13 @@ class NVFP4HfQuantizer(HfQuantizer):
         return model
 
     def _flush(self, model, group: tuple[str, ...], weights: dict[str, torch.Tensor], missing_keys) -> None:
-        """Quantize a complete fused group with one shared global scale (NVFP4; MXFP4 has none) and swap its
+        """Quantize a complete fused group (with one shared global scale where the format has one) and swap its
         ``nn.Linear``s for ours."""
         cfg = self.quantization_config
-        nvfp4 = cfg.weight_format is NVFP4
-        g = shared_global_scale(weights.values()) if nvfp4 else None
-        for name, w in weights.items():
+        for name, q in cfg.weight_format.quantize_group(weights, method=cfg.method).items():
             old = model.get_submodule(name)
-            dtype = old.weight.dtype  # the load dtype; `w` may be in the narrower checkpoint dtype
-            if nvfp4:
-                q = quantize(w, global_scale=g, method=cfg.method, name=f"{name}.weight")
-            else:
-                q = mxfp4.quantize(w, name=f"{name}.weight")
+            dtype = old.weight.dtype  # the load dtype; the weights may be in the narrower checkpoint dtype
+            w = weights[name]
             bias = old.bias.detach().to(w.device) if old.bias is not None and not old.bias.is_meta else None
             new = NVFP4Linear.from_weight(q, bias, dtype, name=name)
             if old.bias is not None and bias is None:  # bias not read yet: keep a slot for the loader
@@ -454,6 +443,12 @@ class NVFP4HfQuantizer(HfQuantizer):
     def is_serializable(self, **kwargs: Any) -> bool:
         return True
 
+    def get_state_dict_and_metadata(self, model):
+        """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
+        stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`)."""
+        warn_if_not_stock_loadable(model.dtype)
+        return super().get_state_dict_and_metadata(model)
+
     @property
     def is_trainable(self) -> bool:
         return True  # LoRA adapters train through NVFP4Linear
@@ -465,6 +460,24 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+#: The dtype compressed-tensors (0.20) decompresses FP4 weights to: a stock ``from_pretrained`` of one of our checkpoints
+#: runs only when the checkpoint's dense tensors have this dtype (or the load passes ``dtype=torch.bfloat16``); an
+#: fp16/fp32 checkpoint otherwise fails at the first forward (a bf16 linear meets fp16/fp32 activations).
+STOCK_LOAD_DTYPE = torch.bfloat16
+
+
+def warn_if_not_stock_loadable(dtype: torch.dtype) -> None:
+    """Warn that a checkpoint saved in ``dtype`` loads in stock transformers only with ``dtype=torch.bfloat16``."""
+    if dtype != STOCK_LOAD_DTYPE:
+        warnings.warn(
+            f"saving a 4-bit checkpoint whose dense tensors are {str(dtype).removeprefix('torch.')}: compressed-tensors "
+            "decompresses FP4 weights to bfloat16, so a stock transformers from_pretrained of it fails at the first "
+            "forward unless it passes dtype=torch.bfloat16 (nvfp4.from_compressed_tensors and vLLM load it as it "
+            "is); load the model in bfloat16 before saving for a checkpoint that loads anywhere as it is",
+            stacklevel=4,
+        )
 
 
 def _calibration_batches(data: list[Any], model: nn.Module) -> list[Any]:
@@ -498,7 +511,9 @@ class _QuantizeOnLoad(ConversionOps):
             name = key.rpartition(".")[0]
             # members stay in `_targets` until their group is flushed, so this is the group still to be collected
             cfg = self.q.quantization_config
-            full = (fused_group_of(name, cfg.fused_groups) if cfg.weight_format is NVFP4 else None) or (name,)
+            # members of a fused group share a global scale where the format has one, so they are quantized together
+            shared = cfg.weight_format.has_global_scale
+            full = (fused_group_of(name, cfg.fused_groups) if shared else None) or (name,)
             group = tuple(n for n in full if n in self.q._targets)
             got = self.q._pending.setdefault(group, {})
             got[name] = self.q._quantization_input(name, w)

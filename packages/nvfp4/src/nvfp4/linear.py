@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import mxfp4, ops
-from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, quantize, shared_global_scale, unpack_e2m1
-from .formats import MXFP4, NVFP4, QuantizedWeight, format_of, get_format
+from . import ops
+from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, unpack_e2m1
+from .formats import Format, QuantizedWeight, format_of, get_format
 from .layout import (
     from_mma_layout,
     is_mma_layout,
@@ -90,21 +90,12 @@ class NVFP4Linear(nn.Linear):
         self.format = fmt.name  # "nvfp4" | "mxfp4": what the state dict holds
         self.layer_name = name  # the module's name in its model, for messages
         self.orig_dtype = dtype  # dtype of the dense weight it replaced: what dequantize/merge export to
-        self.register_buffer(
-            "weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
-        )
-        if fmt is MXFP4:  # E8M0 exponents until the tensors are transcoded (use_kernel_layout)
-            self.register_buffer(
-                "weight_scale",
-                torch.zeros(out_features, in_features // fmt.group_size, dtype=torch.uint8, device=device),
-            )
+        # the format's tensors as stored (MXFP4: E8M0 exponents until they are transcoded, use_kernel_layout)
+        for buf, (buf_dtype, shape) in fmt.tensor_specs(out_features, in_features).items():
+            init = torch.ones if buf == "weight_global_scale" else torch.zeros
+            self.register_buffer(buf, init(shape, dtype=buf_dtype, device=device))
+        if not fmt.has_global_scale:
             self.register_buffer("weight_global_scale", None)
-        else:
-            self.register_buffer(
-                "weight_scale",
-                torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
-            )
-            self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         # MXFP4 only: the E8M0 scales where the transcode cannot give them back (all-zero groups outside its window),
         # so that the state dict keeps the checkpoint's bytes. A plain attribute moved by _apply, not a buffer:
         # transformers' loader re-creates non-persistent buffers empty after quantize-on-load.
@@ -115,10 +106,15 @@ class NVFP4Linear(nn.Linear):
         else:
             self.register_parameter("bias", None)
         self._load_hook = self.register_load_state_dict_pre_hook(self._check_loaded_tensors)
-        if fmt is MXFP4:
+        if fmt.to_nvfp4_scales is not None:
             self.register_load_state_dict_post_hook(_transcode_after_loading)
 
     _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+    @property
+    def weight_format(self) -> Format:
+        """The :class:`nvfp4.formats.Format` of the tensors the state dict holds (:attr:`format` is its name)."""
+        return get_format(self.format)
 
     @property
     def uses_nvfp4_ops(self) -> bool:
@@ -158,7 +154,7 @@ class NVFP4Linear(nn.Linear):
         packed = self.weight_packed
         if packed.is_meta:
             return self.mma_layout
-        if self.format == MXFP4.name and not self.uses_nvfp4_ops and not self._mxfp4_reference:
+        if self.weight_format.to_nvfp4_scales is not None and not self.uses_nvfp4_ops and not self._mxfp4_reference:
             self._transcode_mxfp4()
         if not self.uses_nvfp4_ops or self.mma_layout:
             return self.mma_layout
@@ -184,7 +180,8 @@ class NVFP4Linear(nn.Linear):
         """E8M0 ``weight_scale`` → exact FP8 scales + power-of-two ``weight_global_scale`` (:func:`mxfp4.to_nvfp4`);
         where the tensors have none, keep them, compute with the reference and warn once."""
         scale = self.weight_scale
-        transcoded = mxfp4.to_nvfp4(self.weight_packed, scale)
+        fmt = self.weight_format
+        transcoded = fmt.to_nvfp4_scales(self.weight_packed, scale)
         if transcoded is None:
             self._mxfp4_reference = True
             warnings.warn(
@@ -196,7 +193,7 @@ class NVFP4Linear(nn.Linear):
             return
         fp8, global_scale = transcoded
         # the state dict must give the checkpoint's bytes back: keep the E8M0 tensor where the transcode cannot
-        lossless = torch.equal(mxfp4.from_nvfp4(fp8, global_scale), scale)
+        lossless = torch.equal(fmt.from_nvfp4_scales(fp8, global_scale), scale)
         self.weight_scale_e8m0 = None if lossless else scale
         self.weight_scale = fp8
         self.weight_global_scale = global_scale
@@ -207,7 +204,7 @@ class NVFP4Linear(nn.Linear):
             return self.weight_scale
         if self.weight_scale_e8m0 is not None:
             return self.weight_scale_e8m0
-        return mxfp4.from_nvfp4(self.weight_scale, self.weight_global_scale)
+        return self.weight_format.from_nvfp4_scales(self.weight_scale, self.weight_global_scale)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -226,17 +223,18 @@ class NVFP4Linear(nn.Linear):
     def quantized_weight(self) -> QuantizedWeight:
         """The weight in its own format and the compressed-tensors layout: :class:`NVFP4Weight` or
         :class:`nvfp4.mxfp4.MXFP4Weight` (what the state dict holds)."""
-        if self.format == NVFP4.name:
+        fmt = self.weight_format
+        if fmt.to_nvfp4_scales is None:
             return self.nvfp4_weight
         packed = from_mma_layout(self.weight_packed) if self.mma_layout else self.weight_packed
-        return mxfp4.MXFP4Weight(packed, self._e8m0_scale())
+        return fmt.weight_type(packed, self._e8m0_scale())
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
             destination[key] = from_mma_layout(destination[key].detach())
-        if self.format == MXFP4.name and prefix + "weight_scale" in destination:  # compressed-tensors' MXFP4 tensors
+        if self.weight_format.from_nvfp4_scales is not None and prefix + "weight_scale" in destination:  # as stored
             destination[prefix + "weight_scale"] = self._e8m0_scale().detach()
             destination.pop(prefix + "weight_global_scale", None)
 
@@ -254,25 +252,21 @@ class NVFP4Linear(nn.Linear):
     ) -> NVFP4Linear:
         """Quantize a dense ``nn.Linear`` ``[out, in]``.
 
-        ``format="nvfp4"``: see :func:`nvfp4.codec.quantize` for ``method`` / ``act_sq`` / ``global_scale``.
+        ``format="nvfp4"``: see :func:`nvfp4.quantize` for ``method`` / ``act_sq`` / ``global_scale``.
         ``format="mxfp4"``: round to nearest (:func:`nvfp4.mxfp4.quantize`, compressed-tensors ``MXFP4A16`` bytes);
         ``method`` must be ``"rtn"`` and there is no global scale. ``compute_dtype``: the scale arithmetic's dtype
         (default the weight's own, as llm-compressor).
         """
         w = linear.weight.detach()
-        if get_format(format) is MXFP4:
-            _check_mxfp4_options(name, method, global_scale=global_scale, act_sq=act_sq)
-            q = mxfp4.quantize(w, name=name, compute_dtype=compute_dtype)
-        else:
-            q = quantize(w, global_scale=global_scale, method=method, act_sq=act_sq, name=name,
-                         compute_dtype=compute_dtype)  # fmt: skip
+        q = get_format(format).quantize(w, method=method, global_scale=global_scale, act_sq=act_sq, name=name,
+                                        compute_dtype=compute_dtype)  # fmt: skip
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls.from_weight(q, bias, linear.weight.dtype, name=None if name == "weight" else name.removesuffix(".weight"))
 
     @classmethod
     def from_weight(
         cls,
-        weight: NVFP4Weight | mxfp4.MXFP4Weight,
+        weight: QuantizedWeight,
         bias: torch.Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
         name: str | None = None,
@@ -294,7 +288,7 @@ class NVFP4Linear(nn.Linear):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``[out, in]`` weight in ``dtype`` (default: the dtype of the layer it replaced)."""
         if not self.uses_nvfp4_ops:  # MXFP4 tensors as stored (the transcode gives the same values bit for bit)
-            return mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype or self.orig_dtype)
+            return self.quantized_weight.dequantize(dtype or self.orig_dtype)
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype or self.orig_dtype)
 
     def to_dense(self) -> nn.Linear:
@@ -317,7 +311,7 @@ class NVFP4Linear(nn.Linear):
         if codes is not None and x.dtype == torch.float32 and codes.codes.device == x.device:
             return _CodesLinear.apply(x, codes, bias)  # the same numbers, dequant(W) rebuilt in a scratch buffer
         if not self.uses_nvfp4_ops:  # MXFP4 without an NVFP4 transcode: the plain reference (autograd reaches x)
-            return mxfp4.linear_reference(x, self.weight_packed, self.weight_scale, bias)
+            return self.weight_format.linear_reference(x, self.quantized_weight, bias)
         return ops.linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
 
     def extra_repr(self) -> str:
@@ -327,14 +321,10 @@ class NVFP4Linear(nn.Linear):
     def _check_loaded_tensors(self, module, state_dict, prefix, *args, **kwargs) -> None:
         """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype); convert
         a compressed-tensors ``weight_packed`` to the MMA layout when this layer holds that layout."""
-        if self.format == MXFP4.name:
+        fmt = self.weight_format
+        if fmt.to_nvfp4_scales is not None:
             return self._check_loaded_mxfp4(state_dict, prefix)
-        expected = {
-            "weight_packed": (torch.uint8, (self.out_features, self.in_features // 2)),
-            "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // BLOCK_SIZE)),
-            "weight_global_scale": (torch.float32, (1,)),
-        }
-        for name, (dtype, shape) in expected.items():
+        for name, (dtype, shape) in fmt.tensor_specs(self.out_features, self.in_features).items():
             t = state_dict.get(prefix + name)
             if t is None:
                 continue
@@ -362,7 +352,7 @@ class NVFP4Linear(nn.Linear):
         got = {n: state_dict.get(prefix + n) for n in ("weight_packed", "weight_scale")}
         if all(t is None for t in got.values()):
             return
-        for name, (dtype, shape) in MXFP4.tensor_specs(self.out_features, self.in_features).items():
+        for name, (dtype, shape) in self.weight_format.tensor_specs(self.out_features, self.in_features).items():
             t = got[name]
             if t is None:
                 raise ValueError(f"{prefix}{name}: missing; an MXFP4 layer loads weight_packed and weight_scale together")
@@ -493,18 +483,6 @@ def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: 
     return type(module) is nn.Linear and module.in_features % group_size == 0 and not _matches(name, skip)
 
 
-def _check_mxfp4_options(name: str, method: str, **unused: object) -> None:
-    """MXFP4 quantizes by round to nearest only, without NVFP4's global scale or calibration statistics."""
-    if method != "rtn":
-        raise NotImplementedError(
-            f"{name}: method={method!r} is not implemented for MXFP4; MXFP4 supports method='rtn' only "
-            "('mse', 'awq', 'gptq' are NVFP4's)"
-        )
-    given = [k for k, v in unused.items() if v is not None]
-    if given:
-        raise ValueError(f"{name}: MXFP4 takes no {', '.join(given)} (no global scale, no calibration)")
-
-
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -535,9 +513,8 @@ def quantize_model(
     nearest only (``method="rtn"``, no ``act_sq``); fused groups share nothing (MXFP4 has no global scale).
     """
     fmt = get_format(format)
-    if fmt is MXFP4:
-        _check_mxfp4_options("quantize_model", method, act_sq=act_sq)
-    groups = [tuple(g) for g in fused_groups]
+    fmt.check_options("quantize_model", method, act_sq=act_sq)
+    groups = [tuple(g) for g in fused_groups] if fmt.has_global_scale else []  # members share a global scale
     named = [
         (n, m)
         for n, m in model.named_modules()
@@ -547,34 +524,18 @@ def quantize_model(
     ]
     chosen = dict(named)
     done: set[str] = set()
-    for name, lin in tqdm(named, desc=f"Quantizing to {fmt.name.upper()}", disable=not progress, unit="layer"):
-        if fmt is MXFP4:
-            w = lin.weight.to(device) if device is not None else lin.weight
-            q = mxfp4.quantize(w, name=f"{name}.weight", compute_dtype=compute_dtype)
-            bias = lin.bias.detach().to(q.packed.device) if lin.bias is not None else None
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                    NVFP4Linear.from_weight(q, bias, lin.weight.dtype, name=name))  # fmt: skip
-            continue
+    for name, _ in tqdm(named, desc=f"Quantizing to {fmt.name.upper()}", disable=not progress, unit="layer"):
         if name in done:
             continue
         group = [n for n in (fused_group_of(name, groups) or (name,)) if n in chosen and n not in done] or [name]
         weights = {n: chosen[n].weight.to(device) if device is not None else chosen[n].weight for n in group}
-        g = shared_global_scale(weights.values(), compute_dtype)
-        for n in group:
+        quantized = fmt.quantize_group(weights, method=method, act_sq=act_sq, compute_dtype=compute_dtype)
+        for n, q in quantized.items():
             lin_n = chosen[n]
-            q = quantize(
-                weights[n],
-                global_scale=g,
-                method=method,
-                act_sq=None if act_sq is None else act_sq.get(n),
-                name=f"{n}.weight",
-                compute_dtype=compute_dtype,
-            )
             bias = lin_n.bias.detach().to(q.packed.device) if lin_n.bias is not None else None
             new = NVFP4Linear.from_weight(q, bias, lin_n.weight.dtype, name=n)
             parent_name, _, child = n.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
             done.add(n)
-        del weights
+        del weights, quantized
     return model

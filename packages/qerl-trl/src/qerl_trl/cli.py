@@ -102,6 +102,16 @@ def recipe_path(name_or_path: str) -> Path:
     return shipped
 
 
+def _option(argv: list[str], recipe: dict[str, Any], name: str, default: Any) -> Any:
+    """``--name VALUE`` / ``--name=VALUE`` from the command line, else the recipe's ``name``, else ``default``."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return recipe.get(name, default)
+
+
 def _read_recipe(path: str) -> dict:
     try:
         with open(path) as f:
@@ -134,9 +144,13 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
         recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
         argv = ["--config", str(recipe_path(recipe)), *argv]
     config_file = argv[argv.index("--config") + 1]
-    algorithm = _read_recipe(config_file).get("algorithm", "grpo")
-    if "--algorithm" in argv:
-        algorithm = argv[argv.index("--algorithm") + 1]
+    recipe = _read_recipe(config_file)
+    algorithm = _option(argv, recipe, "algorithm", "grpo")
+    # before TRL is imported: importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
+    # warning on some CPUs; a bad value is then reported alone, and bitsandbytes loads only for quantization="nf4"
+    from .quantization import get_scheme
+
+    get_scheme(_option(argv, recipe, "quantization", "nvfp4-rtn"))
     parser = _train_parser((ScriptArguments, _config_class(algorithm)))
     script_args, config = parser.parse_args_and_config(argv)
     return script_args, config

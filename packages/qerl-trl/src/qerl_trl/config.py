@@ -6,16 +6,19 @@ TRL config (``qerl train recipes/gsm8k_qwen2.5_7b_grpo.yaml --learning_rate 5e-6
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from trl import GRPOConfig
 
-from .quantization import ALIASES, QUANTIZATIONS, parse_quantization
+from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
+from .rollout import engine_class
 from .validation import check_config_values
 
-__all__ = ["ALIASES", "QUANTIZATIONS", "QeRLConfig", "QeRLDAPOConfig"]
+__all__ = ["QeRLConfig", "QeRLDAPOConfig", "VLLMRolloutConfig"]
 
 #: rollout_engine="graph": sampling settings (GRPOConfig fields or generation_kwargs keys) and the values at which they
 #: do nothing (TRL 1.16 defaults: top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0; -1 is vLLM's "no top-k").
@@ -31,6 +34,51 @@ _GRAPH_KWARGS = frozenset(
     {"max_new_tokens", "min_new_tokens", "temperature", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id",
      "max_cache_len", "cache_implementation"}
 )  # fmt: skip
+
+
+@dataclass
+class VLLMRolloutConfig:
+    """Settings of ``rollout_engine="vllm"`` (``QeRLConfig.vllm``).
+
+    Attributes:
+        server_url: ``http://host:port`` of a ``python -m vllm.entrypoints.openai.api_server`` (server mode); ``None``:
+            an in-process engine (colocate).
+        model_path: checkpoint the engine loads (default: the policy's NVFP4 checkpoint; a dense model quantized on
+            load is saved once as NVFP4 under ``cache_dir``).
+        cache_dir: where that checkpoint goes (default: the nvfp4 cache).
+        adapter_dir: where the synced LoRA adapters go (server mode: a folder the server can read).
+        gpu_memory_utilization, max_model_len, dtype, enforce_eager, kv_cache_memory_bytes: engine knobs (colocate;
+            ``dtype="auto"``: bfloat16 on GPU, float32 on CPU).
+        server_timeout: seconds per HTTP request (server mode).
+    """
+
+    server_url: str | None = None
+    model_path: str | None = None
+    cache_dir: str | None = None
+    adapter_dir: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    enforce_eager: bool | None = None
+    kv_cache_memory_bytes: int | None = None
+    server_timeout: float = 600.0
+
+    @classmethod
+    def from_value(cls, value: VLLMRolloutConfig | dict | str | None) -> VLLMRolloutConfig:
+        """From a mapping (YAML), a JSON object string (command line), an instance or ``None`` (the defaults)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"vllm must be a JSON object of {cls.__name__} settings, got {value!r}: {e}") from e
+        if not isinstance(value, dict | type(None)):
+            raise ValueError(f"vllm must be a mapping of {cls.__name__} settings, got {type(value).__name__}")
+        unknown = sorted(set(value or {}) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"vllm: unknown setting(s) {unknown}; known: {[f.name for f in fields(cls)]}")
+        return cls(**(value or {}))
 
 
 @dataclass
@@ -57,19 +105,16 @@ class QeRLConfig(GRPOConfig):
         aqn: turn it on or off.
         aqn_schedule: ``exponential`` (paper) | ``linear`` | ``cosine`` | ``logarithmic`` | ``constant``.
         aqn_sigma_start, aqn_sigma_end, aqn_num_stages: σ goes from start to end over K stages; stage 0 is noise-free.
-    Rollout engine (see :mod:`qerl_trl.vllm_rollout`; TRL's own ``use_vllm`` must stay False — it merges LoRA into
-    the base weights, which a 4-bit base cannot take):
+    Rollout engine (one :class:`qerl_trl.rollout.RolloutEngine` per trainer, :mod:`qerl_trl.rollout`; TRL's own
+    ``use_vllm`` must stay False — it merges LoRA into the base weights, which a 4-bit base cannot take):
         rollout_engine: ``"transformers"`` (the policy's own ``generate``) or ``"vllm"``: an in-process vLLM engine
-            (colocate), or the server at ``vllm_server_url``. The LoRA adapter is synced as an adapter once per
+            (colocate), or the server at ``vllm.server_url``. The LoRA adapter is synced as an adapter once per
             step, AQN noise goes on the engine's norm weights, and TRL's importance-sampling correction
             (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap.
-        vllm_server_url: ``http://host:port`` of a ``python -m vllm.entrypoints.openai.api_server`` (server mode).
-        vllm_model_path: checkpoint the engine loads (default: the policy's NVFP4 checkpoint; a dense model quantized
-            on load is saved once as NVFP4 under ``vllm_cache_dir``).
-        vllm_cache_dir, vllm_adapter_dir: where that checkpoint / the synced adapters go (server mode: a folder the
-            server can read).
-        vllm_gpu_memory_utilization, vllm_max_model_len, vllm_dtype, vllm_enforce_eager, vllm_kv_cache_memory_bytes:
-            engine knobs (colocate).
+        vllm: the vLLM engine's settings, :class:`VLLMRolloutConfig` (``server_url``, ``model_path``, ``cache_dir``,
+            ``adapter_dir``, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``,
+            ``kv_cache_memory_bytes``, ``server_timeout``); the flat ``vllm_<setting>`` keys of earlier versions still
+            set them, with a deprecation warning.
         rollout_engine="graph" (opt-in): the policy generates through :func:`qerl_trl.graph_generate.graph_generate`
             instead of its ``generate``: one compiled CUDA graph per decode step with the sampling inside, no host sync
             per step (on an H100 it doubled a 7B policy's rollout tokens/s outside the trainer). It samples from
@@ -108,7 +153,7 @@ class QeRLConfig(GRPOConfig):
     quantization: str = field(
         default="nvfp4-rtn",
         metadata={
-            "help": "4-bit format and method for a dense checkpoint: " + ", ".join(QUANTIZATIONS) + " ('*-awq' / "
+            "help": "4-bit format and method for a dense checkpoint: " + ", ".join(SCHEMES) + " ('*-awq' / "
             "'*-gptq' calibrated on the task's prompts; 'nf4' = bitsandbytes QLoRA; 'none' = bf16 LoRA baseline). "
             "Aliases: " + ", ".join(f"{a} = {c}" for a, c in ALIASES.items()) + "."
         },
@@ -146,28 +191,29 @@ class QeRLConfig(GRPOConfig):
             "(opt-in: qerl_trl.graph_generate, one compiled CUDA graph per decode step incl. sampling)."
         },
     )
-    vllm_server_url: str | None = field(
-        default=None, metadata={"help": "vLLM server URL (server mode); None: in-process engine (colocate)."}
+    vllm: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "rollout_engine='vllm' settings (VLLMRolloutConfig): a mapping in YAML, a JSON object on the command "
+            "line, e.g. '{\"gpu_memory_utilization\": 0.3, \"max_model_len\": 5120}'. Keys: "
+            + ", ".join(f.name for f in fields(VLLMRolloutConfig)) + "."
+        },
     )
-    vllm_model_path: str | None = field(
-        default=None, metadata={"help": "Checkpoint the vLLM engine loads (default: the policy's NVFP4 checkpoint)."}
-    )
-    vllm_cache_dir: str | None = field(
-        default=None, metadata={"help": "Folder for the NVFP4 checkpoint saved for vLLM (default: the nvfp4 cache)."}
-    )
-    vllm_adapter_dir: str | None = field(
-        default=None, metadata={"help": "Folder for synced LoRA adapters (server mode: shared with the server)."}
-    )
+    # deprecated flat spellings of the `vllm` settings (kept for recipes and command lines written before it)
+    vllm_server_url: str | None = field(default=None, metadata={"help": "Deprecated: vllm.server_url."})
+    vllm_model_path: str | None = field(default=None, metadata={"help": "Deprecated: vllm.model_path."})
+    vllm_cache_dir: str | None = field(default=None, metadata={"help": "Deprecated: vllm.cache_dir."})
+    vllm_adapter_dir: str | None = field(default=None, metadata={"help": "Deprecated: vllm.adapter_dir."})
     vllm_gpu_memory_utilization: float | None = field(
-        default=None, metadata={"help": "Colocate: vLLM's share of GPU memory (e.g. 0.3)."}
+        default=None, metadata={"help": "Deprecated: vllm.gpu_memory_utilization."}
     )
-    vllm_max_model_len: int | None = field(default=None, metadata={"help": "Colocate: longest prompt + completion."})
-    vllm_dtype: str = field(
-        default="auto", metadata={"help": "Colocate engine dtype ('auto': bfloat16 on GPU, float32 on CPU)."}
+    vllm_max_model_len: int | None = field(default=None, metadata={"help": "Deprecated: vllm.max_model_len."})
+    vllm_dtype: str | None = field(default=None, metadata={"help": "Deprecated: vllm.dtype."})
+    vllm_enforce_eager: bool | None = field(default=None, metadata={"help": "Deprecated: vllm.enforce_eager."})
+    vllm_kv_cache_memory_bytes: int | None = field(
+        default=None, metadata={"help": "Deprecated: vllm.kv_cache_memory_bytes."}
     )
-    vllm_enforce_eager: bool | None = field(default=None, metadata={"help": "Colocate: no CUDA graphs."})
-    vllm_kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "Colocate: KV-cache size."})
-    vllm_server_timeout: float = field(default=600.0, metadata={"help": "Server mode: seconds per HTTP request."})
+    vllm_server_timeout: float | None = field(default=None, metadata={"help": "Deprecated: vllm.server_timeout."})
     compile_generation: bool = field(
         default=True,
         metadata={"help": "CUDA + cache_implementation='static': compiled decode with CUDA graphs (TRL disables it)."},
@@ -208,12 +254,14 @@ class QeRLConfig(GRPOConfig):
             # transformers only sets up the gloo process group with use_cpu, else each process would train alone
             self.use_cpu = True
         super().__post_init__()
-        quant = parse_quantization(self.quantization)  # ValueError listing the valid values and aliases
-        self.quantization = quant.name  # canonical: "rtn" → "nvfp4-rtn"
-        if self.rollout_engine == "vllm" and quant.format not in ("nvfp4", None):
+        #: the parsed ``quantization`` (ValueError listing the valid values and aliases); the trainer uses this object
+        self.quant_scheme: QuantScheme = get_scheme(self.quantization)
+        self._fold_flat_vllm_settings()
+        self.quantization = self.quant_scheme.name  # canonical: "rtn" → "nvfp4-rtn"
+        if self.rollout_engine == "vllm" and not self.quant_scheme.vllm_engine:
             raise ValueError(
-                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={quant.name!r} is not "
-                "supported there yet: use rollout_engine='transformers'"
+                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={self.quantization!r} is "
+                "not supported there yet: use rollout_engine='transformers'"
             )
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
@@ -225,8 +273,7 @@ class QeRLConfig(GRPOConfig):
             self.lora_alpha = self.lora_r
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
-        if self.rollout_engine not in ("transformers", "vllm", "graph"):
-            raise ValueError(f"rollout_engine must be 'transformers', 'vllm' or 'graph', got {self.rollout_engine!r}")
+        engine = engine_class(self.rollout_engine)  # ValueError naming the engines
         if self.rollout_engine == "graph":
             self._check_graph_rollouts()
         if self.rollout_engine in ("vllm", "graph") and self.aqn and self.aqn_mode != "per_step":
@@ -240,7 +287,7 @@ class QeRLConfig(GRPOConfig):
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
         if self.rollout_seed_per_prompt and (
-            self.rollout_engine not in ("transformers", "graph")
+            not engine.seeds_per_prompt
             or self.use_vllm
             or self.use_transformers_continuous_batching
         ):
@@ -254,6 +301,27 @@ class QeRLConfig(GRPOConfig):
                 f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
             )
         check_config_values(self)  # max_steps, lengths, σ, schedule, ...: qerl_trl.validation.CONFIG_RULES
+
+    def _fold_flat_vllm_settings(self) -> None:
+        """``vllm`` becomes a :class:`VLLMRolloutConfig`; the deprecated flat ``vllm_<name>`` keys set its ``<name>``
+        (with a warning that names the nested spelling) and are cleared, so ``vllm`` is the one place to read."""
+        nested = VLLMRolloutConfig.from_value(self.vllm)
+        flat = {f.name: getattr(self, f"vllm_{f.name}") for f in fields(VLLMRolloutConfig)}
+        for name, value in flat.items():
+            if value is None:
+                continue
+            warnings.warn(f"vllm_{name} is deprecated: set vllm.{name} (YAML: `vllm: {{{name}: ...}}`)", FutureWarning,
+                          stacklevel=4)  # fmt: skip
+            setattr(nested, name, value)
+            setattr(self, f"vllm_{name}", None)
+        self.vllm = nested
+
+    def to_dict(self) -> dict:
+        """``TrainingArguments.to_dict`` with ``vllm`` as a plain mapping (JSON, loggers)."""
+        d = super().to_dict()
+        if isinstance(d.get("vllm"), VLLMRolloutConfig):
+            d["vllm"] = asdict(d["vllm"])
+        return d
 
     def _check_graph_rollouts(self) -> None:
         """``rollout_engine="graph"``: refuse, at config time, what ``graph_generate`` cannot do.

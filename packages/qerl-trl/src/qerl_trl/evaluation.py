@@ -11,7 +11,7 @@ Results go to ``<output>/eval.json`` (settings, metrics, one record per example 
 Examples::
 
     qerl eval --model offline-default --task arithmetic --limit 64 --max-new-tokens 32
-    qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantize nvfp4-mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
+    qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantization nvfp4-mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
         --n-samples 8 --output runs/eval/qwen7b-gsm8k
     python -m qerl_trl.evaluation --model runs/SmolLM2-135M-Instruct-nvfp4 --task gsm8k --data-path ../shared/data/gsm8k
 
@@ -38,14 +38,13 @@ from typing import Any
 import torch
 from nvfp4 import cache_dequantized
 
-from .quantization import ALIASES, QUANTIZATIONS, canonical_quantization, parse_quantization
+from .policy import OFFLINE_DEFAULT, load_policy, resolve_model_path
+from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .tasks import TASK_EVAL_REWARD, TASKS, load_task
 from .validation import UsageError, UsageErrorParser, load_task_data, validate_eval_args
 
 __all__ = ["AdapterNotLoadedError", "evaluate", "load_model", "main", "markdown_report", "pass_at_k", "verify_adapter"]
-
-OFFLINE_DEFAULT = "offline-default"
 
 
 class AdapterNotLoadedError(RuntimeError):
@@ -329,7 +328,7 @@ def _is_prequantized(path: str) -> bool:
 def load_model(
     model_path: str,
     *,
-    quantize: str = "none",
+    quantization: str | QuantScheme = "none",
     adapter: str | None = None,
     dtype: torch.dtype | None = None,
     device: str | None = None,
@@ -338,53 +337,35 @@ def load_model(
 ):
     """Load ``(model, tokenizer, info)`` for evaluation: bf16 or NVFP4 checkpoint, optional quantize-on-load, adapter.
 
-    ``model_path`` ``offline-default`` is the offline default model. ``quantize`` is a :mod:`qerl_trl.quantization`
-    value, as ``qerl train``'s ``quantization``: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load,
-    ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4`` through bitsandbytes; the bare ``rtn``,
-    ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. ``info["quantize"]`` holds the canonical name. The adapter,
-    if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
+    ``model_path`` ``offline-default`` is the offline default model. ``quantization`` is a
+    :class:`~qerl_trl.quantization.QuantScheme` or its name, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` /
+    ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4``
+    through bitsandbytes; the bare ``rtn``, ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. The model is the
+    trainer's policy (:func:`~qerl_trl.policy.load_policy`) on ``device``; ``info["quantize"]`` holds the canonical
+    name. The adapter, if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
     """
-    import nvfp4.hf  # registers the nvfp4_w4a16 quantizer (checkpoints with the previous config)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if model_path == OFFLINE_DEFAULT:
-        from nvfp4.offline import offline_default_model_path
-
-        model_path = str(offline_default_model_path())
+    scheme = get_scheme(quantization)
+    model_path = resolve_model_path(model_path)
     on_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     device = device or ("cuda" if on_cuda else "cpu")
     # bf16 matmuls are slow on CPUs: there models run in float32 (NVFP4 tensors are the same either way)
     dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-    quant = parse_quantization(quantize, "--quantize")  # ValueError listing the valid values
-    quantize = quant.name
     prequantized = _is_prequantized(model_path)
-    if not quant.is_dense and prequantized:
-        raise ValueError(f"{model_path} is already quantized; drop --quantize {quantize}")
-    if quant.format == "nf4":  # bitsandbytes quantizes while loading, on the target device
-        from .quantization import bnb_nf4_config, keep_nf4_exact
-
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device,
-                                                     quantization_config=bnb_nf4_config(dtype))
-        keep_nf4_exact(model)  # no bf16 repack of the NF4 scales on AVX512-BF16 CPUs
-    elif quant.calibrated:  # calibrated on the dense model's activations first
-        from .policy import load_policy
-
+    if not scheme.is_dense and prequantized:
+        raise ValueError(f"{model_path} is already quantized; drop --quantization {scheme.name}")
+    calibration = None
+    if scheme.calibrated:  # calibrated on the dense model's activations first
         if not calib_texts:
-            raise ValueError(f"--quantize {quantize} calibrates: it needs calibration texts")
-        model = load_policy(model_path, quantization=quant.name, dtype=dtype,
-                            calibration_data=[tokenizer(t, return_tensors="pt", truncation=True, max_length=512)
-                                              ["input_ids"] for t in calib_texts])  # fmt: skip
-    elif not quant.is_dense:  # quantized layer group by layer group while loading, on the target device
-        from .policy import load_fp4_or_dense
-
-        model = load_fp4_or_dense(model_path, quant, dtype=dtype, device_map=device)
-    elif prequantized and nvfp4.hf.nvfp4_checkpoint_kind(model_path) is not None:  # either NVFP4 config
-        model = nvfp4.hf.load_nvfp4_checkpoint(model_path, dtype=dtype, device_map=device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device)
+            raise ValueError(f"--quantization {scheme.name} calibrates: it needs calibration texts")
+        calibration = [tokenizer(t, return_tensors="pt", truncation=True, max_length=512)["input_ids"] for t in calib_texts]
+    # calibrated policies on CPU, as before: the dense model is calibrated where it loads, then moved
+    device_map = None if scheme.calibrated else device
+    model = load_policy(model_path, quantization=scheme, dtype=dtype, device_map=device_map, calibration_data=calibration)
     model.to(device)
-    info: dict[str, Any] = {"model": model_path, "quantize": quantize, "prequantized": prequantized,
+    info: dict[str, Any] = {"model": model_path, "quantize": scheme.name, "prequantized": prequantized,
                             "dtype": str(dtype).removeprefix("torch."), "device": device, "adapter": None}
     if adapter is not None:
         from nvfp4.peft import load_adapter
@@ -448,16 +429,25 @@ def _task_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def _quantize_arg(text: str) -> str:
-    """``--quantize``: the canonical :mod:`qerl_trl.quantization` name (aliases accepted)."""
+def _scheme_arg(text: str) -> QuantScheme:
+    """``--quantization``: the :class:`~qerl_trl.quantization.QuantScheme` it names (aliases accepted)."""
     try:
-        return canonical_quantization(text)
+        return get_scheme(text, "--quantization")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
 class _Parser(UsageErrorParser, argparse.ArgumentParser):
     pass
+
+
+class _QuantizationOption(argparse.Action):
+    """``--quantization``, the name ``qerl train`` uses; ``--quantize``, its name before, still works and says so."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--quantize":
+            print("qerl eval: --quantize is deprecated, use --quantization (as qerl train)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,9 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"HF id or folder (bf16, or an NVFP4 checkpoint); '{OFFLINE_DEFAULT}' (the default) = "
                          "SmolLM2-135M-Instruct")
     ap.add_argument("--tokenizer", help="tokenizer id/folder (default: the model's)")
-    ap.add_argument("--quantize", default="none", type=_quantize_arg, metavar="{" + ",".join(QUANTIZATIONS) + "}",
+    ap.add_argument("--quantization", "--quantize", dest="quantization", default="none", type=_scheme_arg,
+                    action=_QuantizationOption, metavar="{" + ",".join(SCHEMES) + "}",
                     help="quantize a bf16 model on load: 4-bit format and method, as qerl train's --quantization "
-                         f"(default: none; aliases {', '.join(f'{a}={c}' for a, c in ALIASES.items())})")
+                         f"(default: none; aliases {', '.join(f'{a}={c}' for a, c in ALIASES.items())}; "
+                         "--quantize is its deprecated name)")
     ap.add_argument("--adapter", help="LoRA adapter folder (verified to be loaded into the evaluated model)")
     ap.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="(default: %(default)s)")
     ap.add_argument("--data-path", help="local data: folder with <split>.jsonl or a .jsonl file (no Hub access needed)")
@@ -499,14 +491,14 @@ def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> 
     """A vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on load), with ``--adapter`` synced."""
     from peft import PeftModel
 
-    from .vllm_rollout import engine_checkpoint
+    from .rollout.vllm import engine_checkpoint
 
     try:
         from qerl_vllm.engine import VLLMEngine
     except ImportError as e:
         raise SystemExit(f"qerl eval --engine vllm needs vLLM and the qerl-vllm plugin ({e}); see .ci/vllm-setup") from e
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    path = engine_checkpoint(args.model, base, args.quantize)
+    path = engine_checkpoint(args.model, base, args.quantization)
     engine = VLLMEngine(path, seed=args.seed, max_lora_rank=64, dtype=info["dtype"])  # same compute dtype as HF
     if args.adapter:
         engine.sync_lora(args.adapter, version=1)
@@ -520,8 +512,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Raises :class:`~qerl_trl.validation.UsageError` for a bad path or value (checked before the model loads:
     :func:`~qerl_trl.validation.validate_eval_args`, then the task's data); ``qerl eval`` prints it as one line."""
     args = build_parser().parse_args(argv)
-    if args.engine == "vllm" and parse_quantization(args.quantize).format not in ("nvfp4", None):
-        raise UsageError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantize {args.quantize}; "
+    scheme: QuantScheme = args.quantization
+    if args.engine == "vllm" and not scheme.vllm_engine:
+        raise UsageError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantization {scheme}; "
                          "use --engine transformers")
     validate_eval_args(args)
     torch.manual_seed(args.seed)
@@ -530,12 +523,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              ("--data-path", "--task-option"))  # fmt: skip
 
     calib = None
-    if parse_quantization(args.quantize).calibrated:
-        from nvfp4.offline import offline_default_model_path
+    if scheme.calibrated:
         from transformers import AutoTokenizer
 
-        model_path = str(offline_default_model_path()) if args.model == OFFLINE_DEFAULT else args.model
-        tok = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
         try:
             calib_rows = load_task(args.task, "train", path=args.data_path, limit=32, seed=args.seed, **options)
         except Exception:  # noqa: BLE001 - no train split here: calibrate on the evaluated prompts (activations only)
@@ -543,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         calib = [_render(tok, r["prompt"])[0] + str(r["answer"]) for r in calib_rows]
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer, info = load_model(args.model, quantize=args.quantize, adapter=args.adapter, dtype=dtype,
+    model, tokenizer, info = load_model(args.model, quantization=scheme, adapter=args.adapter, dtype=dtype,
                                         device=args.device, tokenizer_path=args.tokenizer, calib_texts=calib)
     reward_name = args.reward or TASK_EVAL_REWARD[args.task]
     engine = _vllm_engine(args, model, info) if args.engine == "vllm" else None
@@ -559,8 +550,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "limit": args.limit, "task_options": options, **result["settings"]}
 
     name = Path(info["model"].rstrip("/")).name + (f"-{Path(args.adapter.rstrip('/')).name}" if args.adapter else "")
-    if args.quantize != "none":
-        name += f"-{args.quantize}"  # nvfp4-rtn, mxfp4-rtn, nf4, ...
+    if not scheme.is_dense:
+        name += f"-{scheme}"  # nvfp4-rtn, mxfp4-rtn, nf4, ...
     out = Path(args.output or Path("runs") / "eval" / f"{name}-{args.task}-{args.split}")
     out.mkdir(parents=True, exist_ok=True)
     report = markdown_report(result)

@@ -11,10 +11,11 @@ What the subclass adds, each through a method TRL's own trainers override:
   generation tokens/s are logged. With ``rollout_seed_per_prompt``, each prompt group is generated in its own call
   from a seed that depends only on (seed, step, the group's index in the global batch): the same rollouts on 1 or N
   processes.
-* ``rollout_engine="graph"`` (opt-in): the same regular path, with :func:`~qerl_trl.graph_generate.graph_generate`
-  (one compiled CUDA graph per decode step, sampling included, no host sync per step) in place of ``generate``.
-* ``rollout_engine="vllm"``: generation through vLLM (:mod:`qerl_trl.vllm_rollout`, colocate or server), LoRA synced
-  as an adapter each step, AQN on the engine's norms, TRL's importance-sampling correction on.
+* the rollouts come from one :class:`~qerl_trl.rollout.RolloutEngine` (``self.rollout``, :mod:`qerl_trl.rollout`,
+  chosen by ``rollout_engine``): ``"transformers"`` (the policy's ``generate``), ``"graph"`` (opt-in:
+  :func:`~qerl_trl.graph_generate.graph_generate`, one compiled CUDA graph per decode step, sampling included, no host
+  sync per step) or ``"vllm"`` (colocate or server, LoRA synced as an adapter each step, AQN on the engine's norms,
+  TRL's importance-sampling correction on).
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
   DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
 * ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
@@ -47,13 +48,10 @@ from nvfp4 import cache_dequantized
 from nvfp4.peft import register_nvfp4_lora
 from peft import LoraConfig, PeftModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad
 
 from .checkpoints import (
     AQN_STATE_NAME,
@@ -67,9 +65,8 @@ from .checkpoints import (
     write_manifest,
 )
 from .config import QeRLConfig
-from .graph_generate import graph_generate
 from .policy import load_policy, load_tokenizer
-from .quantization import parse_quantization
+from .rollout import RolloutEngine, engine_class
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
 #: a sequence length % 128 == 64 and a row whose logsumexp is below -88.7, e.g. a left-padded prompt position
@@ -86,8 +83,6 @@ __all__ = [
     "QeRLGRPOTrainer",
     "StopOnNonFiniteGradients",
     "TRAINING_SDPA_BACKENDS",
-    "compiled_generation_config",
-    "generation_cache_len",
     "lora_config_from_args",
     "quantized_buffer_names",
     "rollout_seed",
@@ -152,34 +147,6 @@ def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def generation_cache_len(generation_config: GenerationConfig, args: QeRLConfig) -> int:
-    """The KV-cache length of the compiled rollouts, fixed for the run: ``generation_kwargs``' ``max_cache_len`` if set,
-    else ``generation_prompt_cache_len + max_completion_length``. A fixed length lets every step replay the decode
-    graphs recorded on the first one, whatever its prompt lengths (the graphs are specialised to the cache shape)."""
-    fixed = getattr(generation_config, "max_cache_len", None)
-    return fixed if fixed is not None else args.generation_prompt_cache_len + args.max_completion_length
-
-
-def compiled_generation_config(generation_config: GenerationConfig, args: QeRLConfig) -> GenerationConfig:
-    """Turn on transformers' compiled decode (CUDA graphs) in TRL's generation config, in place.
-
-    Applies when ``args.compile_generation`` and ``cache_implementation == "static"``: TRL 1.16 creates the config with
-    ``disable_compile=True``, which leaves a static-cache ``generate`` eager and launch-bound. The cache gets a fixed
-    length (``generation_prompt_cache_len + max_completion_length`` unless ``generation_kwargs`` set
-    ``max_cache_len``), so prompts of any length up to that replay the same graphs instead of recompiling.
-    The decode graph is specialised to the batch size (``dynamic=False``); the AQN noise changes norm weights in
-    place, which the graphs read, so it needs no recompile (measured: ``benchmarks/grpo_step.py``).
-    """
-    if not args.compile_generation or generation_config.cache_implementation != "static":
-        return generation_config
-    from transformers.generation.configuration_utils import CompileConfig
-
-    generation_config.disable_compile = False
-    generation_config.compile_config = CompileConfig(dynamic=False)  # inductor, mode="reduce-overhead"
-    generation_config.max_cache_len = generation_cache_len(generation_config, args)
-    return generation_config
-
-
 def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
     """Token ids ``[1, T]`` of the first ``n`` prompts of ``dataset`` (its ``"prompt"`` column: chat messages get the
     chat template with the generation prompt, as the rollouts see them; strings are tokenized as they are)."""
@@ -237,19 +204,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
             calibration = None
-            if parse_quantization(args.quantization).calibrated:
+            if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
-            model = load_policy(model, quantization=args.quantization, calibration_data=calibration,
+            model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
                                 cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
-        engine_path = None
-        if args.rollout_engine == "vllm" and not args.vllm_server_url:
-            from .vllm_rollout import engine_checkpoint
-
-            # the NVFP4 base the engine loads: saved once, before PEFT wraps the model
-            engine_path = engine_checkpoint(
-                model_name, model, args.quantization, override=args.vllm_model_path, cache_dir=args.vllm_cache_dir
-            )
+        engine_cls = engine_class(args.rollout_engine)
+        prepared = engine_cls.prepare(model_name, model, args.quant_scheme, args)  # before PEFT wraps the model
         if isinstance(model, PeftModel):
             peft_config = None
         elif peft_config is None:
@@ -278,25 +239,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
-        self.vllm_rollout = None
         #: ``rollout_engine="graph"``: extra keyword arguments of ``graph_generate`` (``compile``, ``compile_options``,
         #: ``check_every``, ``compact``, ``compact_min_batch``); empty: its defaults (compiled with CUDA graphs on CUDA,
         #: eager elsewhere; finished rows compacted).
         self.graph_generate_kwargs: dict[str, Any] = {}
-        if args.rollout_engine == "graph" and self._is_vlm:
-            raise NotImplementedError("rollout_engine='graph' supports text-only models; use 'transformers' or 'vllm'")
-        if args.rollout_engine == "transformers" and self.accelerator.device.type == "cuda":
-            compiled_generation_config(self.generation_config, args)
-        if args.rollout_engine == "vllm":
-            from .vllm_rollout import make_vllm_rollout
-
-            # TRL's vLLM branches (generation, IS correction, sampling_logp_difference metrics) run on our engine,
-            # which syncs LoRA as an adapter (TRL's VLLMGeneration would merge it into the 4-bit base).
-            self.vllm_rollout = make_vllm_rollout(self, engine_path)
-            self.use_vllm = True
-            self.vllm_mode = self.vllm_rollout.mode
-            self.vllm_generation = self.vllm_rollout
-            self._last_loaded_step = -1
+        #: the engine that generates the rollouts (``args.rollout_engine``), :mod:`qerl_trl.rollout`
+        self.rollout: RolloutEngine = engine_cls(self, prepared)
 
     # ------------------------------------------------------------------ AQN
     def build_aqn_controller(self, total_steps: int) -> AQNController | None:
@@ -324,9 +272,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         ctl = self._ensure_aqn()
         if ctl is None or not self.model.training:
             return contextlib.nullcontext()
-        if self.vllm_rollout is not None:  # the engine's norms get the noise; the policy stays clean
-            return self.vllm_rollout.noise(ctl, self.accelerator.unwrap_model(self.model), self.state.global_step)
-        return ctl.rollout(self.accelerator.unwrap_model(self.model), self.state.global_step)
+        return self.rollout.set_noise(ctl, self.accelerator.unwrap_model(self.model), self.state.global_step)
 
     # ------------------------------------------------------------------ hooks
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
@@ -376,7 +322,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
         with self._rollout_noise():
-            if self.args.rollout_seed_per_prompt and not self.use_vllm:
+            if self.args.rollout_seed_per_prompt:  # QeRLConfig allows it with the torch-RNG engines only
                 completion_ids, logprobs = self._generate_seeded(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
@@ -422,96 +368,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return completion_ids, None
 
     def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """One generation call of the selected engine, without this class's AQN / timing wrapper: TRL's own
-        ``_generate_single_turn`` (transformers ``generate``, or vLLM through ``self.vllm_generation``), or
-        :meth:`_generate_graph` with ``rollout_engine="graph"``."""
-        if self.args.rollout_engine == "graph":
-            return self._generate_graph(prompt_ids, images, multimodal_fields, has_tool_images)
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-
-    def _generate_graph(
-        self,
-        prompt_ids: list[list[int]],
-        images: list | None,
-        multimodal_fields: dict | None,
-        has_tool_images: bool = False,
-    ) -> tuple[list[list[int]], None]:
-        """``rollout_engine="graph"``: TRL 1.16's regular generation path with ``graph_generate`` in place of
-        ``unwrapped_model.generate``.
-
-        Why not ``generate``: it graphs only the decode forward and syncs the GPU to the host every token, which left
-        an H100 idle for longer than a 7B step's GEMMs (:mod:`qerl_trl.graph_generate`). What stays TRL's: the left
-        padding (``pad``, ``pad_to_multiple_of``), the context managers (unwrapped model with gradient checkpointing
-        off, no grad, FSDP full params), and the post-processing (the tokens after the padded prompt, cut after the
-        first EOS). The sampling settings are read from TRL's generation config (``QeRLConfig`` refused those
-        ``graph_generate`` cannot honour), and the KV cache has the run's fixed length
-        (:func:`generation_cache_len`), so the graph recorded on the first step is replayed on later ones.
-        """
-        if has_tool_images or (images is not None and any(im is not None for im in images)) or multimodal_fields:
-            raise NotImplementedError(
-                "rollout_engine='graph' generates from text-only prompts; use rollout_engine='transformers' for "
-                "prompts with images or other multimodal inputs"
-            )
-        device = self.accelerator.device
-        gen = self.generation_config
-        prompts = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(
-            prompts,
-            padding_value=self._tokenizer.pad_token_id,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        ).to(device)
-        attention_mask = pad(
-            [torch.ones_like(t) for t in prompts],
-            padding_value=0,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        ).to(device)
-        prompt_length = input_ids.size(1)
-        cache_len = generation_cache_len(gen, self.args)
-        if prompt_length + gen.max_new_tokens > cache_len:
-            raise ValueError(
-                f"rollout_engine='graph': a prompt of {prompt_length} tokens (padded) + {gen.max_new_tokens} new "
-                f"tokens does not fit the run's fixed KV cache of {cache_len} tokens (generation_prompt_cache_len "
-                f"{self.args.generation_prompt_cache_len} + max_completion_length {self.args.max_completion_length}, "
-                "or generation_kwargs['max_cache_len']): raise generation_prompt_cache_len or shorten the prompts"
-            )
-        with (
-            profiling_context(self, "graph_generate"),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            prompt_completion_ids = graph_generate(
-                unwrapped_model,
-                input_ids,
-                attention_mask,
-                max_new_tokens=gen.max_new_tokens,
-                min_new_tokens=gen.min_new_tokens or 0,
-                temperature=gen.temperature,
-                do_sample=gen.do_sample,
-                eos_token_id=gen.eos_token_id,
-                pad_token_id=gen.pad_token_id,
-                max_cache_len=cache_len,
-                **self.graph_generate_kwargs,
-            )
-        completion_ids = prompt_completion_ids[:, prompt_length:]
-        # Mask everything after the first EOS token (TRL 1.16's lines)
-        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=device))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
-        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
-        sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
-        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-        completion_ids = [
-            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
-        ]
-        return completion_ids, None
+        """One generation call of the rollout engine, without this class's AQN / timing wrapper."""
+        return self.rollout.generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):

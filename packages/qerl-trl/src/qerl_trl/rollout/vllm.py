@@ -1,21 +1,22 @@
-"""vLLM rollouts for :class:`~qerl_trl.QeRLGRPOTrainer` (``rollout_engine="vllm"``): colocate and server mode.
+"""``rollout_engine="vllm"``: vLLM rollouts for :class:`~qerl_trl.QeRLGRPOTrainer`, colocate and server mode.
 
 TRL's own ``use_vllm=True`` path is not used: it syncs a PEFT policy by *merging* the adapters into the base weights
-(impossible for a 4-bit NVFP4 base). Instead the trainer keeps ``args.use_vllm=False`` (TRL builds nothing) and, after
-``GRPOTrainer.__init__``, sets ``self.use_vllm = True`` with ``self.vllm_generation`` one of the classes below. They
-offer exactly what TRL's vLLM branches call — ``sync_weights()`` (once per global step), ``generate(prompts, images,
-num_generations, profiler)`` and, colocate only, ``.llm`` — so TRL's own code runs unchanged: the sampled-token
-logprobs come back from the engine, ``old_per_token_logps`` is recomputed by the trainer, the importance-sampling
-correction (``vllm_importance_sampling_*``) is applied and ``sampling/sampling_logp_difference/{mean,max}`` is logged.
+(impossible for a 4-bit NVFP4 base). Instead the trainer keeps ``args.use_vllm=False`` (TRL builds nothing) and
+:class:`VLLMRollout` sets, after ``GRPOTrainer.__init__``, ``trainer.use_vllm = True`` with
+``trainer.vllm_generation`` one of the ``*VLLMGeneration`` classes below. They offer exactly what TRL's vLLM branches
+call — ``sync_weights()`` (once per global step), ``generate(prompts, images, num_generations, profiler)`` and,
+colocate only, ``.llm`` — so TRL's own code runs unchanged: the sampled-token logprobs come back from the engine,
+``old_per_token_logps`` is recomputed by the trainer, the importance-sampling correction
+(``vllm_importance_sampling_*``) is applied and ``sampling/sampling_logp_difference/{mean,max}`` is logged.
 
 Per generation step:
 
 1. ``sync_weights`` (TRL calls it when ``global_step`` changed): the LoRA state of the unwrapped ``PeftModel``
    (``get_peft_model_state_dict``) becomes a NEW adapter of the engine — colocate: ``VLLMEngine.sync_lora``; server:
-   the adapter folder is written under ``vllm_adapter_dir`` (a filesystem the server reads) and loaded through
+   the adapter folder is written under ``vllm.adapter_dir`` (a filesystem the server reads) and loaded through
    ``POST /v1/load_lora_adapter`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), the previous one unloaded. Never merged.
-2. :meth:`noise` (around generation, from the trainer's ``_rollout_noise``): the AQN noisy norm weights of this step
-   (``AQNController.engine_weights(policy, step)`` — same σ, seed and per-(seed, step, name) draw as the
+2. AQN (around generation, :meth:`VLLMRollout.set_noise`): the controller's noisy norm weights of this step
+   (``AQNController.rollout(policy, step, engine=...)`` — the same σ, seed and per-(seed, step, name) draw as the
    transformers path) are written into the engine's RMSNorm weights and restored bit-identically afterwards.
    Colocate: ``VLLMEngine.set_norm_weights`` / ``restore_norm_weights``; server: a safetensors file + the dev-mode
    ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``, server started with
@@ -38,18 +39,22 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from nvfp4.peft import write_adapter
+from trl import GRPOTrainer
+
+from ..quantization import QuantScheme
+from .base import RolloutEngine
 
 __all__ = [
-    "ColocateVLLMRollout",
-    "ServerVLLMRollout",
+    "ColocateVLLMGeneration",
+    "ServerVLLMGeneration",
+    "VLLMRollout",
     "engine_checkpoint",
-    "make_vllm_rollout",
     "sampling_kwargs",
     "write_adapter",
 ]
@@ -59,36 +64,38 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def engine_checkpoint(
-    name_or_path: str | None, model: Any, quantization: str, *, override: str | None = None, cache_dir: str | None = None
+    name_or_path: str | None,
+    model: Any,
+    scheme: QuantScheme,
+    *,
+    override: str | None = None,
+    cache_dir: str | None = None,
 ) -> str:
-    """The checkpoint folder the engine loads: ``override`` if given; an NVFP4 (or, with ``quantization="none"``,
+    """The checkpoint folder the engine loads: ``override`` if given; an NVFP4 (or, with the dense ``scheme``,
     dense) checkpoint on disk as it is; otherwise the loaded NVFP4 ``model`` (quantized on load, before PEFT wraps it)
     saved once with its tokenizer under ``cache_dir`` (default: the nvfp4 cache), keyed by source path + method."""
     if override:
         return str(override)
-    from .policy import _is_nvfp4_checkpoint, resolve_model_path
+    from ..policy import _is_nvfp4_checkpoint, resolve_model_path
 
     src = resolve_model_path(name_or_path) if name_or_path is not None else None
-    from .quantization import parse_quantization
-
-    quant = parse_quantization(quantization)
-    if quant.format not in ("nvfp4", None):
-        raise ValueError(f"the vLLM engine loads NVFP4 or dense checkpoints; quantization={quant.name!r} is not supported")
-    if src is not None and os.path.isdir(src) and (quant.is_dense or _is_nvfp4_checkpoint(src)):
+    if not scheme.vllm_engine:
+        raise ValueError(f"the vLLM engine loads NVFP4 or dense checkpoints; quantization={scheme.name!r} is not supported")
+    if src is not None and os.path.isdir(src) and (scheme.is_dense or _is_nvfp4_checkpoint(src)):
         return src
     from peft import PeftModel
 
     if model is None or isinstance(model, PeftModel):
         raise ValueError(
             "rollout_engine='vllm' needs the policy's checkpoint on disk: pass a model id/path, a base "
-            "PreTrainedModel, or set vllm_model_path to its NVFP4 checkpoint"
+            "PreTrainedModel, or set vllm.model_path to its NVFP4 checkpoint"
         )
     if cache_dir is None:
         from nvfp4.offline import cache_dir as nvfp4_cache_dir
 
         cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
     ident = src or getattr(model.config, "_name_or_path", "") or "model"
-    tag = quant.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
+    tag = scheme.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
     key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     if (target / "config.json").is_file():
@@ -159,8 +166,9 @@ def _groups(prompts: Sequence[Sequence[int]], n: int) -> tuple[list[list[int]], 
     return prompts, 1
 
 
-class _Rollout:
-    """What both modes share: TRL's ``vllm_generation`` interface on top of sync / norms / raw generation."""
+class _VLLMGeneration:
+    """What both modes share: TRL's ``vllm_generation`` interface on top of sync / norms / raw generation, and the
+    norm-weight calls of :class:`aqn.controller.NormWeightsEngine` (the AQN controller's target)."""
 
     mode = "colocate"
 
@@ -188,29 +196,16 @@ class _Rollout:
             completion_ids, logprobs = self._generate(unique, sampling_kwargs(self.trainer, n))
         return [list(p) for p in prompts], completion_ids, [[[lp] for lp in seq] for seq in logprobs], None
 
-    @contextlib.contextmanager
-    def noise(self, controller: Any, model: torch.nn.Module, step: int) -> Iterator[None]:
-        """AQN noise of ``step`` on the engine's norm weights while generating; restored bit-identically after."""
-        controller.norm_noise(model)  # discovery (fails loudly) even at σ = 0
-        controller.step = int(step)
-        if controller.sigma(step) == 0.0:
-            yield
-            return
-        named = dict(controller.engine_weights(model, step, dtype=torch.float32))
-        self._set_norms(named)
-        try:
-            yield
-        finally:
-            self._restore_norms()
-
     # mode-specific ---------------------------------------------------------------------
     def _sync_lora(self, state: dict[str, torch.Tensor], peft_config: Any, step: int) -> None:
         raise NotImplementedError
 
-    def _set_norms(self, named: dict[str, torch.Tensor]) -> None:
+    def set_norm_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Load AQN's noisy norm weights (``{name: float32 tensor}``) into the engine for the next generation."""
         raise NotImplementedError
 
-    def _restore_norms(self) -> None:
+    def restore_norm_weights(self) -> None:
+        """Put the engine's clean norm weights back, bit-identically."""
         raise NotImplementedError
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
@@ -220,7 +215,7 @@ class _Rollout:
         pass
 
 
-class ColocateVLLMRollout(_Rollout):
+class ColocateVLLMGeneration(_VLLMGeneration):
     """An in-process :class:`qerl_vllm.engine.VLLMEngine` (one per trainer process, e.g. one per GPU)."""
 
     mode = "colocate"
@@ -232,11 +227,11 @@ class ColocateVLLMRollout(_Rollout):
         except ImportError as e:
             raise ImportError(
                 "rollout_engine='vllm' (colocate) needs vLLM and qerl-vllm in this environment "
-                "(bash .ci/vllm-setup, or pip install vllm + integrations/vllm); or set vllm_server_url"
+                "(bash .ci/vllm-setup, or pip install 'qerl-trl[vllm]'); or set vllm.server_url"
             ) from e
 
-        args = trainer.args
-        dtype = args.vllm_dtype
+        args, settings = trainer.args, trainer.args.vllm
+        dtype = settings.dtype
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"
         self.engine = VLLMEngine(
@@ -244,11 +239,11 @@ class ColocateVLLMRollout(_Rollout):
             max_lora_rank=lora_rank_bucket(args.lora_r),
             seed=args.seed + trainer.accelerator.process_index,
             dtype=dtype,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_len=args.vllm_max_model_len,
-            enforce_eager=args.vllm_enforce_eager,
-            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
-            lora_dir=args.vllm_adapter_dir,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            lora_dir=settings.adapter_dir,
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
         )
 
@@ -259,10 +254,10 @@ class ColocateVLLMRollout(_Rollout):
     def _sync_lora(self, state, peft_config, step):
         self.engine.sync_lora(state, version=step, peft_config=peft_config)
 
-    def _set_norms(self, named):
+    def set_norm_weights(self, named):
         self.engine.set_norm_weights(named)
 
-    def _restore_norms(self):
+    def restore_norm_weights(self):
         self.engine.restore_norm_weights()
 
     def _generate(self, prompts, sampling):
@@ -273,13 +268,13 @@ class ColocateVLLMRollout(_Rollout):
         self.engine.close()
 
 
-class ServerVLLMRollout(_Rollout):
+class ServerVLLMGeneration(_VLLMGeneration):
     """A vLLM OpenAI-compatible server started separately (see the README, "Rollouts with vLLM").
 
     Needs on the server: ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (adapter
     sync), ``--logprobs-mode processed_logprobs`` (logprobs after temperature), and for AQN (σ > 0)
     ``VLLM_SERVER_DEV_MODE=1`` + ``--worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension``. Adapters and
-    noisy norms are passed as files under ``vllm_adapter_dir``, which the server must be able to read.
+    noisy norms are passed as files under ``vllm.adapter_dir``, which the server must be able to read.
     With several trainer processes the main one syncs and pushes norms; every process sends its own prompts.
     """
 
@@ -351,7 +346,7 @@ class ServerVLLMRollout(_Rollout):
                 ) from e
             raise
 
-    def _set_norms(self, named):
+    def set_norm_weights(self, named):
         self._barrier()
         if self._is_main():
             from safetensors.torch import save_file
@@ -362,7 +357,7 @@ class ServerVLLMRollout(_Rollout):
             self._request("POST", "/reset_prefix_cache")
         self._barrier()
 
-    def _restore_norms(self):
+    def restore_norm_weights(self):
         self._barrier()
         if self._is_main():
             self._rpc("qerl_restore_norms")
@@ -385,11 +380,51 @@ class ServerVLLMRollout(_Rollout):
         return ids, lps
 
 
-def make_vllm_rollout(trainer: Any, model_path: str | None) -> _Rollout:
-    """Colocate engine, or the server client when ``args.vllm_server_url`` is set."""
-    args = trainer.args
-    if args.vllm_server_url:
-        return ServerVLLMRollout(trainer, args.vllm_server_url, args.vllm_adapter_dir, args.vllm_server_timeout)
-    if model_path is None:
-        raise ValueError("colocate vLLM rollouts need the engine checkpoint (vllm_model_path)")
-    return ColocateVLLMRollout(trainer, model_path)
+class VLLMRollout(RolloutEngine):
+    """The :class:`~qerl_trl.rollout.RolloutEngine` on vLLM: TRL's vLLM branch generates through a
+    :class:`ColocateVLLMGeneration` (in-process engine) or :class:`ServerVLLMGeneration` (``vllm.server_url``), which
+    also takes the LoRA adapter and AQN's noisy norm weights."""
+
+    name = "vllm"
+    seeds_per_prompt = False  # the engine samples with its own seed
+
+    def __init__(self, trainer: Any, prepared: str | None = None) -> None:
+        super().__init__(trainer)
+        settings = trainer.args.vllm
+        if settings.server_url:
+            self.generation: _VLLMGeneration = ServerVLLMGeneration(
+                trainer, settings.server_url, settings.adapter_dir, settings.server_timeout
+            )
+        elif prepared is None:
+            raise ValueError("colocate vLLM rollouts need the engine checkpoint (vllm.model_path)")
+        else:
+            self.generation = ColocateVLLMGeneration(trainer, prepared)
+        # TRL's vLLM branches (generation, IS correction, sampling_logp_difference metrics) run on our engine,
+        # which syncs LoRA as an adapter (TRL's VLLMGeneration would merge it into the 4-bit base).
+        trainer.use_vllm = True
+        trainer.vllm_mode = self.generation.mode
+        trainer.vllm_generation = self.generation
+        trainer._last_loaded_step = -1
+
+    @classmethod
+    def prepare(cls, model_name, model, scheme, args):
+        """The checkpoint the colocated engine loads (the NVFP4 base, saved once before PEFT wraps the model)."""
+        if args.vllm.server_url:
+            return None
+        return engine_checkpoint(model_name, model, scheme, override=args.vllm.model_path, cache_dir=args.vllm.cache_dir)
+
+    def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # TRL's vLLM branch: sync_weights when the step changed, then vllm_generation.generate
+        return GRPOTrainer._generate_single_turn(
+            self.trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        )
+
+    def sync_lora(self) -> None:
+        self.generation.sync_weights()
+
+    @property
+    def noise_target(self) -> _VLLMGeneration:
+        return self.generation
+
+    def close(self) -> None:
+        self.generation.close()

@@ -1,0 +1,31 @@
+"""Rollout engines of :class:`~qerl_trl.QeRLGRPOTrainer`: one :class:`RolloutEngine` per trainer (``trainer.rollout``).
+
+==================  ====================================================================================
+``transformers``    :class:`~qerl_trl.rollout.transformers.TransformersRollout`: the policy's ``generate``
+``graph``           :class:`~qerl_trl.rollout.graph.GraphRollout`: :func:`qerl_trl.graph_generate.graph_generate`
+``vllm``            :class:`~qerl_trl.rollout.vllm.VLLMRollout`: vLLM (colocate or server), ``qerl-trl[vllm]``
+==================  ====================================================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import RolloutEngine
+
+__all__ = ["ENGINES", "RolloutEngine", "engine_class"]
+
+#: ``rollout_engine`` value → ``module:class`` (imported when chosen: vLLM's module is only loaded for vLLM rollouts)
+ENGINES: dict[str, str] = {
+    "transformers": "qerl_trl.rollout.transformers:TransformersRollout",
+    "graph": "qerl_trl.rollout.graph:GraphRollout",
+    "vllm": "qerl_trl.rollout.vllm:VLLMRollout",
+}
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The :class:`RolloutEngine` subclass ``rollout_engine=name`` selects."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout_engine must be one of {', '.join(map(repr, ENGINES))}, got {name!r}")
+    module, _, cls = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)

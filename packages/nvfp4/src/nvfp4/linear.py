@@ -401,7 +401,11 @@ class _CodesCache:
         buf = self.scratch.get(key)
         if buf is None:
             buf = self.scratch[key] = torch.empty(out, groups, size, dtype=torch.float32, device=self.codes.device)
-        torch.mul(self.codes, self.half_step, out=buf)
+        # Two in-place passes, no temporary: `torch.mul(codes, half_step, out=buf)` casts the int8 codes to a float32
+        # copy first — a weight-sized allocation freed on every call (a fresh mmap and its page faults under
+        # qerl's pinned mmap threshold). The codes are small integers, exact in float32: the same product, rounded once.
+        buf.copy_(self.codes)
+        buf.mul_(self.half_step)
         return buf.view(out, groups * size)
 
     @property

@@ -308,6 +308,26 @@ class NVFP4Linear(nn.Linear):
     _dense_cache: torch.Tensor | None = None
     _codes_cache: _CodesCache | None = None
 
+    def has_cached_weight(self, x: torch.Tensor) -> bool:
+        """Whether :func:`cache_dequantized` holds this layer's ``dequant(W)`` for inputs like ``x`` (dtype, device)."""
+        dense, codes = self._dense_cache, self._codes_cache
+        if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+            return True
+        return codes is not None and x.dtype == torch.float32 and codes.codes.device == x.device
+
+    def cached_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """``dequant(W)`` ``[out, in]`` from the cache, for inputs like ``x`` (see :meth:`has_cached_weight`).
+
+        A compact cache rebuilds it into a scratch buffer shared by the layers of this shape: use it before the next
+        layer's call overwrites it (within one op), never keep it.
+        """
+        dense = self._dense_cache
+        if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+            return dense
+        if not self.has_cached_weight(x):
+            raise RuntimeError(f"{self._label()}: no cached dequant(W) for {x.dtype} inputs on {x.device}")
+        return self._codes_cache.fill()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         dense = self._dense_cache

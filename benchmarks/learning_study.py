@@ -70,6 +70,7 @@ ARMS = {
 COLORS = {"bf16+LoRA": "tab:gray", "NVFP4+LoRA": "tab:blue", "NVFP4+LoRA+AQN": "tab:red"}
 TRAIN_OVERRIDES = {
     "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 1,  # one micro-batch per step, as the recipe had it then (now 16 of 2)
     "num_generations": 4,
     "max_completion_length": 12,
     "learning_rate": 5e-4,
@@ -342,15 +343,17 @@ GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 # per task: trainer overrides, eval task options / limit / completion budget
 GPU_TASKS = {
     "arithmetic": {
-        "train": {"task_options": None, "max_completion_length": 12, "shuffle_dataset": "false"},
+        # logprob_batch_size 2: the offline default recipe's value when these runs were recorded (re-run identically)
+        "train": {"task_options": None, "max_completion_length": 12, "shuffle_dataset": "false",
+                  "logprob_batch_size": 2},  # fmt: skip
         "eval": ["--task", "arithmetic", "--task-option", "digits=2", "--limit", "200", "--max-new-tokens", "12"],
     },
     "gsm8k": {
         # logprob_batch_size: the recipe's 2 (for CPU host memory) scores the 16 sequences in 8 forwards, each
         # recomputed in the backward (gradient checkpointing): 150 342 aten ops per loss forward + backward against
         # 19 017 with the whole batch (counted on CPU). Eager on a GPU each op costs launch + Python time: a lone H100
-        # run spent ~3.9 s of its 5.1 s step outside generation. The arithmetic runs keep the recipe's value, so that
-        # they re-run identically.
+        # run spent ~3.9 s of its 5.1 s step outside generation. The arithmetic runs keep the recipe's value of then
+        # (2, above), so that they re-run identically.
         "train": {"task": "gsm8k", "task_options": "{}", "max_completion_length": 256, "logprob_batch_size": 16},
         # one batch of all 200 problems (800 rows sampled): eager decoding of this model is launch-bound, so an eval
         # takes about as long as one batch does
@@ -358,7 +361,11 @@ GPU_TASKS = {
     },
 }
 GPU_TRAIN = {
+    # one micro-batch per step with gradient checkpointing, as the offline default recipe had it when these runs were
+    # recorded (it now trains 16 micro-batches of 2 without checkpointing, for CPU)
     "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 1,
+    "gradient_checkpointing": "true",
     "num_generations": 4,
     "learning_rate": 2e-4,
     "aqn_sigma_start": 1e-2,

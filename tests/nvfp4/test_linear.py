@@ -246,3 +246,39 @@ def test_compact_cache_gives_the_dense_cache_numbers(shape):
     assert g0.keys() == g1.keys() and g0 and all(torch.equal(g0[n], g1[n]) for n in g0)
     assert held1 * 3 < held0  # 1.25 bytes a weight instead of 4
     assert all(m._codes_cache is None and m._dense_cache is None for m in layers)
+
+
+def _weight_sized_allocations(fn, weight_bytes: int) -> list[tuple[int, str]]:
+    """(bytes, op) of every op in ``fn()`` (forward + backward) that allocated at least a weight's worth of memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [(e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage >= weight_bytes]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_cached_forward_allocates_no_dequantized_weight(compact):
+    """Under ``cache_dequantized`` a forward + backward of an NVFP4 layer neither allocates nor frees a dequantized
+    weight (nor a weight-sized temporary): the dense cache holds ``dequant(W)``; the compact one rebuilds it into one
+    float32 scratch buffer per weight shape, held for the block (its address is the same on every call and shared by
+    the layers of that shape). Each such allocation is a fresh mmap and ``out × in / 1024`` page faults under
+    ``qerl train``'s pinned mmap threshold. Without a cache the reference path does allocate (the check sees it)."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 256), nn.Linear(256, 384))
+    quantize_model(layers, progress=False)
+    x = torch.randn(2, 256, requires_grad=True)
+    weight_bytes = 384 * 256 * 4
+
+    def step():
+        layers(x).sum().backward()
+
+    assert _weight_sized_allocations(step, weight_bytes)  # the uncached reference dequantizes on every call
+    with nvfp4.cache_dequantized(layers, torch.float32, compact=compact):
+        step()
+        assert _weight_sized_allocations(step, weight_bytes) == []
+        if compact:
+            first, _, third = (m._codes_cache for m in layers)
+            assert first.fill().data_ptr() == first.fill().data_ptr() == third.fill().data_ptr()
+            step()
+            assert first.fill().data_ptr() == third.fill().data_ptr()

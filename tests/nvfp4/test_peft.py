@@ -88,7 +88,7 @@ def test_lora_linear_op_reference_equals_peft_forward_and_refuses_gradients():
     base = layer.get_base_layer()
     x = torch.randn(3, 5, base.in_features)
     with torch.no_grad():
-        assert layer._fusable_adapter(x, (), {}) is None  # CPU: PEFT's path (the CPU trainer caches dequant(W))
+        assert layer._plain_adapter(x, (), {}) is None  # CPU, uncached: PEFT's path
         peft_y = layer(x)
         fused_y = ops.lora_linear(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
                                   layer.lora_A["default"].weight, layer.lora_B["default"].weight,
@@ -97,6 +97,40 @@ def test_lora_linear_op_reference_equals_peft_forward_and_refuses_gradients():
     with pytest.raises(RuntimeError, match="no backward"):
         ops.lora_linear(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
                         layer.lora_A["default"].weight, layer.lora_B["default"].weight, 2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("lora_alpha", [8, 16])
+def test_cached_lora_path_gives_peft_outputs_and_gradients(compact, lora_alpha, monkeypatch):
+    """With the base's dequant(W) cached (the CPU trainer), every LoraNVFP4Linear adds its adapter in place
+    (``_CachedLoraLinear``): the logits (bit for bit at scaling 1, α = r), the input gradients and every LoRA gradient
+    of PEFT's own path (to rounding: autograd adds the base's and the adapter's input gradients in another order)."""
+    import nvfp4
+    import nvfp4.peft as nvpeft
+
+    pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=lora_alpha, target_modules="all-linear",
+                                             init_lora_weights=False)).train()  # fmt: skip
+    layers = [m for m in pm.modules() if isinstance(m, LoraNVFP4Linear)]
+    ids = torch.randint(0, 256, (3, 9))
+    results = []
+    with nvfp4.cache_dequantized(pm, torch.float32, compact=compact):
+        x = torch.randn(2, layers[0].in_features)
+        assert all(m._plain_adapter(x, (), {}) == "default" for m in layers)
+        for fused in (False, True):
+            monkeypatch.setattr(nvpeft, "FUSED_LORA", fused)
+            embeds = pm.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = pm(inputs_embeds=embeds).logits
+            logits.square().mean().backward()
+            grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+            pm.zero_grad(set_to_none=True)
+            results.append((logits.detach(), embeds.grad, grads))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    assert len(g0) == 2 * len(layers) and g0.keys() == g1.keys()
+    if lora_alpha == 8:
+        assert torch.equal(y1, y0)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-7)
+    for got, ref in [(gx1, gx0), *((g1[n], g0[n]) for n in g0)]:  # the same sums, added in another order
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-6
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -115,7 +149,7 @@ def test_fused_lora_generation_matches_peft_path_gpu(compiled, monkeypatch):
     ids = torch.randint(0, 256, (4, 11), device="cuda")
     x = torch.randn(2, layers[0].in_features, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        assert all(m._fusable_adapter(x, (), {}) == "default" for m in layers)
+        assert all(m._plain_adapter(x, (), {}) == "default" for m in layers)
         monkeypatch.setattr(nvpeft, "FUSED_LORA", False)
         unfused = pm(input_ids=ids).logits.float()
         monkeypatch.setattr(nvpeft, "FUSED_LORA", True)
@@ -125,7 +159,7 @@ def test_fused_lora_generation_matches_peft_path_gpu(compiled, monkeypatch):
     assert not torch.isnan(fused).any()
     rel = ((fused - unfused).norm() / unfused.norm()).item()
     assert rel < 2e-2, rel
-    assert layers[0]._fusable_adapter(x.requires_grad_(), (), {}) is None  # grad enabled: PEFT's path
+    assert layers[0]._plain_adapter(x.requires_grad_(), (), {}) is None  # grad enabled: PEFT's path
 
 
 def test_lora_on_an_mxfp4_layer_without_transcode_trains_and_merges():

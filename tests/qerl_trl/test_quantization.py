@@ -226,7 +226,7 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path, capsys):
     capsys.readouterr()
     assert parser.parse_args(["--quantize", "nf4"]).quantization is SCHEMES["nf4"]  # the deprecated name
     assert "--quantize is deprecated, use --quantization" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="argument --quantization: --quantization must be one of"):  # UsageError
+    with pytest.raises(ValueError, match="argument --quantization/--quantize: --quantization must be one of"):  # UsageError
         parser.parse_args(["--quantization", "int4"])
     model, _, info = load_model(str(tiny_dir), quantization="nf4")
     assert info["quantize"] == "nf4"

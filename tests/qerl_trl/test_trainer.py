@@ -286,9 +286,12 @@ def test_informative_groups_and_batch_concatenation():
 
 
 def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokenizer):
-    # the offline default recipe's memory settings: same loss, gradient and LoRA update as one whole-batch forward
+    # memory settings: scoring in 3-sequence forwards under gradient checkpointing, or the offline default recipe's
+    # micro-batches of 2 sequences (gradient accumulation over one generation batch): the same loss, gradient and
+    # LoRA update as one whole-batch forward
     results = []
-    for kw in ({}, {"gradient_checkpointing": True, "logprob_batch_size": 3}):
+    for kw in ({}, {"gradient_checkpointing": True, "logprob_batch_size": 3},
+               {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}):  # fmt: skip
         model = tiny_nvfp4_policy(tokenizer)
         # plain SGD: Adam's first step turns the rounding noise of LoRA A's ~zero gradient (B starts at 0) into ±lr
         args = args_for(tmp_path / str(len(results)), max_steps=1, aqn=False, optim="sgd", **kw)
@@ -304,11 +307,93 @@ def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokeni
         hook.remove()
         lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         results.append((trainer.state.log_history[0], lora, rows))
-    (logs0, lora0, rows0), (logs1, lora1, rows1) = results
-    assert rows0 == [8] and rows1 == [3, 3, 2]  # scored in 3-sequence forwards
-    assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
-    assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
-    assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+    (logs0, lora0, rows0), *others = results
+    assert rows0 == [8] and [rows for _, _, rows in others] == [[3, 3, 2], [2, 2, 2, 2]]
+    for logs1, lora1, _ in others:
+        assert logs1["reward"] == logs0["reward"]  # the same rollouts
+        assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
+        assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
+        assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+
+
+def test_completion_scoring_gives_trl_log_probs_entropies_and_gradients(tmp_path, tokenizer):
+    """On CPU the trainer scores only the completion positions (``score_completions``); TRL's fused LM head scores
+    every position. Same log-probs, entropies (0 at padding) and LoRA gradients, for 1 or 3 sequences per forward."""
+    from trl import GRPOTrainer
+
+    model = tiny_nvfp4_policy(tokenizer)
+    args = args_for(tmp_path, max_steps=1, aqn=False, temperature=0.7)
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    torch.manual_seed(1)
+    for p in trainer.model.parameters():  # LoRA B starts at 0: give the adapters a gradient path of their own
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    ids = torch.randint(0, len(tokenizer), (5, 14))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left-padded prompt
+    mask[1, -2:] = 0  # a completion shorter than the batch's
+    lora = [p for p in trainer.model.parameters() if p.requires_grad]
+    results = []
+    for fn in (GRPOTrainer._get_per_token_logps_and_entropies, QeRLGRPOTrainer._get_per_token_logps_and_entropies):
+        for batch_size in (1, 3):
+            logps, ent, _ = fn(trainer, trainer.model, ids, mask, 6, batch_size, compute_entropy=True)
+            (logps.sum() + 0.1 * ent.sum()).backward()
+            results.append((logps.detach(), ent.detach(), [p.grad.clone() for p in lora]))
+            trainer.model.zero_grad()
+    trl_logps, trl_ent, trl_grads = results[0]
+    assert (trl_logps[1, -2:] == 0).all() and (trl_ent[1, -2:] == 0).all()
+    for logps, ent, grads in results[1:]:
+        torch.testing.assert_close(logps, trl_logps, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, trl_ent, rtol=1e-5, atol=1e-5)
+        for g, ref in zip(grads, trl_grads, strict=True):
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_shared_prefix_generation_gives_generate_tokens(tokenizer, do_sample):
+    """``generate_from_shared_prefix``: runs of identical left-padded prompts (3, 2 and 1 rows, two prompt lengths)
+    prefilled once per run, then ``generate`` from the copied KV cache: the tokens of plain ``generate``, greedy and
+    sampled from the same seed."""
+    from qerl_trl.rollout.transformers import generate_from_shared_prefix
+    from transformers import GenerationConfig
+
+    model = tiny_nvfp4_policy(tokenizer).eval()
+    torch.manual_seed(0)
+    a, b, c = (torch.randint(3, len(tokenizer), (n,)).tolist() for n in (9, 6, 9))
+    pad_id = tokenizer.pad_token_id
+    rows = [a, a, a, b, b, c]
+    input_ids = torch.tensor([[pad_id] * (9 - len(r)) + r for r in rows])
+    attention_mask = torch.tensor([[0] * (9 - len(r)) + [1] * len(r) for r in rows])
+    gen = GenerationConfig(max_new_tokens=7, do_sample=do_sample, temperature=1.0, top_k=0, top_p=1.0,
+                           pad_token_id=pad_id, eos_token_id=None)  # fmt: skip
+    outs = []
+    for fn in (lambda **kw: model.generate(**kw), lambda **kw: generate_from_shared_prefix(model, **kw)):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            outs.append(fn(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen))
+    assert outs[0].shape == (6, 16)
+    assert torch.equal(outs[1], outs[0])
+
+
+def test_trainer_prefills_each_prompt_group_once(tmp_path, tokenizer):
+    """GRPO rollouts (transformers engine): the first forward of a generation step takes one row per prompt group
+    (2 prompts x 4 generations → 2 rows), without and with AQN noise on."""
+    model = tiny_nvfp4_policy(tokenizer)
+    args = args_for(tmp_path, max_steps=2, aqn=True)  # step 2 generates with AQN noise on
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    rows: list[int] = []
+
+    def count_rows(module, args, kwargs):  # (rows, tokens) of each forward without gradients
+        if not torch.is_grad_enabled():
+            rows.append(tuple(kwargs["input_ids"].shape))
+
+    hook = trainer.model.get_base_model().model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    trainer.train()
+    hook.remove()
+    prompts = [shape for shape in rows if shape[1] > 1 and shape[0] != 1]  # (AQN's discovery traces one row)
+    assert [n for n, _ in prompts] == [2, 2]  # one prefill of 2 rows per step, none of the 8 completions
+    assert sum(n == 8 for n, _ in rows) >= 2  # the decoding ran on all 8 rows
+    assert trainer.state.global_step == 2
 
 
 def test_training_step_runs_sdpa_without_cudnn(tmp_path, tokenizer):

@@ -302,6 +302,26 @@ class NVFP4Linear(nn.Linear):
     _dense_cache: torch.Tensor | None = None
     _codes_cache: _CodesCache | None = None
 
+    def has_cached_weight(self, x: torch.Tensor) -> bool:
+        """Whether :func:`cache_dequantized` holds this layer's ``dequant(W)`` for inputs like ``x`` (dtype, device)."""
+        dense, codes = self._dense_cache, self._codes_cache
+        if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+            return True
+        return codes is not None and x.dtype == torch.float32 and codes.codes.device == x.device
+
+    def cached_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """``dequant(W)`` ``[out, in]`` from the cache, for inputs like ``x`` (see :meth:`has_cached_weight`).
+
+        A compact cache rebuilds it into a scratch buffer shared by the layers of this shape: use it before the next
+        layer's call overwrites it (within one op), never keep it.
+        """
+        dense = self._dense_cache
+        if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+            return dense
+        if not self.has_cached_weight(x):
+            raise RuntimeError(f"{self._label()}: no cached dequant(W) for {x.dtype} inputs on {x.device}")
+        return self._codes_cache.fill()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         dense = self._dense_cache
@@ -391,7 +411,11 @@ class _CodesCache:
         buf = self.scratch.get(key)
         if buf is None:
             buf = self.scratch[key] = torch.empty(out, groups, size, dtype=torch.float32, device=self.codes.device)
-        torch.mul(self.codes, self.half_step, out=buf)
+        # Two in-place passes, no temporary: `torch.mul(codes, half_step, out=buf)` casts the int8 codes to a float32
+        # copy first — a weight-sized allocation freed on every call (a fresh mmap and its page faults under
+        # qerl's pinned mmap threshold). The codes are small integers, exact in float32: the same product, rounded once.
+        buf.copy_(self.codes)
+        buf.mul_(self.half_step)
         return buf.view(out, groups * size)
 
     @property

@@ -47,46 +47,50 @@ __all__ = [
 ]
 
 
-# Set NVFP4_DISABLE_FUSED_LORA=1 to run adapters as PEFT does even where the fused kernel applies (benchmarks).
+# Set NVFP4_DISABLE_FUSED_LORA=1 to run adapters as PEFT does even where a fused path applies (benchmarks, tests).
 FUSED_LORA = os.environ.get("NVFP4_DISABLE_FUSED_LORA") != "1"
 
 
 class LoraNVFP4Linear(_LoraLinear):
     """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``.
 
-    Forward: PEFT's (base, then ``scale · B(A(dropout(x)))``), except when no gradient is needed on CUDA with one
-    plain LoRA adapter active (generation): then base and adapter run as one kernel (``nvfp4.ops.lora_linear``),
-    which saves the four small kernels per layer that dominate a decode step's adapter cost. The adapter's product
-    is then computed in the activation dtype (PEFT computes it in the adapter's dtype); training always takes
-    PEFT's path.
+    Forward: PEFT's (base, then ``scale · B(A(dropout(x)))``), except with one plain LoRA adapter active (no dropout,
+    DoRA or adapter bias) and
+
+    * no gradient needed, on CUDA (generation): base and adapter run as one kernel (``nvfp4.ops.lora_linear``), which
+      saves the four small kernels per layer that dominate a decode step's adapter cost. The adapter's product is
+      then computed in the activation dtype (PEFT computes it in the adapter's dtype);
+    * the base's ``dequant(W)`` cached for the input (:func:`nvfp4.cache_dequantized`, the CPU path; adapter and
+      input of one dtype), training or not: :class:`_CachedLoraLinear` adds the adapter into the base's output in
+      place (one output tensor instead of PEFT's four: ``B(A(x))``, its scaled copy and the sum), with a backward
+      of the same sums in the same memory.
     """
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = self._fusable_adapter(x, args, kwargs)
+        adapter = self._plain_adapter(x, args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
         base = self.get_base_layer()
         bias = base.bias.to(x.dtype) if base.bias is not None else None
+        lora_a, lora_b, scaling = self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.scaling[adapter]
+        if base.has_cached_weight(x):
+            return _CachedLoraLinear.apply(x, base, bias, lora_a, lora_b, scaling)
         return ops.lora_linear(
-            x,
-            base.weight_packed,
-            base.weight_scale,
-            base.weight_global_scale,
-            bias,
-            self.lora_A[adapter].weight,
-            self.lora_B[adapter].weight,
-            self.scaling[adapter],
+            x, base.weight_packed, base.weight_scale, base.weight_global_scale, bias, lora_a, lora_b, scaling
         )
 
-    def _fusable_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
-        """The one active adapter if the fused inference kernel computes exactly this layer's forward, else None."""
-        if not FUSED_LORA or args or kwargs or not x.is_cuda or torch.is_grad_enabled():
-            return None
-        if self.disable_adapters or self.merged or self.fan_in_fan_out:
+    def _plain_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+        """The one active plain adapter if this layer's forward can run fused (see the class docstring), else None."""
+        if not FUSED_LORA or args or kwargs or self.disable_adapters or self.merged or self.fan_in_fan_out:
             return None
         base = self.get_base_layer()
-        cached = isinstance(base, NVFP4Linear) and (base._dense_cache is not None or base._codes_cache is not None)
-        if not isinstance(base, NVFP4Linear) or cached or not base.uses_nvfp4_ops:
+        if not isinstance(base, NVFP4Linear):
+            return None
+        if base.has_cached_weight(x):
+            fusable = all(self.lora_A[a].weight.dtype == x.dtype for a in self.active_adapters if a in self.lora_A)
+        else:  # the fused inference kernel
+            fusable = x.is_cuda and not torch.is_grad_enabled() and base.uses_nvfp4_ops
+        if not fusable:
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:
@@ -114,6 +118,41 @@ class LoraNVFP4Linear(_LoraLinear):
 
     def __repr__(self) -> str:
         return "lora.NVFP4" + super().__repr__()[len("lora.") :]
+
+
+class _CachedLoraLinear(torch.autograd.Function):
+    """``y = x · dequant(W)ᵀ + bias + scaling · (x · Aᵀ) · Bᵀ`` with ``dequant(W)`` from the base's cache: the adapter
+    term is added into the base's output by one in-place GEMM (``addmm_``), and the backward computes PEFT's
+    gradients the same way — ``dx = g · W + scaling · (g · B) · A``, ``dA = scaling · (g · B)ᵀ · x``,
+    ``dB = scaling · gᵀ · (x · Aᵀ)`` — saving ``x`` and ``x · Aᵀ`` as PEFT's linears do. Shapes: ``x`` ``[..., in]``,
+    A ``[r, in]``, B ``[out, r]``, all one float dtype. The same sums as PEFT's path: the forward bit for bit when
+    ``scaling`` is 1 (α = r, the default), the gradients to rounding (added in another order)."""
+
+    @staticmethod
+    def forward(ctx, x, base: NVFP4Linear, bias, lora_a, lora_b, scaling: float):
+        y = torch.nn.functional.linear(x, base.cached_weight(x), bias)
+        a = torch.nn.functional.linear(x, lora_a)
+        y.view(-1, y.shape[-1]).addmm_(a.view(-1, a.shape[-1]), lora_b.t(), alpha=scaling)
+        ctx.base, ctx.scaling = base, scaling
+        ctx.save_for_backward(x, a, lora_a, lora_b)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, lora_a, lora_b = ctx.saved_tensors
+        scaling = ctx.scaling
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_a = g.mm(lora_b)  # [N, r], before scaling
+        grad_x = grad_bias = grad_lora_a = grad_lora_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g.mm(ctx.base.cached_weight(g)).addmm_(grad_a, lora_a, alpha=scaling).view(x.shape)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        if ctx.needs_input_grad[3]:
+            grad_lora_a = grad_a.t().mm(x.reshape(-1, x.shape[-1])).mul_(scaling)
+        if ctx.needs_input_grad[4]:
+            grad_lora_b = g.t().mm(a.reshape(-1, a.shape[-1])).mul_(scaling)
+        return grad_x, None, grad_bias, grad_lora_a, grad_lora_b, None
 
 
 def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:

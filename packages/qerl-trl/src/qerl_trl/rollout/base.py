@@ -9,8 +9,10 @@ generate from a copy of the policy (vLLM) also take the LoRA adapter (:meth:`Rol
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 
     from ..quantization import QuantScheme
 
-__all__ = ["RolloutEngine"]
+__all__ = ["RolloutEngine", "generate_padded"]
 
 
 class RolloutEngine:
@@ -76,3 +78,50 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Release what the engine holds (processes, GPU memory); nothing for the in-process engines."""
+
+
+def generate_padded(trainer: Any, prompt_ids: list[list[int]], profile_name: str, run: Callable) -> list[list[int]]:
+    """TRL 1.16's regular generation path around ``run(model, input_ids, attention_mask)``, which returns the prompt +
+    completion ids ``[B, T + new]``: the left padding (``pad``, ``pad_to_multiple_of``), the context managers
+    (unwrapped model with gradient checkpointing off, no grad, FSDP full params), and the post-processing (the tokens
+    after the padded prompt, cut after the first EOS). Returns the completions as lists of token ids."""
+    from trl.extras.profiling import profiling_context
+    from trl.models import unwrap_model_for_generation
+    from trl.trainer.utils import pad
+
+    device = trainer.accelerator.device
+    prompts = [torch.tensor(ids) for ids in prompt_ids]
+    input_ids = pad(
+        prompts,
+        padding_value=trainer._tokenizer.pad_token_id,
+        padding_side="left",
+        pad_to_multiple_of=trainer.pad_to_multiple_of,
+    ).to(device)
+    attention_mask = pad(
+        [torch.ones_like(t) for t in prompts],
+        padding_value=0,
+        padding_side="left",
+        pad_to_multiple_of=trainer.pad_to_multiple_of,
+    ).to(device)
+    prompt_length = input_ids.size(1)
+    with (
+        profiling_context(trainer, profile_name),
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped_model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        prompt_completion_ids = run(unwrapped_model, input_ids, attention_mask)
+    completion_ids = prompt_completion_ids[:, prompt_length:]
+    # Mask everything after the first EOS token (TRL 1.16's lines)
+    is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=device))
+    eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
+    eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+    sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
+    completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+    return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)]

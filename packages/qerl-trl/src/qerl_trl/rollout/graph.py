@@ -11,12 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from trl.extras.profiling import profiling_context
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad
 
 from ..graph_generate import graph_generate
-from .base import RolloutEngine
+from .base import RolloutEngine, generate_padded
 from .transformers import generation_cache_len
 
 __all__ = ["GraphRollout"]
@@ -58,44 +55,21 @@ class GraphRollout(RolloutEngine):
                 "prompts with images or other multimodal inputs"
             )
         trainer = self.trainer
-        device = trainer.accelerator.device
         gen = trainer.generation_config
-        prompts = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(
-            prompts,
-            padding_value=trainer._tokenizer.pad_token_id,
-            padding_side="left",
-            pad_to_multiple_of=trainer.pad_to_multiple_of,
-        ).to(device)
-        attention_mask = pad(
-            [torch.ones_like(t) for t in prompts],
-            padding_value=0,
-            padding_side="left",
-            pad_to_multiple_of=trainer.pad_to_multiple_of,
-        ).to(device)
-        prompt_length = input_ids.size(1)
         cache_len = generation_cache_len(gen, trainer.args)
-        if prompt_length + gen.max_new_tokens > cache_len:
-            raise ValueError(
-                f"rollout_engine='graph': a prompt of {prompt_length} tokens (padded) + {gen.max_new_tokens} new "
-                f"tokens does not fit the run's fixed KV cache of {cache_len} tokens (generation_prompt_cache_len "
-                f"{trainer.args.generation_prompt_cache_len} + max_completion_length {trainer.args.max_completion_length}, "
-                "or generation_kwargs['max_cache_len']): raise generation_prompt_cache_len or shorten the prompts"
-            )
-        with (
-            profiling_context(trainer, "graph_generate"),
-            unwrap_model_for_generation(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                generation_kwargs=trainer.generation_kwargs,
-                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
-        ):
-            prompt_completion_ids = graph_generate(
-                unwrapped_model,
+
+        def run(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            prompt_length = input_ids.size(1)
+            if prompt_length + gen.max_new_tokens > cache_len:
+                raise ValueError(
+                    f"rollout_engine='graph': a prompt of {prompt_length} tokens (padded) + {gen.max_new_tokens} new "
+                    f"tokens does not fit the run's fixed KV cache of {cache_len} tokens (generation_prompt_cache_len "
+                    f"{trainer.args.generation_prompt_cache_len} + max_completion_length "
+                    f"{trainer.args.max_completion_length}, or generation_kwargs['max_cache_len']): raise "
+                    "generation_prompt_cache_len or shorten the prompts"
+                )
+            return graph_generate(
+                model,
                 input_ids,
                 attention_mask,
                 max_new_tokens=gen.max_new_tokens,
@@ -107,14 +81,5 @@ class GraphRollout(RolloutEngine):
                 max_cache_len=cache_len,
                 **trainer.graph_generate_kwargs,
             )
-        completion_ids = prompt_completion_ids[:, prompt_length:]
-        # Mask everything after the first EOS token (TRL 1.16's lines)
-        is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=device))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
-        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
-        sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
-        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-        completion_ids = [
-            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
-        ]
-        return completion_ids, None
+
+        return generate_padded(trainer, prompt_ids, "graph_generate", run), None

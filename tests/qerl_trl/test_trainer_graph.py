@@ -141,8 +141,16 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     trainer.args.rollout_engine = "transformers"
     trl_greedy, _ = trainer._generate_turn(prompts, None, {}, 1)
     assert graph_greedy == trl_greedy
+    # generation_wave_rows: the 4 rows in waves of 2 (graph_generate's max_rows), the same greedy completions
+    from qerl_trl.graph_generate import _STATES
+
+    trainer.args.rollout_engine, trainer.args.generation_wave_rows = "graph", 3
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    _STATES.pop(unwrapped, None)
+    assert trainer._generate_graph(prompts, None, {})[0] == graph_greedy
+    assert _STATES[unwrapped].key[0] == 2
+    trainer.args.generation_wave_rows = None
     # temperature -> 0 sampling on the graph path: the greedy tokens
-    trainer.args.rollout_engine = "graph"
     gen.do_sample, gen.temperature = True, 1e-4
     assert trainer._generate_graph(prompts, None, {})[0] == graph_greedy
 

@@ -6,6 +6,11 @@ synthetic arithmetic task, CPU-sized). ``RECIPE`` is a YAML file, or the name of
 config (:class:`~qerl_trl.QeRLConfig`, or :class:`~qerl_trl.QeRLDAPOConfig` for ``algorithm: dapo``) can be set in the
 YAML and overridden on the command line (``--learning_rate 5e-6``), as with TRL's own scripts (``TrlParser``).
 
+Before the model loads, the run is checked against the GPU's memory (:mod:`qerl_trl.memory_plan`): a run that cannot
+fit stops with one line and exit code 2; with ``rollout_engine: graph`` a generation batch whose KV cache does not fit
+at once is generated in waves (one line says how many rows each). ``--memory-budget-gb GB`` plans against ``GB`` of
+GPU memory instead of what the GPU has free (and checks on a machine without a GPU too).
+
 Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml -m qerl_trl train [RECIPE] ...``.
 """
 
@@ -22,7 +27,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "main", "parse_train_args", "train"]
+__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "check_memory", "main", "parse_train_args", "train"]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
@@ -162,6 +167,47 @@ def train(script_args: ScriptArguments, config: Any) -> Any:
     return trainer
 
 
+def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | None = None) -> Any:
+    """``qerl train``'s memory check, before the model loads: the run's :mod:`~qerl_trl.memory_plan` against
+    ``budget_bytes`` (default: on CUDA, the memory this process's GPU has free; without a GPU nothing is checked).
+
+    Raises :class:`~qerl_trl.memory_plan.MemoryPlanError` (one line: what does not fit, by how much, which setting to
+    change) when not even one generation row fits beside the weights, LoRA, optimizer state and training micro-batch
+    (with ``rollout_engine="transformers"``: when the whole generation batch does not). When the graph engine has to
+    generate in waves, sets ``config.generation_wave_rows`` and prints one line saying so. Returns the plan (None when
+    nothing was planned)."""
+    from .memory_plan import GB, cuda_budget_bytes, preflight
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if budget_bytes is None:
+        import torch
+
+        if config.use_cpu or not torch.cuda.is_available():
+            return None
+        budget_bytes = cuda_budget_bytes(int(os.environ.get("LOCAL_RANK", "0")))
+    from transformers import AutoConfig
+
+    from .policy import resolve_model_path
+
+    model_config = AutoConfig.from_pretrained(resolve_model_path(script_args.model_name_or_path))
+    before = config.generation_wave_rows
+    plan = preflight(config, model_config, budget_bytes, world_size=world)
+    if plan is not None and config.generation_wave_rows != before and _is_main_process():
+        print(
+            f"qerl train: memory plan: {plan.run.generation_rows} completions per generation round do not fit at once "
+            f"in {budget_bytes / GB:.1f} GB (KV cache {plan.kv_per_row / GB:.2f} GB per row of {plan.run.cache_len} "
+            f"positions): generated in {plan.waves} waves of <= {plan.rows_per_wave} rows "
+            f"(generation_wave_rows={config.generation_wave_rows}; planned peak {plan.peak(plan.rows_per_wave) / GB:.1f} "
+            f"GB of {plan.usable_bytes / GB:.1f} usable)",
+            flush=True,
+        )
+    return plan
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _print_summary(trainer: Any, seconds: float, final: Path) -> None:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     if not logs:
@@ -200,6 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    budget_gb = None
+    if "--memory-budget-gb" in argv:  # plan against this much GPU memory (any machine) instead of the GPU's free memory
+        i = argv.index("--memory-budget-gb")
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            budget_gb = float(value)
+            if not budget_gb > 0:
+                raise ValueError
+        except ValueError:
+            _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
+        del argv[i : i + 2]
     usage = "usage: qerl {train,eval} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes)"
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     if command in ("-h", "--help", "help"):
@@ -217,6 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             parsed = parse_train_args(argv)
         except (ValueError, TypeError) as e:  # the config dataclasses' validation of option values
+            _usage_error("qerl train", e, debug)
+        from .memory_plan import MemoryPlanError
+
+        try:  # before the model loads: a run that cannot fit stops here, not out of memory in its first step
+            check_memory(*parsed, budget_bytes=None if budget_gb is None else int(budget_gb * 1e9))
+        except MemoryPlanError as e:
             _usage_error("qerl train", e, debug)
         try:
             trainer = train(*parsed)

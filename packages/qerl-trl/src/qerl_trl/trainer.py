@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -75,6 +76,8 @@ __all__ = [
     "quantized_buffer_names",
     "rollout_seed",
 ]
+
+logger = logging.getLogger(__name__)
 
 AQN_STATE_NAME = "aqn_state.json"
 _STAGING = ".staging"
@@ -327,6 +330,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
             self.model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(quantized_buffer_names(self.model)))
+        self._plan_generation_memory()
         cache = contextlib.nullcontext()
         if next(model.parameters()).device.type == "cpu":
             # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
@@ -336,6 +340,24 @@ class QeRLGRPOTrainer(GRPOTrainer):
             cache = cache_dequantized(model, model.get_input_embeddings().weight.dtype, compact=True)
         with cache:
             return super().train(*args, **kwargs)
+
+    def _plan_generation_memory(self) -> None:
+        """``rollout_engine="graph"`` on CUDA with ``generation_wave_rows`` unset, before the first step: the memory
+        plan (:func:`qerl_trl.memory_plan.preflight`) against the GPU's memory; generate in waves of the rows that fit
+        (or raise :class:`~qerl_trl.memory_plan.MemoryPlanError`, one line, when not even one fits). ``qerl train``
+        has made the check before loading the model (and set ``generation_wave_rows`` when waves are needed); this
+        covers the Python API."""
+        if self.accelerator.device.type != "cuda" or self.args.rollout_engine != "graph":
+            return
+        if self.args.generation_wave_rows is not None:
+            return
+        from .memory_plan import cuda_budget_bytes, preflight
+
+        config = self.accelerator.unwrap_model(self.model).config
+        plan = preflight(self.args, config, cuda_budget_bytes(self.accelerator.device),
+                         world_size=self.accelerator.num_processes)  # fmt: skip
+        if plan is not None and self.args.generation_wave_rows is not None:
+            logger.warning("memory plan: %s", plan.summary())
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         mode = "train" if self.model.training else "eval"
@@ -464,7 +486,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 eos_token_id=gen.eos_token_id,
                 pad_token_id=gen.pad_token_id,
                 max_cache_len=cache_len,
-                **self.graph_generate_kwargs,
+                **{"max_rows": self.args.generation_wave_rows, **self.graph_generate_kwargs},
             )
         completion_ids = prompt_completion_ids[:, prompt_length:]
         # Mask everything after the first EOS token (TRL 1.16's lines)

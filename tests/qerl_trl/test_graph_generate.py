@@ -111,9 +111,9 @@ def test_compaction_greedy_matches_generate(min_batch):
     assert torch.equal(plain, ref) and set(sizes) == {8}
 
 
-def test_compaction_compiled_one_graph_per_batch():
-    """Compiled (dynamo + AOT autograd): each batch size that compaction reaches compiles once; a second rollout
-    replays them (no new graph) and returns the eager loop's tokens."""
+def _compiled_compaction_case():
+    """A fresh dynamo (counters cleared), the tiny Llama, 8 left-padded rows whose greedy tokens hit EOS at staggered
+    steps, and the ``graph_generate`` keywords that compact them every 2nd step down to 2 rows."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -123,6 +123,15 @@ def test_compaction_compiled_one_graph_per_batch():
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
               compact_min_batch=2, max_cache_len=48)  # fmt: skip
+    return model, ids, mask, kw
+
+
+def test_compaction_compiled_one_graph_per_batch():
+    """Compiled (dynamo + AOT autograd): each batch size that compaction reaches compiles once; a second rollout
+    replays them (no new graph) and returns the eager loop's tokens."""
+    from torch._dynamo.utils import counters
+
+    model, ids, mask, kw = _compiled_compaction_case()
     sizes, hook = _batch_sizes(model)
     ref = graph_generate(model, ids, mask, compile=False, **kw)
     hook.remove()
@@ -136,22 +145,25 @@ def test_compaction_compiled_one_graph_per_batch():
     release_graph_state(model)
 
 
-def test_compaction_sampling():
-    """Sampling with compaction: a temperature near 0 gives the greedy tokens (1e-6: at 1e-4 a near-tie of this tiny
-    model flips one token, with or without compaction); at T = 1 every row is a well-formed
-    completion (pad after its EOS, the call stops when the last row has finished)."""
+@pytest.mark.parametrize("max_rows", [None, 3])
+def test_compaction_sampling(max_rows):
+    """Sampling with compaction, in one batch or in waves of at most 3 rows: a temperature near 0 gives the greedy
+    one-batch tokens (1e-6: at 1e-4 a near-tie of this tiny model flips one token, with or without compaction); at
+    T = 1 every row is a well-formed completion (pad after its EOS, the call as long as its longest row)."""
     model = _model()
     ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, check_every=2, compact_min_batch=1)
     greedy = graph_generate(model, ids, mask, do_sample=False, **kw)
-    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0), **kw)
+    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0),
+                          max_rows=max_rows, **kw)  # fmt: skip
     assert torch.equal(cold, greedy)
     _eos_likely(model)
     sizes, _ = _batch_sizes(model)
     out = graph_generate(model, ids, mask, max_new_tokens=40, eos_token_id=[EOS, 3], pad_token_id=PAD,
-                         generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1)  # fmt: skip
-    assert min(sizes[1:]) < 8
+                         generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1,
+                         max_rows=max_rows)  # fmt: skip
+    assert min(sizes[1:]) < 8 and max(sizes) == (max_rows or 8)
     gen = out[:, 18:]
     ends = []
     for row in gen:
@@ -204,13 +216,7 @@ def test_waves_compiled_replay_one_graph_per_batch():
     tokens are the eager one-batch tokens; the KV cache is the same object throughout (allocated once, for 3 rows)."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _model()
-    ids, mask = _prompts(batch=8, length=18)
-    eos = _staggered_eos(model, ids, mask, 24)
-    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
-              compact_min_batch=2, max_cache_len=48)  # fmt: skip
+    model, ids, mask, kw = _compiled_compaction_case()
     ref = graph_generate(model, ids, mask, compile=False, **kw)
     release_graph_state(model)
     opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
@@ -240,31 +246,6 @@ def test_smaller_call_reuses_larger_state():
     assert _STATES[model].cache is cache and _STATES[model].key[0] == 6
     release_graph_state(model)
     assert torch.equal(small, graph_generate(model, ids[3:], mask[3:], **kw))
-    release_graph_state(model)
-
-
-def test_waves_sampling():
-    """Sampling in waves: every row a well-formed completion (pad after its EOS), the call as long as its longest
-    row; a temperature near 0 gives the greedy one-batch tokens."""
-    model = _model()
-    ids, mask = _prompts(batch=8, length=18)
-    eos = _staggered_eos(model, ids, mask, 24)
-    kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, check_every=2, compact_min_batch=1)
-    greedy = graph_generate(model, ids, mask, do_sample=False, **kw)
-    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0), max_rows=3,
-                          **kw)  # fmt: skip
-    assert torch.equal(cold, greedy)
-    hook = _eos_likely(model)
-    out = graph_generate(model, ids, mask, max_new_tokens=40, eos_token_id=[EOS, 3], pad_token_id=PAD,
-                         generator=torch.Generator().manual_seed(0), check_every=2, max_rows=3)  # fmt: skip
-    hook.remove()
-    gen = out[:, 18:]
-    ends = []
-    for row in gen:
-        hit = ((row == EOS) | (row == 3)).nonzero()
-        ends.append(int(hit[0]) + 1 if len(hit) else gen.shape[1])
-        assert (row[ends[-1] :] == PAD).all(), row
-    assert gen.shape[1] == max(ends) and torch.equal(out[:, :18], ids)
     release_graph_state(model)
 
 

@@ -247,9 +247,10 @@ def test_cli_impossible_plan_stops_before_the_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qerl train: error: the run does not fit in 0.1 GB"), err
     assert "GB over the" in err[0] and not out.exists()
-    with pytest.raises(SystemExit) as e:
-        main(["train", "offline-default", "--output_dir", str(out), "--memory-budget-gb", "-1"])
-    assert e.value.code == 2 and "--memory-budget-gb must be" in capsys.readouterr().err
+    for bad in ("-1", "inf", "lots"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "offline-default", "--output_dir", str(out), "--memory-budget-gb", bad])
+        assert e.value.code == 2 and "--memory-budget-gb must be" in capsys.readouterr().err
 
 
 def test_cli_check_memory_prints_the_waves(tmp_path, capsys):

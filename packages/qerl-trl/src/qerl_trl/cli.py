@@ -189,7 +189,10 @@ def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | 
 
     from .policy import resolve_model_path
 
-    model_config = AutoConfig.from_pretrained(resolve_model_path(script_args.model_name_or_path))
+    try:
+        model_config = AutoConfig.from_pretrained(resolve_model_path(script_args.model_name_or_path))
+    except (OSError, ValueError):  # not readable here (offline, no such model): loading the model will say why
+        return None
     before = config.generation_wave_rows
     plan = preflight(config, model_config, budget_bytes, world_size=world)
     if plan is not None and config.generation_wave_rows != before and _is_main_process():
@@ -242,21 +245,27 @@ def _usage_error(prog: str, error: Exception, debug: bool) -> None:
     raise SystemExit(2)
 
 
+def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
+    """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
+    what the GPU has free; None when not given."""
+    if "--memory-budget-gb" not in argv:
+        return None
+    i = argv.index("--memory-budget-gb")
+    value = argv[i + 1] if i + 1 < len(argv) else ""
+    del argv[i : i + 2]
+    try:
+        budget_gb = float(value)
+    except ValueError:
+        budget_gb = float("nan")
+    if not 0 < budget_gb < float("inf"):
+        _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
+    return budget_gb
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    budget_gb = None
-    if "--memory-budget-gb" in argv:  # plan against this much GPU memory (any machine) instead of the GPU's free memory
-        i = argv.index("--memory-budget-gb")
-        value = argv[i + 1] if i + 1 < len(argv) else ""
-        try:
-            budget_gb = float(value)
-            if not budget_gb > 0:
-                raise ValueError
-        except ValueError:
-            _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
-        del argv[i : i + 2]
     usage = "usage: qerl {train,eval} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes)"
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     if command in ("-h", "--help", "help"):
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
+        budget_gb = _pop_memory_budget(argv, debug)
         from .memory import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory

@@ -28,8 +28,14 @@ q/k/v/o/gate/up/down in every arm (adapters in ``--lora-dtype``): ``bf16`` (bf16
 (bitsandbytes NF4 + LoRA), ``nvfp4`` (NVFP4 + LoRA, ours). The trainer gets the ``PeftModel`` (its ``peft_config`` is
 then ignored). Tokenizer: a real ``PreTrainedTokenizerFast`` over a WordLevel vocabulary of the model's vocab size
 with a whitespace pre-tokenizer, so a prompt of ``--prompt-len`` words is exactly that many tokens (no Hub).
-Completions have a fixed length: ``generation_kwargs={"min_new_tokens": --completion-len}`` (EOS masked until
-``max_completion_length``); the JSON records the lengths generated. Sampling at temperature 1.0; reward = mean token
+Completions have a fixed length by default: ``generation_kwargs={"min_new_tokens": --completion-len}`` (EOS masked
+until ``max_completion_length``); the JSON records the lengths generated. ``--eos-mean-tokens M`` gives them spread
+lengths instead, as ``benchmarks/rollout.py`` does: ``round(V / M)`` token ids become EOS ids (the model's generation
+config, which TRL reads), so past ``--min-new-tokens`` a row of the near-uniform random-weight model ends at each step
+with probability about 1/M: lengths about ``min + Geometric(M)``, a long tail up to ``--completion-len``.
+``--lengths`` presets (assumptions, not fits to a published distribution; see :data:`LENGTH_PRESETS`): ``gsm8k``
+(mean ~300 tokens) and ``bigmath`` (mean ~1,000). Each step records the lengths' mean, spread and quantiles; with
+``--rollout-engine graph`` the memory plan's wave size (``generation_wave_rows``, or ``--wave-rows``) too. Sampling at temperature 1.0; reward = mean token
 id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = ``--beta`` (0: no reference
 forward); AQN on (constant σ = ``--aqn-sigma`` on every step, warm-up included, so the measured steps run the same
 code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
@@ -68,6 +74,15 @@ size; measured on the H100: 32B NVFP4, 2048 tokens, 1 measured step = 309 s for 
     accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 benchmarks/grpo_step.py \
         --models 7b --arms nvfp4 --warmup-completion-len 32 --out $OUT/grpo_7b_ddp2.json    # 2 GPUs, one arm per launch
     python3 benchmarks/grpo_step.py --merge a.json b.json --out grpo_step.json   # combine runs, print the table
+
+Issue #40, the recipes' own settings at spread lengths (graph engine; on CUDA the memory plan picks the wave size,
+recorded as ``generation_wave_rows``; the warm-up at the full length compiles the compacted batch sizes too)::
+
+    python3 benchmarks/grpo_step.py --models 7b --arms nvfp4 --rollout-engine graph --group 8 --per-device-batch 16 \
+        --grad-accum 8 --prompt-len 256 --prompt-cache-len 1024 --completion-len 4096 --lengths gsm8k --steps 2 \
+        --arm-timeout 570 --out $OUT/grpo_7b_gsm8k_nvfp4.json   # GSM8K recipe; one arm per call (then bf16, qlora)
+    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine graph --group 8 --prompt-len 256 \
+        --completion-len 2048 --lengths bigmath --steps 2 --arm-timeout 570 --out $OUT/grpo_32b_g8_2048.json
 """
 
 from __future__ import annotations
@@ -95,7 +110,7 @@ from common.env import (
     versions,
     write_result,
 )
-from common.models import ARM_LABEL, OURS, build_arm, compile_config, graph_compile_options
+from common.models import ARM_LABEL, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -109,6 +124,14 @@ from common.workers import (
 )
 
 ARMS = ("bf16", "qlora", "nvfp4")
+#: ``--lengths``: (``--min-new-tokens``, ``--eos-mean-tokens``). Assumptions (no per-token length distribution of these
+#: runs was found published): ``gsm8k``, Qwen2.5-7B-Instruct's chain-of-thought answers on GSM8K, mean ~300 tokens (the
+#: figure issue #40 gives), here 100 + Geometric(200): sd ~200, longest of 128 rows ~1,100, the 4,096 cap not reached;
+#: ``bigmath``, Qwen2.5-32B-Instruct under DAPO on BigMath, mean ~1,000 (competition problems; DAPO's length grows over
+#: training, QeRL timed its first 30 steps "where the output token length is relatively short"), here 200 +
+#: Geometric(800): longest of 128 rows ~4,500 of the 8,192 cap. A geometric tail does not reach the cap the way
+#: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
+LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
 ENGINES = ("transformers", "graph")  # QeRLConfig.rollout_engine
 PHASES = ("gen", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
@@ -265,6 +288,7 @@ def _make_trainer_class(clock: _Clock):
         def __init__(self) -> None:
             self.catcher: LogCatcher | None = None
             self.lengths: list[int] = []  # completion length of each step (warm-up steps may be shorter)
+            self.min_new: int | None = None  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
             self.trainer = None
             self.after_step = None  # called after every step (partial results survive a kill)
 
@@ -274,7 +298,8 @@ def _make_trainer_class(clock: _Clock):
             n = self.lengths[min(state.global_step, len(self.lengths) - 1)] if self.lengths else None
             if n is not None and self.trainer is not None:
                 gcfg = self.trainer.generation_config
-                gcfg.max_new_tokens = gcfg.min_new_tokens = n
+                gcfg.max_new_tokens = n
+                gcfg.min_new_tokens = min(self.min_new, n) if self.min_new is not None else n
             gc.collect()
             if clock.cuda:
                 torch.cuda.reset_peak_memory_stats(clock.device)
@@ -350,6 +375,11 @@ def _step_row(c: dict, group: int) -> dict:
     r["completion_tokens"] = int(sum(lens))
     r["completion_len_min"] = min(lens) if lens else None
     r["completion_len_max"] = max(lens) if lens else None
+    if lens:
+        q = sorted(lens)
+        r["completion_len_mean"] = round(statistics.fmean(lens), 1)
+        r["completion_len_sd"] = round(statistics.pstdev(lens), 1)
+        r["completion_len_p50_p90_p99"] = [q[min(len(q) - 1, int(f * len(q)))] for f in (0.5, 0.9, 0.99)]
     r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
     r["decode_tok_s"] = (
         round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
@@ -409,9 +439,16 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     resv = [r.get("peak_gpu_reserved_gb") for r in rows if r.get("peak_gpu_reserved_gb") is not None]
     s["peak_gpu_reserved_gb"] = max(resv) if resv else None
     s["peak_rss_gb"] = rss_peak_gb()
-    lens_ok = all(
-        r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
-    )
+    if args.eos_mean_tokens:  # spread lengths: each row ends after --min-new-tokens, at the cap at the latest
+        lens_ok = all(
+            min(args.min_new_tokens, r["expected_len"] - 1) < r["completion_len_min"]
+            and r["completion_len_max"] <= r["expected_len"]
+            for r in rows
+        )
+    else:
+        lens_ok = all(
+            r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
+        )
     s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
     dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in _DYN_KEYS}
@@ -486,10 +523,18 @@ def run_worker(args) -> dict:
     step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
     outdir = tempfile.mkdtemp(prefix="grpo_step_")
     engine = getattr(args, "rollout_engine", "transformers")
+    cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
+    if args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
+        eos = spread_eos_ids(vocab, args.eos_mean_tokens)
+        model.get_base_model().generation_config.eos_token_id = eos
+        step_clock.min_new = args.min_new_tokens
+        res["spread_eos_ids"] = len(eos)
     res["rollout_engine"] = engine
     cfg = QeRLConfig(
         output_dir=outdir,
         rollout_engine=engine,
+        generation_prompt_cache_len=cache_prompt,  # the memory plan's prompt cap
+        generation_wave_rows=args.wave_rows or None,
         per_device_train_batch_size=args.per_device_batch or args.group,
         num_generations=args.group,
         gradient_accumulation_steps=args.grad_accum,
@@ -499,8 +544,8 @@ def run_worker(args) -> dict:
         top_k=0,
         cache_implementation=None if args.no_static_cache else "static",
         compile_generation=not args.no_compile,  # the trainer's compiled decode on CUDA (knobs set below)
-        generation_kwargs={"min_new_tokens": args.completion_len}
-        | ({} if args.no_static_cache else {"max_cache_len": args.prompt_len + args.completion_len}),
+        generation_kwargs={"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
+        | ({} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}),
         learning_rate=1e-5,
         beta=args.beta,
         max_steps=n_steps,
@@ -583,12 +628,17 @@ def run_worker(args) -> dict:
     res["grad_ckpt"] = args.grad_ckpt
 
     status = "ok"
+    from qerl_trl.memory_plan import MemoryPlanError
+
     try:
         trainer.train()
+    except MemoryPlanError as e:
+        status = f"does not fit (memory plan): {e}"
     except torch.OutOfMemoryError as e:
         status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
         if cuda:
             res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
+    res["generation_wave_rows"] = trainer.args.generation_wave_rows  # None: one wave (the whole generation batch)
     rows = [_step_row(c, args.group) for c in clock.steps]
     _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
     if status == "ok" and len(rows) < n_steps:
@@ -635,6 +685,10 @@ _PASS = (
     "dtype",
     "warmup_completion_len",
     "rollout_engine",
+    "eos_mean_tokens",
+    "min_new_tokens",
+    "wave_rows",
+    "prompt_cache_len",
 )
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
@@ -762,6 +816,23 @@ def main(argv=None) -> None:
         help="completion length of the warm-up steps (default: --completion-len); the static cache keeps its full "
         "size, so a short warm-up compiles the same decode graph (saves minutes at 32B)",
     )
+    ap.add_argument(
+        "--eos-mean-tokens",
+        type=int,
+        default=None,
+        help="spread completion lengths: round(V / M) EOS ids, a row ends past --min-new-tokens with probability ~1/M "
+        "per token (0: fixed lengths; default: --lengths' or 0)",
+    )
+    ap.add_argument("--min-new-tokens", type=int, default=None, help="with --eos-mean-tokens: no EOS before this")
+    ap.add_argument("--lengths", choices=sorted(LENGTH_PRESETS), help="preset --min-new-tokens / --eos-mean-tokens")
+    ap.add_argument("--wave-rows", type=int, default=0, help="generation_wave_rows (0: the memory plan's, on CUDA)")
+    ap.add_argument(
+        "--prompt-cache-len",
+        type=int,
+        default=None,
+        help="prompt positions of the KV cache and the memory plan (a recipe's generation_prompt_cache_len, 1024 by "
+        "default there; default here: --prompt-len)",
+    )
     ap.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing")
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
     ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
@@ -808,6 +879,13 @@ def main(argv=None) -> None:
         if args.completion_len == 1024:
             args.completion_len = 8
 
+    preset = LENGTH_PRESETS.get(args.lengths, (0, 0))
+    if args.min_new_tokens is None:
+        args.min_new_tokens = preset[0]
+    if args.eos_mean_tokens is None:
+        args.eos_mean_tokens = preset[1]
+    if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
+        ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
     if args.rollout_engine == "graph" and args.no_static_cache:
         ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 

@@ -76,7 +76,7 @@ from common.env import (
     versions,
     write_result,
 )
-from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options
+from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
 from common.shapes import MODELS
 from common.tables import fmt
@@ -252,15 +252,6 @@ def run_worker(args) -> dict:
     res["status"] = status
     res["peak_rss_gb"] = rss_peak_gb()
     return res
-
-
-def spread_eos_ids(vocab: int, mean_tokens: float, seed: int = 0) -> list[int]:
-    """``round(vocab / mean_tokens)`` distinct token ids (never :data:`SPREAD_PAD`), drawn once from ``seed``."""
-    import torch
-
-    k = max(1, round(vocab / mean_tokens))
-    perm = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed))[:k] + 1
-    return sorted(perm.tolist())
 
 
 def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:

@@ -178,3 +178,12 @@ def graph_compile_options(args) -> dict:
     """``torch.compile`` keyword arguments (of ``graph_generate``'s decode step, and of :func:`compile_config`)."""
     return dict(fullgraph=args.fullgraph, dynamic=False, backend=args.compile_backend,
                 mode=args.compile_mode if args.compile_backend == "inductor" else None)  # fmt: skip
+
+
+def spread_eos_ids(vocab: int, mean_tokens: float, seed: int = 0) -> list[int]:
+    """``round(vocab / mean_tokens)`` distinct token ids (never 0, the pad id of the spread-length runs), drawn once from ``seed``."""
+    import torch
+
+    k = max(1, round(vocab / mean_tokens))
+    perm = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed))[:k] + 1
+    return sorted(perm.tolist())

@@ -25,7 +25,9 @@ def _run(tmp_path: Path, *extra: str) -> tuple[str, dict]:
     out = tmp_path / "grpo.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--arms", "nvfp4", "--compile-backend", "eager", *extra]
-    cmd += ["--prompt-len", "12", "--completion-len", "6", "--steps", "2", "--out", str(out)]
+    cmd += ["--prompt-len", "12", "--steps", "2", "--out", str(out)]
+    if "--completion-len" not in extra:
+        cmd += ["--completion-len", "6"]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, json.loads(out.read_text())
@@ -79,3 +81,26 @@ def test_grpo_step_tiny_nvfp4_graph_engine(tmp_path):
     assert s["compiled_path_ok"], s["dynamo_measured"]  # ... and replayed without recompiling afterwards
     # every field of the latest committed H100 run (BENCHMARKS.md's 7B step at the recipe's batch), GPU memory aside
     assert_fields_of("grpo_step_7b_b128_no_cudnn.json", data, skip=("$.configs.",))  # configs: by model name
+
+
+def test_grpo_step_tiny_spread_lengths_in_waves(tmp_path):
+    """``--eos-mean-tokens`` / ``--min-new-tokens``: completions of spread lengths (a quarter of the tiny vocabulary are
+    EOS ids: the rows end after 2 tokens, at the 16-token cap at the latest, not all at once), with their mean, spread
+    and quantiles per step; 8 completions per step (2 groups of 4, 2 micro-batches) generated in waves of at most 3
+    rows (``--wave-rows``: ``generation_wave_rows``, graph_generate's ``max_rows``)."""
+    stdout, data = _run(tmp_path, "--rollout-engine", "graph", "--no-compile", "--eos-mean-tokens", "4",
+                        "--min-new-tokens", "2", "--completion-len", "16", "--group", "4", "--per-device-batch", "4",
+                        "--grad-accum", "2", "--wave-rows", "3")  # fmt: skip
+    (res,) = data["results"]
+    assert res["status"] == "ok", res
+    assert res["generation_wave_rows"] == 3 and res["spread_eos_ids"] == 256
+    assert data["settings"]["eos_mean_tokens"] == 4 and data["settings"]["min_new_tokens"] == 2
+    lens = []
+    for step in res["warmup_steps"] + res["steps"]:
+        assert step["completions"] == 8
+        assert 2 < step["completion_len_min"] and step["completion_len_max"] <= step["expected_len"]
+        assert step["completion_len_mean"] > 0 and step["completion_len_sd"] >= 0
+        assert len(step["completion_len_p50_p90_p99"]) == 3
+        lens.append((step["completion_len_min"], step["completion_len_max"]))
+    assert any(lo < hi for lo, hi in lens), lens  # spread, not fixed
+    assert res["summary"]["completion_lengths_ok"] and res["summary"]["advantages_nonzero"]

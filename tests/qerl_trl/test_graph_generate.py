@@ -111,9 +111,9 @@ def test_compaction_greedy_matches_generate(min_batch):
     assert torch.equal(plain, ref) and set(sizes) == {8}
 
 
-def test_compaction_compiled_one_graph_per_batch():
-    """Compiled (dynamo + AOT autograd): each batch size that compaction reaches compiles once; a second rollout
-    replays them (no new graph) and returns the eager loop's tokens."""
+def _compiled_compaction_case():
+    """A fresh dynamo (counters cleared), the tiny Llama, 8 left-padded rows whose greedy tokens hit EOS at staggered
+    steps, and the ``graph_generate`` keywords that compact them every 2nd step down to 2 rows."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -123,6 +123,15 @@ def test_compaction_compiled_one_graph_per_batch():
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
               compact_min_batch=2, max_cache_len=48)  # fmt: skip
+    return model, ids, mask, kw
+
+
+def test_compaction_compiled_one_graph_per_batch():
+    """Compiled (dynamo + AOT autograd): each batch size that compaction reaches compiles once; a second rollout
+    replays them (no new graph) and returns the eager loop's tokens."""
+    from torch._dynamo.utils import counters
+
+    model, ids, mask, kw = _compiled_compaction_case()
     sizes, hook = _batch_sizes(model)
     ref = graph_generate(model, ids, mask, compile=False, **kw)
     hook.remove()
@@ -136,22 +145,25 @@ def test_compaction_compiled_one_graph_per_batch():
     release_graph_state(model)
 
 
-def test_compaction_sampling():
-    """Sampling with compaction: a temperature near 0 gives the greedy tokens (1e-6: at 1e-4 a near-tie of this tiny
-    model flips one token, with or without compaction); at T = 1 every row is a well-formed
-    completion (pad after its EOS, the call stops when the last row has finished)."""
+@pytest.mark.parametrize("max_rows", [None, 3])
+def test_compaction_sampling(max_rows):
+    """Sampling with compaction, in one batch or in waves of at most 3 rows: a temperature near 0 gives the greedy
+    one-batch tokens (1e-6: at 1e-4 a near-tie of this tiny model flips one token, with or without compaction); at
+    T = 1 every row is a well-formed completion (pad after its EOS, the call as long as its longest row)."""
     model = _model()
     ids, mask = _prompts(batch=8, length=18)
     eos = _staggered_eos(model, ids, mask, 24)
     kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, check_every=2, compact_min_batch=1)
     greedy = graph_generate(model, ids, mask, do_sample=False, **kw)
-    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0), **kw)
+    cold = graph_generate(model, ids, mask, temperature=1e-6, generator=torch.Generator().manual_seed(0),
+                          max_rows=max_rows, **kw)  # fmt: skip
     assert torch.equal(cold, greedy)
     _eos_likely(model)
     sizes, _ = _batch_sizes(model)
     out = graph_generate(model, ids, mask, max_new_tokens=40, eos_token_id=[EOS, 3], pad_token_id=PAD,
-                         generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1)  # fmt: skip
-    assert min(sizes[1:]) < 8
+                         generator=torch.Generator().manual_seed(0), check_every=2, compact_min_batch=1,
+                         max_rows=max_rows)  # fmt: skip
+    assert min(sizes[1:]) < 8 and max(sizes) == (max_rows or 8)
     gen = out[:, 18:]
     ends = []
     for row in gen:
@@ -171,6 +183,70 @@ def test_compact_size():
     assert _compact_size(1, 100, 1) == 1  # 100 -> 50 -> 25 -> 13 -> 7 -> 4 -> 2 -> 1
     assert _compact_size(5, 100, 1) == 7
     assert _compact_size(3, 24, 32) == 24
+
+
+@pytest.mark.parametrize(("max_rows", "waves"), [(1, [1] * 8), (3, [3, 3, 2]), (5, [4, 4]), (8, [8]), (50, [8])])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_waves_greedy_match_one_batch(max_rows, waves, fixed):
+    """Must show (#40): a batch generated in waves of at most ``max_rows`` rows gives exactly the tokens of one batch
+    (greedy; left-padded prompts; rows finishing at staggered steps, compacted within each wave; or fixed lengths),
+    and no forward ever runs more rows than one wave. Waves split the batch evenly, the last one shorter."""
+    model = _model("qwen2")
+    ids, mask = _prompts(batch=8, length=18)
+    eos = None if fixed else _staggered_eos(model, ids, mask, 24)
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD, check_every=2,
+              compact_min_batch=1, max_cache_len=48)  # fmt: skip
+    one = graph_generate(model, ids, mask, **kw)
+    release_graph_state(model)
+    ref = _hf_greedy(model, ids, mask, 24, eos_token_id=eos, min_new_tokens=24 if fixed else 0)
+    assert torch.equal(one, ref)
+    calls: list[tuple[int, int]] = []  # (rows, tokens) of every forward: the public pre-hook, eager only
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda mod, args: calls.append(tuple(args[0].shape)))
+    got = graph_generate(model, ids, mask, max_rows=max_rows, **kw)
+    hook.remove()
+    assert got.shape == one.shape and torch.equal(got, one)
+    assert [rows for rows, tokens in calls if tokens == 18] == waves  # one prefill per wave, of its rows
+    assert max(rows for rows, _ in calls) == waves[0]
+    release_graph_state(model)
+
+
+def test_waves_compiled_replay_one_graph_per_batch():
+    """Compiled (dynamo + AOT autograd), 8 rows in waves of at most 3 (3, 3, 2): one graph for batch 3 and one for
+    batch 2 (the last wave, and compaction's size), recorded once; the later waves and a second call replay them; the
+    tokens are the eager one-batch tokens; the KV cache is the same object throughout (allocated once, for 3 rows)."""
+    from torch._dynamo.utils import counters
+
+    model, ids, mask, kw = _compiled_compaction_case()
+    ref = graph_generate(model, ids, mask, compile=False, **kw)
+    release_graph_state(model)
+    opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    got = graph_generate(model, ids, mask, compile=True, compile_options=opts, max_rows=3, **kw)
+    assert torch.equal(got, ref)
+    from qerl_trl.graph_generate import _STATES
+
+    cache, graphs = _STATES[model].cache, counters["stats"]["unique_graphs"]
+    assert _STATES[model].key[0] == 3 and graphs == 2, counters["stats"]
+    assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, max_rows=3, **kw), ref)
+    assert _STATES[model].cache is cache and counters["stats"]["unique_graphs"] == graphs
+    assert not counters["graph_break"]
+    release_graph_state(model)
+
+
+def test_smaller_call_reuses_larger_state():
+    """A call with fewer rows (a DAPO refill round) on the same cache length decodes in the first rows of the kept
+    state instead of reallocating it, with the tokens of a fresh call."""
+    from qerl_trl.graph_generate import _STATES
+
+    model = _model()
+    ids, mask = _prompts(batch=6, length=9)
+    kw = dict(max_new_tokens=10, do_sample=False, max_cache_len=24)
+    graph_generate(model, ids, mask, **kw)
+    cache = _STATES[model].cache
+    small = graph_generate(model, ids[3:], mask[3:], **kw)
+    assert _STATES[model].cache is cache and _STATES[model].key[0] == 6
+    release_graph_state(model)
+    assert torch.equal(small, graph_generate(model, ids[3:], mask[3:], **kw))
+    release_graph_state(model)
 
 
 def _eos_likely(model, boost: float = 4.0):
@@ -275,6 +351,8 @@ def test_peft_model():
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
         ({"max_new_tokens": 4, "check_every": 0}, ValueError, "check_every"),
         ({"max_new_tokens": 4, "compact_min_batch": 0}, ValueError, "compact_min_batch"),
+        ({"max_new_tokens": 4, "max_rows": 0}, ValueError, "max_rows"),
+        ({"max_new_tokens": 4, "max_rows": 2.0}, ValueError, "max_rows"),
         ({"max_new_tokens": 4, "max_cache_len": 8}, ValueError, "max_cache_len"),
         ({"max_new_tokens": 4, "eos_token_id": -2}, ValueError, "eos_token_id"),
         ({"max_new_tokens": 4, "eos_token_id": 10_000}, ValueError, "vocabulary"),

@@ -143,6 +143,15 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     graph_greedy, _ = trainer.rollout.generate(prompts, None, {}, 1)
     trl_greedy, _ = TransformersRollout(trainer).generate(prompts, None, {}, 1)
     assert graph_greedy == trl_greedy
+    # generation_wave_rows: the 4 rows in waves of 2 (graph_generate's max_rows), the same greedy completions
+    from qerl_trl.graph_generate import _STATES
+
+    trainer.args.generation_wave_rows = 3
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    _STATES.pop(unwrapped, None)
+    assert trainer.rollout.generate(prompts, None, {}, 1)[0] == graph_greedy
+    assert _STATES[unwrapped].key[0] == 2
+    trainer.args.generation_wave_rows = None
     # temperature -> 0 sampling on the graph path: the greedy tokens
     gen.do_sample, gen.temperature = True, 1e-4
     assert trainer.rollout.generate(prompts, None, {}, 1)[0] == graph_greedy

@@ -6,6 +6,11 @@ synthetic arithmetic task, CPU-sized). ``RECIPE`` is a YAML file, or the name of
 config (:class:`~qerl_trl.QeRLConfig`, or :class:`~qerl_trl.QeRLDAPOConfig` for ``algorithm: dapo``) can be set in the
 YAML and overridden on the command line (``--learning_rate 5e-6``), as with TRL's own scripts (``TrlParser``).
 
+Before the model loads, the run is checked against the GPU's memory (:mod:`qerl_trl.memory_plan`): a run that cannot
+fit stops with one line and exit code 2; with ``rollout_engine: graph`` a generation batch whose KV cache does not fit
+at once is generated in waves (one line says how many rows each). ``--memory-budget-gb GB`` plans against ``GB`` of
+GPU memory instead of what the GPU has free (and checks on a machine without a GPU too).
+
 Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml -m qerl_trl train [RECIPE] ...``.
 """
 
@@ -24,7 +29,7 @@ import yaml
 
 from .validation import TrainInputs, UsageError, UsageErrorParser, load_train_data, validate_train_args
 
-__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "main", "parse_train_args", "train"]
+__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "check_memory", "main", "parse_train_args", "train"]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
@@ -211,6 +216,46 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
     return trainer
 
 
+def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | None = None) -> Any:
+    """``qerl train``'s memory check, before the model loads: the run's :mod:`~qerl_trl.memory_plan` against
+    ``budget_bytes`` (default: on CUDA, the memory this process's GPU has free; without a GPU nothing is checked).
+
+    Raises :class:`~qerl_trl.memory_plan.MemoryPlanError` (one line: what does not fit, by how much, which setting to
+    change) when not even one generation row fits beside the weights, LoRA, optimizer state and training micro-batch
+    (with ``rollout_engine="transformers"``: when the whole generation batch does not). When the graph engine has to
+    generate in waves, sets ``config.generation_wave_rows`` and prints one line saying so. Returns the plan (None when
+    nothing was planned)."""
+    from .memory_plan import GB, cuda_budget_bytes, preflight
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if budget_bytes is None:
+        import torch
+
+        if config.use_cpu or not torch.cuda.is_available():
+            return None
+        budget_bytes = cuda_budget_bytes(int(os.environ.get("LOCAL_RANK", "0")))
+    from transformers import AutoConfig
+
+    from .policy import resolve_model_path
+
+    try:
+        model_config = AutoConfig.from_pretrained(resolve_model_path(script_args.model_name_or_path))
+    except (OSError, ValueError):  # not readable here (offline, no such model): loading the model will say why
+        return None
+    before = config.generation_wave_rows
+    plan = preflight(config, model_config, budget_bytes, world_size=world)
+    if plan is not None and config.generation_wave_rows != before and _is_main_process():
+        print(
+            f"qerl train: memory plan: {plan.run.generation_rows} completions per generation round do not fit at once "
+            f"in {budget_bytes / GB:.1f} GB (KV cache {plan.kv_per_row / GB:.2f} GB per row of {plan.run.cache_len} "
+            f"positions): generated in {plan.waves} waves of <= {plan.rows_per_wave} rows "
+            f"(generation_wave_rows={config.generation_wave_rows}; planned peak {plan.peak(plan.rows_per_wave) / GB:.1f} "
+            f"GB of {plan.usable_bytes / GB:.1f} usable)",
+            flush=True,
+        )
+    return plan
+
+
 def _is_main_process() -> bool:
     """Rank 0, or a single process (``accelerate launch`` / ``torchrun`` set ``RANK``)."""
     return os.environ.get("RANK", "0") == "0"
@@ -251,6 +296,23 @@ def _usage_error(prog: str, error: Exception, debug: bool) -> None:
     raise SystemExit(2)
 
 
+def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
+    """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
+    what the GPU has free; None when not given."""
+    if "--memory-budget-gb" not in argv:
+        return None
+    i = argv.index("--memory-budget-gb")
+    value = argv[i + 1] if i + 1 < len(argv) else ""
+    del argv[i : i + 2]
+    try:
+        budget_gb = float(value)
+    except ValueError:
+        budget_gb = float("nan")
+    if not 0 < budget_gb < float("inf"):
+        _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
+    return budget_gb
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -264,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         if "--list-recipes" in argv:
             _list_recipes()
             return
+        budget_gb = _pop_memory_budget(argv, debug)
         from .memory import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
@@ -274,6 +337,12 @@ def main(argv: list[str] | None = None) -> None:
             _usage_error("qerl train", e, debug)
         from nvfp4.extras import MissingExtraError
 
+        from .memory_plan import MemoryPlanError
+
+        try:
+            check_memory(script_args, config, budget_bytes=None if budget_gb is None else int(budget_gb * 1e9))
+        except MemoryPlanError as e:  # before the model loads: a run that cannot fit stops here, not in its first step
+            _usage_error("qerl train", e, debug)
         try:
             trainer = train(script_args, config, inputs)
         except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]

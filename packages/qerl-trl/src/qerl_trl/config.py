@@ -123,6 +123,11 @@ class QeRLConfig(GRPOConfig):
             ``min_new_tokens``, ``temperature``, ``do_sample``, EOS/pad/BOS ids, ``max_cache_len``,
             ``cache_implementation``); AQN must be ``per_step`` (a replayed graph cannot redraw noise per forward).
             Text-only prompts. The KV cache has the fixed length of the compiled transformers path (below).
+        generation_wave_rows: ``"graph"``: the most rows decoded at once; a larger generation batch is generated in
+            waves of at most that many rows through one KV cache of that many rows (``graph_generate(max_rows=)``).
+            Default: on CUDA, as many as :mod:`qerl_trl.memory_plan` fits in the GPU's memory beside the weights, LoRA,
+            optimizer state and training micro-batch (``qerl train`` says so in one line when it splits the batch, and
+            stops before loading the model when not even one row fits); elsewhere, the whole batch.
     Transformers rollouts on a GPU:
         compile_generation: with ``cache_implementation="static"`` on CUDA, compile the decode step with CUDA graphs
             (transformers' compiled ``generate``; TRL 1.16 builds its generation config with ``disable_compile``,
@@ -222,6 +227,13 @@ class QeRLConfig(GRPOConfig):
         default=1024,
         metadata={"help": "Longest prompt (tokens) the compiled static cache holds (also rollout_engine='graph')."},
     )
+    generation_wave_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "rollout_engine='graph': most rows decoded at once, the rest in later waves (default: as many as "
+            "the memory plan fits on the GPU; the whole batch elsewhere)."
+        },
+    )
     rollout_seed_per_prompt: bool = field(
         default=False,
         metadata={
@@ -267,6 +279,10 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:
             raise ValueError(f"logprob_batch_size must be > 0 (or None for the whole batch), got {self.logprob_batch_size}")
+        if self.generation_wave_rows is not None and self.generation_wave_rows < 1:
+            raise ValueError(
+                f"generation_wave_rows must be >= 1 (or None: from the memory plan), got {self.generation_wave_rows}"
+            )
         if self.lora_r <= 0:
             raise ValueError(f"lora_r must be > 0, got {self.lora_r}")
         if self.lora_alpha is None:

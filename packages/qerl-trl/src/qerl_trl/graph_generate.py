@@ -16,6 +16,10 @@ half the batch (or a quarter, ...), each size with its own compiled graph over v
 NVFP4 kernels this matters more than for bf16: a 7B decode step at batch 32 takes about half the time of one at
 batch 128 (bf16: about 85 %; BENCHMARKS.md).
 
+A batch whose KV cache does not fit is generated in waves (``max_rows``): the cache holds one wave's rows at full
+length (prompt + every new token: 2.4 GB per row for Qwen2.5-32B at 9,216 positions), and the waves go through it one
+after the other; :mod:`qerl_trl.memory_plan` says how many rows fit.
+
 Only torch and transformers are imported here (no trl), so the benchmarks can import this module on its own.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import types
 import warnings
 import weakref
@@ -140,9 +145,13 @@ def _compact_size(unfinished: int, batch: int, min_batch: int) -> int:
 
 
 def _get_state(model: nn.Module, batch: int, cache_len: int, device: torch.device) -> _State:
+    """The model's kept state if it fits (same cache length and device; ``batch`` rows, or more rows whose cache was
+    allocated by an earlier prefill, of which the call uses the first ``batch`` through views), reset; else a new one
+    of ``batch`` rows. Reusing a larger state keeps its graphs: a DAPO refill round or the last, smaller wave of a
+    call then replays graphs recorded over the same buffers instead of reallocating the cache."""
     key = (batch, cache_len, str(device))
     st = _STATES.get(model)
-    if st is not None and st.key == key:
+    if st is not None and st.key[1:] == key[1:] and (st.key[0] == batch or (st.key[0] > batch and _allocated(st))):
         st.cache.reset()
         return st
     _STATES.pop(model, None)  # one state per model (like transformers' ``model._cache``): free the old cache first
@@ -166,6 +175,11 @@ def _get_state(model: nn.Module, batch: int, cache_len: int, device: torch.devic
     )
     _STATES[model] = st
     return st
+
+
+def _allocated(st: _State) -> bool:
+    """Whether the state's KV cache exists (StaticCache allocates it at the first prefill), so row views can be made."""
+    return all(getattr(layer, "is_initialized", False) for layer in st.cache.layers)
 
 
 def _choose(
@@ -307,6 +321,7 @@ def graph_generate(
     decode_attention: bool | None = None,
     compact: bool = True,
     compact_min_batch: int = COMPACT_MIN_BATCH,
+    max_rows: int | None = None,
 ) -> torch.LongTensor:
     """Generate ``max_new_tokens`` tokens per row with a static KV cache and one compiled graph per decode step.
 
@@ -342,6 +357,14 @@ def graph_generate(
             each batch size with its own compiled graph. The returned tokens are the same (greedy tokens exactly;
             sampling draws from the same distribution, not the same random numbers).
         compact_min_batch: never compact below this many rows (>= 1).
+        max_rows: decode at most this many rows at once (>= 1; default all): a larger batch is generated in waves,
+            the rows split evenly (``ceil(B / ceil(B / max_rows))`` per wave, in order), one after the other through
+            the same KV cache of that many rows, each wave compacted as it finishes. The memory plan
+            (:mod:`qerl_trl.memory_plan`) gives the rows that fit. The returned tokens are those of one batch (greedy
+            tokens exactly; sampling draws from the same distribution, not the same random numbers). Finished rows are
+            not refilled from the queue as continuous batching does: all rows of the cache share one write position
+            (``StaticCache``'s counter, one graph per step), so a row started later would need positions the cache
+            does not have; a wave's tail runs at the compacted batch instead.
 
     Returns:
         ``[B, P + T]`` int64 on the device of ``input_ids``: the prompt followed by the generated tokens, rows that
@@ -350,10 +373,12 @@ def graph_generate(
         which every row had finished, as ``generate`` stops.
 
     Graph reuse: the KV cache (``transformers.StaticCache``) and the step's buffers are kept per model for the next
-    call with the same ``(B, L, device)``, which then replays the same graph (a call with another shape replaces them;
-    :func:`release_graph_state` frees them). The graph is specialised to ``(B, L)`` (and each compacted batch size),
-    ``do_sample`` and whether the model takes ``logits_to_keep``; prompt length, ``max_new_tokens``, ``min_new_tokens``, EOS/pad ids and
-    ``temperature`` are tensor inputs and never cause a recompile.
+    call with the same ``(B, L, device)`` (``B``: the rows of one wave), which then replays the same graph; a call with
+    fewer rows on the same ``L`` decodes in the first rows of the kept ones (views: the graphs of its batch sizes are
+    kept too); a call with more rows or another ``L`` replaces them (:func:`release_graph_state` frees them). The
+    graph is specialised to ``(B, L)`` (and each compacted batch size), ``do_sample`` and whether the model takes
+    ``logits_to_keep``; prompt length, ``max_new_tokens``, ``min_new_tokens``, EOS/pad ids and ``temperature`` are
+    tensor inputs and never cause a recompile.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.numel() == 0:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -381,6 +406,8 @@ def graph_generate(
         raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
     if isinstance(compact_min_batch, bool) or not isinstance(compact_min_batch, int) or compact_min_batch < 1:
         raise ValueError(f"compact_min_batch must be an int >= 1, got {compact_min_batch!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise ValueError(f"max_rows must be an int >= 1 or None, got {max_rows!r}")
     cache_len = prompt_len + max_new_tokens if max_cache_len is None else max_cache_len
     if cache_len < prompt_len + max_new_tokens:
         raise ValueError(f"max_cache_len ({cache_len}) < prompt_len + max_new_tokens ({prompt_len} + {max_new_tokens})")
@@ -396,33 +423,85 @@ def graph_generate(
 
     if decode_attention is None:
         decode_attention = device.type == "cuda"
+    waves = 1 if max_rows is None or max_rows >= batch else math.ceil(batch / max_rows)
+    wave = math.ceil(batch / waves)  # the batch split evenly: the last wave is at most waves - 1 rows shorter
     with _decode_attention(model, decode_attention):
-        st = _get_state(model, batch, cache_len, device)
+        st = _get_state(model, wave, cache_len, device)
         if compile:
             odd = sorted({type(layer).__name__ for layer in st.cache.layers if type(layer) is not StaticLayer})
             if odd:  # e.g. sliding-window layers keep a Python int counter, which a replayed graph would not advance
-                raise NotImplementedError(f"compiled graph_generate supports full-attention cache layers only, got {odd}")
-        keep_last = _accepts_logits_to_keep(model)
-        extra = {"logits_to_keep": 1} if keep_last else {}
+                raise NotImplementedError(
+                    f"compiled graph_generate supports full-attention cache layers only, got {odd}"
+                )
+        run = _Wave(
+            model=model, st=st, prompt_len=prompt_len, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            temperature=float(temperature), do_sample=do_sample, eos=eos, pad_token_id=pad_token_id,
+            compile=compile, options=DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
+            check_every=check_every, generator=generator, compact=compact, compact_min_batch=compact_min_batch,
+            keep_last=_accepts_logits_to_keep(model),
+        )  # fmt: skip
+        outs = []
+        for start in range(0, batch, wave):
+            if start:
+                st.cache.reset()  # the next wave's rows start from position 0 of the same cache
+            outs.append(run(input_ids[start : start + wave], attention_mask[start : start + wave]))
+    if len(outs) == 1:
+        return outs[0]
+    # as one batch would return them: up to the longest row's last token, pad after each row's end
+    out = torch.full((batch, max(o.shape[1] for o in outs)), pad_token_id, dtype=torch.long, device=device)
+    for start, o in zip(range(0, batch, wave), outs, strict=True):
+        out[start : start + o.shape[0], : o.shape[1]] = o
+    return out
 
-        # ---- prefill (eager)
+
+@dataclass
+class _Wave:
+    """One :func:`graph_generate` call's settings; calling it generates one wave of rows (the first ``b`` rows of the
+    state ``st``) and returns ``[b, P + T]`` as ``graph_generate`` does for a batch of ``b``."""
+
+    model: nn.Module
+    st: _State
+    prompt_len: int
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    do_sample: bool
+    eos: list[int]
+    pad_token_id: int
+    compile: bool
+    options: Mapping[str, Any]
+    check_every: int
+    generator: torch.Generator | None
+    compact: bool
+    compact_min_batch: int
+    keep_last: bool
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.LongTensor:
+        model, st, prompt_len = self.model, self.st, self.prompt_len
+        max_new_tokens, min_new_tokens, do_sample = self.max_new_tokens, self.min_new_tokens, self.do_sample
+        eos, pad_token_id, generator = self.eos, self.pad_token_id, self.generator
+        batch, device = input_ids.shape[0], input_ids.device
+        full = st.tok.shape[0]
+        extra = {"logits_to_keep": 1} if self.keep_last else {}
+
+        # ---- prefill (eager), into the first ``batch`` rows of the state (views when the state has more)
         mask = attention_mask.to(torch.long)
-        st.mask[:, :prompt_len].copy_(mask)
+        st.mask[:batch, :prompt_len].copy_(mask)
         # generated positions are 1 from the start: the causal mask (query offset = the cache's length) hides the future
-        st.mask[:, prompt_len:].fill_(1)
-        st.seq[:, :prompt_len].copy_(input_ids)
+        st.mask[:batch, prompt_len:].fill_(1)
+        st.seq[:batch, :prompt_len].copy_(input_ids)
         st.cur.fill_(prompt_len)
         st.finished.zero_()
         st.gen_len.zero_()
         st.eos_block.fill_(min_new_tokens > 0)
         st.pad.fill_(pad_token_id)
-        st.temperature.fill_(float(temperature) if do_sample else 1.0)
+        st.temperature.fill_(self.temperature if do_sample else 1.0)
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate: left padding gets position 0
         out = model(
             input_ids=input_ids.to(torch.long),
-            attention_mask=st.mask[:, :prompt_len],  # padded with zeros up to L by transformers' mask code
+            attention_mask=st.mask[:batch, :prompt_len],  # padded with zeros up to L by transformers' mask code
             position_ids=position_ids,
-            past_key_values=st.cache,
+            past_key_values=st.cache if batch == full else st.rows(batch, model.config).cache,
             use_cache=True,
             **extra,
         )
@@ -437,10 +516,10 @@ def graph_generate(
         if eos:
             st.eos_mask[torch.tensor(eos, device=device)] = True
         if do_sample and (st.noise is None or st.noise.shape[1] != vocab):
-            st.noise = _static(torch.empty(batch, vocab, dtype=torch.float32, device=device))
+            st.noise = _static(torch.empty(full, vocab, dtype=torch.float32, device=device))
             st.views.clear()  # their noise views belong to the old buffer
-        st.pos.copy_(mask.sum(-1, keepdim=True))
-        rows = st.rows(batch, model.config)
+        st.pos[:batch].copy_(mask.sum(-1, keepdim=True))
+        first = rows = st.rows(batch, model.config)
 
         def choose_args(r: _Rows) -> tuple:  # the state _choose advances, in its argument order
             return (r.tok, r.seq, st.cur, r.finished, r.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature,
@@ -453,14 +532,13 @@ def graph_generate(
         del logits
 
         # ---- decode: replay the step, no host sync except the periodic "all finished?" check
-        eager = not compile or _compiled_decode_unsafe(model)
-        if compile and eager:
+        eager = not self.compile or _compiled_decode_unsafe(model)
+        if self.compile and eager:
             _warn_eager_once()
-        options = DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options
         config = None if eager else _model_config(model)
 
         def step_for(b: int) -> Callable[..., None]:  # one compiled step per batch size (a graph each)
-            return _decode_step if eager else _compiled_step(options, (config, b))
+            return _decode_step if eager else _compiled_step(self.options, (config, b))
 
         check = bool(eos) and min_new_tokens < max_new_tokens
         b, step = batch, step_for(batch)
@@ -470,19 +548,19 @@ def graph_generate(
                 st.eos_block.fill_(False)
             if do_sample:
                 rows.noise.exponential_(generator=generator)
-            step(model, rows.cache, rows.pos, rows.mask, keep_last, *state)
-            if not (check and t % check_every == 0 and t >= min_new_tokens):
+            step(model, rows.cache, rows.pos, rows.mask, self.keep_last, *state)
+            if not (check and t % self.check_every == 0 and t >= min_new_tokens):
                 continue
             alive = ~rows.finished[:, 0]
             unfinished = int(alive.sum())  # the check's one host sync
             if unfinished == 0:
                 break
-            size = _compact_size(unfinished, b, compact_min_batch) if compact else b
+            size = _compact_size(unfinished, b, self.compact_min_batch) if self.compact else b
             if size == b:
                 continue
             if row_of is None:
                 row_of = torch.arange(batch, device=device)
-                out_seq, out_len = st.seq.clone(), st.gen_len.clone()
+                out_seq, out_len = first.seq.clone(), first.gen_len.clone()
             out_seq[row_of], out_len[row_of] = rows.seq, rows.gen_len  # every row as it is now; the kept ones go on
             keep = torch.cat([alive.nonzero()[:, 0], (~alive).nonzero()[:, 0]])[:size]  # unfinished first
             _move_rows_to_front(st, keep, prompt_len + t)
@@ -490,8 +568,8 @@ def graph_generate(
             b, rows, step = size, st.rows(size, model.config), step_for(size)
             state = choose_args(rows)
         if row_of is None:
-            new = int(st.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row finished
-            return st.seq[:, : prompt_len + new].clone()
+            new = int(first.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row finished
+            return first.seq[:, : prompt_len + new].clone()
         out_seq[row_of], out_len[row_of] = rows.seq, rows.gen_len
         new = int(out_len.max())
         out = out_seq[:, : prompt_len + new].clone()

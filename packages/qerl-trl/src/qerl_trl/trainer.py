@@ -331,6 +331,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
             self.model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(quantized_buffer_names(self.model)))
+        self._plan_generation_memory()
         cache = contextlib.nullcontext()
         if next(model.parameters()).device.type == "cpu":
             # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
@@ -355,6 +356,24 @@ class QeRLGRPOTrainer(GRPOTrainer):
             return found.path
         check_checkpoint(resume_from_checkpoint, required)
         return str(resume_from_checkpoint)
+
+    def _plan_generation_memory(self) -> None:
+        """``rollout_engine="graph"`` on CUDA with ``generation_wave_rows`` unset, before the first step: the memory
+        plan (:func:`qerl_trl.memory_plan.preflight`) against the GPU's memory; generate in waves of the rows that fit
+        (or raise :class:`~qerl_trl.memory_plan.MemoryPlanError`, one line, when not even one fits). ``qerl train``
+        has made the check before loading the model (and set ``generation_wave_rows`` when waves are needed); this
+        covers the Python API."""
+        if self.accelerator.device.type != "cuda" or self.args.rollout_engine != "graph":
+            return
+        if self.args.generation_wave_rows is not None:
+            return
+        from .memory_plan import cuda_budget_bytes, preflight
+
+        config = self.accelerator.unwrap_model(self.model).config
+        plan = preflight(self.args, config, cuda_budget_bytes(self.accelerator.device),
+                         world_size=self.accelerator.num_processes)  # fmt: skip
+        if plan is not None and self.args.generation_wave_rows is not None:
+            logger.warning("memory plan: %s", plan.summary())
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         mode = "train" if self.model.training else "eval"

@@ -79,7 +79,7 @@ class GraphRollout(RolloutEngine):
                 eos_token_id=gen.eos_token_id,
                 pad_token_id=gen.pad_token_id,
                 max_cache_len=cache_len,
-                **trainer.graph_generate_kwargs,
+                **{"max_rows": trainer.args.generation_wave_rows, **trainer.graph_generate_kwargs},
             )
 
         return generate_padded(trainer, prompt_ids, "graph_generate", run), None

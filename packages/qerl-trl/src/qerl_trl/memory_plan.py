@@ -1,0 +1,516 @@
+"""Memory plan of a GRPO/DAPO run on one GPU: the bytes each part of a step needs, and how many rollout rows fit.
+
+Why: the shipped 32B DAPO recipe generates 128 completions of up to 8,192 tokens through the graph engine, whose static
+KV cache holds every row at its full length: 64 layers × 8 KV heads × 128 × 2 (K, V) × 2 bytes = 256 KiB per token,
+~2.4 GB per row of 9,216 positions, ~309 GB for 128 rows, on an 80 GB GPU. :func:`plan_memory` adds up what a step
+holds and gives the largest number of rows the engine can decode at once (a *wave*); the engine then generates the
+batch in waves of that many rows (``graph_generate(..., max_rows=)``), and ``qerl train`` refuses a run that does not
+fit even one row, before the model loads (:func:`check_plan`).
+
+Model shapes (a Llama / Qwen2-style decoder, :class:`ModelShape`): hidden ``H``, MLP ``I``, ``n_L`` layers, ``n_q`` query
+and ``n_kv`` KV heads of ``d`` = head_dim, vocabulary ``V``. Per layer the 7 projections are q ``[H → n_q·d]``,
+k and v ``[H → n_kv·d]``, o ``[n_q·d → H]``, gate and up ``[H → I]``, down ``[I → H]``. Bytes, ``a`` = activation
+dtype bytes (2: bf16), run shapes in :class:`RunShape`:
+
+Held for the whole run
+  * weights: the projections' ``in·out`` weights at :data:`WEIGHT_BYTES` per weight (NVFP4: 4-bit code + one FP8 scale
+    per 16 = 0.5625 B; bf16: 2 B; NF4 as QLoRA: 4-bit code + absmax per 64, double-quantized), plus embeddings and
+    ``lm_head`` (``V·H`` each, one matrix when tied), norms and q/k/v biases, in bf16.
+  * LoRA: ``r·(in + out)`` parameters per adapted projection, in ``lora_param_bytes`` (4: the trainer keeps the adapters
+    in fp32), and as many gradient values during the backward.
+  * optimizer: AdamW's ``exp_avg`` and ``exp_avg_sq``, 2 values per LoRA parameter in the parameters' dtype (8-bit
+    optimizers: 2 bytes; SGD: none). Only the adapters train, so nothing for the frozen base.
+  * generation rows (the graph engine keeps its static cache and buffers between steps, so that every step replays the
+    graphs recorded on the first: they are held during training too). Per row:
+    KV cache ``2·n_L·n_kv·d·cache_len·a``; the engine's ``seq`` and ``mask`` ``[cache_len]`` int64 and its sampling
+    noise ``[V]`` fp32; the decode step's logits temporaries in its CUDA-graph pool (``[V]`` bf16 + 4 × ``[V]`` fp32).
+
+Transient, one phase at a time (the plan takes the larger)
+  * prefill of a wave of ``R`` rows × ``P`` prompt tokens (no grad): per token ``(4·H + 4·I)·a`` (the layer's MLP
+    intermediates and hidden states); SDPA with a padding mask takes transformers' ``repeat_kv`` path, which expands
+    the whole cache's K and V to the query heads, ``2·n_q·d·cache_len·a`` per row; the boolean mask ``P·cache_len``
+    bytes per row; the last position's logits ``[V]`` bf16 + fp32.
+  * training micro-batch, ``S`` rows × ``T = P + C`` tokens (TRL pads a micro-batch to its longest prompt and
+    completion; the plan takes the caps). With gradient checkpointing each layer's input is kept, ``n_L·H·a`` per token,
+    and one layer at a time is recomputed and back-propagated, ``(5·H + 6.5·I)·a`` per token; without it every layer's
+    activations are kept, ``n_L·(5·H + 6.5·I)·a`` per token. The padding mask ``S·T²`` bool and its additive bf16 copy;
+    TRL's fused LM head: its ``[min(N, 4096), 32768]`` logits tile in ``a`` and the fp32 gradient of the hidden states
+    ``N·H·4`` (``N = S·T``).
+
+The activation coefficients (4 and 4 for the prefill, 5 and 6.5 for training) are fitted to the peaks of the committed
+H100 runs of ``benchmarks/grpo_step.py`` (7B, 14B and 32B, graph engine; 7B at 128 completions) and rounded up:
+``tests/qerl_trl/test_memory_plan.py`` checks that the plan is at least each measured peak and at most 25 % above it.
+They are an estimate, not a model of the allocator: :data:`DEFAULT_MARGIN` of the budget is kept free for its caching
+and fragmentation (the runs' reserved memory was 8-17 % above their allocated peaks), CUDA graphs' private pools and
+workspaces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .quantization import QuantScheme
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "GB",
+    "H100_80GB_BYTES",
+    "LORA_TARGETS",
+    "WEIGHT_BYTES",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "ModelShape",
+    "RunShape",
+    "check_plan",
+    "cuda_budget_bytes",
+    "plan_memory",
+    "preflight",
+    "run_shape_from_config",
+    "weight_bytes_per_param",
+]
+
+GB = 1e9
+#: Memory of an H100 80GB (SXM5 / PCIe) as the driver reports it (``nvidia-smi``: 81,559 MiB).
+H100_80GB_BYTES = 81_559 * 2**20
+#: Fraction of the budget the plan leaves free (allocator caching and fragmentation, CUDA-graph pools, workspaces).
+DEFAULT_MARGIN = 0.10
+
+#: Bytes per weight of a projection in each policy format (scales included). NVFP4: 4-bit E2M1 code + an FP8 E4M3 scale
+#: per 16 weights (+ one fp32 scale per tensor, counted apart); MXFP4: code + an E8M0 scale per 32; NF4 (bitsandbytes,
+#: QLoRA): code + an absmax per 64 weights, fp32, or with double quantization 8-bit with an fp32 scale per 256 absmax;
+#: dense (``none``): bf16.
+#: The keys are the format's name (:class:`nvfp4.formats.Format`), ``"nf4"`` and ``"none"`` (:data:`DENSE`);
+#: :func:`weight_bytes_per_param` maps a :class:`~qerl_trl.quantization.QuantScheme` to its key.
+DENSE = "none"
+WEIGHT_BYTES: dict[str, float] = {
+    "nvfp4": 0.5 + 1 / 16,
+    "mxfp4": 0.5 + 1 / 32,
+    "nf4": 0.5 + 1 / 64 + 4 / (64 * 256),
+    "nf4-no-double-quant": 0.5 + 4 / 64,
+    DENSE: 2.0,
+}
+#: Bytes per tensor besides the per-weight ones: NVFP4's fp32 global scale.
+TENSOR_BYTES: dict[str, int] = {"nvfp4": 4}
+#: The projections of a decoder layer LoRA can target here (PEFT's module names; ``"all-linear"`` means all of them).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Activation coefficients (elements per token, see the module docstring); fitted to the committed H100 runs.
+_PREFILL_H, _PREFILL_I = 4.0, 4.0
+_TRAIN_H, _TRAIN_I = 5.0, 6.5
+_LM_HEAD_TILE = (4096, 32768)  # TRL's ChunkedLogProbFunction: TOKEN_CHUNK_SIZE x its vocabulary chunk
+_DECODE_LOGITS_BYTES = 2 + 4 * 4  # per vocabulary entry and row: bf16 logits, fp32 copy, masked, softmax, probs / q
+
+
+class MemoryPlanError(ValueError):
+    """A run that does not fit the memory it is given; the message is one line: what, by how much, what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama / Qwen2-style decoder that the plan needs.
+
+    Attributes: ``hidden_size`` H, ``intermediate_size`` I, ``num_layers`` n_L, ``num_attention_heads`` n_q,
+    ``num_kv_heads`` n_kv, ``head_dim`` d, ``vocab_size`` V, ``tie_word_embeddings`` (one matrix for embeddings and
+    ``lm_head``), ``attention_bias`` (q/k/v biases, Qwen2).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers ``PretrainedConfig`` (its text config for a multimodal one). Raises
+        :class:`MemoryPlanError` for a model without the fields of a dense decoder (mixture-of-experts, ...)."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+            raise MemoryPlanError(f"no memory plan for mixture-of-experts models ({type(config).__name__})")
+        names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [n for n in names if not isinstance(getattr(config, n, None), int)]
+        if missing:
+            raise MemoryPlanError(f"no memory plan for {type(config).__name__}: its config has no {', '.join(missing)}")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+        )
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each projection of one layer, by PEFT module name."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_attention_heads, self.num_kv_heads
+        d = self.head_dim
+        return {
+            "q_proj": (h, q * d),
+            "k_proj": (h, kv * d),
+            "v_proj": (h, kv * d),
+            "o_proj": (q * d, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes per cached position of one row: ``2 (K, V) · n_L · n_kv · d · dtype_bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The settings of a run that decide its memory (what :func:`run_shape_from_config` reads from a ``QeRLConfig``).
+
+    Attributes:
+        quantization: policy format, a key of :data:`WEIGHT_BYTES` (``"nvfp4"``, ``"mxfp4"``, ``"nf4"``, ``"none"``).
+        lora_r, lora_targets: LoRA rank and the adapted projections (names of :data:`LORA_TARGETS`).
+        lora_param_bytes: bytes per adapter value (4: fp32, the trainer's; 2: bf16).
+        optimizer_states: optimizer values per LoRA parameter (AdamW: 2), each ``optimizer_state_bytes``.
+        generation_rows: completions one generation call makes on this process (TRL's ``per_device_train_batch_size
+            × steps_per_generation``).
+        micro_batch_rows: sequences per training forward/backward (``per_device_train_batch_size``).
+        prompt_len: longest prompt (tokens) after padding; the graph engine's cap, ``generation_prompt_cache_len``.
+        completion_len: ``max_completion_length``.
+        cache_len: KV positions per generation row (graph engine: ``generation_prompt_cache_len +
+            max_completion_length`` unless ``generation_kwargs["max_cache_len"]``).
+        gradient_checkpointing: whether the training forward keeps only each layer's input.
+        activation_bytes: bytes of an activation / KV value (2: bf16).
+        held_generation: whether the generation rows stay allocated during training (the graph engine's static cache).
+    """
+
+    quantization: str
+    lora_r: int
+    lora_targets: tuple[str, ...]
+    generation_rows: int
+    micro_batch_rows: int
+    prompt_len: int
+    completion_len: int
+    cache_len: int
+    gradient_checkpointing: bool = True
+    lora_param_bytes: int = 4
+    optimizer_states: int = 2
+    optimizer_state_bytes: int | None = None  # default: lora_param_bytes
+    activation_bytes: int = 2
+    held_generation: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quantization not in WEIGHT_BYTES:
+            raise MemoryPlanError(f"quantization {self.quantization!r}: expected one of {', '.join(WEIGHT_BYTES)}")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown:
+            raise MemoryPlanError(f"no memory plan for LoRA targets {unknown}: it knows {', '.join(LORA_TARGETS)}")
+        for name in ("lora_r", "generation_rows", "micro_batch_rows", "prompt_len", "completion_len", "cache_len"):
+            if getattr(self, name) < 1:
+                raise MemoryPlanError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_len < self.prompt_len + self.completion_len:
+            raise MemoryPlanError(
+                f"cache_len ({self.cache_len}) < prompt_len + completion_len ({self.prompt_len} + {self.completion_len})"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of each part of a step (see the module docstring) and the rows that fit ``budget_bytes``.
+
+    ``wave_rows``: the most generation rows held at once so that the peak stays within ``budget_bytes × (1 −
+    margin)`` (``generation_rows`` when all fit; 0 when not even one does); ``waves``: generation calls of at most
+    that many rows that one step's generation batch takes.
+    """
+
+    model: ModelShape
+    run: RunShape
+    budget_bytes: int
+    margin: float
+    weights: int
+    lora: int  # adapter parameters + their gradients
+    optimizer: int
+    training: int  # the training micro-batch's activations (transient)
+    kv_per_row: int
+    buffers_per_row: int  # engine buffers + decode-step temporaries, held with the row
+    prefill_per_row: int  # transient, during a wave's prefill
+    wave_rows: int
+    details: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def usable_bytes(self) -> int:
+        """The budget less the margin: what the planned peak must stay under."""
+        return int(self.budget_bytes * (1 - self.margin))
+
+    @property
+    def fixed(self) -> int:
+        """Held whatever the number of rows: weights, LoRA (+ gradients), optimizer state."""
+        return self.weights + self.lora + self.optimizer
+
+    @property
+    def per_row(self) -> int:
+        """Held per generation row: its KV cache and engine buffers."""
+        return self.kv_per_row + self.buffers_per_row
+
+    def peak(self, rows: int) -> int:
+        """Planned peak with ``rows`` generation rows held: the fixed part, the rows, and the larger of the prefill
+        (a wave of ``rows``) and the training micro-batch (with the rows still held when ``held_generation``)."""
+        held = self.fixed + rows * self.per_row
+        prefill = held + rows * self.prefill_per_row
+        train = (held if self.run.held_generation else self.fixed) + self.training
+        return max(prefill, train)
+
+    @property
+    def fits(self) -> bool:
+        return self.wave_rows >= 1
+
+    @property
+    def waves(self) -> int:
+        return math.ceil(self.run.generation_rows / self.wave_rows) if self.wave_rows else 0
+
+    @property
+    def rows_per_wave(self) -> int:
+        """The rows each wave decodes (the generation batch split evenly, as ``graph_generate(max_rows=)`` does)."""
+        return math.ceil(self.run.generation_rows / self.waves) if self.wave_rows else 0
+
+    def summary(self) -> str:
+        """The parts in GB, one line (for logs)."""
+        rows = self.rows_per_wave
+        parts = (
+            f"weights {self.weights / GB:.1f} GB, LoRA + grads {self.lora / GB:.2f} GB, optimizer "
+            f"{self.optimizer / GB:.2f} GB, training micro-batch ({self.run.micro_batch_rows} x "
+            f"{self.run.prompt_len + self.run.completion_len} tokens) {self.training / GB:.1f} GB, KV cache "
+            f"{self.kv_per_row / GB:.3f} GB per row of {self.run.cache_len} positions"
+        )
+        if not rows:
+            return parts
+        return (
+            f"{parts}; {self.run.generation_rows} rows in {self.waves} wave(s) of <= {rows}: planned peak "
+            f"{self.peak(rows) / GB:.1f} of {self.usable_bytes / GB:.1f} GB usable ({self.budget_bytes / GB:.1f} GB "
+            f"budget, {self.margin:.0%} kept free)"
+        )
+
+
+def weight_bytes_per_param(quantization: QuantScheme | str, nf4_double_quant: bool = True) -> float:
+    """Bytes per projection weight of a ``quantization`` value (``"nvfp4-rtn"``, ``"mxfp4-rtn"``, ``"nf4"``,
+    ``"none"``, a bare format name, or an NVFP4 method alias such as ``"rtn"``)."""
+    return WEIGHT_BYTES[_format_key(quantization, nf4_double_quant)]
+
+
+def _format_key(quantization: Any, nf4_double_quant: bool = True) -> str:
+    """The :data:`WEIGHT_BYTES` key of a :class:`~qerl_trl.quantization.QuantScheme` (``QeRLConfig.quant_scheme``,
+    the config's parsed ``quantization``) or of a key itself."""
+    if isinstance(quantization, str):
+        if quantization in WEIGHT_BYTES:
+            return quantization
+        raise MemoryPlanError(
+            f"no memory plan for quantization {quantization!r}: pass a QuantScheme (qerl_trl.quantization.get_scheme) "
+            f"or one of {', '.join(map(repr, WEIGHT_BYTES))}"
+        )
+    if quantization.is_dense:
+        return DENSE
+    if quantization.format is not None:
+        return quantization.format.name
+    return quantization.name if nf4_double_quant else f"{quantization.name}-no-double-quant"  # bitsandbytes NF4
+
+
+def _lora_targets(targets: str | Iterable[str] | None) -> tuple[str, ...]:
+    if targets is None or targets == "all-linear":
+        return LORA_TARGETS
+    if isinstance(targets, str):  # PEFT takes a regex string too: the plan cannot size that
+        raise MemoryPlanError(f"no memory plan for the LoRA target pattern {targets!r}: list the module names")
+    return tuple(dict.fromkeys(targets))
+
+
+def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: float = DEFAULT_MARGIN) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``run`` on ``model`` within ``budget_bytes`` (the GPU memory the run may use).
+
+    ``wave_rows`` is the largest ``R <= run.generation_rows`` with ``peak(R) <= budget_bytes · (1 − margin)``; every
+    part is linear in ``R``, so it is solved for directly. See the module docstring for each part's formula.
+    """
+    if budget_bytes <= 0:
+        raise MemoryPlanError(f"budget_bytes must be > 0, got {budget_bytes}")
+    if not 0 <= margin < 1:
+        raise MemoryPlanError(f"margin must be in [0, 1), got {margin}")
+    m, a = model, run.activation_bytes
+    h, i, v, n_layers = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers
+    proj = m.projections()
+    per_layer_weights = sum(n_in * n_out for n_in, n_out in proj.values())
+    linear = n_layers * per_layer_weights * WEIGHT_BYTES[run.quantization]
+    linear += n_layers * len(proj) * TENSOR_BYTES.get(run.quantization, 0)
+    dense = 2 * v * h * (1 if m.tie_word_embeddings else 2)  # embeddings + lm_head, bf16
+    dense += 2 * (n_layers * 2 + 1) * h  # RMSNorm weights
+    if m.attention_bias:
+        dense += 2 * n_layers * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
+    weights = int(linear + dense)
+
+    lora_params = n_layers * sum(run.lora_r * sum(proj[t]) for t in run.lora_targets)
+    lora = 2 * lora_params * run.lora_param_bytes  # parameters + gradients
+    state_bytes = run.lora_param_bytes if run.optimizer_state_bytes is None else run.optimizer_state_bytes
+    optimizer = lora_params * run.optimizer_states * state_bytes
+
+    tokens = run.micro_batch_rows * (run.prompt_len + run.completion_len)
+    layer_act = (_TRAIN_H * h + _TRAIN_I * i) * a  # one layer's activations + gradients, per token
+    kept = n_layers * h * a if run.gradient_checkpointing else n_layers * layer_act
+    recompute = layer_act if run.gradient_checkpointing else 0
+    mask = run.micro_batch_rows * (run.prompt_len + run.completion_len) ** 2 * (1 + a)
+    lm_head = min(tokens, _LM_HEAD_TILE[0]) * _LM_HEAD_TILE[1] * a + tokens * h * 4
+    training = int(tokens * (kept + recompute) + mask + lm_head)
+
+    kv_per_row = m.kv_bytes_per_token(a) * run.cache_len
+    buffers_per_row = 2 * 8 * run.cache_len + 4 * v + _DECODE_LOGITS_BYTES * v
+    prefill_per_row = int(
+        run.prompt_len * (_PREFILL_H * h + _PREFILL_I * i) * a  # the layer's intermediates
+        + 2 * m.num_attention_heads * m.head_dim * run.cache_len * a  # repeat_kv of the whole cache (SDPA, masked)
+        + run.prompt_len * run.cache_len  # the boolean SDPA mask
+        + v * (a + 4)  # the last position's logits, and their fp32 copy
+    )
+    plan = MemoryPlan(
+        model=m, run=run, budget_bytes=int(budget_bytes), margin=margin, weights=weights, lora=lora,
+        optimizer=optimizer, training=training, kv_per_row=kv_per_row, buffers_per_row=buffers_per_row,
+        prefill_per_row=prefill_per_row, wave_rows=0,
+        details={"lora_params": lora_params, "training_tokens": tokens, "training_kept": int(tokens * kept),
+                 "training_mask": int(mask), "training_lm_head": int(lm_head)},
+    )  # fmt: skip
+    usable = plan.usable_bytes
+    room = usable - plan.fixed
+    by_prefill = room // (plan.per_row + prefill_per_row)
+    by_train = (room - training) // plan.per_row if run.held_generation else (room if room >= training else -1)
+    rows = max(0, min(run.generation_rows, by_prefill, by_train))
+    object.__setattr__(plan, "wave_rows", int(rows))
+    return plan
+
+
+def run_shape_from_config(args: Any, *, world_size: int = 1, activation_bytes: int | None = None) -> RunShape:
+    """The :class:`RunShape` of a ``QeRLConfig`` (read by attribute, so the module does not import trl).
+
+    Generation rows per process: ``per_device_train_batch_size × steps_per_generation`` (TRL's generation batch is
+    ``per_device_train_batch_size × num_processes × steps_per_generation``, sharded over the processes;
+    ``steps_per_generation`` defaults to ``gradient_accumulation_steps``). The prompt cap and the cache length are the
+    graph engine's (:func:`qerl_trl.trainer.generation_cache_len`). LoRA adapters in fp32 (the trainer's), AdamW-style
+    optimizers with 2 states (``*8bit*``: 1-byte states; ``sgd``: none); activations in bf16 when ``bf16`` or
+    ``fp16`` is on, else fp32 (a CPU run's; ``activation_bytes`` overrides, e.g. 2 to plan a CPU-parsed config for a
+    GPU).
+    """
+    steps = getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps
+    gen_batch = getattr(args, "generation_batch_size", None)
+    rows = gen_batch // world_size if gen_batch else args.per_device_train_batch_size * steps
+    kwargs: Mapping[str, Any] = getattr(args, "generation_kwargs", None) or {}
+    prompt = int(args.generation_prompt_cache_len)
+    completion = int(args.max_completion_length)
+    cache = int(kwargs.get("max_cache_len") or prompt + completion)
+    optim = str(getattr(args, "optim", "adamw_torch")).lower()
+    states, state_bytes = (0, None) if optim.startswith("sgd") else (2, 1 if "8bit" in optim else None)
+    bf16 = bool(getattr(args, "bf16", False)) or bool(getattr(args, "fp16", False))
+    return RunShape(
+        quantization=_format_key(getattr(args, "quant_scheme", None) or args.quantization,
+                                 getattr(args, "nf4_double_quant", True)),  # fmt: skip
+        lora_r=int(args.lora_r),
+        lora_targets=_lora_targets(getattr(args, "lora_target_modules", None)),
+        generation_rows=int(rows),
+        micro_batch_rows=int(args.per_device_train_batch_size),
+        prompt_len=prompt,
+        completion_len=completion,
+        cache_len=cache,
+        gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
+        optimizer_states=states,
+        optimizer_state_bytes=state_bytes,
+        activation_bytes=activation_bytes or (2 if bf16 else 4),
+        held_generation=getattr(args, "rollout_engine", "graph") in ("graph", "transformers"),
+    )
+
+
+def check_plan(plan: MemoryPlan, *, waves_allowed: bool = True) -> None:
+    """Raise :class:`MemoryPlanError` with one line when ``plan`` does not fit: not even one generation row, or (with
+    ``waves_allowed=False``: an engine that cannot generate in waves) not the whole generation batch. The line says
+    what does not fit, by how much, and which setting to change."""
+    run = plan.run
+    need_rows = 1 if waves_allowed else run.generation_rows
+    if plan.wave_rows >= need_rows:
+        return
+    over = plan.peak(need_rows) - plan.usable_bytes
+    what = "one generation row" if waves_allowed else f"the {run.generation_rows} generation rows"
+    train_alone = plan.fixed + plan.training
+    if plan.fixed > plan.usable_bytes:  # nothing a setting of this run can fix
+        fix = "the policy's weights alone do not fit: use a smaller model, or a GPU with more memory"
+        if run.quantization == DENSE:
+            fix = "quantize the policy (quantization nvfp4-rtn), use a smaller model, or a GPU with more memory"
+    elif train_alone > plan.usable_bytes:  # the training micro-batch alone is too large
+        fix = (
+            f"lower per_device_train_batch_size ({run.micro_batch_rows}; raise gradient_accumulation_steps to keep "
+            f"{run.generation_rows} completions per step), or max_completion_length ({run.completion_len})"
+        )
+        if not run.gradient_checkpointing:
+            fix = "turn gradient_checkpointing on, or " + fix
+    elif waves_allowed:
+        fix = (
+            f"lower max_completion_length ({run.completion_len}) or generation_prompt_cache_len ({run.prompt_len}), or "
+            f"per_device_train_batch_size ({run.micro_batch_rows})"
+        )
+    else:
+        fix = (
+            f"use rollout_engine='graph' (generates in waves of the rows that fit: {plan.wave_rows}), or lower "
+            "per_device_train_batch_size x gradient_accumulation_steps or num_generations"
+        )
+    raise MemoryPlanError(
+        f"the run does not fit in {plan.budget_bytes / GB:.1f} GB of GPU memory: weights {plan.weights / GB:.1f} GB + "
+        f"LoRA and optimizer {(plan.lora + plan.optimizer) / GB:.1f} GB + training micro-batch "
+        f"{plan.training / GB:.1f} GB + {what} ({plan.per_row / GB:.2f} GB each) is {over / GB:.1f} GB over the "
+        f"{plan.usable_bytes / GB:.1f} GB usable ({plan.margin:.0%} kept free); {fix}"
+    )
+
+
+def cuda_budget_bytes(device: Any = None) -> int:
+    """GPU memory a run on ``device`` may use: what the driver reports free plus what this process's caching
+    allocator already holds (so a plan made after the model loaded counts the model in both)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
+
+
+def preflight(
+    args: Any, model_config: Any, budget_bytes: int, *, world_size: int = 1, margin: float = DEFAULT_MARGIN
+) -> MemoryPlan | None:
+    """``qerl train``'s memory check before the model loads (and the trainer's before its first step).
+
+    Plans ``args`` (a ``QeRLConfig``) for ``model_config`` (a transformers config) within ``budget_bytes`` and raises
+    :class:`MemoryPlanError` (one line) when the run does not fit. With ``rollout_engine="graph"`` a generation batch
+    whose KV cache does not fit is generated in waves: ``args.generation_wave_rows`` is set to the rows that fit when
+    it was None (a value the user set is checked instead). Returns the plan, or None when there is nothing to plan:
+    ``rollout_engine="vllm"`` (the engine sizes its own KV cache to ``vllm_gpu_memory_utilization``) or a model or
+    LoRA target the plan does not know (a mixture of experts, a target pattern): those runs are not checked.
+    """
+    if getattr(args, "rollout_engine", "graph") == "vllm":
+        return None
+    try:
+        plan = plan_memory(
+            ModelShape.from_config(model_config), run_shape_from_config(args, world_size=world_size), budget_bytes,
+            margin,
+        )  # fmt: skip
+    except MemoryPlanError:
+        return None
+    graph = args.rollout_engine == "graph"
+    wanted = getattr(args, "generation_wave_rows", None) if graph else None
+    if wanted is not None and plan.peak(min(wanted, plan.run.generation_rows)) > plan.usable_bytes:
+        rows = min(wanted, plan.run.generation_rows)
+        over = plan.peak(rows) - plan.usable_bytes
+        raise MemoryPlanError(
+            f"generation_wave_rows={wanted} does not fit in {plan.budget_bytes / GB:.1f} GB of GPU memory: "
+            f"{rows} rows of {plan.per_row / GB:.2f} GB (KV cache of {plan.run.cache_len} positions) are "
+            f"{over / GB:.1f} GB over the {plan.usable_bytes / GB:.1f} GB usable; set it to {plan.wave_rows} or less "
+            "(or leave it unset: the memory plan picks it)"
+        )
+    check_plan(plan, waves_allowed=graph)
+    if graph and wanted is None and plan.waves > 1:
+        args.generation_wave_rows = plan.wave_rows
+    return plan

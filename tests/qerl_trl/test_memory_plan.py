@@ -1,0 +1,270 @@
+"""``qerl_trl.memory_plan``: the bytes of each part of a step, the rows that fit, the pre-flight check and the recipes.
+
+Model configs are built locally with the published sizes of Qwen2.5-7B/14B/32B-Instruct (no Hub). The plan is checked
+against arithmetic (the issue's KV-cache example, weights by format), against the committed H100 runs of
+``benchmarks/grpo_step.py`` (weights and peak memory), and every shipped recipe against an 80 GB H100.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from qerl_trl.memory_plan import (
+    GB,
+    H100_80GB_BYTES,
+    LORA_TARGETS,
+    MemoryPlanError,
+    ModelShape,
+    RunShape,
+    check_plan,
+    plan_memory,
+    preflight,
+    run_shape_from_config,
+)
+from transformers import AutoConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: config.json sizes of Qwen2.5-{7B,14B,32B}-Instruct (also benchmarks/rollout.py's MODELS)
+QWEN25 = {
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}  # fmt: skip
+HUB_IDS = {"Qwen/Qwen2.5-7B-Instruct": "7b", "Qwen/Qwen2.5-14B-Instruct": "14b", "Qwen/Qwen2.5-32B-Instruct": "32b"}
+
+
+def qwen(size: str):
+    return AutoConfig.for_model("qwen2", **QWEN25[size])
+
+
+def _run(**kw) -> RunShape:
+    base = dict(quantization="nvfp4", lora_r=32, lora_targets=LORA_TARGETS, generation_rows=128, micro_batch_rows=8,
+                prompt_len=512, completion_len=8192, cache_len=512 + 8192)  # fmt: skip
+    return RunShape(**{**base, **kw})
+
+
+def test_issue_example_32b_kv_cache():
+    """Qwen2.5-32B: 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 256 KiB per token; 128 rows x ~8,700
+    positions is ~290 GB (the issue's numbers)."""
+    shape = ModelShape.from_config(qwen("32b"))
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (64, 8, 128)
+    assert shape.kv_bytes_per_token(2) == 64 * 8 * 128 * 2 * 2 == 256 * 1024
+    plan = plan_memory(shape, _run(), H100_80GB_BYTES)
+    assert plan.kv_per_row == 256 * 1024 * 8704
+    assert 285 * GB < 128 * plan.kv_per_row < 295 * GB  # ~292 GB
+
+
+@pytest.mark.parametrize("size", ["7b", "14b", "32b"])
+def test_weights_by_format(size):
+    """Projection weights at 0.5625 B (NVFP4), 2 B (bf16), ~0.516 B (NF4 double-quantized); embeddings + lm_head in
+    bf16; LoRA r (in + out) per projection."""
+    shape = ModelShape.from_config(qwen(size))
+    c = QWEN25[size]
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * 128
+    linear = c["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * i)
+    dense = 2 * 2 * c["vocab_size"] * h
+    plans = {q: plan_memory(shape, _run(quantization=q), H100_80GB_BYTES) for q in ("nvfp4", "none", "nf4")}
+    assert plans["none"].weights == pytest.approx(2 * linear + dense, rel=1e-3)
+    assert plans["nvfp4"].weights == pytest.approx(0.5625 * linear + dense, rel=1e-3)
+    assert plans["nf4"].weights < plans["nvfp4"].weights
+    lora = c["num_hidden_layers"] * 32 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + i))
+    assert plans["nvfp4"].details["lora_params"] == lora
+    assert plans["nvfp4"].lora == 2 * 4 * lora and plans["nvfp4"].optimizer == 2 * 4 * lora  # fp32, AdamW
+
+
+def _measured_runs(engine: str = "graph"):
+    """(file, settings, result) of the committed grpo_step runs on one GPU with the given rollout engine."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    for name in ("grpo_step_7b_graph.json", "grpo_step_14b_graph.json", "grpo_step_32b_graph.json",
+                 "grpo_step_7b_b128.json"):  # fmt: skip
+        data = json.loads((RESULTS / name).read_text())
+        for r in data["results"]:
+            if r.get("status") == "ok" and r.get("rollout_engine") == engine and r.get("world_size", 1) == 1:
+                yield name, data["settings"], r
+
+
+def _benchmark_plan(settings: dict, r: dict):
+    """The plan of a grpo_step run: its shapes, LoRA in bf16 (``--lora-dtype``), cache = prompt + completion."""
+    rows = settings.get("per_device_batch") or settings["group"]
+    run = RunShape(
+        quantization={"nvfp4": "nvfp4", "bf16": "none", "qlora": "nf4"}[r["arm"]], lora_r=settings["lora_r"],
+        lora_targets=LORA_TARGETS, generation_rows=rows * (settings.get("grad_accum") or 1), micro_batch_rows=rows,
+        prompt_len=settings["prompt_len"], completion_len=settings["completion_len"],
+        cache_len=settings["prompt_len"] + settings["completion_len"], lora_param_bytes=2,
+        gradient_checkpointing=settings["grad_ckpt"],
+    )  # fmt: skip
+    return plan_memory(ModelShape.from_config(qwen(r["model"])), run, H100_80GB_BYTES), run.generation_rows
+
+
+def test_plan_bounds_the_measured_h100_peaks():
+    """Against every committed one-GPU graph-engine step (7B/14B/32B, NVFP4 / bf16 / NF4, 8 or 128 completions): the
+    weights within 2 % of ``weights_gpu_gb`` (LoRA included), and the planned peak at least the measured peak and at
+    most 25 % above it (the activation coefficients are fitted to these runs and rounded up)."""
+    seen = 0
+    for name, settings, r in _measured_runs():
+        plan, rows = _benchmark_plan(settings, r)
+        weights = (plan.weights + plan.details["lora_params"] * 2) / GB
+        assert weights == pytest.approx(r["weights_gpu_gb"], rel=0.02), (name, r["arm"])
+        measured = r["summary"]["peak_gpu_gb"]
+        planned = plan.peak(rows) / GB
+        assert measured <= planned <= 1.25 * measured, (name, r["arm"], planned, measured)
+        seen += 1
+    assert seen >= 9
+
+
+@pytest.mark.parametrize("budget_gb", [20, 40, 55, 80, 141])
+def test_wave_rows_is_the_most_that_fits(budget_gb):
+    plan = plan_memory(ModelShape.from_config(qwen("32b")), _run(micro_batch_rows=1), budget_gb * GB)
+    w = plan.wave_rows
+    if w:
+        assert plan.peak(w) <= plan.usable_bytes
+        assert plan.waves == math.ceil(128 / w) and plan.rows_per_wave * plan.waves >= 128
+        assert plan.rows_per_wave <= w
+    assert w == 128 or plan.peak(w + 1) > plan.usable_bytes
+
+
+def test_check_plan_one_line_messages():
+    shape = ModelShape.from_config(qwen("32b"))
+    fine = plan_memory(shape, _run(micro_batch_rows=1), H100_80GB_BYTES)
+    check_plan(fine)  # waves of 17
+    with pytest.raises(MemoryPlanError, match="rollout_engine='graph'") as e:
+        check_plan(fine, waves_allowed=False)  # a whole batch of 128 rows at once: ~300 GB
+    assert "\n" not in str(e.value)
+    big_batch = plan_memory(shape, _run(micro_batch_rows=8), H100_80GB_BYTES)
+    with pytest.raises(MemoryPlanError, match=r"GB over the .* lower per_device_train_batch_size \(8;") as e:
+        check_plan(big_batch)
+    assert "\n" not in str(e.value)
+    with pytest.raises(MemoryPlanError, match="quantize the policy"):  # 32B in bf16: 65.5 GB of weights
+        check_plan(plan_memory(shape, _run(quantization="none"), 60 * GB))
+    with pytest.raises(MemoryPlanError, match="weights alone do not fit"):
+        check_plan(plan_memory(shape, _run(), 20 * GB))
+
+
+def test_unknown_model_or_targets():
+    moe = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    with pytest.raises(MemoryPlanError, match="mixture-of-experts"):
+        ModelShape.from_config(moe)
+    with pytest.raises(MemoryPlanError, match="LoRA targets"):
+        _run(lora_targets=("q_proj", "lm_head"))
+    with pytest.raises(MemoryPlanError, match="quantization"):
+        _run(quantization="int3")
+
+
+def _config(tmp_path, **kw):
+    from qerl_trl import QeRLConfig
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=16, gradient_accumulation_steps=8,
+                num_generations=8, max_completion_length=4096, report_to="none", rollout_engine="graph")  # fmt: skip
+    return QeRLConfig(**{**base, **kw})
+
+
+def test_run_shape_from_config(tmp_path):
+    """TRL's generation batch per process (per_device_train_batch_size x steps_per_generation), the graph engine's
+    cache length, the format of ``quantization``, fp32 LoRA and AdamW."""
+    run = run_shape_from_config(_config(tmp_path))
+    assert (run.generation_rows, run.micro_batch_rows, run.prompt_len, run.cache_len) == (128, 16, 1024, 1024 + 4096)
+    assert run.quantization == "nvfp4" and run.lora_targets == LORA_TARGETS and run.lora_param_bytes == 4
+    assert run.optimizer_states == 2 and run.gradient_checkpointing  # GRPOConfig's default
+    run = run_shape_from_config(
+        _config(tmp_path, quantization="nf4", nf4_double_quant=False, steps_per_generation=4, gradient_checkpointing=False,
+                generation_kwargs={"max_cache_len": 6000}, lora_target_modules=["q_proj", "v_proj"]),
+        activation_bytes=2,
+    )  # fmt: skip
+    assert (run.generation_rows, run.cache_len, run.quantization) == (64, 6000, "nf4-no-double-quant")
+    assert run.lora_targets == ("q_proj", "v_proj") and run.activation_bytes == 2 and not run.gradient_checkpointing
+
+
+def test_preflight(tmp_path):
+    """Graph engine: waves set when the batch does not fit at once; a generation_wave_rows the user set that does not
+    fit is one line; vLLM is not planned; the transformers engine must fit the whole batch."""
+    model = qwen("32b")
+    args = _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=128, num_generations=16,
+                   max_completion_length=8192, gradient_checkpointing=True, bf16=False)  # fmt: skip
+    plan = preflight(args, model, H100_80GB_BYTES)
+    assert plan.run.activation_bytes == 4  # a CPU-parsed config: fp32 activations (the GPU's would be bf16)
+    assert args.generation_wave_rows == plan.wave_rows >= 1 and plan.waves > 1
+    args.generation_wave_rows = 100
+    with pytest.raises(MemoryPlanError, match=rf"generation_wave_rows=100 does not fit.*set it to {plan.wave_rows} or"):
+        preflight(args, model, H100_80GB_BYTES)
+    args.generation_wave_rows = None
+    args.rollout_engine = "vllm"
+    assert preflight(args, model, 1) is None
+    args.rollout_engine = "transformers"
+    with pytest.raises(MemoryPlanError, match="use rollout_engine='graph'"):
+        preflight(args, model, H100_80GB_BYTES)
+    assert args.generation_wave_rows is None
+
+
+def _recipe_model_config(model_name: str, offline_model_path: Path):
+    if model_name == "offline-default":
+        return AutoConfig.from_pretrained(offline_model_path)
+    assert model_name in HUB_IDS, f"add the sizes of {model_name}'s config.json to QWEN25 / HUB_IDS"
+    return qwen(HUB_IDS[model_name])
+
+
+def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
+    """Every shipped recipe, as written, on an 80 GB H100 (pure arithmetic, activations in bf16 as on the GPU): the plan
+    fits, in one batch or in waves. The 32B DAPO recipe (128 completions x 8,192 tokens, micro-batch 1) is generated
+    in 8 waves of 16 rows with a planned peak under 75 GB; the 7B GSM8K recipe in 2 waves of 64."""
+    from qerl_trl.cli import RECIPES_DIR, parse_train_args
+
+    got = {}
+    for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
+        script_args, config = parse_train_args([recipe.stem, "--output_dir", str(tmp_path / recipe.stem)])
+        shape = ModelShape.from_config(_recipe_model_config(script_args.model_name_or_path, offline_model_path))
+        run = run_shape_from_config(config, activation_bytes=2)
+        plan = plan_memory(shape, run, H100_80GB_BYTES)
+        check_plan(plan, waves_allowed=config.rollout_engine == "graph")
+        got[recipe.stem] = (plan.waves, plan.rows_per_wave, plan.peak(plan.rows_per_wave) / GB, plan)
+    assert set(got) >= {"offline-default", "gsm8k-qwen2.5-7b-grpo", "bigmath-qwen2.5-32b-dapo"}
+    assert got["offline-default"][:2] == (1, 32)
+    assert got["gsm8k-qwen2.5-7b-grpo"][:2] == (2, 64)
+    waves, rows, peak, plan = got["bigmath-qwen2.5-32b-dapo"]
+    assert (waves, rows) == (8, 16) and peak <= 75, plan.summary()
+    assert plan.run.generation_rows == 128 and plan.run.completion_len == 8192
+    assert 2.4 * GB < plan.kv_per_row < 2.45 * GB  # 256 KiB x 9216 positions
+
+
+def test_cli_impossible_plan_stops_before_the_model_loads(tmp_path, capsys):
+    """``qerl train --memory-budget-gb 0.05``: the offline default recipe cannot fit; one line on stderr (what, by how
+    much, what to change), exit code 2, nothing built (no run folder)."""
+    from qerl_trl.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "offline-default", "--output_dir", str(out), "--memory-budget-gb", "0.05"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qerl train: error: the run does not fit in 0.1 GB"), err
+    assert "GB over the" in err[0] and not out.exists()
+    for bad in ("-1", "inf", "lots"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "offline-default", "--output_dir", str(out), "--memory-budget-gb", bad])
+        assert e.value.code == 2 and "--memory-budget-gb must be" in capsys.readouterr().err
+
+
+def test_cli_check_memory_prints_the_waves(tmp_path, capsys):
+    """The graph engine over a budget that holds some rows but not all: ``check_memory`` sets generation_wave_rows
+    and prints one line with the wave size."""
+    from qerl_trl.cli import check_memory, parse_train_args
+
+    script_args, config = parse_train_args(
+        ["offline-default", "--rollout_engine", "graph", "--output_dir", str(tmp_path)]
+    )
+    full = check_memory(script_args, config, budget_bytes=H100_80GB_BYTES)
+    assert full.waves == 1 and config.generation_wave_rows is None and capsys.readouterr().out == ""
+    budget = int((full.peak(full.run.generation_rows // 3)) / (1 - full.margin))
+    plan = check_memory(script_args, config, budget_bytes=budget)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert config.generation_wave_rows == plan.wave_rows and plan.waves in (3, 4)
+    assert len(out) == 1 and f"generated in {plan.waves} waves of <= {plan.rows_per_wave} rows" in out[0], out

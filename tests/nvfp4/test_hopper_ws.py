@@ -22,8 +22,8 @@ from nvfp4.codec import dequantize, quantize
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _table_configs() -> list[tuple[int, int, int, int]]:
-    """The (block_m, tiles, stages, sub) tuples of the dispatch table's warp-specialised entries (or the default)."""
+def _table_configs() -> list[tuple[int, ...]]:
+    """The (block_m, tiles, stages, sub[, fixup]) tuples of the dispatch table's warp-specialised entries (or the default)."""
     from nvfp4.kernels import dispatch_table
 
     found = {
@@ -162,6 +162,8 @@ def test_dispatch_falls_back_where_the_kernel_cannot_run():
     assert not cfg.ws and cfg.mma
     ws = nvfp4_gemm.entry_config(("ws", 128, 2, 8, 2), 128, 18944, 3584)
     assert ws == nvfp4_gemm.LinearConfig(128, 128, 64, 1, 4, 8, True, mma=True, ws=True, sub=2)
+    fix = nvfp4_gemm.entry_config(("ws", 128, 4, 6, 2, 1), 128, 3584, 18944)
+    assert fix == nvfp4_gemm.LinearConfig(128, 256, 64, 1, 4, 6, True, mma=True, ws=True, sub=2, ws_fixup=True)
     assert not nvfp4_gemm._without_ws(128, 18944, 3584, torch.float16).large_m  # fp16: dequantize + cuBLAS
 
 
@@ -175,11 +177,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @cuda
 @pytest.mark.parametrize("config", _table_configs())
 def test_random_shapes_against_the_reference_gpu(config):
-    from nvfp4.kernels import LinearConfig, hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
+    from nvfp4.kernels import hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
     from nvfp4.layout import to_mma_layout
 
-    block_m, tiles, stages, sub = config
-    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
+    block_m, tiles = config[:2]
     gen = torch.Generator().manual_seed(sum(config))
     nvfp4_gemm.POISON_OUTPUTS = hopper_ws.POISON = True
     try:
@@ -211,11 +213,12 @@ def test_random_shapes_against_the_reference_gpu(config):
 @pytest.mark.gpu
 @cuda
 def test_cuda_graph_replays_are_bit_equal_gpu():
-    from nvfp4.kernels import LinearConfig, nvfp4_linear
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear
     from nvfp4.layout import to_mma_layout
 
-    block_m, tiles, stages, sub = _table_configs()[0]
-    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    config = _table_configs()[0]
+    cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
+    block_m, tiles = config[:2]
     q = quantize(torch.randn(64 * tiles * 37, 3584, device="cuda"))
     packed = to_mma_layout(q.packed)
     x = torch.randn(block_m + 5, 3584, device="cuda", dtype=torch.bfloat16)

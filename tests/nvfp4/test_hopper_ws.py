@@ -33,34 +33,9 @@ def _table_configs() -> list[tuple[int, ...]]:
 
 
 def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False):
-    import triton
     from nvfp4.kernels import hopper_ws
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    xl = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    fn = hopper_ws._ws_linear_kernel
-    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
-           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-           "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
-           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr"}  # fmt: skip
-    consts = {
-        "HAS_BIAS": True,
-        "BLOCK_M": block_m,
-        "T": tiles,
-        "STAGES": stages,
-        "SUB": sub,
-        "FIXUP": fixup,
-        "num_warps": 4,
-    }
-    aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
+    return hopper_ws.compile_sm90(block_m, tiles, stages, sub, fixup)
 
 
 @pytest.mark.parametrize("config", _table_configs()[:1])

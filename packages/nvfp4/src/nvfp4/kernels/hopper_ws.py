@@ -386,9 +386,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     """
     m, k = x.shape
     n = scale.shape[0]
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_layout, w_layout, s_layout = _smem_layouts(block_m)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
                               w_layout)  # fmt: skip
@@ -403,6 +401,35 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
                             SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=168)  # fmt: skip
     return y
+
+
+def _smem_layouts(block_m: int):
+    """The TMA boxes' shared-memory layouts: x (128-byte swizzle, the wgmma B operand), packed weight and scales
+    (plain rows: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))  # fmt: skip
+
+
+def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True):
+    """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
+    ``benchmarks/kernel_sass.py --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    xl, wl, sl = _smem_layouts(block_m)
+    fn = _ws_linear_kernel
+    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
+           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
+           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
+           "FIXUP": "constexpr", "num_warps": "constexpr"}  # fmt: skip
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
+              "num_warps": 4}  # fmt: skip
+    aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}

@@ -165,8 +165,8 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
         u += ke - kb
         if FIXUP:
             if (kb == 0) & (ke == KU):  # a whole tile: straight to y
-                _store_rows(acc, rows_c, cols_c, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG, TC, HAS_BIAS,
-                            BLOCK_M, T)  # fmt: skip
+                _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG, TC, HAS_BIAS,
+                            BLOCK_M)  # fmt: skip
             else:
                 # a part of a split tile: into this program's slot (token-major, so that the reduction's reads and
                 # y's stores are contiguous along the output rows) with its flag set to the number of readers
@@ -196,15 +196,8 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
                     gl.atomic_xchg(oflag, 0, sem="relaxed", scope="gpu")
                     covered = gl.minimum(KU, (other + 1) * U // G - tile * KU)
                     other += 1
-                # (inline rather than _store_rows: keeps this, the shipped path, the code it was when measured)
-                offs_n = n0 + 64 * TC * WG + rows_c
-                offs_m = (tile % num_m) * BLOCK_M + cols_c
-                out = acc * post
-                if HAS_BIAS:
-                    out += gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
-                mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-                ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-                gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+                _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG, TC, HAS_BIAS,
+                            BLOCK_M)  # fmt: skip
     if FIXUP:
         # every program sums a share of each split tile it worked on (after all its MMAs, so nobody waits on a
         # program that is still waiting): its first segment's tile and its last segment's tile, if partial
@@ -241,10 +234,11 @@ def _participants(tile, G, U, KU):
 
 
 @gluon.jit
-def _store_rows(acc, rows_c, cols_c, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG: gl.constexpr,
-                TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr):  # fmt: skip
-    """``y[tile's tokens, this consumer's rows] = acc · post (+ bias)`` (acc ``[64·TC, BLOCK_M]`` fp32)."""
-    offs_n = (tile // num_m) * 64 * T + 64 * TC * WG + rows_c
+def _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG: gl.constexpr,
+                TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
+    """``y[tile's tokens, this consumer's rows] = acc · post (+ bias)`` (acc ``[64·TC, BLOCK_M]`` fp32; the tile's
+    rows start at ``n0``)."""
+    offs_n = n0 + 64 * TC * WG + rows_c
     offs_m = (tile % num_m) * BLOCK_M + cols_c
     out = acc * post
     if HAS_BIAS:

@@ -234,6 +234,7 @@ def bench_humming(wts: Weights, layers: list, m: int) -> tuple[float, float]:
 
 # The warp-specialised kernel's candidate tiles per M (benchmarks/gemm_ws_spike.py on the 7B gate/down shapes):
 # (block_m, weight tiles, stages, stages per stream-K unit). Below M = 64 the decode kernel is measured faster.
+# per M: (block_m, tiles, stages, sub[, fixup]) of hopper_ws (gemm_ws_spike.py --mode fixup measures fixup / tiles=4)
 WS_CANDIDATES = {64: (64, 2, 12, 2), 128: (128, 2, 8, 2), 256: (256, 2, 3, 1), 4096: (256, 2, 3, 1)}
 
 
@@ -241,8 +242,10 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     """The warp-specialised kernel's config for this M (None where it is not a candidate)."""
     if m < 64 or n % 128 or k % 256:
         return None
-    bm, tiles, stages, sub = WS_CANDIDATES[min(s for s in WS_CANDIDATES if s >= m) if m <= 4096 else 4096]
-    return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    bm, tiles, stages, sub, *fixup = WS_CANDIDATES[min(s for s in WS_CANDIDATES if s >= m) if m <= 4096 else 4096]
+    if n % (64 * tiles):
+        return None
+    return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
@@ -544,7 +547,7 @@ def dispatch_table_source(sweep: dict) -> str:
         if c["dequant"]:
             entry = "dequant"
         elif c.get("ws"):
-            entry = ("ws", c["block_m"], c["block_n"] // 64, c["num_stages"], c["sub"])
+            entry = ("ws", c["block_m"], c["block_n"] // 64, c["num_stages"], c["sub"]) + ((1,) if c.get("ws_fixup") else ())
         elif c.get("large_m"):
             entry = (c["block_n"] // 64, c["block_k"] // 64, c["block_m"], c["num_warps"], c["num_stages"], c["split_k"])
         else:

@@ -12,6 +12,12 @@ Usage::
 
     uv run python benchmarks/kernel_sass.py              # the default decode configs, both layouts
     uv run python benchmarks/kernel_sass.py --ttgir      # also print the layout conversions in the TTGIR
+    uv run python benchmarks/kernel_sass.py --ws 128,2,8,2 128,4,6,2 128,4,6,2,1   # the Gluon kernel (hopper_ws)
+
+``--ws BLOCK_M,TILES,STAGES,SUB[,FIXUP]``: the warp-specialised kernel per config (registers, spills, shared memory,
+``HGMMA``/``LDS``/``SYNCS``/``WARPGROUP`` counts), then its stream-K schedule on the 7B/32B large linears at
+M = 64-512 on 132 SMs: units per program and per tile, and the serial tail of the sum of split tiles (``fixup=False``:
+the most parts one program reads after the last is written, and their size per consumer pair).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
 
-from nvfp4.kernels import large_m  # noqa: E402
+from nvfp4.kernels import hopper_ws, large_m  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -61,21 +67,62 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
                                                                              num_stages=num_stages))  # fmt: skip
 
 
-def sass_summary(compiled) -> tuple[str, dict[str, int]]:
-    """(resource line from ``cuobjdump``, counts of the instructions in ``COUNTED``)."""
+def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int]]:
+    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     line = res.stdout.strip().splitlines()[-1].split("CONSTANT")[0].strip()
-    return line, dict(sorted(collections.Counter(re.findall(COUNTED, sass)).items()))
+    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items()))
+
+
+WS_COUNTED = r"\b(LDL\S*|STL\S*|LDS\S*|STS\S*|HGMMA\S*|WARPGROUP\S*|SYNCS\S*|UTMALDG\S*|BAR\.SYNC\S*|ATOMG\S*|LDG\S*)"
+WS_SHAPES = {"7B gate/up": (18944, 3584), "7B down": (3584, 18944), "32B gate/up": (27648, 5120),
+             "32B down": (5120, 27648)}  # fmt: skip
+
+
+def streamk_tail(m: int, n: int, k: int, block_m: int, tiles: int, sub: int, programs: int = 132) -> dict:
+    """hopper_ws's stream-K schedule (units of ``sub`` 64-input stages, tile-major, ``[p·U/G, (p+1)·U/G)`` each):
+    units per program and per tile, and for the serial sum (``fixup=False``) the most parts one tile's first
+    program reads after its own work (``serial_parts``), each ``part_kb`` KB (both consumers)."""
+    ku = k // (64 * sub)
+    units = -(-m // block_m) * (n // (64 * tiles)) * ku
+    g = min(programs, units)
+    most = 0
+    for p in range(g):
+        u1 = (p + 1) * units // g
+        tile, kb = divmod(u1 - 1, ku)
+        if (u1 - 1) // ku * ku >= p * units // g and u1 - tile * ku < ku:  # the head of a split tile: its last segment
+            most = max(most, ((tile + 1) * ku * g - 1) // units - p)
+    return dict(units_per_program=round(units / g, 1), units_per_tile=ku, serial_parts=most,
+                part_kb=64 * tiles * block_m * 4 // 1024)  # fmt: skip
+
+
+def ws_report(configs: list[str]) -> None:
+    """``--ws``: SASS summary and stream-K schedule of each hopper_ws config."""
+    for c in configs:
+        bm, tiles, stages, sub, *fixup = map(int, c.split(","))
+        compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup and fixup[0]))
+        line, counts = sass_summary(compiled, WS_COUNTED)
+        print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup and fixup[0])}\n"
+              f"  {line}  shared {compiled.metadata.shared} B\n  {counts}")  # fmt: skip
+        for name, (n, k) in WS_SHAPES.items():
+            tails = {m: streamk_tail(m, n, k, bm, tiles, sub) for m in (64, 128, 256, 512) if bm <= max(64, m)}
+            print(f"  {name}: " + "; ".join(f"M={m} {t['units_per_program']}/prog {t['units_per_tile']}/tile, "
+                                            f"tail {t['serial_parts']}x{t['part_kb']} KB" for m, t in tails.items()))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ttgir", action="store_true", help="print the layout conversions / shared-memory allocations")
+    ap.add_argument("--ws", nargs="+", default=None, metavar="BM,T,STAGES,SUB[,FIXUP]",
+                    help="the warp-specialised Gluon kernel (hopper_ws) per config, and its stream-K schedule")  # fmt: skip
     args = ap.parse_args()
+    if args.ws:
+        ws_report(args.ws)
+        return
     cases = [
         ("MMA layout, M<=16, 3 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=16), 4, 3),
         ("MMA layout, M<=16, 3 stages, fused LoRA r=32", kern._linear_mma_kernel, {},

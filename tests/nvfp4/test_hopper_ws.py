@@ -22,35 +22,20 @@ from nvfp4.codec import dequantize, quantize
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _table_configs() -> list[tuple[int, int, int, int]]:
-    """The (block_m, tiles, stages, sub) tuples of the dispatch table's warp-specialised entries (or the default)."""
+def _table_configs() -> list[tuple[int, ...]]:
+    """The (block_m, tiles, stages, sub[, fixup]) tuples of the dispatch table's warp-specialised entries (or the default)."""
     from nvfp4.kernels import dispatch_table
 
-    found = {e[1:] for row in dispatch_table.FORWARD.values() for e in row.values() if isinstance(e, tuple) and e[0] == "ws"}
+    found = {
+        e[1:] for row in dispatch_table.FORWARD.values() for e in row.values() if isinstance(e, tuple) and e[0] == "ws"
+    }
     return sorted(found) or [(128, 2, 8, 2)]
 
 
-def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int):
-    import triton
+def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False):
     from nvfp4.kernels import hopper_ws
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    xl = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    wl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-    sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    fn = hopper_ws._ws_linear_kernel
-    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
-           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-           "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
-           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "num_warps": "constexpr"}  # fmt: skip
-    consts = {"HAS_BIAS": True, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "num_warps": 4}
-    aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
+    return hopper_ws.compile_sm90(block_m, tiles, stages, sub, fixup)
 
 
 @pytest.mark.parametrize("config", _table_configs()[:1])
@@ -65,12 +50,80 @@ def test_compiles_for_sm90a_without_a_gpu(config):
         f.flush()
         usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run([bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run(
+            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
     assert "sm_90a" in compiled.asm["ptx"] or ".target sm_90a" in compiled.asm["ptx"]
     assert re.search(r"STACK:0\b", usage), usage  # no local-memory spills
     assert "LDL" not in sass and "STL" not in sass
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass), "wgmma with a register A operand"
     assert "UTMALDG" in sass and "SYNCS" in sass  # TMA loads completing on mbarriers
+
+
+def test_parallel_fixup_compiles_for_sm90a_without_spills_in_the_main_loop():
+    """The ``fixup=True`` form (256-row tiles, the spike's candidate) builds for sm_90a; whatever ptxas spills sits
+    outside the wgmma loop (between a ``WARPGROUP.ARRIVE`` and its ``DEPBAR`` there is no local memory)."""
+    import triton
+
+    compiled = _compile_sm90(128, 4, 6, 2, fixup=True)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+,", sass)
+    assert "LDG.E.STRONG.GPU" in sass  # the per-thread acquire poll of the parts' flags
+    in_loop = False
+    for line in sass.splitlines():
+        in_loop = (in_loop or "WARPGROUP.ARRIVE" in line) and "WARPGROUP.DEPBAR" not in line
+        assert not (in_loop and re.search(r"\b(LDL|STL)\b", line)), line
+
+
+@pytest.mark.parametrize("shape", [(128, 3584, 18944, 128, 4, 2), (128, 18944, 3584, 128, 4, 2), (300, 1024, 5120, 64, 2, 2),
+                                   (64, 5120, 27648, 64, 4, 1), (700, 27648, 5120, 256, 2, 1)])  # fmt: skip
+@pytest.mark.parametrize("programs", [132, 100, 7])
+def test_parallel_fixup_schedule_sums_every_split_tile_once(shape, programs):
+    """The index arithmetic of ``fixup=True`` replayed in Python (:func:`hopper_ws._participants`'s formula, the slot
+    and flag indices of ``_consumer`` and ``_parallel_fixup``): every part a reader adds is a part of its tile, the
+    parts cover the tile's K once, every token group of a split tile is summed by exactly one program, and the flags
+    come back to zero."""
+    m, n, k, block_m, tiles, sub = shape
+    num_m, ku = -(-m // block_m), k // (64 * sub)
+    u = num_m * (n // (64 * tiles)) * ku
+    g = min(programs, u)
+    first_last = lambda t: (((t * ku + 1) * g - 1) // u, ((t + 1) * ku * g - 1) // u)  # noqa: E731
+    parts, flags, summed = {}, {}, {}
+    for me in range(g):  # the main loop: a split tile's part goes to slot (me, j), its flag to the readers' count
+        u0, u1 = me * u // g, (me + 1) * u // g
+        unit = u0
+        while unit < u1:
+            tile, kb = divmod(unit, ku)
+            ke = min(ku, kb + u1 - unit)
+            if not (kb == 0 and ke == ku):
+                pf, pl = first_last(tile)
+                assert pf <= me <= pl
+                parts[(me, int(unit != u0))] = (tile, ke - kb)
+                flags[(me, int(unit != u0))] = pl - pf + 1
+            unit += ke - kb
+    for me in range(g):  # the fixups: the first segment's tile and the last segment's, where split
+        u0, u1 = me * u // g, (me + 1) * u // g
+        t0, kb0 = divmod(u0, ku)
+        t1 = (u1 - 1) // ku
+        tiles_of_me = ([t0] if kb0 > 0 or kb0 + u1 - u0 < ku else []) + ([t1] if t1 != t0 and u1 - t1 * ku < ku else [])
+        for tile in tiles_of_me:
+            pf, pl = first_last(tile)
+            j_first = int(pf * u // g < tile * ku)
+            keys = [(q, j_first if q == pf else 0) for q in range(pf, pl + 1)]
+            assert all(parts[key][0] == tile for key in keys) and sum(parts[key][1] for key in keys) == ku
+            for c in range(me - pf, block_m // 4, pl - pf + 1):
+                summed[(tile, c)] = summed.get((tile, c), 0) + 1
+            for key in keys:
+                flags[key] -= 1
+    assert set(flags.values()) <= {0}
+    assert set(summed.values()) <= {1}
+    assert len(summed) == len({t for t, _ in parts.values()}) * (block_m // 4)
 
 
 def test_dispatch_falls_back_where_the_kernel_cannot_run():
@@ -84,6 +137,8 @@ def test_dispatch_falls_back_where_the_kernel_cannot_run():
     assert not cfg.ws and cfg.mma
     ws = nvfp4_gemm.entry_config(("ws", 128, 2, 8, 2), 128, 18944, 3584)
     assert ws == nvfp4_gemm.LinearConfig(128, 128, 64, 1, 4, 8, True, mma=True, ws=True, sub=2)
+    fix = nvfp4_gemm.entry_config(("ws", 128, 4, 6, 2, 1), 128, 3584, 18944)
+    assert fix == nvfp4_gemm.LinearConfig(128, 256, 64, 1, 4, 6, True, mma=True, ws=True, sub=2, ws_fixup=True)
     assert not nvfp4_gemm._without_ws(128, 18944, 3584, torch.float16).large_m  # fp16: dequantize + cuBLAS
 
 
@@ -97,11 +152,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @cuda
 @pytest.mark.parametrize("config", _table_configs())
 def test_random_shapes_against_the_reference_gpu(config):
-    from nvfp4.kernels import LinearConfig, hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
+    from nvfp4.kernels import hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
     from nvfp4.layout import to_mma_layout
 
-    block_m, tiles, stages, sub = config
-    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
+    block_m, tiles = config[:2]
     gen = torch.Generator().manual_seed(sum(config))
     nvfp4_gemm.POISON_OUTPUTS = hopper_ws.POISON = True
     try:
@@ -133,11 +188,12 @@ def test_random_shapes_against_the_reference_gpu(config):
 @pytest.mark.gpu
 @cuda
 def test_cuda_graph_replays_are_bit_equal_gpu():
-    from nvfp4.kernels import LinearConfig, nvfp4_linear
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear
     from nvfp4.layout import to_mma_layout
 
-    block_m, tiles, stages, sub = _table_configs()[0]
-    cfg = LinearConfig(block_m, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+    config = _table_configs()[0]
+    cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
+    block_m, tiles = config[:2]
     q = quantize(torch.randn(64 * tiles * 37, 3584, device="cuda"))
     packed = to_mma_layout(q.packed)
     x = torch.randn(block_m + 5, 3584, device="cuda", dtype=torch.bfloat16)
@@ -152,3 +208,36 @@ def test_cuda_graph_replays_are_bit_equal_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", [(128, 4, 6, 2), (64, 4, 8, 2), (128, 2, 8, 2), (256, 2, 3, 1)])
+def test_parallel_fixup_against_the_reference_and_the_serial_sum_gpu(config):
+    """``fixup=True`` against the float64 reference (odd M, bias, NaN-poisoned output), bit-equal repeats, flags
+    left at zero; long K (many programs per tile) and short K."""
+    from nvfp4.kernels import hopper_ws
+    from nvfp4.layout import to_mma_layout
+
+    block_m, tiles, stages, sub = config
+    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=True)
+    hopper_ws.POISON = True
+    try:
+        for m, n, k in (
+            (block_m + 3, 64 * tiles * 14, 18944),
+            (2 * block_m - 1, 64 * tiles * 37, 3584),
+            (37, 1024, 5120),
+        ):
+            q = quantize(torch.randn(n, k, device="cuda"))
+            packed = to_mma_layout(q.packed)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
+            y = hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)
+            assert _rel(y, ref) < 1e-2, (m, n, k, config)
+            assert torch.equal(y, hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)), (
+                "not deterministic"
+            )
+            assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
+    finally:
+        hopper_ws.POISON = False

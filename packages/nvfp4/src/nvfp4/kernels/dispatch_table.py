@@ -6,7 +6,8 @@ or during a CUDA-graph capture).
 the linears of Qwen2.5-7B/14B/32B): ``"decode"`` (``_linear_mma_kernel`` with :func:`~nvfp4.kernels.nvfp4_gemm._decode_config`'s
 decode-size config), ``"dequant"`` (dequantize once, then cuBLAS) or a tile of the large-M kernel, ``(tiles, quarters,
 block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`), or the warp-specialised kernel,
-``("ws", block_m, tiles, stages, sub)`` (:mod:`nvfp4.kernels.hopper_ws`; bf16 on sm_90, else the rule below). A call at M between two measured sizes takes the
+``("ws", block_m, tiles, stages, sub[, fixup])`` (:mod:`nvfp4.kernels.hopper_ws`; bf16 on sm_90, else the rule below;
+``fixup`` 1: a split tile's programs each sum a share of it). A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
 Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.
 """
@@ -14,8 +15,8 @@ Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a
 from __future__ import annotations
 
 # "decode" | "dequant" | (tiles, quarters, block_m, warps, stages, split_k) of the large-M kernel
-# | ("ws", block_m, tiles, stages, sub) of the warp-specialised kernel (nvfp4.kernels.hopper_ws)
-Entry = str | tuple[int, int, int, int, int, int] | tuple[str, int, int, int, int]
+# | ("ws", block_m, tiles, stages, sub[, fixup]) of the warp-specialised kernel (nvfp4.kernels.hopper_ws)
+Entry = str | tuple[int, int, int, int, int, int] | tuple[str, int, int, int, int] | tuple[str, int, int, int, int, int]
 
 # fmt: off
 FORWARD: dict[tuple[int, int], dict[int, Entry]] = {

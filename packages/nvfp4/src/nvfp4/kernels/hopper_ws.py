@@ -122,7 +122,8 @@ def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.conste
 @gluon.jit
 def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
               N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-              T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+              T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
+              FIXUP: gl.constexpr):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -162,39 +163,150 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
             i += SUB
         u += ke - kb
-        # Stream-K: a tile split between programs is summed by the program holding its first stages (it reaches
-        # them last, so the others' parts are written by then), in program order: deterministic.
-        flag = flag_ptr + 2 * me + WG
-        if kb > 0:
-            gl.store(ws_ptr + (2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot, acc)
-            gl.thread_barrier()  # every thread's part is out before the flag goes up
-            gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+        if FIXUP:
+            if (kb == 0) & (ke == KU):  # a whole tile: straight to y
+                _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG, TC, HAS_BIAS,
+                            BLOCK_M)  # fmt: skip
+            else:
+                # a part of a split tile: into this program's slot (token-major, so that the reduction's reads and
+                # y's stores are contiguous along the output rows) with its flag set to the number of readers
+                j = (u - (ke - kb) != u0).to(gl.int32)  # slot 0: the program's first segment; 1: its last
+                pf, pl = _participants(tile, G, U, KU)
+                slot_t = cols_c[None, :] * (64 * TC) + rows_c[:, None]
+                gl.store(ws_ptr + (j * 2 * G + 2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot_t, acc)
+                gl.thread_barrier()  # every thread's part is out before the flag goes up
+                gl.atomic_xchg(flag_ptr + 4 * me + 2 * j + WG, pl - pf + 1, sem="release", scope="gpu")
         else:
-            covered = ke
-            other = me + 1
-            while covered < KU:
-                oflag = flag_ptr + 2 * other + WG
-                while gl.atomic_add(oflag, 0, sem="acquire", scope="gpu") == 0:
-                    pass
-                acc += gl.load(ws_ptr + (2 * other + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot,
-                               cache_modifier=".cg")  # fmt: skip
-                gl.atomic_xchg(oflag, 0, sem="relaxed", scope="gpu")
-                covered = gl.minimum(KU, (other + 1) * U // G - tile * KU)
-                other += 1
-            offs_n = n0 + 64 * TC * WG + rows_c
-            offs_m = (tile % num_m) * BLOCK_M + cols_c
-            out = acc * post
-            if HAS_BIAS:
-                out += gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
-            mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-            ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+            # Stream-K: a tile split between programs is summed by the program holding its first stages (it reaches
+            # them last, so the others' parts are written by then), in program order: deterministic.
+            flag = flag_ptr + 2 * me + WG
+            if kb > 0:
+                gl.store(ws_ptr + (2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot, acc)
+                gl.thread_barrier()  # every thread's part is out before the flag goes up
+                gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+            else:
+                covered = ke
+                other = me + 1
+                while covered < KU:
+                    oflag = flag_ptr + 2 * other + WG
+                    while gl.atomic_add(oflag, 0, sem="acquire", scope="gpu") == 0:
+                        pass
+                    acc += gl.load(ws_ptr + (2 * other + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot,
+                                   cache_modifier=".cg")  # fmt: skip
+                    gl.atomic_xchg(oflag, 0, sem="relaxed", scope="gpu")
+                    covered = gl.minimum(KU, (other + 1) * U // G - tile * KU)
+                    other += 1
+                _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG, TC, HAS_BIAS,
+                            BLOCK_M)  # fmt: skip
+    if FIXUP:
+        # every program sums a share of each split tile it worked on (after all its MMAs, so nobody waits on a
+        # program that is still waiting): its first segment's tile and its last segment's tile, if partial
+        t0, kb0, ke0 = _segment(u0, u1, KU)
+        if (kb0 > 0) | (ke0 < KU):
+            _parallel_fixup(t0, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym, WG,
+                            TC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
+        t1 = (u1 - 1) // KU
+        if (t1 != t0) & (u1 - t1 * KU < KU):
+            _parallel_fixup(t1, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym, WG,
+                            TC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
+
+
+@gluon.jit
+def _wait_nonzero(ptrs, live):
+    """Spin until the int32 at each ``live`` pointer is non-zero (acquire, gpu scope), each thread on its own:
+    a loop inside the thread, since a cross-warp ``gl.sum`` of "still waiting" would need shared scratch, which
+    Triton places at the same offset for both consumer partitions."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 v; setp.eq.s32 p, $2, 0; @p bra DONE; LOOP: ld.acquire.gpu.global.b32 v, [$1];"
+        " setp.eq.s32 p, v, 0; @p bra LOOP; DONE: mov.b32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, live.to(gl.int32)],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _participants(tile, G, U, KU):
+    """First and last program whose units (``[p·U/G, (p+1)·U/G)``) meet ``tile``'s ``[tile·KU, (tile+1)·KU)``."""
+    return ((tile * KU + 1) * G - 1) // U, ((tile + 1) * KU * G - 1) // U
+
+
+@gluon.jit
+def _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, stride_ym, WG: gl.constexpr,
+                TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
+    """``y[tile's tokens, this consumer's rows] = acc · post (+ bias)`` (acc ``[64·TC, BLOCK_M]`` fp32; the tile's
+    rows start at ``n0``)."""
+    offs_n = n0 + 64 * TC * WG + rows_c
+    offs_m = (tile % num_m) * BLOCK_M + cols_c
+    out = acc * post
+    if HAS_BIAS:
+        out += gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+    gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym,
+                    WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    T: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Sum this program's share of split ``tile`` (this consumer's rows): the ``n`` programs that worked on it take
+    every ``n``-th group of ``WARPS`` tokens; each group adds the ``n`` slots (16 at a time: one round of
+    loads) in a fixed order (deterministic) and goes to y. The serial form has one program read all ``n - 1``
+    other slots after the last of them is written (the tail of the kernel); here each reads ``1/n`` of each."""
+    ROWS: gl.constexpr = 64 * TC
+    QB: gl.constexpr = 32 * WARPS
+    QN: gl.constexpr = 16  # parts loaded per round
+    red: gl.constexpr = gl.BlockedLayout([QN, 1, 2 * TC], [1, 1, 32], [1, WARPS, 1], [2, 1, 0])
+    f_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pf, pl = _participants(tile, G, U, KU)
+    n = pl - pf + 1
+    j_first = (pf * U // G < tile * KU).to(gl.int32)  # the first program's part is its last segment: slot 1
+    # wait for every part: each thread polls one program's flag
+    for qb in range(pf, pl + 1, QB):
+        q = qb + gl.arange(0, QB, layout=f_layout)
+        live = q <= pl
+        _wait_nonzero(flag_ptr + 4 * q + 2 * gl.where(q == pf, j_first, 0) + WG, live)
+    gl.thread_barrier()  # all flags seen before anyone reads a part
+    red2: gl.constexpr = gl.SliceLayout(0, red)
+    tok = gl.arange(0, WARPS, layout=gl.SliceLayout(1, red2))
+    rr = gl.arange(0, ROWS, layout=gl.SliceLayout(0, red2))
+    qq = gl.arange(0, QN, layout=gl.SliceLayout(1, gl.SliceLayout(2, red)))
+    offs_n = (tile // num_m) * 64 * T + ROWS * WG + rr
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+    for c in range(me - pf, BLOCK_M // WARPS, n):
+        cols = c * WARPS + tok
+        off = gl.expand_dims(cols[:, None] * ROWS + rr[None, :], 0)
+        acc = gl.zeros([WARPS, ROWS], gl.float32, red2)
+        # QN programs' parts in one round of loads, added in program order (the sum runs within each thread)
+        for qb in range(pf, pl + 1, QN):
+            q = qb + qq
+            base = (gl.where(q == pf, j_first, 0) * 2 * G + 2 * q + WG).to(gl.int64) * (ROWS * BLOCK_M)
+            part = gl.load(ws_ptr + base[:, None, None] + off, mask=(q <= pl)[:, None, None], other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            acc += gl.sum(part, axis=0)
+        out = acc * post
+        if HAS_BIAS:
+            out += bias[None, :]
+        offs_m = (tile % num_m) * BLOCK_M + cols
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        gl.store(y_ptr + offs_m[:, None].to(gl.int64) * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    # each reader takes one off each flag: the last leaves it zero for the next launch
+    for qb in range(pf, pl + 1, QB):
+        q = qb + gl.arange(0, QB, layout=f_layout)
+        live = q <= pl
+        gl.atomic_add(flag_ptr + 4 * q + 2 * gl.where(q == pf, j_first, 0) + WG, gl.full([QB], -1, gl.int32, f_layout),
+                      mask=live, sem="relaxed", scope="gpu")  # fmt: skip
 
 
 @gluon.jit
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                      SUB: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                      SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
     (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
     partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
@@ -218,9 +330,9 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     gl.warp_specialize(
         [
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
-                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB)),
+                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
-                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB)),
+                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
             (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
                          STAGES, SUB)),
         ],
@@ -249,7 +361,7 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
-           stages: int = 8, sub: int = 2, programs: int | None = None) -> torch.Tensor:  # fmt: skip
+           stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
@@ -262,25 +374,56 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
             output rows, split between the two consumer warpgroups), pipeline stages of 64 inputs, stages per
             scheduling unit.
         programs: persistent programs (default: one per SM).
+        fixup: the programs that share a split tile each sum a share of it at the end (needs ``4·programs``
+            flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
+            sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
     """
     m, k = x.shape
     n = scale.shape[0]
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_layout, w_layout, s_layout = _smem_layouts(block_m)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
                               w_layout)  # fmt: skip
     s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
     units = triton.cdiv(m, block_m) * (n // (64 * tiles)) * (k // (64 * sub))
     g = min(programs or num_sms(x.device), units)
-    if flags.numel() < 2 * g:
-        raise ValueError(f"hopper_ws.launch: {flags.numel()} flags for {g} programs (needs {2 * g})")
-    ws = torch.empty((2 * g, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
+    slots = 4 * g if fixup else 2 * g  # (first/last segment ×) program × consumer
+    if flags.numel() < slots:
+        raise ValueError(f"hopper_ws.launch: {flags.numel()} flags for {g} programs (needs {slots})")
+    ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, num_warps=4, maxnreg=168)  # fmt: skip
+                            SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=168)  # fmt: skip
     return y
+
+
+def _smem_layouts(block_m: int):
+    """The TMA boxes' shared-memory layouts: x (128-byte swizzle, the wgmma B operand), packed weight and scales
+    (plain rows: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))  # fmt: skip
+
+
+def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True):
+    """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
+    ``benchmarks/kernel_sass.py --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    xl, wl, sl = _smem_layouts(block_m)
+    fn = _ws_linear_kernel
+    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
+           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
+           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
+           "FIXUP": "constexpr", "num_warps": "constexpr"}  # fmt: skip
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
+              "num_warps": 4}  # fmt: skip
+    aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}

@@ -93,6 +93,7 @@ class LinearConfig:
     large_m: bool = False  # large_m._linear_large_m_kernel (MMA layout; block_n = 64·tiles, block_k = 64·quarters)
     ws: bool = False  # hopper_ws: warp-specialised persistent stream-K (block_n = 64·tiles; num_stages; sub below)
     sub: int = 1  # hopper_ws: pipeline stages (64 inputs each) per stream-K unit
+    ws_fixup: bool = False  # hopper_ws: a split tile's programs each sum a share of it (launch(fixup=True))
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,9 @@ def entry_config(entry: dispatch_table.Entry, m: int, n: int, k: int) -> LinearC
     if entry == "decode":
         return _decode_config(m, n, k)
     if entry[0] == "ws":
-        _, bm, tiles, stages, sub = entry
-        return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub)
+        _, bm, tiles, stages, sub, *fixup = entry
+        return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub,
+                            ws_fixup=bool(fixup and fixup[0]))  # fmt: skip
     tiles, quarters, bm, warps, stages, split = entry
     return LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, mma=True, large_m=True)
 
@@ -536,7 +538,7 @@ def _without_ws(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
 
 def _ws_flags(x2: torch.Tensor, cfg: LinearConfig) -> torch.Tensor | None:
     """The stream-K flags of :func:`hopper_ws.launch` (the split-K tickets; None where they cannot be had)."""
-    return _splitk_counters(x2.device, 2 * hopper_ws.num_sms(x2.device))
+    return _splitk_counters(x2.device, (4 if cfg.ws_fixup else 2) * hopper_ws.num_sms(x2.device))
 
 
 def _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags):
@@ -547,7 +549,7 @@ def _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags):
         x2 = x2.contiguous()
     y = _empty((m, n), x2.dtype, x2.device)
     hopper_ws.launch(x2, packed, scale, global_scale, bias, y, flags, block_m=cfg.block_m, tiles=cfg.block_n // 64,
-                     stages=cfg.num_stages, sub=cfg.sub)  # fmt: skip
+                     stages=cfg.num_stages, sub=cfg.sub, fixup=cfg.ws_fixup)  # fmt: skip
     if lora is not None:
         a, b, scaling = lora
         t = torch.nn.functional.linear(x2, a.to(x2.dtype))

@@ -40,17 +40,19 @@ def csv_list(s: str) -> list[str]:
 
 
 def git_commit() -> str:
-    """The repository's short HEAD, ``+dirty`` when tracked files differ from it; ``unknown`` outside a git checkout.
-    Every JSON names the code it measured: a ratio is only stated with its commit."""
+    """The repository's short HEAD, ``+dirty`` when tracked files differ from it; outside a git checkout (a copy of the
+    tree on the GPU machine) ``$QERL_COMMIT`` if set, else ``unknown``. Every JSON names the code it measured: a ratio
+    is only stated with its commit."""
+    fallback = os.environ.get("QERL_COMMIT", "unknown")
     git = ["git", "-C", str(ROOT)]
     try:
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30)
         dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                                timeout=30)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return fallback
     if head.returncode != 0:
-        return "unknown"
+        return fallback
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 

@@ -100,8 +100,10 @@ def checkpoints(model_key: str, root: Path, lora_r: int) -> dict[str, Path]:
         model, _ = rollout.build_model(model_key, "bf16-base", device, torch.bfloat16, lora_r=lora_r,
                                        lora_dtype=torch.bfloat16, double_quant=False, nvfp4_method="rtn")  # fmt: skip
         model.config.architectures = ["Qwen2ForCausalLM"]
-        _save(paths["bf16"], lambda d: model.save_pretrained(d))
-        _save(paths["adapter"], lambda d: _write_adapter(model, d, lora_r))
+        if not (paths["bf16"] / ".done").is_file():
+            _save(paths["bf16"], lambda d: model.save_pretrained(d))
+        if not (paths["adapter"] / ".done").is_file():
+            _save(paths["adapter"], lambda d: _write_adapter(model, d, lora_r))
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -383,6 +385,7 @@ def main(argv=None) -> None:
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_result", help=argparse.SUPPRESS)
@@ -443,6 +446,10 @@ def main(argv=None) -> None:
         if p.returncode:
             sys.exit(f"building the {m} checkpoints failed (rc={p.returncode})")
         meta.setdefault("checkpoint_s", {})[m] = round(time.perf_counter() - t0, 1)
+        print(f"[{m}] checkpoints ready in {meta['checkpoint_s'][m]} s", flush=True)
+    if args.build_only:
+        return
+    for m in models:
         for a in arms:
             if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
                 res = {"model": m, "arm": a, "label": ARM_LABEL[a], "engine": "vllm", "batches": [],

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with the package registry), from anywhere in the checkout:
-#     bash benchmarks/vllm_gpu/fetch.sh [--full]
+#     bash benchmarks/vllm_gpu/fetch.sh [--full] [--bench]
 # Downloads the cp312 manylinux x86_64 wheels of benchmarks/vllm_gpu/wheels.txt into .carry/vllm/dl (gitignored),
 # makes the vllm wheel lean (unless --full: see wheels.txt), splits every file larger than one call's budget into
 # numbered parts, and packs files and parts into call folders .carry/vllm/callN, each at most one call's budget, with
@@ -9,23 +9,33 @@
 # One call's budget: the device takes 64 MiB per call, working tree included, so a call folder holds
 #     64 MiB - (tracked + untracked-not-ignored files of this checkout) - CALL_MARGIN_MIB (default 3)
 # (override with CALL_BUDGET_MIB). The device machine: `bash benchmarks/vllm_gpu/install.sh` in every call (README.md).
+#   --full   the vllm wheel as published (304 MB: 3 more calls)
+#   --bench  only what the engine and the benchmarks need (no wheel of wheels.txt's "tests" section: no trl, no
+#            offline default model), into .carry/vllm-bench: fewer calls for a machine that only measures
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 HERE=benchmarks/vllm_gpu
 OUT=.carry/vllm
 LEAN=1
-case "${1:-}" in
-  --full) LEAN=0 ;;
-  "") ;;
-  *) echo "usage: bash $HERE/fetch.sh [--full]" >&2; exit 2 ;;
-esac
+BENCH=0
+for arg in "$@"; do
+  case "$arg" in
+    --full) LEAN=0 ;;
+    --bench) BENCH=1; OUT=.carry/vllm-bench ;;
+    *) echo "usage: bash $HERE/fetch.sh [--full] [--bench]" >&2; exit 2 ;;
+  esac
+done
 git check-ignore -q "$OUT/x" || { echo "fetch.sh: $OUT is not gitignored; it must never be committed" >&2; exit 1; }
 
 # --- 1. download (one version of each; pip skips files already in dl/) ---------------------------------------------
 mkdir -p "$OUT/dl"
 REQS=$(mktemp)
 trap 'rm -f "$REQS"' EXIT
-sed -e 's/#.*//' -e 's/[[:space:]]//g' "$HERE/wheels.txt" | grep -v '^$' > "$REQS"
+if [ "$BENCH" = 1 ]; then  # up to the "# --- tests" section
+  sed -n '/^# --- tests/q;p' "$HERE/wheels.txt"
+else
+  cat "$HERE/wheels.txt"
+fi | sed -e 's/#.*//' -e 's/[[:space:]]//g' | grep -v '^$' > "$REQS"
 PLATFORMS=(--platform manylinux1_x86_64 --platform manylinux2010_x86_64 --platform manylinux2014_x86_64)
 for n in $(seq 5 39); do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done  # the image is glibc 2.39 (Ubuntu 24.04)
 python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \

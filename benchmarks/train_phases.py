@@ -242,12 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
 
-    from qerl_trl.memory import pin_malloc_mmap_threshold
+    from qerl_trl.memory import TRAIN_MMAP_THRESHOLD, pin_malloc_mmap_threshold
 
-    if args.mmap_threshold is None:
-        pin_malloc_mmap_threshold()  # as `qerl train` does, before the model loads
-    else:
-        pin_malloc_mmap_threshold(args.mmap_threshold)
+    # as `qerl train` does, before the model loads (or the threshold to try)
+    pin_malloc_mmap_threshold(TRAIN_MMAP_THRESHOLD if args.mmap_threshold is None else args.mmap_threshold)
     import torch
     from qerl_trl.cli import build_trainer, parse_train_args
 

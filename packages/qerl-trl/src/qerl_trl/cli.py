@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> None:
             _list_recipes()
             return
         budget_gb = _pop_memory_budget(argv, debug)
-        from .memory import pin_malloc_mmap_threshold
+        from .memory import TRAIN_MMAP_THRESHOLD, pin_malloc_mmap_threshold
 
-        pin_malloc_mmap_threshold()  # before the model loads: resident memory then follows live memory
+        pin_malloc_mmap_threshold(TRAIN_MMAP_THRESHOLD)  # before the model loads: no glibc threshold drift
         try:  # a bad recipe name fails here before torch is imported; the config's values, paths, data, --resume
             script_args, config = parse_train_args(argv)  # before the model loads
             inputs = validate_train_args(script_args, config)

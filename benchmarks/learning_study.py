@@ -362,7 +362,7 @@ GPU_TASKS = {
 }
 GPU_TRAIN = {
     # one micro-batch per step with gradient checkpointing, as the offline default recipe had it when these runs were
-    # recorded (it now trains 16 micro-batches of 2 without checkpointing, for CPU)
+    # recorded (it now trains 4 micro-batches of 8 without checkpointing, for CPU)
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 1,
     "gradient_checkpointing": "true",

@@ -113,7 +113,7 @@ def run_dapo(model_dir: str, out_dir: str, per_device_batch: int) -> None:
 
 def _train_argv(model_dir: str, out_dir: str, per_device_batch: int, **options: object) -> list[str]:
     """``qerl train offline-default`` arguments both runs share (model, output, batch, group, LoRA r=8, per-prompt
-    rollout seeds, one micro-batch per step (the recipe's 16 micro-batches of 2 are a CPU-memory setting), no
+    rollout seeds, one micro-batch per step (the recipe's 4 micro-batches of 8 are a CPU-memory setting), no
     progress bars), then ``options`` as ``--name value``."""
     common = dict(model_name_or_path=model_dir, output_dir=out_dir, per_device_train_batch_size=per_device_batch,
                   num_generations=NUM_GENERATIONS, lora_r=8, lora_alpha=8, rollout_seed_per_prompt="true",

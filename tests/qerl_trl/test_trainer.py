@@ -308,12 +308,39 @@ def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokeni
         lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         results.append((trainer.state.log_history[0], lora, rows))
     (logs0, lora0, rows0), *others = results
-    assert rows0 == [8] and [rows for _, _, rows in others] == [[3, 3, 2], [2, 2, 2, 2]]
+    # rows per forward: the batch's 2 prompts and 8 completions packed into one row; under checkpointing whole
+    # sequences, 3 at a time; the micro-batches of 2 are re-split by prompt (micro_batches_by_prompt), one row each
+    assert rows0 == [1] and [rows for _, _, rows in others] == [[3, 3, 2], [1] * 4]
     for logs1, lora1, _ in others:
         assert logs1["reward"] == logs0["reward"]  # the same rollouts
         assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
         assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
         assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+
+
+def test_micro_batches_by_prompt_keeps_every_row_and_puts_each_group_together():
+    """TRL's buffered micro-batches (rows shuffled, then split) re-split with each prompt's rows together: the same
+    rows and values, the same number and size of micro-batches, groups in the order the shuffle left them; batches
+    with a value that is not one row per sequence come back as they were."""
+    from qerl_trl.trainer import micro_batches_by_prompt
+
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    order = torch.tensor([1, 0, 0, 1, 1, 0, 0, 1])  # shuffled rows of 2 groups of 4
+    rows = {"prompt_ids": prompts[order], "prompt_mask": (prompts[order] != 0).long(),
+            "completion_ids": torch.arange(16).view(8, 2), "advantages": torch.arange(8.0),
+            "num_items_in_batch": torch.tensor(16), "old_per_token_logps": None, "names": list("abcdefgh")}  # fmt: skip
+    batches = [{k: v[i : i + 2] if isinstance(v, list) or (torch.is_tensor(v) and v.ndim) else v for k, v in
+                rows.items()} for i in range(0, 8, 2)]  # fmt: skip
+    out = micro_batches_by_prompt(batches)
+    assert [len(b["advantages"]) for b in out] == [2, 2, 2, 2]
+    assert [b["prompt_ids"][:, -1].tolist() for b in out] == [[9, 9], [9, 9], [6, 6], [6, 6]]
+    assert sorted(x for b in out for x in b["names"]) == list("abcdefgh")
+    for b in out:  # every value moved with its row
+        for name, adv, comp in zip(b["names"], b["advantages"], b["completion_ids"], strict=True):
+            assert adv == "abcdefgh".index(name) and comp.tolist() == [2 * int(adv), 2 * int(adv) + 1]
+        assert b["num_items_in_batch"] == 16 and b["old_per_token_logps"] is None
+    images = [{**b, "pixel_values": torch.zeros(5, 3)} for b in batches]
+    assert micro_batches_by_prompt(images) is images
 
 
 def test_completion_scoring_gives_trl_log_probs_entropies_and_gradients(tmp_path, tokenizer):
@@ -334,6 +361,7 @@ def test_completion_scoring_gives_trl_log_probs_entropies_and_gradients(tmp_path
     mask[1, -2:] = 0  # a completion shorter than the batch's
     lora = [p for p in trainer.model.parameters() if p.requires_grad]
     results = []
+    trainer._entropy_bonus_enabled = True  # as with an entropy bonus: the entropies carry gradients
     for fn in (GRPOTrainer._get_per_token_logps_and_entropies, QeRLGRPOTrainer._get_per_token_logps_and_entropies):
         for batch_size in (1, 3):
             logps, ent, _ = fn(trainer, trainer.model, ids, mask, 6, batch_size, compute_entropy=True)
@@ -347,6 +375,65 @@ def test_completion_scoring_gives_trl_log_probs_entropies_and_gradients(tmp_path
         torch.testing.assert_close(ent, trl_ent, rtol=1e-5, atol=1e-5)
         for g, ref in zip(grads, trl_grads, strict=True):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
+    trainer._entropy_bonus_enabled = False  # no bonus: the entropies (metrics, masks) are computed outside autograd
+    logps, ent, _ = QeRLGRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, 6, 3,
+                                                                       compute_entropy=True)  # fmt: skip
+    assert logps.requires_grad and not ent.requires_grad
+    torch.testing.assert_close(ent, trl_ent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_scoring_each_prompt_once_gives_the_whole_sequence_scores_and_gradients(tmp_path, tokenizer, batch_size):
+    """``score_completions`` with rows of the same prompt (3 prompts: 3, 2 and 1 rows, not consecutive, one of them
+    left-padded; completions of three lengths, one with a masked token inside) packs each prompt once and its
+    completions after it into one row: the log-probs, entropies and LoRA gradients of one forward over the whole
+    sequences, on fresh random weights."""
+    from qerl_trl.trainer import prompt_groups, score_completions
+
+    args = args_for(tmp_path, max_steps=1, aqn=False)
+    model = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer, seed=3), even_token_reward, args, train_dataset=arithmetic(),
+                            processing_class=tokenizer).model  # fmt: skip
+    torch.manual_seed(2)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    for p in lora:  # LoRA B starts at 0: give every adapter a gradient path of its own
+        p.data.normal_(0, 0.05)
+    pad = tokenizer.pad_token_id
+    prompts = [torch.randint(3, len(tokenizer), (n,)).tolist() for n in (9, 6, 9)]
+    order = [0, 1, 0, 2, 1, 0]
+    comp = torch.randint(3, len(tokenizer), (6, 5))
+    comp_mask = torch.ones_like(comp)
+    comp_mask[1, 3:] = 0
+    comp_mask[4, 1:] = 0
+    comp_mask[0, 2] = 0  # masked inside: never attended to, scored 0
+    comp[comp_mask == 0] = pad
+    ids = torch.tensor([[pad] * (9 - len(prompts[g])) + prompts[g] for g in order])
+    mask = (torch.arange(9) >= torch.tensor([9 - len(prompts[g]) for g in order])[:, None]).long()
+    ids, mask = torch.cat([ids, comp], 1), torch.cat([mask, comp_mask], 1)
+    assert prompt_groups(ids, mask, 9).tolist() == order
+    calls: list[tuple[int, int]] = []
+    hook = model.get_base_model().model.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    results = []
+    for share in (False, True):
+        logps, ent, _ = score_completions(model, ids, mask, 5, batch_size, temperature=0.7, compute_entropy=True,
+                                          share_prompts=share)  # fmt: skip
+        (logps.sum() + 0.1 * ent.sum()).backward()
+        results.append((logps.detach(), ent.detach(), [p.grad.clone() for p in lora]))
+        model.zero_grad()
+    hook.remove()
+    (ref_logps, ref_ent, ref_grads), (logps, ent, grads) = results
+    assert torch.isfinite(logps).all() and torch.isfinite(ent).all()
+    assert (logps[comp_mask == 0] == 0).all() and (logps[comp_mask == 1] < 0).all()
+    torch.testing.assert_close(logps, ref_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    for g, ref in zip(grads, ref_grads, strict=True):  # float32 sums in another order: relative error of each tensor
+        assert torch.isfinite(g).all() and ref.norm() > 0
+        assert (g - ref).norm() / ref.norm() < 1e-4
+    packed_calls = calls[1 if batch_size is None else 2 :]
+    if batch_size is None:  # one row: prompts of 9, 6 and 9 tokens and completions of 5 + 5 + 5, 3 + 1, 5 tokens
+        assert packed_calls == [(1, 48)]
+    else:  # whole groups per forward: prompt 0 and its 3 rows, then prompts 1 and 2 (2 + 1 rows)
+        assert packed_calls == [(1, 24), (1, 24)]
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -84,6 +84,8 @@ __all__ = [
     "StopOnNonFiniteGradients",
     "TRAINING_SDPA_BACKENDS",
     "lora_config_from_args",
+    "micro_batches_by_prompt",
+    "prompt_groups",
     "quantized_buffer_names",
     "rollout_seed",
     "score_completions",
@@ -148,6 +150,102 @@ def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Which distinct prompt each row holds: ``[B]`` int64 indices ``0..U-1``, equal where the first ``prompt_len``
+    tokens and mask of two rows are (a GRPO group: ``num_generations`` rows of one prompt, padded alike), numbered
+    in order of first appearance."""
+    key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    first_seen = torch.full((int(inverse.max()) + 1,), input_ids.size(0), dtype=torch.long)
+    first_seen.scatter_reduce_(0, inverse, torch.arange(input_ids.size(0)), reduce="amin")
+    return first_seen.argsort().argsort()[inverse]
+
+
+def packs_prompts(model: torch.nn.Module, attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
+    """Whether :func:`packed_completion_logits` computes what one forward over the whole sequences would: SDPA or
+    eager attention (a custom 4-D mask is taken as given), no sliding window narrower than the sequence (the packed
+    mask does not apply one), no gradient checkpointing (the checkpointed layers rebuild their own masks), and every
+    prompt ending in a real token (it predicts the first completion token)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    return (
+        getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+        and (window is None or window >= attention_mask.size(1))
+        and not getattr(model, "is_gradient_checkpointing", False)
+        and attention_mask.size(1) > logits_to_keep
+        and bool(attention_mask[:, -logits_to_keep - 1].all())
+    )
+
+
+def packed_completion_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, logits_to_keep: int, group: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits that predict the scored completion tokens of ``ids`` (``[b, T]``, prompt then ``logits_to_keep``
+    completion tokens), from one forward over one packed row: each distinct prompt once (``group``: ``[b]``, which
+    prompt each row holds, 0..U-1), each completion after it without its trailing padding.
+
+    A 4-D mask lets a prompt token see its prompt's earlier tokens and a completion token its prompt and its own
+    earlier tokens; tokens whose ``mask`` is 0 are never seen; every token keeps its position id in the unpacked
+    row (``0..T-1``, as the whole-sequence forward numbers them). So each scored logit is the one a forward over the
+    whole ``[b, T]`` batch computes (to float rounding), for ``Σ prompt + Σ completion`` token rows instead of
+    ``b·T`` and no per-row copy of a prompt's keys and values; gradients reach the prompt through attention.
+    Returns the logits ``[K, vocab]`` of the ``K`` completion positions whose ``mask`` is 1, and their row and column
+    (``[K]`` each, into ``[b, logits_to_keep]``).
+    """
+    b, total = ids.shape
+    prompt_len = total - logits_to_keep
+    device = ids.device
+    ids, mask, group = ids.cpu(), mask.cpu(), group.cpu()  # the packing is index bookkeeping
+    tokens, positions, groups, owners = [], [], [], []  # owner: the row of a completion token, -1 for a prompt's
+    prompt_end = {}  # group -> flat index of its last prompt token
+    comp_start = torch.empty(b, dtype=torch.long)  # flat index of each row's first completion token
+    kept = []  # completion tokens kept per row: through the last real one
+    n = 0
+    for g in range(int(group.max()) + 1):
+        rows = (group == g).nonzero().squeeze(-1).tolist()
+        real = mask[rows[0], :prompt_len].bool()
+        tokens.append(ids[rows[0], :prompt_len][real])
+        positions.append(real.nonzero().squeeze(-1))
+        groups.append(torch.full((int(real.sum()),), g))
+        owners.append(torch.full((int(real.sum()),), -1))
+        n += int(real.sum())
+        prompt_end[g] = n - 1
+        for r in rows:
+            comp_mask = mask[r, prompt_len:]
+            length = int(comp_mask.nonzero().max()) + 1 if comp_mask.any() else 0
+            kept.append((r, length))
+            comp_start[r] = n
+            tokens.append(ids[r, prompt_len : prompt_len + length])
+            positions.append(torch.arange(prompt_len, prompt_len + length))
+            groups.append(torch.full((length,), g))
+            owners.append(torch.full((length,), r))
+            n += length
+    flat_ids = torch.cat(tokens).to(device)[None]
+    position_ids = torch.cat(positions).to(device)[None]
+    group_of, owner_of = torch.cat(groups), torch.cat(owners)
+    valid = torch.ones(n, dtype=torch.bool)
+    for r, length in kept:  # completion tokens masked out inside the kept span are never seen
+        valid[comp_start[r] : comp_start[r] + length] = mask[r, prompt_len : prompt_len + length].bool().cpu()
+    order = torch.arange(n)
+    allowed = ((group_of[:, None] == group_of[None, :]) & (order[None, :] <= order[:, None])
+               & ((owner_of[None, :] == -1) | (owner_of[None, :] == owner_of[:, None])) & valid[None, :])  # fmt: skip
+    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        mask_4d = torch.zeros(n, n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    else:
+        mask_4d = allowed
+    score_rows, score_cols, predictors = [], [], []
+    for r, _ in kept:
+        cols = mask[r, prompt_len:].bool().nonzero().squeeze(-1).cpu()
+        score_rows.append(torch.full_like(cols, r))
+        score_cols.append(cols)
+        predictors.append(torch.where(cols == 0, prompt_end[int(group[r])], comp_start[r] + cols - 1))
+    score_rows, score_cols = torch.cat(score_rows), torch.cat(score_cols)
+    logits = model(input_ids=flat_ids, attention_mask=mask_4d[None, None].to(device), position_ids=position_ids,
+                   use_cache=False, logits_to_keep=torch.cat(predictors).to(device)).logits[0]  # fmt: skip
+    return logits, score_rows.to(device), score_cols.to(device)
+
+
 def score_completions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -157,32 +255,113 @@ def score_completions(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    share_prompts: bool = True,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens of each sequence, as TRL's
     ``_get_per_token_logps_and_entropies`` returns them, from logits of those positions only.
 
-    ``input_ids`` / ``attention_mask``: ``[B, T]`` (prompt + completion). Each forward takes ``batch_size`` sequences
-    (default all) and asks the model for ``logits_to_keep + 1`` positions (``logits_to_keep`` of transformers' causal
-    LMs), so the LM head runs on ``[b, logits_to_keep, vocab]`` instead of TRL's CPU path's every position
-    (``[b·(T-1), vocab]``: 6x the work for the offline default's 62-token prompts and 12-token completions).
-    Log-softmax of ``logits / temperature`` in float32, the model's own logit transforms (softcapping, scales)
-    included. Positions whose ``attention_mask`` is 0 get 0, as TRL's. Returns float32 ``[B, logits_to_keep]``
-    log-probabilities, the entropies (or None) and None (no MoE aux loss).
+    ``input_ids`` / ``attention_mask``: ``[B, T]`` (prompt + completion). The LM head runs on the completion positions
+    only, not on TRL's CPU path's every position (``[b·(T-1), vocab]``: 6x the work for the offline default's
+    62-token prompts and 12-token completions). With ``share_prompts``, rows that hold the same prompt
+    (:func:`prompt_groups`; a GRPO group) are packed into one row where the prompt appears once and each completion
+    follows it without its padding (:func:`packed_completion_logits`, where :func:`packs_prompts` allows): the
+    offline default's micro-batch of one group is 62 + 8 × ≤ 12 token rows in one forward instead of 8 × 74. Each
+    forward takes whole prompt groups of at most ``batch_size`` sequences (default all; a larger group goes alone),
+    else ``batch_size`` sequences. Log-softmax of ``logits / temperature`` in float32, the model's own logit
+    transforms (softcapping, scales) included. Positions whose ``attention_mask`` is 0 get 0, as TRL's.
+    ``entropy_grad=False`` computes the entropies outside autograd (metrics and masks: no vocabulary-sized tensor
+    kept for the backward). Returns float32 ``[B, logits_to_keep]`` log-probabilities, the entropies (or None) and
+    None (no MoE aux loss).
     """
-    batch_size = batch_size or input_ids.size(0)
+    rows = input_ids.size(0)
+    batch_size = batch_size or rows
     inv_t = 1 / temperature  # TRL's fused head multiplies by it
-    logps, entropies = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1, use_cache=False).logits
-        log_p = (logits[:, :-1].float() * inv_t).log_softmax(-1)  # position i predicts token i + 1
+    prompt_len = input_ids.size(1) - logits_to_keep
+    group = prompt_groups(input_ids, attention_mask, prompt_len) if prompt_len > 0 else torch.arange(rows)
+    packed = share_prompts and int(group.max()) + 1 < rows and packs_prompts(model, attention_mask, logits_to_keep)
+    chunks = _group_chunks(group, batch_size) if packed else list(torch.arange(rows).split(batch_size))
+    logps = torch.zeros(rows, logits_to_keep, dtype=torch.float32, device=input_ids.device)
+    entropies = torch.zeros_like(logps) if compute_entropy else None
+    for index in chunks:
+        index = index.to(input_ids.device)
+        ids, mask = input_ids[index], attention_mask[index]
+        if packed:  # logits [K, vocab] of the K scored positions (at_row, at_col)
+            local_group = group[index.cpu()].unique(return_inverse=True)[1]
+            logits, at_row, at_col = packed_completion_logits(model, ids, mask, logits_to_keep, local_group)
+            where = (index[at_row], at_col)
+            targets = ids[at_row, prompt_len + at_col]
+        else:  # logits [b, logits_to_keep, vocab]; padding scored as 0 below
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1,
+                           use_cache=False).logits[:, :-1]  # fmt: skip  # position i predicts token i + 1
+            where = (index,)
+            targets = ids[:, -logits_to_keep:]
+        logits = logits.float()
+        log_p = (logits * inv_t if inv_t != 1 else logits).log_softmax(-1)
         del logits
-        targets = ids[:, -logits_to_keep:]
-        scored = mask[:, -logits_to_keep:].bool()
-        logps.append(log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1).masked_fill(~scored, 0))
+        token_logps = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = -(log_p.exp() * log_p).sum(-1) if compute_entropy else None
+        del log_p
+        if not packed:
+            scored = mask[:, -logits_to_keep:].bool()
+            token_logps = token_logps.masked_fill(~scored, 0)
+            entropy = entropy.masked_fill(~scored, 0) if compute_entropy else None
+        logps = logps.index_put(where, token_logps)
         if compute_entropy:
-            entropies.append(-(log_p.exp() * log_p).sum(-1).masked_fill(~scored, 0))
-    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+            entropies = entropies.index_put(where, entropy)
+    return logps, entropies, None
+
+
+def _group_chunks(group: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Row indices of each forward: whole prompt groups, in order, while they fit ``batch_size`` rows."""
+    chunks, current, size = [], [], 0
+    for g in range(int(group.max()) + 1):
+        members = (group == g).nonzero().squeeze(-1)
+        if current and size + len(members) > batch_size:
+            chunks.append(torch.cat(current))
+            current, size = [], 0
+        current.append(members)
+        size += len(members)
+    chunks.append(torch.cat(current))
+    return chunks
+
+
+def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's buffered micro-batches of one generation batch (``_buffered_inputs``: the rows shuffled, then split)
+    re-split with the rows of each prompt together: groups in the order the shuffle left them, the same number of
+    micro-batches of the same size.
+
+    Each micro-batch's loss is normalized by the whole generation batch (or is a mean over micro-batches), so when the
+    micro-batches of a generation batch make one optimizer step the step's gradient does not depend on which rows
+    share a micro-batch; together they let :func:`score_completions` run each prompt once. Returned unchanged when a
+    value is not one row per sequence (images) or the batch is not split.
+    """
+    from trl.trainer.utils import split_tensor_dict
+
+    if len(micro_batches) < 2:
+        return micro_batches
+    merged: dict[str, Any] = {}
+    for key, first in micro_batches[0].items():
+        values = [b[key] for b in micro_batches]
+        if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            merged[key] = first
+        elif isinstance(first, torch.Tensor) and all(v.shape[1:] == first.shape[1:] for v in values):
+            merged[key] = torch.cat(values)
+        elif isinstance(first, list):
+            merged[key] = [x for v in values for x in v]
+        else:
+            return micro_batches
+    rows = merged["prompt_ids"].size(0)
+    if any(isinstance(v, torch.Tensor | list) and len(v) != rows for v in merged.values() if v is not None
+           and not (isinstance(v, torch.Tensor) and v.ndim == 0)) or "pixel_values" in merged:  # fmt: skip
+        return micro_batches
+    group = prompt_groups(merged["prompt_ids"].cpu(), merged["prompt_mask"].cpu(), merged["prompt_ids"].size(1))
+    order = torch.sort(group, stable=True).indices
+    regrouped = {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
+                 else v[order.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
+                 for k, v in merged.items()}  # fmt: skip
+    return split_tensor_dict(regrouped, len(micro_batches))
 
 
 def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
@@ -448,11 +627,28 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if input_ids.device.type == "cpu" and not compute_aux_loss and all(v is None for v in kwargs.values()):
             with self.accelerator.autocast():
                 return score_completions(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                         temperature=self.temperature, compute_entropy=compute_entropy)  # fmt: skip
+                                         temperature=self.temperature, compute_entropy=compute_entropy,
+                                         entropy_grad=getattr(self, "_entropy_bonus_enabled", True))  # fmt: skip
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss, **kwargs
         )  # fmt: skip
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's, with each new generation batch's micro-batches re-split by prompt (:func:`micro_batches_by_prompt`)
+        where that leaves the step's gradient as it is (its micro-batches make one optimizer step) and the loss
+        scores each prompt once (:func:`score_completions`, off Triton devices)."""
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if (
+            self.model.training
+            and self._buffered_inputs is not buffered
+            and self.args.steps_per_generation == self.args.gradient_accumulation_steps
+            and self.accelerator.device.type == "cpu"
+        ):
+            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def training_step(self, model, inputs, num_items_in_batch):
         self._generation_seconds = 0.0

@@ -52,6 +52,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nvfp4.formats import FORMATS
+
 if TYPE_CHECKING:
     from .quantization import QuantScheme
 
@@ -93,8 +95,9 @@ WEIGHT_BYTES: dict[str, float] = {
     "nf4-no-double-quant": 0.5 + 4 / 64,
     DENSE: 2.0,
 }
-#: Bytes per tensor besides the per-weight ones: NVFP4's fp32 global scale.
-TENSOR_BYTES: dict[str, int] = {"nvfp4": 4}
+#: Bytes per tensor besides the per-weight ones: the fp32 global scale of the formats that have one (NVFP4), as the
+#: format registry says (:attr:`nvfp4.formats.Format.has_global_scale`).
+TENSOR_BYTES: dict[str, int] = {name: 4 for name, fmt in FORMATS.items() if fmt.has_global_scale}
 #: The projections of a decoder layer LoRA can target here (PEFT's module names; ``"all-linear"`` means all of them).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     def write() -> None:
         result["load_avg"] = os.getloadavg()
         result["peak_rss_kib"] = proc_status_kib("VmHWM")
-        result["mean_per_step" + ("_excluding_first" if len(records) > 1 else "")] = summarize(records, True)
+        result["mean_per_step"] = summarize(records, False)  # every step so far
+        if len(records) > 1:
+            result["mean_per_step_excluding_first"] = summarize(records, True)
         result["steps"] = records
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         instrument(trainer, clock, args.steps, records, on_record=write)
         trainer.train()
     write()
-    print_table(result[next(k for k in result if k.startswith("mean_per_step"))])
+    print_table(result.get("mean_per_step_excluding_first", result["mean_per_step"]))
     print(f"setup {result['setup']}; peak RSS {result['peak_rss_kib']} KiB; load {result['load_avg']}")
     return result
 

@@ -420,6 +420,12 @@ def test_scoring_each_prompt_once_gives_the_whole_sequence_scores_and_gradients(
         (logps.sum() + 0.1 * ent.sum()).backward()
         results.append((logps.detach(), ent.detach(), [p.grad.clone() for p in lora]))
         model.zero_grad()
+    n_calls = len(calls)
+    long_ids = torch.cat([ids[:1, 7:9].expand(6, 2), torch.randint(3, len(tokenizer), (6, 60))], 1)
+    with torch.no_grad():  # a 2-token prompt, 6 completions of 60: packed, 362 tokens and 362² pairs cost more
+        score_completions(model, long_ids, torch.ones_like(long_ids), 60)
+    assert model.config.hidden_size <= 64 and calls[n_calls:] == [(6, 62)]  # than 6 × 62 tokens and 6 × 62² pairs
+    del calls[n_calls:]
     hook.remove()
     (ref_logps, ref_ent, ref_grads), (logps, ent, grads) = results
     assert torch.isfinite(logps).all() and torch.isfinite(ent).all()

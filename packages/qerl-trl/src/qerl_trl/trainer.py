@@ -268,7 +268,8 @@ def score_completions(
     follows it without its padding (:func:`packed_completion_logits`, where :func:`packs_prompts` allows): the
     offline default's micro-batch of one group is 62 + 8 × ≤ 12 token rows in one forward instead of 8 × 74. Each
     forward takes whole prompt groups of at most ``batch_size`` sequences (default all; a larger group goes alone),
-    else ``batch_size`` sequences. Log-softmax of ``logits / temperature`` in float32, the model's own logit
+    else (and where the packed row would cost more than the whole sequences, :func:`_packing_pays`) ``batch_size``
+    sequences. Log-softmax of ``logits / temperature`` in float32, the model's own logit
     transforms (softcapping, scales) included. Positions whose ``attention_mask`` is 0 get 0, as TRL's.
     ``entropy_grad=False`` computes the entropies outside autograd (metrics and masks: no vocabulary-sized tensor
     kept for the backward). Returns float32 ``[B, logits_to_keep]`` log-probabilities, the entropies (or None) and
@@ -280,13 +281,20 @@ def score_completions(
     prompt_len = input_ids.size(1) - logits_to_keep
     group = prompt_groups(input_ids, attention_mask, prompt_len) if prompt_len > 0 else torch.arange(rows)
     packed = share_prompts and int(group.max()) + 1 < rows and packs_prompts(model, attention_mask, logits_to_keep)
-    chunks = _group_chunks(group, batch_size) if packed else list(torch.arange(rows).split(batch_size))
+    chunks = [(index, False) for index in torch.arange(rows).split(batch_size)]  # (rows, packed?) per forward
+    if packed:
+        chunks = []
+        for index in _group_chunks(group, batch_size):
+            if _packing_pays(attention_mask[index], group[index], prompt_len, model.config.hidden_size):
+                chunks.append((index, True))
+            else:  # long completions behind a short prompt: whole sequences
+                chunks += [(piece, False) for piece in index.split(batch_size)]
     logps = torch.zeros(rows, logits_to_keep, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
-    for index in chunks:
+    for index, pack in chunks:
         index = index.to(input_ids.device)
         ids, mask = input_ids[index], attention_mask[index]
-        if packed:  # logits [K, vocab] of the K scored positions (at_row, at_col)
+        if pack:  # logits [K, vocab] of the K scored positions (at_row, at_col)
             local_group = group[index.cpu()].unique(return_inverse=True)[1]
             logits, at_row, at_col = packed_completion_logits(model, ids, mask, logits_to_keep, local_group)
             where = (index[at_row], at_col)
@@ -303,7 +311,7 @@ def score_completions(
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = -(log_p.exp() * log_p).sum(-1) if compute_entropy else None
         del log_p
-        if not packed:
+        if not pack:
             scored = mask[:, -logits_to_keep:].bool()
             token_logps = token_logps.masked_fill(~scored, 0)
             entropy = entropy.masked_fill(~scored, 0) if compute_entropy else None
@@ -311,6 +319,22 @@ def score_completions(
         if compute_entropy:
             entropies = entropies.index_put(where, entropy)
     return logps, entropies, None
+
+
+def _packing_pays(mask: torch.Tensor, group: torch.Tensor, prompt_len: int, hidden_size: int) -> bool:
+    """Whether the packed row of these rows (:func:`packed_completion_logits`; ``mask`` ``[b, T]``, ``group`` ``[b]``
+    which prompt each row holds) costs no more than a forward over the ``b`` whole sequences. Per layer a token's
+    projections cost ~24·H² FLOPs (Llama-style: 4·H² of attention, 16·H²-20·H² of MLP) and a query-key pair ~4·H
+    (QKᵀ and PV), so a token weighs ``6·H`` pairs: packed ``n`` tokens (each prompt's real tokens once, every
+    completion through its last real one) and ``n²`` pairs against ``b·T`` tokens and ``b·T²`` pairs. Long
+    completions behind a short prompt would pack into a row whose attention grows with the square of the group's
+    total length."""
+    prompt_tokens = mask[:, :prompt_len].sum(1)
+    comp = mask[:, prompt_len:]
+    kept = torch.where(comp.any(1), comp.size(1) - comp.flip(1).int().argmax(1), 0)
+    n = sum(int(prompt_tokens[group == g][0]) for g in group.unique().tolist()) + int(kept.sum())
+    b, t = mask.shape
+    return n * 6 * hidden_size + n * n <= b * t * 6 * hidden_size + b * t * t
 
 
 def _group_chunks(group: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

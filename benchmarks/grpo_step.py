@@ -115,6 +115,7 @@ from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
     LogCatcher,
+    add_worker_arguments,
     check_names,
     dynamo_counters,
     exception_result,
@@ -867,10 +868,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "grpo_step.json"))
     ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
-    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--_result", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    add_worker_arguments(ap)
     args = ap.parse_args(argv)
     if args.tiny and not args._worker:
         args.models = "tiny"

@@ -82,6 +82,7 @@ from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
     LogCatcher,
+    add_worker_arguments,
     check_names,
     counter_diff,
     dynamo_counters,
@@ -511,10 +512,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
     ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
-    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--_result", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    add_worker_arguments(ap)
     args = ap.parse_args(argv)
 
     if args._worker:

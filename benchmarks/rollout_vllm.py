@@ -50,7 +50,7 @@ from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now,
 from common.models import build_model, spread_eos_ids
 from common.shapes import LINEARS, MODELS
 from common.tables import fmt
-from common.workers import check_names, run_worker_subprocess, save_partial, worker_exit
+from common.workers import add_worker_arguments, check_names, run_worker_subprocess, save_partial, worker_exit
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
@@ -352,11 +352,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
-    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_arguments(ap)
     ap.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--_result", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args._build:

@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "LogCatcher",
+    "add_worker_arguments",
     "check_names",
     "counter_diff",
     "dynamo_counters",
@@ -96,6 +97,17 @@ def exception_result(model: str, arm: str, exc: BaseException, label: str | None
     res["traceback"] = traceback.format_exc()[-3000:]
     print(res["traceback"], file=sys.stderr)
     return res
+
+
+def add_worker_arguments(ap: Any) -> None:
+    """The hidden options of a ``--_worker`` subprocess (:func:`run_worker_subprocess` runs the script with them):
+    ``--_worker``, its ``--_result`` file, the one ``--model`` and ``--arm`` it runs."""
+    import argparse
+
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
 
 
 def save_partial(args: Any, res: dict) -> None:

@@ -196,36 +196,38 @@ def packed_completion_logits(
     prompt_len = total - logits_to_keep
     device = ids.device
     ids, mask, group = ids.cpu(), mask.cpu(), group.cpu()  # the packing is index bookkeeping
-    tokens, positions, groups, owners = [], [], [], []  # owner: the row of a completion token, -1 for a prompt's
-    prompt_end = {}  # group -> flat index of its last prompt token
-    comp_start = torch.empty(b, dtype=torch.long)  # flat index of each row's first completion token
-    kept = []  # completion tokens kept per row: through the last real one
+    kept = _kept_lengths(mask[:, prompt_len:]).tolist()  # completion tokens kept per row: through the last real one
+    # per packed token: id, position, seen at all, prompt group, owner (a completion's row, -1 for a prompt token)
+    tokens, positions, valid, groups, owners = [], [], [], [], []
+    score_rows, score_cols, predictors = [], [], []  # per scored token: row, column, the packed index predicting it
     n = 0
     for g in range(int(group.max()) + 1):
         rows = (group == g).nonzero().squeeze(-1).tolist()
         real = mask[rows[0], :prompt_len].bool()
+        length = int(real.sum())
         tokens.append(ids[rows[0], :prompt_len][real])
         positions.append(real.nonzero().squeeze(-1))
-        groups.append(torch.full((int(real.sum()),), g))
-        owners.append(torch.full((int(real.sum()),), -1))
-        n += int(real.sum())
-        prompt_end[g] = n - 1
+        valid.append(torch.ones(length, dtype=torch.bool))
+        groups.append(torch.full((length,), g))
+        owners.append(torch.full((length,), -1))
+        n += length
+        prompt_end = n - 1  # its last token predicts each completion's first
         for r in rows:
-            comp_mask = mask[r, prompt_len:]
-            length = int(comp_mask.nonzero().max()) + 1 if comp_mask.any() else 0
-            kept.append((r, length))
-            comp_start[r] = n
+            length = kept[r]
+            real = mask[r, prompt_len : prompt_len + length].bool()  # masked tokens inside the span are never seen
             tokens.append(ids[r, prompt_len : prompt_len + length])
             positions.append(torch.arange(prompt_len, prompt_len + length))
+            valid.append(real)
             groups.append(torch.full((length,), g))
             owners.append(torch.full((length,), r))
+            cols = real.nonzero().squeeze(-1)
+            score_rows.append(torch.full_like(cols, r))
+            score_cols.append(cols)
+            predictors.append(torch.where(cols == 0, prompt_end, n + cols - 1))
             n += length
     flat_ids = torch.cat(tokens).to(device)[None]
     position_ids = torch.cat(positions).to(device)[None]
-    group_of, owner_of = torch.cat(groups), torch.cat(owners)
-    valid = torch.ones(n, dtype=torch.bool)
-    for r, length in kept:  # completion tokens masked out inside the kept span are never seen
-        valid[comp_start[r] : comp_start[r] + length] = mask[r, prompt_len : prompt_len + length].bool().cpu()
+    group_of, owner_of, valid = torch.cat(groups), torch.cat(owners), torch.cat(valid)
     order = torch.arange(n)
     allowed = ((group_of[:, None] == group_of[None, :]) & (order[None, :] <= order[:, None])
                & ((owner_of[None, :] == -1) | (owner_of[None, :] == owner_of[:, None])) & valid[None, :])  # fmt: skip
@@ -234,12 +236,6 @@ def packed_completion_logits(
         mask_4d = torch.zeros(n, n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     else:
         mask_4d = allowed
-    score_rows, score_cols, predictors = [], [], []
-    for r, _ in kept:
-        cols = mask[r, prompt_len:].bool().nonzero().squeeze(-1).cpu()
-        score_rows.append(torch.full_like(cols, r))
-        score_cols.append(cols)
-        predictors.append(torch.where(cols == 0, prompt_end[int(group[r])], comp_start[r] + cols - 1))
     score_rows, score_cols = torch.cat(score_rows), torch.cat(score_cols)
     logits = model(input_ids=flat_ids, attention_mask=mask_4d[None, None].to(device), position_ids=position_ids,
                    use_cache=False, logits_to_keep=torch.cat(predictors).to(device)).logits[0]  # fmt: skip
@@ -330,11 +326,17 @@ def _packing_pays(mask: torch.Tensor, group: torch.Tensor, prompt_len: int, hidd
     completions behind a short prompt would pack into a row whose attention grows with the square of the group's
     total length."""
     prompt_tokens = mask[:, :prompt_len].sum(1)
-    comp = mask[:, prompt_len:]
-    kept = torch.where(comp.any(1), comp.size(1) - comp.flip(1).int().argmax(1), 0)
-    n = sum(int(prompt_tokens[group == g][0]) for g in group.unique().tolist()) + int(kept.sum())
+    n = sum(int(prompt_tokens[group == g][0]) for g in group.unique().tolist())
+    n += int(_kept_lengths(mask[:, prompt_len:]).sum())
     b, t = mask.shape
     return n * 6 * hidden_size + n * n <= b * t * 6 * hidden_size + b * t * t
+
+
+def _kept_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
+    """``[b]`` int64: the completion positions of each row through its last real token (``completion_mask`` ``[b, C]``;
+    0 for a row with none), what :func:`packed_completion_logits` packs."""
+    c = completion_mask.size(1)
+    return torch.where(completion_mask.any(1), c - completion_mask.flip(1).int().argmax(1), 0)
 
 
 def _group_chunks(group: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

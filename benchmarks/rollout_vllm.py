@@ -16,12 +16,12 @@ layer by layer, normal(0, 0.02), norms 1), saved once per machine as a bf16 chec
 and a random adapter (PEFT format, B non-zero), under ``--ckpt-root``.
 
 Lengths as ``rollout.py``: random prompts of ``--prompt-len`` token ids, ``--new-tokens`` new tokens. Fixed lengths:
-greedy, EOS ignored, ``min_tokens = max_tokens``. ``--eos-mean-tokens M``: sampling at T = 1 with the same
-``round(V / M)`` EOS ids as the graph engine (:func:`common.models.spread_eos_ids`) as ``stop_token_ids``, EOS suppressed
-before ``--min-new-tokens``; per round two variants with one seed per request: ``fixed`` (EOS suppressed to the
-cap) and ``eos`` (a row stops at its EOS; vLLM's continuous batching drops finished rows, the counterpart of the
-graph engine's ``eos+compact``). Tokens counted are the completions' token ids (a stopping EOS included, as the
-graph engine counts); ``tok/s`` = tokens / wall time of one ``generate`` (prefill included), the best of
+greedy, EOS ignored, ``min_tokens = max_tokens``. ``--eos-mean-tokens M``: sampling at T = 1; per round two variants with one seed per request: ``fixed`` (every row
+to the cap) and ``eos`` (rows of spread lengths; vLLM's continuous batching drops finished rows, the counterpart of
+the graph engine's ``eos+compact``). vLLM takes at most 128 stop ids a request, so the graph engine's ``round(V / M)``
+EOS ids cannot be sent; each request gets ``max_tokens = min_tokens = L`` (EOS ignored) with ``L`` from
+:func:`common.models.spread_lengths`: the length distribution those EOS ids give a near-uniform model past
+``--min-new-tokens``, drawn once (seed 0), the same for every arm. Tokens counted are the completions' token ids; ``tok/s`` = tokens / wall time of one ``generate`` (prefill included), the best of
 ``--repeats`` (fixed) or the median (spread). ``init_s`` is the ``LLM`` construction (weights, torch.compile, CUDA
 graph capture). The engine runs in this process's worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's
 colocated engine does.
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
-from common.models import build_model, spread_eos_ids
+from common.models import build_model, spread_lengths
 from common.shapes import LINEARS, MODELS
 from common.tables import fmt
 from common.workers import add_worker_arguments, check_names, run_worker_subprocess, save_partial, worker_exit
@@ -241,13 +241,13 @@ def _linear_methods(model) -> list[str]:
 
 def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noqa: N803 (vllm's class, passed in)
     """``--eos-mean-tokens``: per round ``fixed`` and ``eos`` (see the module doc), the same seeds for both."""
-    eos = spread_eos_ids(vocab, args.eos_mean_tokens)
     n = args.new_tokens
+    drawn = spread_lengths(len(prompts), args.eos_mean_tokens, args.min_new_tokens, n)
 
     def params(variant: str, seed: int):
-        return [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n if variant == "fixed" else args.min_new_tokens,
-                               stop_token_ids=eos, detokenize=False, seed=seed * 100_003 + i)  # fmt: skip
-                for i in range(len(prompts))]  # fmt: skip
+        return [SamplingParams(temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
+                               detokenize=False, seed=seed * 100_003 + i)  # fmt: skip
+                for i, length in enumerate([n] * len(prompts) if variant == "fixed" else drawn)]  # fmt: skip
 
     for w in range(args.spread_warmups):
         generate(prompts, params("eos", 1000 + w))
@@ -264,7 +264,7 @@ def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noq
         spread[v] = {"tok_s": round(statistics.median(tok_s), 2), "tok_s_all": [round(t, 2) for t in tok_s],
                      "gen_s_all": [round(x["s"], 4) for x in rs], "tokens_all": [x["tokens"] for x in rs],
                      "mean_len": round(sum(lengths) / len(lengths), 1), "max_len": max(lengths)}  # fmt: skip
-    return {"n_eos_ids": len(eos), "spread": spread}
+    return {"lengths": "common.models.spread_lengths", "spread": spread}
 
 
 # ---------------------------------------------------------------------------------------------------------- tables

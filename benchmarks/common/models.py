@@ -180,6 +180,21 @@ def graph_compile_options(args) -> dict:
                 mode=args.compile_mode if args.compile_backend == "inductor" else None)  # fmt: skip
 
 
+def spread_lengths(n: int, mean_tokens: float, min_tokens: int, cap: int, seed: int = 0) -> list[int]:
+    """``n`` completion lengths from the distribution :func:`spread_eos_ids` gives a near-uniform model: past
+    ``min_tokens`` a row stops at each step with probability ``1 / mean_tokens`` (its EOS counted), capped at ``cap``.
+
+    For engines that cannot take ``round(V / M)`` stop ids (vLLM: at most 128 per request), each request is sent with
+    ``max_tokens = min_tokens = length`` instead: the same length distribution, drawn once from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp_min(1e-12)
+    p = 1.0 / mean_tokens
+    steps = torch.ceil(torch.log(u) / torch.log1p(torch.tensor(-p, dtype=torch.float64)))  # Geometric(p) on 1, 2, ...
+    return [int(min(cap, min_tokens + k)) for k in steps.clamp_min(1).tolist()]
+
+
 def spread_eos_ids(vocab: int, mean_tokens: float, seed: int = 0) -> list[int]:
     """``round(vocab / mean_tokens)`` distinct token ids (never 0, the pad id of the spread-length runs), drawn once from ``seed``."""
     import torch

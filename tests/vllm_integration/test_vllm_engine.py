@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.platforms import current_platform
-from vllm_test_helpers import compare, hf_greedy, nvfp4_offline_checkpoint, vllm_server
+from vllm_test_helpers import (
+    ENGINE_DTYPE,
+    check_forced,
+    compare_forced,
+    hf_forced,
+    nvfp4_offline_checkpoint,
+    vllm_server,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -27,11 +34,9 @@ PROMPTS = [
     "Once upon a time, in a small village,",
 ]
 N_TOKENS = 12
-# Both sides run in float32 (see the report printed by each test: equal tokens, logprob gap ~0). In bf16 the
-# comparison depends on the host's CPU kernels: on an AMD EPYC host (2026-11-24) vLLM's and HF's bf16 paths parted at
-# the first generated token (logprob gaps 0.09-0.20) at a commit that had passed on another host. A gap this small
-# cannot flip a greedy choice except on near-ties, which is why divergence is reported, and only tolerated late.
-MAX_GAP = 0.15
+# The reference is our transformers path in float32, teacher-forced on the engine's own greedy tokens (hf_forced): the
+# engine's logprobs must match it and its greedy choice must be the reference's up to a near-tie (tolerances per engine
+# dtype: vllm_test_helpers.TOL; float32 on CPU, bf16 on CUDA, where vLLM's LoRA kernels need a 16-bit dtype).
 LORA_RANK = 8
 # AQN σ for the test: above bf16's resolution of the norm weights (~2e-3 near their median 0.27), small enough that
 # the noisy policy is not chaotic (σ=0.05 is ~20% multiplicative noise: HF and vLLM then part at the first near-tie)
@@ -59,7 +64,7 @@ def engine(ckpt, request):
     os.environ[BACKEND_ENV] = request.param  # read while the engine loads the model (in this process)
     try:
         eng = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
-                         dtype="float32")  # fmt: skip
+                         dtype=ENGINE_DTYPE)  # fmt: skip
         eng.backend = request.param
         yield eng
         eng.close()
@@ -96,17 +101,8 @@ def _greedy(engine, prompt_ids, **kw):
 
 
 def _report(tag, cmp):
-    print(
-        f"\n[{tag}] tokens_equal={cmp['tokens_equal']} first_divergence={cmp['first_divergence']} "
-        f"max_gap={cmp['max_logprob_gap']:.4f} mean_gap={cmp['mean_logprob_gap']:.4f}"
-    )
-
-
-def _check(cmp):
-    assert cmp["max_logprob_gap"] < MAX_GAP, cmp
-    # greedy tokens equal, or (near-tie) a divergence only in the second half of a completion
-    assert all(d is None or d >= N_TOKENS // 2 for d in cmp["first_divergence"]), cmp
-    assert sum(d is not None for d in cmp["first_divergence"]) <= 1, cmp
+    print(f"\n[{tag}] max_gap={cmp['max_logprob_gap']:.4f} mean_gap={cmp['mean_logprob_gap']:.4f} "
+          f"max_tie_margin={cmp['max_tie_margin']:.4f}")  # fmt: skip
 
 
 def test_plugin_registered_and_layers_use_the_backend(engine):
@@ -135,10 +131,9 @@ def test_plugin_registered_and_layers_use_the_backend(engine):
 
 def test_greedy_matches_hf(base_out, hf_model, prompt_ids):
     ours = base_out
-    ref = hf_greedy(hf_model, prompt_ids, N_TOKENS)
-    cmp = compare(ours, ref)
+    cmp = compare_forced(ours, hf_forced(hf_model, prompt_ids, ours))
     _report("base", cmp)
-    _check(cmp)
+    check_forced(cmp)
     assert all(len(g.token_ids) == N_TOKENS == len(g.logprobs) for g in ours)
 
 
@@ -159,14 +154,13 @@ def test_lora_sync_changes_outputs_like_hf(engine, hf_model, prompt_ids, base_ou
     adapter = tmp_path_factory.mktemp("adapter")
     peft_model.save_pretrained(adapter)
     try:
-        ref = hf_greedy(peft_model, prompt_ids, N_TOKENS)
         # step 1: from the saved folder
         req = engine.sync_lora(adapter, version=1)
         assert req.lora_int_id >= 1 and engine.lora_version == 1
         ours = _greedy(engine, prompt_ids)  # lora="synced" by default
-        cmp = compare(ours, ref)
+        cmp = compare_forced(ours, hf_forced(peft_model, prompt_ids, ours))
         _report("lora (folder)", cmp)
-        _check(cmp)
+        check_forced(cmp)
         changed = sum(o.token_ids != b.token_ids for o, b in zip(ours, base))
         assert changed >= 2, "the adapter should change the greedy completions"
 
@@ -211,10 +205,9 @@ def test_aqn_noise_changes_engine_and_restores_bit_identically(engine, hf_model,
 
     # the engine's noisy policy is the trainer's noisy policy: same noise on the HF model
     with ctrl.rollout(hf_model, step):
-        ref = hf_greedy(hf_model, prompt_ids, N_TOKENS)
-    cmp = compare(during, ref)
+        cmp = compare_forced(during, hf_forced(hf_model, prompt_ids, during))
     _report(f"aqn sigma={SIGMA}", cmp)
-    _check(cmp)
+    check_forced(cmp)
 
     assert engine.restore_norm_weights() == len(noisy)
     after_w = engine.norm_weights()

@@ -6,10 +6,13 @@ import json
 
 import pytest
 import torch
-from vllm_test_helpers import nvfp4_offline_checkpoint
+from vllm_test_helpers import ENGINE_DTYPE, nvfp4_offline_checkpoint
 
 ARGS = ["--task", "arithmetic", "--split", "test", "--limit", "8", "--greedy", "--max-new-tokens", "8",
-        "--no-progress", "--dtype", "float32"]
+        "--no-progress", "--dtype", ENGINE_DTYPE]  # fmt: skip
+# greedy completions equal between the engines, of 8: float32 (CPU) all but a near-tie; bf16 (CUDA) parts at more
+# near-ties (6 of 8 on the H100, 2026-11-27)
+MIN_SAME, MAX_PASS_GAP = (7, 1 / 8) if ENGINE_DTYPE == "float32" else (5, 2 / 8)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +51,8 @@ def test_vllm_eval_matches_transformers_and_the_adapter_changes_it(ckpt, adapter
     ours = _eval(ckpt, tmp_path / "vllm", "--engine", "vllm")
     assert ours["settings"]["engine"] == "vllm" and hf["settings"]["engine"] == "transformers"
     same = sum(a["completions"] == b["completions"] for a, b in zip(hf["records"], ours["records"]))
-    assert same >= 7, (same, [r["completions"] for r in hf["records"]], [r["completions"] for r in ours["records"]])
-    assert abs(hf["metrics"]["pass@1"] - ours["metrics"]["pass@1"]) <= 1 / 8
+    assert same >= MIN_SAME, (same, [r["completions"] for r in hf["records"]], [r["completions"] for r in ours["records"]])
+    assert abs(hf["metrics"]["pass@1"] - ours["metrics"]["pass@1"]) <= MAX_PASS_GAP
 
     tuned = _eval(ckpt, tmp_path / "vllm-adapter", "--engine", "vllm", "--adapter", str(adapter))
     changed = sum(a["completions"] != b["completions"] for a, b in zip(ours["records"], tuned["records"]))

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import compare, hf_greedy, nvfp4_offline_checkpoint
+from vllm_test_helpers import ENGINE_DTYPE, check_forced, compare_forced, hf_forced, nvfp4_offline_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N_TOKENS = 12
-MAX_GAP = 0.15  # as test_vllm_engine.py (float32 on both sides: ~0 in practice)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def engine(ckpt):
     from qerl_vllm.engine import VLLMEngine
 
     eng = VLLMEngine(ckpt, max_lora_rank=8, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
-                     dtype="float32")  # fmt: skip
+                     dtype=ENGINE_DTYPE)  # fmt: skip
     yield eng
     eng.close()
 
@@ -85,8 +84,6 @@ def test_greedy_matches_hf(ckpt, engine):
     model = nvfp4.load_nvfp4_checkpoint(ckpt, dtype=torch.float32).eval()
     assert model.model.layers[0].mlp.up_proj.format == "mxfp4"
     with nvfp4.cache_dequantized(model, torch.float32):
-        ref = hf_greedy(model, prompt_ids, N_TOKENS)
-    cmp = compare(ours, ref)
+        cmp = compare_forced(ours, hf_forced(model, prompt_ids, ours))
     print(f"\n[mxfp4] {cmp}")
-    assert cmp["max_logprob_gap"] < MAX_GAP, cmp
-    assert all(d is None or d >= N_TOKENS // 2 for d in cmp["first_divergence"]), cmp
+    check_forced(cmp)

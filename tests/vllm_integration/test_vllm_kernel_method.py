@@ -174,7 +174,7 @@ def test_backend_choice_and_checkpoint_claim_on_this_platform(backend_env):
     assert resolve_backend(NVFP4) == default
     backend_env("qerl")
     assert resolve_backend(NVFP4) == "qerl"
-    assert resolve_backend(MXFP4) == ("native" if cuda else "dequant")  # our kernels take NVFP4 tensors only
+    assert resolve_backend(MXFP4) == "dequant"  # our kernels take NVFP4 tensors only; stock MXFP4A16 fails on sm90
     assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, None) == "nvfp4_w4a16"
     assert QeRLNVFP4Config.override_quantization_method(nvfp4a16, "fp8") is None  # the user's choice stands
     backend_env("dequant")

@@ -36,7 +36,7 @@ def test_checkpoint_is_mxfp4a16_and_the_plugin_claims_it(ckpt, engine):
 
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mxfp4-pack-quantized" and _compressed_tensors_format(qc).name == "mxfp4"
-    assert QeRLNVFP4Config.override_quantization_method(qc, None) == "nvfp4_w4a16"  # CPU: ours
+    assert QeRLNVFP4Config.override_quantization_method(qc, None) == "nvfp4_w4a16"  # ours (dequantized once), CPU and CUDA
     assert QeRLNVFP4Config.from_config(qc).weight_format.name == "mxfp4"
 
     def kinds(model):

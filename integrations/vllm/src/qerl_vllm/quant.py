@@ -95,8 +95,10 @@ def resolve_backend(fmt: Format = NVFP4) -> str:
         if not cuda:
             return "dequant"
         want = "qerl" if current_platform.has_device_capability(QERL_MIN_CAPABILITY) else "native"
-    if want == "qerl" and not fmt.has_global_scale:  # MXFP4: stock vLLM's scheme on CUDA, dequantized elsewhere
-        return "native" if cuda else "dequant"
+    if want == "qerl" and not fmt.has_global_scale:
+        # MXFP4: our kernels take NVFP4 tensors only, and stock vLLM 0.26's MXFP4A16 scheme fails on the H100
+        # (marlin_gemm: "c must be passed for W4A8-FP4", 2026-11-27): the one-time dequantization, as on CPU
+        return "dequant"
     return want
 
 

@@ -267,7 +267,14 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
     if replacing:
         trainer.add_callback(ReplacedRunCallback())
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except RuntimeError as e:  # PEFT's hundreds of "size mismatch" lines: say which adapter, which model, in one
+        if resume is not None and "size mismatch" in str(e):
+            from nvfp4.peft import check_adapter_fits
+
+            check_adapter_fits(trainer.model, resume, config.lora_r)
+        raise
     seconds = time.perf_counter() - start
     final = Path(config.output_dir) / "final"
     trainer.save_model(str(final))
@@ -302,7 +309,27 @@ def _resume_line(output_dir: str, resume: Any, step: int) -> str:
     return line
 
 
-def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | None = None) -> Any:
+def _longest_prompt_tokens(model: str, dataset: Any) -> int | None:
+    """Tokens of the training set's longest prompt (chat template applied), or None when it cannot be told."""
+    if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
+        return None
+    from .policy import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model)
+        lengths = (
+            len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            if isinstance(p, list) else len(tokenizer(p)["input_ids"])
+            for p in dataset["prompt"]
+        )  # fmt: skip
+        return max(lengths, default=None)
+    except Exception:  # noqa: BLE001 - an estimate only: the plan falls back to the engine's prompt cap
+        return None
+
+
+def check_memory(
+    script_args: ScriptArguments, config: Any, budget_bytes: int | None = None, dataset: Any = None
+) -> Any:
     """``qerl train``'s memory check, before the model loads: the run's :mod:`~qerl_trl.memory_plan` against
     ``budget_bytes`` (default: on CUDA, the memory this process's GPU has free; without a GPU nothing is checked).
 
@@ -329,7 +356,10 @@ def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | 
     except (OSError, ValueError):  # not readable here (offline, no such model): loading the model will say why
         return None
     before = config.generation_wave_rows
-    plan = preflight(config, model_config, budget_bytes, world_size=world)
+    # the training micro-batch is padded to the longest prompt, not to the engine's cap (1024 by default): for the
+    # offline demo's ~60-token prompts that cap made the plan 13 GB where the run peaks at 1.9
+    prompt_tokens = _longest_prompt_tokens(script_args.model_name_or_path, dataset)
+    plan = preflight(config, model_config, budget_bytes, world_size=world, train_prompt_len=prompt_tokens)
     if plan is not None and config.generation_wave_rows != before and _is_main_process():
         print(
             f"qerl train: memory plan: {plan.run.generation_rows} completions per generation round do not fit at once "
@@ -455,12 +485,14 @@ def main(argv: list[str] | None = None) -> None:
         from .memory_plan import MemoryPlanError
 
         try:
-            check_memory(script_args, config, budget_bytes=None if budget_gb is None else int(budget_gb * 1e9))
+            check_memory(script_args, config, None if budget_gb is None else int(budget_gb * 1e9), inputs.dataset)
         except MemoryPlanError as e:  # before the model loads: a run that cannot fit stops here, not in its first step
             _usage_error("qerl train", e, debug)
+        from nvfp4.peft import AdapterMismatchError
+
         try:
             trainer = train(script_args, config, inputs)
-        except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]
+        except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
@@ -468,12 +500,13 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "eval":
         _import_quietly(debug)
         from nvfp4.extras import MissingExtraError
+        from nvfp4.peft import AdapterMismatchError
 
         from .evaluation import main as eval_main
 
         try:
             eval_main(argv)
-        except (UsageError, MissingExtraError) as e:
+        except (UsageError, MissingExtraError, AdapterMismatchError) as e:
             _usage_error("qerl eval", e, debug)
     else:
         _usage_error("qerl", UsageError(f"unknown command {command!r}; {usage}"), debug)

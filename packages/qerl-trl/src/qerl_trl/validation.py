@@ -314,6 +314,24 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
     )
 
 
+def _check_resume_rank(checkpoint: str, lora_r: int | None, model: str) -> None:
+    """The checkpoint's adapter has the run's LoRA rank (else the optimizer and weights cannot load): one line naming
+    the adapter's rank and base model against the run's."""
+    import json
+
+    try:
+        saved = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return  # check_checkpoint accepted it; a full model checkpoint has no adapter config
+    rank = saved.get("r")
+    if isinstance(lora_r, int) and isinstance(rank, int) and rank != lora_r:
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on "
+            f"{saved.get('base_model_name_or_path')!r}), this run's is lora_r {lora_r} on {model!r}: pass --lora_r "
+            f"{rank} (and the model it was trained on) to continue it"
+        )
+
+
 def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint | None:
     """The checks of :func:`validate_train_args` that need neither the trainer config's class nor the data: algorithm,
     task (one of ``tasks``), rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir`` (an earlier run there
@@ -349,6 +367,8 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
         except CheckpointError as e:
             raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
+    if resume is not None:
+        _check_resume_rank(resume.path, getattr(config, "lora_r", None), script_args.model_name_or_path)
     if config.output_dir is not None:
         check_no_earlier_run(config.output_dir, script_args.resume, getattr(script_args, "overwrite_output_dir", False))
     return resume

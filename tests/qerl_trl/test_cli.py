@@ -203,3 +203,122 @@ def test_bad_input_from_the_shell_exits_2_in_one_line_and_debug_shows_the_traceb
                            timeout=120)  # fmt: skip
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):"), debug
     assert debug.stderr.splitlines()[-1].startswith("qerl_trl.validation.UsageError: recipe 'no-such-recipe'")
+
+
+# ------------------------------------------------------------------------------------------ issue #49: before torch
+def _qerl() -> str:
+    import shutil
+
+    return shutil.which("qerl") or str(Path(sys.executable).with_name("qerl"))
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` → its SHA-256 (hidden folders included)."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+def _earlier_run(root: Path) -> Path:
+    """A folder as a finished ``qerl train`` leaves it (the files' contents do not matter to the refusal)."""
+    run = root / "earlier-run"
+    for name, text in {"final/adapter_model.safetensors": "weights", "final/adapter_config.json": "{}",
+                       "checkpoint-10/trainer_state.json": "{}", "checkpoint-20/trainer_state.json": "{}",
+                       "metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "plots.png": "png", "README.md": "run"}.items():  # fmt: skip
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    return run
+
+
+#: (argv after ``qerl train``, words the one line must hold). Each fails before torch is imported.
+FAST_ERRORS = [
+    (["--max_steps", "-3"], ["max_steps", "-3", ">= 1"]),
+    (["--learning_rate", "nan"], ["learning_rate", "nan", ">= 0"]),
+    (["--no_such_option", "1"], ["unknown option --no_such_option"]),
+    (["--learning_rat", "1e-5", "--lerning_rate", "1"], ["unknown option --lerning_rate", "did you mean --learning_rate"]),
+    (["--per_device_train_batch_size", "two"], ["--per_device_train_batch_size", "'two'", "int"]),
+    (["--quantization", "foo"], ["quantization", "'foo'", "'nvfp4-rtn'"]),
+    (["--task", "gsm8k", "--data_path", "/nonexistent/gsm8k"], ["--data_path", "'/nonexistent/gsm8k'", "no such file"]),
+    (["{recipe}"], ["recipe", "lora_r must be an integer", "[1, 2]"]),
+    (["--output_dir", "{run}"], ["--output_dir", "earlier-run", "an earlier run", "--resume true",
+                                 "--overwrite_output_dir true"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, words", FAST_ERRORS, ids=[" ".join(a) for a, _ in FAST_ERRORS])
+def test_argument_errors_come_in_one_line_within_2_s_and_touch_nothing(tmp_path, argv, words):
+    """From the shell, as a user types it: exit 2, exactly one stderr line naming the argument, no traceback, under
+    2 s (the options are checked before torch, transformers and TRL are imported; they took ~20 s), and no file of an
+    earlier run changed."""
+    import subprocess
+    import time
+
+    run = _earlier_run(tmp_path)
+    recipe = tmp_path / "bad-rank.yaml"
+    recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text().replace("lora_r: 32", "lora_r: [1, 2]"))
+    before = _hashes(run)
+    argv = [a.replace("{run}", str(run)).replace("{recipe}", str(recipe)) for a in argv]
+    env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"}
+    start = time.perf_counter()
+    done = subprocess.run([_qerl(), "train", *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    seconds = time.perf_counter() - start
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and done.stdout == "", done
+    assert len(lines) == 1 and lines[0].startswith("qerl train: error: ") and "Traceback" not in done.stderr, lines
+    assert all(w in lines[0] for w in words), lines
+    assert seconds < 2.0, f"{seconds:.2f} s to {lines[0]}"
+    assert _hashes(run) == before
+
+
+def test_option_snapshot_matches_the_config_classes():
+    """``train_options.json`` (what the check before TRL knows of the config's fields) is what the real dataclasses,
+    quantization schemes and tasks give; after a change to them: ``python -m qerl_trl.arguments``."""
+    from qerl_trl.arguments import OPTIONS_FILE, option_table
+
+    assert json.loads(OPTIONS_FILE.read_text()) == json.loads(json.dumps(option_table())), (
+        "train_options.json is stale: run `uv run python -m qerl_trl.arguments`"
+    )
+
+
+def test_precheck_accepts_what_the_parser_accepts(tmp_path):
+    """Every shipped recipe, the README's overrides, flags without a value, ``--no_<flag>``, dashes and ``=``."""
+    from qerl_trl.cli import precheck_train_args
+
+    for recipe in sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")):
+        precheck_train_args([recipe, "--output_dir", str(tmp_path / recipe), "--model_name_or_path", "offline-default"])
+    argv = ["--output_dir", str(tmp_path / "o"), "--learning_rate", "5e-6", "--disable_tqdm", "true", "--log_completions", "--no_aqn",
+            "--max-steps=3", "--lora_target_modules", "q_proj", "v_proj", "--task_options", '{"n_examples": 8}',
+            "--vllm", '{"enforce_eager": true}', "--bf16", "false"]  # fmt: skip
+    script, config = precheck_train_args(argv)
+    assert (config.learning_rate, config.disable_tqdm, config.aqn, config.max_steps) == (5e-6, True, False, 3)
+    assert config.log_completions is True
+    assert config.lora_target_modules == ["q_proj", "v_proj"] and script.task_options == {"n_examples": 8}
+    parsed_script, parsed = parse_train_args(argv)
+    assert (parsed.learning_rate, parsed.disable_tqdm, parsed.aqn, parsed.max_steps) == (5e-6, True, False, 3)
+    assert parsed.log_completions is True and parsed.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_gsm8k_with_a_data_path_needs_no_task_options(tmp_path):
+    """``--task gsm8k --data_path X`` drops the offline recipe's arithmetic options (n_examples, digits, ops)."""
+    from qerl_trl.cli import precheck_train_args
+    from qerl_trl.validation import load_train_data
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
+    argv = ["--task", "gsm8k", "--data_path", str(tmp_path), "--output_dir", str(tmp_path / "run")]
+    assert precheck_train_args(argv)[0].task_options is None
+    script, config = parse_train_args(argv)
+    assert script.task_options is None
+    assert len(load_train_data(script, config)) == 1
+
+
+def test_the_memory_plan_lets_the_demo_run_in_8_gb(tmp_path, offline_model_path):
+    """The 135M demo peaks at 1.9 GB; its plan pads the training micro-batch to the longest prompt (~60 tokens), not
+    the engine's 1024-token cap, so ``--memory-budget-gb 8`` no longer refuses it (it said 13.4 GB)."""
+    from qerl_trl.cli import check_memory
+    from qerl_trl.validation import load_train_data
+
+    script, config = parse_train_args(["--output_dir", str(tmp_path / "run")])
+    plan = check_memory(script, config, int(8e9), load_train_data(script, config))
+    assert plan is not None and plan.training < 2e9 and plan.wave_rows == plan.run.generation_rows
+    assert 30 < plan.run.train_prompt_len < 200

@@ -204,7 +204,7 @@ def _parse_command_line(argv: list[str], options: _Options) -> dict[str, Any]:
             values[name] = False
             continue
         if not given:
-            if kind == "bool":
+            if kind == "bool" and options.specs[name].get("default") is not None:  # as HfArgumentParser: nargs="?"
                 values[name] = True
                 continue
             raise UsageError(f"argument --{spelling}: expected {'at least ' if kind == 'list' else ''}one argument")

@@ -387,7 +387,7 @@ def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) ->
     last = sum(h["reward"] for h in logs[-k:]) / k
     out = Path(trainer.args.output_dir)
     print(
-        f"\nqerl train: {steps_run} steps in {seconds:.0f} s"
+        f"\nqerl train: {steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
         + (f" (steps {trainer.state.global_step - steps_run + 1}-{trainer.state.global_step})" if steps_run and
            steps_run != trainer.state.global_step else "")
         + f" · mean reward of the first {k} logged "

@@ -84,6 +84,8 @@ def _dataclass_specs(cls: type) -> dict[str, dict[str, Any]]:
 
 def option_table() -> dict[str, Any]:
     """The snapshot :data:`OPTIONS_FILE` holds, computed from the real dataclasses and registries (imports TRL)."""
+    from aqn import SCHEDULE_KINDS
+
     from .config import QeRLConfig, QeRLDAPOConfig
     from .quantization import ALIASES, SCHEMES
     from .tasks import TASKS
@@ -95,6 +97,7 @@ def option_table() -> dict[str, Any]:
         "dapo": {k: v for k, v in dapo.items() if grpo.get(k) != v},  # what DAPO's config adds or changes
         "quantization": {"schemes": list(SCHEMES), "aliases": dict(ALIASES)},
         "tasks": sorted(TASKS),
+        "aqn_schedules": list(SCHEDULE_KINDS),
     }
 
 
@@ -273,6 +276,10 @@ def precheck_train(
             raise UsageError(f"{name} must be {expected}, got {value!r}")
     if "quantization" in values:
         _check_quantization(values["quantization"], table)
+    kind = str(values.get("aqn_schedule", "exponential")).lower()
+    if not any(k.startswith(kind) for k in table["aqn_schedules"]):  # make_schedule also takes exp, log, cos, const
+        raise UsageError(f"aqn_schedule={values['aqn_schedule']!r}: unknown AQN schedule kind; expected one of "
+                         f"{tuple(table['aqn_schedules'])}")  # fmt: skip
     script_fields = {f.name for f in dataclasses.fields(ScriptArguments)}
     script_args = ScriptArguments(**{k: v for k, v in values.items() if k in script_fields})
     if script_args.task not in table["tasks"]:

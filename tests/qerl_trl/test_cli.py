@@ -87,7 +87,7 @@ def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys, monk
     captured = capsys.readouterr()
     assert f"qerl train: resuming from {out / 'checkpoint-2'} (step 2)" in captured.err
     assert f"{out / '.staging'} holds checkpoint-3 from a save cut short" in captured.err
-    assert "qerl train: 1 step in " in captured.out and "(steps 3-3)" in captured.out  # this process ran 1 of the 3
+    assert "qerl train: 1 step in " in captured.out and "(step 3)" in captured.out  # this process ran 1 of the 3
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # another rank on the same checkpoint: one line naming both ranks and the base, before the model loads

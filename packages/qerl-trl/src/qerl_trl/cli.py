@@ -386,11 +386,12 @@ def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) ->
     first = sum(h["reward"] for h in logs[:k]) / k
     last = sum(h["reward"] for h in logs[-k:]) / k
     out = Path(trainer.args.output_dir)
+    last_step = trainer.state.global_step
+    ran = f"{steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
+    if 0 < steps_run < last_step:  # a resumed run: which steps this process ran
+        ran += f" (step {last_step})" if steps_run == 1 else f" (steps {last_step - steps_run + 1}-{last_step})"
     print(
-        f"\nqerl train: {steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
-        + (f" (steps {trainer.state.global_step - steps_run + 1}-{trainer.state.global_step})" if steps_run and
-           steps_run != trainer.state.global_step else "")
-        + f" · mean reward of the first {k} logged "
+        f"\nqerl train: {ran} · mean reward of the first {k} logged "
         f"steps {first:.3f} → last {k} {last:.3f}\n  metrics: {out / 'metrics.jsonl'}\n  plots:   {out / 'plots.png'}"
         f"\n  adapter: {final}"
     )

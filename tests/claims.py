@@ -31,6 +31,9 @@ Conventions (also in BENCHMARKS.md, "How the figures are sourced"):
   ratio comes from one run, both arms in one file).
 - **Commit.** A row with a figure names the commit it was measured at: a hex word of 7-40 characters in the row,
   or a ``commit`` key in one of its files.
+- **Labels.** A row whose first cell names a method of :data:`LABEL_TERMS` (``DAPO``, ``GRPO``, ``QLoRA``, ...) must
+  name a file that mentions it (a whole word, any case, anywhere in the file's text): a GRPO step written down as a
+  "DAPO step" fails. Only these names are checked; other words of a label are not.
 
 The check says a number was written down by a run; it cannot say that it was the right number of that file: a
 printed figure can match an unrelated number by chance, the more often the more numbers a file holds (hence the
@@ -61,6 +64,8 @@ UNITS = r"×|\s?(?:%|GB/s|TB/s|tok/s|GiB|GB|MiB|MB|KiB|kB|ms|µs|us|s|nats)(?![\
 # One number, or a list/range of numbers sharing the unit written after the last one.
 FIGURE = re.compile(rf"(?<![\w.])[−+-]?(?P<nums>{NUM}(?:\s?/\s?{NUM}|[-–]{NUM})*)(?![\w])(?!\.\d)(?P<unit>{UNITS})?")
 DURATION = re.compile(r"(?<![\w.])(?:(\d+) h )?(\d+) min(?: (\d+) s)?(?![\w])")
+#: Methods a row's label may name; each must then appear in one of the row's files (see "Labels" above).
+LABEL_TERMS = ("DAPO", "GRPO", "QLoRA", "AWQ", "GPTQ", "MXFP4", "NF4", "Humming")
 SCALES = {
     None: (1.0,),
     "×": (1.0,),
@@ -97,6 +102,7 @@ class Row:
     checked: list[str]
     text: str
     figures: list[Figure] = field(default_factory=list)
+    head: str = ""  # the whole first cell: what the row says it measured
 
 
 def figures(cell: str, default_unit: str | None = None) -> list[Figure]:
@@ -158,7 +164,7 @@ def marked_rows(md: Path) -> list[tuple[list[str], list[Row]]]:
                 break
             cells = _split_row(lines[k])
             checked = [cells[c] for c in cols if c < len(cells)]
-            row = Row(md, k + 1, cells[0][:60], checked, f"{lines[k]} {shared}")
+            row = Row(md, k + 1, cells[0][:60], checked, f"{lines[k]} {shared}", head=cells[0])
             row.figures = [f for cell in checked for f in figures(cell, unit)]
             rows.append(row)
         tables.append((header, rows))
@@ -269,6 +275,21 @@ def held_by(fig: Figure, srcs: list[Source]) -> bool:
     return False
 
 
+def _word(term: str) -> re.Pattern:
+    return re.compile(rf"(?<![A-Za-z0-9]){re.escape(term)}(?![A-Za-z])", re.IGNORECASE)
+
+
+@cache
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def unsupported_labels(row: Row, srcs: list[Source]) -> list[str]:
+    """The :data:`LABEL_TERMS` the row's first cell names that none of its files mentions."""
+    named = [t for t in LABEL_TERMS if _word(t).search(CODE.sub(" ", row.head))]
+    return [t for t in named if not any(_word(t).search(_text(s.path)) for s in srcs)]
+
+
 def check(md: Path) -> list[str]:
     """Every problem of ``md``'s marked tables, one line each (empty: every figure is sourced)."""
     problems = []
@@ -287,6 +308,10 @@ def check(md: Path) -> list[str]:
             names = ", ".join(s.name for s in srcs)
             problems += [
                 f"{where}: {fig.text!r} is in none of {names}" for fig in row.figures if not held_by(fig, srcs)
+            ]
+            problems += [
+                f"{where}: the label says {term}, which none of {names} mentions (what was measured?)"
+                for term in unsupported_labels(row, srcs)
             ]
     return problems
 

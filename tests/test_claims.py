@@ -90,3 +90,12 @@ def test_what_counts_as_a_figure():
         "19 min 23 s": (1163.0, 0.5),
         "20 min": (1200.0, 30.0),
     }
+
+
+def test_a_label_its_file_does_not_support_fails(tmp_path):
+    """A row labelled with a method its file never mentions (the "32B DAPO step" that measured a GRPO step) fails;
+    the same row labelled with what the file says passes."""
+    data = {"commit": "d96b193", "what": "GRPO step, grpo_step.py", "summary": {"step_s": 46.44}}
+    problems = check(_doc(tmp_path, "| 32B DAPO step | 46.44 s | [run](run.json) |", data))
+    assert len(problems) == 1 and "the label says DAPO, which none of run.json mentions" in problems[0], problems
+    assert check(_doc(tmp_path, "| 32B GRPO step | 46.44 s | [run](run.json) |", data)) == []

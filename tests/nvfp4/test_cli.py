@@ -41,3 +41,48 @@ def test_already_quantized_checkpoint(tiny_model_dir, tmp_path, capsys):
 def test_mxfp4_takes_rtn_only(tiny_model_dir, capsys):
     err = _one_line_exit_2([str(tiny_model_dir), "--format", "mxfp4", "--method", "mse"], capsys)
     assert "--format mxfp4 supports --method rtn only" in err
+
+
+def _hashes(root):
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+def test_an_existing_output_is_never_replaced_without_overwrite(tiny_model_dir, tmp_path, capsys):
+    """``--out`` naming a file, a path under a file, or a folder that holds a model: one line, exit 2, nothing on disk
+    changed (it was replaced silently, or a traceback for a file)."""
+    earlier = tmp_path / "earlier-nvfp4"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"earlier weights")
+    (earlier / "config.json").write_text("{}")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    before = _hashes(tmp_path)
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(earlier)], capsys)
+    assert "holds files already (config.json, model.safetensors)" in err and "--overwrite" in err, err
+    assert "a file; expected a folder" in _one_line_exit_2([str(tiny_model_dir), "--out", str(a_file)], capsys)
+    assert "is a file" in _one_line_exit_2([str(tiny_model_dir), "--out", str(a_file / "model")], capsys)
+    assert _hashes(tmp_path) == before
+
+
+def test_overwrite_swaps_the_new_checkpoint_in_once_complete(offline_model_path, tmp_path):
+    """``--overwrite``: the new checkpoint is written beside the old one and renamed into its place when complete."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"  # a tiny random model with the offline model's tokenizer (the sample decodes)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    earlier = tmp_path / "out"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"earlier weights")
+    main([str(model_dir), "--method", "rtn", "--out", str(earlier), "--overwrite", "--max-new-tokens", "2"])
+    saved = json.loads((earlier / "config.json").read_text())
+    assert saved["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert (earlier / "model.safetensors").read_bytes() != b"earlier weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]  # no .out.new-* / .out.old-* left behind

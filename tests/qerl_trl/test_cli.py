@@ -70,7 +70,7 @@ def test_vllm_settings_nest_and_the_flat_keys_still_set_them(tmp_path):
     assert old.vllm.gpu_memory_utilization == 0.3
 
 
-def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
+def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys, monkeypatch):
     out = tmp_path / "run"
     common = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(out), "--per_device_train_batch_size", "8",
               "--num_generations", "4", "--max_completion_length", "6", "--save_steps", "2",
@@ -80,9 +80,41 @@ def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys):
     assert (out / "checkpoint-2" / "aqn_state.json").is_file()
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert (out / "plots.png").is_file()
+    leftover = out / ".staging" / "checkpoint-3"  # a save cut short: the resume says it is not used
+    leftover.mkdir(parents=True)
+    (leftover / "trainer_state.json").write_text("{")
     main(["train", "offline-default", *common, "--max_steps", "3", "--resume", "true"])
+    captured = capsys.readouterr()
+    assert f"qerl train: resuming from {out / 'checkpoint-2'} (step 2)" in captured.err
+    assert f"{out / '.staging'} holds checkpoint-3 from a save cut short" in captured.err
+    assert "qerl train: 1 step in " in captured.out and "(step 3)" in captured.out  # this process ran 1 of the 3
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # another rank on the same checkpoint: one line naming both ranks and the base, before the model loads
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "offline-default", *common, "--max_steps", "4", "--resume", str(out / "checkpoint-2"),
+              "--lora_r", "8"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "its adapter is LoRA rank 32" in err and "lora_r 8" in err and "--lora_r 32" in err, err
+
+    # --overwrite_output_dir: the earlier run is kept until the new one's first checkpoint exists, then removed
+    import qerl_trl.run as run_module
+
+    earlier = _hashes(out)
+    seen = []
+    discard = run_module.discard_replaced_run
+
+    def discard_after_checking(output_dir):  # the real removal, after noting what the folder held at that moment
+        aside = list(Path(output_dir).glob(".previous-run-*"))
+        seen.append((sorted(p.name for p in Path(output_dir).glob("checkpoint-*")), aside and _hashes(aside[0])))
+        discard(output_dir)
+
+    monkeypatch.setattr(run_module, "discard_replaced_run", discard_after_checking)
+    main(["train", "offline-default", *common, "--max_steps", "2", "--overwrite_output_dir", "true"])
+    assert "is kept in" in capsys.readouterr().err
+    assert seen and seen[0] == (["checkpoint-2"], earlier), seen[0]  # first call: new checkpoint in place, old intact
+    assert not list(out.glob(".previous-run-*")) and [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "offline-default", *common[:2], "--output_dir", str(tmp_path / "empty"), "--resume", "true"])
     assert exit_info.value.code == 2
@@ -172,6 +204,7 @@ def test_bad_inputs_print_one_line_and_exit_2(bad_inputs, capsys, monkeypatch):
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id is refused as offline here, whatever the network
+    monkeypatch.chdir(bad_inputs)  # the recipe's runs/offline-default of a developer's own run is not in the way
     for argv, words in BAD_INPUTS:
         argv = [a.replace("{bad}", str(bad_inputs)) for a in argv]
         with pytest.raises(SystemExit) as exit_info:
@@ -203,3 +236,204 @@ def test_bad_input_from_the_shell_exits_2_in_one_line_and_debug_shows_the_traceb
                            timeout=120)  # fmt: skip
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):"), debug
     assert debug.stderr.splitlines()[-1].startswith("qerl_trl.validation.UsageError: recipe 'no-such-recipe'")
+
+
+# ------------------------------------------------------------------------------------------ issue #49: before torch
+def _qerl() -> str:
+    import shutil
+
+    return shutil.which("qerl") or str(Path(sys.executable).with_name("qerl"))
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` → its SHA-256 (hidden folders included)."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+def _earlier_run(root: Path) -> Path:
+    """A folder as a finished ``qerl train`` leaves it (the files' contents do not matter to the refusal)."""
+    run = root / "earlier-run"
+    for name, text in {"final/adapter_model.safetensors": "weights", "final/adapter_config.json": "{}",
+                       "checkpoint-10/trainer_state.json": "{}", "checkpoint-20/trainer_state.json": "{}",
+                       "metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "plots.png": "png", "README.md": "run"}.items():  # fmt: skip
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    return run
+
+
+#: (argv after ``qerl train``, words the one line must hold). Each fails before torch is imported.
+FAST_ERRORS = [
+    (["--max_steps", "-3"], ["max_steps", "-3", ">= 1"]),
+    (["--learning_rate", "nan"], ["learning_rate", "nan", ">= 0"]),
+    (["--no_such_option", "1"], ["unknown option --no_such_option"]),
+    (["--learning_rat", "1e-5", "--lerning_rate", "1"], ["unknown option --lerning_rate", "did you mean --learning_rate"]),
+    (["--per_device_train_batch_size", "two"], ["--per_device_train_batch_size", "'two'", "int"]),
+    (["--quantization", "foo"], ["quantization", "'foo'", "'nvfp4-rtn'"]),
+    (["--task", "gsm8k", "--data_path", "/nonexistent/gsm8k"], ["--data_path", "'/nonexistent/gsm8k'", "no such file"]),
+    (["{recipe}"], ["recipe", "lora_r must be an integer", "[1, 2]"]),
+    (["--output_dir", "{run}"], ["--output_dir", "earlier-run", "an earlier run", "--resume true",
+                                 "--overwrite_output_dir true"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, words", FAST_ERRORS, ids=[" ".join(a) for a, _ in FAST_ERRORS])
+def test_argument_errors_come_in_one_line_within_2_s_and_touch_nothing(tmp_path, argv, words):
+    """From the shell, as a user types it: exit 2, exactly one stderr line naming the argument, no traceback, under
+    2 s (the options are checked before torch, transformers and TRL are imported; they took ~20 s), and no file of an
+    earlier run changed."""
+    import subprocess
+    import time
+
+    run = _earlier_run(tmp_path)
+    recipe = tmp_path / "bad-rank.yaml"
+    recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text().replace("lora_r: 32", "lora_r: [1, 2]"))
+    before = _hashes(run)
+    argv = [a.replace("{run}", str(run)).replace("{recipe}", str(recipe)) for a in argv]
+    env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"}
+    start = time.perf_counter()
+    done = subprocess.run([_qerl(), "train", *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    seconds = time.perf_counter() - start
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and done.stdout == "", done
+    assert len(lines) == 1 and lines[0].startswith("qerl train: error: ") and "Traceback" not in done.stderr, lines
+    assert all(w in lines[0] for w in words), lines
+    assert seconds < 2.0, f"{seconds:.2f} s to {lines[0]}"
+    assert _hashes(run) == before
+
+
+def test_option_snapshot_matches_the_config_classes():
+    """``train_options.json`` (what the check before TRL knows of the config's fields) is what the real dataclasses,
+    quantization schemes and tasks give; after a change to them: ``python -m qerl_trl.arguments``."""
+    from qerl_trl.arguments import OPTIONS_FILE, option_table
+
+    assert json.loads(OPTIONS_FILE.read_text()) == json.loads(json.dumps(option_table())), (
+        "train_options.json is stale: run `uv run python -m qerl_trl.arguments`"
+    )
+
+
+def test_precheck_accepts_what_the_parser_accepts(tmp_path):
+    """Every shipped recipe, the README's overrides, flags without a value, ``--no_<flag>``, dashes and ``=``."""
+    from qerl_trl.cli import precheck_train_args
+
+    for recipe in sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")):
+        precheck_train_args([recipe, "--output_dir", str(tmp_path / recipe), "--model_name_or_path", "offline-default"])
+    argv = ["--output_dir", str(tmp_path / "o"), "--learning_rate", "5e-6", "--disable_tqdm", "true", "--log_completions", "--no_aqn",
+            "--max-steps=3", "--lora_target_modules", "q_proj", "v_proj", "--task_options", '{"n_examples": 8}',
+            "--vllm", '{"enforce_eager": true}', "--bf16", "false"]  # fmt: skip
+    script, config = precheck_train_args(argv)
+    assert (config.learning_rate, config.disable_tqdm, config.aqn, config.max_steps) == (5e-6, True, False, 3)
+    assert config.log_completions is True
+    assert config.lora_target_modules == ["q_proj", "v_proj"] and script.task_options == {"n_examples": 8}
+    parsed_script, parsed = parse_train_args(argv)
+    assert (parsed.learning_rate, parsed.disable_tqdm, parsed.aqn, parsed.max_steps) == (5e-6, True, False, 3)
+    assert parsed.log_completions is True and parsed.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_gsm8k_with_a_data_path_needs_no_task_options(tmp_path):
+    """``--task gsm8k --data_path X`` drops the offline recipe's arithmetic options (n_examples, digits, ops)."""
+    from qerl_trl.cli import precheck_train_args
+    from qerl_trl.validation import load_train_data
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
+    argv = ["--task", "gsm8k", "--data_path", str(tmp_path), "--output_dir", str(tmp_path / "run")]
+    assert precheck_train_args(argv)[0].task_options is None
+    script, config = parse_train_args(argv)
+    assert script.task_options is None
+    assert len(load_train_data(script, config)) == 1
+
+
+def test_the_memory_plan_lets_the_demo_run_in_8_gb(tmp_path, offline_model_path):
+    """The 135M demo peaks at 1.9 GB; its plan pads the training micro-batch to the longest prompt (~60 tokens), not
+    the engine's 1024-token cap, so ``--memory-budget-gb 8`` no longer refuses it (it said 13.4 GB)."""
+    from qerl_trl.cli import check_memory
+    from qerl_trl.validation import load_train_data
+
+    script, config = parse_train_args(["--output_dir", str(tmp_path / "run")])
+    plan = check_memory(script, config, int(8e9), load_train_data(script, config))
+    assert plan is not None and plan.training < 2e9 and plan.wave_rows == plan.run.generation_rows
+    assert 30 < plan.run.train_prompt_len < 200
+
+
+def _adapter_of(model_dir: Path, out: Path, rank: int, base: str) -> Path:
+    """A rank-``rank`` LoRA adapter of the model in ``model_dir``, saved as trained on ``base``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=rank, target_modules=["q_proj", "v_proj"])).save_pretrained(out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+    return out
+
+
+def _progress_bar(line: str) -> bool:
+    """A tqdm bar (``NN%|...|``), each of its carriage-return updates."""
+    import re
+
+    return all(re.search(r"\d+%\|.*\|", seg) or not seg.strip() for seg in line.split("\r"))
+
+
+def test_an_adapter_of_another_model_or_rank_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``qerl eval --adapter`` of another base model (another hidden size) or whose config's rank is not its weights':
+    exit 2, one line naming the adapter's base model and rank against the model (PEFT printed ~470 lines); the same
+    check guards :func:`nvfp4.peft.load_adapter`."""
+    from nvfp4.peft import AdapterMismatchError, load_adapter
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    other = tmp_path / "other-model"
+    AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=32, intermediate_size=64)).save_pretrained(other)
+    foreign = _adapter_of(other, tmp_path / "foreign", 4, "someone/other-32")
+    relabelled = _adapter_of(tiny_dir, tmp_path / "relabelled", 4, str(tiny_dir))
+    config = json.loads((relabelled / "adapter_config.json").read_text())
+    (relabelled / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
+    cases = [(foreign, ["rank 4", "'someone/other-32'", "self_attn.q_proj has 32 inputs, the model's 64"]),
+             (relabelled, ["rank 16", "has rank 4, not the config's 16"])]  # fmt: skip
+    for adapter, words in cases:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", "--model", str(tiny_dir), "--adapter", str(adapter), "--task", "arithmetic", "--limit", "1",
+                  "--output", str(tmp_path / "eval"), "--no-progress"])  # fmt: skip
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not _progress_bar(line)]
+        err = "\n".join(lines)  # the model's "Loading weights" bars came before it
+        assert exit_info.value.code == 2 and len(lines) == 1, err
+        assert err.startswith("qerl eval: error: adapter ") and "Traceback" not in err, err
+        assert all(w in err for w in words), err
+    with pytest.raises(AdapterMismatchError, match="someone/other-32"):
+        load_adapter(AutoModelForCausalLM.from_pretrained(tiny_dir), str(foreign))
+
+
+def test_first_screen_holds_only_our_lines(tiny_dir, tmp_path):
+    """The first 15 lines of ``qerl train --max_steps 1`` (stdout and stderr together, as a terminal shows them) are
+    ours. Ours: a line of the ``qerl`` CLI (``qerl train: ...``), a progress bar (tqdm's ``NN%|...|``), a step's
+    metrics as the trainer logs them (a Python dict of numbers and strings), or blank. Not ours, as before #49:
+    bitsandbytes' "Failed to load CPU gemm_4bit_forward", torch's pin_memory UserWarning and its stray
+    ``super().__init__(loader)``, transformers' clean_up_tokenization_spaces warning."""
+    import ast
+    import re
+    import subprocess
+
+    def ours(segment: str) -> bool:
+        text = segment.strip()
+        if not text or text.startswith("qerl train: ") or re.search(r"\d+%\|.*\|", text):
+            return True
+        try:
+            return isinstance(ast.literal_eval(text), dict)
+        except (ValueError, SyntaxError):
+            return False
+
+    env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"} | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    argv = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_generations", "4",
+            "--max_completion_length", "4", "--task_options", '{"n_examples": 8}']  # fmt: skip
+    done = subprocess.run([_qerl(), "train", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = done.stdout.splitlines()[:15]
+    foreign = [seg for line in lines for seg in line.split("\r") if not ours(seg)]
+    assert not foreign, "\n".join(lines)
+    assert any(line.startswith("qerl train: 1 step") for line in done.stdout.splitlines()), done.stdout[-2000:]

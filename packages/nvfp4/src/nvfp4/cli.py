@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +86,34 @@ def _input_problem(model: str) -> str | None:
     return None
 
 
+def _output_problem(out: Path, given: bool, overwrite: bool) -> str | None:
+    """Why the checkpoint cannot be saved to ``out`` (one line), or None: a file, a path under a file, or a folder
+    that holds something already (a model is never replaced silently; ``--overwrite`` replaces it)."""
+    name = f"--out {str(out)!r}" + ("" if given else " (the default)")
+    if out.exists() and not out.is_dir():
+        return f"{name}: a file; expected a folder to save the checkpoint in (created if missing)"
+    parent = next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        return f"{name}: {parent} is a file, so the folder cannot be created"
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        held = sorted(p.name for p in out.iterdir())
+        return (f"{name} holds files already ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass "
+                "--overwrite to replace them (the new checkpoint is written beside it and swapped in once complete), "
+                "or give another --out")  # fmt: skip
+    return None
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Put the complete checkpoint ``new`` at ``out``; an earlier ``out`` is renamed away first and removed after."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+    os.rename(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
@@ -96,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
-    ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4)")
+    ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4); a folder that holds "
+                    "files is refused unless --overwrite")  # fmt: skip
+    ap.add_argument("--overwrite", action="store_true", help="replace what --out holds (once the new checkpoint is "
+                    "complete)")  # fmt: skip
     ap.add_argument("--push-to-hub", metavar="REPO", help="also push the checkpoint and its card to this Hub repo")
     ap.add_argument("--prompt", default="What is 12 + 7? Answer briefly.")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -120,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.debug:
                 raise
             ap.exit(2, f"nvfp4-quantize: error: {e}\n")
-    problem = _input_problem(args.model)
+    name = Path(args.model.rstrip("/")).name
+    out = Path(args.out or Path("runs") / f"{name}-{args.format}").expanduser()
+    problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
     if problem:
         if args.debug:
             raise ValueError(problem)
         ap.exit(2, f"nvfp4-quantize: error: {problem}\n")
-    name = Path(args.model.rstrip("/")).name
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = Path(args.data) if args.data else None
     eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
@@ -141,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     dense = _load_dense(args.model, dtype)
     quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype, format=args.format)
     t_quant = time.perf_counter() - t0
-    out = Path(args.out or Path("runs") / f"{name}-{args.format}")
+    final_out = out
+    if out.is_dir() and any(out.iterdir()):  # --overwrite: written beside it, swapped in once complete (below)
+        out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
     quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
     quant.to(dtype)
     tokenizer.save_pretrained(out)
@@ -162,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {args.format.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
     write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
                      error_table=table, format=args.format)
+    if out != final_out:
+        _swap_in(out, final_out)
+        out = final_out
     print(f"\nsaved to {out}")
     if args.push_to_hub:
         quant.push_to_hub(args.push_to_hub)

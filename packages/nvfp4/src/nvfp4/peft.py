@@ -38,7 +38,9 @@ except ImportError as err:  # the extra is not installed
     raise missing_extra(err, "peft", "nvfp4.peft", "PEFT", "nvfp4[peft]") from err
 
 __all__ = [
+    "AdapterMismatchError",
     "LoraNVFP4Linear",
+    "check_adapter_fits",
     "get_peft_model",
     "load_adapter",
     "merge_and_unload",
@@ -166,8 +168,63 @@ def get_peft_model(model: nn.Module, config: LoraConfig, **kwargs: Any) -> PeftM
     return _peft_get_peft_model(model, register_nvfp4_lora(config), **kwargs)
 
 
+class AdapterMismatchError(ValueError):
+    """A LoRA adapter that does not fit a model (another base model, or another rank than the run's); one line naming
+    the adapter's base model and rank against the model's."""
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name → shape, from a safetensors file's header alone."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def check_adapter_fits(model: nn.Module, path: str | os.PathLike, lora_r: int | None = None) -> None:
+    """Raise :class:`AdapterMismatchError` unless the adapter in ``path`` fits ``model`` (a base model or a
+    ``PeftModel``): every ``lora_A`` / ``lora_B`` weight names a module of ``model`` with the matching input / output
+    size, and, with ``lora_r``, the adapter's rank is ``lora_r``. Reads the adapter's config and safetensors header
+    only; an adapter in another format is not checked."""
+    folder = Path(path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    rank, base = config.get("r"), config.get("base_model_name_or_path")
+    root = model.get_base_model() if isinstance(model, PeftModel) else model
+    name = getattr(getattr(root, "config", None), "name_or_path", None) or type(root).__name__
+    adapter = f"adapter {str(folder)!r} (LoRA rank {rank}, trained on {base!r})"
+    if lora_r is not None and rank != lora_r:
+        raise AdapterMismatchError(f"{adapter} does not fit this run's model {name!r} with lora_r {lora_r}: pass "
+                                   f"--lora_r {rank} to use it, or another adapter")  # fmt: skip
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        return
+    modules = dict(root.named_modules())
+    for key, shape in _safetensors_shapes(weights).items():
+        kind = "lora_A" if ".lora_A." in key else "lora_B" if ".lora_B." in key else None
+        if kind is None or len(shape) != 2:
+            continue
+        module_name = key.split(f".{kind}.")[0].removeprefix("base_model.model.")
+        module = modules.get(module_name)
+        if module is None:
+            raise AdapterMismatchError(f"{adapter} does not fit the model {name!r}: it has no module {module_name}")
+        adapter_rank = shape[0] if kind == "lora_A" else shape[1]
+        if isinstance(rank, int) and not config.get("rank_pattern") and adapter_rank != rank:
+            raise AdapterMismatchError(f"{adapter}: its {module_name} {kind} has rank {adapter_rank}, not the "
+                                       f"config's {rank} (adapter_config.json does not belong to these weights)")  # fmt: skip
+        base_layer = getattr(module, "base_layer", module)
+        want = getattr(base_layer, "in_features" if kind == "lora_A" else "out_features", None)
+        have = shape[1] if kind == "lora_A" else shape[0]
+        if want is not None and have != want:
+            side = "inputs" if kind == "lora_A" else "outputs"
+            raise AdapterMismatchError(f"{adapter} does not fit the model {name!r}: its {module_name} has {have} "
+                                       f"{side}, the model's {want}")  # fmt: skip
+
+
 def load_adapter(model: nn.Module, path: str, **kwargs: Any) -> PeftModel:
-    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers)."""
+    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers); an
+    adapter of another model stops with :class:`AdapterMismatchError` (:func:`check_adapter_fits`) instead of PEFT's
+    hundreds of size-mismatch lines."""
+    check_adapter_fits(model, path)
     config = LoraConfig.from_pretrained(path)
     return PeftModel.from_pretrained(model, path, config=register_nvfp4_lora(config), **kwargs)
 

@@ -27,9 +27,25 @@ from typing import Any
 
 import yaml
 
-from .validation import TrainInputs, UsageError, UsageErrorParser, load_train_data, validate_train_args
+from .validation import (
+    TrainInputs,
+    UsageError,
+    UsageErrorParser,
+    check_train_paths,
+    load_train_data,
+    validate_train_args,
+)
 
-__all__ = ["RECIPES_DIR", "ScriptArguments", "build_trainer", "check_memory", "main", "parse_train_args", "train"]
+__all__ = [
+    "RECIPES_DIR",
+    "ScriptArguments",
+    "build_trainer",
+    "check_memory",
+    "main",
+    "parse_train_args",
+    "precheck_train_args",
+    "train",
+]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
@@ -62,6 +78,13 @@ class ScriptArguments:
         metadata={
             "help": "'true': continue from the newest complete checkpoint in output_dir (damaged newer ones are "
             "skipped, saying why); a checkpoint-N folder: continue from it; 'false' (default): start afresh."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds an earlier run, replacing it: its content is moved "
+            "aside and removed once the new run has written its first checkpoint (default: refuse)."
         },
     )
 
@@ -138,18 +161,42 @@ def _train_parser(dataclasses: tuple) -> Any:
     return Parser(dataclasses)
 
 
+def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """``[RECIPE] [--overrides]`` → (``--config <recipe.yaml> --overrides``, the recipe's mapping)."""
+    argv = list(argv)
+    if "--config" not in argv:
+        recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
+        argv = ["--config", str(recipe_path(recipe)), *argv]
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise UsageError("argument --config: expected one argument (a recipe .yaml file)")
+    return argv, _read_recipe(argv[i + 1])
+
+
+def precheck_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
+    """:func:`parse_train_args` without torch, transformers or TRL (:func:`qerl_trl.arguments.precheck_train`):
+    option names, types and domains, then :func:`~qerl_trl.validation.check_train_paths` (model, output folder,
+    data path, ``--resume``). Returns (script args, a namespace of the config's values); raises
+    :class:`~qerl_trl.validation.UsageError`. Takes well under a second."""
+    from .arguments import precheck_train, task_names
+
+    argv, recipe = _with_config(argv)
+    i = argv.index("--config")
+    rest = argv[:i] + argv[i + 2 :]
+    algorithm = _option(argv, recipe, "algorithm", "grpo")
+    script_args, config = precheck_train(rest, recipe, argv[i + 1], algorithm)
+    check_train_paths(script_args, config, task_names())
+    return script_args, config
+
+
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config.
 
     Raises :class:`~qerl_trl.validation.UsageError` (or the config's ``ValueError``) for an unknown recipe, an
     unknown option, or a value of the wrong type or outside its domain; paths are checked later, by
-    :func:`~qerl_trl.validation.validate_train_args`."""
-    argv = list(argv)
-    if "--config" not in argv:
-        recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
-        argv = ["--config", str(recipe_path(recipe)), *argv]
-    config_file = argv[argv.index("--config") + 1]
-    recipe = _read_recipe(config_file)
+    :func:`~qerl_trl.validation.validate_train_args`. ``--task`` other than the recipe's, without ``--task_options``,
+    drops the recipe's task options (they are its task's: ``n_examples``, ``digits``, ...)."""
+    argv, recipe = _with_config(argv)
     algorithm = _option(argv, recipe, "algorithm", "grpo")
     # before TRL is imported: importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
     # warning on some CPUs; a bad value is then reported alone, and bitsandbytes loads only for quantization="nf4"
@@ -158,6 +205,9 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     get_scheme(_option(argv, recipe, "quantization", "nvfp4-rtn"))
     parser = _train_parser((ScriptArguments, _config_class(algorithm)))
     script_args, config = parser.parse_args_and_config(argv)
+    task = _option(argv, {}, "task", None)
+    if task is not None and task != recipe.get("task") and _option(argv, {}, "task_options", None) is None:
+        script_args.task_options = None
     return script_args, config
 
 
@@ -179,6 +229,7 @@ def build_trainer(script_args: ScriptArguments, config: Any, dataset: Any = None
     callbacks: list = [RunDirectoryCallback(title=f"{script_args.model_name_or_path} · {script_args.task}")]
     if not torch.cuda.is_available():  # CPU training: freed activations in small blocks go back to the OS
         callbacks.append(MallocTrimCallback())
+        config.dataloader_pin_memory = False  # nothing to pin for; torch warns at the first batch otherwise
     if not config.disable_tqdm and sys.stdout.isatty():
         from trl.trainer.callbacks import RichProgressCallback
 
@@ -200,23 +251,85 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
     """Check the arguments (:func:`~qerl_trl.validation.validate_train_args`, unless ``inputs`` holds its result),
     build dataset, rewards and trainer, train (from the checkpoint ``--resume`` picked), save the adapter; returns the
     trainer."""
+    from .run import ReplacedRunCallback, discard_replaced_run, move_earlier_run_aside
+
     if inputs is None:
         inputs = validate_train_args(script_args, config)
     resume = inputs.resume.path if inputs.resume is not None else None
-    if inputs.resume is not None and inputs.resume.skipped and _is_main_process():
-        print(f"qerl train: resuming from {resume}; skipped {inputs.resume.skipped_line()}", file=sys.stderr)
+    start_step = _checkpoint_step(resume) if resume is not None else 0
+    if inputs.resume is not None and _is_main_process():
+        print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
+    replacing = script_args.overwrite_output_dir and resume is None and _is_main_process()
+    if replacing and (aside := move_earlier_run_aside(config.output_dir)) is not None:
+        print(f"qerl train: --overwrite_output_dir: the earlier run in {config.output_dir} is kept in {aside} until "
+              "this run writes its first checkpoint, then removed", file=sys.stderr)  # fmt: skip
     trainer = build_trainer(script_args, config, inputs.dataset)
+    if replacing:
+        trainer.add_callback(ReplacedRunCallback())
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except RuntimeError as e:  # PEFT's hundreds of "size mismatch" lines: say which adapter, which model, in one
+        if resume is not None and "size mismatch" in str(e):
+            from nvfp4.peft import check_adapter_fits
+
+            check_adapter_fits(trainer.model, resume, config.lora_r)
+        raise
     seconds = time.perf_counter() - start
     final = Path(config.output_dir) / "final"
     trainer.save_model(str(final))
+    if replacing:  # a run shorter than save_steps: its final adapter is its first checkpoint
+        discard_replaced_run(config.output_dir)
     if trainer.accelerator.is_main_process:  # under `accelerate launch`, once
-        _print_summary(trainer, seconds, final)
+        _print_summary(trainer, seconds, final, trainer.state.global_step - start_step)
     return trainer
 
 
-def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | None = None) -> Any:
+def _checkpoint_step(checkpoint: str) -> int:
+    """The global step a checkpoint was saved at (its ``trainer_state.json``; 0 if unreadable)."""
+    try:
+        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _resume_line(output_dir: str, resume: Any, step: int) -> str:
+    """``qerl train: resuming from <checkpoint> (step N)``, with the newer checkpoints skipped and a save cut short
+    (a leftover staging folder, cleared at the next save)."""
+    from .checkpoints import STAGING_DIR
+
+    line = f"qerl train: resuming from {resume.path} (step {step})"
+    if resume.skipped:
+        line += f"; skipped {resume.skipped_line()}"
+    staging = Path(output_dir) / STAGING_DIR
+    leftovers = sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
+    if leftovers:
+        line += (f"; {staging} holds {', '.join(leftovers)} from a save cut short (incomplete, not used; cleared "
+                 "at the next save)")  # fmt: skip
+    return line
+
+
+def _longest_prompt_tokens(model: str, dataset: Any) -> int | None:
+    """Tokens of the training set's longest prompt (chat template applied), or None when it cannot be told."""
+    if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
+        return None
+    from .policy import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model)
+        lengths = (
+            len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            if isinstance(p, list) else len(tokenizer(p)["input_ids"])
+            for p in dataset["prompt"]
+        )  # fmt: skip
+        return max(lengths, default=None)
+    except Exception:  # noqa: BLE001 - an estimate only: the plan falls back to the engine's prompt cap
+        return None
+
+
+def check_memory(
+    script_args: ScriptArguments, config: Any, budget_bytes: int | None = None, dataset: Any = None
+) -> Any:
     """``qerl train``'s memory check, before the model loads: the run's :mod:`~qerl_trl.memory_plan` against
     ``budget_bytes`` (default: on CUDA, the memory this process's GPU has free; without a GPU nothing is checked).
 
@@ -243,7 +356,10 @@ def check_memory(script_args: ScriptArguments, config: Any, budget_bytes: int | 
     except (OSError, ValueError):  # not readable here (offline, no such model): loading the model will say why
         return None
     before = config.generation_wave_rows
-    plan = preflight(config, model_config, budget_bytes, world_size=world)
+    # the training micro-batch is padded to the longest prompt, not to the engine's cap (1024 by default): for the
+    # offline demo's ~60-token prompts that cap made the plan 13 GB where the run peaks at 1.9
+    prompt_tokens = _longest_prompt_tokens(script_args.model_name_or_path, dataset)
+    plan = preflight(config, model_config, budget_bytes, world_size=world, train_prompt_len=prompt_tokens)
     if plan is not None and config.generation_wave_rows != before and _is_main_process():
         print(
             f"qerl train: memory plan: {plan.run.generation_rows} completions per generation round do not fit at once "
@@ -261,7 +377,8 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _print_summary(trainer: Any, seconds: float, final: Path) -> None:
+def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) -> None:
+    """The closing lines: the steps this process ran (a resumed run's earlier ones not counted) and the reward."""
     logs = [h for h in trainer.state.log_history if "reward" in h]
     if not logs:
         return
@@ -269,8 +386,12 @@ def _print_summary(trainer: Any, seconds: float, final: Path) -> None:
     first = sum(h["reward"] for h in logs[:k]) / k
     last = sum(h["reward"] for h in logs[-k:]) / k
     out = Path(trainer.args.output_dir)
+    last_step = trainer.state.global_step
+    ran = f"{steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
+    if 0 < steps_run < last_step:  # a resumed run: which steps this process ran
+        ran += f" (step {last_step})" if steps_run == 1 else f" (steps {last_step - steps_run + 1}-{last_step})"
     print(
-        f"\nqerl train: {trainer.state.global_step} steps in {seconds:.0f} s · mean reward of the first {k} logged "
+        f"\nqerl train: {ran} · mean reward of the first {k} logged "
         f"steps {first:.3f} → last {k} {last:.3f}\n  metrics: {out / 'metrics.jsonl'}\n  plots:   {out / 'plots.png'}"
         f"\n  adapter: {final}"
     )
@@ -294,6 +415,25 @@ def _usage_error(prog: str, error: Exception, debug: bool) -> None:
     message = " ".join(str(error).split())  # one line, whatever the message holds
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _import_quietly(debug: bool) -> None:
+    """Import bitsandbytes (when installed) before PEFT does, its CPU backend's probe for the optional ``kernels``
+    package muted for this import only: on CPUs with AVX512-BF16 it logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community" as the first line of every run, though nothing here uses that kernel. ``--debug`` keeps it."""
+    import importlib.util
+
+    if debug or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    probe = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = probe.level
+    probe.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install fails later where it is used (quantization="nf4"), as before
+        pass
+    finally:
+        probe.setLevel(level)
 
 
 def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
@@ -327,6 +467,12 @@ def main(argv: list[str] | None = None) -> None:
             _list_recipes()
             return
         budget_gb = _pop_memory_budget(argv, debug)
+        if not {"-h", "--help"} & set(argv):
+            try:  # options, values and paths, before torch, transformers or TRL is imported: under a second
+                precheck_train_args(argv)
+            except (ValueError, TypeError) as e:
+                _usage_error("qerl train", e, debug)
+        _import_quietly(debug)
         from .memory import TRAIN_MMAP_THRESHOLD, pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold(TRAIN_MMAP_THRESHOLD)  # before the model loads: no glibc threshold drift
@@ -340,24 +486,28 @@ def main(argv: list[str] | None = None) -> None:
         from .memory_plan import MemoryPlanError
 
         try:
-            check_memory(script_args, config, budget_bytes=None if budget_gb is None else int(budget_gb * 1e9))
+            check_memory(script_args, config, None if budget_gb is None else int(budget_gb * 1e9), inputs.dataset)
         except MemoryPlanError as e:  # before the model loads: a run that cannot fit stops here, not in its first step
             _usage_error("qerl train", e, debug)
+        from nvfp4.peft import AdapterMismatchError
+
         try:
             trainer = train(script_args, config, inputs)
-        except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]
+        except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()
     elif command == "eval":
+        _import_quietly(debug)
         from nvfp4.extras import MissingExtraError
+        from nvfp4.peft import AdapterMismatchError
 
         from .evaluation import main as eval_main
 
         try:
             eval_main(argv)
-        except (UsageError, MissingExtraError) as e:
+        except (UsageError, MissingExtraError, AdapterMismatchError) as e:
             _usage_error("qerl eval", e, debug)
     else:
         _usage_error("qerl", UsageError(f"unknown command {command!r}; {usage}"), debug)

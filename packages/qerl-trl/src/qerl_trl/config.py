@@ -283,8 +283,8 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(
                 f"generation_wave_rows must be >= 1 (or None: from the memory plan), got {self.generation_wave_rows}"
             )
-        if self.lora_r <= 0:
-            raise ValueError(f"lora_r must be > 0, got {self.lora_r}")
+        if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r <= 0:
+            raise ValueError(f"lora_r must be an integer > 0, got {self.lora_r!r}")
         if self.lora_alpha is None:
             self.lora_alpha = self.lora_r
         if self.aqn_mode not in ("per_step", "per_forward"):

@@ -194,6 +194,8 @@ class RunShape:
         gradient_checkpointing: whether the training forward keeps only each layer's input.
         activation_bytes: bytes of an activation / KV value (2: bf16).
         held_generation: whether the generation rows stay allocated during training (the graph engine's static cache).
+        train_prompt_len: longest prompt of the training set in tokens, when known (the training micro-batch is padded
+            to it, not to the engine's cap); None: ``prompt_len``.
     """
 
     quantization: str
@@ -210,6 +212,7 @@ class RunShape:
     optimizer_state_bytes: int | None = None  # default: lora_param_bytes
     activation_bytes: int = 2
     held_generation: bool = True
+    train_prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in WEIGHT_BYTES:
@@ -361,11 +364,12 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
     state_bytes = run.lora_param_bytes if run.optimizer_state_bytes is None else run.optimizer_state_bytes
     optimizer = lora_params * run.optimizer_states * state_bytes
 
-    tokens = run.micro_batch_rows * (run.prompt_len + run.completion_len)
+    train_prompt = min(run.prompt_len, run.train_prompt_len or run.prompt_len)
+    tokens = run.micro_batch_rows * (train_prompt + run.completion_len)
     layer_act = (_TRAIN_H * h + _TRAIN_I * i) * a  # one layer's activations + gradients, per token
     kept = n_layers * h * a if run.gradient_checkpointing else n_layers * layer_act
     recompute = layer_act if run.gradient_checkpointing else 0
-    mask = run.micro_batch_rows * (run.prompt_len + run.completion_len) ** 2 * (1 + a)
+    mask = run.micro_batch_rows * (train_prompt + run.completion_len) ** 2 * (1 + a)
     lm_head = min(tokens, _LM_HEAD_TILE[0]) * _LM_HEAD_TILE[1] * a + tokens * h * 4
     training = int(tokens * (kept + recompute) + mask + lm_head)
 
@@ -393,7 +397,9 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
     return plan
 
 
-def run_shape_from_config(args: Any, *, world_size: int = 1, activation_bytes: int | None = None) -> RunShape:
+def run_shape_from_config(
+    args: Any, *, world_size: int = 1, activation_bytes: int | None = None, train_prompt_len: int | None = None
+) -> RunShape:
     """The :class:`RunShape` of a ``QeRLConfig`` (read by attribute, so the module does not import trl).
 
     Generation rows per process: ``per_device_train_batch_size × steps_per_generation`` (TRL's generation batch is
@@ -429,6 +435,7 @@ def run_shape_from_config(args: Any, *, world_size: int = 1, activation_bytes: i
         optimizer_state_bytes=state_bytes,
         activation_bytes=activation_bytes or (2 if bf16 else 4),
         held_generation=getattr(args, "rollout_engine", "graph") in ("graph", "transformers"),
+        train_prompt_len=train_prompt_len,
     )
 
 
@@ -482,7 +489,13 @@ def cuda_budget_bytes(device: Any = None) -> int:
 
 
 def preflight(
-    args: Any, model_config: Any, budget_bytes: int, *, world_size: int = 1, margin: float = DEFAULT_MARGIN
+    args: Any,
+    model_config: Any,
+    budget_bytes: int,
+    *,
+    world_size: int = 1,
+    margin: float = DEFAULT_MARGIN,
+    train_prompt_len: int | None = None,
 ) -> MemoryPlan | None:
     """``qerl train``'s memory check before the model loads (and the trainer's before its first step).
 
@@ -497,7 +510,9 @@ def preflight(
         return None
     try:
         plan = plan_memory(
-            ModelShape.from_config(model_config), run_shape_from_config(args, world_size=world_size), budget_bytes,
+            ModelShape.from_config(model_config),
+            run_shape_from_config(args, world_size=world_size, train_prompt_len=train_prompt_len),
+            budget_bytes,
             margin,
         )  # fmt: skip
     except MemoryPlanError:

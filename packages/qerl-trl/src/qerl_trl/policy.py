@@ -81,4 +81,9 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), padding_side="left", truncation_side="left")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    backend = getattr(tok, "backend_tokenizer", None)
+    if getattr(tok, "clean_up_tokenization_spaces", False) and type(getattr(backend, "model", None)).__name__ == "BPE":
+        # transformers ignores this setting for BPE tokenizers (it would corrupt their text) and says so at the first
+        # decode, in the middle of the training panel; False gives the same text without the warning
+        tok.clean_up_tokenization_spaces = False
     return tok

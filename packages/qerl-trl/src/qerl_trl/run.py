@@ -6,20 +6,31 @@ Layout of ``output_dir``::
     plots.png              reward / entropy / σ / completion length per step (rewritten at each save and at the end)
     checkpoint-N/          adapter, optimizer, RNG, trainer state, aqn_state.json (renamed into place whole)
     final/                 the trained LoRA adapter and tokenizer
+    .previous-run-*/       with --overwrite_output_dir: the earlier run, until this one writes its first checkpoint
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from .memory import trim_malloc
+from .validation import PREVIOUS_RUN_PREFIX
 
-__all__ = ["RunDirectoryCallback", "plot_metrics", "read_metrics"]
+__all__ = [
+    "ReplacedRunCallback",
+    "RunDirectoryCallback",
+    "discard_replaced_run",
+    "move_earlier_run_aside",
+    "plot_metrics",
+    "read_metrics",
+]
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "plots.png"
@@ -118,3 +129,32 @@ class RunDirectoryCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._plot(args, state)
+
+
+def move_earlier_run_aside(output_dir: str | Path) -> Path | None:
+    """``--overwrite_output_dir``: move what ``output_dir`` holds into a new ``.previous-run-*`` folder inside it (one
+    rename per entry, same filesystem), so the new run starts in an empty folder while the earlier one still exists;
+    :func:`discard_replaced_run` removes it once the new run has a checkpoint. None when there was nothing."""
+    root = Path(output_dir)
+    entries = [p for p in root.iterdir() if not p.name.startswith(PREVIOUS_RUN_PREFIX)] if root.is_dir() else []
+    if not entries:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=PREVIOUS_RUN_PREFIX, dir=root))
+    for entry in entries:
+        os.rename(entry, aside / entry.name)
+    return aside
+
+
+def discard_replaced_run(output_dir: str | Path) -> None:
+    """Remove the ``.previous-run-*`` folders of ``output_dir`` (:func:`move_earlier_run_aside`)."""
+    for folder in Path(output_dir).glob(f"{PREVIOUS_RUN_PREFIX}*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class ReplacedRunCallback(TrainerCallback):
+    """With ``--overwrite_output_dir``: the earlier run goes once this one's first checkpoint is in place (never a
+    moment with neither)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            discard_replaced_run(args.output_dir)

@@ -5,7 +5,9 @@ prints it as one line and exits with code 2 (``--debug``: the traceback). Three 
 
 * :func:`check_config_values`: the trainer config's numbers and names (from ``QeRLConfig.__post_init__``, so a
   recipe, the command line and Python all get it);
-* :func:`validate_train_args`: ``qerl train``'s model, data, output folder and ``--resume`` (the checkpoint it picks);
+* :func:`validate_train_args`: ``qerl train``'s model, data, output folder (an earlier run there is not overwritten
+  unless asked) and ``--resume`` (the checkpoint it picks); :func:`check_train_paths`, its part that needs neither
+  torch nor the data, also runs before the trainer config's class is imported;
 * :func:`validate_eval_args`: ``qerl eval``'s model, tokenizer, adapter, output and sampling values.
 """
 
@@ -36,7 +38,9 @@ __all__ = [
     "check_config_values",
     "check_data_path",
     "check_model_source",
+    "check_no_earlier_run",
     "check_output_dir",
+    "check_train_paths",
     "load_task_data",
     "load_train_data",
     "validate_eval_args",
@@ -87,6 +91,7 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("beta", _at_least(0), ">= 0"),
     ("epsilon", _at_least(0), ">= 0"),
     ("epsilon_high", _at_least(0), ">= 0"),
+    ("lora_r", _at_least(1), ">= 1"),
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("aqn_sigma_start", _at_least(0), ">= 0 (σ is a standard deviation)"),
@@ -102,7 +107,11 @@ def check_config_values(config: Any) -> None:
 
     for name, accepted, expected in CONFIG_RULES:
         value = getattr(config, name, None)
-        if value is not None and not accepted(value):
+        try:
+            ok = value is None or (not isinstance(value, bool) and bool(accepted(value)))
+        except TypeError:  # a list or a string where a number is meant (a recipe's `lora_r: [1, 2]`)
+            ok = False
+        if not ok:
             raise UsageError(f"{name} must be {expected}, got {value!r}")
     # the schedule's own checks (kind, exponential's σ > 0, K >= 2); with AQN off only the kind matters
     aqn = getattr(config, "aqn", False)
@@ -278,19 +287,63 @@ def load_train_data(script_args: Any, config: Any) -> Any:
                           script_args.task_options, ("--data_path", "--task_options"))  # fmt: skip
 
 
-def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
-    """Check ``qerl train``'s arguments (parsed by :func:`qerl_trl.cli.parse_train_args`) before the model loads:
-    algorithm, task, rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir``, ``--data_path`` (the training set
-    is loaded here), and ``--resume``: ``true`` picks the newest complete, readable checkpoint of ``output_dir``
-    (:func:`~qerl_trl.checkpoints.find_resume_checkpoint`), a path must be one. The config's own values were checked
-    when it was built (:func:`check_config_values`). Raises :class:`UsageError`."""
+#: What makes a folder an earlier run's (``qerl train`` writes these); the staging and replaced-run folders are hidden.
+PREVIOUS_RUN_PREFIX = ".previous-run-"
+
+
+def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -> None:
+    """A fresh run (no ``--resume``) into a folder that is not empty would overwrite what is there (an earlier run's
+    adapter, metrics, plots; its checkpoints rotated away): refuse, naming ``--resume true`` and
+    ``--overwrite_output_dir true``, unless ``overwrite``. ``--resume PATH`` inside ``output_dir`` continues that run."""
+    path = Path(output_dir).expanduser()
+    if overwrite or not path.is_dir():
+        return
+    if resume == "true" or (resume is not None and Path(resume).expanduser().resolve().is_relative_to(path.resolve())):
+        return
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return
+    checkpoints = [e for e in entries if e.startswith("checkpoint-")]
+    shown = [e for e in entries if not e.startswith("checkpoint-")][:4]
+    held = ", ".join([*([f"{len(checkpoints)} checkpoint(s)"] if checkpoints else []), *shown])
+    what = "an earlier run" if checkpoints or "final" in entries or "metrics.jsonl" in entries else "files"
+    raise UsageError(
+        f"--output_dir {output_dir!r} holds {what} ({held}{', ...' if len(entries) > len(shown) + len(checkpoints) else ''}): "
+        "continue it with --resume true, or replace it with --overwrite_output_dir true (the old content is removed "
+        "once the new run has written its first checkpoint), or give another --output_dir"
+    )
+
+
+def _check_resume_rank(checkpoint: str, lora_r: int | None, model: str) -> None:
+    """The checkpoint's adapter has the run's LoRA rank (else the optimizer and weights cannot load): one line naming
+    the adapter's rank and base model against the run's."""
+    import json
+
+    try:
+        saved = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return  # check_checkpoint accepted it; a full model checkpoint has no adapter config
+    rank = saved.get("r")
+    if isinstance(lora_r, int) and isinstance(rank, int) and rank != lora_r:
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on "
+            f"{saved.get('base_model_name_or_path')!r}), this run's is lora_r {lora_r} on {model!r}: pass --lora_r "
+            f"{rank} (and the model it was trained on) to continue it"
+        )
+
+
+def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint | None:
+    """The checks of :func:`validate_train_args` that need neither the trainer config's class nor the data: algorithm,
+    task (one of ``tasks``), rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir`` (an earlier run there
+    is refused: :func:`check_no_earlier_run`), ``--data_path`` exists, and ``--resume``: ``true`` picks the newest
+    complete, readable checkpoint of ``output_dir`` (:func:`~qerl_trl.checkpoints.find_resume_checkpoint`), a path
+    must be one. Returns the checkpoint to resume from; raises :class:`UsageError`."""
     from .rewards import REWARD_FUNCS
-    from .tasks import TASKS
 
     if script_args.algorithm not in ("grpo", "dapo"):
         raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {script_args.algorithm!r}")
-    if script_args.task not in TASKS:
-        raise UsageError(f"--task must be one of {', '.join(sorted(TASKS))}, got {script_args.task!r}")
+    if script_args.task not in tasks:
+        raise UsageError(f"--task must be one of {', '.join(sorted(tasks))}, got {script_args.task!r}")
     unknown = [r for r in script_args.rewards or () if not callable(r) and r not in REWARD_FUNCS]
     if unknown:
         raise UsageError(
@@ -298,7 +351,9 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
         )
     _check_positive("--limit", script_args.limit)
     check_model_source("--model_name_or_path", script_args.model_name_or_path)
-    check_output_dir("--output_dir", config.output_dir)
+    if config.output_dir is not None:
+        check_output_dir("--output_dir", config.output_dir)
+    check_data_path("--data_path", script_args.data_path, script_args.split)
     resume = None
     required = required_checkpoint_files(config)
     if script_args.resume_latest:
@@ -312,6 +367,20 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
         except CheckpointError as e:
             raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
+    if resume is not None:
+        _check_resume_rank(resume.path, getattr(config, "lora_r", None), script_args.model_name_or_path)
+    if config.output_dir is not None:
+        check_no_earlier_run(config.output_dir, script_args.resume, getattr(script_args, "overwrite_output_dir", False))
+    return resume
+
+
+def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
+    """Check ``qerl train``'s arguments (parsed by :func:`qerl_trl.cli.parse_train_args`) before the model loads
+    (:func:`check_train_paths`) and load the training set (its errors name ``--data_path`` / ``--task_options``).
+    The config's own values were checked when it was built (:func:`check_config_values`). Raises :class:`UsageError`."""
+    from .tasks import TASKS
+
+    resume = check_train_paths(script_args, config, TASKS)
     return TrainInputs(dataset=load_train_data(script_args, config), resume=resume)
 
 

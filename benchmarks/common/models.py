@@ -26,6 +26,7 @@ __all__ = [
     "ARMS",
     "ARM_LABEL",
     "OURS",
+    "add_lora",
     "arm_scheme",
     "build_arm",
     "build_model",
@@ -110,22 +111,30 @@ def build_model(
 
     info: dict[str, Any] = {"quantize_s": round(t_quant, 2)}
     if not arm.endswith("-base"):
-        from nvfp4.peft import get_peft_model  # peft's, with NVFP4Linear mapped to LoraNVFP4Linear
-        from peft import LoraConfig
-
-        lcfg = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=list(LINEARS), bias="none",
-                          task_type="CAUSAL_LM")  # fmt: skip
-        model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
-        n_lora = 0
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.data = p.data.to(device=device, dtype=lora_dtype)
-                n_lora += p.numel()
-        model.eval()
-        types = {type(m).__module__ + "." + type(m).__name__ for m in model.modules()
-                 if hasattr(m, "lora_A") and hasattr(m, "base_layer")}  # fmt: skip
-        info.update(lora_params=n_lora, lora_layer_types=sorted(types))
+        model = add_lora(model, lora_r, lora_dtype, device, info)
     return model, info
+
+
+def add_lora(model, lora_r: int, lora_dtype, device, info: dict):
+    """The benchmarks' adapter: LoRA r = ``lora_r``, alpha 2r, on the seven linears of every layer (NVFP4 layers get
+    ``LoraNVFP4Linear``), adapters in ``lora_dtype`` on ``device``; adds ``lora_params`` / ``lora_layer_types`` to
+    ``info``."""
+    from nvfp4.peft import get_peft_model  # peft's, with NVFP4Linear mapped to LoraNVFP4Linear
+    from peft import LoraConfig
+
+    lcfg = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=list(LINEARS), bias="none",
+                      task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
+    n_lora = 0
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.to(device=device, dtype=lora_dtype)
+            n_lora += p.numel()
+    model.eval()
+    types = {type(m).__module__ + "." + type(m).__name__ for m in model.modules()
+             if hasattr(m, "lora_A") and hasattr(m, "base_layer")}  # fmt: skip
+    info.update(lora_params=n_lora, lora_layer_types=sorted(types))
+    return model
 
 
 def build_arm(args, device, dtype, res: dict):

@@ -44,7 +44,7 @@ import triton.language as tl
 from .decode import _lora_epilogue, _mma_tiles, _scale_fold, _store_output
 
 # Tiles the dispatch table was chosen from (``benchmarks/gemm.py --sweep``): (weight tiles of 64 rows, K quarters of
-# 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py``:
+# 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py@1486a77``:
 # no shared-memory round trip of the decoded weight, no spills, ≤ 128 registers where 2-3 programs per SM should
 # fit) and the shared memory of the stages.
 LARGE_M_TILES = [(1, 1, 64, 4, 4), (1, 1, 128, 4, 4), (1, 2, 128, 4, 3), (2, 1, 64, 8, 4), (2, 1, 128, 8, 4),

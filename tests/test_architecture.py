@@ -1,4 +1,4 @@
-"""The structure issue #38 set up stays: counted from the source by ``tests/architecture_metrics.py``."""
+"""The structure issues #38 and #48 set up stays: counted from the source by ``tests/architecture_metrics.py``."""
 
 from __future__ import annotations
 
@@ -25,8 +25,29 @@ def test_nvfp4_has_no_import_cycle():
     assert am.nvfp4_import_cycles(ROOT) == []
 
 
+def test_no_package_has_an_import_cycle():
+    assert am.import_cycles(ROOT) == {top: [] for top in am.PACKAGE_SRCS}
+
+
+#: benchmark scripts the lead keeps byte-identical (issue #48 left them alone): their own --engine / --rollout-engine
+#: option values, and gemm.py's reads of two private kernel helpers
+FROZEN_BENCHMARKS = {"benchmarks/grpo_step.py", "benchmarks/rollout.py", "benchmarks/gemm.py"}
+
+
+def test_no_engine_name_comparisons_outside_the_engine_registry():
+    left = {s.split(":")[0] for s in am.engine_name_comparisons(ROOT)}
+    assert left <= FROZEN_BENCHMARKS, left - FROZEN_BENCHMARKS
+
+
+def test_an_engine_name_becomes_a_class_once_per_entry_point():
+    """``qerl train`` (and the Python API): ``QeRLConfig``; ``qerl eval``: its ``--engine`` option."""
+    sites = [s.split(":")[0].split("/src/")[-1] for s in am.engine_resolution_sites(ROOT)]
+    assert sorted(sites) == ["qerl_trl/config.py", "qerl_trl/evaluation.py"], sites
+
+
 def test_no_private_names_imported_across_packages_or_by_benchmarks():
-    assert am.private_imports(ROOT) == []
+    left = {s.split(":")[0] for s in am.private_imports(ROOT)}
+    assert left <= FROZEN_BENCHMARKS, left - FROZEN_BENCHMARKS
 
 
 def test_benchmarks_hold_what_a_maintainer_reruns():

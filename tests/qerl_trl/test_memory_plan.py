@@ -197,9 +197,10 @@ def test_preflight(tmp_path):
     with pytest.raises(MemoryPlanError, match=rf"generation_wave_rows=100 does not fit.*set it to {plan.wave_rows} or"):
         preflight(args, model, H100_80GB_BYTES)
     args.generation_wave_rows = None
-    args.rollout_engine = "vllm"
-    assert preflight(args, model, 1) is None
-    args.rollout_engine = "transformers"
+    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=128, num_generations=16,
+                    max_completion_length=8192, gradient_checkpointing=True, bf16=False)  # fmt: skip
+    assert preflight(_config(tmp_path, rollout_engine="vllm", **settings), model, 1) is None  # sizes its own memory
+    args = _config(tmp_path, rollout_engine="transformers", **settings)
     with pytest.raises(MemoryPlanError, match="use rollout_engine='graph'"):
         preflight(args, model, H100_80GB_BYTES)
     assert args.generation_wave_rows is None

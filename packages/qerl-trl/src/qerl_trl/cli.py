@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer = train(script_args, config, inputs)
         except MissingExtraError as e:  # e.g. the offline default model without nvfp4[gguf]
             _usage_error("qerl train", e, debug)
+        trainer.close()  # the rollout engine's processes and memory (vLLM)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()

@@ -428,7 +428,7 @@ def run_shape_from_config(args: Any, *, world_size: int = 1, activation_bytes: i
         optimizer_states=states,
         optimizer_state_bytes=state_bytes,
         activation_bytes=activation_bytes or (2 if bf16 else 4),
-        held_generation=getattr(args, "rollout_engine", "graph") in ("graph", "transformers"),
+        held_generation=args.rollout_engine_class.holds_generation_memory,
     )
 
 
@@ -493,7 +493,8 @@ def preflight(
     ``rollout_engine="vllm"`` (the engine sizes its own KV cache to ``vllm_gpu_memory_utilization``) or a model or
     LoRA target the plan does not know (a mixture of experts, a target pattern): those runs are not checked.
     """
-    if getattr(args, "rollout_engine", "graph") == "vllm":
+    engine = args.rollout_engine_class  # the engine says how it holds its generation memory
+    if not engine.holds_generation_memory:
         return None
     try:
         plan = plan_memory(
@@ -502,8 +503,8 @@ def preflight(
         )  # fmt: skip
     except MemoryPlanError:
         return None
-    graph = args.rollout_engine == "graph"
-    wanted = getattr(args, "generation_wave_rows", None) if graph else None
+    waves = engine.generates_in_waves
+    wanted = getattr(args, "generation_wave_rows", None) if waves else None
     if wanted is not None and plan.peak(min(wanted, plan.run.generation_rows)) > plan.usable_bytes:
         rows = min(wanted, plan.run.generation_rows)
         over = plan.peak(rows) - plan.usable_bytes
@@ -513,7 +514,7 @@ def preflight(
             f"{over / GB:.1f} GB over the {plan.usable_bytes / GB:.1f} GB usable; set it to {plan.wave_rows} or less "
             "(or leave it unset: the memory plan picks it)"
         )
-    check_plan(plan, waves_allowed=graph)
-    if graph and wanted is None and plan.waves > 1:
+    check_plan(plan, waves_allowed=waves)
+    if waves and wanted is None and plan.waves > 1:
         args.generation_wave_rows = plan.wave_rows
     return plan

@@ -15,7 +15,7 @@ kernel merges the ``S`` partials per (row, KV head). Only ``q_len == 1`` takes t
 training, CPU without Triton, dropout, soft-capping, sliding windows) goes to transformers' SDPA function.
 
 Use it with :func:`register_decode_attention` and ``model.set_attn_implementation(DECODE_ATTENTION)``, or let
-:func:`qerl_trl.graph_generate.graph_generate` switch it on for its decode loop (its default on CUDA).
+:func:`qerl_trl.rollout.graph.generate.graph_generate` switch it on for its decode loop (its default on CUDA).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -86,6 +86,17 @@ class Format:
         default=None, repr=False
     )
     from_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a weight takes in a checkpoint or in memory, its block scale included: a 4-bit code plus one scale
+        of ``scale_dtype`` per ``group_size`` weights (the global scale is per tensor: :attr:`bytes_per_tensor`)."""
+        return 0.5 + self.scale_dtype.itemsize / self.group_size
+
+    @property
+    def bytes_per_tensor(self) -> int:
+        """Bytes a quantized tensor holds besides its weights: the fp32 global scale of a format that has one."""
+        return 4 if self.has_global_scale else 0
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -265,3 +276,29 @@ def format_of(weight: QuantizedWeight) -> Format:
         if isinstance(weight, f.weight_type):
             return f
     raise TypeError(f"not a quantized weight of a known format: {type(weight).__name__}")
+
+
+#: ``quant_method`` of a compressed-tensors ``quantization_config``
+CT_METHOD = "compressed-tensors"
+
+
+def compressed_tensors_format(qc: Mapping[str, Any]) -> Format:
+    """The :class:`Format` of a weight-only compressed-tensors ``quantization_config`` (``NVFP4A16``: fp4 codes in
+    groups of 16, ``MXFP4A16``: groups of 32, no activation quantization); ``ValueError`` saying what disagrees
+    otherwise. The one check of such a config (``nvfp4.hf``'s loaders and the vLLM plugin both call it)."""
+    by_ct = {f.ct_format: f for f in FORMATS.values()}
+    fmt = by_ct.get(qc.get("format")) if qc.get("quant_method") == CT_METHOD else None
+    if fmt is None:
+        raise ValueError(f"not a compressed-tensors {' / '.join(by_ct)} checkpoint (quantization_config={dict(qc)!r})")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"compressed-tensors config without config_groups: {dict(qc)!r}")
+    for group in groups.values():
+        w = group.get("weights") or {}
+        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != fmt.group_size:
+            raise ValueError(f"config group {group!r} is not {fmt.name.upper()} weight-only (fp4, group {fmt.group_size})")
+        if group.get("format", fmt.ct_format) != fmt.ct_format:
+            raise ValueError(f"config group format {group.get('format')!r} is not {fmt.ct_format!r}")
+        if group.get("input_activations"):
+            raise ValueError("config group quantizes activations (W4A4); only W4A16 loads here")
+    return fmt

@@ -81,23 +81,22 @@ H100_80GB_BYTES = 81_559 * 2**20
 #: Fraction of the budget the plan leaves free (allocator caching and fragmentation, CUDA-graph pools, workspaces).
 DEFAULT_MARGIN = 0.10
 
-#: Bytes per weight of a projection in each policy format (scales included). NVFP4: 4-bit E2M1 code + an FP8 E4M3 scale
-#: per 16 weights (+ one fp32 scale per tensor, counted apart); MXFP4: code + an E8M0 scale per 32; NF4 (bitsandbytes,
-#: QLoRA): code + an absmax per 64 weights, fp32, or with double quantization 8-bit with an fp32 scale per 256 absmax;
-#: dense (``none``): bf16.
+#: Bytes per weight of a projection in each policy format (scales included). The 4-bit formats of the registry say
+#: theirs (:attr:`nvfp4.formats.Format.bytes_per_weight`: NVFP4 a 4-bit E2M1 code + an FP8 E4M3 scale per 16 weights,
+#: MXFP4 code + an E8M0 scale per 32); NF4 (bitsandbytes, QLoRA): code + an absmax per 64 weights, fp32, or with
+#: double quantization 8-bit with an fp32 scale per 256 absmax; dense (``none``): bf16.
 #: The keys are the format's name (:class:`nvfp4.formats.Format`), ``"nf4"`` and ``"none"`` (:data:`DENSE`);
 #: :func:`weight_bytes_per_param` maps a :class:`~qerl_trl.quantization.QuantScheme` to its key.
 DENSE = "none"
 WEIGHT_BYTES: dict[str, float] = {
-    "nvfp4": 0.5 + 1 / 16,
-    "mxfp4": 0.5 + 1 / 32,
+    **{name: fmt.bytes_per_weight for name, fmt in FORMATS.items()},
     "nf4": 0.5 + 1 / 64 + 4 / (64 * 256),
     "nf4-no-double-quant": 0.5 + 4 / 64,
     DENSE: 2.0,
 }
 #: Bytes per tensor besides the per-weight ones: the fp32 global scale of the formats that have one (NVFP4), as the
-#: format registry says (:attr:`nvfp4.formats.Format.has_global_scale`).
-TENSOR_BYTES: dict[str, int] = {name: 4 for name, fmt in FORMATS.items() if fmt.has_global_scale}
+#: format registry says (:attr:`nvfp4.formats.Format.bytes_per_tensor`).
+TENSOR_BYTES: dict[str, int] = {name: fmt.bytes_per_tensor for name, fmt in FORMATS.items() if fmt.bytes_per_tensor}
 #: The projections of a decoder layer LoRA can target here (PEFT's module names; ``"all-linear"`` means all of them).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -155,7 +155,7 @@ class _FP4Scheme(QuantScheme):
         if self.calibrated and not calibration_data:
             raise ValueError(f"quantization={self.name!r} needs calibration_data (token ids of task prompts)")
         data = list(calibration_data) if self.calibrated else None
-        return NVFP4Config(method=self.method, format=self.format.name, calibration_data=data)
+        return NVFP4Config(method=self.method, format=self.format, calibration_data=data)
 
     def load(self, path, *, dtype, device_map=None, calibration_data=None, cache_dir=None, double_quant=True):
         if not self.calibrated or cache_dir is None:
@@ -185,7 +185,7 @@ class _FP4Scheme(QuantScheme):
             return calibrate_model(model, self.method, calibration_data, progress=False)
         from nvfp4 import quantize_model
 
-        return quantize_model(model, method=self.method, format=self.format.name, progress=False)
+        return quantize_model(model, method=self.method, format=self.format, progress=False)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,17 @@ import triton.language as tl
 # Device helpers
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _grouped_tile(pid, num_m, num_other, GROUP_M: tl.constexpr):
+    """The ``(m, other)`` tile of program ``pid`` on a ``num_m x num_other`` grid, the program ids grouped along M:
+    ``GROUP_M`` m-tiles side by side, so the programs that share a weight tile (the same ``other``) run back to back
+    and the weights stream from HBM about once. The one tile swizzle of the small-M, large-M and dgrad kernels."""
+    group = GROUP_M * num_other
+    first_m = (pid // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % group) % gsize, (pid % group) // gsize
+
+
+@triton.jit
 def _e2m1_f16_bits(codes):
     """E2M1 codes (uint8 in [0, 16)) → fp16 ``e2m1(code) · 2^-14``, exact, by bit placement (see module doc)."""
     c = codes.to(tl.uint16)

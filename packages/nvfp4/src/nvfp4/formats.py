@@ -19,8 +19,10 @@ names. Look one up with :func:`get_format` (``"nvfp4"``, ``"mxfp4"`` or a compre
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
@@ -68,6 +70,8 @@ class Format:
         to_nvfp4_scales / from_nvfp4_scales: for a format computed through the ``nvfp4::`` ops after an exact scale
             transcode (MXFP4: :func:`nvfp4.mxfp4.to_nvfp4` / :func:`~nvfp4.mxfp4.from_nvfp4`); ``None`` for NVFP4,
             whose tensors feed the ops as they are.
+        card: ``"module:function"`` writing the model card (``README.md``) of a checkpoint in this format, imported
+            when a card is written (:meth:`write_card`, :func:`nvfp4.card.write_model_card`).
     """
 
     name: str
@@ -86,6 +90,15 @@ class Format:
         default=None, repr=False
     )
     from_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    card: str = field(default="", repr=False)
+
+    def write_card(self, folder: str | Path, **kwargs: Any) -> Path:
+        """Write ``folder/README.md``, the model card of a checkpoint in this format (``base_model``, ``method``,
+        ``error_table``, ``extra``: :func:`nvfp4.card.write_model_card`); returns its path."""
+        if not self.card:
+            raise NotImplementedError(f"{self.name}: no model card writer (Format.card)")
+        module, _, function = self.card.partition(":")
+        return getattr(importlib.import_module(module), function)(folder, **kwargs)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -236,6 +249,7 @@ NVFP4 = Format(
     weight_type=codec.NVFP4Weight,
     _quantize=methods.quantize,
     _linear_reference=_nvfp4_linear,
+    card="nvfp4.card:_write_nvfp4_card",
 )
 
 MXFP4 = Format(
@@ -253,6 +267,7 @@ MXFP4 = Format(
     _linear_reference=_mxfp4_linear,
     to_nvfp4_scales=mxfp4.to_nvfp4,
     from_nvfp4_scales=mxfp4.from_nvfp4,
+    card="nvfp4.card:_write_mxfp4_card",
 )
 
 FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (NVFP4, MXFP4)})

@@ -43,3 +43,15 @@ def test_the_engine_owns_its_rules(tmp_path, toy_engine):
     from qerl_trl.evaluation import build_parser
 
     assert build_parser().parse_args(["--engine", "toy"]).engine is toy_engine
+
+
+def test_an_engine_that_does_not_say_how_it_holds_generation_memory_is_refused(tmp_path, monkeypatch):
+    """The memory plan reads ``holds_generation_memory``: an engine without it fails at config time, not silently."""
+    from qerl_trl.rollout.base import RolloutEngine
+
+    class Unsaid(RolloutEngine):
+        name = "unsaid"
+
+    monkeypatch.setattr("qerl_trl.config.engine_class", lambda name: Unsaid)
+    with pytest.raises(TypeError, match="Unsaid must set holds_generation_memory"):
+        QeRLConfig(output_dir=str(tmp_path), rollout_engine="unsaid")

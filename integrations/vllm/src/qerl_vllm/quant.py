@@ -389,7 +389,7 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
     """
 
     def __init__(self, mma_layout: bool | None = None) -> None:
-        super().__init__(NVFP4.name)
+        super().__init__(NVFP4)
         self.mma_layout = mma_layout
 
     def _wants_mma(self, packed: torch.Tensor, widths: list[int], in_features: int) -> bool:

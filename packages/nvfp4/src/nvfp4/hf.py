@@ -323,7 +323,7 @@ class NVFP4HfQuantizer(HfQuantizer):
             for name in eligible:
                 lin = model.get_submodule(name)
                 new = NVFP4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
-                                  device="meta", format=fmt.name, name=name)  # fmt: skip
+                                  device="meta", format=fmt, name=name)  # fmt: skip
                 _replace(model, name, new)
             if checkpoint_files:
                 self._check_prequantized_tensors(model, checkpoint_files)

@@ -1,9 +1,12 @@
 """What each registered :class:`nvfp4.formats.Format` answers for itself (issue #48): bytes per weight, its model
-card, its compressed-tensors config and the one check that reads such a config back."""
+card, its compressed-tensors config and the one check that reads such a config back; and the layer's forward and
+backward against the format's reference, one test over the registry instead of one per format."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from nvfp4 import NVFP4Linear
 from nvfp4.card import write_model_card
 from nvfp4.formats import FORMATS, compressed_tensors_format
 from nvfp4.hf import NVFP4Config, compressed_tensors_config
@@ -22,3 +25,24 @@ def test_every_format_answers_for_itself(fmt, tmp_path):
     with pytest.raises(ValueError, match="quantizes activations"):
         bad = dict(qc, config_groups={"g": {**qc["config_groups"]["group_0"], "input_activations": {"num_bits": 4}}})
         compressed_tensors_format(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+def test_forward_and_backward_match_the_format_reference(fmt, dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 64)
+    with torch.no_grad():
+        lin.weight.mul_(torch.exp2(torch.randint(-3, 3, (64, 1)).float()))  # rows over several binades
+    layer = NVFP4Linear.from_linear(lin, format=fmt)
+    q = fmt.quantize(lin.weight.detach())
+    x = torch.randn(3, 5, 128, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    ref = fmt.linear_reference(x, q, lin.bias.detach().to(dtype))
+    assert y.dtype == dtype and torch.equal(y, ref)
+    y.sum().backward()
+    dx = x.grad.clone()
+    x.grad = None
+    ref.sum().backward()
+    assert torch.equal(dx, x.grad)
+    assert not any(p.requires_grad for p in layer.parameters())

@@ -277,16 +277,23 @@ def engine_resolution_sites(root: Path) -> list[str]:
 
 
 def format_lookups(root: Path) -> list[str]:
+    """``file:line: function`` of each ``get_format`` call outside the registry (the function that makes it)."""
     out = []
     for p in _files(root):
         if _rel(root, p) == REGISTRIES[0]:
             continue
-        for node in ast.walk(ast.parse(p.read_text())):
+        tree = ast.parse(p.read_text())
+        owner: dict[int, str] = {}
+        for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+            for node in ast.walk(fn):  # innermost function wins
+                if node is not fn:
+                    owner[id(node)] = fn.name
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
                 if name == "get_format":
-                    out.append(f"{_rel(root, p)}:{node.lineno}")
+                    out.append(f"{_rel(root, p)}:{node.lineno}: {owner.get(id(node), '<module>')}")
     return out
 
 

@@ -21,6 +21,24 @@ def test_no_format_name_comparisons_outside_the_registries():
     assert am.format_name_comparisons(ROOT) == []
 
 
+#: where a format name enters (a serialized config, a CLI option, a public function that accepts a name): the only
+#: ``get_format`` calls outside the registry; inside, the ``Format`` object flows on
+FORMAT_ENTRY_POINTS = {
+    "nvfp4/hf.py: __init__",  # NVFP4Config(format=...), also from a saved config
+    "qerl_vllm/quant.py: from_config",  # the vLLM plugin's config from a checkpoint's
+    "nvfp4/cli.py: _format_arg",  # nvfp4-quantize --format
+    "nvfp4/linear.py: __init__",  # NVFP4Linear(format=...)
+    "nvfp4/linear.py: from_linear",
+    "nvfp4/linear.py: quantize_model",
+    "nvfp4/card.py: write_model_card",
+}
+
+
+def test_format_names_are_looked_up_where_they_enter_only():
+    sites = {f"{s.split(':')[0].split('/src/')[-1]}:{s.split(':')[-1]}" for s in am.format_lookups(ROOT)}
+    assert sites <= FORMAT_ENTRY_POINTS, sites - FORMAT_ENTRY_POINTS
+
+
 def test_nvfp4_has_no_import_cycle():
     assert am.nvfp4_import_cycles(ROOT) == []
 

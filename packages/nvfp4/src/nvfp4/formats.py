@@ -70,6 +70,8 @@ class Format:
         to_nvfp4_scales / from_nvfp4_scales: for a format computed through the ``nvfp4::`` ops after an exact scale
             transcode (MXFP4: :func:`nvfp4.mxfp4.to_nvfp4` / :func:`~nvfp4.mxfp4.from_nvfp4`); ``None`` for NVFP4,
             whose tensors feed the ops as they are.
+        vllm_rollouts: whether vLLM loads checkpoints of this format for rollouts and ``qerl eval --engine vllm``
+            (qerl-trl's ``rollout_engine="vllm"``).
         card: ``"module:function"`` writing the model card (``README.md``) of a checkpoint in this format, imported
             when a card is written (:meth:`write_card`, :func:`nvfp4.card.write_model_card`).
     """
@@ -90,6 +92,7 @@ class Format:
         default=None, repr=False
     )
     from_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    vllm_rollouts: bool = False
     card: str = field(default="", repr=False)
 
     def write_card(self, folder: str | Path, **kwargs: Any) -> Path:
@@ -249,6 +252,7 @@ NVFP4 = Format(
     weight_type=codec.NVFP4Weight,
     _quantize=methods.quantize,
     _linear_reference=_nvfp4_linear,
+    vllm_rollouts=True,
     card="nvfp4.card:_write_nvfp4_card",
 )
 
@@ -270,7 +274,27 @@ MXFP4 = Format(
     card="nvfp4.card:_write_mxfp4_card",
 )
 
-FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (NVFP4, MXFP4)})
+_REGISTRY: dict[str, Format] = {f.name: f for f in (NVFP4, MXFP4)}
+#: Every format by name (read-only; :func:`register_format` adds one).
+FORMATS: Mapping[str, Format] = MappingProxyType(_REGISTRY)
+
+
+def register_format(fmt: Format) -> Format:
+    """Add ``fmt`` to :data:`FORMATS` (a new format is its codec module plus this one call); returns it. Its
+    ``quantization`` values ``<name>-<method>`` then exist in qerl-trl too. ``ValueError`` for a name already taken."""
+    if fmt.name in _REGISTRY or any(f.ct_format == fmt.ct_format for f in _REGISTRY.values()):
+        raise ValueError(f"a format named {fmt.name!r} (or {fmt.ct_format!r}) is already registered")
+    if any(f.weight_type is fmt.weight_type for f in _REGISTRY.values()):
+        raise ValueError(f"{fmt.name}: its weight container {fmt.weight_type.__name__} is another format's")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    """Remove a format added by :func:`register_format` (tests); the built-in ones stay."""
+    if name in (NVFP4.name, MXFP4.name):
+        raise ValueError(f"{name} is built in")
+    _REGISTRY.pop(name, None)
 
 
 def get_format(name: str | Format) -> Format:
@@ -286,9 +310,10 @@ def get_format(name: str | Format) -> Format:
 
 
 def format_of(weight: QuantizedWeight) -> Format:
-    """The :class:`Format` of a quantized weight container."""
+    """The :class:`Format` of a quantized weight container (its exact type: a format's container may subclass
+    another's)."""
     for f in FORMATS.values():
-        if isinstance(weight, f.weight_type):
+        if type(weight) is f.weight_type:
             return f
     raise TypeError(f"not a quantized weight of a known format: {type(weight).__name__}")
 

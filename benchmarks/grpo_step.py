@@ -509,7 +509,7 @@ def _vllm_arm_model(args, device, dtype, res: dict):
         tok.save_pretrained(path)
     res["checkpoint_s"] = round(time.perf_counter() - t0, 2)
     t0 = time.perf_counter()
-    if kind == "nvfp4":
+    if args.arm == OURS:
         import nvfp4
 
         model = nvfp4.load_nvfp4_checkpoint(path, dtype=dtype, device_map=device.type)

@@ -60,7 +60,7 @@ def test_grpo_step_tiny_nvfp4(tmp_path):
 
 
 def test_grpo_step_tiny_nvfp4_graph_engine(tmp_path):
-    """``--rollout-engine graph``: ``QeRLConfig.rollout_engine="graph"`` (``qerl_trl.graph_generate``, its decode step
+    """``--rollout-engine graph``: ``QeRLConfig.rollout_engine="graph"`` (``qerl_trl.rollout.graph.generate``, its decode step
     compiled by dynamo without inductor) reaches the worker and is recorded; fixed-length completions and the compiled
     decode (no recompile on the measured steps) hold as on the transformers path."""
     stdout, data = _run(tmp_path, "--rollout-engine", "graph")

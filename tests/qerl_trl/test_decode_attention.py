@@ -1,4 +1,4 @@
-"""``qerl_trl.decode_attention``: the split-KV decode kernels against the plain PyTorch reference (Triton interpreter
+"""``qerl_trl.rollout.graph.attention``: the split-KV decode kernels against the plain PyTorch reference (Triton interpreter
 on CPU, fp16/fp32; bf16 at a 7B shape on the GPU), inside ``graph_generate`` against SDPA, and input validation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from qerl_trl.decode_attention import decode_attention, decode_attention_reference
+from qerl_trl.rollout.graph.attention import decode_attention, decode_attention_reference
 from triton_interpreter import run_under_interpreter
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -17,9 +17,9 @@ _INTERP = textwrap.dedent(
     """
     import json
     import torch
-    import qerl_trl.decode_attention as da
+    import qerl_trl.rollout.graph.attention as da
     from test_graph_generate import _model, _prompts
-    from qerl_trl.graph_generate import graph_generate
+    from qerl_trl.rollout.graph.generate import graph_generate
 
     da.POISON_OUTPUTS = True
     out = []
@@ -81,7 +81,7 @@ def test_validation(q, k, keep, match):
 @pytest.mark.gpu
 def test_decode_attention_7b_shape_gpu():
     """bf16, Qwen2.5-7B heads (28 query / 4 KV, D = 128), batch 8, a 1280-slot cache partly written, left padding."""
-    import qerl_trl.decode_attention as da
+    import qerl_trl.rollout.graph.attention as da
 
     torch.manual_seed(1)
     b, h, hkv, length, d = 8, 28, 4, 1280, 128

@@ -1,4 +1,4 @@
-"""``qerl_trl.graph_generate``: the graph-replayed decode loop against transformers' ``generate`` on tiny random models.
+"""``qerl_trl.rollout.graph.generate``: the graph-replayed decode loop against transformers' ``generate`` on tiny random models.
 
 Greedy tokens must equal ``generate``'s (static cache, left-padded batch: checks the mask and position handling, EOS
 and pad semantics, early stop); sampling is reproducible from a seeded generator; EOS handling (pad after EOS,
@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from qerl_trl.graph_generate import graph_generate, release_graph_state
+from qerl_trl.rollout.graph.generate import graph_generate, release_graph_state
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
@@ -174,7 +174,7 @@ def test_compaction_sampling(max_rows):
 
 
 def test_compact_size():
-    from qerl_trl.graph_generate import _compact_size
+    from qerl_trl.rollout.graph.generate import _compact_size
 
     assert _compact_size(40, 128, 32) == 64
     assert _compact_size(20, 128, 32) == 32
@@ -222,7 +222,7 @@ def test_waves_compiled_replay_one_graph_per_batch():
     opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
     got = graph_generate(model, ids, mask, compile=True, compile_options=opts, max_rows=3, **kw)
     assert torch.equal(got, ref)
-    from qerl_trl.graph_generate import _STATES
+    from qerl_trl.rollout.graph.generate import _STATES
 
     cache, graphs = _STATES[model].cache, counters["stats"]["unique_graphs"]
     assert _STATES[model].key[0] == 3 and graphs == 2, counters["stats"]
@@ -235,7 +235,7 @@ def test_waves_compiled_replay_one_graph_per_batch():
 def test_smaller_call_reuses_larger_state():
     """A call with fewer rows (a DAPO refill round) on the same cache length decodes in the first rows of the kept
     state instead of reallocating it, with the tokens of a fresh call."""
-    from qerl_trl.graph_generate import _STATES
+    from qerl_trl.rollout.graph.generate import _STATES
 
     model = _model()
     ids, mask = _prompts(batch=6, length=9)
@@ -379,7 +379,7 @@ def test_import_is_light(monkeypatch):
     for name in [n for n in sys.modules if n.split(".")[0] in ("qerl_trl", "trl")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [BlockTrl(), *sys.meta_path])
-    mod = importlib.import_module("qerl_trl.graph_generate")
+    mod = importlib.import_module("qerl_trl.rollout.graph.generate")
     assert callable(mod.graph_generate) and "trl" not in sys.modules
 
 
@@ -533,3 +533,11 @@ def test_compiled_step_follows_aqn_fp32_norms():
     assert torch.equal(graph_generate(model, ids, mask, compile=True, compile_options=opts, **kw), clean)
     assert counters["stats"]["unique_graphs"] == 2  # clean + noisy, each replayed
     release_graph_state(model)
+
+
+def test_old_import_path_is_the_same_module():
+    """``qerl_trl.graph_generate`` (its path before issue #48, used by ``benchmarks/rollout.py``) is the module itself."""
+    import qerl_trl.graph_generate as old
+    import qerl_trl.rollout.graph.generate as new
+
+    assert old is new

@@ -197,9 +197,10 @@ def test_preflight(tmp_path):
     with pytest.raises(MemoryPlanError, match=rf"generation_wave_rows=100 does not fit.*set it to {plan.wave_rows} or"):
         preflight(args, model, H100_80GB_BYTES)
     args.generation_wave_rows = None
-    args.rollout_engine = "vllm"
-    assert preflight(args, model, 1) is None
-    args.rollout_engine = "transformers"
+    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=128, num_generations=16,
+                    max_completion_length=8192, gradient_checkpointing=True, bf16=False)  # fmt: skip
+    assert preflight(_config(tmp_path, rollout_engine="vllm", **settings), model, 1) is None  # sizes its own memory
+    args = _config(tmp_path, rollout_engine="transformers", **settings)
     with pytest.raises(MemoryPlanError, match="use rollout_engine='graph'"):
         preflight(args, model, H100_80GB_BYTES)
     assert args.generation_wave_rows is None
@@ -224,7 +225,7 @@ def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
         shape = ModelShape.from_config(_recipe_model_config(script_args.model_name_or_path, offline_model_path))
         run = run_shape_from_config(config, activation_bytes=2)
         plan = plan_memory(shape, run, H100_80GB_BYTES)
-        check_plan(plan, waves_allowed=config.rollout_engine == "graph")
+        check_plan(plan, waves_allowed=config.rollout_engine_class.generates_in_waves)
         got[recipe.stem] = (plan.waves, plan.rows_per_wave, plan.peak(plan.rows_per_wave) / GB, plan)
     assert set(got) >= {"offline-default", "gsm8k-qwen2.5-7b-grpo", "bigmath-qwen2.5-32b-dapo"}
     assert got["offline-default"][:2] == (1, 32)

@@ -1,4 +1,4 @@
-"""``rollout_engine="graph"``: QeRLGRPOTrainer generating with ``qerl_trl.graph_generate`` (CPU, eager decode).
+"""``rollout_engine="graph"``: QeRLGRPOTrainer generating with ``qerl_trl.rollout.graph.generate`` (CPU, eager decode).
 
 Config validation (what graph_generate cannot honour is refused up front); the glue (TRL's left padding, EOS cut,
 ``(ids, None)``) against ``graph_generate`` called directly with the same seed, and against TRL's own transformers path
@@ -12,10 +12,10 @@ import torch
 from datasets import Dataset
 from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
 from qerl_trl.dapo import QeRLDAPOTrainer
-from qerl_trl.graph_generate import graph_generate
 from qerl_trl.policy import load_tokenizer
-from qerl_trl.rollout import graph as graph_engine_mod
-from qerl_trl.rollout.graph import GraphRollout
+from qerl_trl.rollout.graph import engine as graph_engine_mod
+from qerl_trl.rollout.graph.engine import GraphRollout
+from qerl_trl.rollout.graph.generate import graph_generate
 from qerl_trl.rollout.transformers import TransformersRollout
 from qerl_trl.tasks import load_task
 from qerl_trl.trainer import QeRLGRPOTrainer
@@ -144,7 +144,7 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     trl_greedy, _ = TransformersRollout(trainer).generate(prompts, None, {}, 1)
     assert graph_greedy == trl_greedy
     # generation_wave_rows: the 4 rows in waves of 2 (graph_generate's max_rows), the same greedy completions
-    from qerl_trl.graph_generate import _STATES
+    from qerl_trl.rollout.graph.generate import _STATES
 
     trainer.args.generation_wave_rows = 3
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)

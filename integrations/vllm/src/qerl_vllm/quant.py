@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from nvfp4 import mxfp4, ops
 from nvfp4.codec import dequantize
-from nvfp4.formats import FORMATS, NVFP4, Format, get_format
+from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
 from nvfp4.layout import mma_layout_supported, mma_scales_supported, to_mma_layout
 
 from . import vllm_missing
@@ -111,23 +111,14 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
-_CT_FORMATS = {f.ct_format: f for f in FORMATS.values()}
-
-
 def _compressed_tensors_format(cfg: dict[str, Any]) -> Format | None:
     """The 4-bit :class:`~nvfp4.formats.Format` of ``cfg`` if it is a weight-only compressed-tensors
-    ``nvfp4-pack-quantized`` (fp4, group 16) or ``mxfp4-pack-quantized`` (fp4, group 32) config, else None."""
-    fmt = _CT_FORMATS.get(cfg.get("format")) if cfg.get("quant_method") == "compressed-tensors" else None
-    if fmt is None:
+    ``nvfp4-pack-quantized`` (fp4, group 16) or ``mxfp4-pack-quantized`` (fp4, group 32) config
+    (:func:`nvfp4.formats.compressed_tensors_format`, the check nvfp4's loaders use), else None."""
+    try:
+        return compressed_tensors_format(cfg)
+    except ValueError:
         return None
-    groups = cfg.get("config_groups") or {}
-    for group in groups.values():
-        w = group.get("weights") or {}
-        if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", fmt.group_size):
-            return None
-        if group.get("input_activations") or group.get("format", fmt.ct_format) != fmt.ct_format:
-            return None
-    return fmt if groups else None
 
 
 def _is_compressed_tensors_nvfp4a16(cfg: dict[str, Any]) -> bool:
@@ -157,10 +148,10 @@ class QeRLNVFP4Config(QuantizationConfig):
         self,
         modules_to_not_convert: list[str] | None = None,
         raw: dict[str, Any] | None = None,
-        format: str = "nvfp4",
+        format: Format = NVFP4,
     ) -> None:
         super().__init__()
-        self.weight_format = get_format(format)
+        self.weight_format = format
         self.modules_to_not_convert = list(
             modules_to_not_convert if modules_to_not_convert is not None else ["lm_head"]
         )
@@ -205,18 +196,20 @@ class QeRLNVFP4Config(QuantizationConfig):
                 raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
             ignore = [p[3:] if p.startswith("re:") else p for p in config.get("ignore", [])]
-            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt.name)
-        fmt = _CT_FORMATS.get(config.get("format", FORMAT))
-        if fmt is None:
+            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt)
+        try:  # the serialized config names its format: looked up once, here
+            fmt = get_format(config.get("format", FORMAT))
+        except ValueError:
             raise ValueError(
-                f"{QUANT_METHOD}: format must be one of {sorted(_CT_FORMATS)}, got {config.get('format')!r}"
-            )
+                f"{QUANT_METHOD}: format must be one of {sorted(f.ct_format for f in FORMATS.values())}, "
+                f"got {config.get('format')!r}"
+            ) from None
         block = config.get("weight_block_size", fmt.group_size)
         if block != fmt.group_size:
             raise ValueError(
                 f"{QUANT_METHOD}: weight_block_size must be {fmt.group_size} for {fmt.ct_format}, got {block}"
             )
-        return cls(config.get("modules_to_not_convert"), raw=config, format=fmt.name)
+        return cls(config.get("modules_to_not_convert"), raw=config, format=fmt)
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         try:
@@ -267,7 +260,7 @@ class QeRLNVFP4Config(QuantizationConfig):
                             "weights": {
                                 "num_bits": 4,
                                 "type": "float",
-                                "strategy": "tensor_group" if fmt.has_global_scale else "group",
+                                "strategy": fmt.ct_strategy,
                                 "group_size": fmt.group_size,
                                 "symmetric": True,
                                 "dynamic": False,
@@ -291,15 +284,15 @@ class QeRLNVFP4Config(QuantizationConfig):
             return self.native_config().get_quant_method(layer, prefix)
         if backend == "qerl":
             return NVFP4KernelLinearMethod()
-        return NVFP4DequantLinearMethod(self.weight_format.name)
+        return NVFP4DequantLinearMethod(self.weight_format)
 
 
 class _PackedLinearMethod(LinearMethodBase):
     """Creates the checkpoint's packed tensors on a linear layer (compressed-tensors names and layout; fused layers
     hold their members' rows one after the other, and one global scale per member)."""
 
-    def __init__(self, format: str = "nvfp4") -> None:
-        self.weight_format = get_format(format)
+    def __init__(self, format: Format = NVFP4) -> None:
+        self.weight_format = format
 
     def create_weights(
         self,
@@ -347,7 +340,7 @@ class NVFP4DequantLinearMethod(_PackedLinearMethod):
     """Loads the packed NVFP4 (or MXFP4) tensors, dequantizes them once after loading, then runs as an unquantized
     linear."""
 
-    def __init__(self, format: str = "nvfp4") -> None:
+    def __init__(self, format: Format = NVFP4) -> None:
         super().__init__(format)
         self.dense = UnquantizedLinearMethod()
 
@@ -398,7 +391,7 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
     """
 
     def __init__(self, mma_layout: bool | None = None) -> None:
-        super().__init__(NVFP4.name)
+        super().__init__(NVFP4)
         self.mma_layout = mma_layout
 
     def _wants_mma(self, packed: torch.Tensor, widths: list[int], in_features: int) -> bool:

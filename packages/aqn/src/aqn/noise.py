@@ -278,7 +278,7 @@ class NoiseHandle:
         self._wrapped = False  # the norms are swapped for their _NoisyNorm wrappers (norm_dtype)
         self._hook: Any = None
         self._active = False
-        #: read by ``qerl_trl.graph_generate``, which decodes eagerly while a hook so marked is on: per-forward noise
+        #: read by ``qerl_trl.rollout.graph.generate``, which decodes eagerly while a hook so marked is on: per-forward noise
         #: resamples in a Python hook before every forward, which a compiled step cannot replay
         self.compiled_decode_unsafe = per_forward
 

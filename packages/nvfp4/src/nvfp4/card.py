@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .formats import get_format
+from .formats import Format, get_format
 from .hf import FORMAT
 
 __all__ = ["write_model_card"]
@@ -17,14 +17,15 @@ def write_model_card(
     method: str,
     error_table: str | None = None,
     extra: str = "",
-    format: str = "nvfp4",
+    format: str | Format = "nvfp4",
 ) -> Path:
     """Write ``folder/README.md`` describing the format, the calibration and (optionally) a measured error table.
 
-    ``format``: ``"nvfp4"`` (default) or ``"mxfp4"`` (the MXFP4A16 card: E8M0 scales per 32 inputs).
+    ``format``: ``"nvfp4"`` (default) or ``"mxfp4"`` (the MXFP4A16 card: E8M0 scales per 32 inputs), or the
+    :class:`~nvfp4.formats.Format`; the format says which card it has (:meth:`~nvfp4.formats.Format.write_card`).
     """
-    write = {"nvfp4": _write_nvfp4_card, "mxfp4": _write_mxfp4_card}[get_format(format).name]
-    return write(folder, base_model=base_model, method=method, error_table=error_table, extra=extra)
+    fmt = get_format(format)  # a Format as it is; the public API's name looked up once, here
+    return fmt.write_card(folder, base_model=base_model, method=method, error_table=error_table, extra=extra)
 
 
 _STOCK_DTYPE_NOTE = (

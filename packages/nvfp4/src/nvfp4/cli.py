@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .card import write_model_card
 from .evaluate import gsm8k_texts, perplexity, weight_relative_error
-from .formats import FORMATS, get_format
+from .formats import FORMATS, NVFP4, Format, get_format
 from .hf import NVFP4Config
 from .methods import CALIBRATED_METHODS, METHODS
 
@@ -46,7 +46,7 @@ def quantize_with_method(
     tokenizer=None,
     calib_texts: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    format: str = "nvfp4",
+    format: str | Format = "nvfp4",
 ):
     """Load ``path`` quantized with ``method``: ``rtn`` / ``mse`` from the weights alone, ``awq`` / ``gptq`` calibrated
     on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``.
@@ -114,10 +114,18 @@ def _swap_in(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _format_arg(text: str) -> Format:
+    """``--format``: the :class:`~nvfp4.formats.Format` it names."""
+    try:
+        return get_format(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
-    ap.add_argument("--format", default="nvfp4", choices=list(FORMATS),
+    ap.add_argument("--format", default=NVFP4, type=_format_arg, metavar="{" + ",".join(FORMATS) + "}",
                     help="nvfp4 (FP8 scale per 16 + FP32 per tensor) or mxfp4 (E8M0 scale per 32; --method rtn only)")
     ap.add_argument("--method", default=None, choices=list(METHODS),
                     help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts "
@@ -134,11 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = ap.parse_args(argv)
-    methods = get_format(args.format).methods
+    fmt: Format = args.format  # parsed once, by its option; the object flows on
+    methods = fmt.methods
     if args.method is None:
         args.method = "mse" if "mse" in methods else methods[0]
     if args.method not in methods:
-        ap.exit(2, f"nvfp4-quantize: error: --format {args.format} supports --method {'/'.join(methods)} only, "
+        ap.exit(2, f"nvfp4-quantize: error: --format {fmt.name} supports --method {'/'.join(methods)} only, "
                    f"got {args.method}\n")  # fmt: skip
 
     torch.manual_seed(0)
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             ap.exit(2, f"nvfp4-quantize: error: {e}\n")
     name = Path(args.model.rstrip("/")).name
-    out = Path(args.out or Path("runs") / f"{name}-{args.format}").expanduser()
+    out = Path(args.out or Path("runs") / f"{name}-{fmt.name}").expanduser()
     problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
     if problem:
         if args.debug:
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         dense_bytes = dir_bytes(tmp)
         dense.to(dtype)
     err = weight_relative_error(dense, quant)["all"]
-    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{args.format.upper()}-{args.method}", dir_bytes(out), err, quant)]
+    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{fmt.name.upper()}-{args.method}", dir_bytes(out), err, quant)]
     header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
     lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
     for label, nbytes, e, model in rows:
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     table = "\n".join(lines)
     print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
     print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    print(f"  {args.format.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
+    print(f"  {fmt.name.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
     write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
                      error_table=table, format=args.format)
     if out != final_out:

@@ -19,10 +19,12 @@ names. Look one up with :func:`get_format` (``"nvfp4"``, ``"mxfp4"`` or a compre
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +70,10 @@ class Format:
         to_nvfp4_scales / from_nvfp4_scales: for a format computed through the ``nvfp4::`` ops after an exact scale
             transcode (MXFP4: :func:`nvfp4.mxfp4.to_nvfp4` / :func:`~nvfp4.mxfp4.from_nvfp4`); ``None`` for NVFP4,
             whose tensors feed the ops as they are.
+        vllm_rollouts: whether vLLM loads checkpoints of this format for rollouts and ``qerl eval --engine vllm``
+            (qerl-trl's ``rollout_engine="vllm"``).
+        card: ``"module:function"`` writing the model card (``README.md``) of a checkpoint in this format, imported
+            when a card is written (:meth:`write_card`, :func:`nvfp4.card.write_model_card`).
     """
 
     name: str
@@ -86,6 +92,27 @@ class Format:
         default=None, repr=False
     )
     from_nvfp4_scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    vllm_rollouts: bool = False
+    card: str = field(default="", repr=False)
+
+    def write_card(self, folder: str | Path, **kwargs: Any) -> Path:
+        """Write ``folder/README.md``, the model card of a checkpoint in this format (``base_model``, ``method``,
+        ``error_table``, ``extra``: :func:`nvfp4.card.write_model_card`); returns its path."""
+        if not self.card:
+            raise NotImplementedError(f"{self.name}: no model card writer (Format.card)")
+        module, _, function = self.card.partition(":")
+        return getattr(importlib.import_module(module), function)(folder, **kwargs)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a weight takes in a checkpoint or in memory, its block scale included: a 4-bit code plus one scale
+        of ``scale_dtype`` per ``group_size`` weights (the global scale is per tensor: :attr:`bytes_per_tensor`)."""
+        return 0.5 + self.scale_dtype.itemsize / self.group_size
+
+    @property
+    def bytes_per_tensor(self) -> int:
+        """Bytes a quantized tensor holds besides its weights: the fp32 global scale of a format that has one."""
+        return 4 if self.has_global_scale else 0
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -225,6 +252,8 @@ NVFP4 = Format(
     weight_type=codec.NVFP4Weight,
     _quantize=methods.quantize,
     _linear_reference=_nvfp4_linear,
+    vllm_rollouts=True,
+    card="nvfp4.card:_write_nvfp4_card",
 )
 
 MXFP4 = Format(
@@ -242,9 +271,30 @@ MXFP4 = Format(
     _linear_reference=_mxfp4_linear,
     to_nvfp4_scales=mxfp4.to_nvfp4,
     from_nvfp4_scales=mxfp4.from_nvfp4,
+    card="nvfp4.card:_write_mxfp4_card",
 )
 
-FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (NVFP4, MXFP4)})
+_REGISTRY: dict[str, Format] = {f.name: f for f in (NVFP4, MXFP4)}
+#: Every format by name (read-only; :func:`register_format` adds one).
+FORMATS: Mapping[str, Format] = MappingProxyType(_REGISTRY)
+
+
+def register_format(fmt: Format) -> Format:
+    """Add ``fmt`` to :data:`FORMATS` (a new format is its codec module plus this one call); returns it. Its
+    ``quantization`` values ``<name>-<method>`` then exist in qerl-trl too. ``ValueError`` for a name already taken."""
+    if fmt.name in _REGISTRY or any(f.ct_format == fmt.ct_format for f in _REGISTRY.values()):
+        raise ValueError(f"a format named {fmt.name!r} (or {fmt.ct_format!r}) is already registered")
+    if any(f.weight_type is fmt.weight_type for f in _REGISTRY.values()):
+        raise ValueError(f"{fmt.name}: its weight container {fmt.weight_type.__name__} is another format's")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    """Remove a format added by :func:`register_format` (tests); the built-in ones stay."""
+    if name in (NVFP4.name, MXFP4.name):
+        raise ValueError(f"{name} is built in")
+    _REGISTRY.pop(name, None)
 
 
 def get_format(name: str | Format) -> Format:
@@ -260,8 +310,35 @@ def get_format(name: str | Format) -> Format:
 
 
 def format_of(weight: QuantizedWeight) -> Format:
-    """The :class:`Format` of a quantized weight container."""
+    """The :class:`Format` of a quantized weight container (its exact type: a format's container may subclass
+    another's)."""
     for f in FORMATS.values():
-        if isinstance(weight, f.weight_type):
+        if type(weight) is f.weight_type:
             return f
     raise TypeError(f"not a quantized weight of a known format: {type(weight).__name__}")
+
+
+#: ``quant_method`` of a compressed-tensors ``quantization_config``
+CT_METHOD = "compressed-tensors"
+
+
+def compressed_tensors_format(qc: Mapping[str, Any]) -> Format:
+    """The :class:`Format` of a weight-only compressed-tensors ``quantization_config`` (``NVFP4A16``: fp4 codes in
+    groups of 16, ``MXFP4A16``: groups of 32, no activation quantization); ``ValueError`` saying what disagrees
+    otherwise. The one check of such a config (``nvfp4.hf``'s loaders and the vLLM plugin both call it)."""
+    by_ct = {f.ct_format: f for f in FORMATS.values()}
+    fmt = by_ct.get(qc.get("format")) if qc.get("quant_method") == CT_METHOD else None
+    if fmt is None:
+        raise ValueError(f"not a compressed-tensors {' / '.join(by_ct)} checkpoint (quantization_config={dict(qc)!r})")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"compressed-tensors config without config_groups: {dict(qc)!r}")
+    for group in groups.values():
+        w = group.get("weights") or {}
+        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != fmt.group_size:
+            raise ValueError(f"config group {group!r} is not {fmt.name.upper()} weight-only (fp4, group {fmt.group_size})")
+        if group.get("format", fmt.ct_format) != fmt.ct_format:
+            raise ValueError(f"config group format {group.get('format')!r} is not {fmt.ct_format!r}")
+        if group.get("input_activations"):
+            raise ValueError("config group quantizes activations (W4A4); only W4A16 loads here")
+    return fmt

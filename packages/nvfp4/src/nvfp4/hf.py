@@ -40,7 +40,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .calibration import calibrate_model
-from .formats import FORMATS, MXFP4, Format, get_format
+from .formats import CT_METHOD, FORMATS, MXFP4, NVFP4, Format, compressed_tensors_format, get_format
 from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
@@ -65,17 +65,16 @@ __all__ = [
 
 QUANT_METHOD = "nvfp4_w4a16"
 FORMAT = "nvfp4-pack-quantized"
-CT_METHOD = "compressed-tensors"
 SERIALIZATIONS = (CT_METHOD, QUANT_METHOD)
 
 
 def compressed_tensors_config(
-    ignore: list[str], qerl: dict[str, Any] | None = None, format: str | Format = "nvfp4"
+    ignore: list[str], qerl: dict[str, Any] | None = None, format: Format = NVFP4
 ) -> dict[str, Any]:
     """The ``quantization_config`` llm-compressor writes for ``NVFP4A16`` (weight-only NVFP4, round to nearest) or,
     with ``format="mxfp4"``, ``MXFP4A16`` (group 32, ``strategy: group``, uint8 E8M0 scales), with ``ignore`` the
     modules kept dense and our own fields under ``"qerl"`` (ignored by compressed-tensors)."""
-    fmt = get_format(format)
+    fmt = format
     cfg: dict[str, Any] = {
         "quant_method": CT_METHOD,
         "format": fmt.ct_format,
@@ -103,31 +102,14 @@ def compressed_tensors_config(
     return cfg
 
 
-_CT_FORMATS = {f.ct_format: f for f in FORMATS.values()}
-
-
 def _check_compressed_tensors_nvfp4(qc: dict[str, Any], where: str) -> Format:
-    """The :class:`Format` of ``qc`` if it is a weight-only NVFP4 or MXFP4 compressed-tensors config; raise
-    :class:`NVFP4CheckpointError` otherwise."""
-    fmt = _CT_FORMATS.get(qc.get("format")) if qc.get("quant_method") == CT_METHOD else None
-    if fmt is None:
-        raise NVFP4CheckpointError(
-            f"{where}: not a compressed-tensors {' / '.join(_CT_FORMATS)} checkpoint (quantization_config={qc!r})"
-        )
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise NVFP4CheckpointError(f"{where}: compressed-tensors config without config_groups: {qc!r}")
-    for group in groups.values():
-        w = group.get("weights") or {}
-        if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != fmt.group_size:
-            raise NVFP4CheckpointError(
-                f"{where}: config group {group!r} is not {fmt.name.upper()} weight-only (fp4, group {fmt.group_size})"
-            )
-        if group.get("format", fmt.ct_format) != fmt.ct_format:
-            raise NVFP4CheckpointError(f"{where}: config group format {group.get('format')!r} is not {fmt.ct_format!r}")
-        if group.get("input_activations"):
-            raise NVFP4CheckpointError(f"{where}: config group quantizes activations (W4A4); only W4A16 loads here")
-    return fmt
+    """The :class:`Format` of ``qc`` if it is a weight-only NVFP4 or MXFP4 compressed-tensors config
+    (:func:`nvfp4.formats.compressed_tensors_format`); raise :class:`NVFP4CheckpointError` naming ``where``
+    otherwise."""
+    try:
+        return compressed_tensors_format(qc)
+    except ValueError as e:
+        raise NVFP4CheckpointError(f"{where}: {e}") from None
 
 
 def MXFP4Config(**kwargs: Any) -> NVFP4Config:  # noqa: N802 (a config "class" for discoverability)
@@ -190,7 +172,7 @@ class NVFP4Config(QuantizationConfigMixin):
         try:
             fmt = get_format(format)
         except ValueError:
-            choices = sorted({*FORMATS, *_CT_FORMATS})
+            choices = sorted({*FORMATS, *(f.ct_format for f in FORMATS.values())})
             raise ValueError(f"NVFP4Config(format={format!r}): choose one of {choices}") from None
         try:
             fmt.check_options(f"NVFP4Config(format={fmt.name!r}, method={method!r})", method)
@@ -201,7 +183,9 @@ class NVFP4Config(QuantizationConfigMixin):
             list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
         )
         self.fused_groups = [list(g) for g in (fused_groups or DEFAULT_FUSED_GROUPS)]
-        self.format = fmt.ct_format  # what saved configs have always carried for NVFP4
+        self.format = fmt.ct_format  # what saved configs have always carried for NVFP4 (the serialized name)
+        #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
+        self.weight_format: Format = fmt
         self.weight_block_size = fmt.group_size
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
         if calibration_data is not None:
@@ -224,11 +208,6 @@ class NVFP4Config(QuantizationConfigMixin):
         return compressed_tensors_config(
             ignore, qerl={k: v for k, v in ours.items() if k != "format"}, format=self.weight_format
         )
-
-    @property
-    def weight_format(self) -> Format:
-        """The :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4)."""
-        return get_format(self.format)
 
     @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
@@ -344,7 +323,7 @@ class NVFP4HfQuantizer(HfQuantizer):
             for name in eligible:
                 lin = model.get_submodule(name)
                 new = NVFP4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
-                                  device="meta", format=fmt.name, name=name)  # fmt: skip
+                                  device="meta", format=fmt, name=name)  # fmt: skip
                 _replace(model, name, new)
             if checkpoint_files:
                 self._check_prequantized_tensors(model, checkpoint_files)

@@ -76,11 +76,11 @@ class NVFP4Linear(nn.Linear):
         bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
-        format: str = "nvfp4",
+        format: str | Format = "nvfp4",
         name: str | None = None,
     ) -> None:
         nn.Module.__init__(self)
-        fmt = get_format(format)
+        fmt = get_format(format)  # a Format is taken as it is; a name (the public API's) is looked up once, here
         if in_features % fmt.group_size:
             raise ValueError(
                 f"NVFP4Linear({fmt.name}): in_features={in_features} must be a multiple of {fmt.group_size}"
@@ -88,6 +88,8 @@ class NVFP4Linear(nn.Linear):
         self.in_features = in_features
         self.out_features = out_features
         self.format = fmt.name  # "nvfp4" | "mxfp4": what the state dict holds
+        #: the :class:`nvfp4.formats.Format` of the tensors the state dict holds (:attr:`format` is its name)
+        self.weight_format: Format = fmt
         self.layer_name = name  # the module's name in its model, for messages
         self.orig_dtype = dtype  # dtype of the dense weight it replaced: what dequantize/merge export to
         # the format's tensors as stored (MXFP4: E8M0 exponents until they are transcoded, use_kernel_layout)
@@ -110,11 +112,6 @@ class NVFP4Linear(nn.Linear):
             self.register_load_state_dict_post_hook(_transcode_after_loading)
 
     _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
-
-    @property
-    def weight_format(self) -> Format:
-        """The :class:`nvfp4.formats.Format` of the tensors the state dict holds (:attr:`format` is its name)."""
-        return get_format(self.format)
 
     @property
     def uses_nvfp4_ops(self) -> bool:
@@ -275,7 +272,7 @@ class NVFP4Linear(nn.Linear):
         to ``dtype``), ``dtype`` the dense dtype it replaces; ``name`` its module name, for messages."""
         fmt = format_of(weight)
         out, k = weight.shape
-        mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta", format=fmt.name, name=name)
+        mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta", format=fmt, name=name)
         mod.weight_packed = weight.packed
         mod.weight_scale = weight.scale
         if fmt.has_global_scale:

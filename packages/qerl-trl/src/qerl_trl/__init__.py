@@ -4,11 +4,11 @@
 - :class:`QeRLDAPOTrainer` / :class:`QeRLDAPOConfig`: DAPO (clip-higher, token-level loss, dynamic sampling,
   overlong shaping, β = 0);
 - :mod:`qerl_trl.tasks` (gsm8k, math, bigmath, arithmetic), :mod:`qerl_trl.rewards`, :mod:`qerl_trl.evaluation`;
-- :func:`qerl_trl.graph_generate.graph_generate`: a decode loop replaying one CUDA graph per step (sampling included);
+- :func:`qerl_trl.rollout.graph.generate.graph_generate`: a decode loop replaying one CUDA graph per step (sampling included);
 - ``qerl train`` / ``qerl eval`` (:mod:`qerl_trl.cli`).
 
 The names below are imported on first use (PEP 562), so that importing a light submodule such as
-:mod:`qerl_trl.graph_generate` does not import trl.
+:mod:`qerl_trl.rollout.graph.generate` does not import trl.
 """
 
 from __future__ import annotations

@@ -245,19 +245,18 @@ class PrecheckedArgs(SimpleNamespace):
 
 
 def precheck_train(
-    argv: list[str], recipe: dict[str, Any], recipe_name: str, algorithm: str
+    argv: list[str], recipe: dict[str, Any], recipe_name: str, algorithm: str, script_arguments: type
 ) -> tuple[Any, PrecheckedArgs]:
     """Check ``qerl train``'s command line ``argv`` (without ``--config``), its ``recipe`` (the YAML mapping) and
-    ``algorithm`` (the one the two give) as
+    ``algorithm`` (the one the two give), with ``script_arguments`` (``qerl_trl.cli.ScriptArguments``, passed in:
+    this module must not import the CLI that imports it) as
     far as can be done without the trainer config's class: option names, value types, the values'
     domains, the quantization and the task. Returns (script arguments, the config's merged values); raises
     :class:`~qerl_trl.validation.UsageError`. Paths are :func:`qerl_trl.validation.check_train_paths`' to check."""
     import dataclasses
 
-    from .cli import ScriptArguments
-
     table = _load_table()
-    script_specs = _dataclass_specs(ScriptArguments)
+    script_specs = _dataclass_specs(script_arguments)
     if algorithm not in ("grpo", "dapo"):
         raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
     config_specs = {**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {})}
@@ -280,8 +279,8 @@ def precheck_train(
     if not any(k.startswith(kind) for k in table["aqn_schedules"]):  # make_schedule also takes exp, log, cos, const
         raise UsageError(f"aqn_schedule={values['aqn_schedule']!r}: unknown AQN schedule kind; expected one of "
                          f"{tuple(table['aqn_schedules'])}")  # fmt: skip
-    script_fields = {f.name for f in dataclasses.fields(ScriptArguments)}
-    script_args = ScriptArguments(**{k: v for k, v in values.items() if k in script_fields})
+    script_fields = {f.name for f in dataclasses.fields(script_arguments)}
+    script_args = script_arguments(**{k: v for k, v in values.items() if k in script_fields})
     if script_args.task not in table["tasks"]:
         raise UsageError(f"--task must be one of {', '.join(table['tasks'])}, got {script_args.task!r}")
     defaults = {k: s["default"] for k, s in config_specs.items() if "default" in s}

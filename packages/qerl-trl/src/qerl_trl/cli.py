@@ -184,7 +184,7 @@ def precheck_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     i = argv.index("--config")
     rest = argv[:i] + argv[i + 2 :]
     algorithm = _option(argv, recipe, "algorithm", "grpo")
-    script_args, config = precheck_train(rest, recipe, argv[i + 1], algorithm)
+    script_args, config = precheck_train(rest, recipe, argv[i + 1], algorithm, ScriptArguments)
     check_train_paths(script_args, config, task_names())
     return script_args, config
 
@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer = train(script_args, config, inputs)
         except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
+        trainer.close()  # the rollout engine's processes and memory (vLLM)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()

@@ -15,25 +15,10 @@ import torch
 from trl import GRPOConfig
 
 from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
-from .rollout import engine_class
+from .rollout import RolloutEngine, engine_class
 from .validation import check_config_values
 
 __all__ = ["QeRLConfig", "QeRLDAPOConfig", "VLLMRolloutConfig"]
-
-#: rollout_engine="graph": sampling settings (GRPOConfig fields or generation_kwargs keys) and the values at which they
-#: do nothing (TRL 1.16 defaults: top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0; -1 is vLLM's "no top-k").
-_GRAPH_NEUTRAL: dict[str, tuple] = {
-    "top_p": (None, 1.0),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
-}
-#: generation_kwargs keys graph_generate honours (read back from TRL's generation config) or that do not change the
-#: sampled distribution (its cache is always a static one).
-_GRAPH_KWARGS = frozenset(
-    {"max_new_tokens", "min_new_tokens", "temperature", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id",
-     "max_cache_len", "cache_implementation"}
-)  # fmt: skip
 
 
 @dataclass
@@ -115,7 +100,7 @@ class QeRLConfig(GRPOConfig):
             ``adapter_dir``, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``,
             ``kv_cache_memory_bytes``, ``server_timeout``); the flat ``vllm_<setting>`` keys of earlier versions still
             set them, with a deprecation warning.
-        rollout_engine="graph" (opt-in): the policy generates through :func:`qerl_trl.graph_generate.graph_generate`
+        rollout_engine="graph" (opt-in): the policy generates through :func:`qerl_trl.rollout.graph.generate.graph_generate`
             instead of its ``generate``: one compiled CUDA graph per decode step with the sampling inside, no host sync
             per step (on an H100 it doubled a 7B policy's rollout tokens/s outside the trainer). It samples from
             ``softmax(logits / temperature)`` only, so ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` must
@@ -193,7 +178,7 @@ class QeRLConfig(GRPOConfig):
         default="transformers",
         metadata={
             "help": "Rollout engine: 'transformers' (the policy's generate), 'vllm' (colocate, or server), or 'graph' "
-            "(opt-in: qerl_trl.graph_generate, one compiled CUDA graph per decode step incl. sampling)."
+            "(opt-in: qerl_trl.rollout.graph.generate, one compiled CUDA graph per decode step incl. sampling)."
         },
     )
     vllm: dict | str | None = field(
@@ -270,11 +255,8 @@ class QeRLConfig(GRPOConfig):
         self.quant_scheme: QuantScheme = get_scheme(self.quantization)
         self._fold_flat_vllm_settings()
         self.quantization = self.quant_scheme.name  # canonical: "rtn" → "nvfp4-rtn"
-        if self.rollout_engine == "vllm" and not self.quant_scheme.vllm_engine:
-            raise ValueError(
-                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={self.quantization!r} is "
-                "not supported there yet: use rollout_engine='transformers'"
-            )
+        #: the resolved ``rollout_engine`` (ValueError naming the engines); the trainer and the memory plan use this
+        self.rollout_engine_class: type[RolloutEngine] = engine_class(self.rollout_engine)
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:
@@ -289,29 +271,7 @@ class QeRLConfig(GRPOConfig):
             self.lora_alpha = self.lora_r
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
-        engine = engine_class(self.rollout_engine)  # ValueError naming the engines
-        if self.rollout_engine == "graph":
-            self._check_graph_rollouts()
-        if self.rollout_engine in ("vllm", "graph") and self.aqn and self.aqn_mode != "per_step":
-            why = {
-                "vllm": "applies AQN once per generation step",
-                "graph": "replays one compiled graph per token, which cannot redraw AQN noise per forward",
-            }[self.rollout_engine]
-            raise ValueError(f"rollout_engine={self.rollout_engine!r} {why}: use aqn_mode='per_step'")
-        if self.rollout_engine == "vllm" and self.use_vllm:
-            raise ValueError(
-                "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
-            )
-        if self.rollout_seed_per_prompt and (
-            not engine.seeds_per_prompt
-            or self.use_vllm
-            or self.use_transformers_continuous_batching
-        ):
-            raise ValueError(
-                "rollout_seed_per_prompt seeds the torch RNG of generate() / graph_generate(); vLLM (and "
-                "continuous-batching) rollouts sample with the engine's own seed: use rollout_engine='transformers' "
-                "or 'graph', or rollout_seed_per_prompt=False"
-            )
+        self.rollout_engine_class.check_config(self)  # the engine's own rules (sampling, AQN mode, checkpoints)
         if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
             raise ValueError(
                 f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
@@ -338,29 +298,6 @@ class QeRLConfig(GRPOConfig):
         if isinstance(d.get("vllm"), VLLMRolloutConfig):
             d["vllm"] = asdict(d["vllm"])
         return d
-
-    def _check_graph_rollouts(self) -> None:
-        """``rollout_engine="graph"``: refuse, at config time, what ``graph_generate`` cannot do.
-
-        It samples from ``softmax(logits / temperature)`` in one compiled graph per token, so any other logits
-        processing TRL's ``generate`` would apply (nucleus/top-k/min-p filtering, repetition penalty, beams, ...)
-        would be silently dropped: the rollouts would come from another distribution than the one configured.
-        """
-        if self.use_vllm or self.use_transformers_continuous_batching:
-            raise ValueError(
-                "rollout_engine='graph' generates with qerl_trl.graph_generate: keep use_vllm=False and "
-                "use_transformers_continuous_batching=False"
-            )
-        kwargs = dict(self.generation_kwargs or {})
-        settings = {k: kwargs.get(k, getattr(self, k)) for k in _GRAPH_NEUTRAL}
-        bad = [f"{k}={v!r}" for k, v in settings.items() if v not in _GRAPH_NEUTRAL[k]]
-        bad += [f"generation_kwargs[{k!r}]" for k in kwargs if k not in _GRAPH_NEUTRAL and k not in _GRAPH_KWARGS]
-        if bad:
-            raise ValueError(
-                f"rollout_engine='graph' samples from softmax(logits / temperature) only and cannot honour "
-                f"{', '.join(bad)}; use top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0 and generation_kwargs "
-                f"among {sorted(_GRAPH_KWARGS)}, or rollout_engine='transformers'"
-            )
 
 
 @dataclass

@@ -13,7 +13,7 @@ Examples::
     qerl eval --model offline-default --task arithmetic --limit 64 --max-new-tokens 32
     qerl eval --model Qwen/Qwen2.5-7B-Instruct --quantization nvfp4-mse --adapter runs/gsm8k/checkpoint-200 --task gsm8k \\
         --n-samples 8 --output runs/eval/qwen7b-gsm8k
-    python -m qerl_trl.evaluation --model runs/SmolLM2-135M-Instruct-nvfp4 --task gsm8k --data-path ../shared/data/gsm8k
+    python -m qerl_trl eval --model runs/SmolLM2-135M-Instruct-nvfp4 --task gsm8k --data-path ../shared/data/gsm8k
 
 An adapter is verified after loading: every tensor in its ``adapter_model.safetensors`` must be present, with the same
 values, in the model that generates, and the LoRA layers must be active — so a run can never silently score the base
@@ -41,6 +41,7 @@ from nvfp4 import cache_dequantized
 from .policy import OFFLINE_DEFAULT, load_policy, resolve_model_path
 from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
+from .rollout import ENGINES, RolloutEngine, engine_class
 from .tasks import TASK_EVAL_REWARD, TASKS, load_task
 from .validation import UsageError, UsageErrorParser, load_task_data, validate_eval_args
 
@@ -437,6 +438,14 @@ def _scheme_arg(text: str) -> QuantScheme:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _engine_arg(text: str) -> type[RolloutEngine]:
+    """``--engine``: the :class:`~qerl_trl.rollout.RolloutEngine` it names (the registry's names)."""
+    try:
+        return engine_class(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 class _Parser(UsageErrorParser, argparse.ArgumentParser):
     pass
 
@@ -482,28 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     ap.add_argument("--output", help="folder for eval.json and eval.md (default runs/eval/<model>-<task>-<split>)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
-                    help="generation engine (vllm: needs the qerl-vllm plugin; the adapter is loaded as a LoRA adapter)")
+    ap.add_argument("--engine", type=_engine_arg, default="transformers", metavar="{" + ",".join(ENGINES) + "}",
+                    help="generation engine, a rollout engine of qerl_trl.rollout (default: transformers; vllm: needs "
+                         "the qerl-vllm plugin, the adapter is loaded as a LoRA adapter)")
     return ap
-
-
-def _vllm_engine(args: argparse.Namespace, model: Any, info: dict[str, Any]) -> Any:
-    """A vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on load), with ``--adapter`` synced."""
-    from peft import PeftModel
-
-    from .rollout.vllm import engine_checkpoint
-
-    try:
-        from qerl_vllm.engine import VLLMEngine
-    except ImportError as e:
-        raise SystemExit(f"qerl eval --engine vllm needs vLLM and the qerl-vllm plugin ({e}); see .ci/vllm-setup") from e
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    path = engine_checkpoint(args.model, base, args.quantization)
-    engine = VLLMEngine(path, seed=args.seed, max_lora_rank=64, dtype=info["dtype"])  # same compute dtype as HF
-    if args.adapter:
-        engine.sync_lora(args.adapter, version=1)
-    info["engine_checkpoint"] = path
-    return engine
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -513,9 +504,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     :func:`~qerl_trl.validation.validate_eval_args`, then the task's data); ``qerl eval`` prints it as one line."""
     args = build_parser().parse_args(argv)
     scheme: QuantScheme = args.quantization
-    if args.engine == "vllm" and not scheme.vllm_engine:
-        raise UsageError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantization {scheme}; "
-                         "use --engine transformers")
+    engine_cls: type[RolloutEngine] = args.engine
+    try:
+        engine_cls.check_evaluation(scheme)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     validate_eval_args(args)
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
@@ -537,7 +530,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer, info = load_model(args.model, quantization=scheme, adapter=args.adapter, dtype=dtype,
                                         device=args.device, tokenizer_path=args.tokenizer, calib_texts=calib)
     reward_name = args.reward or TASK_EVAL_REWARD[args.task]
-    engine = _vllm_engine(args, model, info) if args.engine == "vllm" else None
+    engine = engine_cls.evaluation_generator(args.model, model, scheme, seed=args.seed, dtype=info["dtype"],
+                                             adapter=args.adapter)  # fmt: skip
+    if engine is not None:
+        info["engine_checkpoint"] = engine.model_path
     try:
         result = evaluate(None if engine else model, tokenizer, dataset, reward_fn=reward_name,
                           n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
@@ -559,9 +555,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _write_atomic(out / "eval.md", report)
     print("\n" + report.split("\n## Samples")[0].rstrip() + f"\n\nwritten: {out / 'eval.json'}, {out / 'eval.md'}")
     return result
-
-
-if __name__ == "__main__":  # as `qerl eval`: bad input is one line, exit 2
-    from .cli import main as cli_main
-
-    cli_main(["eval", *sys.argv[1:]])

@@ -81,23 +81,22 @@ H100_80GB_BYTES = 81_559 * 2**20
 #: Fraction of the budget the plan leaves free (allocator caching and fragmentation, CUDA-graph pools, workspaces).
 DEFAULT_MARGIN = 0.10
 
-#: Bytes per weight of a projection in each policy format (scales included). NVFP4: 4-bit E2M1 code + an FP8 E4M3 scale
-#: per 16 weights (+ one fp32 scale per tensor, counted apart); MXFP4: code + an E8M0 scale per 32; NF4 (bitsandbytes,
-#: QLoRA): code + an absmax per 64 weights, fp32, or with double quantization 8-bit with an fp32 scale per 256 absmax;
-#: dense (``none``): bf16.
+#: Bytes per weight of a projection in each policy format (scales included). The 4-bit formats of the registry say
+#: theirs (:attr:`nvfp4.formats.Format.bytes_per_weight`: NVFP4 a 4-bit E2M1 code + an FP8 E4M3 scale per 16 weights,
+#: MXFP4 code + an E8M0 scale per 32); NF4 (bitsandbytes, QLoRA): code + an absmax per 64 weights, fp32, or with
+#: double quantization 8-bit with an fp32 scale per 256 absmax; dense (``none``): bf16.
 #: The keys are the format's name (:class:`nvfp4.formats.Format`), ``"nf4"`` and ``"none"`` (:data:`DENSE`);
 #: :func:`weight_bytes_per_param` maps a :class:`~qerl_trl.quantization.QuantScheme` to its key.
 DENSE = "none"
 WEIGHT_BYTES: dict[str, float] = {
-    "nvfp4": 0.5 + 1 / 16,
-    "mxfp4": 0.5 + 1 / 32,
+    **{name: fmt.bytes_per_weight for name, fmt in FORMATS.items()},
     "nf4": 0.5 + 1 / 64 + 4 / (64 * 256),
     "nf4-no-double-quant": 0.5 + 4 / 64,
     DENSE: 2.0,
 }
 #: Bytes per tensor besides the per-weight ones: the fp32 global scale of the formats that have one (NVFP4), as the
-#: format registry says (:attr:`nvfp4.formats.Format.has_global_scale`).
-TENSOR_BYTES: dict[str, int] = {name: 4 for name, fmt in FORMATS.items() if fmt.has_global_scale}
+#: format registry says (:attr:`nvfp4.formats.Format.bytes_per_tensor`).
+TENSOR_BYTES: dict[str, int] = {name: fmt.bytes_per_tensor for name, fmt in FORMATS.items() if fmt.bytes_per_tensor}
 #: The projections of a decoder layer LoRA can target here (PEFT's module names; ``"all-linear"`` means all of them).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -434,7 +433,7 @@ def run_shape_from_config(
         optimizer_states=states,
         optimizer_state_bytes=state_bytes,
         activation_bytes=activation_bytes or (2 if bf16 else 4),
-        held_generation=getattr(args, "rollout_engine", "graph") in ("graph", "transformers"),
+        held_generation=args.rollout_engine_class.holds_generation_memory,
         train_prompt_len=train_prompt_len,
     )
 
@@ -506,7 +505,8 @@ def preflight(
     ``rollout_engine="vllm"`` (the engine sizes its own KV cache to ``vllm_gpu_memory_utilization``) or a model or
     LoRA target the plan does not know (a mixture of experts, a target pattern): those runs are not checked.
     """
-    if getattr(args, "rollout_engine", "graph") == "vllm":
+    engine = args.rollout_engine_class  # the engine says how it holds its generation memory
+    if not engine.holds_generation_memory:
         return None
     try:
         plan = plan_memory(
@@ -517,8 +517,8 @@ def preflight(
         )  # fmt: skip
     except MemoryPlanError:
         return None
-    graph = args.rollout_engine == "graph"
-    wanted = getattr(args, "generation_wave_rows", None) if graph else None
+    waves = engine.generates_in_waves
+    wanted = getattr(args, "generation_wave_rows", None) if waves else None
     if wanted is not None and plan.peak(min(wanted, plan.run.generation_rows)) > plan.usable_bytes:
         rows = min(wanted, plan.run.generation_rows)
         over = plan.peak(rows) - plan.usable_bytes
@@ -528,7 +528,7 @@ def preflight(
             f"{over / GB:.1f} GB over the {plan.usable_bytes / GB:.1f} GB usable; set it to {plan.wave_rows} or less "
             "(or leave it unset: the memory plan picks it)"
         )
-    check_plan(plan, waves_allowed=graph)
-    if graph and wanted is None and plan.waves > 1:
+    check_plan(plan, waves_allowed=waves)
+    if waves and wanted is None and plan.waves > 1:
         args.generation_wave_rows = plan.wave_rows
     return plan

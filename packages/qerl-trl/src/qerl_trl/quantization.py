@@ -38,7 +38,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from nvfp4.formats import MXFP4, NVFP4, Format
+from nvfp4.formats import FORMATS, NVFP4, Format
 from nvfp4.methods import CALIBRATED_METHODS
 from torch import nn
 
@@ -155,7 +155,7 @@ class _FP4Scheme(QuantScheme):
         if self.calibrated and not calibration_data:
             raise ValueError(f"quantization={self.name!r} needs calibration_data (token ids of task prompts)")
         data = list(calibration_data) if self.calibrated else None
-        return NVFP4Config(method=self.method, format=self.format.name, calibration_data=data)
+        return NVFP4Config(method=self.method, format=self.format, calibration_data=data)
 
     def load(self, path, *, dtype, device_map=None, calibration_data=None, cache_dir=None, double_quant=True):
         if not self.calibrated or cache_dir is None:
@@ -185,7 +185,7 @@ class _FP4Scheme(QuantScheme):
             return calibrate_model(model, self.method, calibration_data, progress=False)
         from nvfp4 import quantize_model
 
-        return quantize_model(model, method=self.method, format=self.format.name, progress=False)
+        return quantize_model(model, method=self.method, format=self.format, progress=False)
 
 
 @dataclass(frozen=True)
@@ -276,18 +276,31 @@ def _bitsandbytes() -> Any:
 
 _NVFP4_KERNELS = "NVFP4Linear → nvfp4::linear (Triton kernels on CUDA, nvfp4.kernels; dequantize + F.linear elsewhere)"
 
-#: Every scheme by canonical name: NVFP4 first (calibrated methods last), then the other formats and the dense baseline.
-SCHEMES: Mapping[str, QuantScheme] = MappingProxyType(
-    {
+def _fp4_kernels(fmt: Format) -> str:
+    transcode = fmt.to_nvfp4_scales
+    if transcode is None:
+        return _NVFP4_KERNELS
+    where = f"{transcode.__module__.rpartition('.')[2]}.{transcode.__name__}"
+    return f"{_NVFP4_KERNELS}, after an exact scale transcode ({where})"
+
+
+def _schemes() -> dict[str, QuantScheme]:
+    """``<format>-<method>`` for every format of :data:`nvfp4.formats.FORMATS` and method it implements (NVFP4 first,
+    calibrated methods last), then NF4 and the dense baseline."""
+    fp4 = (_FP4Scheme(f"{f.name}-{m}", f, m, _fp4_kernels(f), vllm_engine=f.vllm_rollouts)
+           for f in FORMATS.values() for m in f.methods)  # fmt: skip
+    return {
         s.name: s
         for s in (
-            *(_FP4Scheme(f"nvfp4-{m}", NVFP4, m, _NVFP4_KERNELS, vllm_engine=True) for m in NVFP4.methods),
-            _FP4Scheme("mxfp4-rtn", MXFP4, "rtn", _NVFP4_KERNELS + ", after an exact scale transcode (mxfp4.to_nvfp4)"),
+            *fp4,
             _NF4Scheme("nf4", kernels="bitsandbytes Linear4bit (its own CUDA / CPU kernels)"),
             _DenseScheme("none", kernels="nn.Linear (torch)", vllm_engine=True),
         )
     }
-)
+
+
+#: Every scheme by canonical name: NVFP4 first (calibrated methods last), then the other formats and the dense baseline.
+SCHEMES: Mapping[str, QuantScheme] = MappingProxyType(_schemes())
 #: Earlier bare NVFP4 method names → canonical value.
 ALIASES: Mapping[str, str] = MappingProxyType({m: f"nvfp4-{m}" for m in NVFP4.methods})
 
@@ -303,6 +316,8 @@ def get_scheme(value: str | QuantScheme, what: str = "quantization") -> QuantSch
         return value
     key = str(value).strip().lower()
     scheme = SCHEMES.get(ALIASES.get(key, key))
+    if scheme is None:  # a format registered after this module was imported (nvfp4.formats.register_format)
+        scheme = _schemes().get(key)
     if scheme is None:
         aliases = ", ".join(f"{a!r} (= {c!r})" for a, c in ALIASES.items())
         raise ValueError(f"{what} must be one of {', '.join(map(repr, SCHEMES))}; aliases: {aliases}, got {value!r}")

@@ -13,7 +13,7 @@ What the subclass adds, each through a method TRL's own trainers override:
   processes.
 * the rollouts come from one :class:`~qerl_trl.rollout.RolloutEngine` (``self.rollout``, :mod:`qerl_trl.rollout`,
   chosen by ``rollout_engine``): ``"transformers"`` (the policy's ``generate``), ``"graph"`` (opt-in:
-  :func:`~qerl_trl.graph_generate.graph_generate`, one compiled CUDA graph per decode step, sampling included, no host
+  :func:`~qerl_trl.rollout.graph.generate.graph_generate`, one compiled CUDA graph per decode step, sampling included, no host
   sync per step) or ``"vllm"`` (colocate or server, LoRA synced as an adapter each step, AQN on the engine's norms,
   TRL's importance-sampling correction on).
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
@@ -66,7 +66,7 @@ from .checkpoints import (
 )
 from .config import QeRLConfig
 from .policy import load_policy, load_tokenizer
-from .rollout import RolloutEngine, engine_class
+from .rollout import RolloutEngine
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
 #: a sequence length % 128 == 64 and a row whose logsumexp is below -88.7, e.g. a left-padded prompt position
@@ -452,7 +452,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
                                 cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
-        engine_cls = engine_class(args.rollout_engine)
+        engine_cls = args.rollout_engine_class
         prepared = engine_cls.prepare(model_name, model, args.quant_scheme, args)  # before PEFT wraps the model
         if isinstance(model, PeftModel):
             peft_config = None
@@ -482,10 +482,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
-        #: ``rollout_engine="graph"``: extra keyword arguments of ``graph_generate`` (``compile``, ``compile_options``,
-        #: ``check_every``, ``compact``, ``compact_min_batch``); empty: its defaults (compiled with CUDA graphs on CUDA,
-        #: eager elsewhere; finished rows compacted).
-        self.graph_generate_kwargs: dict[str, Any] = {}
         #: the engine that generates the rollouts (``args.rollout_engine``), :mod:`qerl_trl.rollout`
         self.rollout: RolloutEngine = engine_cls(self, prepared)
 
@@ -517,6 +513,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
             return contextlib.nullcontext()
         return self.rollout.set_noise(ctl, self.accelerator.unwrap_model(self.model), self.state.global_step)
 
+    def close(self) -> None:
+        """Release what the rollout engine holds (vLLM: its engine and GPU memory); the trainer generates no more."""
+        self.rollout.close()
+
     # ------------------------------------------------------------------ hooks
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below).
@@ -536,7 +536,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
             self.model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(quantized_buffer_names(self.model)))
-        self._plan_generation_memory()
+        self.rollout.before_train()
         cache = contextlib.nullcontext()
         if next(model.parameters()).device.type == "cpu":
             # The CPU reference path would dequantize every weight on every call (each decoded token, forward and
@@ -561,24 +561,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
             return found.path
         check_checkpoint(resume_from_checkpoint, required)
         return str(resume_from_checkpoint)
-
-    def _plan_generation_memory(self) -> None:
-        """``rollout_engine="graph"`` on CUDA with ``generation_wave_rows`` unset, before the first step: the memory
-        plan (:func:`qerl_trl.memory_plan.preflight`) against the GPU's memory; generate in waves of the rows that fit
-        (or raise :class:`~qerl_trl.memory_plan.MemoryPlanError`, one line, when not even one fits). ``qerl train``
-        has made the check before loading the model (and set ``generation_wave_rows`` when waves are needed); this
-        covers the Python API."""
-        if self.accelerator.device.type != "cuda" or self.args.rollout_engine != "graph":
-            return
-        if self.args.generation_wave_rows is not None:
-            return
-        from .memory_plan import cuda_budget_bytes, preflight
-
-        config = self.accelerator.unwrap_model(self.model).config
-        plan = preflight(self.args, config, cuda_budget_bytes(self.accelerator.device),
-                         world_size=self.accelerator.num_processes)  # fmt: skip
-        if plan is not None and self.args.generation_wave_rows is not None:
-            logger.warning("memory plan: %s", plan.summary())
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         mode = "train" if self.model.training else "eval"

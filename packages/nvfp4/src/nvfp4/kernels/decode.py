@@ -41,7 +41,7 @@ word of codes (8 weights, the four A-fragment registers of one K-step) 9 integer
 word of 4 FP8 scales, two ``cvt.f16x2.e4m3x2``, a shift and an OR put ``s · 2^112`` into bf16 bits
 (:func:`_scale_words_bf16x2`); one ``mul.bf16x2`` per two weights gives ``e2m1 · s · 2^-14``, exact in bf16, and
 the fp32 accumulator is multiplied once by ``2^14 / global``. The main loop at ``BLOCK_M`` = 16 has 519 SASS
-instructions per warp per K step (739 with the byte-level decoder before it; ``benchmarks/kernel_sass.py``).
+instructions per warp per K step (739 with the byte-level decoder before it; ``benchmarks/kernel_sass.py@1486a77``).
 **Compressed-tensors layout, bf16 on the GPU**: inline PTX, ~4 SASS instructions per weight in the
 main loop, see :func:`_dequant_tile_bf16_asm` and :func:`_scale_fold` (E2M1 placed in bf16 as ``e2m1 · 2^-126``, one
 ``mul.bf16x2`` by the block scale pre-folded as ``fp8 · 2^126 / global``; the decoded columns keep the PTX register
@@ -66,6 +66,17 @@ import triton.language as tl
 # ----------------------------------------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_tile(pid, num_m, num_other, GROUP_M: tl.constexpr):
+    """The ``(m, other)`` tile of program ``pid`` on a ``num_m x num_other`` grid, the program ids grouped along M:
+    ``GROUP_M`` m-tiles side by side, so the programs that share a weight tile (the same ``other``) run back to back
+    and the weights stream from HBM about once. The one tile swizzle of the small-M, large-M and dgrad kernels."""
+    group = GROUP_M * num_other
+    first_m = (pid // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % group) % gsize, (pid % group) // gsize
+
+
 @triton.jit
 def _e2m1_f16_bits(codes):
     """E2M1 codes (uint8 in [0, 16)) → fp16 ``e2m1(code) · 2^-14``, exact, by bit placement (see module doc)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dequant_tile, _mma_tile, _mma_tile_ptrs, _scale_fold
+from .decode import _dequant_tile, _grouped_tile, _mma_tile, _mma_tile_ptrs, _scale_fold
 
 
 @triton.jit
@@ -38,11 +38,7 @@ def _dgrad_kernel(
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_k = tl.cdiv(K, BLOCK_K)
-    group = GROUP_M * num_k
-    first_m = (pid // group) * GROUP_M
-    gsize = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_k = (pid % group) // gsize
+    pid_m, pid_k = _grouped_tile(pid, num_m, num_k, GROUP_M)
 
     dtype = dy_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -8,7 +8,7 @@ decode-size config), ``"dequant"`` (dequantize once, then cuBLAS) or a tile of t
 block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`), or the warp-specialised kernel,
 ``("ws", block_m, tiles, stages, sub[, fixup])`` (:mod:`nvfp4.kernels.hopper_ws`; bf16 on sm_90, else the rule below;
 ``fixup`` 1: a split tile's programs each sum a share of it; set by hand on the 7B and 32B down projections from
-``benchmarks/gemm_ws_spike.py --mode fixup``, ``benchmarks/results/gemm_ws_fixup.json``, where it beat the serial sum
+``benchmarks/gemm_ws_spike.py@1486a77 --mode fixup``, ``benchmarks/results/gemm_ws_fixup.json``, where it beat the serial sum
 by 9-21 % in the same run). A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
 Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.

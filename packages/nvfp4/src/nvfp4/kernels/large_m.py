@@ -41,10 +41,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _lora_epilogue, _mma_tiles, _scale_fold, _store_output
+from .decode import _grouped_tile, _lora_epilogue, _mma_tiles, _scale_fold, _store_output
 
 # Tiles the dispatch table was chosen from (``benchmarks/gemm.py --sweep``): (weight tiles of 64 rows, K quarters of
-# 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py``:
+# 64 inputs, BLOCK_M rows of x, warps, pipeline stages). Picked from the sm_90 SASS (``benchmarks/kernel_sass.py@1486a77``:
 # no shared-memory round trip of the decoded weight, no spills, ≤ 128 registers where 2-3 programs per SM should
 # fit) and the shared memory of the stages.
 LARGE_M_TILES = [(1, 1, 64, 4, 4), (1, 1, 128, 4, 4), (1, 2, 128, 4, 3), (2, 1, 64, 8, 4), (2, 1, 128, 8, 4),
@@ -94,12 +94,7 @@ def _linear_large_m_kernel(
     BLOCK_K: tl.constexpr = 64 * QUARTERS
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row blocks of x side by side: the programs that share a weight tile run back to back (W read ~once).
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    gsize = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_n = (pid % group) // gsize
+    pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)  # the programs sharing a weight tile back to back
 
     dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -26,7 +26,6 @@ import triton
 
 from ..layout import is_mma_layout
 from . import dispatch_table, hopper_ws
-from .decode import _mma_tile_ptrs  # noqa: F401 - re-exported for benchmarks/gemm_ablation.py
 from .dequant import _dequant_kernel, _dequant_mma_kernel
 from .dgrad import _dgrad_kernel, _dgrad_mma_kernel
 from .large_m import _linear_large_m_kernel
@@ -419,7 +418,7 @@ def nvfp4_lora_linear(
 
     For generation (no autograd): at decode sizes a PEFT adapter costs four small kernels per layer (A product,
     its split-K reduce, B product, scale-and-add), which took as long as the 4-bit base GEMMs themselves on the
-    H100 (``benchmarks/decode_profile.py``). Here ``x · Aᵀ`` is accumulated in the base kernel from the activation
+    H100 (``benchmarks/decode_profile.py@1486a77``). Here ``x · Aᵀ`` is accumulated in the base kernel from the activation
     tiles it loads, and ``· Bᵀ`` is added in its epilogue. With split-K summed in the kernel (the decode sizes),
     ``x · Aᵀ`` is computed once per K split and shared by all output tiles (``SHARED_T`` in
     :func:`_linear_mma_kernel`); otherwise each tile accumulates it beside its weight tile.

@@ -40,6 +40,7 @@ from .decode import (
     _dequant_tile,
     _dequant_tile_bf16_asm,
     _e2m1_to_f32,
+    _grouped_tile,
     _lora_epilogue,
     _lora_init,
     _mma_tile,
@@ -218,12 +219,7 @@ def _linear_kernel(
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # Group GROUP_M m-tiles together: the programs sharing a weight column-tile run back to back.
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    gsize = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_n = (pid % group) // gsize
+    pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)  # the programs sharing a weight tile back to back
 
     dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

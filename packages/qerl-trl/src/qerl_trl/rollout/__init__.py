@@ -2,9 +2,13 @@
 
 ==================  ====================================================================================
 ``transformers``    :class:`~qerl_trl.rollout.transformers.TransformersRollout`: the policy's ``generate``
-``graph``           :class:`~qerl_trl.rollout.graph.GraphRollout`: :func:`qerl_trl.graph_generate.graph_generate`
+``graph``           :class:`~qerl_trl.rollout.graph.engine.GraphRollout`: :func:`~qerl_trl.rollout.graph.generate.graph_generate`
 ``vllm``            :class:`~qerl_trl.rollout.vllm.VLLMRollout`: vLLM (colocate or server), ``qerl-trl[vllm]``
 ==================  ====================================================================================
+
+Adding an engine is one module with a :class:`RolloutEngine` subclass (its rules included: ``check_config``,
+``holds_generation_memory``, ``before_train``) plus one line in :data:`ENGINES`. :func:`engine_class` is the one place
+a ``rollout_engine`` name becomes a class (``QeRLConfig`` calls it and keeps the class as ``rollout_engine_class``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ __all__ = ["ENGINES", "RolloutEngine", "engine_class"]
 #: ``rollout_engine`` value → ``module:class`` (imported when chosen: vLLM's module is only loaded for vLLM rollouts)
 ENGINES: dict[str, str] = {
     "transformers": "qerl_trl.rollout.transformers:TransformersRollout",
-    "graph": "qerl_trl.rollout.graph:GraphRollout",
+    "graph": "qerl_trl.rollout.graph.engine:GraphRollout",
     "vllm": "qerl_trl.rollout.vllm:VLLMRollout",
 }
 

@@ -1,9 +1,13 @@
 """The interface every rollout engine of :class:`~qerl_trl.QeRLGRPOTrainer` implements.
 
-The trainer holds one engine (``trainer.rollout``) and calls it at three points of a generation step, whatever the
-engine: :meth:`RolloutEngine.set_noise` around the generation (AQN on the norm weights the engine generates from),
-:meth:`RolloutEngine.generate` for each generation call, and :meth:`RolloutEngine.close` when done. Engines that
-generate from a copy of the policy (vLLM) also take the LoRA adapter (:meth:`RolloutEngine.sync_lora`).
+An engine owns its rules: :meth:`RolloutEngine.check_config` refuses the settings it cannot honour (called once by
+``QeRLConfig``, which resolves ``rollout_engine`` to the class), :attr:`RolloutEngine.holds_generation_memory` and
+:attr:`RolloutEngine.generates_in_waves` are what the memory plan reads, and :meth:`RolloutEngine.before_train` is what
+it sets up when training starts. The trainer holds one engine (``trainer.rollout``) and calls the interface only:
+:meth:`RolloutEngine.before_train`, :meth:`RolloutEngine.set_noise` around the generation (AQN on the norm weights the
+engine generates from), :meth:`RolloutEngine.generate` for each generation call, and :meth:`RolloutEngine.close` when
+the trainer is closed. Engines that generate from a copy of the policy (vLLM) also take the LoRA adapter
+(:meth:`RolloutEngine.sync_lora`).
 """
 
 from __future__ import annotations
@@ -35,18 +39,57 @@ class RolloutEngine:
     Class attributes:
         name: the ``rollout_engine`` value that selects it.
         seeds_per_prompt: whether ``rollout_seed_per_prompt`` works with it (it samples with the torch RNG).
+        holds_generation_memory: whether its KV cache lives in the trainer's GPU memory beside the policy (the memory
+            plan then counts it); ``False``: the engine sizes its own memory (vLLM). Every engine must say.
+        generates_in_waves: whether it generates a batch that does not fit in waves of the rows that do (the memory
+            plan then sets ``generation_wave_rows`` instead of refusing the run).
     """
 
     name: ClassVar[str]
     seeds_per_prompt: ClassVar[bool] = True
+    holds_generation_memory: ClassVar[bool]
+    generates_in_waves: ClassVar[bool] = False
 
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
         self.trainer = trainer
 
     @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Raise ``ValueError`` (one sentence naming the setting) for settings of ``cfg`` (a ``QeRLConfig``) this
+        engine cannot honour; ``QeRLConfig`` calls it once, after parsing. Subclasses call ``super().check_config``."""
+        if not isinstance(getattr(cls, "holds_generation_memory", None), bool):
+            raise TypeError(f"rollout engine {cls.__name__} must set holds_generation_memory (True or False)")
+        if cfg.rollout_seed_per_prompt and (
+            not cls.seeds_per_prompt or cfg.use_vllm or cfg.use_transformers_continuous_batching
+        ):
+            raise ValueError(
+                "rollout_seed_per_prompt seeds the torch RNG of generate() / graph_generate(); vLLM (and "
+                "continuous-batching) rollouts sample with the engine's own seed: use rollout_engine='transformers' "
+                "or 'graph', or rollout_seed_per_prompt=False"
+            )
+
+    @classmethod
     def prepare(cls, model_name: str | None, model: nn.Module, scheme: QuantScheme, args: Any) -> Any:
         """Work on the loaded policy before PEFT wraps it (vLLM: save the checkpoint its engine loads); default none."""
         return None
+
+    @classmethod
+    def check_evaluation(cls, scheme: QuantScheme) -> None:
+        """Raise ``ValueError`` (one sentence) when ``qerl eval --engine <name>`` cannot evaluate a ``scheme`` policy,
+        before anything loads. The default refuses: the engine does not evaluate."""
+        raise ValueError(f"qerl eval does not generate with --engine {cls.name}; use --engine transformers")
+
+    @classmethod
+    def evaluation_generator(
+        cls, model_name: str, model: nn.Module, scheme: QuantScheme, *, seed: int, dtype: Any, adapter: str | None
+    ) -> Any:
+        """What ``qerl eval --engine <name>`` generates with: ``None`` for ``model`` itself (its ``generate``), or an
+        object with ``generate(prompt_ids, sampling_params)``, ``model_path`` and ``close()`` (vLLM's engine), with
+        ``adapter`` loaded; called after :meth:`check_evaluation` passed."""
+        raise NotImplementedError
+
+    def before_train(self) -> None:
+        """What the engine sets up when training starts, before the first step; default nothing."""
 
     def generate(
         self,

@@ -23,6 +23,16 @@ class TransformersRollout(RolloutEngine):
     """TRL's own generation (``generate`` of the unwrapped policy, or continuous batching); AQN on the policy itself."""
 
     name = "transformers"
+    holds_generation_memory = True  # the policy's own KV cache, on the training GPU: the whole batch must fit
+
+    @classmethod
+    def check_evaluation(cls, scheme) -> None:
+        """Every ``quantization`` evaluates through the model's own ``generate``."""
+
+    @classmethod
+    def evaluation_generator(cls, model_name, model, scheme, *, seed, dtype, adapter) -> None:
+        """``qerl eval --engine transformers``: the evaluated model generates itself."""
+        return None
 
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
         super().__init__(trainer)

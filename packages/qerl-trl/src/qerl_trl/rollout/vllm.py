@@ -389,6 +389,23 @@ class VLLMRollout(RolloutEngine):
 
     name = "vllm"
     seeds_per_prompt = False  # the engine samples with its own seed
+    holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """A checkpoint vLLM loads (NVFP4 or dense), AQN once per generation step, TRL's own ``use_vllm`` off."""
+        super().check_config(cfg)
+        if not cfg.quant_scheme.vllm_engine:
+            raise ValueError(
+                f"rollout_engine='vllm' loads an NVFP4 (or dense) checkpoint; quantization={cfg.quantization!r} is "
+                "not supported there yet: use rollout_engine='transformers'"
+            )
+        if cfg.aqn and cfg.aqn_mode != "per_step":
+            raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        if cfg.use_vllm:
+            raise ValueError(
+                "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
+            )
 
     def __init__(self, trainer: Any, prepared: str | None = None) -> None:
         super().__init__(trainer)
@@ -407,6 +424,29 @@ class VLLMRollout(RolloutEngine):
         trainer.vllm_mode = self.generation.mode
         trainer.vllm_generation = self.generation
         trainer._last_loaded_step = -1
+
+    @classmethod
+    def check_evaluation(cls, scheme: QuantScheme) -> None:
+        if not scheme.vllm_engine:
+            raise ValueError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantization {scheme}; "
+                             "use --engine transformers")  # fmt: skip
+
+    @classmethod
+    def evaluation_generator(cls, model_name, model, scheme, *, seed, dtype, adapter) -> Any:
+        """``qerl eval --engine vllm``: a vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on
+        load), with ``adapter`` synced as a LoRA adapter."""
+        from peft import PeftModel
+
+        try:
+            from qerl_vllm.engine import VLLMEngine
+        except ImportError as e:
+            raise SystemExit(f"qerl eval --engine vllm needs vLLM and the qerl-vllm plugin ({e}); see .ci/vllm-setup") from e
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        path = engine_checkpoint(model_name, base, scheme)
+        engine = VLLMEngine(path, seed=seed, max_lora_rank=64, dtype=dtype)  # same compute dtype as HF
+        if adapter:
+            engine.sync_lora(adapter, version=1)
+        return engine
 
     @classmethod
     def prepare(cls, model_name, model, scheme, args):

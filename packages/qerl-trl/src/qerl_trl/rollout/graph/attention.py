@@ -2,7 +2,7 @@
 
 Why: ``graph_generate`` decodes against a static cache of ``max_cache_len`` slots (prompt + all new tokens, fixed so
 that one CUDA graph serves every step). SDPA attends over every slot and masks the unused ones: on the H100, at
-batch 8 with a 1280-slot cache, attention took 3.5-4.9 ms of a 7B decode step (``decode_profile.py --cache-len
+batch 8 with a 1280-slot cache, attention took 3.5-4.9 ms of a 7B decode step (``benchmarks/decode_profile.py@1486a77 --cache-len
 1280``), more than the NVFP4 GEMMs of all 28 layers (3.5 ms). Here each program reads the mask of its block of 64
 slots first and skips the block's keys and values when none is attended, so the cost follows the tokens written so
 far; and the keys are split over ``S`` programs per (row, KV head) so that batch 1 fills the GPU too.
@@ -15,7 +15,7 @@ kernel merges the ``S`` partials per (row, KV head). Only ``q_len == 1`` takes t
 training, CPU without Triton, dropout, soft-capping, sliding windows) goes to transformers' SDPA function.
 
 Use it with :func:`register_decode_attention` and ``model.set_attn_implementation(DECODE_ATTENTION)``, or let
-:func:`qerl_trl.graph_generate.graph_generate` switch it on for its decode loop (its default on CUDA).
+:func:`qerl_trl.rollout.graph.generate.graph_generate` switch it on for its decode loop (its default on CUDA).
 """
 
 from __future__ import annotations

@@ -1057,12 +1057,12 @@ def main(argv=None) -> None:
                     print(f"[{m}/{a}] running ...", flush=True)
                 res = _run_in_process(args, m, a) if in_process else _run_subprocess(args, m, a)
                 res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
-            res.setdefault("rollout_engine", args.rollout_engine)
+            res.setdefault("rollout_engine", "vllm" if a == TRL_VLLM else args.rollout_engine)
             results.append(res)
             if main_proc:
                 s = res.get("summary") or {}
                 print(
-                    f"[{m}/{a}/{args.rollout_engine}] {res.get('status')} in {res['wall_s']} s; "
+                    f"[{m}/{a}/{res['rollout_engine']}] {res.get('status')} in {res['wall_s']} s; "
                     f"s/step {s.get('step_s')}, "
                     f"gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak {s.get('peak_gpu_gb')} GB, "
                     f"compiled ok={s.get('compiled_path_ok')}",

@@ -19,10 +19,10 @@ their E4M3 scales together, the FP32 tensor scale replicated), and the all-gathe
 it. Two details of FSDP2 decide the rest:
 
 * ``fully_shard`` wraps every parameter as ``nn.Parameter(DTensor)``, which must be a floating dtype (an integer tensor
-  "cannot require gradients", even frozen). The uint8 tensors are therefore stored as a *view* of the same bytes in a
-  floating dtype (bfloat16 ``[out, in/4]`` for the codes, float8 for uint8 scales): no value is converted, and the
-  layer views them back (``weight_packed`` reads as uint8 again); FSDP2 all-gathers a group whose dtypes differ as
-  uint8 bytes, so nothing is ever interpreted as a float on the way.
+  "cannot require gradients", even frozen), and gloo has no float8 collectives. The 1-byte tensors are therefore
+  stored as a *view* of the same bytes in bfloat16 (``[out, in/4]`` for the codes, ``[out, in/32]`` for FP8 block
+  scales): no value is converted, and the layer views them back (``weight_packed`` reads as uint8 again, ``weight_scale``
+  as FP8); all-gathers and copies move bytes, nothing is ever computed on them.
 * a ``MixedPrecisionPolicy(param_dtype=bf16)`` casts every floating parameter it manages before the all-gather, which
   would turn the FP8 scales (and the bf16-viewed codes) into other numbers. :func:`fully_shard_quantized` therefore
   gives each block's quantized layers their own FSDP group with no casting (``MixedPrecisionPolicy()``), one all-gather
@@ -60,12 +60,15 @@ __all__ = [
 SHARDED_TENSORS = ("weight_packed", "weight_scale")
 
 
-def _floating_view_dtype(t: torch.Tensor) -> torch.dtype:
-    """A floating dtype to store integer bytes ``t`` in, as a view (no conversion): bfloat16 when the last dimension
-    is even (half as many elements), else a 1-byte float8."""
+def _storage_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a 1-byte tensor (uint8 codes, E8M0 or FP8 scales) as a floating view FSDP2 can hold and any
+    backend can all-gather: bfloat16 (half as many elements) when the last dimension is even, else float8 (an integer
+    tensor cannot be a parameter; gloo has no float8 collectives, which only an odd last dimension leaves)."""
     if t.element_size() != 1:
-        raise TypeError(f"expected a 1-byte integer tensor, got {t.dtype}")
-    return torch.bfloat16 if t.dim() and t.shape[-1] % 2 == 0 else torch.float8_e4m3fn
+        raise TypeError(f"expected a 1-byte tensor, got {t.dtype}")
+    if t.dim() and t.shape[-1] % 2 == 0:
+        return t.view(torch.bfloat16)
+    return t if t.is_floating_point() else t.view(torch.float8_e4m3fn)
 
 
 class ShardableNVFP4Linear(NVFP4Linear):
@@ -88,6 +91,10 @@ class ShardableNVFP4Linear(NVFP4Linear):
     @property
     def mma_layout(self) -> bool:
         return self._stored_mma_layout
+
+    @property
+    def uses_nvfp4_ops(self) -> bool:
+        return self._storage_dtypes["weight_scale"] == torch.float8_e4m3fn
 
     @torch.no_grad()
     def use_kernel_layout(self) -> bool:
@@ -126,7 +133,7 @@ def make_shardable(layer: NVFP4Linear) -> ShardableNVFP4Linear:
     for name in SHARDED_TENSORS:
         t = layer._buffers.pop(name)
         dtypes[name] = t.dtype
-        stored = t if t.is_floating_point() else t.view(_floating_view_dtype(t))
+        stored = _storage_view(t)
         layer.register_parameter(name, nn.Parameter(stored, requires_grad=False))
     layer.__class__ = ShardableNVFP4Linear
     layer._storage_dtypes = dtypes

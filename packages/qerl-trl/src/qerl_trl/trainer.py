@@ -66,6 +66,7 @@ from .checkpoints import (
     write_manifest,
 )
 from .config import QeRLConfig
+from .memory_plan import fsdp2_requested
 from .policy import load_policy, load_tokenizer
 from .rollout import RolloutEngine, engine_class
 
@@ -149,12 +150,6 @@ def quantized_buffer_names(model: torch.nn.Module) -> list[str]:
         if isinstance(module, NVFP4Linear)
         for buf in NVFP4Linear._QUANT_BUFFERS
     ]
-
-
-def fsdp2_requested() -> bool:
-    """Whether ``accelerate launch`` was given an FSDP2 config (``distributed_type: FSDP``, ``fsdp_version: 2``, as
-    ``recipes/accelerate/fsdp2.yaml``): it exports ``ACCELERATE_USE_FSDP=true`` and ``FSDP_VERSION=2``."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

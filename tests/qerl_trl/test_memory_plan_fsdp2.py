@@ -72,3 +72,18 @@ def test_qerl_plan_command_one_line_and_exit_code(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model_name_or_path", "no/such-model", "--gpus", "2"])
     assert exit_info.value.code == 2 and "no known shape" in capsys.readouterr().err
+
+
+def test_qerl_train_checks_the_fsdp2_plan_under_an_fsdp2_launch(monkeypatch, tmp_path, tiny_dir):
+    """Under ``accelerate launch --config_file fsdp2.yaml`` (its environment), ``qerl train``'s memory check is the
+    FSDP2 plan's: a budget too small stops the run with the one line, a large one passes."""
+    from qerl_trl.cli import check_memory, parse_train_args
+    from qerl_trl.memory_plan import MemoryPlanError
+
+    script_args, config = parse_train_args(["offline-default", "--model_name_or_path", str(tiny_dir),
+                                            "--output_dir", str(tmp_path)])  # fmt: skip
+    for name, value in {"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MemoryPlanError, match=r"under FSDP2 on 2 GPUs of 0\.0 GB: does not fit.*no count up to 8 GPUs fits"):
+        check_memory(script_args, config, budget_bytes=10**6)
+    assert check_memory(script_args, config, budget_bytes=80 * 10**9) is True

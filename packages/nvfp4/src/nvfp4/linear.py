@@ -64,6 +64,10 @@ class NVFP4Linear(nn.Linear):
     Forward: ``x [..., in]`` (float32/float16/bfloat16) → ``[..., out]`` in ``x.dtype``, through ``nvfp4::linear``
     (Triton on CUDA, dequantize + matmul elsewhere). Backward reaches the input only, so LoRA trains through it.
 
+    Under FSDP2 (several GPUs, a policy larger than one): :func:`nvfp4.fsdp.make_shardable` turns ``weight_packed`` and
+    ``weight_scale`` into frozen parameters that ``fully_shard`` splits by output rows (the global scale stays a
+    replicated buffer), see :mod:`nvfp4.fsdp`; a layer that is not sharded keeps its buffers and this class.
+
     It subclasses ``nn.Linear`` so that tools which look for linear layers (PEFT's ``"all-linear"``, TRL) find it;
     ``.weight`` is the packed uint8 buffer, which makes any code that tries to use it as a float matrix fail loudly
     instead of computing garbage. Use :meth:`dequantize` for the dense weight.

@@ -82,10 +82,32 @@ def sample_noise(
     return z if device is None else z.to(device)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _shard_like(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``z`` (a whole ``[d]`` noise vector) laid out as ``t``: unchanged for a plain tensor; for a ``DTensor`` (a norm
+    weight sharded by FSDP2) the DTensor whose local part is this rank's slice of ``z``, cut locally
+    (``src_data_rank=None``: every rank drew the same ``z`` from the same seed, so no communication)."""
+    if not _is_dtensor(t):
+        return z
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(z.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def _add_noise(t: torch.Tensor, z: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t + z`` computed in float32 (float64 if ``t`` is float64), returned in ``dtype`` (default ``t.dtype``)."""
+    """``t + z`` computed in float32 (float64 if ``t`` is float64), returned in ``dtype`` (default ``t.dtype``).
+    ``t`` may be a sharded ``DTensor`` (FSDP2): each rank adds its slice of the whole ``z``."""
     acc = torch.promote_types(t.dtype, torch.float32)
-    return (t.detach().to(acc) + z.to(device=t.device, dtype=acc)).to(dtype or t.dtype)
+    return (t.detach().to(acc) + _shard_like(z.to(device=t.device, dtype=acc), t)).to(dtype or t.dtype)
 
 
 def _global_seed() -> int:
@@ -158,6 +180,8 @@ def _survival(orig: torch.Tensor, new: torch.Tensor, z: torch.Tensor) -> dict[st
 
 
 def _merge_survival(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    # sharded (FSDP2) weights: this rank's slices
+    parts = [(_local(o), _local(n), _local(_shard_like(z, o))) for o, n, z in parts]
     if not parts:
         return {"fraction_changed": 0.0, "retained": float("nan"), "relative_error": float("nan")}
     orig = torch.cat([o.detach().double().flatten().cpu() for o, _, _ in parts])
@@ -474,12 +498,25 @@ class NormNoise:
         """``{weight_name: Parameter[d]}`` of the perturbed norm weights (live tensors)."""
         return dict(self.params)
 
+    def _refresh_params(self) -> None:
+        """Re-read each norm weight from the model: a wrapper that replaces parameters after this object was built
+        (FSDP2's ``fully_shard`` swaps each for a sharded ``DTensor`` of the same name) is then noised where it
+        lives. Weights not reachable by name (a parameter map, a renamed module) keep the tensor given."""
+        if self.model is None:
+            return
+        for name in self.params:
+            try:
+                self.params[name] = self.model.get_parameter(name)
+            except AttributeError:
+                pass
+
     def _begin(
         self, sigma: float, *, seed: int | None, step: int, generator: torch.Generator | None, per_forward: bool
     ) -> NoiseHandle:
         sigma = _check_sigma(sigma)
         if self._active is not None and self._active.active:
             raise RuntimeError("noise is already applied to these norms; restore() the live handle first")
+        self._refresh_params()
         handle = NoiseHandle(self, sigma, seed=seed, step=step, generator=generator, per_forward=per_forward)
         self._active = handle
         handle._start()

@@ -64,6 +64,10 @@ class NVFP4Linear(nn.Linear):
     Forward: ``x [..., in]`` (float32/float16/bfloat16) → ``[..., out]`` in ``x.dtype``, through ``nvfp4::linear``
     (Triton on CUDA, dequantize + matmul elsewhere). Backward reaches the input only, so LoRA trains through it.
 
+    Under FSDP2 (several GPUs, a policy larger than one): :func:`nvfp4.fsdp.make_shardable` turns ``weight_packed`` and
+    ``weight_scale`` into frozen parameters that ``fully_shard`` splits by output rows (the global scale stays a
+    replicated buffer), see :mod:`nvfp4.fsdp`; a layer that is not sharded keeps its buffers and this class.
+
     It subclasses ``nn.Linear`` so that tools which look for linear layers (PEFT's ``"all-linear"``, TRL) find it;
     ``.weight`` is the packed uint8 buffer, which makes any code that tries to use it as a float matrix fail loudly
     instead of computing garbage. Use :meth:`dequantize` for the dense weight.
@@ -112,6 +116,9 @@ class NVFP4Linear(nn.Linear):
             self.register_load_state_dict_post_hook(_transcode_after_loading)
 
     _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+    #: True for layers prepared for FSDP2 (:class:`nvfp4.fsdp.ShardableNVFP4Linear`): their 4-bit tensors are frozen
+    #: parameters that FSDP2 shards and gathers around the module's own forward
+    fsdp_shardable = False
 
     @property
     def uses_nvfp4_ops(self) -> bool:
@@ -125,7 +132,9 @@ class NVFP4Linear(nn.Linear):
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` must move the NVFP4 tensors but never cast them (fp8 scales and the fp32 global
         # scale are floating point, so nn.Module would convert them and corrupt the format).
-        saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS}
+        saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS if n in self._buffers}
+        # made frozen parameters for FSDP2 (nvfp4.fsdp): nn.Module may convert a parameter in place (`.data`)
+        params = {n: (p, p.detach()) for n in self._QUANT_BUFFERS if (p := self._parameters.get(n)) is not None}
         super()._apply(fn, recurse)
         if self.weight_scale_e8m0 is not None:  # uint8: moved, never cast
             self.weight_scale_e8m0 = fn(self.weight_scale_e8m0)
@@ -133,6 +142,13 @@ class NVFP4Linear(nn.Linear):
             new = self._buffers[n]
             if new is not None and old is not None and new.dtype != old.dtype:
                 self._buffers[n] = old.to(new.device)
+        for n, (param, old) in params.items():
+            new = self._parameters[n]
+            if new.dtype != old.dtype:
+                if new is param:
+                    param.data = old.to(new.device)
+                else:
+                    self._parameters[n] = nn.Parameter(old.to(new.device), requires_grad=False)
         self.use_kernel_layout()
         return self
 
@@ -228,6 +244,11 @@ class NVFP4Linear(nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.fsdp_shardable:  # the stored floating views of integer bytes (nvfp4.fsdp) → the tensors' own dtypes
+            for name, dtype in self._storage_dtypes.items():
+                t = destination.get(prefix + name)
+                if t is not None and t.dtype != dtype and type(t) in (torch.Tensor, nn.Parameter):
+                    destination[prefix + name] = t.detach().view(dtype)
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
             destination[key] = from_mma_layout(destination[key].detach())
@@ -339,6 +360,8 @@ class NVFP4Linear(nn.Linear):
         """Fail with one clear error when a checkpoint's tensors disagree with this layer (shape or dtype); convert
         a compressed-tensors ``weight_packed`` to the MMA layout when this layer holds that layout."""
         fmt = self.weight_format
+        if self.fsdp_shardable and fmt.to_nvfp4_scales is not None and prefix + "weight_packed" in state_dict:
+            raise ValueError(f"{prefix}: load MXFP4 tensors before nvfp4.fsdp.make_shardable (they are transcoded)")
         if fmt.to_nvfp4_scales is not None:
             return self._check_loaded_mxfp4(state_dict, prefix)
         for name, (dtype, shape) in fmt.tensor_specs(self.out_features, self.in_features).items():
@@ -350,6 +373,12 @@ class NVFP4Linear(nn.Linear):
                     f"{prefix}{name}: checkpoint has {t.dtype} {tuple(t.shape)}, the layer expects {dtype} {shape} "
                     f"(in_features={self.in_features}, out_features={self.out_features})"
                 )
+        if self.fsdp_shardable:  # loaded into the stored floating views, byte for byte (nvfp4.fsdp)
+            for name, stored in self._parameters.items():
+                t = state_dict.get(prefix + name)
+                if name in self._storage_dtypes and t is not None and t.dtype != stored.dtype:
+                    state_dict[prefix + name] = t.view(stored.dtype)
+            return
         key = prefix + "weight_packed"
         if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
             if mma_scales_supported(state_dict.get(prefix + "weight_scale", self.weight_scale)):
@@ -467,7 +496,8 @@ def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = F
     core). The same products, rounded once as :func:`nvfp4.codec.dequantize` rounds them: the same outputs and input
     gradients (zeros of the weight are +0). A layer where that is not exact keeps the dense cache.
     """
-    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    # layers sharded by FSDP2 are left out: their weight exists whole only inside their forward (nvfp4.fsdp)
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear) and not m.fsdp_shardable]
     held = 0
     scratch: dict = {}
     try:

@@ -86,8 +86,8 @@ class LoraNVFP4Linear(_LoraLinear):
         if not FUSED_LORA or args or kwargs or self.disable_adapters or self.merged or self.fan_in_fan_out:
             return None
         base = self.get_base_layer()
-        if not isinstance(base, NVFP4Linear):
-            return None
+        if not isinstance(base, NVFP4Linear) or base.fsdp_shardable:
+            return None  # sharded by FSDP2: the base's own forward gathers its weight (nvfp4.fsdp)
         if base.has_cached_weight(x):
             fusable = all(self.lora_A[a].weight.dtype == x.dtype for a in self.active_adapters if a in self.lora_A)
         else:  # the fused inference kernel

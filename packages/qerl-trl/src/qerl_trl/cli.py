@@ -11,7 +11,10 @@ fit stops with one line and exit code 2; with ``rollout_engine: graph`` a genera
 at once is generated in waves (one line says how many rows each). ``--memory-budget-gb GB`` plans against ``GB`` of
 GPU memory instead of what the GPU has free (and checks on a machine without a GPU too).
 
-Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml -m qerl_trl train [RECIPE] ...``.
+Several processes: ``accelerate launch --config_file recipes/accelerate/ddp.yaml -m qerl_trl train [RECIPE] ...``;
+a policy larger than one GPU: ``recipes/accelerate/fsdp2.yaml`` (FSDP2), checked before the model loads by the FSDP2
+memory plan. ``qerl plan [RECIPE] [--overrides] --gpus N [--memory-budget-gb GB]`` answers, without loading anything,
+whether the run fits N GPUs under FSDP2 and the smallest GPU count that would (one line; exit 2 when it does not fit).
 """
 
 from __future__ import annotations
@@ -338,7 +341,7 @@ def check_memory(
     (with ``rollout_engine="transformers"``: when the whole generation batch does not). When the graph engine has to
     generate in waves, sets ``config.generation_wave_rows`` and prints one line saying so. Returns the plan (None when
     nothing was planned)."""
-    from .memory_plan import GB, cuda_budget_bytes, preflight
+    from .memory_plan import GB, cuda_budget_bytes, fsdp2_requested, preflight
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if budget_bytes is None:
@@ -355,6 +358,8 @@ def check_memory(
         model_config = AutoConfig.from_pretrained(resolve_model_path(script_args.model_name_or_path))
     except (OSError, ValueError):  # not readable here (offline, no such model): loading the model will say why
         return None
+    if world > 1 and fsdp2_requested():  # the policy sharded over the processes: the FSDP2 plan, one line
+        return check_fsdp2(script_args, config, model_config, budget_bytes, world)
     before = config.generation_wave_rows
     # the training micro-batch is padded to the longest prompt, not to the engine's cap (1024 by default): for the
     # offline demo's ~60-token prompts that cap made the plan 13 GB where the run peaks at 1.9
@@ -370,6 +375,58 @@ def check_memory(
             flush=True,
         )
     return plan
+
+
+def check_fsdp2(script_args: ScriptArguments, config: Any, model_config: Any, budget_bytes: int, num_gpus: int) -> bool:
+    """The FSDP2 memory plan's answer (:func:`~qerl_trl.memory_plan.fsdp2_preflight`): prints its line on the main
+    process when the run fits, raises :class:`~qerl_trl.memory_plan.MemoryPlanError` with it when not (the line names
+    the smallest GPU count that would fit). Returns True."""
+    from .memory_plan import MemoryPlanError, fsdp2_preflight, model_shape_for
+
+    name = str(script_args.model_name_or_path)
+    fits, line = fsdp2_preflight(config, model_shape_for(name, model_config), budget_bytes, num_gpus, name=name)
+    if not fits:
+        raise MemoryPlanError(line)
+    if _is_main_process():
+        print(f"qerl train: memory plan: {line}", flush=True)
+    return True
+
+
+def plan_main(argv: list[str], debug: bool) -> None:
+    """``qerl plan [RECIPE] [--overrides] [--gpus N] [--memory-budget-gb GB]``: whether the run fits ``N`` GPUs
+    (default 1) of ``GB`` each (default: an H100 80GB) under FSDP2, and the smallest GPU count that would, in one line;
+    exit 0 when it fits, 2 when not. Nothing is loaded: the model's config is read from its folder, or, for the
+    Qwen2.5 Instruct models, their published sizes (:data:`~qerl_trl.memory_plan.QWEN25_SHAPES`)."""
+    from .memory_plan import H100_80GB_BYTES, MemoryPlanError, fsdp2_preflight, model_shape_for
+
+    gpus = 1
+    if "--gpus" in argv:
+        i = argv.index("--gpus")
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        del argv[i : i + 2]
+        if not value.isdigit() or int(value) < 1:
+            _usage_error("qerl plan", ValueError(f"--gpus must be a whole number >= 1, got {value!r}"), debug)
+        gpus = int(value)
+    budget_gb = _pop_memory_budget(argv, debug)
+    budget = int(budget_gb * 1e9) if budget_gb is not None else H100_80GB_BYTES
+    try:
+        script_args, config = parse_train_args(argv)
+        name = str(script_args.model_name_or_path)
+        model_config = None
+        try:
+            from transformers import AutoConfig
+
+            from .policy import resolve_model_path
+
+            model_config = AutoConfig.from_pretrained(resolve_model_path(name), local_files_only=True)
+        except (OSError, ValueError):  # not on this machine: the known shapes
+            pass
+        fits, line = fsdp2_preflight(config, model_shape_for(name, model_config), budget, gpus, name=name)
+    except (ValueError, TypeError, MemoryPlanError) as e:
+        _usage_error("qerl plan", e, debug)
+    print(line)
+    if not fits:
+        raise SystemExit(2)
 
 
 def _is_main_process() -> bool:
@@ -457,7 +514,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    usage = "usage: qerl {train,eval} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes)"
+    usage = (
+        "usage: qerl {train,eval,plan} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes; "
+        "qerl plan [RECIPE] [--overrides] --gpus N)"
+    )
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     if command in ("-h", "--help", "help"):
         print(__doc__.strip() + "\n\n" + usage)
@@ -499,6 +559,8 @@ def main(argv: list[str] | None = None) -> None:
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()
+    elif command == "plan":
+        plan_main(argv, debug)
     elif command == "eval":
         _import_quietly(debug)
         from nvfp4.extras import MissingExtraError

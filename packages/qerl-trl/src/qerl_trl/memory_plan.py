@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from nvfp4.formats import FORMATS
@@ -67,11 +67,18 @@ __all__ = [
     "MemoryPlanError",
     "ModelShape",
     "RunShape",
+    "QWEN25_SHAPES",
     "check_plan",
     "cuda_budget_bytes",
+    "fsdp2_answer",
+    "fsdp2_preflight",
+    "fsdp2_requested",
+    "model_shape_for",
+    "plan_fsdp2",
     "plan_memory",
     "preflight",
     "run_shape_from_config",
+    "smallest_fsdp2_gpus",
     "weight_bytes_per_param",
 ]
 
@@ -349,14 +356,8 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
     m, a = model, run.activation_bytes
     h, i, v, n_layers = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers
     proj = m.projections()
-    per_layer_weights = sum(n_in * n_out for n_in, n_out in proj.values())
-    linear = n_layers * per_layer_weights * WEIGHT_BYTES[run.quantization]
-    linear += n_layers * len(proj) * TENSOR_BYTES.get(run.quantization, 0)
-    dense = 2 * v * h * (1 if m.tie_word_embeddings else 2)  # embeddings + lm_head, bf16
-    dense += 2 * (n_layers * 2 + 1) * h  # RMSNorm weights
-    if m.attention_bias:
-        dense += 2 * n_layers * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
-    weights = int(linear + dense)
+    parts = _weight_parts(m, run)
+    weights = int(n_layers * parts["layer"] + parts["embeddings"] + parts["final_norm"])
 
     lora_params = n_layers * sum(run.lora_r * sum(proj[t]) for t in run.lora_targets)
     lora = 2 * lora_params * run.lora_param_bytes  # parameters + gradients
@@ -387,13 +388,33 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
         details={"lora_params": lora_params, "training_tokens": tokens, "training_kept": int(tokens * kept),
                  "training_mask": int(mask), "training_lm_head": int(lm_head)},
     )  # fmt: skip
-    usable = plan.usable_bytes
-    room = usable - plan.fixed
-    by_prefill = room // (plan.per_row + prefill_per_row)
-    by_train = (room - training) // plan.per_row if run.held_generation else (room if room >= training else -1)
-    rows = max(0, min(run.generation_rows, by_prefill, by_train))
-    object.__setattr__(plan, "wave_rows", int(rows))
+    object.__setattr__(plan, "wave_rows", _fit_rows(plan))
     return plan
+
+
+def _weight_parts(m: ModelShape, run: RunShape) -> dict[str, float]:
+    """Bytes of one decoder layer's weights (projections in the run's format, its two RMSNorms and q/k/v biases in
+    bf16), of the embeddings + ``lm_head`` (bf16, one matrix when tied) and of the final norm."""
+    proj = m.projections()
+    layer = sum(n_in * n_out for n_in, n_out in proj.values()) * WEIGHT_BYTES[run.quantization]
+    layer += len(proj) * TENSOR_BYTES.get(run.quantization, 0)
+    layer += 2 * 2 * m.hidden_size  # RMSNorm weights
+    if m.attention_bias:
+        layer += 2 * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
+    return {
+        "layer": layer,
+        "embeddings": 2 * m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2),
+        "final_norm": 2 * m.hidden_size,
+    }
+
+
+def _fit_rows(plan: MemoryPlan) -> int:
+    """The most generation rows whose peak stays within the usable budget (0 when not one fits)."""
+    run = plan.run
+    room = plan.usable_bytes - plan.fixed
+    by_prefill = room // (plan.per_row + plan.prefill_per_row)
+    by_train = (room - plan.training) // plan.per_row if run.held_generation else (room if room >= plan.training else -1)
+    return int(max(0, min(run.generation_rows, by_prefill, by_train)))
 
 
 def run_shape_from_config(
@@ -532,3 +553,164 @@ def preflight(
     if waves and wanted is None and plan.waves > 1:
         args.generation_wave_rows = plan.wave_rows
     return plan
+
+
+# ----------------------------------------------------------------------------------------------------------- FSDP2
+#: config.json sizes of Qwen2.5-{7B,14B,32B,72B}-Instruct, for plans of models whose config is not at hand (no Hub)
+QWEN25_SHAPES: dict[str, ModelShape] = {
+    f"Qwen/Qwen2.5-{size}-Instruct": ModelShape(h, i, n, q, kv, 128, 152064, attention_bias=True)
+    for size, (h, i, n, q, kv) in {
+        "7B": (3584, 18944, 28, 28, 4),
+        "14B": (5120, 13824, 48, 40, 8),
+        "32B": (5120, 27648, 64, 40, 8),
+        "72B": (8192, 29568, 80, 64, 8),
+    }.items()
+}
+#: Decoder layers whose gathered (unsharded) weights FSDP2 holds at once: the one computing and the one prefetched.
+FSDP_GATHERED_LAYERS = 2
+
+
+def plan_fsdp2(
+    model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, margin: float = DEFAULT_MARGIN, *,
+    vllm_colocate: bool = False,
+) -> MemoryPlan:  # fmt: skip
+    """The :class:`MemoryPlan` of one GPU when ``num_gpus`` processes train ``run`` under FSDP2 (``fully_shard``:
+    :mod:`nvfp4.fsdp` for the 4-bit weights, accelerate's per-decoder-layer groups for the rest), within
+    ``budget_bytes`` per GPU. ``num_gpus == 1`` is :func:`plan_memory` (nothing to shard).
+
+    ``vllm_colocate``: rollouts by a vLLM engine with ``tensor_parallel_size = num_gpus`` on the same GPUs. It holds its
+    own copy of the weights, split over the GPUs (``weights / num_gpus``), and a KV cache whose heads are split too:
+    the plan's generation rows are then the engine's (``kv_per_row / num_gpus`` per GPU and row, the engine's
+    activations left to the margin), and ``wave_rows`` is how many sequences of ``cache_len`` positions its KV cache
+    holds at once (the engine schedules the rest).
+
+    Per GPU: every weight, LoRA parameter, LoRA gradient and optimizer state divided by ``num_gpus`` (FSDP2 splits
+    each tensor by rows), plus what FSDP2 holds whole while a step runs: the all-gathered weights and adapters (and
+    their gradients before the reduce-scatter) of :data:`FSDP_GATHERED_LAYERS` decoder layers, and the embeddings and
+    ``lm_head`` (the root and the tail groups keep theirs gathered through forward and backward). The training
+    micro-batch and the generation rows are per process, as without FSDP. An estimate, like :func:`plan_memory`: it
+    has not been checked against a measured FSDP2 step yet (``details["fsdp_gathered"]`` is the whole-tensor part).
+    """
+    if num_gpus < 1:
+        raise MemoryPlanError(f"num_gpus must be >= 1, got {num_gpus}")
+    if vllm_colocate:  # one engine generates every process's rows; its KV cache stays allocated while they train
+        run = replace(run, held_generation=True, generation_rows=run.generation_rows * num_gpus)
+    base = plan_memory(model, run, budget_bytes, margin)
+    parts = _weight_parts(model, run)
+    n = num_gpus
+    weights, lora, optimizer, details = base.weights, base.lora, base.optimizer, dict(base.details)
+    if n > 1:
+        lora_layer = base.lora / model.num_layers  # one layer's adapters + gradients
+        whole = parts["embeddings"] + parts["final_norm"]
+        gathered = FSDP_GATHERED_LAYERS * (parts["layer"] + lora_layer) + whole
+        weights = int(base.weights / n + FSDP_GATHERED_LAYERS * parts["layer"] + whole)
+        lora = int(base.lora / n + FSDP_GATHERED_LAYERS * lora_layer)
+        optimizer = math.ceil(base.optimizer / n)
+        details.update(num_gpus=n, fsdp_sharded=int((base.weights + base.lora + base.optimizer) / n),
+                       fsdp_gathered=int(gathered))  # fmt: skip
+    kv_per_row, buffers_per_row, prefill_per_row = base.kv_per_row, base.buffers_per_row, base.prefill_per_row
+    if vllm_colocate:
+        engine_weights = int(base.weights / n)
+        details["vllm_weights"] = engine_weights
+        weights += engine_weights
+        kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / n), 0, 0
+    plan = replace(base, weights=weights, lora=lora, optimizer=optimizer, kv_per_row=kv_per_row,
+                   buffers_per_row=buffers_per_row, prefill_per_row=prefill_per_row, wave_rows=0,
+                   details=details)  # fmt: skip
+    object.__setattr__(plan, "wave_rows", _fit_rows(plan))
+    return plan
+
+
+def smallest_fsdp2_gpus(
+    model: ModelShape, run: RunShape, budget_bytes: int, *, max_gpus: int = 8, margin: float = DEFAULT_MARGIN,
+    waves_allowed: bool = True, vllm_colocate: bool = False,
+) -> int | None:  # fmt: skip
+    """The fewest GPUs (1 .. ``max_gpus``) of ``budget_bytes`` each on which :func:`plan_fsdp2` fits ``run`` (at least
+    one generation row per wave, or the whole batch without ``waves_allowed``); None when none does."""
+    for n in range(1, max_gpus + 1):
+        plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate)
+        if plan.wave_rows >= (1 if waves_allowed else run.generation_rows):
+            return n
+    return None
+
+
+def fsdp2_answer(
+    model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
+    max_gpus: int = 8, margin: float = DEFAULT_MARGIN, waves_allowed: bool = True, vllm_colocate: bool = False,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether ``run`` on ``model`` fits ``num_gpus`` GPUs of ``budget_bytes`` under FSDP2, and one line saying so:
+    the planned peak per GPU against what is usable, and the smallest GPU count that would fit (``qerl plan``; an
+    estimate, see :func:`plan_fsdp2`)."""
+    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate)
+    need = 1 if waves_allowed else run.generation_rows
+    fits = plan.wave_rows >= need
+    rows = plan.rows_per_wave if fits else need
+    smallest = smallest_fsdp2_gpus(model, run, budget_bytes, max_gpus=max_gpus, margin=margin,
+                                   waves_allowed=waves_allowed, vllm_colocate=vllm_colocate)  # fmt: skip
+    where = f"{num_gpus} GPU{'s' if num_gpus > 1 else ''} of {budget_bytes / GB:.1f} GB"
+    mode = "FSDP2" if num_gpus > 1 else "one process"
+    head = (
+        f"{name} ({run.quantization}, LoRA r={run.lora_r}, micro-batch {run.micro_batch_rows} x "
+        f"{run.prompt_len + run.completion_len} tokens) under {mode} on {where}: "
+    )
+    engine = plan.details.get("vllm_weights", 0)
+    gen = (f"vLLM TP={num_gpus} weights {engine / GB:.1f} GB + KV cache for {rows} concurrent sequence(s) of "
+           f"{run.cache_len} positions {rows * plan.per_row / GB:.1f} GB" if vllm_colocate else
+           f"{rows} generation row(s) per wave {rows * plan.per_row / GB:.1f} GB")  # fmt: skip
+    body = (
+        f"planned peak {plan.peak(rows) / GB:.1f} of {plan.usable_bytes / GB:.1f} GB usable per GPU (policy weights "
+        f"{(plan.weights - engine) / GB:.1f} GB, LoRA + optimizer {(plan.lora + plan.optimizer) / GB:.2f} GB, "
+        f"training {plan.training / GB:.1f} GB, {gen})"
+    )
+    if smallest is None:
+        least = f"no count up to {max_gpus} GPUs fits"
+    else:
+        least = f"smallest GPU count that fits: {smallest}"
+    verdict = "fits" if fits else f"does not fit, {(plan.peak(rows) - plan.usable_bytes) / GB:.1f} GB over"
+    return fits, f"{head}{verdict}: {body}; {least} (estimate)"
+
+
+def fsdp2_requested() -> bool:
+    """Whether ``accelerate launch`` was given an FSDP2 config (``distributed_type: FSDP``, ``fsdp_version: 2``, as
+    ``recipes/accelerate/fsdp2.yaml``): it exports ``ACCELERATE_USE_FSDP=true`` and ``FSDP_VERSION=2``."""
+    import os
+
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
+
+
+def model_shape_for(name: str, config: Any = None) -> ModelShape:
+    """The :class:`ModelShape` of a transformers ``config`` when there is one, else of a Qwen2.5 Instruct model named
+    ``name`` (:data:`QWEN25_SHAPES`: its published sizes, for plans made where the config cannot be read)."""
+    if config is not None:
+        return ModelShape.from_config(config)
+    key = name if name in QWEN25_SHAPES else f"Qwen/{name}" if f"Qwen/{name}" in QWEN25_SHAPES else None
+    if key is None:
+        raise MemoryPlanError(
+            f"no config for {name!r} here and no known shape: pass a local model folder, or one of "
+            f"{', '.join(QWEN25_SHAPES)}"
+        )
+    return QWEN25_SHAPES[key]
+
+
+def fsdp2_preflight(
+    args: Any, model: ModelShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
+    margin: float = DEFAULT_MARGIN,
+) -> tuple[bool, str]:  # fmt: skip
+    """:func:`fsdp2_answer` for a ``QeRLConfig`` (``qerl plan``, and ``qerl train`` under an FSDP2 launch): the run's
+    shape as :func:`run_shape_from_config` reads it with bf16 activations (the GPU run's, whatever machine plans it);
+    ``rollout_engine="vllm"`` without a ``server_url`` plans a colocated engine of ``tensor_parallel_size =
+    num_gpus``, a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
+    run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
+    engine = getattr(args, "rollout_engine", "graph")
+    vllm = getattr(args, "vllm", None)
+    server = getattr(vllm, "server_url", None) if vllm is not None and not isinstance(vllm, dict) else None
+    if isinstance(vllm, dict):
+        server = vllm.get("server_url")
+    server = server or getattr(args, "vllm_server_url", None)
+    colocate = engine == "vllm" and not server
+    if engine == "vllm" and server:
+        run = replace(run, held_generation=False)
+    waves = engine in ("graph", "vllm")
+    return fsdp2_answer(model, run, budget_bytes, num_gpus, name=name, margin=margin, waves_allowed=waves,
+                        vllm_colocate=colocate)  # fmt: skip
+

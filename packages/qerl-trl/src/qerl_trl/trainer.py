@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 from aqn import AQNController, make_schedule
-from nvfp4 import cache_dequantized
+from nvfp4 import NVFP4Linear, cache_dequantized
+from nvfp4.fsdp import fully_shard_quantized
 from nvfp4.peft import register_nvfp4_lora
 from peft import LoraConfig, PeftModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -65,6 +66,7 @@ from .checkpoints import (
     write_manifest,
 )
 from .config import QeRLConfig
+from .memory_plan import fsdp2_requested
 from .policy import load_policy, load_tokenizer
 from .rollout import RolloutEngine
 
@@ -518,6 +520,38 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.rollout.close()
 
     # ------------------------------------------------------------------ hooks
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers' accelerator; and FSDP2 on CPU processes too when the launch asked for it.
+
+        accelerate turns an FSDP config on for GPU-type backends only: with CPU processes (gloo) ``AcceleratorState``
+        stays ``MULTI_CPU`` and ``prepare`` would wrap the model in DDP instead. FSDP2 itself runs on CPU over gloo
+        (``fully_shard`` on a CPU device mesh; ``tests/nvfp4/test_fsdp.py``), so here the state is given the FSDP
+        plugin the launch described (``FullyShardedDataParallelPlugin()`` reads the ``FSDP_*`` variables
+        ``accelerate launch`` exported) and the FSDP distributed type, before anything was prepared: ``prepare`` then
+        runs accelerate's own ``fsdp2_prepare_model``. That is how CI runs this path without GPUs; GPU launches
+        never reach it.
+        """
+        super().create_accelerator_and_postprocess()
+        from accelerate import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        if fsdp2_requested() and state.distributed_type == DistributedType.MULTI_CPU:
+            plugin = FullyShardedDataParallelPlugin()
+            if state.mixed_precision != "no":
+                plugin.set_mixed_precision(state.mixed_precision)
+            state.fsdp_plugin = plugin
+            state.distributed_type = DistributedType.FSDP
+            # as AcceleratorState.__init__ does after choosing the type: an AcceleratorState() made later (TRL makes
+            # some) takes the process state's
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    @property
+    def uses_fsdp2(self) -> bool:
+        """Whether the policy is sharded by FSDP2 (an FSDP2 launch on several processes)."""
+        return bool(getattr(self, "is_fsdp_enabled", False)) and self.accelerator.is_fsdp2
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; on CPU the NVFP4 weights are dequantized once for the run (see below).
 
@@ -533,7 +567,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
         """
         resume_from_checkpoint = self._checked_resume_checkpoint(resume_from_checkpoint)
         model = self.accelerator.unwrap_model(self.model)
-        if self.accelerator.num_processes > 1:
+        if self.uses_fsdp2 and not any(m.fsdp_shardable for m in model.modules() if isinstance(m, NVFP4Linear)):
+            # the 4-bit weights in their own no-cast FSDP groups, one per decoder layer (nvfp4.fsdp), before
+            # accelerate's fully_shard of the decoder layers and the root takes the rest (LoRA, norms, embeddings)
+            fully_shard_quantized(model)
+        if self.accelerator.num_processes > 1 and not self.uses_fsdp2:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
             self.model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(quantized_buffer_names(self.model)))
         self.rollout.before_train()

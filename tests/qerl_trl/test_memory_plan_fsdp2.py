@@ -1,0 +1,89 @@
+"""The FSDP2 memory plan (``plan_fsdp2``, ``qerl plan``): per-GPU bytes when the policy is sharded over N GPUs, and the
+smallest GPU count that fits, in one line (exit 2 when the run does not fit). Shapes are Qwen2.5's published sizes."""
+
+from __future__ import annotations
+
+import pytest
+from qerl_trl.memory_plan import (
+    GB,
+    H100_80GB_BYTES,
+    LORA_TARGETS,
+    QWEN25_SHAPES,
+    RunShape,
+    fsdp2_answer,
+    plan_fsdp2,
+    plan_memory,
+    smallest_fsdp2_gpus,
+)
+
+Q72 = QWEN25_SHAPES["Qwen/Qwen2.5-72B-Instruct"]
+Q32 = QWEN25_SHAPES["Qwen/Qwen2.5-32B-Instruct"]
+#: the shipped 32B DAPO recipe's shape (micro-batch 1 x (1,024 + 8,192) tokens, 128 completions per process)
+DAPO = RunShape(quantization="nvfp4", lora_r=32, lora_targets=LORA_TARGETS, generation_rows=128, micro_batch_rows=1,
+                prompt_len=1024, completion_len=8192, cache_len=9216)  # fmt: skip
+
+
+def test_one_gpu_is_the_plain_plan_and_sharding_divides_the_held_bytes():
+    assert plan_fsdp2(Q32, DAPO, H100_80GB_BYTES, 1) == plan_memory(Q32, DAPO, H100_80GB_BYTES)
+    base = plan_memory(Q72, DAPO, H100_80GB_BYTES)
+    plans = {n: plan_fsdp2(Q72, DAPO, H100_80GB_BYTES, n) for n in (1, 2, 4, 8)}
+    for n in (2, 4, 8):
+        p = plans[n]
+        # sharded: 1/n of everything; whole: 2 gathered decoder layers + embeddings and lm_head
+        assert p.details["fsdp_sharded"] == pytest.approx((base.weights + base.lora + base.optimizer) / n, rel=1e-6)
+        assert p.weights < plans[n // 2].weights and p.optimizer == -(-base.optimizer // n)
+        assert p.training == base.training and p.kv_per_row == base.kv_per_row  # per process, as without FSDP
+    # 72B in NVFP4: ~44.5 GB of weights on one GPU, ~28 GB on each of 2 (embeddings and lm_head stay whole: 2.5 GB each)
+    assert 44 * GB < base.weights < 45 * GB and 27 * GB < plans[2].weights < 29 * GB
+
+
+def test_72b_with_colocated_vllm_needs_two_gpus():
+    """vLLM colocated with tensor_parallel_size = N holds its own weight shard and KV cache: 72B cannot fit one
+    80 GB GPU (two copies of 44 GB), fits 2 according to the plan; the line says so and names the smallest count."""
+    vllm = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    assert smallest_fsdp2_gpus(Q72, vllm, H100_80GB_BYTES, vllm_colocate=True) == 2
+    fits, line = fsdp2_answer(Q72, vllm, H100_80GB_BYTES, 1, name="72B", vllm_colocate=True)
+    assert not fits and "does not fit" in line and line.endswith("smallest GPU count that fits: 2 (estimate)")
+    fits, line = fsdp2_answer(Q72, vllm, H100_80GB_BYTES, 2, name="72B", vllm_colocate=True)
+    assert fits and "under FSDP2 on 2 GPUs" in line and "vLLM TP=2" in line and "\n" not in line
+    plan = plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 2, vllm_colocate=True)
+    assert plan.details["vllm_weights"] == pytest.approx(plan_memory(Q72, vllm, H100_80GB_BYTES).weights / 2, abs=1)
+    assert plan.kv_per_row == -(-Q72.kv_bytes_per_token(2) * 9216 // 2)  # KV heads split over the 2 GPUs
+    # a GPU too small for any count up to 8
+    fits, line = fsdp2_answer(Q72, vllm, 10 * 10**9, 2, name="72B", vllm_colocate=True)
+    assert not fits and "no count up to 8 GPUs fits" in line
+
+
+def test_qerl_plan_command_one_line_and_exit_code(capsys):
+    """``qerl plan`` reads the recipe and the model's published shape (no Hub, nothing loaded): one line, exit 2
+    when the run does not fit."""
+    from qerl_trl.cli import main
+
+    args = ["plan", "bigmath-qwen2.5-32b-dapo", "--model_name_or_path", "Qwen/Qwen2.5-72B-Instruct",
+            "--rollout_engine", "vllm"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--gpus", "1"])
+    assert exit_info.value.code == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "does not fit" in out[0] and "smallest GPU count that fits: 2" in out[0]
+    main(args + ["--gpus", "2", "--memory-budget-gb", "85.5"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and ": fits:" in out[0] and "under FSDP2 on 2 GPUs of 85.5 GB" in out[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model_name_or_path", "no/such-model", "--gpus", "2"])
+    assert exit_info.value.code == 2 and "no known shape" in capsys.readouterr().err
+
+
+def test_qerl_train_checks_the_fsdp2_plan_under_an_fsdp2_launch(monkeypatch, tmp_path, tiny_dir):
+    """Under ``accelerate launch --config_file fsdp2.yaml`` (its environment), ``qerl train``'s memory check is the
+    FSDP2 plan's: a budget too small stops the run with the one line, a large one passes."""
+    from qerl_trl.cli import check_memory, parse_train_args
+    from qerl_trl.memory_plan import MemoryPlanError
+
+    script_args, config = parse_train_args(["offline-default", "--model_name_or_path", str(tiny_dir),
+                                            "--output_dir", str(tmp_path)])  # fmt: skip
+    for name, value in {"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MemoryPlanError, match=r"under FSDP2 on 2 GPUs of 0\.0 GB: does not fit.*no count up to 8 GPUs fits"):
+        check_memory(script_args, config, budget_bytes=10**6)
+    assert check_memory(script_args, config, budget_bytes=80 * 10**9) is True

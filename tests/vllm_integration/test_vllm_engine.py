@@ -22,6 +22,7 @@ from vllm_test_helpers import (
     ENGINE_DTYPE,
     check_forced,
     compare_forced,
+    eos_ids,
     hf_forced,
     nvfp4_offline_checkpoint,
     vllm_server,
@@ -131,7 +132,7 @@ def test_plugin_registered_and_layers_use_the_backend(engine):
 
 def test_greedy_matches_hf(base_out, hf_model, prompt_ids):
     ours = base_out
-    cmp = compare_forced(ours, hf_forced(hf_model, prompt_ids, ours))
+    cmp = compare_forced(ours, hf_forced(hf_model, prompt_ids, ours, eos_ids(hf_model)))
     _report("base", cmp)
     check_forced(cmp)
     assert all(len(g.token_ids) == N_TOKENS == len(g.logprobs) for g in ours)
@@ -158,7 +159,7 @@ def test_lora_sync_changes_outputs_like_hf(engine, hf_model, prompt_ids, base_ou
         req = engine.sync_lora(adapter, version=1)
         assert req.lora_int_id >= 1 and engine.lora_version == 1
         ours = _greedy(engine, prompt_ids)  # lora="synced" by default
-        cmp = compare_forced(ours, hf_forced(peft_model, prompt_ids, ours))
+        cmp = compare_forced(ours, hf_forced(peft_model, prompt_ids, ours, eos_ids(hf_model)))
         _report("lora (folder)", cmp)
         check_forced(cmp)
         changed = sum(o.token_ids != b.token_ids for o, b in zip(ours, base))
@@ -205,7 +206,7 @@ def test_aqn_noise_changes_engine_and_restores_bit_identically(engine, hf_model,
 
     # the engine's noisy policy is the trainer's noisy policy: same noise on the HF model
     with ctrl.rollout(hf_model, step):
-        cmp = compare_forced(during, hf_forced(hf_model, prompt_ids, during))
+        cmp = compare_forced(during, hf_forced(hf_model, prompt_ids, during, eos_ids(hf_model)))
     _report(f"aqn sigma={SIGMA}", cmp)
     check_forced(cmp)
 

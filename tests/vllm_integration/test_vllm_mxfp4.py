@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import ENGINE_DTYPE, check_forced, compare_forced, hf_forced, nvfp4_offline_checkpoint
+from vllm_test_helpers import ENGINE_DTYPE, check_forced, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N_TOKENS = 12
@@ -36,7 +36,9 @@ def test_checkpoint_is_mxfp4a16_and_the_plugin_claims_it(ckpt, engine):
 
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mxfp4-pack-quantized" and _compressed_tensors_format(qc).name == "mxfp4"
-    assert QeRLNVFP4Config.override_quantization_method(qc, None) == "nvfp4_w4a16"  # ours (dequantized once), CPU and CUDA
+    assert (
+        QeRLNVFP4Config.override_quantization_method(qc, None) == "nvfp4_w4a16"
+    )  # ours (dequantized once), CPU and CUDA
     assert QeRLNVFP4Config.from_config(qc).weight_format.name == "mxfp4"
 
     def kinds(model):
@@ -84,6 +86,6 @@ def test_greedy_matches_hf(ckpt, engine):
     model = nvfp4.load_nvfp4_checkpoint(ckpt, dtype=torch.float32).eval()
     assert model.model.layers[0].mlp.up_proj.format == "mxfp4"
     with nvfp4.cache_dequantized(model, torch.float32):
-        cmp = compare_forced(ours, hf_forced(model, prompt_ids, ours))
+        cmp = compare_forced(ours, hf_forced(model, prompt_ids, ours, eos_ids(model)))
     print(f"\n[mxfp4] {cmp}")
     check_forced(cmp)

@@ -81,10 +81,23 @@ def nvfp4_offline_checkpoint(format: str = "nvfp4") -> Path:
     return target
 
 
+def eos_ids(model) -> list[int]:
+    """The model's EOS ids (its config's and its generation config's): what vLLM's ``min_tokens`` masks."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(ids)
+
+
 @torch.no_grad()
-def hf_forced(model, prompt_ids: list[list[int]], engine_out) -> list[tuple[list[float], list[float]]]:
+def hf_forced(
+    model, prompt_ids: list[list[int]], engine_out, suppress: list[int] = ()
+) -> list[tuple[list[float], list[float]]]:
     """The reference model teacher-forced on the engine's own completions: per prompt, the reference logprob of each
-    engine token and the reference's best logprob at that step (raw logits in float32, one sequence at a time)."""
+    engine token and the reference's best logprob at that step (raw logits in float32, one sequence at a time).
+    ``suppress``: token ids the engine could not choose (EOS under ``min_tokens``: :func:`eos_ids`), left out of the
+    best."""
     device = next(model.parameters()).device
     out = []
     for ids, gen in zip(prompt_ids, engine_out):
@@ -95,7 +108,9 @@ def hf_forced(model, prompt_ids: list[list[int]], engine_out) -> list[tuple[list
         ]
         lps = torch.log_softmax(logits.float(), -1)
         chosen = lps[torch.arange(len(toks), device=device), torch.tensor(toks, device=device)]
-        out.append((chosen.tolist(), lps.max(-1).values.tolist()))
+        allowed = lps.clone()
+        allowed[:, list(suppress)] = float("-inf")
+        out.append((chosen.tolist(), allowed.max(-1).values.tolist()))
     return out
 
 

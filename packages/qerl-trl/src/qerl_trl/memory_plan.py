@@ -701,16 +701,9 @@ def fsdp2_preflight(
     ``rollout_engine="vllm"`` without a ``server_url`` plans a colocated engine of ``tensor_parallel_size =
     num_gpus``, a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
     run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
-    engine = getattr(args, "rollout_engine", "graph")
-    vllm = getattr(args, "vllm", None)
-    server = getattr(vllm, "server_url", None) if vllm is not None and not isinstance(vllm, dict) else None
-    if isinstance(vllm, dict):
-        server = vllm.get("server_url")
-    server = server or getattr(args, "vllm_server_url", None)
-    colocate = engine == "vllm" and not server
-    if engine == "vllm" and server:
-        run = replace(run, held_generation=False)
-    waves = engine in ("graph", "vllm")
+    engine = args.rollout_engine_class  # what it holds and how it generates are its own rules
+    colocate = engine.colocated_engine(args)
+    waves = engine.generates_in_waves or colocate  # a colocated vLLM schedules what its KV cache cannot hold at once
     return fsdp2_answer(model, run, budget_bytes, num_gpus, name=name, margin=margin, waves_allowed=waves,
                         vllm_colocate=colocate)  # fmt: skip
 

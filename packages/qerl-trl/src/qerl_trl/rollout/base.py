@@ -50,6 +50,13 @@ class RolloutEngine:
     holds_generation_memory: ClassVar[bool]
     generates_in_waves: ClassVar[bool] = False
 
+    @classmethod
+    def colocated_engine(cls, args: Any) -> bool:
+        """Whether a config's rollouts run in an engine of their own on the training GPUs, beside the policy (the
+        FSDP2 memory plan then adds that engine's weights and KV cache on every GPU). None here; vLLM without a
+        ``server_url``: yes."""
+        return False
+
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
         self.trainer = trainer
 

@@ -392,6 +392,10 @@ class VLLMRollout(RolloutEngine):
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
 
     @classmethod
+    def colocated_engine(cls, args: Any) -> bool:
+        return not args.vllm.server_url  # colocate mode: the engine shares the trainer's GPUs
+
+    @classmethod
     def check_config(cls, cfg: Any) -> None:
         """A checkpoint vLLM loads (NVFP4 or dense), AQN once per generation step, TRL's own ``use_vllm`` off."""
         super().check_config(cfg)

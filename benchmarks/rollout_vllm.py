@@ -43,6 +43,7 @@ Usage::
     python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming \\
         --batch 8,32,64,128 --prompt-len 256 --new-tokens 256 --out $OUT/rollout_vllm_7b.json    # H100
     python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
+    bash benchmarks/vllm_gpu/rollout_table.sh start    # the whole table, both engines, on one 4-GPU machine (README)
 """
 
 from __future__ import annotations

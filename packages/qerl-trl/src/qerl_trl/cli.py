@@ -560,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()
     elif command == "plan":
+        _import_quietly(debug)  # parse_train_args imports TRL, hence PEFT, hence bitsandbytes
         plan_main(argv, debug)
     elif command == "eval":
         _import_quietly(debug)

@@ -99,3 +99,146 @@ def test_spike_config_covers_the_spike_ms():
     assert hopper_ss.spike_config(100)["block_m"] == 128
     assert hopper_ss.spike_config(256)["block_m"] == 128  # 256 runs as two 128-token blocks (see SPIKE_CONFIGS)
     assert hopper_ss.spike_config(4096) == hopper_ss.spike_config(256)
+
+
+class _Barrier:
+    """An mbarrier as the hardware sees it: ``count`` arrivals complete a phase; a wait names a phase parity only."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def passes(self, n: int) -> bool:
+        """Whether a wait for phase ``n`` (parity ``n & 1``) returns now; a waiter two phases behind would hang on
+        hardware (same parity), which the protocol must never allow."""
+        assert self.phases <= n + 1, f"barrier ran {self.phases - n} phases past a waiter"
+        return self.phases % 2 != n % 2
+
+
+def _segments(u0: int, u1: int, ku: int):
+    u = u0
+    while u < u1:
+        kb = u % ku
+        ke = min(ku, kb + (u1 - u))
+        yield kb, ke
+        u += ke - kb
+
+
+def _simulate(stages: int, astages: int, xf: int, sub: int, u0: int, u1: int, ku: int, seed: int) -> int:
+    """One program of :func:`nvfp4.kernels.hopper_ss._ss_linear_kernel`'s mainloop, its index and barrier arithmetic
+    replayed in Python under a random interleaving of the partitions and of the TMA completions: every wgmma sees
+    the x and A tiles of its own stage from issue to retirement, no barrier runs a phase past a waiter, and the run
+    ends (no deadlock). Returns the number of wgmma groups issued."""
+    import random
+
+    rng = random.Random(seed)
+    empty = [_Barrier(2 + xf) for _ in range(stages)]
+    ready = [_Barrier(1) for _ in range(stages)]
+    a_empty = [_Barrier(1) for _ in range(2 * astages)]
+    a_ready = [_Barrier(1) for _ in range(2 * astages)]
+    x, w, a = [None] * stages, [None] * stages, [None] * (2 * astages)
+    tma: list = []  # copies in flight: (stage, i)
+    issued = [0]
+
+    def wait(bar, n):
+        while not bar.passes(n):
+            yield
+
+    def producer():
+        i = 0
+        for kb, ke in _segments(u0, u1, ku):
+            for _ in range(kb * sub, ke * sub):
+                st = i % stages
+                yield from wait(empty[st], i // stages - 1)  # parity ((i // S) & 1) ^ 1
+                tma.append((st, i))
+                i += 1
+
+    def transform(h0, nh):
+        i = 0
+        for kb, ke in _segments(u0, u1, ku):
+            for _ in range(kb * sub, ke * sub):
+                st, sa = i % stages, i % astages
+                for h in range(h0, h0 + nh):
+                    yield from wait(a_empty[h * astages + sa], i // astages - 1)
+                    yield from wait(ready[st], i // stages)
+                    assert w[st] == i, ("transform read a weight tile of another stage", w[st], i)
+                    yield
+                    a[h * astages + sa] = (i, h)
+                for h in range(h0, h0 + nh):
+                    a_ready[h * astages + sa].arrive()
+                empty[st].arrive()
+                i += 1
+
+    def mma(wg):
+        i = 0
+        inflight: list = []
+
+        def retire(keep):
+            while len(inflight) > keep:
+                j, st, sa = inflight.pop(0)
+                assert x[st] == j and a[wg * astages + sa] == (j, wg), "a tile was overwritten under a wgmma"
+
+        for kb, ke in _segments(u0, u1, ku):
+            i_first = i
+            for _ in range(kb * sub, ke * sub):
+                st, sa = i % stages, i % astages
+                yield from wait(a_ready[wg * astages + sa], i // astages)
+                yield from wait(ready[st], i // stages)
+                assert x[st] == i and a[wg * astages + sa] == (i, wg), "wgmma issued on tiles of another stage"
+                inflight.append((i, st, sa))
+                issued[0] += 1
+                yield
+                retire(1)
+                if i > i_first:
+                    a_empty[wg * astages + (i - 1) % astages].arrive()
+                    empty[(i - 1) % stages].arrive()
+                i += 1
+            yield
+            retire(0)
+            a_empty[wg * astages + (i - 1) % astages].arrive()
+            empty[(i - 1) % stages].arrive()
+
+    roles = [producer(), mma(0), mma(1)] + ([transform(0, 1), transform(1, 1)] if xf == 2 else [transform(0, 2)])
+    live = list(roles)
+    steps = 0
+    while live or tma:
+        steps += 1
+        assert steps < 10**6, "no progress: deadlock"
+        if tma and (not live or rng.random() < 0.3):
+            st, i = tma.pop(rng.randrange(len(tma)) if rng.random() < 0.1 else 0)
+            x[st] = w[st] = i  # the copy lands, then completes the stage's barrier
+            ready[st].arrive()
+            continue
+        role = rng.choice(live)
+        try:
+            next(role)
+        except StopIteration:
+            live.remove(role)
+    return issued[0]
+
+
+@pytest.mark.parametrize("stages,astages,xf,sub", [(6, 3, 2, 1), (8, 3, 2, 1), (3, 2, 1, 1), (2, 2, 2, 2), (4, 4, 1, 1)])
+@pytest.mark.parametrize("u0,u1,ku", [(0, 56, 56), (13, 130, 56), (5, 7, 296), (290, 600, 296)])
+def test_spike_pipeline_protocol_replayed_on_the_cpu(stages, astages, xf, sub, u0, u1, ku):
+    """The barrier protocol of the spike (load ring released by 2 + xf arrivals, A ring per half), replayed under
+    random interleavings: what the GPU test would show as a hang or a wrong tile, caught without a GPU."""
+    for seed in range(3):
+        assert _simulate(stages, astages, xf, sub, u0, u1, ku, seed) == 2 * (u1 - u0) * sub
+
+
+def test_spike_pipeline_needs_two_a_tiles_per_half():
+    """With one A tile per half the protocol deadlocks: an MMA warpgroup releases stage i's tile only after issuing
+    stage i + 1 (one group stays in flight), whose tile the transform cannot write before that release. The launcher
+    refuses ``astages < 2``."""
+    from nvfp4.kernels import hopper_ss
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(4, 1, 2, 1, 0, 20, 56, 0)
+    with pytest.raises(ValueError, match="astages"):
+        hopper_ss.launch(torch.zeros(1, 256, dtype=torch.bfloat16), None, torch.zeros(128, 16), None, None, None,
+                         None, astages=1)  # fmt: skip

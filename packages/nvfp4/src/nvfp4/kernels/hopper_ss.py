@@ -247,6 +247,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     """``y = x · dequant(W)ᵀ + bias`` into ``y``; the arguments as :func:`nvfp4.kernels.hopper_ws.launch` (``packed``
     in the MMA layout), plus ``astages`` (decoded A tiles in flight per MMA warpgroup) and ``xf`` (transform
     warpgroups: 1 or 2)."""
+    if astages < 2 or stages < 2:
+        # an MMA warpgroup holds two stages' tiles (one wgmma group in flight): one A tile per half deadlocks
+        raise ValueError(f"hopper_ss.launch: astages={astages}, stages={stages} (each needs >= 2)")
     m, k = x.shape
     n = scale.shape[0]
     x_layout, w_layout, s_layout = _smem_layouts(block_m)

@@ -269,6 +269,8 @@ def humming_layers_any(wts: Weights) -> list:
 
 
 SPIKE_SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B
+# v4 arms: hopper_ss.SPIKE_CONFIGS as they are ("ss"), and with one transform warpgroup decoding both halves
+SPIKE_VARIANTS = {"ss": {}, "ss_xf1": {"xf": 1}}
 
 
 def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dict:
@@ -293,29 +295,30 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
         for m in ms:
             row = {"linear": name, "N": n, "K": k, "M": m}
             row["ours_ms"], row["bf16_ms"] = bench_fwd(wts, m)
-            cfg = hopper_ss.spike_config(m)
-            row["ss_config"] = cfg
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             ref = x.double() @ w64.T
-            hopper_ss.POISON = True
-            try:
-                y = hopper_ss.ss_linear(x, *wts.q[0], None, **cfg)
-                torch.cuda.synchronize()
-                bad = torch.isnan(y).any().item()
-                err = float("nan") if bad else ((y.double() - ref).norm() / ref.norm()).item()
-            except Exception as e:  # noqa: BLE001 - report and go on to the other arms
-                err, bad = float("nan"), True
-                row["ss_exception"] = repr(e)
-            finally:
-                hopper_ss.POISON = False
-            row["ss_err"] = err
-            if not bad and err < 1e-2:
-                nq = _n_calls(len(wts.q))
-                row["ss_ms"] = time_graph([partial(hopper_ss.ss_linear, x, *wts.q[i % len(wts.q)], None, **cfg)
-                                           for i in range(nq)])  # fmt: skip
+            for arm, override in SPIKE_VARIANTS.items():
+                cfg = hopper_ss.spike_config(m) | override
+                row[f"{arm}_config"] = cfg
+                hopper_ss.POISON = True
+                try:
+                    y = hopper_ss.ss_linear(x, *wts.q[0], None, **cfg)
+                    torch.cuda.synchronize()
+                    bad = torch.isnan(y).any().item()
+                    err = float("nan") if bad else ((y.double() - ref).norm() / ref.norm()).item()
+                except Exception as e:  # noqa: BLE001 - report and go on to the other arms
+                    err, bad = float("nan"), True
+                    row[f"{arm}_exception"] = repr(e)
+                finally:
+                    hopper_ss.POISON = False
+                row[f"{arm}_err"] = err
+                if not bad and err < 1e-2:
+                    nq = _n_calls(len(wts.q))
+                    row[f"{arm}_ms"] = time_graph([partial(hopper_ss.ss_linear, x, *wts.q[i % len(wts.q)], None, **cfg)
+                                                   for i in range(nq)])  # fmt: skip
             if hum:
                 row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-            for arm in ("ours", "ss", "humming"):
+            for arm in ("ours", *SPIKE_VARIANTS, "humming"):
                 if f"{arm}_ms" in row:
                     row[f"{arm}_x_bf16"] = row["bf16_ms"] / row[f"{arm}_ms"]
             print(json.dumps(row), flush=True)
@@ -325,9 +328,10 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
                 (out / "gemm_spike_ss_partial.json").write_text(json.dumps(rows, indent=1))
         del wts, hum
         torch.cuda.empty_cache()
-    print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>9} {'shipped':>8} {'v4 (SS)':>8} {'Humming':>8}   (x bf16)")
+    arms = ("ours", *SPIKE_VARIANTS, "humming")
+    print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>9} " + " ".join(f"{a:>8}" for a in arms) + "   (x bf16; ours = shipped)")
     for r in rows:
-        cells = [f"{r[a + '_x_bf16']:8.2f}" if a + "_x_bf16" in r else f"{'-':>8}" for a in ("ours", "ss", "humming")]
+        cells = [f"{r[a + '_x_bf16']:8.2f}" if a + "_x_bf16" in r else f"{'-':>8}" for a in arms]
         print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:9.4f} " + " ".join(cells))
     return {"spike": rows}
 

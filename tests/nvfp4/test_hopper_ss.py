@@ -22,9 +22,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _configs() -> list[tuple]:
+    """The spike configs (``SPIKE_CONFIGS``) and their one-transform-warpgroup variants (``gemm.py --spike``'s
+    ``ss_xf1`` arm)."""
     from nvfp4.kernels import hopper_ss
 
-    return sorted(set(hopper_ss.SPIKE_CONFIGS.values()))
+    found = set(hopper_ss.SPIKE_CONFIGS.values())
+    return sorted(found | {c[:5] + (1,) + c[6:] for c in found})
 
 
 @pytest.mark.parametrize("config", _configs())

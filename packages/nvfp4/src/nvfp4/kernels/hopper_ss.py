@@ -296,10 +296,11 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 # The spike's configs per M (7B gate / down): (block_m, tiles, stages, astages, sub, xf, fixup). Shared memory at
 # block_m = 128: 6 load stages × (16 KB x + 4 KB weight + 2 KB scales) + 2 halves × 3 decoded 64×64 bf16 A tiles
-# (8 KB each) = 180 KB of the 227 KB. block_m = 256 does not build: the 5 partitions take 640 threads (Triton pads
-# the producer warp to a warpgroup), so ptxas gets 96 registers a thread and ignores setmaxnreg (C7507), and a
-# 64×256 fp32 accumulator needs ≥ 154 (C7602); M = 256 runs as two 128-token blocks of each weight tile, adjacent
-# in the schedule so that the tile streams from HBM once.
+# (8 KB each) = 180 KB of the 227 KB. block_m = 256 does not build: ptxas compiles every partition under the
+# kernel's .maxnreg (65536 / threads: 96 at 640 threads — Triton pads the producer warp to a warpgroup — 128 at
+# xf = 1's 512; a setmaxnreg region of 208 registers does not lift it, tried on the PTX), and a 64×256 fp32
+# accumulator needs ≥ 154 (C7602). M = 256 runs as two 128-token blocks of each weight tile, adjacent in the
+# schedule so that the tile streams from HBM once.
 SPIKE_CONFIGS = {64: (64, 2, 8, 3, 1, 2, False), 128: (128, 2, 6, 3, 1, 2, False), 256: (128, 2, 6, 3, 1, 2, False)}
 
 

@@ -269,8 +269,8 @@ def humming_layers_any(wts: Weights) -> list:
 
 
 SPIKE_SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B
-# v4 arms: hopper_ss.SPIKE_CONFIGS as they are ("ss"), and with one transform warpgroup decoding both halves
-SPIKE_VARIANTS = {"ss": {}, "ss_xf1": {"xf": 1}}
+# v4 arms: hopper_ss.SPIKE_CONFIGS ("ss") and SPIKE_ALT_CONFIGS ("ss_alt")
+SPIKE_VARIANTS = {"ss": False, "ss_alt": True}
 
 
 def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dict:
@@ -297,8 +297,8 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
             row["ours_ms"], row["bf16_ms"] = bench_fwd(wts, m)
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             ref = x.double() @ w64.T
-            for arm, override in SPIKE_VARIANTS.items():
-                cfg = hopper_ss.spike_config(m) | override
+            for arm, alt in SPIKE_VARIANTS.items():
+                cfg = hopper_ss.spike_config(m, alt)
                 row[f"{arm}_config"] = cfg
                 hopper_ss.POISON = True
                 try:

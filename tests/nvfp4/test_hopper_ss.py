@@ -22,12 +22,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _configs() -> list[tuple]:
-    """The spike configs (``SPIKE_CONFIGS``) and their one-transform-warpgroup variants (``gemm.py --spike``'s
-    ``ss_xf1`` arm)."""
+    """The spike's configs (``SPIKE_CONFIGS`` and ``SPIKE_ALT_CONFIGS``: ``gemm.py --spike``'s two v4 arms)."""
     from nvfp4.kernels import hopper_ss
 
-    found = set(hopper_ss.SPIKE_CONFIGS.values())
-    return sorted(found | {c[:5] + (1,) + c[6:] for c in found})
+    return sorted(set(hopper_ss.SPIKE_CONFIGS.values()) | set(hopper_ss.SPIKE_ALT_CONFIGS.values()))
 
 
 @pytest.mark.parametrize("config", _configs())
@@ -100,7 +98,8 @@ def test_spike_config_covers_the_spike_ms():
 
     assert hopper_ss.spike_config(64)["block_m"] == 64
     assert hopper_ss.spike_config(100)["block_m"] == 128
-    assert hopper_ss.spike_config(256)["block_m"] == 128  # 256 runs as two 128-token blocks (see SPIKE_CONFIGS)
+    assert hopper_ss.spike_config(256)["block_m"] == 256 and hopper_ss.spike_config(256)["xf"] == 0
+    assert hopper_ss.spike_config(256, alt=True)["block_m"] == 128  # two 128-token blocks
     assert hopper_ss.spike_config(4096) == hopper_ss.spike_config(256)
 
 
@@ -140,7 +139,7 @@ def _simulate(stages: int, astages: int, xf: int, sub: int, u0: int, u1: int, ku
     import random
 
     rng = random.Random(seed)
-    empty = [_Barrier(2 + xf) for _ in range(stages)]
+    empty = [_Barrier(4 if xf == 2 else 3) for _ in range(stages)]
     ready = [_Barrier(1) for _ in range(stages)]
     a_empty = [_Barrier(1) for _ in range(2 * astages)]
     a_ready = [_Barrier(1) for _ in range(2 * astages)]
@@ -177,6 +176,29 @@ def _simulate(stages: int, astages: int, xf: int, sub: int, u0: int, u1: int, ku
                 empty[st].arrive()
                 i += 1
 
+    def transform_producer():  # xf = 0: loads run stages - 2 ahead of the decode, from the stage index alone
+        lead, n_st = stages - 2, (u1 - u0) * sub
+
+        def load(j):
+            yield from wait(empty[j % stages], j // stages - 1)
+            tma.append((j % stages, j))
+
+        for j in range(min(lead, n_st)):
+            yield from load(j)
+        for i in range(n_st):
+            if i + lead < n_st:
+                yield from load(i + lead)
+            st, sa = i % stages, i % astages
+            for h in range(2):
+                yield from wait(a_empty[h * astages + sa], i // astages - 1)
+                yield from wait(ready[st], i // stages)
+                assert w[st] == i, ("transform read a weight tile of another stage", w[st], i)
+                yield
+                a[h * astages + sa] = (i, h)
+            for h in range(2):
+                a_ready[h * astages + sa].arrive()
+            empty[st].arrive()
+
     def mma(wg):
         i = 0
         inflight: list = []
@@ -206,7 +228,10 @@ def _simulate(stages: int, astages: int, xf: int, sub: int, u0: int, u1: int, ku
             a_empty[wg * astages + (i - 1) % astages].arrive()
             empty[(i - 1) % stages].arrive()
 
-    roles = [producer(), mma(0), mma(1)] + ([transform(0, 1), transform(1, 1)] if xf == 2 else [transform(0, 2)])
+    if xf == 0:
+        roles = [mma(0), mma(1), transform_producer()]
+    else:
+        roles = [producer(), mma(0), mma(1)] + ([transform(0, 1), transform(1, 1)] if xf == 2 else [transform(0, 2)])
     live = list(roles)
     steps = 0
     while live or tma:
@@ -225,7 +250,7 @@ def _simulate(stages: int, astages: int, xf: int, sub: int, u0: int, u1: int, ku
     return issued[0]
 
 
-@pytest.mark.parametrize("stages,astages,xf,sub", [(6, 3, 2, 1), (8, 3, 2, 1), (3, 2, 1, 1), (2, 2, 2, 2), (4, 4, 1, 1)])
+@pytest.mark.parametrize("stages,astages,xf,sub", [(6, 3, 2, 1), (8, 3, 2, 1), (3, 2, 1, 1), (2, 2, 2, 2), (4, 4, 1, 1), (4, 2, 0, 1), (3, 2, 0, 2)])
 @pytest.mark.parametrize("u0,u1,ku", [(0, 56, 56), (13, 130, 56), (5, 7, 296), (290, 600, 296)])
 def test_spike_pipeline_protocol_replayed_on_the_cpu(stages, astages, xf, sub, u0, u1, ku):
     """The barrier protocol of the spike (load ring released by 2 + xf arrivals, A ring per half), replayed under

@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -90,6 +91,60 @@ def _transform(w_bufs, s_bufs, a_bufs, ready, empty, a_ready, a_empty, u0, u1, K
             mbarrier.arrive(empty.index(i % STAGES), count=1)  # this stage's weight and scales are in registers
             i += 1
         u += ke - kb
+
+
+@gluon.jit
+def _load_stage(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, j, u0, KU, num_m,
+                BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+    """Issue the TMA loads of the program's load stage ``j`` (unit ``u0 + j // SUB``), as ``_producer`` does."""
+    st = j % STAGES
+    unit = u0 + j // SUB
+    tile = unit // KU
+    kk = (unit % KU) * SUB + j % SUB
+    mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+    fence_async_shared()
+    mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [(tile % num_m) * BLOCK_M, kk * 64], ready.index(st), x_bufs.index(st))
+    tma.async_copy_global_to_shared(s_desc, [(tile // num_m) * T * 64, (kk // 4) * 4], ready.index(st), s_bufs.index(st))
+    tma.async_copy_global_to_shared(w_desc, [(tile // num_m) * T, 4 * (kk % 4), 2 * (kk // 4), 0], ready.index(st),
+                                    w_bufs.index(st))  # fmt: skip
+
+
+@gluon.jit
+def _transform_producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, a_bufs, ready, empty, a_ready, a_empty, u0,
+                        u1, KU, num_m, TC: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr,
+                        STAGES: gl.constexpr, ASTAGES: gl.constexpr, SUB: gl.constexpr,
+                        WARPS: gl.constexpr):  # fmt: skip
+    """``xf = 0``: one warpgroup both loads and decodes (3 warpgroups, 384 threads: 168 registers a thread, room for
+    a 64×256 accumulator). Stage ``i + STAGES - 2``'s loads go out before stage ``i`` is decoded: its slot held
+    stage ``i - 2``, which the MMA warpgroups release once they have issued stage ``i - 1`` (decoded already); a
+    lead of ``STAGES - 1`` would wait for stage ``i - 1``'s release, which needs stage ``i``'s decode: a deadlock."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([64 * TC, 64], gl.bfloat16, a_layout),
+                                                          (64 * TC, 4, 16)).type.layout)  # fmt: skip
+    LEAD: gl.constexpr = STAGES - 2
+    n_st = (u1 - u0) * SUB
+    for j in range(0, gl.minimum(LEAD, n_st)):
+        _load_stage(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, j, u0, KU, num_m, BLOCK_M, T,
+                    STAGES, SUB)  # fmt: skip
+    for i in range(0, n_st):
+        if i + LEAD < n_st:
+            _load_stage(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, i + LEAD, u0, KU, num_m,
+                        BLOCK_M, T, STAGES, SUB)  # fmt: skip
+        unit = u0 + i // SUB
+        kk = (unit % KU) * SUB + i % SUB
+        sa = i % ASTAGES
+        _decode_half(w_bufs, s_bufs, a_bufs, ready, a_empty, i, kk, 0, TC, STAGES, ASTAGES, a_layout, p_layout,
+                     s_layout)  # fmt: skip
+        _decode_half(w_bufs, s_bufs, a_bufs, ready, a_empty, i, kk, 1, TC, STAGES, ASTAGES, a_layout, p_layout,
+                     s_layout)  # fmt: skip
+        fence_async_shared()
+        mbarrier.arrive(a_ready.index(sa), count=1)
+        mbarrier.arrive(a_ready.index(ASTAGES + sa), count=1)
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
 
 
 @gluon.jit
@@ -196,14 +251,31 @@ def _ss_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [2 * ASTAGES, 1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [2 * ASTAGES, 1], mbarrier.MBarrierLayout())
+    # a load stage is released by the MMA warpgroups (x read) and the transforms (weight read; xf = 0: one)
+    NE: gl.constexpr = 4 if XF == 2 else 3
     for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=2 + XF)  # the MMA warpgroups (x read) and the transforms (weight read)
+        mbarrier.init(empty.index(s), count=NE)
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(2 * ASTAGES):
         mbarrier.init(a_empty.index(s), count=1)
         mbarrier.init(a_ready.index(s), count=1)
 
-    if XF == 2:
+    if XF == 0:
+        gl.warp_specialize(
+            [
+                (_mma, (x_bufs, a_bufs, ready, empty, a_ready, a_empty, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G,
+                        U, KU, num_m, M, N, stride_ym, 0, TC, HAS_BIAS, BLOCK_M, T, STAGES, ASTAGES, num_warps, SUB,
+                        FIXUP)),
+                (_mma, (x_bufs, a_bufs, ready, empty, a_ready, a_empty, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G,
+                        U, KU, num_m, M, N, stride_ym, 1, TC, HAS_BIAS, BLOCK_M, T, STAGES, ASTAGES, num_warps, SUB,
+                        FIXUP)),
+                (_transform_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, a_bufs, ready, empty, a_ready,
+                                       a_empty, u0, u1, KU, num_m, TC, BLOCK_M, T, STAGES, ASTAGES, SUB, 4)),
+            ],
+            [num_warps, 4],
+            [168, 168],
+        )  # fmt: skip
+    elif XF == 2:
         gl.warp_specialize(
             [
                 (_mma, (x_bufs, a_bufs, ready, empty, a_ready, a_empty, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M, N,
@@ -245,11 +317,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
            stages: int = 6, astages: int = 3, sub: int = 1, xf: int = 2, programs: int | None = None,
            fixup: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``; the arguments as :func:`nvfp4.kernels.hopper_ws.launch` (``packed``
-    in the MMA layout), plus ``astages`` (decoded A tiles in flight per MMA warpgroup) and ``xf`` (transform
-    warpgroups: 1 or 2)."""
-    if astages < 2 or stages < 2:
+    in the MMA layout), plus ``astages`` (decoded A tiles per MMA warpgroup, ≥ 2) and ``xf`` (transform
+    warpgroups: 1 or 2 beside the producer warp; 0: one warpgroup that also issues the loads, ``stages`` ≥ 3)."""
+    if astages < 2 or stages < (3 if xf == 0 else 2):
         # an MMA warpgroup holds two stages' tiles (one wgmma group in flight): one A tile per half deadlocks
-        raise ValueError(f"hopper_ss.launch: astages={astages}, stages={stages} (each needs >= 2)")
+        raise ValueError(f"hopper_ss.launch: astages={astages}, stages={stages} (needs astages >= 2, stages >= 2, 3 at xf = 0)")
     m, k = x.shape
     n = scale.shape[0]
     x_layout, w_layout, s_layout = _smem_layouts(block_m)
@@ -296,12 +368,16 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 # The spike's configs per M (7B gate / down): (block_m, tiles, stages, astages, sub, xf, fixup). Shared memory at
 # block_m = 128: 6 load stages × (16 KB x + 4 KB weight + 2 KB scales) + 2 halves × 3 decoded 64×64 bf16 A tiles
-# (8 KB each) = 180 KB of the 227 KB. block_m = 256 does not build: ptxas compiles every partition under the
-# kernel's .maxnreg (65536 / threads: 96 at 640 threads — Triton pads the producer warp to a warpgroup — 128 at
-# xf = 1's 512; a setmaxnreg region of 208 registers does not lift it, tried on the PTX), and a 64×256 fp32
-# accumulator needs ≥ 154 (C7602). M = 256 runs as two 128-token blocks of each weight tile, adjacent in the
-# schedule so that the tile streams from HBM once.
-SPIKE_CONFIGS = {64: (64, 2, 8, 3, 1, 2, False), 128: (128, 2, 6, 3, 1, 2, False), 256: (128, 2, 6, 3, 1, 2, False)}
+# (8 KB each) = 180 KB of the 227 KB; block_m = 256: 4 × 38 KB + 2 × 2 × 8 KB = 184 KB.
+# block_m = 256 needs xf = 0: ptxas compiles every partition under the kernel's .maxnreg (65536 / threads: 96 at
+# xf = 2's 640 threads — Triton pads the producer warp to a warpgroup — 128 at xf = 1's 512; a setmaxnreg region of
+# 208 registers does not lift it, tried on the PTX), and a 64×256 fp32 accumulator needs ≥ 154 (C7602); xf = 0's
+# three warpgroups (384 threads) get 168.
+SPIKE_CONFIGS = {64: (64, 2, 8, 3, 1, 2, False), 128: (128, 2, 6, 3, 1, 2, False), 256: (256, 2, 4, 2, 1, 0, False)}
+# the second arm of the spike (gemm.py --spike's ss_alt): one transform warpgroup decoding both halves at M ≤ 128;
+# at M = 256 two 128-token blocks of each weight tile (adjacent in the schedule: the tile streams from HBM once)
+SPIKE_ALT_CONFIGS = {64: (64, 2, 8, 3, 1, 1, False), 128: (128, 2, 6, 3, 1, 1, False),
+                     256: (128, 2, 6, 3, 1, 2, False)}  # fmt: skip
 
 
 def ss_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -315,8 +391,10 @@ def ss_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global
     return launch(x, packed, scale, global_scale, bias, alloc((m, n), dtype=x.dtype, device=x.device), flags, **config)
 
 
-def spike_config(m: int) -> dict:
-    """:data:`SPIKE_CONFIGS`'s entry for ``m`` (the first M at or above it; 256's beyond) as :func:`launch` kwargs."""
-    key = next((k for k in sorted(SPIKE_CONFIGS) if m <= k), max(SPIKE_CONFIGS))
-    bm, tiles, stages, astages, sub, xf, fixup = SPIKE_CONFIGS[key]
+def spike_config(m: int, alt: bool = False) -> dict:
+    """:data:`SPIKE_CONFIGS`'s (``alt``: :data:`SPIKE_ALT_CONFIGS`'s) entry for ``m`` (the first M at or above it;
+    256's beyond) as :func:`launch` kwargs."""
+    table = SPIKE_ALT_CONFIGS if alt else SPIKE_CONFIGS
+    key = next((k for k in sorted(table) if m <= k), max(table))
+    bm, tiles, stages, astages, sub, xf, fixup = table[key]
     return dict(block_m=bm, tiles=tiles, stages=stages, astages=astages, sub=sub, xf=xf, fixup=fixup)

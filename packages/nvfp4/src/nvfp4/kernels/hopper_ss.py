@@ -15,6 +15,11 @@ and multiplies:
   ``wgmma`` with A *and* B from shared memory, keeping one ``wgmma`` group in flight across stages
   (``warpgroup_mma_wait(1)``), so the tensor pipe is fed back to back while the transform warpgroups decode ahead.
 
+``xf`` picks the partitions: 2 transform warpgroups (one per half) beside the producer warp, 1 (decoding both
+halves), or 0 (one warpgroup that decodes and also issues the loads: three warpgroups, 384 threads, the only form
+with the registers for a 64×256 accumulator, see :data:`SPIKE_CONFIGS`). The barrier protocol is replayed on the
+CPU in ``tests/nvfp4/test_hopper_ss.py``; the design, its budget and the SASS are docs/kernels.md's round 12.
+
 Scheduling (persistent grid, stream-K over (tile, unit) pairs, the serial or the parallel split-tile sum) and the
 epilogue are round 10/11's (:mod:`nvfp4.kernels.hopper_ws`), so a timing difference is the mainloop's.
 """

@@ -30,7 +30,7 @@ def test_qerl_train_runs_through_a_registered_engine(tmp_path, tiny_dir, toy_eng
           "--rollout_engine", "toy", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "2",
           "--max_completion_length", "4", "--task_options", json.dumps({"n_examples": 8}), "--disable_tqdm", "true",
           "--save_strategy", "no"])  # fmt: skip
-    assert "qerl train: 1 steps" in capsys.readouterr().out
+    assert "qerl train: 1 step " in capsys.readouterr().out
     assert toy_engine.trainings == 1 and len(toy_engine.generations) == 1  # one generation call: the step's batch
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1]
 

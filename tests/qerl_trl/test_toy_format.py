@@ -43,6 +43,6 @@ def test_qerl_train_runs_through_a_registered_format(tmp_path, tiny_dir, toy_for
           "--quantization", "toy4-rtn", "--max_steps", "1", "--per_device_train_batch_size", "4",
           "--num_generations", "2", "--max_completion_length", "4", "--task_options", json.dumps({"n_examples": 8}),
           "--disable_tqdm", "true", "--save_strategy", "no"])  # fmt: skip
-    assert "qerl train: 1 steps" in capsys.readouterr().out
+    assert "qerl train: 1 step " in capsys.readouterr().out
     assert seen and all(f is toy_format for f in seen)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import sys
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -230,7 +231,15 @@ def _parse_command_line(argv: list[str], options: _Options) -> dict[str, Any]:
 
 
 def _check_quantization(value: Any, table: dict[str, Any]) -> None:
-    """``get_scheme``'s check and message, from the snapshot (``qerl_trl.quantization`` imports torch)."""
+    """``get_scheme``'s check and message: against the registry where this process has loaded it already (a format
+    registered at run time is then known), else against the snapshot (``qerl_trl.quantization`` imports torch)."""
+    live = sys.modules.get(f"{__package__}.quantization")
+    if live is not None:
+        try:
+            live.get_scheme(value)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return
     schemes, aliases = table["quantization"]["schemes"], table["quantization"]["aliases"]
     key = str(value).strip().lower()
     if aliases.get(key, key) not in schemes:

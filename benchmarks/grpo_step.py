@@ -665,8 +665,10 @@ def run_worker(args) -> dict:
         qerl = dict(rollout_engine=engine, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
+            # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
             qerl["vllm"] = {"model_path": str(ckpt["path"]), "max_model_len": ckpt["max_model_len"],
-                            "kv_cache_memory_bytes": ckpt["kv_cache_bytes"]}  # fmt: skip
+                            "kv_cache_memory_bytes": ckpt["kv_cache_bytes"],
+                            "gpu_memory_utilization": ckpt["gpu_memory_utilization"]}  # fmt: skip
         else:
             qerl |= dict(
                 generation_prompt_cache_len=cache_prompt,  # the memory plan's prompt cap

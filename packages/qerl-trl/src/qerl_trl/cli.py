@@ -559,6 +559,14 @@ def main(argv: list[str] | None = None) -> None:
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
         trainer.accelerator.end_training()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # a finished distributed run can still abort at interpreter exit in gloo's thread teardown ("terminate
+            # called without an active exception", pytorch#190489; seen in CI under `accelerate launch`): everything
+            # is written, so leave without the C++ teardown
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     elif command == "plan":
         _import_quietly(debug)  # parse_train_args imports TRL, hence PEFT, hence bitsandbytes
         plan_main(argv, debug)

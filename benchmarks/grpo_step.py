@@ -486,7 +486,7 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
 
 
 # ------------------------------------------------------------------------------------------------- the vLLM arms
-VLLM_MAX_STOP_IDS = 128  # vLLM refuses a request with more stop token ids
+VLLM_MAX_STOP_IDS = 127  # vLLM 0.26 refuses a request with more than 128 stop ids, the tokenizer's EOS counted among them
 
 
 def _vllm_arm_model(args, device, dtype, res: dict):

@@ -31,16 +31,33 @@ def tiny_nvfp4_policy(tokenizer, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = tiny_config(
+        "llama",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config)
     return nvfp4.quantize_model(model, progress=False)
 
 
 def args_for(tmp_path: Path, cls=QeRLConfig, **kw):
-    base = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=8, logging_steps=1, save_steps=1000, report_to=[], learning_rate=1e-3,
-                gradient_checkpointing=False, aqn_num_stages=2, seed=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        logging_steps=1,
+        save_steps=1000,
+        report_to=[],
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        aqn_num_stages=2,
+        seed=0,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return cls(**base)
 
@@ -58,8 +75,14 @@ def test_grpo_steps_train_only_lora_and_log_qerl_metrics(tmp_path, tokenizer):
     model = tiny_nvfp4_policy(tokenizer)
     packed_before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("weight_packed")}
     args = args_for(tmp_path, save_steps=2)
-    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer,
-                              callbacks=[RunDirectoryCallback()])
+    trainer = QeRLGRPOTrainer(
+        model,
+        even_token_reward,
+        args,
+        train_dataset=arithmetic(),
+        processing_class=tokenizer,
+        callbacks=[RunDirectoryCallback()],
+    )
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert lora_before and all("lora_" in n for n in lora_before)
     assert any(type(m).__name__ == "LoraNVFP4Linear" for m in trainer.model.modules())
@@ -77,8 +100,17 @@ def test_grpo_steps_train_only_lora_and_log_qerl_metrics(tmp_path, tokenizer):
 
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2
-    for key in ("reward", "reward_std", "entropy", "aqn/sigma", "aqn/stage", "completions/mean_length",
-                "clip_ratio/region_mean", "tokens_per_second/generation", "tokens_per_second/training"):
+    for key in (
+        "reward",
+        "reward_std",
+        "entropy",
+        "aqn/sigma",
+        "aqn/stage",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+        "tokens_per_second/generation",
+        "tokens_per_second/training",
+    ):
         assert key in logs[0], key
         assert all(h[key] == h[key] for h in logs), f"{key} is NaN"
     assert [h["aqn/stage"] for h in logs] == [0.0, 1.0]  # stage 0 noise-free, then noise
@@ -121,8 +153,16 @@ def test_learning_reward_rises_on_a_learnable_task(tmp_path, tokenizer):
         u = torch.nn.functional.normalize(torch.randn(head.shape[1], generator=torch.Generator().manual_seed(1)), dim=0)
         sign = torch.where(torch.arange(head.shape[0]) % 2 == 0, 1.0, -1.0)
         head += 0.2 * sign[:, None] * u[None, :]
-    args = args_for(tmp_path, max_steps=12, learning_rate=2e-2, per_device_train_batch_size=16, num_generations=8,
-                    max_completion_length=6, aqn=False, lr_scheduler_type="constant")
+    args = args_for(
+        tmp_path,
+        max_steps=12,
+        learning_rate=2e-2,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=6,
+        aqn=False,
+        lr_scheduler_type="constant",
+    )
     trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(32), processing_class=tokenizer)
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -142,11 +182,21 @@ def test_resume_lands_in_the_same_sigma_stage_with_the_same_data(tmp_path, token
         return reward
 
     kw = dict(max_steps=4, save_steps=2, aqn_num_stages=4)
-    full = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), recorder("full"), args_for(tmp_path / "a", **kw),
-                           train_dataset=arithmetic(), processing_class=tokenizer)
+    full = QeRLGRPOTrainer(
+        tiny_nvfp4_policy(tokenizer),
+        recorder("full"),
+        args_for(tmp_path / "a", **kw),
+        train_dataset=arithmetic(),
+        processing_class=tokenizer,
+    )
     full.train()
-    resumed = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), recorder("resumed"), args_for(tmp_path / "a", **kw),
-                              train_dataset=arithmetic(), processing_class=tokenizer)
+    resumed = QeRLGRPOTrainer(
+        tiny_nvfp4_policy(tokenizer),
+        recorder("resumed"),
+        args_for(tmp_path / "a", **kw),
+        train_dataset=arithmetic(),
+        processing_class=tokenizer,
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"))
 
     def sigmas(trainer):
@@ -161,12 +211,18 @@ def test_resume_lands_in_the_same_sigma_stage_with_the_same_data(tmp_path, token
 
 def test_resume_without_aqn_state_fails_clearly(tmp_path, tokenizer):
     args = args_for(tmp_path, max_steps=1, save_steps=1)
-    QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
-                    processing_class=tokenizer).train()
+    QeRLGRPOTrainer(
+        tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
+    ).train()
     ckpt = Path(args.output_dir) / "checkpoint-1"
     (ckpt / AQN_STATE_NAME).unlink()
-    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, max_steps=2),
-                              train_dataset=arithmetic(), processing_class=tokenizer)
+    trainer = QeRLGRPOTrainer(
+        tiny_nvfp4_policy(tokenizer),
+        even_token_reward,
+        args_for(tmp_path, max_steps=2),
+        train_dataset=arithmetic(),
+        processing_class=tokenizer,
+    )
     with pytest.raises(CheckpointError, match=r"checkpoint-1/aqn_state.json: missing"):
         trainer.train(resume_from_checkpoint=str(ckpt))
     with pytest.raises(CheckpointError, match=r"run: no complete checkpoint-N folder: checkpoint-1 \(aqn_state.json"):
@@ -221,7 +277,9 @@ def test_resume_skips_damaged_checkpoints_and_continues_to_the_same_numbers(tmp_
         (run / "checkpoint-3" / "optimizer.pt").unlink()
 
     resumed, said = damage_and_resume("cut-and-missing", cut_adapter_and_drop_optimizer)
-    assert "checkpoint-2; skipped checkpoint-4 (adapter_model" in said and "; checkpoint-3 (optimizer.pt: missing)" in said
+    assert (
+        "checkpoint-2; skipped checkpoint-4 (adapter_model" in said and "; checkpoint-3 (optimizer.pt: missing)" in said
+    )
     assert step_numbers(resumed, after=2) == step_numbers(full, after=2) and len(step_numbers(full, after=2)) == 2
 
 
@@ -231,16 +289,24 @@ def test_dapo_steps_with_dynamic_sampling_refill(tmp_path, tokenizer):
     def half_constant(completions, completion_ids, b, **kwargs):
         return [1.0 if bi % 2 == 0 else even_token_reward(None, [ids])[0] for bi, ids in zip(b, completion_ids)]
 
-    args = args_for(tmp_path, cls=QeRLDAPOConfig, max_steps=3, max_completion_length=8, overlong_buffer_length=0,
-                    max_resample_rounds=6)
+    args = args_for(
+        tmp_path,
+        cls=QeRLDAPOConfig,
+        max_steps=3,
+        max_completion_length=8,
+        overlong_buffer_length=0,
+        max_resample_rounds=6,
+    )
     assert (args.epsilon, args.epsilon_high, args.loss_type, args.beta) == (0.2, 0.28, "dapo", 0.0)
-    trainer = QeRLDAPOTrainer(tiny_nvfp4_policy(tokenizer), half_constant, args, train_dataset=arithmetic(32),
-                              processing_class=tokenizer)
+    trainer = QeRLDAPOTrainer(
+        tiny_nvfp4_policy(tokenizer), half_constant, args, train_dataset=arithmetic(32), processing_class=tokenizer
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 3
     assert all(h["dapo/informative_group_fraction"] < 1.0 for h in logs) or any(
-        h["dapo/resample_rounds"] > 0 for h in logs)
+        h["dapo/resample_rounds"] > 0 for h in logs
+    )
     assert any(h["dapo/resample_rounds"] >= 1 for h in logs)
     assert all(h["dapo/unfilled_groups"] == 0 for h in logs)
     assert "clip_ratio/high_mean" in logs[0]
@@ -249,8 +315,9 @@ def test_dapo_steps_with_dynamic_sampling_refill(tmp_path, tokenizer):
 def test_dapo_adds_overlong_penalty_reward(tmp_path, tokenizer):
     args = args_for(tmp_path, cls=QeRLDAPOConfig, max_steps=1, max_completion_length=8, dynamic_sampling=False)
     assert args.overlong_buffer_length == 2  # default: a quarter of the limit
-    trainer = QeRLDAPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
-                              processing_class=tokenizer)
+    trainer = QeRLDAPOTrainer(
+        tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
+    )
     assert trainer.reward_func_names == ["even_token_reward", "overlong_penalty"]
     trainer.train()
     assert "rewards/overlong_penalty/mean" in trainer.state.log_history[0]
@@ -269,12 +336,22 @@ def test_informative_groups_and_batch_concatenation():
     assert informative_groups(adv, 3).tolist() == [False, True]
     with pytest.raises(ValueError, match="groups of 4"):
         informative_groups(adv, 4)
-    a = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
-         "completion_ids": torch.tensor([[7]]), "completion_mask": torch.tensor([[1]]),
-         "advantages": torch.tensor([0.5]), "num_items_in_batch": torch.tensor(1)}
-    b = {"prompt_ids": torch.tensor([[8]]), "prompt_mask": torch.tensor([[1]]),
-         "completion_ids": torch.tensor([[9, 10, 11]]), "completion_mask": torch.tensor([[1, 1, 1]]),
-         "advantages": torch.tensor([-0.5]), "num_items_in_batch": torch.tensor(3)}
+    a = {
+        "prompt_ids": torch.tensor([[5, 6]]),
+        "prompt_mask": torch.tensor([[1, 1]]),
+        "completion_ids": torch.tensor([[7]]),
+        "completion_mask": torch.tensor([[1]]),
+        "advantages": torch.tensor([0.5]),
+        "num_items_in_batch": torch.tensor(1),
+    }
+    b = {
+        "prompt_ids": torch.tensor([[8]]),
+        "prompt_mask": torch.tensor([[1]]),
+        "completion_ids": torch.tensor([[9, 10, 11]]),
+        "completion_mask": torch.tensor([[1, 1, 1]]),
+        "advantages": torch.tensor([-0.5]),
+        "num_items_in_batch": torch.tensor(3),
+    }
     out = concat_generation_batches([a, b], pad_token_id=0)
     assert out["prompt_ids"].tolist() == [[5, 6], [0, 8]]  # prompts stay left-padded
     assert out["prompt_mask"].tolist() == [[1, 1], [0, 1]]
@@ -295,7 +372,9 @@ def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokeni
         model = tiny_nvfp4_policy(tokenizer)
         # plain SGD: Adam's first step turns the rounding noise of LoRA A's ~zero gradient (B starts at 0) into ±lr
         args = args_for(tmp_path / str(len(results)), max_steps=1, aqn=False, optim="sgd", **kw)
-        trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+        trainer = QeRLGRPOTrainer(
+            model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
+        )
         rows: list[int] = []
 
         def count_rows(module, args, kwargs, rows=rows):  # sequences per forward that builds a graph (the loss)
@@ -412,7 +491,8 @@ def test_scoring_each_prompt_once_gives_the_whole_sequence_scores_and_gradients(
     assert prompt_groups(ids, mask, 9).tolist() == order
     calls: list[tuple[int, int]] = []
     hook = model.get_base_model().model.register_forward_pre_hook(
-        lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     results = []
     for share in (False, True):
         logps, ent, _ = score_completions(model, ids, mask, 5, batch_size, temperature=0.7, compute_entropy=True,
@@ -534,8 +614,9 @@ def test_training_sdpa_backends_avoid_the_cudnn_nan_backward():
         q.requires_grad_()
         mask = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()[None, None]
         with sdpa_kernel(backends):
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(torch.randn(1, 1, length, dim,
-                                                                                     device="cuda", dtype=q.dtype))
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(
+                torch.randn(1, 1, length, dim, device="cuda", dtype=q.dtype)
+            )
         return q.grad
 
     assert torch.isfinite(grad_q(TRAINING_SDPA_BACKENDS)).all()
@@ -586,7 +667,10 @@ def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path
     assert gc.disable_compile is False and gc.compile_config.dynamic is False and gc.max_cache_len == 164
     kept = GenerationConfig(cache_implementation="static", disable_compile=True, max_cache_len=4096)
     assert compiled_generation_config(kept, args).max_cache_len == 4096
-    for gc in (GenerationConfig(disable_compile=True), GenerationConfig(cache_implementation="static", disable_compile=True)):
+    for gc in (
+        GenerationConfig(disable_compile=True),
+        GenerationConfig(cache_implementation="static", disable_compile=True),
+    ):
         off = QeRLConfig(output_dir=str(tmp_path), compile_generation=False)
         cfg = compiled_generation_config(gc, off if gc.cache_implementation else args)
         assert cfg.disable_compile is True and getattr(cfg, "max_cache_len", None) is None
@@ -670,3 +754,100 @@ def test_kill_during_a_save_leaves_no_checkpoint_folder_and_resume_continues(tmp
     assert [p.name for p in checkpoint_folders(run)] == ["checkpoint-2"]  # rotated once checkpoint-2 was in place
     check_checkpoint(run / "checkpoint-2", required)
     assert not (run / STAGING_DIR).exists()
+
+
+def test_micro_batches_by_length_sorts_rows_and_cuts_each_micro_batch_to_its_longest():
+    """Rows sorted by completion length into micro-batches of the same size; each micro-batch's per-token tensors cut
+    after its longest row's last real token (the prompt's and per-row values untouched); every value moves with its
+    row; a masked token inside a row is kept."""
+    from qerl_trl.trainer import micro_batches_by_length
+
+    lengths = [5, 1, 3, 2, 6, 1, 4, 2]
+    mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
+    mask[6, 1] = 0  # a masked token inside a row (a tool result): still before the row's last real token
+    rows = {"prompt_ids": torch.arange(8)[:, None].repeat(1, 3), "prompt_mask": torch.ones(8, 3, dtype=torch.long),
+            "completion_ids": torch.arange(48).view(8, 6) * mask, "completion_mask": mask,
+            "old_per_token_logps": -torch.rand(8, 6) * mask, "importance_sampling_ratio": torch.rand(8, 1),
+            "advantages": torch.arange(8.0), "num_items_in_batch": torch.tensor(int(mask.sum())), "ids": list(range(8))}  # fmt: skip
+    batches = [{k: v[i : i + 2] if isinstance(v, list) or (torch.is_tensor(v) and v.ndim) else v for k, v in
+                rows.items()} for i in range(0, 8, 2)]  # fmt: skip
+    out = micro_batches_by_length(batches)
+    assert [b["ids"] for b in out] == [[1, 5], [3, 7], [2, 6], [0, 4]]  # stable sort by length
+    assert [b["completion_ids"].shape[1] for b in out] == [1, 2, 4, 6]
+    for b in out:
+        keep = b["completion_ids"].shape[1]
+        for j, i in enumerate(b["ids"]):
+            assert torch.equal(b["completion_ids"][j], rows["completion_ids"][i, :keep])
+            assert torch.equal(b["completion_mask"][j], mask[i, :keep])
+            assert torch.equal(b["old_per_token_logps"][j], rows["old_per_token_logps"][i, :keep])
+            assert torch.equal(b["importance_sampling_ratio"][j], rows["importance_sampling_ratio"][i])
+            assert torch.equal(b["prompt_ids"][j], rows["prompt_ids"][i]) and b["advantages"][j] == i
+            assert int(mask[i, keep:].sum()) == 0  # only padding was cut
+        assert b["num_items_in_batch"] == int(mask.sum())
+    images = [{**b, "pixel_values": torch.zeros(5, 3)} for b in batches]  # not re-split, only cut
+    assert [b["ids"] for b in micro_batches_by_length(images)] == [b["ids"] for b in batches]
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampling_correction_is_trls_importance_ratio(mode):
+    """The deferred correction computes TRL's vLLM importance-sampling ratio (GRPOTrainer's formulas, restated here
+    from trl 1.16's _generate_and_score_completions): NaN engine logprobs give ratio 1, padding gives 1, clipping or
+    masking at the bounds, per token or per sequence."""
+    from qerl_trl.trainer import sampling_correction
+
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(6, 9, generator=g) * 3
+    sampling = trainer + torch.randn(6, 9, generator=g) * 0.5
+    sampling[1, 2] = float("nan")
+    mask = (torch.arange(9) < torch.tensor([9, 7, 5, 3, 9, 1])[:, None]).float()
+    lo, hi = 0.5, 2.0
+    diff = torch.nan_to_num((trainer - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    want = ratio.clamp(lo, hi) if mode.endswith("truncate") else ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    got = sampling_correction(trainer, sampling, mask, mode, lo, hi)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert got.shape == ((6, 1) if mode.startswith("sequence") else (6, 9))
+    if mode == "token_truncate":
+        assert got[1, 2] == 1 and got[5, 3] == 1  # no engine logprob; padding
+    if mode.endswith("mask"):  # no bound given: nothing masked
+        assert (sampling_correction(trainer, sampling, mask, mode, None, None) > 0).all()
+    with pytest.raises(ValueError, match="token_truncate"):
+        sampling_correction(trainer, sampling, mask, "tokens", lo, hi)
+
+
+def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeypatch):
+    """The GPU re-split (rows sorted by completion length, each micro-batch cut to its longest row) makes the same
+    optimizer step as TRL's shuffled, padded micro-batches: loss, gradient norm and LoRA update (DAPO loss, one
+    generation batch per step)."""
+    import qerl_trl.trainer as trainer_module
+
+    results = []
+    for split in ("trl", "by_length"):
+        model = tiny_nvfp4_policy(tokenizer)
+        # a tenth of the vocabulary ends a completion (TRL reads the ids from the generation config): lengths spread
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(1, len(tokenizer), 10)]
+        args = args_for(tmp_path / split, max_steps=1, aqn=False, optim="sgd", per_device_train_batch_size=2,
+                        gradient_accumulation_steps=4)  # fmt: skip
+        trainer = QeRLGRPOTrainer(
+            model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
+        )
+        widths: list[int] = []
+        if split == "trl":
+            monkeypatch.setattr(trainer, "_regroups_micro_batches", lambda: False)
+        else:  # this CPU process takes the GPU branch's re-split
+            monkeypatch.setattr(trainer_module, "micro_batches_by_prompt", trainer_module.micro_batches_by_length)
+        real = trainer._compute_loss
+        monkeypatch.setattr(trainer, "_compute_loss", lambda m, inputs, real=real, widths=widths: (
+            widths.append(inputs["completion_ids"].shape[1]), real(m, inputs))[1])  # fmt: skip
+        trainer.train()
+        monkeypatch.undo()
+        lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        results.append((trainer.state.log_history[0], lora, widths))
+    (logs0, lora0, widths0), (logs1, lora1, widths1) = results
+    assert len(set(widths0)) == 1 and max(widths1) == widths0[0] and min(widths1) < widths0[0], (widths0, widths1)
+    assert logs1["reward"] == logs0["reward"]  # the same rollouts
+    assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
+    assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)

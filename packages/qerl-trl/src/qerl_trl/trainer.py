@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -81,16 +82,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AQN_STATE_NAME",
+    "GROUPING_FREE_LOSSES",
     "NonFiniteGradientError",
     "QeRLGRPOTrainer",
     "StopOnNonFiniteGradients",
     "TRAINING_SDPA_BACKENDS",
     "lora_config_from_args",
+    "micro_batches_by_length",
     "micro_batches_by_prompt",
     "prompt_groups",
     "quantized_buffer_names",
     "rollout_seed",
+    "sampling_correction",
     "score_completions",
+    "trim_completion_padding",
 ]
 
 
@@ -355,20 +360,15 @@ def _group_chunks(group: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     return chunks
 
 
-def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """TRL's buffered micro-batches of one generation batch (``_buffered_inputs``: the rows shuffled, then split)
-    re-split with the rows of each prompt together: groups in the order the shuffle left them, the same number of
-    micro-batches of the same size.
+#: TRL loss types whose optimizer-step gradient does not depend on which rows of a generation batch share a
+#: micro-batch (micro-batches of equal size): a mean over sequences, or a sum normalized by the whole generation batch's
+#: token count. ``bnpo`` normalizes by each micro-batch's own tokens; ``vespo``'s weights are left out to be safe.
+GROUPING_FREE_LOSSES = frozenset({"grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo"})
 
-    Each micro-batch's loss is normalized by the whole generation batch (or is a mean over micro-batches), so when the
-    micro-batches of a generation batch make one optimizer step the step's gradient does not depend on which rows
-    share a micro-batch; together they let :func:`score_completions` run each prompt once. Returned unchanged when a
-    value is not one row per sequence (images) or the batch is not split.
-    """
-    from trl.trainer.utils import split_tensor_dict
 
-    if len(micro_batches) < 2:
-        return micro_batches
+def _merged_micro_batches(micro_batches: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """TRL's buffered micro-batches of one generation batch concatenated back into one batch of rows, or None where a
+    value is not one row per sequence (images) and the rows cannot be re-split."""
     merged: dict[str, Any] = {}
     for key, first in micro_batches[0].items():
         values = [b[key] for b in micro_batches]
@@ -379,17 +379,106 @@ def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[st
         elif isinstance(first, list):
             merged[key] = [x for v in values for x in v]
         else:
-            return micro_batches
+            return None
     rows = merged["prompt_ids"].size(0)
     if any(isinstance(v, torch.Tensor | list) and len(v) != rows for v in merged.values() if v is not None
            and not (isinstance(v, torch.Tensor) and v.ndim == 0)) or "pixel_values" in merged:  # fmt: skip
+        return None
+    return merged
+
+
+def _resplit(merged: dict[str, Any], order: torch.Tensor, parts: int) -> list[dict[str, Any]]:
+    """The rows of ``merged`` in ``order`` (``[B]`` int64), split into ``parts`` micro-batches of equal size."""
+    from trl.trainer.utils import split_tensor_dict
+
+    ordered = {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
+               else v[order.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
+               for k, v in merged.items()}  # fmt: skip
+    return split_tensor_dict(ordered, parts)
+
+
+def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's buffered micro-batches of one generation batch (``_buffered_inputs``: the rows shuffled, then split)
+    re-split with the rows of each prompt together: groups in the order the shuffle left them, the same number of
+    micro-batches of the same size.
+
+    For the loss types of :data:`GROUPING_FREE_LOSSES`, when the micro-batches of a generation batch make one
+    optimizer step, the step's gradient does not depend on which rows share a micro-batch; together they let
+    :func:`score_completions` run each prompt once. Returned unchanged when a value is not one row per sequence
+    (images) or the batch is not split.
+    """
+    merged = _merged_micro_batches(micro_batches) if len(micro_batches) > 1 else None
+    if merged is None:
         return micro_batches
     group = prompt_groups(merged["prompt_ids"].cpu(), merged["prompt_mask"].cpu(), merged["prompt_ids"].size(1))
-    order = torch.sort(group, stable=True).indices
-    regrouped = {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
-                 else v[order.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
-                 for k, v in merged.items()}  # fmt: skip
-    return split_tensor_dict(regrouped, len(micro_batches))
+    return _resplit(merged, torch.sort(group, stable=True).indices, len(micro_batches))
+
+
+def trim_completion_padding(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with its completion columns cut after the last real token of its longest row.
+
+    TRL pads every completion of a generation batch to the batch's longest (``completion_ids`` / ``completion_mask``
+    ``[b, C]``, and per-token tensors such as ``old_per_token_logps`` beside them), so a micro-batch of short rows
+    still runs ``C`` positions through the loss forward and backward. The columns cut are padding in every row of
+    this micro-batch: under causal attention no kept position sees them and the loss masks them, so the loss and its
+    gradient are unchanged. Every tensor whose first two dimensions are ``[b, C]`` (the prompt's aside) is cut alike.
+    """
+    mask = batch["completion_mask"]
+    columns = mask.size(1)
+    keep = max(int(_kept_lengths(mask).max()), 1) if mask.numel() else columns
+    if keep == columns:
+        return batch
+    rows = mask.size(0)
+    return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.ndim >= 2 and tuple(v.shape[:2]) == (rows, columns)
+            and not k.startswith("prompt") else v for k, v in batch.items()}  # fmt: skip
+
+
+def micro_batches_by_length(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's buffered micro-batches of one generation batch re-split by completion length (rows sorted by their
+    last real token, the same number of micro-batches of the same size), each cut to its own longest row
+    (:func:`trim_completion_padding`).
+
+    With TRL's shuffle every micro-batch carries the generation batch's longest completion: the 7B GSM8K recipe's
+    128 completions (mean ~300 tokens, longest ~1,100-1,500) made every micro-batch ~1,400 positions long. Sorted, the
+    short rows run together at their own length. The step's gradient is unchanged for the loss types of
+    :data:`GROUPING_FREE_LOSSES` when the micro-batches make one optimizer step (the caller checks). A batch that
+    cannot be re-split (images) keeps its split and is only trimmed.
+    """
+    merged = _merged_micro_batches(micro_batches) if len(micro_batches) > 1 else None
+    if merged is not None:
+        length = _kept_lengths(merged["completion_mask"]).cpu()
+        micro_batches = _resplit(merged, torch.sort(length, stable=True).indices, len(micro_batches))
+    return [trim_completion_padding(b) for b in micro_batches]
+
+
+def sampling_correction(
+    trainer_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL's importance-sampling correction for the gap between the engine that sampled and the trainer (its
+    ``vllm_importance_sampling_*`` settings), from the trainer's logprobs of the sampled tokens.
+
+    ``trainer_logps`` / ``sampling_logps`` / ``mask``: ``[b, C]`` (float32 log-probabilities; ``sampling_logps`` NaN
+    where the engine gave none: ratio 1 there). ``mode``: ``token_truncate`` | ``token_mask`` | ``sequence_truncate`` |
+    ``sequence_mask``. Returns the ratio ``exp(trainer - sampling)``, ``[b, C]`` for token modes and ``[b, 1]`` for
+    sequence modes (summed over the sequence), clamped to ``[clip_min, clip_max]`` (truncate) or zeroed outside it
+    (mask), as ``GRPOTrainer._generate_and_score_completions`` computes it.
+    """
+    diff = torch.nan_to_num((trainer_logps - sampling_logps) * mask, nan=0.0)
+    level, _, how = mode.partition("_")
+    if level not in ("token", "sequence") or how not in ("truncate", "mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}: token_truncate, token_mask, "
+                         "sequence_truncate or sequence_mask")  # fmt: skip
+    ratio = (diff.sum(-1, keepdim=True) if level == "sequence" else diff).exp()
+    if how == "truncate":
+        return ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
@@ -667,34 +756,135 @@ class QeRLGRPOTrainer(GRPOTrainer):
         """TRL's, scoring ``logprob_batch_size`` sequences per forward when the caller gives no ``batch_size``.
 
         On CPU, text-only batches are scored by :func:`score_completions` (the LM head on the completion positions
-        only): TRL's fused LM head scores every position of the sequence off Triton devices, prompt included.
+        only): TRL's fused LM head scores every position of the sequence off Triton devices, prompt included. Inside
+        the loss of a micro-batch whose sampling correction was deferred (:meth:`_defers_sampling_correction`), the
+        correction is computed here from the loss forward's own logprobs.
         """
         batch_size = batch_size or self.args.logprob_batch_size
         if input_ids.device.type == "cpu" and not compute_aux_loss and all(v is None for v in kwargs.values()):
             with self.accelerator.autocast():
-                return score_completions(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                         temperature=self.temperature, compute_entropy=compute_entropy,
-                                         entropy_grad=getattr(self, "_entropy_bonus_enabled", True))  # fmt: skip
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss, **kwargs
-        )  # fmt: skip
+                out = score_completions(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                        temperature=self.temperature, compute_entropy=compute_entropy,
+                                        entropy_grad=getattr(self, "_entropy_bonus_enabled", True))  # fmt: skip
+        else:
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss, **kwargs
+            )  # fmt: skip
+        pending = getattr(self, "_pending_correction", None)
+        if pending is not None:
+            self._pending_correction = None
+            self._deferred_correction(out[0].detach(), pending)
+        return out
+
+    # ------------------------------------------------------------------ the step's batches and its correction
+    def _regroups_micro_batches(self) -> bool:
+        """Whether the rows of a generation batch may be re-split into other micro-batches of the same size without
+        changing the optimizer step: its micro-batches make exactly one optimizer step, the loss is one of
+        :data:`GROUPING_FREE_LOSSES`, and nothing is normalized per micro-batch (entropy bonus, entropy mask)."""
+        args = self.args
+        return (
+            args.steps_per_generation == args.gradient_accumulation_steps
+            and self.loss_type in GROUPING_FREE_LOSSES
+            and not getattr(self, "_entropy_bonus_enabled", False)
+            and getattr(self, "top_entropy_quantile", 1.0) >= 1.0
+        )
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's, with each new generation batch's micro-batches re-split by prompt (:func:`micro_batches_by_prompt`)
-        where that leaves the step's gradient as it is (its micro-batches make one optimizer step) and the loss
-        scores each prompt once (:func:`score_completions`, off Triton devices)."""
+        """TRL's, with each new generation batch's micro-batches re-split where that leaves the optimizer step as it
+        is (:meth:`_regroups_micro_batches`): off Triton devices by prompt (:func:`micro_batches_by_prompt`, so that
+        :func:`score_completions` scores each prompt once), on GPUs by completion length, each cut to its longest row
+        (:func:`micro_batches_by_length`: no micro-batch carries the generation batch's longest completion as
+        padding)."""
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        if (
-            self.model.training
-            and self._buffered_inputs is not buffered
-            and self.args.steps_per_generation == self.args.gradient_accumulation_steps
-            and self.accelerator.device.type == "cpu"
-        ):
-            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
+        if self.model.training and self._buffered_inputs is not buffered and self._regroups_micro_batches():
+            if self.accelerator.device.type == "cpu":
+                self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
+            else:
+                self._buffered_inputs = micro_batches_by_length(self._buffered_inputs)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
+
+    def _defers_sampling_correction(self) -> bool:
+        """Whether the engine-vs-trainer sampling correction (TRL's ``vllm_importance_sampling_correction``) is
+        computed in the loss forward instead of in a forward of its own.
+
+        TRL scores every completion of a vLLM generation batch in an extra no-grad forward (``old_per_token_logps``),
+        to compare the trainer's logprobs with the engine's. When the weights cannot change between generation and
+        loss (one policy iteration, whole generation batches per optimizer step) those logprobs are the loss
+        forward's own, detached: the 7B GSM8K step spent 7.7 s of 45 s in that forward
+        (``benchmarks/results/grpo_7b_gsm8k_vllm.json``). The ratio, its clipping and its metrics are the same."""
+        args = self.args
+        return (
+            bool(getattr(self, "use_vllm", False))
+            and self.vllm_importance_sampling_correction
+            and self.num_iterations == 1
+            and args.gradient_accumulation_steps % args.steps_per_generation == 0
+            and self.loss_type != "vespo"
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        if not (self.model.training and self._defers_sampling_correction()):
+            return super()._generate_and_score_completions(inputs)
+        # TRL computes old_per_token_logps, the ratio and its metrics only under this flag; the loss turns it back on
+        self.vllm_importance_sampling_correction = False
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+
+    def _compute_loss(self, model, inputs):
+        if (
+            self.model.training
+            and "importance_sampling_ratio" not in inputs
+            and "sampling_per_token_logps" in inputs
+            and self._defers_sampling_correction()
+        ):
+            self._pending_correction = inputs  # filled by _get_per_token_logps_and_entropies before TRL reads it
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._pending_correction = None
+
+    def _deferred_correction(self, trainer_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
+        """``inputs["importance_sampling_ratio"]`` from the loss forward's logprobs (``[b, C]``, detached), and TRL's
+        ``sampling/*`` metrics of the generation batch, logged once its last micro-batch has been scored."""
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        sampling = inputs["sampling_per_token_logps"]
+        args = self.args
+        mode = self.vllm_importance_sampling_mode
+        ratio = sampling_correction(trainer_logps, sampling, mask, mode, self.vllm_importance_sampling_clip_min,
+                                    self.vllm_importance_sampling_clip_max)  # fmt: skip
+        inputs["importance_sampling_ratio"] = ratio
+        real = mask.bool()
+        delta = (trainer_logps - sampling).abs()[real & ~torch.isnan(sampling)]
+        ratios = ratio.flatten() if mode.startswith("sequence") else ratio[real]
+        stats = torch.stack([delta.sum(), torch.tensor(float(delta.numel()), device=delta.device),
+                             delta.max() if delta.numel() else delta.new_zeros(()),
+                             ratios.sum(), torch.tensor(float(ratios.numel()), device=ratios.device),
+                             ratios.min() if ratios.numel() else ratios.new_full((), math.inf),
+                             ratios.max() if ratios.numel() else ratios.new_full((), -math.inf)]).float()  # fmt: skip
+        stats = self.accelerator.gather(stats[None]).view(-1, 7)
+        total = (
+            stats if getattr(self, "_correction_stats", None) is None else torch.cat([self._correction_stats, stats])
+        )
+        self._correction_stats = total
+        if len(total) < args.steps_per_generation * self.accelerator.num_processes:
+            return
+        self._correction_stats = None
+        metrics = self._metrics["train"]
+        metrics["sampling/sampling_logp_difference/mean"].append(
+            (total[:, 0].sum() / total[:, 1].sum().clamp(min=1)).item()
+        )
+        metrics["sampling/sampling_logp_difference/max"].append(total[:, 2].max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(total[:, 5].min().item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(
+            (total[:, 3].sum() / total[:, 4].sum().clamp(min=1)).item()
+        )
+        metrics["sampling/importance_sampling_ratio/max"].append(total[:, 6].max().item())
 
     def training_step(self, model, inputs, num_items_in_batch):
         self._generation_seconds = 0.0

@@ -75,5 +75,6 @@ def test_no_private_names_imported_across_packages_or_by_benchmarks():
 
 def test_benchmarks_hold_what_a_maintainer_reruns():
     # issue #48's target is 3,500: reaching it would delete the scripts behind current BENCHMARKS rows (learning study,
-    # quality, quantization time, the main command by phase) and kernel_sass.py (issue #50); a ratchet at this tree
-    assert am.benchmark_lines(ROOT) <= 5710
+    # quality, quantization time, the main command by phase) and kernel_sass.py (issue #50); a ratchet at this tree.
+    # +101 (5,710 → 5,811): gemm.py --fp8, issue #51's FP8-rollout spike (bf16 / W4A16 / FP8 arms in one run)
+    assert am.benchmark_lines(ROOT) <= 5811

@@ -87,3 +87,33 @@ def test_qerl_train_checks_the_fsdp2_plan_under_an_fsdp2_launch(monkeypatch, tmp
     with pytest.raises(MemoryPlanError, match=r"under FSDP2 on 2 GPUs of 0\.0 GB: does not fit.*no count up to 8 GPUs fits"):
         check_memory(script_args, config, budget_bytes=10**6)
     assert check_memory(script_args, config, budget_bytes=80 * 10**9) is True
+
+
+def test_vllm_tensor_parallel_size_sets_the_engine_share_per_gpu(capsys):
+    """``vllm.tensor_parallel_size`` = T: engines of T GPUs each (weights / T and KV heads / T per GPU, the rows of T
+    processes per engine); unset, one engine over all the GPUs. T = 1 on 2 GPUs is two whole 72B engines: no count
+    fits; a T that does not divide the GPU count is refused in one line (``qerl plan`` exits 2)."""
+    from qerl_trl.cli import main
+    from qerl_trl.memory_plan import MemoryPlanError
+
+    vllm = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    auto = plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 4, vllm_colocate=True)
+    two = plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 4, vllm_colocate=True, vllm_tp=2)
+    assert auto.details["vllm_tp"] == 4 and two.details["vllm_tp"] == 2
+    assert two.details["vllm_weights"] == pytest.approx(2 * auto.details["vllm_weights"], abs=2)
+    assert two.kv_per_row == -(-Q72.kv_bytes_per_token(2) * 9216 // 2) and two.run.generation_rows == 2 * 128
+    assert plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 4, vllm_colocate=True, vllm_tp=4) == auto
+    fits, line = fsdp2_answer(Q72, vllm, H100_80GB_BYTES, 2, name="72B", vllm_colocate=True, vllm_tp=1)
+    assert not fits and "vLLM TP=1" in line and "no count up to 8 GPUs fits" in line
+    assert smallest_fsdp2_gpus(Q72, vllm, H100_80GB_BYTES, vllm_colocate=True, vllm_tp=2) == 2
+    with pytest.raises(MemoryPlanError, match="tensor_parallel_size=3 must divide the GPU count"):
+        plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 4, vllm_colocate=True, vllm_tp=3)
+    args = ["plan", "bigmath-qwen2.5-32b-dapo", "--model_name_or_path", "Qwen/Qwen2.5-72B-Instruct",
+            "--rollout_engine", "vllm"]  # fmt: skip
+    main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 2}', "--memory-budget-gb", "85.5"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and ": fits:" in out[0] and "vLLM TP=2" in out[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 3}'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "must divide the number of training processes (2)" in err[-1]

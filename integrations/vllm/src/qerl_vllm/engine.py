@@ -173,7 +173,11 @@ class VLLMEngine:
         kv_cache_memory_bytes: explicit KV-cache size (default 512 MiB on CPU).
         lora_dir: where adapters given as tensors are written (default: a fresh folder under /dev/shm).
         **llm_kwargs: passed on to ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``enable_prefix_caching``,
-            ``logprobs_mode``, ``enable_sleep_mode``).
+            ``logprobs_mode``, ``enable_sleep_mode``). With ``distributed_executor_backend="external_launcher"`` and
+            ``tensor_parallel_size=T`` inside a torchrun / accelerate launch, this process hosts one TP worker of an
+            engine shared by T processes (the trainer's colocate mode): every method then acts on this worker only
+            and every process of the group must make the same calls (same prompts, same seed, same adapter and norm
+            weights: vLLM's LoRA layers keep their TP slice of the whole adapter, its RMSNorm weights are replicated).
     """
 
     def __init__(
@@ -220,6 +224,9 @@ class VLLMEngine:
         kwargs.update(llm_kwargs)
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
+        #: one TP worker of an engine spread over the processes of a torchrun / accelerate launch: the torch process
+        #: group is the launcher's, so :meth:`close` leaves it alone
+        self.external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_root = Path(lora_dir) if lora_dir is not None else Path(_default_lora_root())
@@ -429,7 +436,16 @@ class VLLMEngine:
         if self._own_lora_root:
             shutil.rmtree(self._lora_root, ignore_errors=True)
         llm = self.__dict__.pop("llm", None)
-        if llm is not None:
+        if llm is not None and self.external_launcher:
+            # vLLM's shutdown ends by destroying the default process group, which belongs to the launch (the
+            # trainer still uses it, and destroys it itself): the engine is dropped instead, its shutdown-on-collect
+            # finalizer detached (at exit it would destroy groups the launch already took down); its memory goes with
+            # the process
+            finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            del llm
+        elif llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # noqa: BLE001

@@ -220,10 +220,14 @@ class AQNController:
         """Noisy copies ``(name, w + Z)`` of the given norm weights for an external engine's weight update.
 
         Same noise as :meth:`begin_rollout` gives the same names at ``step`` (per_step mode). ``named_params`` may
-        also be a model or :class:`~aqn.NormNoise`, whose discovered norm weights are used. σ = 0 yields clean copies.
+        also be a model or :class:`~aqn.NormNoise`, whose discovered norm weights are used (read from the model again:
+        sharded by FSDP2, they are ``DTensor`` s and so are the noisy copies, each rank adding its slice of the whole
+        draw; ``DTensor.full_tensor()`` gathers them). σ = 0 yields clean copies.
         """
         if isinstance(named_params, (nn.Module, NormNoise)):
-            named_params = self.norm_noise(named_params).params
+            noise = self.norm_noise(named_params)
+            noise._refresh_params()  # the model's live weights (FSDP2 swaps them for DTensor shards after discovery)
+            named_params = noise.params
         return noisy_norm_weights(named_params, self.sigma(step), seed=self.seed, step=step, dtype=dtype)
 
     # ------------------------------------------------------------------ state

@@ -35,6 +35,12 @@ class VLLMRolloutConfig:
         gpu_memory_utilization, max_model_len, dtype, enforce_eager, kv_cache_memory_bytes: engine knobs (colocate;
             ``dtype="auto"``: bfloat16 on GPU, float32 on CPU).
         server_timeout: seconds per HTTP request (server mode).
+        tensor_parallel_size: GPUs one colocated engine spans (vLLM tensor parallelism through its
+            ``external_launcher`` backend: each trainer process hosts one TP worker, the ``T`` consecutive processes
+            ``[kT, (k+1)T)`` share one engine and generate their prompts together). ``None``: the number of training
+            processes under an FSDP2 launch (the policy is sharded because it does not fit one GPU, so is the
+            engine's copy), 1 otherwise (one whole engine per process). It must divide the number of processes. A
+            server's is its own ``--tensor-parallel-size``: not set here in server mode.
     """
 
     server_url: str | None = None
@@ -47,6 +53,28 @@ class VLLMRolloutConfig:
     enforce_eager: bool | None = None
     kv_cache_memory_bytes: int | None = None
     server_timeout: float = 600.0
+    tensor_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"vllm.tensor_parallel_size must be a whole number >= 1 (or None: automatic), got {tp!r}")
+        if tp is not None and self.server_url:
+            raise ValueError(
+                "vllm.tensor_parallel_size sets the colocated engine; a server's is its own --tensor-parallel-size "
+                "(unset vllm.tensor_parallel_size or vllm.server_url)"
+            )
+
+    def tp_size(self, world_size: int, fsdp2: bool) -> int:
+        """The colocated engine's tensor-parallel size for ``world_size`` training processes (``fsdp2``: the policy
+        is sharded by FSDP2); ``ValueError`` (one line) when it does not divide ``world_size``."""
+        tp = self.tensor_parallel_size if self.tensor_parallel_size is not None else world_size if fsdp2 else 1
+        if world_size % tp:
+            raise ValueError(
+                f"vllm.tensor_parallel_size={tp} must divide the number of training processes ({world_size}): "
+                f"each group of {tp} consecutive processes shares one engine"
+            )
+        return tp
 
     @classmethod
     def from_value(cls, value: VLLMRolloutConfig | dict | str | None) -> VLLMRolloutConfig:
@@ -98,8 +126,9 @@ class QeRLConfig(GRPOConfig):
             (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap.
         vllm: the vLLM engine's settings, :class:`VLLMRolloutConfig` (``server_url``, ``model_path``, ``cache_dir``,
             ``adapter_dir``, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``,
-            ``kv_cache_memory_bytes``, ``server_timeout``); the flat ``vllm_<setting>`` keys of earlier versions still
-            set them, with a deprecation warning.
+            ``kv_cache_memory_bytes``, ``server_timeout``, ``tensor_parallel_size``); the flat ``vllm_<setting>``
+            keys of earlier versions (and TRL's ``vllm_tensor_parallel_size``) still set them, with a deprecation
+            warning.
         rollout_engine="graph" (opt-in): the policy generates through :func:`qerl_trl.rollout.graph.generate.graph_generate`
             instead of its ``generate``: one compiled CUDA graph per decode step with the sampling inside, no host sync
             per step (on an H100 it doubled a 7B policy's rollout tokens/s outside the trainer). It samples from
@@ -204,6 +233,9 @@ class QeRLConfig(GRPOConfig):
         default=None, metadata={"help": "Deprecated: vllm.kv_cache_memory_bytes."}
     )
     vllm_server_timeout: float | None = field(default=None, metadata={"help": "Deprecated: vllm.server_timeout."})
+    vllm_tensor_parallel_size: int | None = field(
+        default=None, metadata={"help": "TRL's spelling of vllm.tensor_parallel_size (deprecated here)."}
+    )
     compile_generation: bool = field(
         default=True,
         metadata={"help": "CUDA + cache_implementation='static': compiled decode with CUDA graphs (TRL disables it)."},
@@ -290,6 +322,7 @@ class QeRLConfig(GRPOConfig):
                           stacklevel=4)  # fmt: skip
             setattr(nested, name, value)
             setattr(self, f"vllm_{name}", None)
+        nested.__post_init__()  # the flat keys pass the same checks
         self.vllm = nested
 
     def to_dict(self) -> dict:

@@ -572,17 +572,18 @@ FSDP_GATHERED_LAYERS = 2
 
 def plan_fsdp2(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, margin: float = DEFAULT_MARGIN, *,
-    vllm_colocate: bool = False,
+    vllm_colocate: bool = False, vllm_tp: int | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """The :class:`MemoryPlan` of one GPU when ``num_gpus`` processes train ``run`` under FSDP2 (``fully_shard``:
     :mod:`nvfp4.fsdp` for the 4-bit weights, accelerate's per-decoder-layer groups for the rest), within
     ``budget_bytes`` per GPU. ``num_gpus == 1`` is :func:`plan_memory` (nothing to shard).
 
-    ``vllm_colocate``: rollouts by a vLLM engine with ``tensor_parallel_size = num_gpus`` on the same GPUs. It holds its
-    own copy of the weights, split over the GPUs (``weights / num_gpus``), and a KV cache whose heads are split too:
-    the plan's generation rows are then the engine's (``kv_per_row / num_gpus`` per GPU and row, the engine's
-    activations left to the margin), and ``wave_rows`` is how many sequences of ``cache_len`` positions its KV cache
-    holds at once (the engine schedules the rest).
+    ``vllm_colocate``: rollouts by colocated vLLM engines of ``tensor_parallel_size = vllm_tp`` (default
+    ``num_gpus``: one engine over all the GPUs) on the same GPUs, ``num_gpus / vllm_tp`` of them. Each holds its own
+    copy of the weights, split over its ``vllm_tp`` GPUs (``weights / vllm_tp`` per GPU), and a KV cache whose heads
+    are split too: the plan's generation rows are then an engine's (the rows of its ``vllm_tp`` processes,
+    ``kv_per_row / vllm_tp`` per GPU and row, the engine's activations left to the margin), and ``wave_rows`` is how
+    many sequences of ``cache_len`` positions its KV cache holds at once (the engine schedules the rest).
 
     Per GPU: every weight, LoRA parameter, LoRA gradient and optimizer state divided by ``num_gpus`` (FSDP2 splits
     each tensor by rows), plus what FSDP2 holds whole while a step runs: the all-gathered weights and adapters (and
@@ -593,8 +594,11 @@ def plan_fsdp2(
     """
     if num_gpus < 1:
         raise MemoryPlanError(f"num_gpus must be >= 1, got {num_gpus}")
-    if vllm_colocate:  # one engine generates every process's rows; its KV cache stays allocated while they train
-        run = replace(run, held_generation=True, generation_rows=run.generation_rows * num_gpus)
+    tp = num_gpus if vllm_tp is None else vllm_tp
+    if vllm_colocate and (tp < 1 or num_gpus % tp):
+        raise MemoryPlanError(f"vllm.tensor_parallel_size={tp} must divide the GPU count ({num_gpus})")
+    if vllm_colocate:  # an engine generates its tp processes' rows; its KV cache stays allocated while they train
+        run = replace(run, held_generation=True, generation_rows=run.generation_rows * tp)
     base = plan_memory(model, run, budget_bytes, margin)
     parts = _weight_parts(model, run)
     n = num_gpus
@@ -610,10 +614,10 @@ def plan_fsdp2(
                        fsdp_gathered=int(gathered))  # fmt: skip
     kv_per_row, buffers_per_row, prefill_per_row = base.kv_per_row, base.buffers_per_row, base.prefill_per_row
     if vllm_colocate:
-        engine_weights = int(base.weights / n)
-        details["vllm_weights"] = engine_weights
+        engine_weights = int(base.weights / tp)
+        details.update(vllm_weights=engine_weights, vllm_tp=tp)
         weights += engine_weights
-        kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / n), 0, 0
+        kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / tp), 0, 0
     plan = replace(base, weights=weights, lora=lora, optimizer=optimizer, kv_per_row=kv_per_row,
                    buffers_per_row=buffers_per_row, prefill_per_row=prefill_per_row, wave_rows=0,
                    details=details)  # fmt: skip
@@ -623,12 +627,13 @@ def plan_fsdp2(
 
 def smallest_fsdp2_gpus(
     model: ModelShape, run: RunShape, budget_bytes: int, *, max_gpus: int = 8, margin: float = DEFAULT_MARGIN,
-    waves_allowed: bool = True, vllm_colocate: bool = False,
+    waves_allowed: bool = True, vllm_colocate: bool = False, vllm_tp: int | None = None,
 ) -> int | None:  # fmt: skip
-    """The fewest GPUs (1 .. ``max_gpus``) of ``budget_bytes`` each on which :func:`plan_fsdp2` fits ``run`` (at least
-    one generation row per wave, or the whole batch without ``waves_allowed``); None when none does."""
-    for n in range(1, max_gpus + 1):
-        plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate)
+    """The fewest GPUs (1 .. ``max_gpus``; multiples of ``vllm_tp`` when it is set) of ``budget_bytes`` each on which
+    :func:`plan_fsdp2` fits ``run`` (at least one generation row per wave, or the whole batch without
+    ``waves_allowed``); None when none does."""
+    for n in range(vllm_tp or 1, max_gpus + 1, vllm_tp or 1):
+        plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp)
         if plan.wave_rows >= (1 if waves_allowed else run.generation_rows):
             return n
     return None
@@ -637,16 +642,18 @@ def smallest_fsdp2_gpus(
 def fsdp2_answer(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
     max_gpus: int = 8, margin: float = DEFAULT_MARGIN, waves_allowed: bool = True, vllm_colocate: bool = False,
+    vllm_tp: int | None = None,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``run`` on ``model`` fits ``num_gpus`` GPUs of ``budget_bytes`` under FSDP2, and one line saying so:
     the planned peak per GPU against what is usable, and the smallest GPU count that would fit (``qerl plan``; an
     estimate, see :func:`plan_fsdp2`)."""
-    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate)
+    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp)
     need = 1 if waves_allowed else run.generation_rows
     fits = plan.wave_rows >= need
     rows = plan.rows_per_wave if fits else need
     smallest = smallest_fsdp2_gpus(model, run, budget_bytes, max_gpus=max_gpus, margin=margin,
-                                   waves_allowed=waves_allowed, vllm_colocate=vllm_colocate)  # fmt: skip
+                                   waves_allowed=waves_allowed, vllm_colocate=vllm_colocate,
+                                   vllm_tp=vllm_tp)  # fmt: skip
     where = f"{num_gpus} GPU{'s' if num_gpus > 1 else ''} of {budget_bytes / GB:.1f} GB"
     mode = "FSDP2" if num_gpus > 1 else "one process"
     head = (
@@ -654,7 +661,7 @@ def fsdp2_answer(
         f"{run.prompt_len + run.completion_len} tokens) under {mode} on {where}: "
     )
     engine = plan.details.get("vllm_weights", 0)
-    gen = (f"vLLM TP={num_gpus} weights {engine / GB:.1f} GB + KV cache for {rows} concurrent sequence(s) of "
+    gen = (f"vLLM TP={plan.details.get('vllm_tp')} weights {engine / GB:.1f} GB + KV cache for {rows} concurrent sequence(s) of "
            f"{run.cache_len} positions {rows * plan.per_row / GB:.1f} GB" if vllm_colocate else
            f"{rows} generation row(s) per wave {rows * plan.per_row / GB:.1f} GB")  # fmt: skip
     body = (
@@ -698,12 +705,16 @@ def fsdp2_preflight(
 ) -> tuple[bool, str]:  # fmt: skip
     """:func:`fsdp2_answer` for a ``QeRLConfig`` (``qerl plan``, and ``qerl train`` under an FSDP2 launch): the run's
     shape as :func:`run_shape_from_config` reads it with bf16 activations (the GPU run's, whatever machine plans it);
-    ``rollout_engine="vllm"`` without a ``server_url`` plans a colocated engine of ``tensor_parallel_size =
-    num_gpus``, a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
+    ``rollout_engine="vllm"`` without a ``server_url`` plans colocated engines of ``vllm.tensor_parallel_size``
+    (unset: ``num_gpus`` when several GPUs shard the policy, as the trainer resolves it; a ``ValueError`` when it does
+    not divide ``num_gpus``), a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
     run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
     engine = args.rollout_engine_class  # what it holds and how it generates are its own rules
     colocate = engine.colocated_engine(args)
     waves = engine.generates_in_waves or colocate  # a colocated vLLM schedules what its KV cache cannot hold at once
+    if colocate:
+        args.vllm.tp_size(num_gpus, fsdp2=num_gpus > 1)  # ValueError when it does not divide the GPU count
+    tp = args.vllm.tensor_parallel_size if colocate else None  # unset: each count's own (num_gpus)
     return fsdp2_answer(model, run, budget_bytes, num_gpus, name=name, margin=margin, waves_allowed=waves,
-                        vllm_colocate=colocate)  # fmt: skip
+                        vllm_colocate=colocate, vllm_tp=tp)  # fmt: skip
 

@@ -26,6 +26,22 @@ Per generation step:
    ``max_completion_length`` / ``generation_kwargs``; logprobs are vLLM's ``processed_logprobs`` (after temperature),
    as the trainer's logprobs are.
 
+A sharded policy (FSDP2, ``accelerate launch --config_file recipes/accelerate/fsdp2.yaml``): the LoRA parameters and
+the RMSNorm weights are ``DTensor`` shards. Every process gathers each one whole (``DTensor.full_tensor()``, a
+collective: all processes, same order, one tensor at a time, straight to the CPU) before anything is pushed; then who
+pushes what depends on who owns the engine:
+
+* colocate, ``vllm.tensor_parallel_size`` = 1: each process owns a whole engine and pushes the full adapter and the
+  full noisy norms into it (as without FSDP2);
+* colocate, ``tensor_parallel_size`` = T > 1 (vLLM's ``external_launcher`` backend, as TRL's colocate mode): the T
+  consecutive processes of a group each host one TP worker of the same engine, and each pushes the *full* tensors into
+  its own worker: vLLM's LoRA layers keep their TP slice of the whole adapter, and the RMSNorm weights are replicated
+  across TP ranks, so each worker takes the whole vector. Nothing crosses processes but the gathers. The group
+  generates together: its processes' prompts are gathered (``all_gather_object`` on the TP group), every worker runs
+  the same requests with the same seed, and each process keeps its own rows;
+* server (``vllm.server_url``, e.g. ``vllm serve --tensor-parallel-size N --host 127.0.0.1``): the main process
+  pushes (adapter files + HTTP; the server fans the norm RPC out to all its TP workers), the others only gather.
+
 ``qerl_vllm`` / ``vllm`` are imported only by the colocate engine; server mode needs neither (stdlib HTTP).
 """
 
@@ -39,7 +55,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +70,9 @@ __all__ = [
     "ColocateVLLMGeneration",
     "ServerVLLMGeneration",
     "VLLMRollout",
+    "adapter_state",
     "engine_checkpoint",
+    "full_tensors",
     "sampling_kwargs",
     "write_adapter",
 ]
@@ -100,6 +118,23 @@ def engine_checkpoint(
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     if (target / "config.json").is_file():
         return str(target)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # several trainer processes (one machine): transformers' save_pretrained writes on global rank 0 only, so
+        # that one saves and the others wait for it
+        if dist.get_rank() == 0:
+            _save_engine_checkpoint(target, model, src)
+        dist.barrier()
+        if not (target / "config.json").is_file():
+            raise FileNotFoundError(f"{target}: rank 0 wrote no engine checkpoint here (vllm.cache_dir must be shared)")
+        return str(target)
+    _save_engine_checkpoint(target, model, src)
+    return str(target)
+
+
+def _save_engine_checkpoint(target: Path, model: Any, src: str | None) -> None:
+    """``model`` (with ``src``'s tokenizer and generation config) saved as ``target``, atomically (a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / "ckpt"
@@ -118,19 +153,36 @@ def engine_checkpoint(
         except OSError:  # another process won the race
             if not (target / "config.json").is_file():
                 raise
-    return str(target)
 
 
 # ---------------------------------------------------------------------------------------------- adapters
-def _lora_state(trainer: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def full_tensors(named: Mapping[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Whole CPU copies of ``named``'s tensors, in its order. A ``DTensor`` (an FSDP2 shard) is gathered with
+    ``full_tensor()``, a collective: every process of its mesh must call this with the same names in the same order.
+    One tensor is gathered at a time and moved to the CPU at once, so the GPU holds one whole tensor at most.
+    ``keep=False`` (a process that takes part in the gathers but pushes nothing): the copies are dropped, ``{}``."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        t = t.detach()
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = whole.to("cpu", copy=True)
+        del whole
+    return out
+
+
+def adapter_state(model: Any, *, keep: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
+    """The active LoRA adapter of ``model`` (a ``PeftModel``, sharded by FSDP2 or not) as the engine takes it: PEFT's
+    adapter state dict (``get_peft_model_state_dict``), every tensor whole on the CPU (:func:`full_tensors`: a
+    collective under FSDP2), and its ``LoraConfig``."""
     from peft import PeftModel, get_peft_model_state_dict
 
-    model = trainer.accelerator.unwrap_model(trainer.model)
     if not isinstance(model, PeftModel):
         raise TypeError("rollout_engine='vllm' syncs LoRA adapters: the policy must be a PeftModel")
     name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
-    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
-    return state, model.peft_config[name]
+    return full_tensors(get_peft_model_state_dict(model, adapter_name=name), keep=keep), model.peft_config[name]
 
 
 def lora_rank_bucket(r: int) -> int:
@@ -168,44 +220,78 @@ def _groups(prompts: Sequence[Sequence[int]], n: int) -> tuple[list[list[int]], 
 
 class _VLLMGeneration:
     """What both modes share: TRL's ``vllm_generation`` interface on top of sync / norms / raw generation, and the
-    norm-weight calls of :class:`aqn.controller.NormWeightsEngine` (the AQN controller's target)."""
+    norm-weight calls of :class:`aqn.controller.NormWeightsEngine` (the AQN controller's target).
+
+    Every trainer process calls :meth:`sync_weights`, :meth:`set_norm_weights`, :meth:`restore_norm_weights` and
+    :meth:`generate` (TRL's vLLM branch and the AQN controller run on all of them), so the gathers of a sharded policy
+    are collective; :attr:`pushes` says whether this process then hands the tensors to the engine."""
 
     mode = "colocate"
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.last_synced_step: int | None = None
+        #: the process group of the processes that share one engine (colocate with tensor_parallel_size > 1)
+        self.tp_group: Any = None
+
+    @property
+    def pushes(self) -> bool:
+        """Whether this process pushes the adapter and the norm weights into the engine (after every process has
+        gathered them): colocate, every process (its own engine, or its own TP worker of the group's engine)."""
+        return True
 
     # TRL's interface ------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Push the current LoRA adapter as a new adapter (TRL calls this when ``global_step`` changed)."""
         step = int(self.trainer.state.global_step)
-        state, cfg = _lora_state(self.trainer)
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        state, cfg = adapter_state(model, keep=self.pushes)
         self._sync_lora(state, cfg, step)
         self.last_synced_step = step
 
     def generate(self, prompts, images=None, num_generations: int = 1, profiler=None, **_: Any):
         """``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` like ``trl.generation.VLLMGeneration``;
-        ``logprobs[i][t] = [logprob of the sampled token]``."""
+        ``logprobs[i][t] = [logprob of the sampled token]``. The processes of a TP group generate their prompts
+        together (each keeps its own rows)."""
         if images is not None and any(im is not None for im in images):
             raise NotImplementedError("rollout_engine='vllm' does not support images yet")
         if self.last_synced_step is None:  # first call: TRL's step bookkeeping starts at -1, so this is rare
             self.sync_weights()
-        unique, n = _groups(prompts, num_generations)
+        local = [list(map(int, p)) for p in prompts]
+        everyone, start = self._group_prompts(local)
+        unique, n = _groups(everyone, num_generations)
         with profiler or contextlib.nullcontext():
             completion_ids, logprobs = self._generate(unique, sampling_kwargs(self.trainer, n))
-        return [list(p) for p in prompts], completion_ids, [[[lp] for lp in seq] for seq in logprobs], None
+        mine = slice(start, start + len(local))
+        return local, completion_ids[mine], [[[lp] for lp in seq] for seq in logprobs[mine]], None
+
+    def _group_prompts(self, local: list[list[int]]) -> tuple[list[list[int]], int]:
+        """The prompts of every process of this one's TP group, in rank order, and where this process's start."""
+        if self.tp_group is None:
+            return local, 0
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(parts, local, group=self.tp_group)
+        me = dist.get_rank(self.tp_group)
+        return [p for part in parts for p in part], sum(len(part) for part in parts[:me])
+
+    # AQN's NormWeightsEngine -----------------------------------------------------------
+    def set_norm_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Load AQN's noisy norm weights (``{name: float32 tensor}``, ``DTensor`` shards under FSDP2: gathered whole
+        on every process) into the engine for the next generation."""
+        self._push_norms(full_tensors(named, keep=self.pushes))
+
+    def restore_norm_weights(self) -> None:
+        """Put the engine's clean norm weights back, bit-identically."""
+        raise NotImplementedError
 
     # mode-specific ---------------------------------------------------------------------
     def _sync_lora(self, state: dict[str, torch.Tensor], peft_config: Any, step: int) -> None:
         raise NotImplementedError
 
-    def set_norm_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Load AQN's noisy norm weights (``{name: float32 tensor}``) into the engine for the next generation."""
-        raise NotImplementedError
-
-    def restore_norm_weights(self) -> None:
-        """Put the engine's clean norm weights back, bit-identically."""
+    def _push_norms(self, named: dict[str, torch.Tensor]) -> None:
+        """Write the whole noisy norm weights into the engine (``named`` is empty where :attr:`pushes` is False)."""
         raise NotImplementedError
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
@@ -215,8 +301,18 @@ class _VLLMGeneration:
         pass
 
 
+def _tp_groups(world: int, tp: int) -> Any:
+    """This process's group among the ``world // tp`` groups of ``tp`` consecutive ranks (every process creates all)."""
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups_by_enumeration([list(range(k * tp, (k + 1) * tp)) for k in range(world // tp)])
+    return group
+
+
 class ColocateVLLMGeneration(_VLLMGeneration):
-    """An in-process :class:`qerl_vllm.engine.VLLMEngine` (one per trainer process, e.g. one per GPU)."""
+    """An in-process :class:`qerl_vllm.engine.VLLMEngine`: a whole engine per trainer process, or, with
+    ``vllm.tensor_parallel_size`` = T > 1, one TP worker per process of an engine shared by T consecutive processes
+    (vLLM's ``external_launcher`` backend on the trainer's own process group, as TRL's colocate mode)."""
 
     mode = "colocate"
 
@@ -230,22 +326,38 @@ class ColocateVLLMGeneration(_VLLMGeneration):
                 "(bash .ci/vllm-setup, or pip install 'qerl-trl[vllm]'); or set vllm.server_url"
             ) from e
 
-        args, settings = trainer.args, trainer.args.vllm
+        args, settings, acc = trainer.args, trainer.args.vllm, trainer.accelerator
+        world = int(acc.num_processes)
+        self.tp_size = settings.tp_size(world, fsdp2=bool(getattr(acc, "is_fsdp2", False)))
         dtype = settings.dtype
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        extra: dict[str, Any] = {}
+        lora_dir = settings.adapter_dir
+        if lora_dir is not None and world > 1:  # the processes of one machine write their adapters apart
+            lora_dir = os.path.join(lora_dir, f"rank{acc.process_index}")
+        if self.tp_size > 1:
+            self.tp_group = _tp_groups(world, self.tp_size)
+            # vLLM's external launcher reads the launch from the environment (torchrun / accelerate set most of it)
+            os.environ.update(RANK=str(acc.process_index), LOCAL_RANK=str(acc.local_process_index),
+                              WORLD_SIZE=str(world))  # fmt: skip
+            extra.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher")
         self.engine = VLLMEngine(
             model_path,
             max_lora_rank=lora_rank_bucket(args.lora_r),
-            seed=args.seed + trainer.accelerator.process_index,
+            # one seed per engine: the TP workers of a group must sample the same tokens
+            seed=args.seed + acc.process_index // self.tp_size,
             dtype=dtype,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len,
             enforce_eager=settings.enforce_eager,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            lora_dir=settings.adapter_dir,
+            lora_dir=lora_dir,
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
+            **extra,
         )
+        if self.tp_size > 1:
+            acc.wait_for_everyone()  # every worker of every group is up before the first collective
 
     @property
     def llm(self):
@@ -254,13 +366,15 @@ class ColocateVLLMGeneration(_VLLMGeneration):
     def _sync_lora(self, state, peft_config, step):
         self.engine.sync_lora(state, version=step, peft_config=peft_config)
 
-    def set_norm_weights(self, named):
+    def _push_norms(self, named):
         self.engine.set_norm_weights(named)
 
     def restore_norm_weights(self):
         self.engine.restore_norm_weights()
 
     def _generate(self, prompts, sampling):
+        if self.tp_group is not None:
+            self.trainer.accelerator.wait_for_everyone()  # TRL's drain of the training collectives before vLLM's TP ones
         gens = self.engine.generate(prompts, sampling)
         return [g.token_ids for g in gens], [g.logprobs for g in gens]
 
@@ -348,7 +462,12 @@ class ServerVLLMGeneration(_VLLMGeneration):
                 ) from e
             raise
 
-    def set_norm_weights(self, named):
+    @property
+    def pushes(self) -> bool:
+        """Server mode: the main process pushes; the others take part in the gathers only."""
+        return self._is_main()
+
+    def _push_norms(self, named):
         self._barrier()
         if self._is_main():
             from safetensors.torch import save_file

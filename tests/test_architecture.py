@@ -76,4 +76,5 @@ def test_no_private_names_imported_across_packages_or_by_benchmarks():
 def test_benchmarks_hold_what_a_maintainer_reruns():
     # issue #48's target is 3,500: reaching it would delete the scripts behind current BENCHMARKS rows (learning study,
     # quality, quantization time, the main command by phase) and kernel_sass.py (issue #50); a ratchet at this tree
-    assert am.benchmark_lines(ROOT) <= 5710
+    # +208 (issue #47 item 5): grpo_step.py --recipe runs `qerl train` itself, timed, with the worst-case probe
+    assert am.benchmark_lines(ROOT) <= 5918

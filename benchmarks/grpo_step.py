@@ -83,6 +83,11 @@ recorded as ``generation_wave_rows``; the warm-up at the full length compiles th
         --arm-timeout 570 --out $OUT/grpo_7b_gsm8k_nvfp4.json   # GSM8K recipe; one arm per call (then bf16, qlora)
     python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine graph --group 8 --prompt-len 256 \
         --completion-len 2048 --lengths bigmath --steps 2 --arm-timeout 570 --out $OUT/grpo_32b_g8_2048.json
+
+Issue #47 item 5, a shipped recipe's whole steps through ``qerl train`` itself with vLLM rollouts (``run_recipe``)::
+
+    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine vllm --recipe bigmath-qwen2.5-32b-dapo \
+        --prompt-len 256 --lengths bigmath --warmup-steps 0 --steps 2 --vllm-kv-gb 14 --no-subprocess --out $OUT/d.json
 """
 
 from __future__ import annotations
@@ -224,12 +229,12 @@ class _Clock:
             self.phase = prev
 
 
-def _make_trainer_class(clock: _Clock, stock_trl: bool = False):
+def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
     from qerl_trl import QeRLGRPOTrainer
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    class TimedTrainer(GRPOTrainer if stock_trl else QeRLGRPOTrainer):
+    class TimedTrainer(base or (GRPOTrainer if stock_trl else QeRLGRPOTrainer)):
         """The trainer (``QeRLGRPOTrainer``, or TRL's own for ``trl-vllm``) with phase timers around the methods
         TRL's training step goes through."""
 
@@ -350,7 +355,8 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False):
         def on_log(self, args, state, control, logs=None, **kw):
             if clock.steps and logs:
                 keep = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "loss", "entropy")
-                keep += ("aqn/sigma", "tokens_per_second/generation", "grad_norm")
+                keep += ("aqn/sigma", "tokens_per_second/generation", "grad_norm", "dapo/informative_group_fraction")
+                keep += ("dapo/resample_rounds", "rewards/overlong_penalty/mean")
                 picked = {k: logs[k] for k in keep if k in logs}
                 if "reward" in picked:  # a step's log (not the end-of-training summary)
                     clock.steps[-1]["trl_log"] = picked
@@ -486,7 +492,7 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
 
 
 # ------------------------------------------------------------------------------------------------- the vLLM arms
-VLLM_MAX_STOP_IDS = 127  # vLLM 0.26 refuses a request with more than 128 stop ids, the tokenizer's EOS counted among them
+VLLM_MAX_STOP_IDS = 127  # vLLM 0.26 refuses a request of more than 128 stop ids, the tokenizer's EOS among them
 
 
 def _vllm_arm_model(args, device, dtype, res: dict):
@@ -559,6 +565,9 @@ def _time_sync(trainer, clock: _Clock) -> None:
 
 def run_worker(args) -> dict:
     import torch
+
+    if args.recipe:
+        return run_recipe(args)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -780,6 +789,180 @@ def run_worker(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
+# ------------------------------------------------------------------------------------------ --recipe: `qerl train`
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the word tokenizer's: contents, spaced
+
+
+def run_recipe(args) -> dict:
+    """``--recipe``: ``qerl train RECIPE`` itself (``qerl_trl.cli.main``), ``--rollout_engine vllm``, on the vLLM arm's
+    NVFP4 checkpoint (written layer by layer). Recipe settings as shipped but for the overrides in ``train_argv``: the
+    model, the engine and its ``vllm`` memory knobs (``--vllm-kv-gb``), ``max_steps``, a local ``data_path`` (random
+    words, ``--prompt-len`` tokens after the chat template), ``rewards`` = mean token id (varies within every group,
+    so DAPO's dynamic sampling keeps every group) and ``generation_kwargs`` for ``--lengths`` (``_vllm_spread_kwargs``).
+    The trainer class ``qerl train`` builds gets the phase timers; after the first step, the worst-case probe."""
+    import shlex
+    from unittest import mock
+
+    import qerl_trl.dapo
+    import qerl_trl.trainer
+    import torch
+    import yaml
+    from qerl_trl import cli
+    from qerl_trl.rewards import REWARD_FUNCS
+    from qerl_trl.tasks import make_prompt
+    from rollout_vllm import checkpoints
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    recipe = yaml.safe_load(cli.recipe_path(args.recipe).read_text())
+    args.group, args.per_device_batch = recipe["num_generations"], recipe["per_device_train_batch_size"]
+    args.grad_accum, args.completion_len = recipe["gradient_accumulation_steps"], recipe["max_completion_length"]
+    extra = shlex.split(args.recipe_overrides or "")
+    if "--max_completion_length" in extra:
+        args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
+    clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
+    res |= {"rollout_engine": "vllm", "recipe": args.recipe, "recipe_settings": recipe}
+    t0 = time.perf_counter()
+    path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
+    vocab = MODELS[args.model]["vocab_size"]
+    tok = make_tokenizer(vocab)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)  # qerl train and the engine load the tokenizer from the checkpoint
+    res["checkpoint_s"], outdir = round(time.perf_counter() - t0, 2), Path(tempfile.mkdtemp(prefix="grpo_recipe_"))
+    template = len(tok(tok.apply_chat_template(make_prompt(""), tokenize=False))["input_ids"])  # system prompt
+    if args.prompt_len <= template:
+        raise ValueError(f"--prompt-len {args.prompt_len}: the task's chat template alone is {template} tokens")
+    data = outdir / "train.jsonl"  # the task's fields (problem, answer); the gold answer is never scored
+    rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]
+    data.write_text("".join(json.dumps({"problem": r, "answer": "0"}) + "\n" for r in rows))
+    REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
+    if args.eos_mean_tokens:
+        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
+    else:
+        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    kv, total = int(args.vllm_kv_gb * 2**30), torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
+            "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if cuda else 0.1}  # fmt: skip
+    n_steps = args.warmup_steps + args.steps
+    argv = ["train", args.recipe, "--model_name_or_path", str(path), "--rollout_engine", "vllm", "--vllm",
+            json.dumps(vllm), "--max_steps", str(n_steps), "--output_dir", str(outdir / "run"), "--data_path",
+            str(data), "--rewards", "mean_token_id", "--generation_kwargs", json.dumps(gen_kwargs), *extra]  # fmt: skip
+    prompt_tokens = len(tok(tok.apply_chat_template(make_prompt(rows[0]), tokenize=False))["input_ids"])
+    res |= {"train_argv": argv, "prompt_tokens": prompt_tokens, "checkpoint": str(path)}
+    res["vllm_engine"] = vllm | {"weights_bytes": weights}
+    dapo = recipe.get("algorithm") == "dapo"
+    module, name = (qerl_trl.dapo, "QeRLDAPOTrainer") if dapo else (qerl_trl.trainer, "QeRLGRPOTrainer")
+    Timed, StepClock = _make_trainer_class(clock, base=getattr(module, name))
+    step_clock = StepClock()
+    step_clock.lengths, step_clock.on_vllm = [args.completion_len] * n_steps, True
+    step_clock.min_new = args.min_new_tokens if args.eos_mean_tokens else None
+    partial = Path(args.out).with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def save_partial(status: str) -> None:  # beside --out: a machine taken back mid-run keeps what was measured
+        part = dict(res)
+        _summarize(part, [_step_row(c, args.group) for c in clock.steps], args.warmup_steps, False, cuda, args)
+        partial.write_text(json.dumps(part | {"status": status}, default=str))
+
+    def after_step() -> None:
+        if len(clock.steps) == 1 and args.probe_tokens:
+            try:
+                res["worst_case"] = _worst_case_probe(holder[0], args, vocab, clock)
+            except Exception as e:  # noqa: BLE001 (the steps' numbers stand without it)
+                res["worst_case"] = {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+        save_partial(f"partial: {len(clock.steps)} of {n_steps} steps")
+
+    step_clock.after_step, holder = after_step, []
+
+    class RecipeTrainer(Timed):
+        def __init__(self, *a, **kw) -> None:  # the word tokenizer (AutoTokenizer reads a qwen2 folder as Qwen2's)
+            super().__init__(*a, **{"processing_class": tok, **kw})
+            holder.append(self)
+            step_clock.trainer = self
+            self.add_callback(step_clock)
+            _time_sync(self, clock)
+
+    status = "ok"
+    try:
+        with mock.patch.object(module, name, RecipeTrainer):
+            cli.main(argv)
+    except torch.OutOfMemoryError as e:
+        status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
+    except SystemExit as e:  # qerl train's one-line usage / memory-plan errors (printed above)
+        status = f"qerl train exited with {e.code}"
+    rows = [_step_row(c, args.group) for c in clock.steps]
+    _summarize(res, rows, args.warmup_steps, False, cuda, args)
+    res["status"] = status if status != "ok" or len(rows) == n_steps else f"partial: {len(rows)} of {n_steps} steps"
+    if res.get("summary") and isinstance(res.get("worst_case"), dict) and "gen_s" in res["worst_case"]:
+        _worst_case_estimate(res, args)
+    partial.unlink(missing_ok=True)
+    return res
+
+
+def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
+    """Every completion at the cap ``C``, probed after the first step on the trainer's own engine and policy.
+
+    Generation: the rows whose prompt + ``C`` positions fit the engine's KV cache at once (``rows``); for prompts of
+    ``P`` and of ``P + C - n`` tokens (the two ends of a row's life), one ``generate`` of 1 token (prefill) and one of
+    ``n = --probe-tokens`` (fresh prompts each, EOS ignored): seconds per decode step at short and at long context.
+    One wave of ``rows`` completions of ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows
+    linearly with the context). Training: one micro-batch of one row at ``P + C`` tokens (the last step's first
+    micro-batch, its completion stretched to ``C``): loss forward and backward timed, peak GPU memory; gradients
+    dropped."""
+    import math
+
+    import torch
+    from qerl_trl.trainer import TRAINING_SDPA_BACKENDS
+    from torch.nn.attention import sdpa_kernel
+
+    engine, cap, p, n = trainer.vllm_generation.engine, args.completion_len, args.prompt_len, args.probe_tokens
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    kv_tokens = cache.num_gpu_blocks * cache.block_size
+    completions = args.per_device_batch * args.grad_accum
+    rows = min(completions, max(1, kv_tokens // (math.ceil((p + cap) / cache.block_size) * cache.block_size)))
+    out: dict = {"kv_cache_tokens": kv_tokens, "rows": rows, "probe_tokens": n, "cap": cap}
+    g = torch.Generator().manual_seed(1)
+    for ctx, plen in (("short", p), ("long", p + cap - n)):
+        for k in (1, n):
+            ids = torch.randint(3, vocab, (rows, plen), generator=g).tolist()
+            t = clock.now()
+            engine.generate(ids, {"temperature": 1.0, "max_tokens": k, "min_tokens": k, "ignore_eos": True})
+            out[f"{ctx}_{k}_s"] = round(clock.now() - t, 4)
+        out[f"{ctx}_step_s"] = round((out[f"{ctx}_{n}_s"] - out[f"{ctx}_1_s"]) / (n - 1), 5)
+    out["wave_s"] = round(out["short_1_s"] + cap * (out["short_step_s"] + out["long_step_s"]) / 2, 2)
+    out["gen_s"] = round(math.ceil(completions / rows) * out["wave_s"], 1)
+    out["gen_tok_s"] = round(completions * cap / out["gen_s"], 1)
+    b = dict(trainer._buffered_inputs[0])
+    m = b["completion_ids"].size(1)
+    for k, v in b.items():  # completion-aligned tensors [rows, m]: stretched to the cap by their last column
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.size(1) == m and not k.startswith("prompt"):
+            b[k] = torch.cat([v, v[:, -1:].expand(-1, cap - m)], dim=1) if cap > m else v
+    b["completion_mask"] = torch.ones_like(b["completion_mask"])
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats(clock.device)
+    with sdpa_kernel(TRAINING_SDPA_BACKENDS):
+        t = clock.now()
+        loss = trainer.compute_loss(trainer.model, b, num_items_in_batch=b.get("num_items_in_batch"))
+        t1 = clock.now()
+        trainer.accelerator.backward(loss)
+        out |= {"train_row_tokens": p + cap, "loss_fwd_s": round(t1 - t, 3), "backward_s": round(clock.now() - t1, 3)}
+    trainer.model.zero_grad(set_to_none=True)
+    out["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated(clock.device)) if clock.cuda else None
+    return out
+
+
+def _worst_case_estimate(res: dict, args) -> None:
+    """``res["worst_case"]["step_s"]``: probed generation + every micro-batch at the cap (the probe's row x
+    completions) + scoring scaled by tokens from the measured step + the step's optimizer and other seconds."""
+    w, s, step = res["worst_case"], res["summary"], (res["steps"] or res["warmup_steps"])[-1]
+    completions = args.per_device_batch * args.grad_accum
+    tokens = step["completion_tokens"] + completions * res["prompt_tokens"]
+    w["train_s"] = round(completions * (w["loss_fwd_s"] + w["backward_s"]), 1)
+    w["score_s"] = round(s["score_s"] * completions * (res["prompt_tokens"] + w["cap"]) / tokens, 1)
+    w["step_s"] = round(w["gen_s"] + w["train_s"] + w["score_s"] + s["optimizer_s"] + s["clip_s"] + s["other_s"], 1)
+
+
 _PASS = (
     "prompt_len",
     "completion_len",
@@ -804,6 +987,10 @@ _PASS = (
     "prompt_cache_len",
     "vllm_kv_gb",
     "ckpt_root",
+    "recipe",
+    "recipe_overrides",
+    "probe_tokens",
+    "out",
 )
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
@@ -974,6 +1161,9 @@ def main(argv=None) -> None:
         help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)",
     )
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
+    ap.add_argument("--recipe", help="run `qerl train RECIPE --rollout_engine vllm` (its whole step; run_recipe)")
+    ap.add_argument("--recipe-overrides", help="--recipe: more `qerl train` options (CPU check: shorter completions)")
+    ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
                     help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")

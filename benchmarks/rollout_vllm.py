@@ -59,8 +59,8 @@ from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
-from common.models import build_model, spread_lengths
-from common.shapes import LINEARS, MODELS
+from common.models import build_model, materialize, spread_lengths
+from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
 from common.workers import add_worker_arguments, check_names, run_worker_subprocess, save_partial, worker_exit
 
@@ -107,17 +107,31 @@ PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (as
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
-def checkpoints(model_key: str, root: Path, lora_r: int) -> dict[str, Path]:
+def checkpoints(model_key: str, root: Path, lora_r: int, nvfp4_only: bool = False) -> dict[str, Path]:
     """The bf16 and NVFP4 checkpoints and the adapter of ``model_key`` under ``root`` (built on first use, on the GPU
-    if there is one); returns ``{"bf16": dir, "nvfp4": dir, "adapter": dir}``."""
+    if there is one); returns ``{"bf16": dir, "nvfp4": dir, "adapter": dir}``. ``nvfp4_only``: no bf16 checkpoint
+    (``{"nvfp4", "adapter"}``); the same NVFP4 tensors written layer by layer (``nvfp4.save_pretrained_by_blocks``)."""
     base = root / f"qwen2-{model_key}-random-v{CKPT_VERSION}"
     paths = {"bf16": base / "bf16", "nvfp4": base / "nvfp4", "adapter": base / f"lora-r{lora_r}"}
+    if nvfp4_only:
+        del paths["bf16"]
     if all((p / ".done").is_file() for p in paths.values()):
         return paths
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
+    if nvfp4_only:  # the RNG draws of build_model, layer by layer: the 32B never exists in bf16 (disk or memory)
+        from nvfp4 import save_pretrained_by_blocks
+
+        model = meta_model(qwen2_config(model_key, architectures=["Qwen2ForCausalLM"]), torch.bfloat16)
+        model.generation_config.update(eos_token_id=None, bos_token_id=None, pad_token_id=0)
+        blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))] + ["model.embed_tokens", "model.norm",
+                                                                                "lm_head"]  # fmt: skip
+        fill = lambda m: materialize(m, device, torch.bfloat16)  # noqa: E731
+        _save(paths["nvfp4"], lambda d: save_pretrained_by_blocks(model, d, blocks, fill))
+        _save(paths["adapter"], lambda d: _write_adapter(meta_model(model.config, torch.bfloat16), d, lora_r))
+        return paths
     if not (paths["bf16"] / ".done").is_file() or not (paths["adapter"] / ".done").is_file():
         model, _ = build_model(model_key, "bf16-base", device, torch.bfloat16, lora_r=lora_r,
                                lora_dtype=torch.bfloat16, double_quant=False, nvfp4_method="rtn")  # fmt: skip
@@ -168,7 +182,11 @@ def _write_adapter(model, folder: Path, r: int) -> None:
         for n, p in peft_model.named_parameters():
             if "lora_" in n:
                 std = 0.02 if "lora_B" in n else 1.0 / p.shape[1] ** 0.5
-                p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
+                w = (torch.randn(p.shape, generator=g) * std).to(p.dtype)
+                if p.is_meta:  # a meta model (nvfp4_only): only the adapter's tensors exist, on the CPU
+                    peft_model.get_submodule(n.rpartition(".")[0]).weight = torch.nn.Parameter(w, requires_grad=False)
+                else:
+                    p.copy_(w)
     peft_model.save_pretrained(folder)
     peft_model.unload()
 

@@ -38,6 +38,8 @@ from .hf import (  # noqa: E402  (registers with transformers)
     NVFP4Config,
     from_compressed_tensors,
     load_nvfp4_checkpoint,
+    save_pretrained_by_blocks,
 )
 
 __all__ += ["MXFP4Config", "NVFP4CheckpointError", "NVFP4Config", "from_compressed_tensors", "load_nvfp4_checkpoint"]
+__all__ += ["save_pretrained_by_blocks"]

@@ -61,6 +61,7 @@ __all__ = [
     "from_compressed_tensors",
     "load_nvfp4_checkpoint",
     "nvfp4_checkpoint_kind",
+    "save_pretrained_by_blocks",
 ]
 
 QUANT_METHOD = "nvfp4_w4a16"
@@ -538,6 +539,65 @@ def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
     ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
     config.quantization_config = ours.to_dict()
     return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+
+
+@torch.no_grad()
+def save_pretrained_by_blocks(
+    model: nn.Module,
+    folder: str | Path,
+    blocks: list[str],
+    fill: Any,
+    config: NVFP4Config | None = None,
+) -> Path:
+    """``save_pretrained`` of ``model`` quantized as ``from_pretrained(..., quantization_config=config)`` would, for a
+    model too large to exist dense: block by block, each dense only while it is quantized and written.
+
+    Args:
+        model: a transformers model on the meta device (its ``config`` and ``generation_config`` are saved).
+        folder: created; receives one ``model-XXXXX-of-YYYYY.safetensors`` shard per block, the index, ``config.json``
+            (the compressed-tensors ``quantization_config`` of ``config``) and ``generation_config.json``.
+        blocks: module names, in the order ``fill`` is called, that together hold every parameter and buffer
+            (e.g. ``model.layers.0`` … ``model.layers.N-1``, ``model.embed_tokens``, ``model.norm``, ``lm_head``).
+        fill: ``fill(module)`` materialises one block in place (dense, on the device the quantization runs on); the
+            dense dtype it leaves is the one RTN runs in, as on load.
+        config: :class:`NVFP4Config` (default: NVFP4 RTN); calibrated methods are refused (they need the dense model).
+
+    Returns ``folder``. Raises ``ValueError`` when a tensor is in no block (or for a calibrated method).
+    """
+    from safetensors.torch import save_file
+
+    from .linear import quantize_model
+
+    cfg = config or NVFP4Config()
+    if cfg.method in CALIBRATED_METHODS:
+        raise ValueError(f"save_pretrained_by_blocks: method {cfg.method!r} calibrates the dense model; use rtn or mse")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total, dtype = 0, None
+    for i, name in enumerate(blocks):
+        block = model.get_submodule(name)
+        fill(block)
+        dtype = dtype or next((p.dtype for p in block.parameters() if p.is_floating_point()), None)
+        quantize_model(model, method=cfg.method, modules_to_not_convert=cfg.modules_to_not_convert,
+                       fused_groups=cfg.fused_groups, format=cfg.weight_format.name, progress=False)  # fmt: skip
+        shard = f"model-{i + 1:05d}-of-{len(blocks):05d}.safetensors"
+        tensors = {f"{name}.{k}": v.detach().to("cpu").contiguous() for k, v in block.state_dict().items()}
+        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, shard)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        block.to("meta")
+    missing = [k for k in model.state_dict() if k not in weight_map]
+    if missing:
+        raise ValueError(f"save_pretrained_by_blocks: {len(missing)} tensors in no block, e.g. {missing[:3]}")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    hf_config = model.config.__class__.from_dict(model.config.to_dict())
+    hf_config.dtype = dtype
+    hf_config.quantization_config = cfg
+    hf_config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    return folder
 
 
 def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:

@@ -205,6 +205,8 @@ def sampling_kwargs(trainer: Any, n: int) -> dict[str, Any]:
         "max_tokens": trainer.max_completion_length,
     }
     sp.update(trainer.args.generation_kwargs or {})
+    if sp.get("logit_bias"):  # from YAML / a JSON command line its token ids are strings; vLLM compares them as ints
+        sp["logit_bias"] = {int(t): float(b) for t, b in sp["logit_bias"].items()}
     return sp
 
 

@@ -124,13 +124,17 @@ def trained(tmp_path_factory):
         _args(tmp, vllm={"cache_dir": str(tmp / "vllm-cache")}),
         train_dataset=_dataset(),
     )
-    scoring_forwards = []  # forwards of the policy outside autograd: TRL's old-logprob scoring, when not deferred
-    hook = trainer.model.register_forward_pre_hook(lambda *_: scoring_forwards.append(torch.is_grad_enabled()))
+    scoring = []  # autograd on or off in each logprob pass of the trainer: TRL scores old logprobs with it off
+    score = trainer._get_per_token_logps_and_entropies
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
+        scoring.append(torch.is_grad_enabled()),
+        score(*a, **k),
+    )[1]
     start = time.perf_counter()
     trainer.train()
     trainer._test_train_seconds = time.perf_counter() - start
-    hook.remove()
-    trainer._test_scoring_forwards = scoring_forwards.count(False)
+    del trainer._get_per_token_logps_and_entropies
+    trainer._test_scoring_passes = scoring
     yield trainer
     trainer.rollout.generation.close()
 
@@ -187,7 +191,8 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     assert CLEAN_GAP < gaps[2] < NOISY_GAP
     assert all("sampling/importance_sampling_ratio/mean" in s for s in steps)
     # on-policy steps: the correction came from the loss forward, no separate scoring forward ran
-    assert trained._defers_sampling_correction() and trained._test_scoring_forwards == 0
+    passes = trained._test_scoring_passes
+    assert trained._defers_sampling_correction() and passes and all(passes), passes
     assert trained.rollout.generation.last_synced_step == 2
     lora_moved = [
         n for n, p in trained.model.named_parameters() if p.requires_grad and "lora_B" in n and p.abs().max() > 0

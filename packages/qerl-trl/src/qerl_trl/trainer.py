@@ -18,6 +18,11 @@ What the subclass adds, each through a method TRL's own trainers override:
   TRL's importance-sampling correction on).
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
   DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
+* ``_prepare_inputs``: where the optimizer step does not depend on it (:meth:`QeRLGRPOTrainer._regroups_micro_batches`),
+  a generation batch's micro-batches are re-split: on GPUs by completion length, each cut to its longest row
+  (:func:`micro_batches_by_length`; TRL pads every micro-batch to the batch's longest completion), on CPU by prompt.
+* ``_generate_and_score_completions`` / ``_compute_loss``: on-policy vLLM steps take TRL's sampling correction from
+  the loss forward's own logprobs (:func:`sampling_correction`) instead of a second, no-grad forward over the batch.
 * ``training_step``: training tokens/s (prompt + completion tokens over the time spent outside generation).
 * ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints are written into a staging folder, fsynced and
   renamed into place (:mod:`qerl_trl.checkpoints`: a crash never leaves a half-written ``checkpoint-N``; with several

@@ -818,36 +818,75 @@ def test_sampling_correction_is_trls_importance_ratio(mode):
 
 
 def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeypatch):
-    """The GPU re-split (rows sorted by completion length, each micro-batch cut to its longest row) makes the same
-    optimizer step as TRL's shuffled, padded micro-batches: loss, gradient norm and LoRA update (DAPO loss, one
-    generation batch per step)."""
+    """The GPU re-split (rows sorted by completion length, each micro-batch cut to its longest row; for DAPO's
+    token-summed loss also sized to even out their padded positions) makes the same optimizer step as TRL's shuffled,
+    padded micro-batches of equal size: loss, gradient norm and LoRA update (one generation batch per step)."""
+    from functools import partial
+
     import qerl_trl.trainer as trainer_module
 
     results = []
-    for split in ("trl", "by_length"):
+    for split in ("trl", "by_length", "balanced"):
         model = tiny_nvfp4_policy(tokenizer)
         # a tenth of the vocabulary ends a completion (TRL reads the ids from the generation config): lengths spread
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(1, len(tokenizer), 10)]
         args = args_for(tmp_path / split, max_steps=1, aqn=False, optim="sgd", per_device_train_batch_size=2,
-                        gradient_accumulation_steps=4)  # fmt: skip
+                        gradient_accumulation_steps=4, max_completion_length=32)  # fmt: skip
+        assert args.loss_type == "dapo"
         trainer = QeRLGRPOTrainer(
             model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
         )
-        widths: list[int] = []
+        shapes: list[tuple[int, int]] = []
         if split == "trl":
             monkeypatch.setattr(trainer, "_regroups_micro_batches", lambda: False)
         else:  # this CPU process takes the GPU branch's re-split
-            monkeypatch.setattr(trainer_module, "micro_batches_by_prompt", trainer_module.micro_batches_by_length)
+            resplit = partial(trainer_module.micro_batches_by_length, balance=split == "balanced")
+            monkeypatch.setattr(trainer_module, "micro_batches_by_prompt", resplit)
         real = trainer._compute_loss
-        monkeypatch.setattr(trainer, "_compute_loss", lambda m, inputs, real=real, widths=widths: (
-            widths.append(inputs["completion_ids"].shape[1]), real(m, inputs))[1])  # fmt: skip
+        monkeypatch.setattr(trainer, "_compute_loss", lambda m, inputs, real=real, shapes=shapes: (
+            shapes.append(tuple(inputs["completion_ids"].shape)), real(m, inputs))[1])  # fmt: skip
         trainer.train()
         monkeypatch.undo()
         lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        results.append((trainer.state.log_history[0], lora, widths))
-    (logs0, lora0, widths0), (logs1, lora1, widths1) = results
-    assert len(set(widths0)) == 1 and max(widths1) == widths0[0] and min(widths1) < widths0[0], (widths0, widths1)
-    assert logs1["reward"] == logs0["reward"]  # the same rollouts
-    assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
-    assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
-    assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+        results.append((trainer.state.log_history[0], lora, shapes))
+    (logs0, lora0, shapes0), *others = results
+    widths0 = {w for _, w in shapes0}
+    assert len(widths0) == 1 and {r for r, _ in shapes0} == {2}  # TRL's: all padded to the longest, 2 rows each
+    (_, _, by_length), (_, _, balanced) = others
+    assert {r for r, _ in by_length} == {2} and min(w for _, w in by_length) < max(widths0), by_length
+    assert sum(r for r, _ in balanced) == 8 and len({r for r, _ in balanced}) > 1, balanced  # sizes differ
+    assert max(r * w for r, w in balanced) <= max(r * w for r, w in by_length)
+    for logs1, lora1, _ in others:
+        assert logs1["reward"] == logs0["reward"]  # the same rollouts
+        assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
+        assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
+        assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+
+
+def test_balanced_sizes_even_out_padded_positions():
+    """``parts`` consecutive sizes summing to the rows, each ≥ 1, whose largest ``rows × (width + longest)`` is the
+    smallest any consecutive split reaches (checked against every split of a small case)."""
+    import itertools
+
+    from qerl_trl.trainer import balanced_sizes
+
+    def worst(lengths, width, sizes):
+        ends = list(itertools.accumulate(sizes))
+        return max(s * (width + lengths[e - 1]) for s, e in zip(sizes, ends, strict=True))
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n, parts = int(torch.randint(4, 13, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        lengths = sorted(torch.randint(0, 50, (n,), generator=g).tolist())
+        width = int(torch.randint(0, 20, (1,), generator=g))
+        sizes = balanced_sizes(lengths, width, parts)
+        assert len(sizes) == parts and sum(sizes) == n and min(sizes) >= 1
+        best = min(worst(lengths, width, [b - a for a, b in itertools.pairwise((0, *cut, n))])
+                   for cut in itertools.combinations(range(1, n), parts - 1))  # fmt: skip
+        assert worst(lengths, width, sizes) == best, (lengths, width, parts, sizes)
+    # the 7B GSM8K step's shape: 128 rows in 8 micro-batches, lengths 100 + Geometric(200) capped at 4,096
+    torch.manual_seed(0)
+    draws = torch.distributions.Geometric(torch.full((128,), 1 / 200)).sample()
+    lengths = sorted(min(4096, 100 + int(d)) for d in draws.tolist())
+    sizes = balanced_sizes(lengths, 256, 8)
+    assert worst(lengths, 256, sizes) < 0.6 * worst(lengths, 256, [16] * 8)

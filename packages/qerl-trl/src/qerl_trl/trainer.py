@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -88,6 +89,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AQN_STATE_NAME",
     "GROUPING_FREE_LOSSES",
+    "TOKEN_SUM_LOSSES",
+    "balanced_sizes",
     "NonFiniteGradientError",
     "QeRLGRPOTrainer",
     "StopOnNonFiniteGradients",
@@ -369,6 +372,9 @@ def _group_chunks(group: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 #: micro-batch (micro-batches of equal size): a mean over sequences, or a sum normalized by the whole generation batch's
 #: token count. ``bnpo`` normalizes by each micro-batch's own tokens; ``vespo``'s weights are left out to be safe.
 GROUPING_FREE_LOSSES = frozenset({"grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo"})
+#: The loss types among those that sum over tokens and divide by the whole generation batch's token count
+#: (``num_items_in_batch``): their step does not depend on the micro-batches' sizes either.
+TOKEN_SUM_LOSSES = frozenset({"dapo", "cispo"})
 
 
 def _merged_micro_batches(micro_batches: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -392,14 +398,49 @@ def _merged_micro_batches(micro_batches: list[dict[str, Any]]) -> dict[str, Any]
     return merged
 
 
-def _resplit(merged: dict[str, Any], order: torch.Tensor, parts: int) -> list[dict[str, Any]]:
-    """The rows of ``merged`` in ``order`` (``[B]`` int64), split into ``parts`` micro-batches of equal size."""
+def _resplit(merged: dict[str, Any], order: torch.Tensor, parts: int | list[int]) -> list[dict[str, Any]]:
+    """The rows of ``merged`` in ``order`` (``[B]`` int64), split into ``parts`` micro-batches of equal size, or of the
+    given sizes (a list summing to ``B``)."""
     from trl.trainer.utils import split_tensor_dict
 
     ordered = {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
                else v[order.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
                for k, v in merged.items()}  # fmt: skip
-    return split_tensor_dict(ordered, parts)
+    if isinstance(parts, int):
+        return split_tensor_dict(ordered, parts)
+    bounds = [0, *itertools.accumulate(parts)]
+    return [{k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0) else v[a:b] for k, v in ordered.items()}
+            for a, b in itertools.pairwise(bounds)]  # fmt: skip
+
+
+def balanced_sizes(lengths: list[int], width: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` consecutive micro-batches of rows sorted by length (``lengths`` ascending, each row's kept
+    completion length; ``width`` the prompt columns every row carries) that make the largest micro-batch's padded
+    positions, ``rows × (width + its longest length)``, as small as it can be: short rows many to a micro-batch, long
+    rows few. Each size ≥ 1 (``len(lengths) >= parts``)."""
+    n = len(lengths)
+
+    def chunks(bound: int) -> list[int] | None:  # greedy from the longest row: as many rows as fit the bound
+        sizes, end = [], n
+        while end > 0:
+            cost = width + lengths[end - 1]
+            take = min(end, max(1, bound // cost))
+            if take * cost > bound:
+                return None
+            sizes.append(take)
+            end -= take
+        return sizes[::-1]
+
+    low, high = width + lengths[-1], n * (width + lengths[-1])
+    while low < high:
+        mid = (low + high) // 2
+        sizes = chunks(mid)
+        low, high = (low, mid) if sizes is not None and len(sizes) <= parts else (mid + 1, high)
+    sizes = chunks(low)
+    while len(sizes) < parts:  # halving a micro-batch never raises the largest one's padded positions
+        i = max(range(len(sizes)), key=lambda j: sizes[j])
+        sizes[i : i + 1] = [sizes[i] // 2, sizes[i] - sizes[i] // 2]
+    return sizes
 
 
 def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -438,21 +479,29 @@ def trim_completion_padding(batch: dict[str, Any]) -> dict[str, Any]:
             and not k.startswith("prompt") else v for k, v in batch.items()}  # fmt: skip
 
 
-def micro_batches_by_length(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool = False) -> list[dict[str, Any]]:
     """TRL's buffered micro-batches of one generation batch re-split by completion length (rows sorted by their
-    last real token, the same number of micro-batches of the same size), each cut to its own longest row
+    last real token, the same number of micro-batches), each cut to its own longest row
     (:func:`trim_completion_padding`).
 
     With TRL's shuffle every micro-batch carries the generation batch's longest completion: the 7B GSM8K recipe's
     128 completions (mean ~300 tokens, longest ~1,100-1,500) made every micro-batch ~1,400 positions long. Sorted, the
-    short rows run together at their own length. The step's gradient is unchanged for the loss types of
-    :data:`GROUPING_FREE_LOSSES` when the micro-batches make one optimizer step (the caller checks). A batch that
-    cannot be re-split (images) keeps its split and is only trimmed.
+    short rows run together at their own length. Micro-batches keep their size, or with ``balance`` (losses summed
+    over tokens and normalized by the whole batch's count, :data:`TOKEN_SUM_LOSSES`) get sizes that even out their
+    padded positions (:func:`balanced_sizes`): the longest rows go few to a micro-batch, which bounds the loss's
+    activation memory by ~1/``parts`` of the batch's tokens instead of ``rows × longest``. The step's gradient is
+    unchanged for the loss types of :data:`GROUPING_FREE_LOSSES` (sizes kept) or :data:`TOKEN_SUM_LOSSES` (balanced)
+    when the micro-batches make one optimizer step (the caller checks). A batch that cannot be re-split (images) keeps
+    its split and is only trimmed.
     """
     merged = _merged_micro_batches(micro_batches) if len(micro_batches) > 1 else None
     if merged is not None:
         length = _kept_lengths(merged["completion_mask"]).cpu()
-        micro_batches = _resplit(merged, torch.sort(length, stable=True).indices, len(micro_batches))
+        order = torch.sort(length, stable=True).indices
+        parts: int | list[int] = len(micro_batches)
+        if balance:
+            parts = balanced_sizes(length[order].tolist(), merged["prompt_ids"].size(1), parts)
+        micro_batches = _resplit(merged, order, parts)
     return [trim_completion_padding(b) for b in micro_batches]
 
 
@@ -807,7 +856,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if self.accelerator.device.type == "cpu":
                 self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
             else:
-                self._buffered_inputs = micro_batches_by_length(self._buffered_inputs)
+                balance = self.loss_type in TOKEN_SUM_LOSSES
+                self._buffered_inputs = micro_batches_by_length(self._buffered_inputs, balance=balance)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 

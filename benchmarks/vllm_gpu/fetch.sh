@@ -64,25 +64,22 @@ if missing:
     sys.exit(f"fetch.sh: no wheel downloaded for {missing}")
 PY
 
-# --- 2. the lean vllm wheel ----------------------------------------------------------------------------------------
+# --- 2. the lean wheels --------------------------------------------------------------------------------------------
 rm -rf "$OUT/stage" "$OUT"/call*
 mkdir -p "$OUT/stage"
 for f in "$OUT"/dl/*.whl; do ln "$f" "$OUT/stage/"; done
-VLLM=$(cd "$OUT/stage" && ls vllm-*.whl)
-if [ "$LEAN" = 1 ]; then
-  # binaries an sm90 (H100/H200) dense-model run never loads: vllm imports each inside try/except ImportError
-  DROP=('vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/_moe_C_stable_libtorch.abi3.so' 'vllm/vllm-rs'
-        'vllm/third_party/deep_gemm/_C.cpython-310-*' 'vllm/third_party/deep_gemm/_C.cpython-311-*'
-        'vllm/third_party/deep_gemm/_C.cpython-313-*' 'vllm/third_party/deep_gemm/_C.cpython-314-*'
-        'vllm/third_party/fmha_sm100/*')
-  rm "$OUT/stage/$VLLM"
-  cp "$OUT/dl/$VLLM" "$OUT/stage/$VLLM"
-  zip -q -d "$OUT/stage/$VLLM" "${DROP[@]}"
+
+lean() {  # lean WHEEL PATTERN...: a copy of WHEEL without the files PATTERN matches, its RECORD to match
+  local whl=$1 rec tmp
+  shift
+  rm "$OUT/stage/$whl"
+  cp "$OUT/dl/$whl" "$OUT/stage/$whl"
+  zip -q -d "$OUT/stage/$whl" "$@"
   # RECORD lists every file with its hash: drop the removed ones so that pip's view matches the archive
-  REC=$(unzip -Z1 "$OUT/stage/$VLLM" | grep '\.dist-info/RECORD$')
-  TMP=$(mktemp -d)
-  unzip -q -o "$OUT/stage/$VLLM" "$REC" -d "$TMP"
-  python3 - "$TMP/$REC" "${DROP[@]}" <<'PY'
+  rec=$(unzip -Z1 "$OUT/stage/$whl" | grep '\.dist-info/RECORD$')
+  tmp=$(mktemp -d)
+  unzip -q -o "$OUT/stage/$whl" "$rec" -d "$tmp"
+  python3 - "$tmp/$rec" "$@" <<'PY'
 import csv, fnmatch, io, sys
 path, pats = sys.argv[1], sys.argv[2:]
 rows = [r for r in csv.reader(open(path, newline="")) if not any(fnmatch.fnmatch(r[0], p) for p in pats)]
@@ -90,8 +87,22 @@ buf = io.StringIO()
 csv.writer(buf, lineterminator="\n").writerows(rows)
 open(path, "w", newline="").write(buf.getvalue())
 PY
-  (cd "$TMP" && zip -q -X "$OLDPWD/$OUT/stage/$VLLM" "$REC")
-  rm -rf "$TMP"
+  (cd "$tmp" && zip -q -X "$OLDPWD/$OUT/stage/$whl" "$rec")
+  rm -rf "$tmp"
+}
+
+if [ "$LEAN" = 1 ]; then
+  # binaries an sm90 (H100/H200) dense-model run never loads: vllm imports each inside try/except ImportError
+  lean "$(cd "$OUT/stage" && ls vllm-*.whl)" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' \
+    'vllm/_moe_C_stable_libtorch.abi3.so' 'vllm/vllm-rs' 'vllm/third_party/deep_gemm/_C.cpython-310-*' \
+    'vllm/third_party/deep_gemm/_C.cpython-311-*' 'vllm/third_party/deep_gemm/_C.cpython-313-*' \
+    'vllm/third_party/deep_gemm/_C.cpython-314-*' 'vllm/third_party/fmha_sm100/*'
+fi
+BNB=$(cd "$OUT/stage" && ls bitsandbytes-*.whl 2>/dev/null || true)
+if [ -n "$BNB" ]; then
+  # the image's torch is cu130: bitsandbytes loads libbitsandbytes_cuda130.so only (43 MB -> 3.6 MB)
+  lean "$BNB" 'bitsandbytes/libbitsandbytes_rocm*' 'bitsandbytes/libbitsandbytes_xpu*' \
+    'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_cuda132.so'
 fi
 
 # --- 3. one call's budget ------------------------------------------------------------------------------------------

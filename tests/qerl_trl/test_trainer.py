@@ -362,6 +362,14 @@ def test_informative_groups_and_batch_concatenation():
         concat_generation_batches([{**a, "pixel_values": torch.zeros(1)}] * 2, 0)
 
 
+def assert_same_step(logs0: dict, lora0: dict, logs1: dict, lora1: dict) -> None:
+    """Two runs of one step from the same rollouts made the same update: loss, gradient norm, LoRA weights."""
+    assert logs1["reward"] == logs0["reward"]  # the same rollouts
+    assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
+    assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+
+
 def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokenizer):
     # memory settings: scoring in 3-sequence forwards under gradient checkpointing, or the offline default recipe's
     # micro-batches of 2 sequences (gradient accumulation over one generation batch): the same loss, gradient and
@@ -391,10 +399,7 @@ def test_chunked_scoring_with_checkpointing_gives_the_same_step(tmp_path, tokeni
     # sequences, 3 at a time; the micro-batches of 2 are re-split by prompt (micro_batches_by_prompt), one row each
     assert rows0 == [1] and [rows for _, _, rows in others] == [[3, 3, 2], [1] * 4]
     for logs1, lora1, _ in others:
-        assert logs1["reward"] == logs0["reward"]  # the same rollouts
-        assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
-        assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
-        assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+        assert_same_step(logs0, lora0, logs1, lora1)
 
 
 def test_micro_batches_by_prompt_keeps_every_row_and_puts_each_group_together():
@@ -857,10 +862,7 @@ def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeyp
     assert sum(r for r, _ in balanced) == 8 and len({r for r, _ in balanced}) > 1, balanced  # sizes differ
     assert max(r * w for r, w in balanced) <= max(r * w for r, w in by_length)
     for logs1, lora1, _ in others:
-        assert logs1["reward"] == logs0["reward"]  # the same rollouts
-        assert logs1["loss"] == pytest.approx(logs0["loss"], rel=1e-5, abs=1e-7)
-        assert logs1["grad_norm"] == pytest.approx(logs0["grad_norm"], rel=1e-4)
-        assert all(torch.allclose(lora1[n], lora0[n], rtol=1e-5, atol=1e-7) for n in lora0)
+        assert_same_step(logs0, lora0, logs1, lora1)
 
 
 def test_balanced_sizes_even_out_padded_positions():

@@ -357,7 +357,7 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
                 keep = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "loss", "entropy")
                 keep += ("aqn/sigma", "tokens_per_second/generation", "grad_norm", "dapo/informative_group_fraction")
                 keep += ("dapo/resample_rounds", "rewards/overlong_penalty/mean")
-                picked = {k: logs[k] for k in keep if k in logs}
+                picked = {k: logs[k] for k in logs if k in keep or k.startswith("sampling/")}  # + the IS correction
                 if "reward" in picked:  # a step's log (not the end-of-training summary)
                     clock.steps[-1]["trl_log"] = picked
 

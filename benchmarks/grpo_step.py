@@ -913,7 +913,7 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     import math
 
     import torch
-    from qerl_trl.trainer import TRAINING_SDPA_BACKENDS
+    from qerl_trl.trainer import TRAINING_SDPA_BACKENDS, completion_aligned
     from torch.nn.attention import sdpa_kernel
 
     engine, cap, p, n = trainer.vllm_generation.engine, args.completion_len, args.prompt_len, args.probe_tokens
@@ -935,9 +935,8 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     out["gen_tok_s"] = round(completions * cap / out["gen_s"], 1)
     b = dict(trainer._buffered_inputs[0])
     m = b["completion_ids"].size(1)
-    for k, v in b.items():  # completion-aligned tensors [rows, m]: stretched to the cap by their last column
-        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.size(1) == m and not k.startswith("prompt"):
-            b[k] = torch.cat([v, v[:, -1:].expand(-1, cap - m)], dim=1) if cap > m else v
+    for k in completion_aligned(b) if cap > m else ():  # [rows, m]: stretched to the cap by their last column
+        b[k] = torch.cat([b[k], b[k][:, -1:].expand(-1, cap - m)], dim=1)
     b["completion_mask"] = torch.ones_like(b["completion_mask"])
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats(clock.device)

@@ -91,6 +91,7 @@ __all__ = [
     "GROUPING_FREE_LOSSES",
     "TOKEN_SUM_LOSSES",
     "balanced_sizes",
+    "completion_aligned",
     "NonFiniteGradientError",
     "QeRLGRPOTrainer",
     "StopOnNonFiniteGradients",
@@ -398,17 +399,13 @@ def _merged_micro_batches(micro_batches: list[dict[str, Any]]) -> dict[str, Any]
     return merged
 
 
-def _resplit(merged: dict[str, Any], order: torch.Tensor, parts: int | list[int]) -> list[dict[str, Any]]:
-    """The rows of ``merged`` in ``order`` (``[B]`` int64), split into ``parts`` micro-batches of equal size, or of the
-    given sizes (a list summing to ``B``)."""
-    from trl.trainer.utils import split_tensor_dict
-
+def _resplit(merged: dict[str, Any], order: torch.Tensor, sizes: list[int]) -> list[dict[str, Any]]:
+    """The rows of ``merged`` in ``order`` (``[B]`` int64), split into consecutive micro-batches of ``sizes`` rows
+    (summing to ``B``); values that are not one per row (``None``, scalars) go to every micro-batch."""
     ordered = {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
                else v[order.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
                for k, v in merged.items()}  # fmt: skip
-    if isinstance(parts, int):
-        return split_tensor_dict(ordered, parts)
-    bounds = [0, *itertools.accumulate(parts)]
+    bounds = [0, *itertools.accumulate(sizes)]
     return [{k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0) else v[a:b] for k, v in ordered.items()}
             for a, b in itertools.pairwise(bounds)]  # fmt: skip
 
@@ -457,7 +454,16 @@ def micro_batches_by_prompt(micro_batches: list[dict[str, Any]]) -> list[dict[st
     if merged is None:
         return micro_batches
     group = prompt_groups(merged["prompt_ids"].cpu(), merged["prompt_mask"].cpu(), merged["prompt_ids"].size(1))
-    return _resplit(merged, torch.sort(group, stable=True).indices, len(micro_batches))
+    return _resplit(merged, torch.sort(group, stable=True).indices, [b["prompt_ids"].size(0) for b in micro_batches])
+
+
+def completion_aligned(batch: dict[str, Any]) -> list[str]:
+    """The keys of ``batch``'s per-completion-token tensors: those whose first two dimensions are ``completion_mask``'s
+    ``[b, C]`` (``completion_ids``, ``old_per_token_logps``, ``sampling_per_token_logps``, a token-level
+    ``importance_sampling_ratio``, ...), the prompt's aside."""
+    shape = tuple(batch["completion_mask"].shape)
+    return [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim >= 2
+            and tuple(v.shape[:2]) == shape and not k.startswith("prompt")]  # fmt: skip
 
 
 def trim_completion_padding(batch: dict[str, Any]) -> dict[str, Any]:
@@ -467,16 +473,14 @@ def trim_completion_padding(batch: dict[str, Any]) -> dict[str, Any]:
     ``[b, C]``, and per-token tensors such as ``old_per_token_logps`` beside them), so a micro-batch of short rows
     still runs ``C`` positions through the loss forward and backward. The columns cut are padding in every row of
     this micro-batch: under causal attention no kept position sees them and the loss masks them, so the loss and its
-    gradient are unchanged. Every tensor whose first two dimensions are ``[b, C]`` (the prompt's aside) is cut alike.
+    gradient are unchanged. Every tensor of :func:`completion_aligned` is cut alike.
     """
     mask = batch["completion_mask"]
     columns = mask.size(1)
     keep = max(int(_kept_lengths(mask).max()), 1) if mask.numel() else columns
     if keep == columns:
         return batch
-    rows = mask.size(0)
-    return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.ndim >= 2 and tuple(v.shape[:2]) == (rows, columns)
-            and not k.startswith("prompt") else v for k, v in batch.items()}  # fmt: skip
+    return batch | {k: batch[k][:, :keep] for k in completion_aligned(batch)}
 
 
 def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool = False) -> list[dict[str, Any]]:
@@ -498,10 +502,10 @@ def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool =
     if merged is not None:
         length = _kept_lengths(merged["completion_mask"]).cpu()
         order = torch.sort(length, stable=True).indices
-        parts: int | list[int] = len(micro_batches)
+        sizes = [b["prompt_ids"].size(0) for b in micro_batches]
         if balance:
-            parts = balanced_sizes(length[order].tolist(), merged["prompt_ids"].size(1), parts)
-        micro_batches = _resplit(merged, order, parts)
+            sizes = balanced_sizes(length[order].tolist(), merged["prompt_ids"].size(1), len(sizes))
+        micro_batches = _resplit(merged, order, sizes)
     return [trim_completion_padding(b) for b in micro_batches]
 
 

@@ -631,6 +631,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
         self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
+        #: the deferred sampling correction: the micro-batch whose loss forward fills its ratio, and the statistics of
+        #: the generation batch's micro-batches scored so far (:meth:`_deferred_correction`)
+        self._pending_correction: dict[str, Any] | None = None
+        self._correction_stats: list[torch.Tensor] = []
         #: the engine that generates the rollouts (``args.rollout_engine``), :mod:`qerl_trl.rollout`
         self.rollout: RolloutEngine = engine_cls(self, prepared)
 
@@ -829,7 +833,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy=compute_entropy,
                 compute_aux_loss=compute_aux_loss, **kwargs
             )  # fmt: skip
-        pending = getattr(self, "_pending_correction", None)
+        pending = self._pending_correction
         if pending is not None:
             self._pending_correction = None
             self._deferred_correction(out[0].detach(), pending)
@@ -926,14 +930,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
                              ratios.sum(), torch.tensor(float(ratios.numel()), device=ratios.device),
                              ratios.min() if ratios.numel() else ratios.new_full((), math.inf),
                              ratios.max() if ratios.numel() else ratios.new_full((), -math.inf)]).float()  # fmt: skip
-        stats = self.accelerator.gather(stats[None]).view(-1, 7)
-        total = (
-            stats if getattr(self, "_correction_stats", None) is None else torch.cat([self._correction_stats, stats])
-        )
-        self._correction_stats = total
-        if len(total) < args.steps_per_generation * self.accelerator.num_processes:
+        self._correction_stats.append(stats)
+        if len(self._correction_stats) < args.steps_per_generation:
             return
-        self._correction_stats = None
+        # the generation batch's last micro-batch on every process: one gather for the batch
+        total = self.accelerator.gather(torch.stack(self._correction_stats)).view(-1, 7)
+        self._correction_stats = []
         metrics = self._metrics["train"]
         metrics["sampling/sampling_logp_difference/mean"].append(
             (total[:, 0].sum() / total[:, 1].sum().clamp(min=1)).item()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,12 +128,6 @@ def _worker(rank: int, port: int, fmt: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fsdp2_sharded_step_equals_unsharded(fmt, tmp_path):
     out = tmp_path / "result.json"
@@ -192,4 +185,7 @@ def test_shardable_layer_matches_buffers_and_keeps_dtypes():
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), sys.argv[1], sys.argv[2]), nprocs=WORLD)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ports import free_port
+
+    mp.spawn(_worker, args=(free_port(), sys.argv[1], sys.argv[2]), nprocs=WORLD)

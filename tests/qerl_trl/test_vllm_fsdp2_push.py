@@ -25,7 +25,6 @@ import copy
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,12 +163,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_sharded_policy_pushes_the_unsharded_adapter_and_noisy_norms(tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -216,4 +209,7 @@ def test_tensor_parallel_size_is_validated_in_one_line():
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), sys.argv[1]), nprocs=WORLD)
+    sys.path.insert(0, str(REPO / "tests"))
+    from ports import free_port
+
+    mp.spawn(_worker, args=(free_port(), sys.argv[1]), nprocs=WORLD)

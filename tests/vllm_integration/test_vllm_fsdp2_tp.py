@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -124,12 +123,6 @@ def run(model_dir: str, out_dir: str) -> None:
     trainer.accelerator.end_training()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tiny_dir(root: Path) -> Path:
     """A tiny random Llama with vLLM-CPU-sized heads (head_dim 64) and the offline default's tokenizer."""
     sys.path.insert(0, str(REPO / "tests"))
@@ -149,6 +142,8 @@ def _tiny_dir(root: Path) -> Path:
 
 
 def test_qerl_train_fsdp2_with_a_tensor_parallel_vllm_engine(tmp_path):
+    from ports import free_port
+
     model_dir = _tiny_dir(tmp_path)
     out = tmp_path / "run"
     pythonpath = os.pathsep.join([*map(str, SOURCES), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
@@ -156,7 +151,7 @@ def test_qerl_train_fsdp2_with_a_tensor_parallel_vllm_engine(tmp_path):
            "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the external launcher sets its own
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
-           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
            __file__, str(model_dir), str(out)]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=900)

@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from ports import free_port
 
 # The engines' activation dtype: float32 on CPU (the comparisons with HF are then exact up to summation order); on CUDA
 # bfloat16, because vLLM's GPU LoRA kernels (punica lora_shrink/lora_expand) take only fp16/bf16 adapters.
@@ -125,12 +125,6 @@ def compare_forced(engine_out, forced) -> dict:
 
 def check_forced(cmp: dict) -> None:
     assert cmp["max_logprob_gap"] < TOL.logprob_gap and cmp["max_tie_margin"] < TOL.tie, (cmp, TOL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

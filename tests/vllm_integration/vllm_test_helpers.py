@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ports import free_port
 
 # The engines' activation dtype: float32 on CPU (the comparisons with HF are then exact up to summation order); on CUDA
 # bfloat16, because vLLM's GPU LoRA kernels (punica lora_shrink/lora_expand) take only fp16/bf16 adapters.
@@ -135,6 +134,8 @@ def vllm_server(args: list[str], log_path: Path, env: dict[str, str], timeout: f
     Yields its URL once ``/health`` answers (fails if the process exits or ``timeout`` seconds pass); the process
     group is killed at the end whatever happens. ``env`` is added to this process's environment.
     """
+    from ports import free_port  # tests/ is on the path under pytest (this module also loads in scripts without it)
+
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
     log = open(log_path, "w")

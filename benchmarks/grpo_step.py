@@ -907,9 +907,9 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     ``P`` and of ``P + C - n`` tokens (the two ends of a row's life), one ``generate`` of 1 token (prefill) and one of
     ``n = --probe-tokens`` (fresh prompts each, EOS ignored): seconds per decode step at short and at long context.
     One wave of ``rows`` completions of ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows
-    linearly with the context). Training: one micro-batch of one row at ``P + C`` tokens (the last step's first
-    micro-batch, its completion stretched to ``C``): loss forward and backward timed, peak GPU memory; gradients
-    dropped."""
+    linearly with the context). Training: the last step's first micro-batch (``train_rows`` rows, one in the shipped
+    32B recipe), its completions stretched to ``C`` (``P + C`` tokens a row): loss forward and backward timed, peak
+    GPU memory; gradients dropped."""
     import math
 
     import torch
@@ -945,19 +945,20 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
         loss = trainer.compute_loss(trainer.model, b, num_items_in_batch=b.get("num_items_in_batch"))
         t1 = clock.now()
         trainer.accelerator.backward(loss)
-        out |= {"train_row_tokens": p + cap, "loss_fwd_s": round(t1 - t, 3), "backward_s": round(clock.now() - t1, 3)}
+        out |= {"train_row_tokens": p + cap, "train_rows": b["completion_ids"].size(0), "loss_fwd_s": round(t1 - t, 3),
+                "backward_s": round(clock.now() - t1, 3)}
     trainer.model.zero_grad(set_to_none=True)
     out["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated(clock.device)) if clock.cuda else None
     return out
 
 
 def _worst_case_estimate(res: dict, args) -> None:
-    """``res["worst_case"]["step_s"]``: probed generation + every micro-batch at the cap (the probe's row x
-    completions) + scoring scaled by tokens from the measured step + the step's optimizer and other seconds."""
+    """``res["worst_case"]["step_s"]``: probed generation + every micro-batch at the cap (the probe's micro-batch
+    scaled to the step's completions) + scoring scaled by tokens from the measured step + the step's optimizer and other seconds."""
     w, s, step = res["worst_case"], res["summary"], (res["steps"] or res["warmup_steps"])[-1]
     completions = args.per_device_batch * args.grad_accum
     tokens = step["completion_tokens"] + completions * res["prompt_tokens"]
-    w["train_s"] = round(completions * (w["loss_fwd_s"] + w["backward_s"]), 1)
+    w["train_s"] = round(completions / w["train_rows"] * (w["loss_fwd_s"] + w["backward_s"]), 1)
     w["score_s"] = round(s["score_s"] * completions * (res["prompt_tokens"] + w["cap"]) / tokens, 1)
     w["step_s"] = round(w["gen_s"] + w["train_s"] + w["score_s"] + s["optimizer_s"] + s["clip_s"] + s["other_s"], 1)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from .validation import CONFIG_RULES, UsageError
 
-__all__ = ["OPTIONS_FILE", "PrecheckedArgs", "option_table", "precheck_train", "task_names"]
+__all__ = ["OPTIONS_FILE", "PrecheckedArgs", "check_quantization", "option_table", "precheck_train", "task_names"]
 
 OPTIONS_FILE = Path(__file__).with_name("train_options.json")
 _TRUE = ("yes", "true", "t", "y", "1")
@@ -230,15 +230,20 @@ def _parse_command_line(argv: list[str], options: _Options) -> dict[str, Any]:
     return values
 
 
-def _check_quantization(value: Any, table: dict[str, Any]) -> None:
-    """``get_scheme``'s check and message against the snapshot (``qerl_trl.quantization`` imports torch), in a process
-    that has not loaded the registry; where it has, the config's own parse (``get_scheme``) checks the value."""
-    if f"{__package__}.quantization" in sys.modules:  # loaded: the config's own parse checks it, formats registered
-        return  # at run time included (the snapshot would refuse those)
+def check_quantization(value: Any) -> None:
+    """Check a ``quantization`` name before torch is imported: ``get_scheme``'s rule and message against the snapshot
+    (``qerl_trl.quantization`` imports torch). Nothing is parsed into a scheme here: the value stays a string, which
+    the config parses once (``QeRLConfig.quant_scheme``). Where the registry or ``nvfp4.formats`` is loaded already (a
+    format may have been registered at run time, which the snapshot would refuse), it checks nothing: the config's
+    parse does. Raises :class:`~qerl_trl.validation.UsageError` (a ``ValueError``)."""
+    if f"{__package__}.quantization" in sys.modules or "nvfp4.formats" in sys.modules:
+        return
+    table = _load_table()
     schemes, aliases = table["quantization"]["schemes"], table["quantization"]["aliases"]
     key = str(value).strip().lower()
     if aliases.get(key, key) not in schemes:
-        named = ", ".join(f"{a!r} (= {c!r})" for a, c in aliases.items())
+        ordered = sorted(aliases.items(), key=lambda ac: schemes.index(ac[1]))  # the registry's order (JSON sorts keys)
+        named = ", ".join(f"{a!r} (= {c!r})" for a, c in ordered)
         raise UsageError(
             f"quantization must be one of {', '.join(map(repr, schemes))}; aliases: {named}, got {value!r}"
         )
@@ -278,7 +283,7 @@ def precheck_train(
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not accepted(value):
             raise UsageError(f"{name} must be {expected}, got {value!r}")
     if "quantization" in values:
-        _check_quantization(values["quantization"], table)
+        check_quantization(values["quantization"])
     kind = str(values.get("aqn_schedule", "exponential")).lower()
     if not any(k.startswith(kind) for k in table["aqn_schedules"]):  # make_schedule also takes exp, log, cos, const
         raise UsageError(f"aqn_schedule={values['aqn_schedule']!r}: unknown AQN schedule kind; expected one of "

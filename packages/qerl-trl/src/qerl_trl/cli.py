@@ -199,13 +199,14 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     unknown option, or a value of the wrong type or outside its domain; paths are checked later, by
     :func:`~qerl_trl.validation.validate_train_args`. ``--task`` other than the recipe's, without ``--task_options``,
     drops the recipe's task options (they are its task's: ``n_examples``, ``digits``, ...)."""
+    from .arguments import check_quantization
+
     argv, recipe = _with_config(argv)
     algorithm = _option(argv, recipe, "algorithm", "grpo")
-    # before TRL is imported: importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
-    # warning on some CPUs; a bad value is then reported alone, and bitsandbytes loads only for quantization="nf4"
-    from .quantization import get_scheme
-
-    get_scheme(_option(argv, recipe, "quantization", "nvfp4-rtn"))
+    # before TRL is imported (importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
+    # warning on some CPUs): a bad name is reported alone. A check of the name, not a parse: the config parses the
+    # value once into its QuantScheme (config.quant_scheme), which the trainer uses
+    check_quantization(_option(argv, recipe, "quantization", "nvfp4-rtn"))
     parser = _train_parser((ScriptArguments, _config_class(algorithm)))
     script_args, config = parser.parse_args_and_config(argv)
     task = _option(argv, {}, "task", None)

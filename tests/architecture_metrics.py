@@ -49,18 +49,37 @@ def _rel(root: Path, p: Path) -> str:
     return p.relative_to(root).as_posix()
 
 
-def parse_sites(root: Path) -> list[str]:
+def _owners(tree: ast.AST) -> dict[int, str]:
+    """``id(node)`` → the name of the innermost function holding it (nodes at module level are absent)."""
+    owner: dict[int, str] = {}
+    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+        for node in ast.walk(fn):  # innermost function wins: ast.walk visits outer functions first
+            if node is not fn:
+                owner[id(node)] = fn.name
+    return owner
+
+
+def _calls(root: Path, dirs: tuple[str, ...], skip: str, names: set[str]) -> list[str]:
+    """``file:line: function`` of each call of a function named in ``names`` (``f(...)`` or ``x.f(...)``) outside the
+    file ``skip``, with the function that makes it."""
     out = []
-    for p in _files(root):
-        if _rel(root, p) == REGISTRIES[1]:
+    for p in _files(root, dirs):
+        if _rel(root, p) == skip:
             continue
-        for node in ast.walk(ast.parse(p.read_text())):
+        tree = ast.parse(p.read_text())
+        owner = _owners(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-                if name in PARSERS:
-                    out.append(f"{_rel(root, p)}:{node.lineno}")
+                if name in names:
+                    out.append(f"{_rel(root, p)}:{node.lineno}: {owner.get(id(node), '<module>')}")
     return out
+
+
+def parse_sites(root: Path) -> list[str]:
+    """``file:line: function`` of each call of the ``quantization`` parser outside its registry."""
+    return _calls(root, SOURCE_DIRS, REGISTRIES[1], PARSERS)
 
 
 def _is_format_name(node: ast.AST) -> bool:
@@ -278,23 +297,7 @@ def engine_resolution_sites(root: Path) -> list[str]:
 
 def format_lookups(root: Path) -> list[str]:
     """``file:line: function`` of each ``get_format`` call outside the registry (the function that makes it)."""
-    out = []
-    for p in _files(root):
-        if _rel(root, p) == REGISTRIES[0]:
-            continue
-        tree = ast.parse(p.read_text())
-        owner: dict[int, str] = {}
-        for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
-            for node in ast.walk(fn):  # innermost function wins
-                if node is not fn:
-                    owner[id(node)] = fn.name
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                f = node.func
-                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-                if name == "get_format":
-                    out.append(f"{_rel(root, p)}:{node.lineno}: {owner.get(id(node), '<module>')}")
-    return out
+    return _calls(root, SOURCE_DIRS, REGISTRIES[0], {"get_format"})
 
 
 def metrics(root: Path) -> dict[str, object]:

@@ -7,14 +7,22 @@ from pathlib import Path
 import architecture_metrics as am
 
 ROOT = Path(__file__).resolve().parents[1]
-#: where a ``quantization`` string enters: the train config (CLI, YAML, Python), qerl train's check before TRL is
-#: imported, qerl eval's option and its Python loader, and load_policy for Python callers
-PARSE_ENTRY_POINTS = {"qerl_trl/config.py", "qerl_trl/cli.py", "qerl_trl/evaluation.py", "qerl_trl/policy.py"}
+#: where a ``quantization`` string is parsed into its ``QuantScheme``, one site per entry point, the object flowing on
+#: from there (the trainer and ``qerl eval`` hand the parsed scheme to ``load_model`` / ``load_policy``, which return it
+#: as it is). ``qerl train``'s check before TRL is imported (``qerl_trl.arguments.check_quantization``) checks the name
+#: against the option snapshot and keeps no object: the config's parse is ``qerl train``'s one.
+#: ``nvfp4-quantize`` takes a format (``--format``, looked up by ``get_format``), no ``quantization`` string.
+PARSE_ENTRY_POINTS = {
+    "qerl_trl/config.py: __post_init__": "qerl train (recipe and command line) and QeRLConfig(quantization=...)",
+    "qerl_trl/evaluation.py: _scheme_arg": "qerl eval --quantization",
+    "qerl_trl/evaluation.py: load_model": "Python: load_model(quantization=<name>)",
+    "qerl_trl/policy.py: load_policy": "Python: load_policy(quantization=<name>)",
+}
 
 
-def test_quantization_strings_are_parsed_at_the_entry_points_only():
-    sites = {s.split(":")[0].split("/src/")[-1] for s in am.parse_sites(ROOT)}
-    assert sites <= PARSE_ENTRY_POINTS, sites - PARSE_ENTRY_POINTS
+def test_quantization_strings_are_parsed_once_per_entry_point():
+    sites = [f"{s.split(':')[0].split('/src/')[-1]}:{s.split(':')[-1]}" for s in am.parse_sites(ROOT)]
+    assert sorted(sites) == sorted(PARSE_ENTRY_POINTS), sorted(sites)  # one each: none added, none repeated
 
 
 def test_no_format_name_comparisons_outside_the_registries():

@@ -1,7 +1,9 @@
 """The structure counts of issues #38 and #48, computed from the source (``python tests/architecture_metrics.py [ROOT]``).
 
 * ``parse_sites``: calls of the ``quantization``-string parser (``get_scheme``; before #38 ``parse_quantization`` /
-  ``canonical_quantization``) outside the registry module ``qerl_trl/quantization.py``.
+  ``canonical_quantization``) outside the registry module ``qerl_trl/quantization.py``, as ``file:line: function``.
+  Not counted: ``qerl_trl.arguments.check_quantization``, ``qerl train``'s check of the name against the option
+  snapshot before torch is imported (#49), which makes no ``QuantScheme`` (the config's parse does, once).
 * ``format_name_comparisons``: comparisons (``==``, ``!=``, ``in``, ``not in``, ``is``) with a format name as a string
   (``"nvfp4"``, ``"mxfp4"``, ``"nf4"``, ``"none"``), a registry constant or its ``.name`` (``fmt is MXFP4``), outside
   the two registries (``nvfp4/formats.py``, ``qerl_trl/quantization.py``), in packages/, integrations/ and benchmarks/.

@@ -339,8 +339,8 @@ def load_model(
     """Load ``(model, tokenizer, info)`` for evaluation: bf16 or NVFP4 checkpoint, optional quantize-on-load, adapter.
 
     ``model_path`` ``offline-default`` is the offline default model. ``quantization`` is a
-    :class:`~qerl_trl.quantization.QuantScheme` or its name, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` /
-    ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4``
+    :class:`~qerl_trl.quantization.QuantScheme` (``qerl eval`` passes the one its option parsed) or its name, parsed
+    here, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4``
     through bitsandbytes; the bare ``rtn``, ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. The model is the
     trainer's policy (:func:`~qerl_trl.policy.load_policy`) on ``device``; ``info["quantize"]`` holds the canonical
     name. The adapter, if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.

@@ -45,7 +45,8 @@ def load_policy(
 
     Args:
         name_or_path: Hub id, local folder, or ``"offline-default"``.
-        quantization: a :class:`~qerl_trl.quantization.QuantScheme` or its name (:func:`~qerl_trl.quantization.get_scheme`).
+        quantization: a :class:`~qerl_trl.quantization.QuantScheme`, taken as it is (the trainer passes
+            ``config.quant_scheme``), or its name, parsed here (:func:`~qerl_trl.quantization.get_scheme`).
             ``"nvfp4-rtn"`` / ``"nvfp4-mse"`` / ``"mxfp4-rtn"`` quantize a dense checkpoint while loading (layer group
             by layer group, so the dense model never sits in memory whole); ``"nvfp4-awq"`` / ``"nvfp4-gptq"`` load it
             dense, calibrate on ``calibration_data`` and quantize; ``"nf4"`` loads it through bitsandbytes' NF4

@@ -1214,12 +1214,11 @@ def main(argv=None) -> None:
     main_proc = rank == 0
     meta = {
         "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation ("
-        + (
-            "transformers generate, static cache"
-            if args.rollout_engine == "transformers"
-            else "rollout_engine='graph': qerl_trl graph_generate, static cache"
-        )
-        + ("" if args.no_compile or args.no_static_cache else " + compiled decode")
+        + {
+            "transformers": "transformers generate, static cache",
+            "vllm": "rollout_engine='vllm': colocated vLLM, paged KV cache, LoRA synced as an adapter",
+        }.get(args.rollout_engine, "rollout_engine='graph': qerl_trl graph_generate, static cache")
+        + ("" if args.no_compile or args.no_static_cache or args.rollout_engine == "vllm" else " + compiled decode")
         + ") + scoring + loss forward + backward + AdamW step",
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",

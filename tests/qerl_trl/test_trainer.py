@@ -831,12 +831,14 @@ def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeyp
     import qerl_trl.trainer as trainer_module
 
     results = []
-    for split in ("trl", "by_length", "balanced"):
+    for split in ("trl", "by_length", "balanced", "fewest"):
         model = tiny_nvfp4_policy(tokenizer)
-        # a tenth of the vocabulary ends a completion (TRL reads the ids from the generation config): lengths spread
-        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(1, len(tokenizer), 10)]
-        args = args_for(tmp_path / split, max_steps=1, aqn=False, optim="sgd", per_device_train_batch_size=2,
-                        gradient_accumulation_steps=4, max_completion_length=32)  # fmt: skip
+        # a 40th of the vocabulary ends a completion (TRL reads the ids from the generation config): lengths spread,
+        # the longest well past the prompt's ~36 tokens (as in the recipes: else no two rows fit one row's positions)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(1, len(tokenizer), 40)]
+        rows = 1 if split == "fewest" else 2  # fewest: one row a micro-batch, as the 32B DAPO recipe; same 8 rows
+        args = args_for(tmp_path / split, max_steps=1, aqn=False, optim="sgd", per_device_train_batch_size=rows,
+                        gradient_accumulation_steps=8 // rows, max_completion_length=128)  # fmt: skip
         assert args.loss_type == "dapo"
         trainer = QeRLGRPOTrainer(
             model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer
@@ -845,7 +847,8 @@ def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeyp
         if split == "trl":
             monkeypatch.setattr(trainer, "_regroups_micro_batches", lambda: False)
         else:  # this CPU process takes the GPU branch's re-split
-            resplit = partial(trainer_module.micro_batches_by_length, balance=split == "balanced")
+            resplit = partial(trainer_module.micro_batches_by_length, balance=split != "by_length",
+                              fewest=split == "fewest")  # fmt: skip
             monkeypatch.setattr(trainer_module, "micro_batches_by_prompt", resplit)
         real = trainer._compute_loss
         monkeypatch.setattr(trainer, "_compute_loss", lambda m, inputs, real=real, shapes=shapes: (
@@ -857,10 +860,14 @@ def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeyp
     (logs0, lora0, shapes0), *others = results
     widths0 = {w for _, w in shapes0}
     assert len(widths0) == 1 and {r for r, _ in shapes0} == {2}  # TRL's: all padded to the longest, 2 rows each
-    (_, _, by_length), (_, _, balanced) = others
+    (_, _, by_length), (_, _, balanced), (logs3, _, fewest) = others
     assert {r for r, _ in by_length} == {2} and min(w for _, w in by_length) < max(widths0), by_length
     assert sum(r for r, _ in balanced) == 8 and len({r for r, _ in balanced}) > 1, balanced  # sizes differ
     assert max(r * w for r, w in balanced) <= max(r * w for r, w in by_length)
+    # fewest: the same rows in fewer forwards (the empty micro-batches run none), none larger than balanced's largest
+    assert sum(r for r, _ in fewest) == 8 and len(fewest) < 8, fewest  # of 8 micro-batches, some left empty
+    assert max(r * w for r, w in fewest) <= max(r * w for r, w in balanced)
+    assert logs3["tokens_per_second/training"] > 0  # empty micro-batches are not averaged in
     for logs1, lora1, _ in others:
         assert_same_step(logs0, lora0, logs1, lora1)
 
@@ -892,3 +899,37 @@ def test_balanced_sizes_even_out_padded_positions():
     lengths = sorted(min(4096, 100 + int(d)) for d in draws.tolist())
     sizes = balanced_sizes(lengths, 256, 8)
     assert worst(lengths, 256, sizes) < 0.6 * worst(lengths, 256, [16] * 8)
+
+
+def test_fewest_sizes_keep_the_largest_micro_batch_and_use_fewer():
+    """``fewest``: the fewest consecutive micro-batches whose largest padded size is the balanced split's (checked
+    against every split of a small case), then empty ones up to ``parts``; the 32B DAPO recipe's shape (128 rows, one
+    a micro-batch) packs into a fraction of the micro-batches."""
+    import itertools
+
+    from qerl_trl.trainer import balanced_sizes
+
+    def worst(lengths, width, sizes):
+        ends = list(itertools.accumulate(s for s in sizes if s))
+        return max(s * (width + lengths[e - 1]) for s, e in zip([s for s in sizes if s], ends, strict=True))
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        n, parts = int(torch.randint(4, 11, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        lengths = sorted(torch.randint(0, 50, (n,), generator=g).tolist())
+        width = int(torch.randint(0, 20, (1,), generator=g))
+        bound = worst(lengths, width, balanced_sizes(lengths, width, parts))
+        sizes = balanced_sizes(lengths, width, parts, fewest=True)
+        used = [s for s in sizes if s]
+        assert len(sizes) == parts and sum(sizes) == n and sizes[: len(used)] == used  # the empty ones last
+        assert worst(lengths, width, sizes) <= bound
+        least = min(k for k in range(1, n + 1) for cut in itertools.combinations(range(1, n), k - 1)
+                    if worst(lengths, width, [b - a for a, b in itertools.pairwise((0, *cut, n))]) <= bound)  # fmt: skip
+        assert len(used) == least, (lengths, width, parts, sizes)
+    # the 32B DAPO recipe: 128 completions, 200 + Geometric(800) capped at 8,192, prompt 256, one row a micro-batch
+    torch.manual_seed(0)
+    draws = torch.distributions.Geometric(torch.full((128,), 1 / 800)).sample()
+    lengths = sorted(min(8192, 200 + int(d)) for d in draws.tolist())
+    sizes = balanced_sizes(lengths, 256, 128, fewest=True)
+    assert worst(lengths, 256, sizes) == 256 + lengths[-1]  # the longest row alone, as before
+    assert sum(1 for s in sizes if s) < 50

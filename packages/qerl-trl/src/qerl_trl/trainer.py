@@ -410,11 +410,16 @@ def _resplit(merged: dict[str, Any], order: torch.Tensor, sizes: list[int]) -> l
             for a, b in itertools.pairwise(bounds)]  # fmt: skip
 
 
-def balanced_sizes(lengths: list[int], width: int, parts: int) -> list[int]:
+def balanced_sizes(lengths: list[int], width: int, parts: int, fewest: bool = False) -> list[int]:
     """Sizes of ``parts`` consecutive micro-batches of rows sorted by length (``lengths`` ascending, each row's kept
     completion length; ``width`` the prompt columns every row carries) that make the largest micro-batch's padded
     positions, ``rows × (width + its longest length)``, as small as it can be: short rows many to a micro-batch, long
-    rows few. Each size ≥ 1 (``len(lengths) >= parts``)."""
+    rows few. Each size ≥ 1 (``len(lengths) >= parts``).
+
+    With ``fewest``, as few micro-batches as hold the rows under that same largest size, then empty ones (size 0) up
+    to ``parts``: the peak positions of a micro-batch are unchanged, the micro-batches fuller. The 32B DAPO recipe
+    trains one row per micro-batch (its worst case, a 8,192-token completion, must fit alone), so 128 micro-batches of
+    ~1,300 positions; packed under the longest row's positions they are ~25-45 of up to ~7,600."""
     n = len(lengths)
 
     def chunks(bound: int) -> list[int] | None:  # greedy from the longest row: as many rows as fit the bound
@@ -433,7 +438,9 @@ def balanced_sizes(lengths: list[int], width: int, parts: int) -> list[int]:
         mid = (low + high) // 2
         sizes = chunks(mid)
         low, high = (low, mid) if sizes is not None and len(sizes) <= parts else (mid + 1, high)
-    sizes = chunks(low)
+    sizes = chunks(low)  # greedy from the longest row: the fewest consecutive micro-batches under the bound
+    if fewest:
+        return sizes + [0] * (parts - len(sizes))
     while len(sizes) < parts:  # halving a micro-batch never raises the largest one's padded positions
         i = max(range(len(sizes)), key=lambda j: sizes[j])
         sizes[i : i + 1] = [sizes[i] // 2, sizes[i] - sizes[i] // 2]
@@ -483,7 +490,9 @@ def trim_completion_padding(batch: dict[str, Any]) -> dict[str, Any]:
     return batch | {k: batch[k][:, :keep] for k in completion_aligned(batch)}
 
 
-def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool = False) -> list[dict[str, Any]]:
+def micro_batches_by_length(
+    micro_batches: list[dict[str, Any]], balance: bool = False, fewest: bool = False
+) -> list[dict[str, Any]]:
     """TRL's buffered micro-batches of one generation batch re-split by completion length (rows sorted by their
     last real token, the same number of micro-batches), each cut to its own longest row
     (:func:`trim_completion_padding`).
@@ -495,8 +504,10 @@ def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool =
     padded positions (:func:`balanced_sizes`): the longest rows go few to a micro-batch, which bounds the loss's
     activation memory by ~1/``parts`` of the batch's tokens instead of ``rows × longest``. The step's gradient is
     unchanged for the loss types of :data:`GROUPING_FREE_LOSSES` (sizes kept) or :data:`TOKEN_SUM_LOSSES` (balanced)
-    when the micro-batches make one optimizer step (the caller checks). A batch that cannot be re-split (images) keeps
-    its split and is only trimmed.
+    when the micro-batches make one optimizer step (the caller checks). With ``fewest`` (balanced sizes only) the rows
+    go into as few micro-batches as hold them under the balanced split's largest padded size, the rest left empty
+    (0 rows; :meth:`QeRLGRPOTrainer.compute_loss` skips them). A batch that cannot be re-split (images) keeps its split
+    and is only trimmed.
     """
     merged = _merged_micro_batches(micro_batches) if len(micro_batches) > 1 else None
     if merged is not None:
@@ -504,7 +515,7 @@ def micro_batches_by_length(micro_batches: list[dict[str, Any]], balance: bool =
         order = torch.sort(length, stable=True).indices
         sizes = [b["prompt_ids"].size(0) for b in micro_batches]
         if balance:
-            sizes = balanced_sizes(length[order].tolist(), merged["prompt_ids"].size(1), len(sizes))
+            sizes = balanced_sizes(length[order].tolist(), merged["prompt_ids"].size(1), len(sizes), fewest)
         micro_batches = _resplit(merged, order, sizes)
     return [trim_completion_padding(b) for b in micro_batches]
 
@@ -857,7 +868,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         is (:meth:`_regroups_micro_batches`): off Triton devices by prompt (:func:`micro_batches_by_prompt`, so that
         :func:`score_completions` scores each prompt once), on GPUs by completion length, each cut to its longest row
         (:func:`micro_batches_by_length`: no micro-batch carries the generation batch's longest completion as
-        padding)."""
+        padding; for token-summed losses in one process, as few micro-batches as the balanced split's largest allows,
+        the rest empty)."""
         buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self._buffered_inputs is not buffered and self._regroups_micro_batches():
@@ -865,7 +877,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
             else:
                 balance = self.loss_type in TOKEN_SUM_LOSSES
-                self._buffered_inputs = micro_batches_by_length(self._buffered_inputs, balance=balance)
+                # empty micro-batches only in one process: elsewhere every rank must run each forward (FSDP gathers)
+                fewest = balance and self.accelerator.num_processes == 1
+                self._buffered_inputs = micro_batches_by_length(self._buffered_inputs, balance=balance, fewest=fewest)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 
@@ -897,6 +911,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
         finally:
             self.vllm_importance_sampling_correction = True
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's, except for an empty micro-batch (:func:`micro_batches_by_length` with ``fewest``): a zero loss on the
+        trainable parameters, so that the trainer's backward runs without a forward (no rows, no gradient)."""
+        if not return_outputs and inputs["completion_ids"].size(0) == 0:
+            return sum(p.reshape(-1)[0] * 0.0 for p in model.parameters() if p.requires_grad)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     def _compute_loss(self, model, inputs):
         if (
             self.model.training
@@ -917,7 +938,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         sampling = inputs["sampling_per_token_logps"]
-        args = self.args
         mode = self.vllm_importance_sampling_mode
         ratio = sampling_correction(trainer_logps, sampling, mask, mode, self.vllm_importance_sampling_clip_min,
                                     self.vllm_importance_sampling_clip_max)  # fmt: skip
@@ -931,7 +951,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
                              ratios.min() if ratios.numel() else ratios.new_full((), math.inf),
                              ratios.max() if ratios.numel() else ratios.new_full((), -math.inf)]).float()  # fmt: skip
         self._correction_stats.append(stats)
-        if len(self._correction_stats) < args.steps_per_generation:
+        scored = sum(b["completion_ids"].size(0) > 0 for b in self._buffered_inputs)  # empty ones are not scored
+        if len(self._correction_stats) < scored:
             return
         # the generation batch's last micro-batch on every process: one gather for the batch
         total = self.accelerator.gather(torch.stack(self._correction_stats)).view(-1, 7)
@@ -955,7 +976,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         seconds = time.perf_counter() - start - self._generation_seconds
         batch = self._buffered_inputs[(self._step - 1) % self.args.steps_per_generation]
         tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-        self._metrics["train"]["tokens_per_second/training"].append(tokens / max(seconds, 1e-9))
+        if tokens:  # an empty micro-batch trained nothing
+            self._metrics["train"]["tokens_per_second/training"].append(tokens / max(seconds, 1e-9))
         return loss
 
     # ------------------------------------------------------------------ checkpoints

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
 from qerl_trl.cli import main
 from qerl_trl.config import QeRLConfig
 from qerl_trl.rollout import ENGINES
@@ -55,3 +56,44 @@ def test_an_engine_that_does_not_say_how_it_holds_generation_memory_is_refused(t
     monkeypatch.setattr("qerl_trl.config.engine_class", lambda name: Unsaid)
     with pytest.raises(TypeError, match="Unsaid must set holds_generation_memory"):
         QeRLConfig(output_dir=str(tmp_path), rollout_engine="unsaid")
+
+
+def test_an_engine_with_sampling_logprobs_gets_trls_sampling_correction(tmp_path, tiny_dir, toy_engine, monkeypatch):
+    """An engine that returns its sampling logprobs (vLLM's case) is driven through the interface only: its adapter once
+    per step (``sync_lora``), its ``generate``; no TRL engine is planted in the trainer, and TRL's importance-sampling
+    correction runs on the engine's logprobs (here the policy's own: ratio 1), from the loss forward (deferred)."""
+    from qerl_trl.cli import parse_train_args, train
+
+    monkeypatch.setitem(ENGINES, "toy-logprobs", "toy_engine:SamplingToyRollout")
+    from toy_engine import SamplingToyRollout
+
+    SamplingToyRollout.synced.clear()
+    argv = ["offline-default", "--model_name_or_path", str(tiny_dir), "--output_dir", str(tmp_path / "run"),
+            "--rollout_engine", "toy-logprobs", "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--num_generations", "2", "--max_completion_length", "4", "--task_options", json.dumps({"n_examples": 8}),
+            "--disable_tqdm", "true", "--save_strategy", "no", "--logging_steps", "1"]  # fmt: skip
+    trainer = train(*parse_train_args(argv))
+    assert SamplingToyRollout.synced == [0, 1] and len(toy_engine.generations) == 2
+    assert not hasattr(trainer, "vllm_generation") and not hasattr(trainer, "_last_loaded_step")
+    assert trainer._defers_sampling_correction()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2
+    # step 0 is noise-free; at step 1 AQN's noise is on the policy while the toy engine generates from it
+    assert steps[0]["sampling/sampling_logp_difference/mean"] < 1e-5, steps[0]
+    assert steps[0]["aqn/sigma"] == 0 < steps[1]["aqn/sigma"] and steps[1]["sampling/sampling_logp_difference/mean"] > 0
+    assert all(abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2 for h in steps), steps
+
+
+def test_an_engine_with_sampling_logprobs_refuses_trls_rollout_func(tmp_path, tiny_dir, monkeypatch):
+    """TRL's rollout_func (and tool) paths would look for TRL's own vLLM engine once its correction is on."""
+    from qerl_trl.config import QeRLConfig
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setitem(ENGINES, "toy-logprobs", "toy_engine:SamplingToyRollout")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = QeRLConfig(output_dir=str(tmp_path), rollout_engine="toy-logprobs", per_device_train_batch_size=2,
+                      num_generations=2, report_to="none")  # fmt: skip
+    with pytest.raises(ValueError, match="'toy-logprobs' does not support TRL's tools, environment_factory or rollout_func"):
+        QeRLGRPOTrainer(str(tiny_dir), lambda completions, **kw: [0.0] * len(completions), args,
+                        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), rollout_func=lambda p, t: {})  # fmt: skip

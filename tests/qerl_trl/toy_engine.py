@@ -36,3 +36,30 @@ class ToyRollout(RolloutEngine):
                                   eos_token_id=gen.eos_token_id)  # fmt: skip
 
         return generate_padded(self.trainer, prompt_ids, "toy_generate", run), None
+
+
+class SamplingToyRollout(ToyRollout):
+    """The toy engine reporting the logprobs of the tokens it picked, as vLLM does (``sampling_logprobs``): the trainer
+    then runs TRL's importance-sampling correction on it. Records the steps whose adapter it was handed."""
+
+    name = "toy-logprobs"
+    sampling_logprobs = True
+    synced: list[int] = []
+
+    def sync_lora(self) -> None:
+        SamplingToyRollout.synced.append(self.trainer.state.global_step)
+
+    def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        gen, logits = self.trainer.generation_config, []
+        ToyRollout.generations.append(len(prompt_ids))
+
+        def run(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                 max_new_tokens=gen.max_new_tokens, pad_token_id=gen.pad_token_id,
+                                 eos_token_id=gen.eos_token_id, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            logits.append(torch.stack(out.logits, 1))  # [B, new, vocab], before any logits processor
+            return out.sequences
+
+        ids = generate_padded(self.trainer, prompt_ids, "toy_generate", run)
+        logps = (logits[0].float() / self.trainer.temperature).log_softmax(-1).cpu()
+        return ids, [logps[i, torch.arange(len(c)), c].tolist() for i, c in enumerate(ids)]

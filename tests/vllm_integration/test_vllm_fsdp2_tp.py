@@ -79,7 +79,7 @@ def run(model_dir: str, out_dir: str) -> None:
     script_args.rewards = [recorded_reward]
     trainer = train(script_args, config)
     rank = trainer.accelerator.process_index
-    gen = trainer.vllm_generation
+    gen = trainer.rollout.generation
     policy = trainer.accelerator.unwrap_model(trainer.model)
 
     # the adapter the engine holds after a sync (the last step's update came after the last step's sync): the

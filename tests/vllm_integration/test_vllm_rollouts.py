@@ -130,11 +130,14 @@ def trained(tmp_path_factory):
         scoring.append(torch.is_grad_enabled()),
         score(*a, **k),
     )[1]
+    synced = []  # the global_step of each sync_lora call the trainer makes
+    sync = trainer.rollout.sync_lora
+    trainer.rollout.sync_lora = lambda: (synced.append(trainer.state.global_step), sync())[1]
     start = time.perf_counter()
     trainer.train()
     trainer._test_train_seconds = time.perf_counter() - start
-    del trainer._get_per_token_logps_and_entropies
-    trainer._test_scoring_passes = scoring
+    del trainer._get_per_token_logps_and_entropies, trainer.rollout.sync_lora
+    trainer._test_scoring_passes, trainer._test_synced = scoring, synced
     yield trainer
     trainer.rollout.generation.close()
 
@@ -173,7 +176,10 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     assert (
         json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     )
-    assert trained.use_vllm and not trained.args.use_vllm  # TRL's own VLLMGeneration was never built
+    assert trained.use_vllm and not trained.args.use_vllm  # TRL's correction on; its own VLLMGeneration never built
+    # the engine is driven through the RolloutEngine interface: nothing of TRL's vLLM branch is planted in the trainer
+    assert not hasattr(trained, "vllm_generation") and not hasattr(trained, "_last_loaded_step")
+    assert trained._test_synced == [0, 1, 2]  # sync_lora once per step, by the trainer
     assert trained.state.global_step == 3
     steps = _steps(trained)
     assert len(steps) == 3
@@ -274,7 +280,7 @@ def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
     args = _args(tmp_path, max_steps=2, vllm={"server_url": url, "adapter_dir": str(shared / "adapters")})
     trainer = QeRLGRPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
     rollout = trainer.rollout.generation
-    assert isinstance(rollout, ServerVLLMGeneration) and trainer.vllm_mode == "server"
+    assert isinstance(rollout, ServerVLLMGeneration) and not hasattr(trainer, "vllm_generation")
     prompt_ids = _prompt_ids(trainer)
     base_before = _server_greedy(rollout, prompt_ids, None)
     start = time.perf_counter()

@@ -15,7 +15,8 @@ What the subclass adds, each through a method TRL's own trainers override:
   chosen by ``rollout_engine``): ``"transformers"`` (the policy's ``generate``), ``"graph"`` (opt-in:
   :func:`~qerl_trl.rollout.graph.generate.graph_generate`, one compiled CUDA graph per decode step, sampling included, no host
   sync per step) or ``"vllm"`` (colocate or server, LoRA synced as an adapter each step, AQN on the engine's norms,
-  TRL's importance-sampling correction on).
+  TRL's importance-sampling correction on). The trainer calls the engine's interface only: ``sync_lora`` once per
+  ``global_step``, ``set_noise`` and ``generate`` per generation call, ``close``.
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
   DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
 * ``_prepare_inputs``: where the optimizer step does not depend on it (:meth:`QeRLGRPOTrainer._regroups_micro_batches`),
@@ -646,8 +647,17 @@ class QeRLGRPOTrainer(GRPOTrainer):
         #: the generation batch's micro-batches scored so far (:meth:`_deferred_correction`)
         self._pending_correction: dict[str, Any] | None = None
         self._correction_stats: list[torch.Tensor] = []
+        if engine_cls.sampling_logprobs:
+            # TRL 1.16 runs its importance-sampling correction (vllm_importance_sampling_*, sampling/* metrics) under
+            # its use_vllm attribute only; TRL's vLLM generation branch is never entered (_generate_single_turn is
+            # this class's), but its tool loop and rollout_func path would look for TRL's own engine
+            if self.tools or self.rollout_func is not None:
+                raise ValueError(f"rollout_engine={engine_cls.name!r} does not support TRL's tools, "
+                                 "environment_factory or rollout_func")  # fmt: skip
+            self.use_vllm = True
         #: the engine that generates the rollouts (``args.rollout_engine``), :mod:`qerl_trl.rollout`
         self.rollout: RolloutEngine = engine_cls(self, prepared)
+        self._lora_synced_step = -1  # the global_step whose adapter the engine has (RolloutEngine.sync_lora)
 
     # ------------------------------------------------------------------ AQN
     def build_aqn_controller(self, total_steps: int) -> AQNController | None:
@@ -766,6 +776,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
         with self._rollout_noise():
+            if self._lora_synced_step != self.state.global_step:  # the adapter changed at most once per step
+                self._lora_synced_step = self.state.global_step
+                self.rollout.sync_lora()
             if self.args.rollout_seed_per_prompt:  # QeRLConfig allows it with the torch-RNG engines only
                 completion_ids, logprobs = self._generate_seeded(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images

@@ -4,10 +4,11 @@ An engine owns its rules: :meth:`RolloutEngine.check_config` refuses the setting
 ``QeRLConfig``, which resolves ``rollout_engine`` to the class), :attr:`RolloutEngine.holds_generation_memory` and
 :attr:`RolloutEngine.generates_in_waves` are what the memory plan reads, and :meth:`RolloutEngine.before_train` is what
 it sets up when training starts. The trainer holds one engine (``trainer.rollout``) and calls the interface only:
-:meth:`RolloutEngine.before_train`, :meth:`RolloutEngine.set_noise` around the generation (AQN on the norm weights the
-engine generates from), :meth:`RolloutEngine.generate` for each generation call, and :meth:`RolloutEngine.close` when
-the trainer is closed. Engines that generate from a copy of the policy (vLLM) also take the LoRA adapter
-(:meth:`RolloutEngine.sync_lora`).
+:meth:`RolloutEngine.before_train`, :meth:`RolloutEngine.sync_lora` once per ``global_step`` (an engine that
+generates from a copy of the policy, vLLM, takes the LoRA adapter there; the others do nothing),
+:meth:`RolloutEngine.set_noise` around the generation (AQN on the norm weights the engine generates from),
+:meth:`RolloutEngine.generate` for each generation call, and :meth:`RolloutEngine.close` when the trainer is closed.
+No engine writes the trainer's (TRL's) state.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ class RolloutEngine:
             plan then counts it); ``False``: the engine sizes its own memory (vLLM). Every engine must say.
         generates_in_waves: whether it generates a batch that does not fit in waves of the rows that do (the memory
             plan then sets ``generation_wave_rows`` instead of refusing the run).
+        sampling_logprobs: whether :meth:`generate` returns the sampled tokens' logprobs from a model other than the
+            trainer's (vLLM): TRL's importance-sampling correction (``vllm_importance_sampling_*``) then applies.
     """
 
     name: ClassVar[str]
     seeds_per_prompt: ClassVar[bool] = True
     holds_generation_memory: ClassVar[bool]
     generates_in_waves: ClassVar[bool] = False
+    sampling_logprobs: ClassVar[bool] = False
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -111,7 +115,8 @@ class RolloutEngine:
         raise NotImplementedError
 
     def sync_lora(self) -> None:
-        """Give the engine the policy's current LoRA adapter; nothing to do for an engine that generates with the
+        """Give the engine the policy's current LoRA adapter (the trainer calls it on every process, once per
+        ``global_step``, before that step's first generation); nothing to do for an engine that generates with the
         policy itself."""
 
     @property

@@ -1,17 +1,15 @@
 """``rollout_engine="vllm"``: vLLM rollouts for :class:`~qerl_trl.QeRLGRPOTrainer`, colocate and server mode.
 
 TRL's own ``use_vllm=True`` path is not used: it syncs a PEFT policy by *merging* the adapters into the base weights
-(impossible for a 4-bit NVFP4 base). Instead the trainer keeps ``args.use_vllm=False`` (TRL builds nothing) and
-:class:`VLLMRollout` sets, after ``GRPOTrainer.__init__``, ``trainer.use_vllm = True`` with
-``trainer.vllm_generation`` one of the ``*VLLMGeneration`` classes below. They offer exactly what TRL's vLLM branches
-call — ``sync_weights()`` (once per global step), ``generate(prompts, images, num_generations, profiler)`` and,
-colocate only, ``.llm`` — so TRL's own code runs unchanged: the sampled-token logprobs come back from the engine,
-``old_per_token_logps`` is recomputed by the trainer, the importance-sampling correction
-(``vllm_importance_sampling_*``) is applied and ``sampling/sampling_logp_difference/{mean,max}`` is logged.
+(impossible for a 4-bit NVFP4 base), so ``args.use_vllm`` stays False (TRL builds no engine). :class:`VLLMRollout` is a
+:class:`~qerl_trl.rollout.RolloutEngine` like the others: the trainer calls its ``sync_lora``, ``set_noise``,
+``generate`` and ``close``, and it writes nothing into the trainer. Its ``generate`` returns the sampled tokens'
+logprobs (``sampling_logprobs``), so the trainer runs TRL's importance-sampling correction
+(``vllm_importance_sampling_*``, ``sampling/*`` metrics) on the engine-vs-trainer gap.
 
 Per generation step:
 
-1. ``sync_weights`` (TRL calls it when ``global_step`` changed): the LoRA state of the unwrapped ``PeftModel``
+1. ``sync_lora`` (the trainer calls it when ``global_step`` changed): the LoRA state of the unwrapped ``PeftModel``
    (``get_peft_model_state_dict``) becomes a NEW adapter of the engine — colocate: ``VLLMEngine.sync_lora``; server:
    the adapter folder is written under ``vllm.adapter_dir`` (a filesystem the server reads) and loaded through
    ``POST /v1/load_lora_adapter`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), the previous one unloaded. Never merged.
@@ -61,7 +59,7 @@ from typing import Any
 
 import torch
 from nvfp4.peft import write_adapter
-from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
 
 from ..quantization import QuantScheme
 from .base import RolloutEngine
@@ -221,14 +219,12 @@ def _groups(prompts: Sequence[Sequence[int]], n: int) -> tuple[list[list[int]], 
 
 
 class _VLLMGeneration:
-    """What both modes share: TRL's ``vllm_generation`` interface on top of sync / norms / raw generation, and the
-    norm-weight calls of :class:`aqn.controller.NormWeightsEngine` (the AQN controller's target).
+    """What both modes share: adapter sync, generation and the norm-weight calls of
+    :class:`aqn.controller.NormWeightsEngine` (the AQN controller's target) on top of the mode's raw engine calls.
 
     Every trainer process calls :meth:`sync_weights`, :meth:`set_norm_weights`, :meth:`restore_norm_weights` and
-    :meth:`generate` (TRL's vLLM branch and the AQN controller run on all of them), so the gathers of a sharded policy
-    are collective; :attr:`pushes` says whether this process then hands the tensors to the engine."""
-
-    mode = "colocate"
+    :meth:`generate` (the trainer and the AQN controller run on all of them), so the gathers of a sharded policy are
+    collective; :attr:`pushes` says whether this process then hands the tensors to the engine."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -242,30 +238,25 @@ class _VLLMGeneration:
         gathered them): colocate, every process (its own engine, or its own TP worker of the group's engine)."""
         return True
 
-    # TRL's interface ------------------------------------------------------------------
+    # sync and generation --------------------------------------------------------------
     def sync_weights(self) -> None:
-        """Push the current LoRA adapter as a new adapter (TRL calls this when ``global_step`` changed)."""
+        """Push the current LoRA adapter as a new adapter (:meth:`VLLMRollout.sync_lora`: once per ``global_step``)."""
         step = int(self.trainer.state.global_step)
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         state, cfg = adapter_state(model, keep=self.pushes)
         self._sync_lora(state, cfg, step)
         self.last_synced_step = step
 
-    def generate(self, prompts, images=None, num_generations: int = 1, profiler=None, **_: Any):
-        """``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` like ``trl.generation.VLLMGeneration``;
-        ``logprobs[i][t] = [logprob of the sampled token]``. The processes of a TP group generate their prompts
+    def generate(self, prompts, num_generations: int = 1) -> tuple[list[list[int]], list[list[float]]]:
+        """``(completion_ids, logprobs)`` of ``prompts`` (token ids, each prompt ``num_generations`` times in a row):
+        ``logprobs[i][t]`` the logprob of the sampled token. The processes of a TP group generate their prompts
         together (each keeps its own rows)."""
-        if images is not None and any(im is not None for im in images):
-            raise NotImplementedError("rollout_engine='vllm' does not support images yet")
-        if self.last_synced_step is None:  # first call: TRL's step bookkeeping starts at -1, so this is rare
-            self.sync_weights()
         local = [list(map(int, p)) for p in prompts]
         everyone, start = self._group_prompts(local)
         unique, n = _groups(everyone, num_generations)
-        with profiler or contextlib.nullcontext():
-            completion_ids, logprobs = self._generate(unique, sampling_kwargs(self.trainer, n))
+        completion_ids, logprobs = self._generate(unique, sampling_kwargs(self.trainer, n))
         mine = slice(start, start + len(local))
-        return local, completion_ids[mine], [[[lp] for lp in seq] for seq in logprobs[mine]], None
+        return completion_ids[mine], logprobs[mine]
 
     def _group_prompts(self, local: list[list[int]]) -> tuple[list[list[int]], int]:
         """The prompts of every process of this one's TP group, in rank order, and where this process's start."""
@@ -316,8 +307,6 @@ class ColocateVLLMGeneration(_VLLMGeneration):
     ``vllm.tensor_parallel_size`` = T > 1, one TP worker per process of an engine shared by T consecutive processes
     (vLLM's ``external_launcher`` backend on the trainer's own process group, as TRL's colocate mode)."""
 
-    mode = "colocate"
-
     def __init__(self, trainer: Any, model_path: str) -> None:
         super().__init__(trainer)
         try:
@@ -361,10 +350,6 @@ class ColocateVLLMGeneration(_VLLMGeneration):
         if self.tp_size > 1:
             acc.wait_for_everyone()  # every worker of every group is up before the first collective
 
-    @property
-    def llm(self):
-        return self.engine.llm
-
     def _sync_lora(self, state, peft_config, step):
         self.engine.sync_lora(state, version=step, peft_config=peft_config)
 
@@ -395,8 +380,6 @@ class ServerVLLMGeneration(_VLLMGeneration):
     Dev mode's ``/collective_rpc`` runs worker methods: start the server with ``--host 127.0.0.1`` and never make its
     port reachable by others.
     """
-
-    mode = "server"
 
     def __init__(self, trainer: Any, url: str, adapter_dir: str | None = None, timeout: float = 600.0) -> None:
         super().__init__(trainer)
@@ -504,13 +487,14 @@ class ServerVLLMGeneration(_VLLMGeneration):
 
 
 class VLLMRollout(RolloutEngine):
-    """The :class:`~qerl_trl.rollout.RolloutEngine` on vLLM: TRL's vLLM branch generates through a
-    :class:`ColocateVLLMGeneration` (in-process engine) or :class:`ServerVLLMGeneration` (``vllm.server_url``), which
-    also takes the LoRA adapter and AQN's noisy norm weights."""
+    """The :class:`~qerl_trl.rollout.RolloutEngine` on vLLM: a :class:`ColocateVLLMGeneration` (in-process engine) or
+    :class:`ServerVLLMGeneration` (``vllm.server_url``) generates, and takes the LoRA adapter and AQN's noisy norm
+    weights."""
 
     name = "vllm"
     seeds_per_prompt = False  # the engine samples with its own seed
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
+    sampling_logprobs = True  # vLLM's processed logprobs: TRL's importance-sampling correction applies
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -543,12 +527,6 @@ class VLLMRollout(RolloutEngine):
             raise ValueError("colocate vLLM rollouts need the engine checkpoint (vllm.model_path)")
         else:
             self.generation = ColocateVLLMGeneration(trainer, prepared)
-        # TRL's vLLM branches (generation, IS correction, sampling_logp_difference metrics) run on our engine,
-        # which syncs LoRA as an adapter (TRL's VLLMGeneration would merge it into the 4-bit base).
-        trainer.use_vllm = True
-        trainer.vllm_mode = self.generation.mode
-        trainer.vllm_generation = self.generation
-        trainer._last_loaded_step = -1
 
     @classmethod
     def check_evaluation(cls, scheme: QuantScheme) -> None:
@@ -581,13 +559,14 @@ class VLLMRollout(RolloutEngine):
         return engine_checkpoint(model_name, model, scheme, override=args.vllm.model_path, cache_dir=args.vllm.cache_dir)
 
     def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # TRL's vLLM branch: sync_weights when the step changed, then vllm_generation.generate
-        return GRPOTrainer._generate_single_turn(
-            self.trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-        )
+        if images is not None and any(im is not None for im in images):
+            raise NotImplementedError("rollout_engine='vllm' does not support images yet")
+        with profiling_context(self.trainer, "vLLM.generate"):
+            return self.generation.generate(prompt_ids, num_generations)
 
     def sync_lora(self) -> None:
-        self.generation.sync_weights()
+        with profiling_context(self.trainer, "sync_weights"):
+            self.generation.sync_weights()
 
     @property
     def noise_target(self) -> _VLLMGeneration:

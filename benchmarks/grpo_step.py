@@ -552,8 +552,9 @@ def _vllm_spread_kwargs(vocab: int, mean_tokens: float, min_tokens: int) -> tupl
 
 def _time_sync(trainer, clock: _Clock) -> None:
     """Time the engine's weight sync (ours: the LoRA adapter as a new vLLM adapter; TRL: merge + load the weights)
-    as its own phase inside ``gen``: both trainers call ``trainer.vllm_generation.sync_weights()``."""
-    generation = trainer.vllm_generation
+    as its own phase inside ``gen``: both trainers call their vLLM generation's ``sync_weights()`` (ours:
+    ``trainer.rollout.generation``, through ``RolloutEngine.sync_lora``; TRL's: ``trainer.vllm_generation``)."""
+    generation = trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation
     sync_weights = generation.sync_weights
 
     def timed_sync(*a, **kw):
@@ -916,7 +917,7 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     from qerl_trl.trainer import TRAINING_SDPA_BACKENDS, completion_aligned
     from torch.nn.attention import sdpa_kernel
 
-    engine, cap, p, n = trainer.vllm_generation.engine, args.completion_len, args.prompt_len, args.probe_tokens
+    engine, cap, p, n = trainer.rollout.generation.engine, args.completion_len, args.prompt_len, args.probe_tokens
     cache = engine.llm.llm_engine.vllm_config.cache_config
     kv_tokens = cache.num_gpu_blocks * cache.block_size
     completions = args.per_device_batch * args.grad_accum

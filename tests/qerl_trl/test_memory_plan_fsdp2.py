@@ -117,3 +117,34 @@ def test_vllm_tensor_parallel_size_sets_the_engine_share_per_gpu(capsys):
         main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 3}'])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and "must divide the number of training processes (2)" in err[-1]
+
+
+def test_colocated_vllm_sharing_the_weights_counts_them_once(capsys):
+    """``vllm.share_weights`` (one process, TP = 1): the policy's frozen NVFP4 projections, embeddings and lm_head are
+    views of the engine's, so the plan counts them once: 7B, ~3.7 GB of packed projections + ~2.2 GB of embeddings
+    and lm_head less; the engine adds its norms and biases only. Several GPUs, or TP > 1: nothing shared."""
+    from qerl_trl.cli import main
+
+    q7 = QWEN25_SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+    run = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    twice = plan_fsdp2(q7, run, H100_80GB_BYTES, 1, vllm_colocate=True)
+    once = plan_fsdp2(q7, run, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_shares_weights=True)
+    shared = once.details["vllm_shared_weights"]
+    assert 3.6 * GB < shared - 2 * 152064 * 3584 * 2 < 3.8 * GB  # the projections, beyond embeddings + lm_head
+    assert twice.weights - once.weights == shared and once.details["vllm_weights"] < 0.01 * GB  # norms + biases
+    dense = RunShape(**{**run.__dict__, "quantization": "none"})  # dense linears: only the embeddings are shared
+    assert plan_fsdp2(q7, dense, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_shares_weights=True).details[
+        "vllm_shared_weights"] == 2 * 152064 * 3584 * 2  # fmt: skip
+    for gpus, tp in ((2, 2), (2, 1)):
+        plan = plan_fsdp2(q7, run, H100_80GB_BYTES, gpus, vllm_colocate=True, vllm_tp=tp, vllm_shares_weights=True)
+        assert "vllm_shared_weights" not in plan.details
+    args = ["plan", "gsm8k-qwen2.5-7b-grpo", "--rollout_engine", "vllm", "--gpus", "1"]
+    main(args)
+    line = capsys.readouterr().out.strip()
+    assert "shared with the policy" in line, line
+    main(args + ["--vllm", '{"share_weights": false}'])
+    assert "shared with the policy" not in capsys.readouterr().out
+    # both copies exist while the engine starts (the policy's are freed after): 72B still needs 2 GPUs
+    assert once.startup_extra == shared and once.peak(1) >= once.fixed + once.per_row + shared
+    vllm72 = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    assert smallest_fsdp2_gpus(Q72, vllm72, H100_80GB_BYTES, vllm_colocate=True, vllm_shares_weights=True) == 2

@@ -148,6 +148,63 @@ def test_mma_layout_only_where_it_applies(vllm_process_group):
     assert not layer.nvfp4_mma_layout and tuple(layer.weight_packed.shape) == (64, K // 2)
 
 
+@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("one_global_scale", [True, False])
+def test_trainer_linears_become_views_of_the_fused_layer(mma, one_global_scale, vllm_process_group):
+    """Weight sharing (``qerl_vllm.shared_weights`` + ``qerl_trl.rollout.shared_weights``): each member's rows of a
+    fused layer, in either layout, with one global scale for the group or one per member, are bit for bit the
+    trainer's ``NVFP4Linear`` tensors; the trainer then views them (same storage), computes exactly as before, and a
+    layer whose layout differs from the engine's keeps its own copy, with the reason."""
+    from nvfp4 import NVFP4Linear
+    from nvfp4.codec import shared_global_scale
+    from nvfp4.layout import to_mma_layout
+    from qerl_trl.rollout.shared_weights import share_weights_with
+    from qerl_vllm.quant import NVFP4KernelLinearMethod
+    from qerl_vllm.shared_weights import EngineWeights, _packed_member_views
+
+    widths = [128, 64]  # gate/up-like
+    dense = [torch.randn(w, K, generator=torch.Generator().manual_seed(i)) * 0.03 for i, w in enumerate(widths)]
+    gs = shared_global_scale([d.to(torch.bfloat16) for d in dense]) if one_global_scale else None
+    members = [_quantized_member(w, i, gs) for i, w in enumerate(widths)]
+    fused = _layer(NVFP4KernelLinearMethod(mma_layout=mma), widths, members)
+    assert fused.nvfp4_mma_layout is mma and fused.weight_global_scale.numel() == (1 if one_global_scale else 2)
+    names = ["mlp.gate_proj", "mlp.up_proj"]
+    engine = EngineWeights(pid=os.getpid(), linears=dict(zip(names, _packed_member_views(fused))))
+
+    trainer = torch.nn.Module()
+    trainer.mlp = torch.nn.Module()
+    for name, q in zip(names, members):
+        lin = NVFP4Linear.from_weight(q, None, torch.bfloat16, name=name)
+        if mma:  # the layout NVFP4Linear takes on CUDA (on this CPU it keeps the compressed-tensors one)
+            lin.weight_packed = to_mma_layout(lin.weight_packed)
+        setattr(trainer.mlp, name.split(".")[1], lin)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    before = [trainer.mlp.gate_proj(x), trainer.mlp.up_proj(x)]
+    report = share_weights_with(trainer, engine)
+    assert report.not_shared == {} and len(report.shared) == 6, report.summary()
+    for lin in (trainer.mlp.gate_proj, trainer.mlp.up_proj):
+        assert lin.mma_layout is mma
+        for t, p in ((lin.weight_packed, fused.weight_packed), (lin.weight_scale, fused.weight_scale),
+                     (lin.weight_global_scale, fused.weight_global_scale)):  # fmt: skip
+            assert t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() and t.is_contiguous()
+    after = [trainer.mlp.gate_proj(x), trainer.mlp.up_proj(x)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+    # the engine in the other layout: nothing of weight_packed is shared, the trainer keeps its copy and its results
+    other = _layer(NVFP4KernelLinearMethod(mma_layout=not mma), widths, members)
+    lone = NVFP4Linear.from_weight(members[0], None, torch.bfloat16, name=names[0])
+    if mma:
+        lone.weight_packed = to_mma_layout(lone.weight_packed)
+    holder = torch.nn.Module()
+    holder.mlp = torch.nn.Module()
+    holder.mlp.gate_proj = lone
+    own = lone.weight_packed
+    report = share_weights_with(holder, EngineWeights(os.getpid(), dict(zip(names, _packed_member_views(other)))))
+    assert lone.weight_packed is own and set(report.not_shared) == {"mlp.gate_proj.weight_packed"}
+    assert report.not_shared["mlp.gate_proj.weight_packed"].startswith("layout: ")
+    assert torch.equal(lone(x), before[0])
+
+
 @pytest.fixture
 def backend_env():
     from qerl_vllm.quant import BACKEND_ENV

@@ -206,6 +206,29 @@ def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     assert lora_moved, "LoRA did not train"
 
 
+def test_colocated_trainer_views_what_the_engine_holds_by_default(trained):
+    """``vllm.share_weights`` (default on): after the engine started, the trainer's frozen tensors the engine holds
+    bit for bit are views of its parameters. On CPU the default linear backend dequantizes (a dense weight), so only the
+    (tied) embedding is shared and every packed linear keeps the trainer's copy, with the reason; with the ``qerl``
+    backend (CUDA's default from Hopper on) everything is."""
+    from nvfp4 import NVFP4Linear
+    from qerl_vllm.quant import resolve_backend
+
+    report = trained.rollout.generation.shared_weights
+    model = trained.accelerator.unwrap_model(trained.model)
+    linears = sum(isinstance(m, NVFP4Linear) for m in model.modules())
+    print(f"\n[shared weights, {resolve_backend()} backend] {report.summary()}")
+    assert "model.embed_tokens.weight" in report.shared and report.bytes_freed > 0
+    if resolve_backend() == "qerl":
+        assert report.not_shared == {} and len(report.shared) == 3 * linears + 1
+    else:
+        assert len(report.not_shared) == 3 * linears and linears == 210
+        assert all("through NVFP4DequantLinearMethod, not as packed NVFP4" in why for why in report.not_shared.values())
+    engine_embed = trained.rollout.generation.engine.shareable_weights().dense["model.embed_tokens.weight"]
+    assert model.get_input_embeddings().weight.data_ptr() == engine_embed.data_ptr()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
+
+
 def test_engine_follows_lora_update_like_the_trainer(trained):
     trained.rollout.generation.sync_weights()  # the adapter after the last optimizer step (global_step 3)
     assert trained.rollout.generation.last_synced_step == 3
@@ -240,6 +263,91 @@ def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):
     assert [o.logprobs for o in after] == [o.logprobs for o in before]  # bit-identical floats
     after_w = rollout.engine.norm_weights()
     assert all(torch.equal(after_w[n], clean_w[n]) for n in clean_w)
+
+
+# ---------------------------------------------------------------------------------------------- one copy of the weights
+@pytest.fixture
+def qerl_backend():
+    """The engine keeps the NVFP4 linears packed (``QERL_VLLM_NVFP4_BACKEND=qerl``, CUDA's default from Hopper on; on
+    CPU its linears run nvfp4's reference op), so that the trainer's packed tensors can be views of them."""
+    from qerl_vllm.quant import BACKEND_ENV
+
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = "qerl"  # read while the engine loads the model (in this process)
+    yield
+    if before is None:
+        os.environ.pop(BACKEND_ENV, None)
+    else:
+        os.environ[BACKEND_ENV] = before
+
+
+def _storage_spans(module: torch.nn.Module) -> dict[int, int]:
+    """``{storage start: bytes}`` of every parameter and buffer of ``module``."""
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*module.parameters(), *module.buffers())
+    }
+
+
+def test_colocated_trainer_and_engine_hold_the_weights_once(ckpt, tmp_path, qerl_backend):
+    """Sharing on the real engine (``share_weights_with`` on ``VLLMEngine.shareable_weights``), before and after: every
+    frozen NVFP4 tensor and the embedding of the trainer lie inside the engine's parameter storages; the unique bytes of
+    trainer + engine drop by exactly the trainer's copies (~60 MB packed + ~113 MB fp32 embedding here); the trainer's
+    logits and loss are bit-identical, the engine generates the same tokens and logprobs, and a GRPO step still trains
+    the LoRA through the shared base."""
+    from nvfp4 import NVFP4Linear
+    from qerl_trl.rollout.shared_weights import share_weights_with, unique_storage_bytes
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    args = _args(tmp_path, max_steps=1, aqn=False, vllm={"share_weights": False})
+    trainer = QeRLGRPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
+    generation = trainer.rollout.generation
+    try:
+        assert generation.shared_weights.not_shared == {"*": "vllm.share_weights is off"}
+        engine = generation.engine
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        engine_model = engine.llm.apply_model(lambda m: m)[0]  # in-process engine: the worker's model itself
+        linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+        embed = model.get_input_embeddings().weight
+        own_bytes = unique_storage_bytes(*linears) + embed.untyped_storage().nbytes()
+        prompt_ids = _prompt_ids(trainer)
+        batch = torch.tensor([prompt_ids[1]])
+
+        def forward():
+            with torch.no_grad():
+                out = model(input_ids=batch, labels=batch)
+            return out.logits, out.loss
+
+        logits_before, loss_before = forward()
+        generated_before = _engine_greedy(trainer, prompt_ids, lora=None)
+        bytes_before = unique_storage_bytes(model, engine_model)
+
+        report = share_weights_with(model, engine.shareable_weights())
+        print(f"\n[one copy] {report.summary()}")
+        assert report.not_shared == {} and len(report.shared) == 3 * len(linears) + 1 == 631
+        frozen = [t for m in linears for t in (m.weight_packed, m.weight_scale, m.weight_global_scale)] + [embed]
+        spans = _storage_spans(engine_model)
+        for t in frozen:  # inside one of the engine's parameter storages
+            start = t.untyped_storage().data_ptr()
+            assert start in spans and start <= t.data_ptr() < start + spans[start]
+        bytes_after = unique_storage_bytes(model, engine_model)
+        saved = bytes_before - bytes_after
+        print(f"[one copy] trainer + engine unique bytes {bytes_before / 1e6:.1f} MB -> {bytes_after / 1e6:.1f} MB "
+              f"(-{saved / 1e6:.1f} MB; the trainer's own copies were {own_bytes / 1e6:.1f} MB)")  # fmt: skip
+        assert saved == report.bytes_freed == own_bytes
+
+        logits_after, loss_after = forward()
+        assert torch.equal(logits_after, logits_before) and torch.equal(loss_after, loss_before)
+        generated_after = _engine_greedy(trainer, prompt_ids, lora=None)
+        assert [g.token_ids for g in generated_after] == [g.token_ids for g in generated_before]
+        assert [g.logprobs for g in generated_after] == [g.logprobs for g in generated_before]
+
+        trainer.train()  # one GRPO step on the shared base
+        steps = _steps(trainer)
+        assert trainer.state.global_step == 1 and steps[0]["sampling/sampling_logp_difference/mean"] < CLEAN_GAP
+        assert [n for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n and p.abs().max() > 0]
+        assert all(t.untyped_storage().data_ptr() in spans for t in frozen)  # still the engine's after training
+    finally:
+        generation.close()
 
 
 # ---------------------------------------------------------------------------------------------- server mode

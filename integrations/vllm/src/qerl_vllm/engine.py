@@ -20,6 +20,9 @@ Per training step the trainer does::
   ``...post_attention_layernorm.weight``, ``model.norm.weight``); PEFT prefixes (``base_model.model.``) are stripped,
   and the model's own ``hf_to_vllm_mapper`` (if any) is applied to other names.
 
+* Weight sharing (colocate, one in-process worker): :meth:`VLLMEngine.shareable_weights` returns views of the
+  engine's frozen tensors (:mod:`qerl_vllm.shared_weights`) for the trainer to hold instead of its own copies.
+
 Only public vLLM APIs are used: ``LLM``, ``SamplingParams``, ``LoRARequest``, ``worker_extension_cls`` +
 ``LLM.collective_rpc``, ``LLM.reset_prefix_cache``, ``LLMEngine.remove_lora``.
 """
@@ -38,12 +41,18 @@ import torch
 from nvfp4.peft import write_adapter
 
 from . import vllm_missing
+from .shared_weights import EngineWeights
 
-__all__ = ["Generation", "VLLMEngine", "norm_param_names", "to_vllm_name"]
+__all__ = ["Generation", "VLLMEngine", "WeightsNotShareable", "norm_param_names", "to_vllm_name"]
 
 SYNCED = "synced"
 WORKER_EXTENSION = "qerl_vllm.worker.QeRLWorkerExtension"
 _PEFT_PREFIXES = ("base_model.model.",)
+
+
+class WeightsNotShareable(RuntimeError):
+    """The engine's tensors cannot be viewed by the caller (:meth:`VLLMEngine.shareable_weights`); the message says
+    why."""
 
 
 class Generation(NamedTuple):
@@ -227,6 +236,7 @@ class VLLMEngine:
         #: one TP worker of an engine spread over the processes of a torchrun / accelerate launch: the torch process
         #: group is the launcher's, so :meth:`close` leaves it alone
         self.external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
+        self._llm_kwargs = dict(kwargs)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_root = Path(lora_dir) if lora_dir is not None else Path(_default_lora_root())
@@ -429,6 +439,32 @@ class VLLMEngine:
         self._norms_dirty = False
         self.llm.reset_prefix_cache()
         return counts[0]
+
+    # ------------------------------------------------------------------ weight sharing (colocate)
+    def shareable_weights(self) -> EngineWeights:
+        """Views of the engine model's frozen weights (:class:`qerl_vllm.shared_weights.EngineWeights`: packed NVFP4
+        linears per HF member, embeddings, ``lm_head``) that a trainer in this process may hold instead of its own
+        copies. No tensor is copied.
+
+        Raises :class:`WeightsNotShareable` (its message says why) where the engine's tensors are not this process's
+        whole tensors: tensor or pipeline parallelism (a worker holds a shard), sleep mode (vLLM frees and re-creates
+        the weights' memory), a worker in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), or a worker
+        extension other than :class:`qerl_vllm.worker.QeRLWorkerExtension`.
+        """
+        kw = self._llm_kwargs
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if int(kw.get(key) or 1) > 1:
+                raise WeightsNotShareable(f"{key}={kw[key]}: each worker holds a shard of the weights")
+        if kw.get("enable_sleep_mode"):
+            raise WeightsNotShareable("enable_sleep_mode: vLLM frees the weights' memory while it sleeps")
+        if kw.get("worker_extension_cls") != WORKER_EXTENSION:
+            raise WeightsNotShareable(
+                f"worker_extension_cls={kw.get('worker_extension_cls')!r}, not {WORKER_EXTENSION}"
+            )
+        pids = self.llm.collective_rpc("qerl_worker_pid")
+        if pids != [os.getpid()]:  # asked first: across processes the views would come back as serialized copies
+            raise WeightsNotShareable(f"the engine's worker runs in process(es) {pids}, not this one ({os.getpid()})")
+        return self.llm.collective_rpc("qerl_engine_weight_views")[0]
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

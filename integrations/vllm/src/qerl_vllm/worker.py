@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 
 from .engine import _w_norm_names, _w_norm_weights, _w_restore_norms, _w_set_norms
+from .shared_weights import EngineWeights, engine_weight_views
 
 __all__ = ["QeRLWorkerExtension"]
 
 
 class QeRLWorkerExtension:
-    """Norm-weight access on the worker's model (``self.model_runner.model``)."""
+    """Norm-weight access on the worker's model (``self.model_runner.model``), and (in-process engines only) views of
+    its frozen weights for a colocated trainer."""
 
     def _qerl_model(self) -> torch.nn.Module:
         return self.model_runner.model  # type: ignore[attr-defined]
@@ -39,3 +41,15 @@ class QeRLWorkerExtension:
 
     def qerl_restore_norms(self) -> int:
         return _w_restore_norms(self._qerl_model())
+
+    def qerl_worker_pid(self) -> int:
+        """The worker's process id: the caller's own when the engine runs in its process (colocate mode)."""
+        import os
+
+        return os.getpid()
+
+    def qerl_engine_weight_views(self) -> EngineWeights:
+        """Views of the model's frozen tensors (:func:`qerl_vllm.shared_weights.engine_weight_views`). Only for an
+        engine in the caller's process (``VLLMEngine.shareable_weights`` checks): across processes the RPC would
+        serialize copies of every weight."""
+        return engine_weight_views(self._qerl_model())

@@ -41,6 +41,9 @@ class VLLMRolloutConfig:
             processes under an FSDP2 launch (the policy is sharded because it does not fit one GPU, so is the
             engine's copy), 1 otherwise (one whole engine per process). It must divide the number of processes. A
             server's is its own ``--tensor-parallel-size``: not set here in server mode.
+        share_weights: colocate, one process (no FSDP2, ``tensor_parallel_size`` 1): after the engine has loaded,
+            the policy's frozen NVFP4 linears, embeddings and ``lm_head`` become views of the engine's bit-identical
+            tensors, so the weights are held once (:mod:`qerl_trl.rollout.shared_weights`); ignored elsewhere.
     """
 
     server_url: str | None = None
@@ -54,6 +57,7 @@ class VLLMRolloutConfig:
     kv_cache_memory_bytes: int | None = None
     server_timeout: float = 600.0
     tensor_parallel_size: int | None = None
+    share_weights: bool = True
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -314,7 +318,8 @@ class QeRLConfig(GRPOConfig):
         """``vllm`` becomes a :class:`VLLMRolloutConfig`; the deprecated flat ``vllm_<name>`` keys set its ``<name>``
         (with a warning that names the nested spelling) and are cleared, so ``vllm`` is the one place to read."""
         nested = VLLMRolloutConfig.from_value(self.vllm)
-        flat = {f.name: getattr(self, f"vllm_{f.name}") for f in fields(VLLMRolloutConfig)}
+        # settings newer than the nested spelling have no flat one
+        flat = {f.name: getattr(self, f"vllm_{f.name}", None) for f in fields(VLLMRolloutConfig)}
         for name, value in flat.items():
             if value is None:
                 continue

@@ -257,6 +257,9 @@ class MemoryPlan:
     prefill_per_row: int  # transient, during a wave's prefill
     wave_rows: int
     details: dict[str, int] = field(default_factory=dict)
+    #: bytes held twice only while a colocated vLLM engine starts: the weights the policy then shares with it (both
+    #: copies exist until the engine has loaded and the policy's are freed, with the KV cache already allocated)
+    startup_extra: int = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -275,11 +278,12 @@ class MemoryPlan:
 
     def peak(self, rows: int) -> int:
         """Planned peak with ``rows`` generation rows held: the fixed part, the rows, and the larger of the prefill
-        (a wave of ``rows``) and the training micro-batch (with the rows still held when ``held_generation``)."""
+        (a wave of ``rows``), the training micro-batch (with the rows still held when ``held_generation``) and a
+        colocated engine's start (:attr:`startup_extra`)."""
         held = self.fixed + rows * self.per_row
         prefill = held + rows * self.prefill_per_row
         train = (held if self.run.held_generation else self.fixed) + self.training
-        return max(prefill, train)
+        return max(prefill, train, held + self.startup_extra)
 
     @property
     def fits(self) -> bool:
@@ -394,15 +398,17 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
 
 def _weight_parts(m: ModelShape, run: RunShape) -> dict[str, float]:
     """Bytes of one decoder layer's weights (projections in the run's format, its two RMSNorms and q/k/v biases in
-    bf16), of the embeddings + ``lm_head`` (bf16, one matrix when tied) and of the final norm."""
+    bf16) and of its projections alone, of the embeddings + ``lm_head`` (bf16, one matrix when tied) and of the final
+    norm."""
     proj = m.projections()
-    layer = sum(n_in * n_out for n_in, n_out in proj.values()) * WEIGHT_BYTES[run.quantization]
-    layer += len(proj) * TENSOR_BYTES.get(run.quantization, 0)
-    layer += 2 * 2 * m.hidden_size  # RMSNorm weights
+    projections = sum(n_in * n_out for n_in, n_out in proj.values()) * WEIGHT_BYTES[run.quantization]
+    projections += len(proj) * TENSOR_BYTES.get(run.quantization, 0)
+    layer = projections + 2 * 2 * m.hidden_size  # RMSNorm weights
     if m.attention_bias:
         layer += 2 * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
     return {
         "layer": layer,
+        "layer_projections": projections,
         "embeddings": 2 * m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2),
         "final_norm": 2 * m.hidden_size,
     }
@@ -414,7 +420,8 @@ def _fit_rows(plan: MemoryPlan) -> int:
     room = plan.usable_bytes - plan.fixed
     by_prefill = room // (plan.per_row + plan.prefill_per_row)
     by_train = (room - plan.training) // plan.per_row if run.held_generation else (room if room >= plan.training else -1)
-    return int(max(0, min(run.generation_rows, by_prefill, by_train)))
+    by_startup = (room - plan.startup_extra) // plan.per_row
+    return int(max(0, min(run.generation_rows, by_prefill, by_train, by_startup)))
 
 
 def run_shape_from_config(
@@ -572,7 +579,7 @@ FSDP_GATHERED_LAYERS = 2
 
 def plan_fsdp2(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, margin: float = DEFAULT_MARGIN, *,
-    vllm_colocate: bool = False, vllm_tp: int | None = None,
+    vllm_colocate: bool = False, vllm_tp: int | None = None, vllm_shares_weights: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """The :class:`MemoryPlan` of one GPU when ``num_gpus`` processes train ``run`` under FSDP2 (``fully_shard``:
     :mod:`nvfp4.fsdp` for the 4-bit weights, accelerate's per-decoder-layer groups for the rest), within
@@ -584,6 +591,12 @@ def plan_fsdp2(
     are split too: the plan's generation rows are then an engine's (the rows of its ``vllm_tp`` processes,
     ``kv_per_row / vllm_tp`` per GPU and row, the engine's activations left to the margin), and ``wave_rows`` is how
     many sequences of ``cache_len`` positions its KV cache holds at once (the engine schedules the rest).
+
+    ``vllm_shares_weights`` (``vllm.share_weights``): with one process and ``vllm_tp`` = 1 the policy's frozen
+    weights are views of the engine's (:mod:`qerl_trl.rollout.shared_weights`), so the embeddings and ``lm_head``
+    and, for NVFP4 (the engine's ``qerl`` backend keeps them packed, the default from Hopper on), the projections are
+    counted once (``details["vllm_shared_weights"]``); the engine adds only its norms and biases. They are held twice
+    while the engine starts (it loads its copy, then the policy's is freed): :attr:`MemoryPlan.startup_extra`.
 
     Per GPU: every weight, LoRA parameter, LoRA gradient and optimizer state divided by ``num_gpus`` (FSDP2 splits
     each tensor by rows), plus what FSDP2 holds whole while a step runs: the all-gathered weights and adapters (and
@@ -615,12 +628,17 @@ def plan_fsdp2(
     kv_per_row, buffers_per_row, prefill_per_row = base.kv_per_row, base.buffers_per_row, base.prefill_per_row
     if vllm_colocate:
         engine_weights = int(base.weights / tp)
+        if vllm_shares_weights and n == 1 and tp == 1:
+            packed = model.num_layers * parts["layer_projections"] if run.quantization == "nvfp4" else 0
+            shared = parts["embeddings"] + packed
+            engine_weights -= int(shared)
+            details.update(vllm_shared_weights=int(shared))
         details.update(vllm_weights=engine_weights, vllm_tp=tp)
         weights += engine_weights
         kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / tp), 0, 0
     plan = replace(base, weights=weights, lora=lora, optimizer=optimizer, kv_per_row=kv_per_row,
                    buffers_per_row=buffers_per_row, prefill_per_row=prefill_per_row, wave_rows=0,
-                   details=details)  # fmt: skip
+                   details=details, startup_extra=details.get("vllm_shared_weights", 0))  # fmt: skip
     object.__setattr__(plan, "wave_rows", _fit_rows(plan))
     return plan
 
@@ -628,12 +646,14 @@ def plan_fsdp2(
 def smallest_fsdp2_gpus(
     model: ModelShape, run: RunShape, budget_bytes: int, *, max_gpus: int = 8, margin: float = DEFAULT_MARGIN,
     waves_allowed: bool = True, vllm_colocate: bool = False, vllm_tp: int | None = None,
+    vllm_shares_weights: bool = False,
 ) -> int | None:  # fmt: skip
     """The fewest GPUs (1 .. ``max_gpus``; multiples of ``vllm_tp`` when it is set) of ``budget_bytes`` each on which
     :func:`plan_fsdp2` fits ``run`` (at least one generation row per wave, or the whole batch without
     ``waves_allowed``); None when none does."""
     for n in range(vllm_tp or 1, max_gpus + 1, vllm_tp or 1):
-        plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp)
+        plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
+                          vllm_shares_weights=vllm_shares_weights)  # fmt: skip
         if plan.wave_rows >= (1 if waves_allowed else run.generation_rows):
             return n
     return None
@@ -642,27 +662,29 @@ def smallest_fsdp2_gpus(
 def fsdp2_answer(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
     max_gpus: int = 8, margin: float = DEFAULT_MARGIN, waves_allowed: bool = True, vllm_colocate: bool = False,
-    vllm_tp: int | None = None,
+    vllm_tp: int | None = None, vllm_shares_weights: bool = False,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``run`` on ``model`` fits ``num_gpus`` GPUs of ``budget_bytes`` under FSDP2, and one line saying so:
     the planned peak per GPU against what is usable, and the smallest GPU count that would fit (``qerl plan``; an
     estimate, see :func:`plan_fsdp2`)."""
-    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp)
+    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
+                      vllm_shares_weights=vllm_shares_weights)  # fmt: skip
     need = 1 if waves_allowed else run.generation_rows
     fits = plan.wave_rows >= need
     rows = plan.rows_per_wave if fits else need
     smallest = smallest_fsdp2_gpus(model, run, budget_bytes, max_gpus=max_gpus, margin=margin,
                                    waves_allowed=waves_allowed, vllm_colocate=vllm_colocate,
-                                   vllm_tp=vllm_tp)  # fmt: skip
+                                   vllm_tp=vllm_tp, vllm_shares_weights=vllm_shares_weights)  # fmt: skip
     where = f"{num_gpus} GPU{'s' if num_gpus > 1 else ''} of {budget_bytes / GB:.1f} GB"
     mode = "FSDP2" if num_gpus > 1 else "one process"
     head = (
         f"{name} ({run.quantization}, LoRA r={run.lora_r}, micro-batch {run.micro_batch_rows} x "
         f"{run.prompt_len + run.completion_len} tokens) under {mode} on {where}: "
     )
-    engine = plan.details.get("vllm_weights", 0)
-    gen = (f"vLLM TP={plan.details.get('vllm_tp')} weights {engine / GB:.1f} GB + KV cache for {rows} concurrent sequence(s) of "
-           f"{run.cache_len} positions {rows * plan.per_row / GB:.1f} GB" if vllm_colocate else
+    engine, shared = plan.details.get("vllm_weights", 0), plan.details.get("vllm_shared_weights", 0)
+    engine_weights = f"{engine / GB:.1f} GB" + (f" (+ {shared / GB:.1f} GB shared with the policy)" if shared else "")
+    gen = (f"vLLM TP={plan.details.get('vllm_tp')} weights {engine_weights} + KV cache for {rows} concurrent "
+           f"sequence(s) of {run.cache_len} positions {rows * plan.per_row / GB:.1f} GB" if vllm_colocate else
            f"{rows} generation row(s) per wave {rows * plan.per_row / GB:.1f} GB")  # fmt: skip
     body = (
         f"planned peak {plan.peak(rows) / GB:.1f} of {plan.usable_bytes / GB:.1f} GB usable per GPU (policy weights "
@@ -707,7 +729,8 @@ def fsdp2_preflight(
     shape as :func:`run_shape_from_config` reads it with bf16 activations (the GPU run's, whatever machine plans it);
     ``rollout_engine="vllm"`` without a ``server_url`` plans colocated engines of ``vllm.tensor_parallel_size``
     (unset: ``num_gpus`` when several GPUs shard the policy, as the trainer resolves it; a ``ValueError`` when it does
-    not divide ``num_gpus``), a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
+    not divide ``num_gpus``; with ``vllm.share_weights`` on one GPU the weights are counted once), a vLLM server on
+    other GPUs nothing; the graph engine may generate in waves."""
     run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
     engine = args.rollout_engine_class  # what it holds and how it generates are its own rules
     colocate = engine.colocated_engine(args)
@@ -716,5 +739,6 @@ def fsdp2_preflight(
         args.vllm.tp_size(num_gpus, fsdp2=num_gpus > 1)  # ValueError when it does not divide the GPU count
     tp = args.vllm.tensor_parallel_size if colocate else None  # unset: each count's own (num_gpus)
     return fsdp2_answer(model, run, budget_bytes, num_gpus, name=name, margin=margin, waves_allowed=waves,
-                        vllm_colocate=colocate, vllm_tp=tp)  # fmt: skip
+                        vllm_colocate=colocate, vllm_tp=tp,
+                        vllm_shares_weights=colocate and args.vllm.share_weights)  # fmt: skip
 

@@ -63,6 +63,7 @@ from trl.extras.profiling import profiling_context
 
 from ..quantization import QuantScheme
 from .base import RolloutEngine
+from .shared_weights import share_engine_weights
 
 __all__ = [
     "ColocateVLLMGeneration",
@@ -349,6 +350,7 @@ class ColocateVLLMGeneration(_VLLMGeneration):
         )
         if self.tp_size > 1:
             acc.wait_for_everyone()  # every worker of every group is up before the first collective
+        self.shared_weights = share_engine_weights(trainer, self.engine, settings.share_weights)  # one copy
 
     def _sync_lora(self, state, peft_config, step):
         self.engine.sync_lora(state, version=step, peft_config=peft_config)

@@ -629,7 +629,9 @@ def plan_fsdp2(
     if vllm_colocate:
         engine_weights = int(base.weights / tp)
         if vllm_shares_weights and n == 1 and tp == 1:
-            packed = model.num_layers * parts["layer_projections"] if run.quantization == "nvfp4" else 0
+            # the engine keeps packed (its qerl backend) the formats with a global scale, as qerl_vllm.quant decides
+            fmt = FORMATS.get(run.quantization)
+            packed = model.num_layers * parts["layer_projections"] if fmt is not None and fmt.has_global_scale else 0
             shared = parts["embeddings"] + packed
             engine_weights -= int(shared)
             details.update(vllm_shared_weights=int(shared))

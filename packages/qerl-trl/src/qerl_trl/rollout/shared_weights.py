@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 _PEFT_PREFIX = "base_model.model."
 _PACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 _LAYOUT = {True: "MMA layout", False: "compressed-tensors layout"}
+#: bytes a packed / scale view must be aligned to: the Hopper kernels load them through TMA descriptors (a member's
+#: rows start at a multiple of 64 rows in the MMA layout, so its views are; an odd-width member in the
+#: compressed-tensors layout may not be)
+_ALIGNMENT = 16
 
 
 @dataclass
@@ -145,6 +149,8 @@ def share_weights_with(model: nn.Module, engine: EngineWeights) -> SharedWeights
         for tensor_name in _PACKED:
             mine, theirs = getattr(layer, tensor_name), getattr(views, tensor_name)
             why = "not a buffer here" if tensor_name not in layer._buffers else _why_differs(mine, theirs)
+            if why is None and tensor_name != "weight_global_scale" and theirs.data_ptr() % _ALIGNMENT:
+                why = f"not {_ALIGNMENT}-byte aligned in the engine (the Hopper kernels' TMA loads need it)"
             if why is not None and tensor_name == "weight_packed" and layer.mma_layout != views.mma_layout:
                 why = f"layout: {_LAYOUT[layer.mma_layout]} here, {_LAYOUT[views.mma_layout]} in the engine"
             if why is None:

@@ -111,7 +111,7 @@ def engine_weight_views(model: torch.nn.Module) -> EngineWeights:
             if members is None:
                 out.not_offered[prefix] = f"{len(widths)} fused members that packed_modules_mapping does not name"
             elif not isinstance(method, NVFP4KernelLinearMethod):
-                why = f"the engine holds {prefix} through {type(method).__name__}, not as packed NVFP4"
+                why = f"the engine holds it through {type(method).__name__}, not as packed NVFP4"
                 out.not_offered.update(dict.fromkeys(members, why))
             else:
                 out.linears.update(zip(members, _packed_member_views(module)))

@@ -456,12 +456,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
+    ap.add_argument("--nvfp4-only", action="store_true", help="with --build-only: NVFP4 + adapter only, layer by layer")
     add_worker_arguments(ap)
     ap.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args._build:
-        print(f"[{args.model}] checkpoints: {checkpoints(args.model, Path(args.ckpt_root), args.lora_r)}", flush=True)
+        for kind, path in checkpoints(args.model, Path(args.ckpt_root), args.lora_r, args.nvfp4_only).items():
+            print(f"[{args.model}] {kind}: {path}", flush=True)  # machine_e.sh reads the nvfp4 line
         return
     if args._worker:
         worker_exit(args, run_arm, ARM_LABEL.get(args.arm), engine="vllm", batches=[])  # exits (skips vLLM's teardown)
@@ -476,6 +478,17 @@ def main(argv=None) -> None:
     check_names(ap, arms, ARMS, "arm")
     if not 0 <= args.min_new_tokens < args.new_tokens or args.eos_mean_tokens < 0:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
+    t_start, checkpoint_s = time.perf_counter(), {}
+    for m in models:  # the checkpoints first, in a process of their own (the arms' GPU memory stays vLLM's)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--model", m, "--lora-r",
+                            str(args.lora_r), "--ckpt-root", args.ckpt_root, *["--nvfp4-only"] * args.nvfp4_only])  # fmt: skip
+        if p.returncode:
+            sys.exit(f"building the {m} checkpoints failed (rc={p.returncode})")
+        checkpoint_s[m] = round(time.perf_counter() - t0, 1)
+        print(f"[{m}] checkpoints ready in {checkpoint_s[m]} s", flush=True)
+    if args.build_only:
+        return
     import vllm
 
     meta = {
@@ -485,20 +498,10 @@ def main(argv=None) -> None:
         "versions": {**versions(), "vllm": vllm.__version__},
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "table"},
         "configs": {m: MODELS[m] for m in models},
+        "checkpoint_s": checkpoint_s,
     }
     print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
     results: list[dict] = []
-    t_start = time.perf_counter()
-    for m in models:  # the checkpoints first, in a process of their own (the arms' GPU memory stays vLLM's)
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--model", m, "--lora-r",
-                            str(args.lora_r), "--ckpt-root", args.ckpt_root], text=True)  # fmt: skip
-        if p.returncode:
-            sys.exit(f"building the {m} checkpoints failed (rc={p.returncode})")
-        meta.setdefault("checkpoint_s", {})[m] = round(time.perf_counter() - t0, 1)
-        print(f"[{m}] checkpoints ready in {meta['checkpoint_s'][m]} s", flush=True)
-    if args.build_only:
-        return
     for m in models:
         for a in arms:
             if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:

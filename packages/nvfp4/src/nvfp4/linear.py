@@ -358,11 +358,16 @@ class NVFP4Linear(nn.Linear):
     #: forward and backward, and the trainer's logprobs, always run the W4A16 path
     fp8_active: bool = False
 
+    def fp8_applies(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x [..., in]`` computes with :attr:`fp8_copy`: inside ``fp8_rollouts`` and with at
+        least its ``from_rows`` rows (the leading dimensions multiplied)."""
+        copy = self.fp8_copy
+        return self.fp8_active and copy is not None and x.numel() >= copy.from_rows * x.shape[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        copy = self.fp8_copy
-        if self.fp8_active and copy is not None and x.numel() >= copy.from_rows * x.shape[-1]:
-            return fp8.fp8_linear(x, copy.weight, copy.scale, bias)  # rows >= the crossover: FP8 (no autograd)
+        if self.fp8_applies(x):  # rollouts, rows >= the crossover: FP8 (no autograd formula: generation only)
+            return fp8.fp8_linear(x, self.fp8_copy.weight, self.fp8_copy.scale, bias)
         dense = self._dense_cache
         if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
             return F.linear(x, dense, bias)  # == the reference op, minus re-dequantizing (see cache_dequantized)

@@ -43,12 +43,15 @@ class RolloutEngine:
             plan then counts it); ``False``: the engine sizes its own memory (vLLM). Every engine must say.
         generates_in_waves: whether it generates a batch that does not fit in waves of the rows that do (the memory
             plan then sets ``generation_wave_rows`` instead of refusing the run).
+        rollout_precisions: the ``rollout_precision`` values it honours (:mod:`nvfp4.rollout_precision`); the base
+            class refuses the others in :meth:`check_config`.
     """
 
     name: ClassVar[str]
     seeds_per_prompt: ClassVar[bool] = True
     holds_generation_memory: ClassVar[bool]
     generates_in_waves: ClassVar[bool] = False
+    rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -74,6 +77,16 @@ class RolloutEngine:
                 "continuous-batching) rollouts sample with the engine's own seed: use rollout_engine='transformers' "
                 "or 'graph', or rollout_seed_per_prompt=False"
             )
+        precision = cfg.rollout_precision_spec
+        if precision.name not in cls.rollout_precisions:
+            raise ValueError(f"rollout_engine={cls.name!r} generates in {' or '.join(cls.rollout_precisions)} only, "
+                             f"not rollout_precision={precision.name!r}: use rollout_engine='graph' or 'vllm', or "
+                             "rollout_precision='w4a16'")  # fmt: skip
+        fmt = cfg.quant_scheme.format
+        if precision.fp8_copy and (fmt is None or not fmt.has_global_scale):
+            raise ValueError(f"rollout_precision={precision.name!r} makes its FP8 copy from NVFP4 weights; "
+                             f"quantization={cfg.quantization!r} has none: use an nvfp4-* quantization or "
+                             "rollout_precision='w4a16'")  # fmt: skip
 
     @classmethod
     def prepare(cls, model_name: str | None, model: nn.Module, scheme: QuantScheme, args: Any) -> Any:

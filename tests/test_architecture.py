@@ -86,4 +86,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # quality, quantization time, the main command by phase) and kernel_sass.py (issue #50); a ratchet at this tree.
     # +101 (5,710 → 5,811): gemm.py --fp8, issue #51's FP8-rollout spike (bf16 / W4A16 / FP8 arms in one run)
     # +208 (→ 6,019, issue #47 item 5): grpo_step.py --recipe runs `qerl train` itself, timed, with the worst-case probe
+    # +5 (6,010 → 6,015, within the bound, issue #51 item 2): rollout_vllm.py's vllm-nvfp4-fp8 / -auto arms
+    # (rollout_precision through vLLM's additional_config), for the GPU measurement against bf16 + LoRA and W4A16
     assert am.benchmark_lines(ROOT) <= 6019

@@ -24,9 +24,9 @@ PROMPTS = [
 ]
 N_TOKENS = 10
 LORA_RANK = 8
-# the FP8 engine's mean teacher-forced logprob gap to a reference (measured ≤ 0.15 on this CPU, float32, 2026-11-28;
+# the FP8 engine's mean teacher-forced logprob gap to a reference (measured 0.08-0.25 on this CPU, float32, 2026-11-28;
 # see test_fp8_engine_generates_within_the_fp8_error_of_the_w4a16_policy): E4M3 on both operands of every linear
-FP8_MEAN_GAP = 0.3
+FP8_MEAN_GAP = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,56 @@ def test_lora_on_top_of_the_fp8_engine_matches_peft_on_the_fp8_copies(engine, hf
     finally:
         engine.clear_lora()
         peft_model.unload()
+
+
+# ------------------------------------------------------------------------------- issue #51 item 4: the mismatch
+MISMATCH_OUT_ENV = "QERL_FP8_MISMATCH_OUT"  # a path: write the measurement there (benchmarks/results/...)
+
+
+def _mismatch(engine, hf_model, prompts: list[list[int]], fp8_rollouts: bool) -> dict:
+    """Per sampled token: the engine's logprob (the rollout's) against the trainer's (the W4A16 policy in float32,
+    teacher-forced; what TRL's importance-sampling correction compares), on the offline default's own task."""
+    out = engine.generate(prompts, {"temperature": 1.0, "max_tokens": 12, "n": 4, "seed": 0}, lora=None)
+    grouped = [(p, g) for p, gs in zip(prompts, [out[i : i + 4] for i in range(0, len(out), 4)]) for g in gs]
+    forced = hf_forced(hf_model, [p for p, _ in grouped], [(g.token_ids, g.logprobs) for _, g in grouped])
+    rollout = torch.tensor([lp for _, g in grouped for lp in g.logprobs], dtype=torch.float64)
+    trainer = torch.tensor([lp for chosen, _ in forced for lp in chosen], dtype=torch.float64)
+    gap, ratio = (rollout - trainer).abs(), torch.exp(trainer - rollout)
+    return {"rollout_precision": "fp8" if fp8_rollouts else "w4a16", "tokens": len(gap),
+            "abs_logprob_gap": {"mean": gap.mean().item(), "p99": gap.quantile(0.99).item(), "max": gap.max().item()},
+            "importance_ratio": {"mean": ratio.mean().item(), "std": ratio.std().item(), "min": ratio.min().item(),
+                                 "max": ratio.max().item(),
+                                 "outside_0.5_2": (((ratio < 0.5) | (ratio > 2)).double().mean().item())}}  # fmt: skip
+
+
+def test_rollout_trainer_mismatch_w4a16_vs_fp8(engine, ckpt, hf_models):
+    """Issue #51 item 4 on the CPU (numerics only): per-token |logprob(rollout) − logprob(trainer)| and importance
+    ratios, the W4A16 engine against the FP8 one, on 8 offline-default arithmetic prompts x 4 samples at temperature
+    1. The W4A16 engine is the trainer's numbers (float32: summation order only); FP8 moves them by its error.
+    ``QERL_FP8_MISMATCH_OUT=<path>`` writes the result as JSON."""
+    import json
+    import os
+
+    from qerl_trl.tasks import load_task
+    from qerl_vllm.engine import VLLMEngine
+
+    data = load_task("arithmetic", n_examples=8)
+    tok = engine.tokenizer
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in data["prompt"]]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    fp8_stats = _mismatch(engine, hf_models, prompts, fp8_rollouts=True)
+    w4 = VLLMEngine(ckpt, max_lora_rank=0, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                    dtype=ENGINE_DTYPE)  # fmt: skip
+    try:
+        w4_stats = _mismatch(w4, hf_models, prompts, fp8_rollouts=False)
+    finally:
+        w4.close()
+    result = {"model": "offline-default (SmolLM2-135M-Instruct, NVFP4 RTN)", "device": "cpu", "dtype": ENGINE_DTYPE,
+              "prompts": len(prompts), "samples_per_prompt": 4, "max_tokens": 12, "temperature": 1.0,
+              "arms": [w4_stats, fp8_stats]}  # fmt: skip
+    print("\n" + json.dumps(result, indent=1))
+    if os.environ.get(MISMATCH_OUT_ENV):
+        with open(os.environ[MISMATCH_OUT_ENV], "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+    assert w4_stats["abs_logprob_gap"]["max"] < 1e-3 and fp8_stats["tokens"] > 0
+    assert fp8_stats["abs_logprob_gap"]["mean"] < FP8_MEAN_GAP

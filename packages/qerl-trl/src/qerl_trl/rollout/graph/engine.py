@@ -152,6 +152,7 @@ class GraphRollout(RolloutEngine):
                 "prompts with images or other multimodal inputs"
             )
         trainer = self.trainer
+        self._attach_fp8_copies()  # made once (before_train's, or here when generating before training starts)
         gen = trainer.generation_config
         cache_len = generation_cache_len(gen, trainer.args)
 

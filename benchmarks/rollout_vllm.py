@@ -73,6 +73,8 @@ ARMS: dict[str, tuple[str, str | None, bool]] = {
     "vllm-nvfp4-marlin": ("nvfp4", "native", True),
     "vllm-nvfp4": ("nvfp4", "qerl", True),
     "vllm-nvfp4-humming": ("nvfp4", "native", True),
+    "vllm-nvfp4-fp8": ("nvfp4", "qerl", True),  # rollout_precision (issue #51): the plugin's method, E4M3 copy
+    "vllm-nvfp4-auto": ("nvfp4", "qerl", True),
     "vllm-bf16-base": ("bf16", None, False),
     "vllm-nvfp4-marlin-base": ("nvfp4", "native", False),
     "vllm-nvfp4-base": ("nvfp4", "qerl", False),
@@ -84,6 +86,7 @@ ARMS: dict[str, tuple[str, str | None, bool]] = {
 ARM_ENGINE_KW: dict[str, dict] = {
     "vllm-nvfp4-humming": {"linear_backend": "humming"},
     "vllm-nvfp4-humming-base": {"linear_backend": "humming"},
+    **{f"vllm-nvfp4-{p}": {"additional_config": {"qerl_rollout_precision": p}} for p in ("fp8", "auto")},
 }
 # arm -> the NVFP4 kernel class that must show in linear_kernels for the arm to measure what its name says
 ARM_KERNEL = {
@@ -97,6 +100,8 @@ ARM_LABEL = {
     "vllm-nvfp4-marlin": "vLLM NVFP4 + LoRA (stock: Marlin)",
     "vllm-nvfp4": "vLLM NVFP4 + LoRA (ours)",
     "vllm-nvfp4-humming": "vLLM NVFP4 + LoRA (stock: Humming)",
+    "vllm-nvfp4-fp8": "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)",
+    "vllm-nvfp4-auto": "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)",
     "vllm-bf16-base": "vLLM bf16 (no LoRA)",
     "vllm-nvfp4-marlin-base": "vLLM NVFP4 (stock: Marlin, no LoRA)",
     "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",

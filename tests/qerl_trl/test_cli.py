@@ -272,6 +272,7 @@ FAST_ERRORS = [
     (["--learning_rat", "1e-5", "--lerning_rate", "1"], ["unknown option --lerning_rate", "did you mean --learning_rate"]),
     (["--per_device_train_batch_size", "two"], ["--per_device_train_batch_size", "'two'", "int"]),
     (["--quantization", "foo"], ["quantization", "'foo'", "'nvfp4-rtn'"]),
+    (["--rollout_precision", "fp16"], ["--rollout_precision", "'fp16'", "'w4a16', 'fp8', 'auto'"]),
     (["--task", "gsm8k", "--data_path", "/nonexistent/gsm8k"], ["--data_path", "'/nonexistent/gsm8k'", "no such file"]),
     (["{recipe}"], ["recipe", "lora_r must be an integer", "[1, 2]"]),
     (["--output_dir", "{run}"], ["--output_dir", "earlier-run", "an earlier run", "--resume true",

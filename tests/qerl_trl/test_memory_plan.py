@@ -269,3 +269,41 @@ def test_cli_check_memory_prints_the_waves(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert config.generation_wave_rows == plan.wave_rows and plan.waves in (3, 4)
     assert len(out) == 1 and f"generated in {plan.waves} waves of <= {plan.rows_per_wave} rows" in out[0], out
+
+
+def test_fp8_copy_is_counted_and_a_plan_it_does_not_fit_stops_in_one_line(tmp_path):
+    """``rollout_precision`` fp8 / auto with the graph engine: the E4M3 copy of the projections (1 byte a weight + 4
+    per output row) is added to the policy's weights; the 7B GSM8K recipe keeps its 2 waves of 64 on an H100, the 32B
+    DAPO recipe would go from 8 waves of 16 to 32 of 4 and stops with one line naming the numbers (issue #51)."""
+    from dataclasses import replace
+
+    from qerl_trl.cli import parse_train_args
+    from qerl_trl.memory_plan import QWEN25_SHAPES, _weight_parts, plan_fsdp2
+
+    def plan_of(recipe: str, model: str, precision: str):
+        _, config = parse_train_args([recipe, "--output_dir", str(tmp_path / recipe), "--rollout_precision", precision])
+        config.bf16 = True  # plan the GPU run's activations
+        return config, plan_memory(QWEN25_SHAPES[model], run_shape_from_config(config), H100_80GB_BYTES)
+
+    _, w4 = plan_of("gsm8k-qwen2.5-7b-grpo", "Qwen/Qwen2.5-7B-Instruct", "w4a16")
+    config, auto = plan_of("gsm8k-qwen2.5-7b-grpo", "Qwen/Qwen2.5-7B-Instruct", "auto")
+    assert auto.run.rollout_precision == "auto" and w4.details["fp8_copy"] == 0
+    assert 6.53 * GB < auto.details["fp8_copy"] < 6.54 * GB
+    assert auto.weights - w4.weights == auto.details["fp8_copy"]
+    assert (auto.waves, auto.rows_per_wave) == (w4.waves, w4.rows_per_wave) == (2, 64)
+    assert preflight(config, qwen("7b"), H100_80GB_BYTES) is not None
+    config, fp8 = plan_of("bigmath-qwen2.5-32b-dapo", "Qwen/Qwen2.5-32B-Instruct", "fp8")
+    assert 31.2 * GB < fp8.details["fp8_copy"] < 31.3 * GB
+    with pytest.raises(MemoryPlanError) as info:
+        preflight(config, qwen("32b"), H100_80GB_BYTES)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("rollout_precision='fp8' adds a 31.2 GB FP8 copy of the linears")
+    assert "20.7 GB of weights" in line and "32 wave(s) of <= 4 instead of 8 of <= 16" in line, line
+    assert line.endswith("use rollout_precision='w4a16' here") and config.generation_wave_rows is None
+    # a colocated vLLM engine (FSDP2 plan): fp8 holds the E4M3 copy instead of the NVFP4 projections, auto both
+    shape = QWEN25_SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+    engine = {p: plan_fsdp2(shape, replace(w4.run, rollout_precision=p), H100_80GB_BYTES, 2, vllm_colocate=True,
+                            vllm_tp=1).details["vllm_weights"] for p in ("w4a16", "fp8", "auto")}  # fmt: skip
+    copy, nvfp4 = auto.details["fp8_copy"], 28 * _weight_parts(shape, w4.run)["projections"]
+    assert engine["auto"] - engine["w4a16"] == pytest.approx(copy, abs=1)
+    assert engine["fp8"] - engine["w4a16"] == pytest.approx(copy - nvfp4, abs=1)

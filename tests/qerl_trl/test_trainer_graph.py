@@ -7,9 +7,11 @@ when both decode greedily; one seeded training step end to end.
 
 from __future__ import annotations
 
+import nvfp4.fp8
 import pytest
 import torch
 from datasets import Dataset
+from nvfp4 import NVFP4Linear
 from qerl_trl.config import QeRLConfig, QeRLDAPOConfig
 from qerl_trl.dapo import QeRLDAPOTrainer
 from qerl_trl.policy import load_tokenizer
@@ -231,3 +233,50 @@ def test_graph_rollouts_are_seeded(tmp_path, tokenizer):
 
     a, b = rollouts("a"), rollouts("b")
     assert a == b and len(a) == 8
+
+
+# ---------------------------------------------------------------------------------------------- rollout_precision
+def _spy_fp8(monkeypatch) -> list[bool]:
+    """Each call of the real :func:`nvfp4.fp8.fp8_linear` (whether autograd was recording), then the call itself."""
+    calls: list[bool] = []
+    real = nvfp4.fp8.fp8_linear
+
+    def spy(x, w8, w_scale, bias=None):
+        calls.append(torch.is_grad_enabled())
+        return real(x, w8, w_scale, bias)
+
+    monkeypatch.setattr(nvfp4.fp8, "fp8_linear", spy)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["fp8", "auto"])
+def test_graph_engine_generates_with_the_fp8_copy_and_trains_w4a16(tmp_path, tokenizer, monkeypatch, precision):
+    """One GRPO step with ``rollout_engine="graph"``: the copies are made once when training starts, generation calls
+    the FP8 product (``auto``: only for calls of >= 128 rows — the prefill of 8 rows x ~60 tokens — the decode's
+    8-row calls stay W4A16), the trainer's logprobs, forward and backward never do, and the LoRA moves."""
+    calls = _spy_fp8(monkeypatch)
+    model = tiny_nvfp4_policy(tokenizer, eos_boost=9.0)
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args_for(tmp_path, rollout_precision=precision),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    rows_seen: list[int] = []
+    real_generate = trainer.rollout.generate
+
+    def generate(*args, **kwargs):
+        n = len(calls)
+        out = real_generate(*args, **kwargs)
+        rows_seen.append(len(calls) - n)
+        return out
+
+    trainer.rollout.generate = generate
+    trainer.train()
+    layers = [m for m in trainer.model.modules() if isinstance(m, NVFP4Linear)]
+    assert layers and all(m.fp8_copy is not None and not m.fp8_active for m in layers)
+    assert {m.fp8_copy.from_rows for m in layers} == {0 if precision == "fp8" else 128}
+    assert rows_seen and all(n > 0 for n in rows_seen)  # FP8 products inside each generation call
+    assert not any(calls)  # never under autograd: training's forward/backward is W4A16
+    assert sum(rows_seen) == len(calls)  # and none outside generation (the trainer's logprobs are W4A16)
+    if precision == "auto":  # prefill only: one FP8 call per layer and generation call
+        assert all(n == len(layers) for n in rows_seen), rows_seen
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, lora_before[n])]
+    assert changed, "no LoRA weight moved"

@@ -247,3 +247,101 @@ def test_backend_choice_and_checkpoint_claim_on_this_platform(backend_env):
     backend_env("marlin")
     with pytest.raises(ValueError, match="choose one of auto, qerl, native, dequant"):
         resolve_backend(NVFP4)
+
+
+# ---------------------------------------------------------------------------------------- rollout_precision (#51)
+FP8_BOUND = 0.06  # E4M3 on both operands against the NVFP4 policy: ≈ 0.04 (the H100 spike: 0.040 on every 7B linear)
+
+
+def _fused_qkv(bias: bool):
+    from nvfp4.codec import shared_global_scale
+
+    widths = [256, 64, 64]
+    dense = [torch.randn(w, K, generator=torch.Generator().manual_seed(i)) * 0.03 for i, w in enumerate(widths)]
+    gs = shared_global_scale([d.to(torch.bfloat16) for d in dense])
+    members = [_quantized_member(w, i, gs) for i, w in enumerate(widths)]
+    b = torch.randn(sum(widths)).to(torch.bfloat16) if bias else None
+    return widths, members, b
+
+
+def _policy_out(members, x, b) -> torch.Tensor:
+    """The NVFP4 policy's output in float64 (what W4A16 computes, without its rounding)."""
+    w = torch.cat([q.dequantize(torch.float64) for q in members])
+    return x.double() @ w.T + (b.double() if b is not None else 0)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_precision_holds_only_the_e4m3_copy_and_meets_the_error_bound(bias, vllm_process_group):
+    from nvfp4 import fp8
+    from qerl_vllm.quant import NVFP4KernelLinearMethod
+
+    widths, members, b = _fused_qkv(bias)
+    method = NVFP4KernelLinearMethod(precision="fp8", crossover_rows=128)
+    layer = _layer(method, widths, members, b)
+    assert not hasattr(layer, "weight_packed") and not hasattr(layer, "weight_global_scale")
+    assert layer.weight.dtype == torch.float8_e4m3fn and tuple(layer.weight.shape) == (sum(widths), K)
+    assert layer.weight_scale.dtype == torch.float32 and tuple(layer.weight_scale.shape) == (sum(widths),)
+    w8, ws = fp8.fp8_weight_members(torch.cat([q.packed for q in members]), torch.cat([q.scale for q in members]),
+                                    members[0].global_scale.reshape(1), widths)  # fmt: skip
+    assert torch.equal(layer.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(layer.weight_scale, ws)
+    for rows in (1, 7, 130):  # every row count, decode or prefill
+        x = torch.randn(rows, K).to(torch.bfloat16)
+        y = _out(method, layer, x)
+        assert y.shape == (rows, sum(widths)) and y.dtype == torch.bfloat16
+        assert torch.equal(y, fp8.fp8_linear(x, w8, ws, b))
+        assert _rel(y, _policy_out(members, x, b)) < FP8_BOUND
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_auto_precision_is_w4a16_below_the_crossover_and_fp8_from_it(bias, vllm_process_group):
+    from nvfp4 import fp8
+    from qerl_vllm.quant import NVFP4KernelLinearMethod
+
+    widths, members, b = _fused_qkv(bias)
+    w4a16 = NVFP4KernelLinearMethod(mma_layout=True)
+    w4_layer = _layer(w4a16, widths, members, b)
+    auto = NVFP4KernelLinearMethod(mma_layout=True, precision="auto", crossover_rows=16)
+    layer = _layer(auto, widths, members, b)
+    assert layer.nvfp4_mma_layout and layer.weight_fp8.dtype == torch.float8_e4m3fn  # both copies held
+    for rows in (1, 8, 15, 16, 17, 64):
+        x = torch.randn(rows, K).to(torch.bfloat16)
+        y = _out(auto, layer, x)
+        if rows < 16:
+            assert torch.equal(y, _out(w4a16, w4_layer, x)), rows
+        else:
+            assert torch.equal(y, fp8.fp8_linear(x, layer.weight_fp8, layer.weight_fp8_scale, b)), rows
+            assert _rel(y, _policy_out(members, x, b)) < FP8_BOUND
+    # members with their own global scales: fp8 is exact per member, auto refuses (one W4A16 product per layer)
+    own = [_quantized_member(w, i) for i, w in enumerate([128, 64])]
+    x = torch.randn(20, K).to(torch.bfloat16)
+    fp8_method = NVFP4KernelLinearMethod(precision="fp8")
+    assert _rel(_out(fp8_method, _layer(fp8_method, [128, 64], own), x), _policy_out(own, x, None)) < FP8_BOUND
+    with pytest.raises(ValueError, match="needs one global scale per fused layer"):
+        _layer(NVFP4KernelLinearMethod(precision="auto", crossover_rows=16), [128, 64], own)
+
+
+def test_rollout_precision_reaches_the_linear_method_through_additional_config(vllm_process_group, backend_env):
+    from nvfp4.rollout_precision import UNMEASURED_CROSSOVER_ROWS
+    from qerl_vllm.quant import ROLLOUT_PRECISION_KEY, NVFP4KernelLinearMethod, QeRLNVFP4Config
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    backend_env("dequant")  # the CPU default: fp8 / auto take our method whatever the backend
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    for value, kind, from_rows in (("fp8", NVFP4KernelLinearMethod, 0), ("auto", NVFP4KernelLinearMethod,
+                                   UNMEASURED_CROSSOVER_ROWS), (None, None, None)):  # fmt: skip
+        extra = {ROLLOUT_PRECISION_KEY: value} if value else {}
+        with set_current_vllm_config(VllmConfig(additional_config=extra)):
+            method = QeRLNVFP4Config().get_quant_method(layer, "model.layers.0.mlp.down_proj")
+        if kind is None:
+            assert type(method).__name__ == "NVFP4DequantLinearMethod"
+        else:
+            assert isinstance(method, kind) and method.fp8_from_rows == from_rows
+    with set_current_vllm_config(VllmConfig(additional_config={ROLLOUT_PRECISION_KEY: "fp4"})):
+        with pytest.raises(ValueError, match="rollout_precision must be one of 'w4a16', 'fp8', 'auto', got 'fp4'"):
+            QeRLNVFP4Config().get_quant_method(layer, "model.layers.0.mlp.down_proj")

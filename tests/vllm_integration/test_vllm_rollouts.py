@@ -167,6 +167,31 @@ def _hf_forced(trainer, prompt_ids, engine_out):
         model.train(was_training)
 
 
+def test_grpo_step_with_fp8_rollouts_through_colocated_vllm(ckpt, tmp_path):
+    """``rollout_precision="fp8"`` (issue #51): the trainer's engine loads with the plugin's FP8 path (its linears
+    hold the E4M3 copy only) and a GRPO step runs; the engine-vs-trainer logprob gap TRL logs is the FP8 error, well
+    above a W4A16 engine's float32 rounding, and TRL's importance-sampling correction sees it."""
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    args = _args(tmp_path, max_steps=1, aqn=False, rollout_precision="fp8")
+    trainer = QeRLGRPOTrainer(str(ckpt), even_token_reward, args, train_dataset=_dataset())
+    try:
+        trainer.train()
+
+        def weight_dtypes(model):
+            return sorted({str(m.weight.dtype) for m in model.modules()
+                           if type(getattr(m, "quant_method", None)).__name__ == "NVFP4KernelLinearMethod"})  # fmt: skip
+
+        assert trainer.rollout.generation.engine.llm.apply_model(weight_dtypes)[0] == ["torch.float8_e4m3fn"]
+        (step,) = _steps(trainer)
+        gap = step["sampling/sampling_logp_difference/mean"]
+        print(f"\n[fp8 colocate] sampling_logp_difference/mean={gap:.4f} max="
+              f"{step['sampling/sampling_logp_difference/max']:.3f}")  # fmt: skip
+        assert CLEAN_GAP < gap < NOISY_GAP and "sampling/importance_sampling_ratio/mean" in step
+    finally:
+        trainer.rollout.close()
+
+
 def test_grpo_steps_through_colocated_vllm_log_logprob_gap_and_sigma(trained):
     from qerl_trl.rollout.vllm import ColocateVLLMGeneration
 

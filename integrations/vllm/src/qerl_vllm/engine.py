@@ -181,6 +181,8 @@ class VLLMEngine:
         enforce_eager: no CUDA graphs / torch.compile (default True on CPU, where start-up time dominates).
         kv_cache_memory_bytes: explicit KV-cache size (default 512 MiB on CPU).
         lora_dir: where adapters given as tensors are written (default: a fresh folder under /dev/shm).
+        rollout_precision: ``"w4a16"`` (default), ``"fp8"`` or ``"auto"`` (:mod:`nvfp4.rollout_precision`): how the
+            NVFP4 linears compute, passed to the plugin as vLLM's ``additional_config`` (:mod:`qerl_vllm.quant`).
         **llm_kwargs: passed on to ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``enable_prefix_caching``,
             ``logprobs_mode``, ``enable_sleep_mode``). With ``distributed_executor_backend="external_launcher"`` and
             ``tensor_parallel_size=T`` inside a torchrun / accelerate launch, this process hosts one TP worker of an
@@ -202,6 +204,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
         lora_dir: str | os.PathLike | None = None,
+        rollout_precision: str = "w4a16",
         **llm_kwargs: Any,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocate: the engine lives in this process
@@ -211,7 +214,10 @@ class VLLMEngine:
         except ImportError as err:  # the extra is not installed
             raise vllm_missing(err, "qerl_vllm.engine.VLLMEngine") from err
 
+        from nvfp4.rollout_precision import get_rollout_precision
+
         from .plugin import register
+        from .quant import ROLLOUT_PRECISION_KEY
 
         register()  # also done by the vllm.general_plugins entry point; harmless twice
         on_cpu = current_platform.is_cpu()
@@ -231,6 +237,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         kwargs.update(llm_kwargs)
+        precision = get_rollout_precision(rollout_precision)
+        if precision.fp8_copy:  # the default leaves additional_config (part of vLLM's compile-cache hash) alone
+            kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), ROLLOUT_PRECISION_KEY: precision.name}
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
         #: one TP worker of an engine spread over the processes of a torchrun / accelerate launch: the torch process

@@ -19,6 +19,17 @@ process, so set it before the engine or server starts):
   bit-identical to ``NVFP4Linear.dequantize``) into a dense ``weight`` handled by vLLM's ``UnquantizedLinearMethod``
   — vLLM's CPU GEMM and CPU LoRA run on it unchanged.
 
+``rollout_precision`` (issue #51; :mod:`nvfp4.rollout_precision`): vLLM's ``additional_config``
+``{"qerl_rollout_precision": "fp8" | "auto" | "w4a16"}`` (``LLM(additional_config=...)``, ``vllm serve
+--additional-config '{...}'``; :class:`qerl_vllm.engine.VLLMEngine` takes ``rollout_precision=``), read once per
+engine by :meth:`QeRLNVFP4Config.rollout_setting`. With ``fp8`` or ``auto`` every NVFP4 linear runs
+:class:`NVFP4KernelLinearMethod` whatever the backend (on CPU: the ops' references; ``native`` and GPUs without FP8
+tensor cores are refused): after loading it makes the layer's E4M3 copy (:func:`nvfp4.fp8.fp8_weight_members`,
+per-output-row scales) and ``apply`` quantises the activation per token and runs :func:`nvfp4.fp8.scaled_linear`
+(``fp8``; the NVFP4 tensors are then dropped) or :func:`nvfp4.fp8.w4a16_or_fp8_linear` (``auto``: W4A16 below the
+model shape's crossover rows, :func:`nvfp4.rollout_precision.fp8_crossover_rows`, FP8 from there, decided inside the
+op so vLLM's dynamic-shape graph keeps the choice per call). LoRA stays vLLM's, on top.
+
 LoRA is never merged on any path: vLLM wraps the quantized linear in its LoRA layer, which calls the method's
 ``apply`` for the base product and adds the adapter with its own (punica) kernels.
 
@@ -40,10 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from nvfp4 import mxfp4, ops
+from nvfp4 import fp8, mxfp4, ops
 from nvfp4.codec import dequantize
 from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
 from nvfp4.layout import mma_layout_supported, mma_scales_supported, to_mma_layout
+from nvfp4.rollout_precision import RolloutPrecision, fp8_crossover_rows, get_rollout_precision
 
 from . import vllm_missing
 
@@ -69,11 +81,14 @@ FORMAT = "nvfp4-pack-quantized"
 BACKEND_ENV = "QERL_VLLM_NVFP4_BACKEND"  # "auto" (default) | "qerl" | "native" | "dequant"
 BACKENDS = ("auto", "qerl", "native", "dequant")
 QERL_MIN_CAPABILITY = 90  # auto picks our kernels from Hopper on (where they are tuned and tested)
+ROLLOUT_PRECISION_KEY = "qerl_rollout_precision"  # vLLM's additional_config key (rollout_precision, issue #51)
+FP8_MIN_CAPABILITY = 89  # FP8 tensor cores (torch._scaled_mm): Ada, Hopper and later
 
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "QUANT_METHOD",
+    "ROLLOUT_PRECISION_KEY",
     "NVFP4DequantLinearMethod",
     "NVFP4KernelLinearMethod",
     "QeRLNVFP4Config",
@@ -158,6 +173,7 @@ class QeRLNVFP4Config(QuantizationConfig):
         self.raw = dict(raw or {})
         self.quantized_modules: set[str] | None = None  # from the checkpoint's tensors (maybe_update_config)
         self._native: QuantizationConfig | None = None
+        self._rollout: tuple[RolloutPrecision, int] | None = None  # rollout_setting(), read once
 
     # ------------------------------------------------------------------ QuantizationConfig API
     def get_name(self) -> str:
@@ -274,11 +290,42 @@ class QeRLNVFP4Config(QuantizationConfig):
         self._native.packed_modules_mapping = self.packed_modules_mapping
         return self._native
 
+    def rollout_setting(self) -> tuple[RolloutPrecision, int]:
+        """``(rollout_precision, auto's crossover rows)`` of the engine being built, read once from vLLM's
+        ``additional_config`` (:data:`ROLLOUT_PRECISION_KEY`; absent: ``w4a16``) and its model's shape
+        (:func:`nvfp4.rollout_precision.fp8_crossover_rows`). ``ValueError`` (one line) for a bad value, a
+        ``native`` backend, an MXFP4 checkpoint or a GPU without FP8 tensor cores when FP8 is asked for."""
+        if self._rollout is not None:
+            return self._rollout
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        precision = get_rollout_precision(extra.get(ROLLOUT_PRECISION_KEY, "w4a16"))
+        rows, measured = 0, True
+        if precision.fp8_copy:
+            if not self.weight_format.has_global_scale or resolve_backend(self.weight_format) == "native":
+                raise ValueError(f"{ROLLOUT_PRECISION_KEY}={precision.name!r} runs in qerl_vllm's linear method on "
+                                 f"NVFP4 weights: not with {self.weight_format.ct_format} or {BACKEND_ENV}=native")  # fmt: skip
+            if current_platform.is_cuda() and not current_platform.has_device_capability(FP8_MIN_CAPABILITY):
+                raise ValueError(f"{ROLLOUT_PRECISION_KEY}={precision.name!r} needs FP8 tensor cores (compute "
+                                 f"capability {FP8_MIN_CAPABILITY / 10:.1f}+): use w4a16 on this GPU")  # fmt: skip
+            text = vllm_config.model_config.hf_config if vllm_config.model_config is not None else None
+            text = text.get_text_config() if hasattr(text, "get_text_config") else text
+            rows, measured = fp8_crossover_rows(getattr(text, "hidden_size", 0), getattr(text, "intermediate_size", 0))
+            logger.info("%s: rollout_precision=%s (auto's crossover: %d rows, %s)", QUANT_METHOD, precision.name,
+                        rows, "measured" if measured else "not measured for this shape: the 7B value")  # fmt: skip
+        self._rollout = (precision, rows)
+        return self._rollout
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head (ParallelLMHead), attention: unquantized
         if not self.is_quantized(layer, prefix):
             return UnquantizedLinearMethod()
+        precision, crossover_rows = self.rollout_setting()
+        if precision.fp8_copy:
+            return NVFP4KernelLinearMethod(precision=precision, crossover_rows=crossover_rows)
         backend = resolve_backend(self.weight_format)
         if backend == "native":
             return self.native_config().get_quant_method(layer, prefix)
@@ -385,14 +432,29 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
     ``apply`` is one custom op per member: no host sync, no data-dependent shapes, a fake (meta) implementation, so
     vLLM's torch.compile traces it and its CUDA graphs capture it.
 
+    ``rollout_precision`` ``fp8`` / ``auto`` (the module docstring): the E4M3 copy is made from the loaded tensors
+    first (per fused member, each with its own global scale). ``fp8``: the layer then holds only ``weight`` (float8_e4m3fn
+    ``[out, in]``) and ``weight_scale`` (float32 ``[out]``), vLLM's own FP8 names; ``auto``: the NVFP4 tensors as above
+    plus ``weight_fp8`` and ``weight_fp8_scale`` (its fused members must share one global scale).
+
     Args:
         mma_layout: ``None`` (default): the MMA layout on CUDA only, unless ``NVFP4_MMA_LAYOUT=0``; ``True`` / ``False``
             force it on or off on any device (tests check the layout round trip on CPU tensors).
+        precision: ``rollout_precision`` (default ``w4a16``); crossover_rows: ``auto``'s rows per call from which FP8
+            runs.
     """
 
-    def __init__(self, mma_layout: bool | None = None) -> None:
+    def __init__(
+        self,
+        mma_layout: bool | None = None,
+        precision: RolloutPrecision | str = "w4a16",
+        crossover_rows: int = 0,
+    ) -> None:
         super().__init__(NVFP4)
         self.mma_layout = mma_layout
+        self.precision = get_rollout_precision(precision)
+        #: rows per call from which ``apply`` takes the FP8 path (0: always; None: never)
+        self.fp8_from_rows = self.precision.fp8_from_rows(crossover_rows)
 
     def _wants_mma(self, packed: torch.Tensor, widths: list[int], in_features: int) -> bool:
         """The MMA layout: as forced, else on CUDA unless ``NVFP4_MMA_LAYOUT=0``; only for whole 64 × 256 tiles per
@@ -411,13 +473,24 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
         if len(gs) != len(widths):
             raise ValueError(f"{QUANT_METHOD}: {len(gs)} global scales for {len(widths)} fused members {widths}")
         shared = len(widths) == 1 or bool((gs == gs[0]).all())  # a host sync, once, while loading
-        if not shared:
+        if not shared and self.precision.name == "auto":
+            raise ValueError(f"{QUANT_METHOD}: rollout_precision='auto' needs one global scale per fused layer "
+                             f"({widths} have their own): quantize them with one, or use fp8")  # fmt: skip
+        if not shared and self.precision.keeps_w4a16:
             logger.warning_once(
                 "%s: the members of a fused layer (%s) have different global scales; computing them one by one "
                 "(exact, slower: quantize fused q/k/v and gate/up with one global scale)",
                 QUANT_METHOD,
                 str(widths),  # hashable: warning_once keys on its arguments
             )
+        if self.fp8_from_rows is not None:
+            w8, w_scale = fp8.fp8_weight_members(packed, scale, gs, widths)
+            if not self.precision.keeps_w4a16:  # fp8: the E4M3 copy is all the layer computes with
+                for n in ("weight_packed", "weight_scale", "weight_global_scale"):
+                    delattr(layer, n)
+                layer.register_parameter("weight", torch.nn.Parameter(w8, requires_grad=False))
+                layer.register_parameter("weight_scale", torch.nn.Parameter(w_scale, requires_grad=False))
+                return
         in_features = scale.shape[1] * self.weight_format.group_size
         mma = self._wants_mma(packed, widths, in_features)
         if mma and not mma_scales_supported(scale):  # zero/negative/NaN block scales: the MMA kernels cannot decode
@@ -441,8 +514,18 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
             start += w
         layer.nvfp4_members = None if shared else bounds
         layer.nvfp4_mma_layout = mma
+        if self.fp8_from_rows is not None:  # auto: the E4M3 copy beside the NVFP4 tensors
+            layer.register_parameter("weight_fp8", torch.nn.Parameter(w8, requires_grad=False))
+            layer.register_parameter("weight_fp8_scale", torch.nn.Parameter(w_scale, requires_grad=False))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, in]`` → ``[M, out]`` in x's dtype: W4A16 (``nvfp4::linear``), FP8 (``fp8``: per-token E4M3 of x,
+        ``nvfp4::fp8_scaled_linear``) or, for ``auto``, ``nvfp4::w4a16_or_fp8_linear`` (FP8 from the crossover)."""
+        if self.fp8_from_rows == 0:
+            return fp8.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        if self.fp8_from_rows is not None:
+            return fp8.w4a16_or_fp8_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
+                                           layer.weight_fp8, layer.weight_fp8_scale, bias, self.fp8_from_rows)  # fmt: skip
         members = layer.nvfp4_members
         if members is None:
             return ops.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)

@@ -113,6 +113,8 @@ def engine_weight_views(model: torch.nn.Module) -> EngineWeights:
             elif not isinstance(method, NVFP4KernelLinearMethod):
                 why = f"the engine holds it through {type(method).__name__}, not as packed NVFP4"
                 out.not_offered.update(dict.fromkeys(members, why))
+            elif not isinstance(getattr(module, "weight_packed", None), torch.Tensor):  # rollout_precision="fp8"
+                out.not_offered.update(dict.fromkeys(members, "the engine holds its FP8 copy only"))
             else:
                 out.linears.update(zip(members, _packed_member_views(module)))
         elif isinstance(module, VocabParallelEmbedding) and isinstance(getattr(module, "weight", None), torch.Tensor):

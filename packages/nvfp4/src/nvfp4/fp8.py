@@ -11,7 +11,10 @@ while an FP8 GEMM stays 1.3-1.55× above it (the issue's table). This module hol
   gate/up) or SiLU-and-mul (``"silu_mul"``: down) — in one Triton kernel (:mod:`nvfp4.kernels.fp8`);
 * :func:`scaled_linear` (``nvfp4::fp8_scaled_linear``): ``torch._scaled_mm`` with row-wise scales (x per token, W
   per channel), bias in the epilogue, bf16 out;
-* :func:`fp8_linear`: the two above for a plain bf16 input (``act_quant(x)`` then ``scaled_linear``).
+* :func:`fp8_linear`: the two above for a plain bf16 input (``act_quant(x)`` then ``scaled_linear``);
+* :func:`w4a16_or_fp8_linear` (``nvfp4::w4a16_or_fp8_linear``): ``rollout_precision="auto"``'s linear, W4A16 below a
+  row count and FP8 from it, decided inside the op (so a dynamic-shape graph, vLLM's, keeps the choice per call);
+* :func:`fp8_weight_members`: :func:`fp8_weight` of a fused layer whose members have their own global scale.
 
 Dispatch: on CUDA the quantisation is the Triton kernel and the product ``torch._scaled_mm``; elsewhere both are the
 references below. CPU note: ``torch._scaled_mm`` on CPU (torch 2.11, oneDNN) takes per-tensor scales only, so the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .codec import dequantize
 from .ops import _use_triton
 
@@ -31,9 +35,11 @@ __all__ = [
     "act_quant_reference",
     "fp8_linear",
     "fp8_weight",
+    "fp8_weight_members",
     "round_e4m3_reference",
     "scaled_linear",
     "scaled_linear_reference",
+    "w4a16_or_fp8_linear",
 ]
 
 FP8_MAX = 448.0
@@ -242,3 +248,80 @@ def fp8_linear(
     :func:`scaled_linear`; ``[..., N]`` in x's dtype (bf16 on CUDA). Inference only (no autograd formula)."""
     q, s, _, _ = act_quant(x)
     return scaled_linear(q, s, w8, w_scale, bias, x.dtype)
+
+
+def fp8_weight_members(
+    packed: torch.Tensor, scale: torch.Tensor, global_scales: torch.Tensor, widths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_weight` of a fused layer (vLLM's qkv_proj / gate_up_proj): the members' rows one after the other,
+    each dequantised with its own global scale; the per-row scales make the copies simply concatenate.
+
+    Args:
+        packed: uint8 ``[N, K/2]`` (compressed-tensors layout); scale: float8_e4m3fn ``[N, K/16]``.
+        global_scales: float32 ``[len(widths)]`` (or ``[1]``: one scale shared by every member).
+        widths: the members' output rows, summing to N.
+
+    Returns:
+        ``(w8 [N, K] float8_e4m3fn, w_scale [N] float32)``.
+    """
+    if sum(widths) != scale.shape[0] or packed.shape[0] != scale.shape[0]:
+        raise ValueError(f"fp8_weight_members: widths {widths} do not split {scale.shape[0]} rows (compressed-tensors "
+                         f"layout needed, packed is {tuple(packed.shape)})")  # fmt: skip
+    gs = global_scales.reshape(-1).float()
+    parts, row = [], 0
+    for i, width in enumerate(widths):
+        parts.append(fp8_weight(packed[row : row + width], scale[row : row + width], gs[i : i + 1] if len(gs) > 1 else gs[:1]))
+        row += width
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+@torch.library.custom_op("nvfp4::w4a16_or_fp8_linear", mutates_args=())
+def _w4a16_or_fp8_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp8_from_rows: int,
+) -> torch.Tensor:
+    if x.shape[0] >= fp8_from_rows:
+        return fp8_linear(x, w8, w_scale, bias)
+    return ops.linear(x, packed, scale, global_scale, bias)
+
+
+@_w4a16_or_fp8_op.register_fake
+def _(x, packed, scale, global_scale, w8, w_scale, bias, fp8_from_rows):
+    return x.new_empty((x.shape[0], w8.shape[0]))
+
+
+def w4a16_or_fp8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp8_from_rows: int,
+) -> torch.Tensor:
+    """``rollout_precision="auto"``'s linear: :func:`nvfp4.ops.linear` (W4A16) when ``x`` has fewer than
+    ``fp8_from_rows`` rows, else :func:`fp8_linear` on the E4M3 copy. The choice is made inside one custom op, at run
+    time: a graph traced with a symbolic row count (vLLM's torch.compile) would otherwise bake one branch in, and a
+    CUDA graph captured per batch size records the branch of its size.
+
+    Args:
+        x: ``[..., K]`` bf16/fp16/fp32; packed, scale, global_scale: the NVFP4 weight as :func:`nvfp4.ops.linear`
+            takes it (``[N, K/2]`` or the MMA layout, ``[N, K/16]``, ``[1]``); w8 ``[N, K]`` float8_e4m3fn and
+            w_scale ``[N]`` float32 (:func:`fp8_weight`); bias ``[N]`` in x's dtype or None.
+        fp8_from_rows: rows (``x``'s leading dimensions multiplied) from which the FP8 path runs.
+
+    Returns:
+        ``[..., N]`` in x's dtype.
+    """
+    lead = x.shape[:-1]
+    y = _w4a16_or_fp8_op(x.reshape(-1, x.shape[-1]), packed, scale, global_scale, w8, w_scale, bias, int(fp8_from_rows))
+    return y.reshape(*lead, w8.shape[0])

@@ -7,13 +7,14 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import ops
+from . import fp8, ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, unpack_e2m1
 from .formats import Format, QuantizedWeight, format_of, get_format
 from .layout import (
@@ -27,6 +28,7 @@ from .layout import (
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
+    "FP8Copy",
     "DEFAULT_MODULES_TO_NOT_CONVERT",
     "NVFP4Linear",
     "cache_dequantized",
@@ -38,6 +40,16 @@ __all__ = [
 # require it for fused NVFP4 layers).
 DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_MODULES_TO_NOT_CONVERT: tuple[str, ...] = ("lm_head",)
+
+
+class FP8Copy(NamedTuple):
+    """The E4M3 copy of one :class:`NVFP4Linear` for rollouts (:func:`nvfp4.fp8.fp8_weight`): ``weight``
+    float8_e4m3fn ``[out, in]``, ``scale`` float32 ``[out]``, and ``from_rows``: the rows per call from which the
+    layer computes with it (0: always; ``rollout_precision="auto"``: its crossover)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    from_rows: int
 
 
 class NVFP4Linear(nn.Linear):
@@ -340,8 +352,22 @@ class NVFP4Linear(nn.Linear):
             raise RuntimeError(f"{self._label()}: no cached dequant(W) for {x.dtype} inputs on {x.device}")
         return self._codes_cache.fill()
 
+    #: the E4M3 copy rollouts may compute with (:func:`nvfp4.fp8_model.attach_fp8_copies`; None: none made)
+    fp8_copy: FP8Copy | None = None
+    #: whether :attr:`fp8_copy` is in use: only inside :func:`nvfp4.fp8_model.fp8_rollouts` (generation); training's
+    #: forward and backward, and the trainer's logprobs, always run the W4A16 path
+    fp8_active: bool = False
+
+    def fp8_applies(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x [..., in]`` computes with :attr:`fp8_copy`: inside ``fp8_rollouts`` and with at
+        least its ``from_rows`` rows (the leading dimensions multiplied)."""
+        copy = self.fp8_copy
+        return self.fp8_active and copy is not None and x.numel() >= copy.from_rows * x.shape[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.fp8_applies(x):  # rollouts, rows >= the crossover: FP8 (no autograd formula: generation only)
+            return fp8.fp8_linear(x, self.fp8_copy.weight, self.fp8_copy.scale, bias)
         dense = self._dense_cache
         if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
             return F.linear(x, dense, bias)  # == the reference op, minus re-dequantizing (see cache_dequantized)

@@ -66,6 +66,9 @@ class LoraNVFP4Linear(_LoraLinear):
       input of one dtype), training or not: :class:`_CachedLoraLinear` adds the adapter into the base's output in
       place (one output tensor instead of PEFT's four: ``B(A(x))``, its scaled copy and the sum), with a backward
       of the same sums in the same memory.
+
+    Inside :func:`nvfp4.fp8_model.fp8_rollouts`, where the base computes with its FP8 copy, PEFT's path runs (the base's
+    forward, then the adapter in its own dtype).
     """
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -88,6 +91,8 @@ class LoraNVFP4Linear(_LoraLinear):
         base = self.get_base_layer()
         if not isinstance(base, NVFP4Linear) or base.fsdp_shardable:
             return None  # sharded by FSDP2: the base's own forward gathers its weight (nvfp4.fsdp)
+        if base.fp8_applies(x):
+            return None  # FP8 rollouts (nvfp4.fp8_model): the base's forward on its E4M3 copy, PEFT's adapter on top
         if base.has_cached_weight(x):
             fusable = all(self.lora_A[a].weight.dtype == x.dtype for a in self.active_adapters if a in self.lora_A)
         else:  # the fused inference kernel

@@ -10,8 +10,10 @@ import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
 
 import torch
+from nvfp4.rollout_precision import PRECISIONS, RolloutPrecision, get_rollout_precision
 from trl import GRPOConfig
 
 from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
@@ -141,6 +143,14 @@ class QeRLConfig(GRPOConfig):
             ``min_new_tokens``, ``temperature``, ``do_sample``, EOS/pad/BOS ids, ``max_cache_len``,
             ``cache_implementation``); AQN must be ``per_step`` (a replayed graph cannot redraw noise per forward).
             Text-only prompts. The KV cache has the fixed length of the compiled transformers path (below).
+        rollout_precision: how the frozen NVFP4 base computes while rollouts are generated (issue #51,
+            :mod:`nvfp4.rollout_precision`): ``"w4a16"`` (our W4A16 kernels, as training; the default), ``"fp8"`` (an
+            E4M3 copy of the linears made once from the NVFP4 weights, activations quantised per token, FP8 tensor
+            cores: Hopper) or ``"auto"`` (W4A16 below the crossover rows per linear call, FP8 from there: 128 on the
+            7B layer, measured; 128 for unmeasured shapes). Engines ``"graph"`` (the copy beside the policy's NVFP4
+            weights: +1 byte a weight, counted by the memory plan) and ``"vllm"`` (colocate: the engine's linear
+            method, ``qerl_vllm.quant``); training's forward, backward and logprobs stay W4A16; LoRA stays bf16 on
+            top, AQN unchanged (its noise is on the norms).
         generation_wave_rows: ``"graph"``: the most rows decoded at once; a larger generation batch is generated in
             waves of at most that many rows through one KV cache of that many rows (``graph_generate(max_rows=)``).
             Default: on CUDA, as many as :mod:`qerl_trl.memory_plan` fits in the GPU's memory beside the weights, LoRA,
@@ -248,6 +258,15 @@ class QeRLConfig(GRPOConfig):
         default=1024,
         metadata={"help": "Longest prompt (tokens) the compiled static cache holds (also rollout_engine='graph')."},
     )
+    rollout_precision: Literal["w4a16", "fp8", "auto"] = field(
+        default="w4a16",
+        metadata={
+            "help": "How the frozen NVFP4 base computes during generation: "
+            + " | ".join(PRECISIONS)
+            + " (fp8: an E4M3 copy of the linears, FP8 tensor cores; auto: W4A16 below the measured crossover rows, "
+            "FP8 from there). rollout_engine 'graph' or 'vllm'; training stays W4A16."
+        },
+    )
     generation_wave_rows: int | None = field(
         default=None,
         metadata={
@@ -293,6 +312,9 @@ class QeRLConfig(GRPOConfig):
         self.quantization = self.quant_scheme.name  # canonical: "rtn" → "nvfp4-rtn"
         #: the resolved ``rollout_engine`` (ValueError naming the engines); the trainer and the memory plan use this
         self.rollout_engine_class: type[RolloutEngine] = engine_class(self.rollout_engine)
+        #: the parsed ``rollout_precision`` (ValueError naming the values); the engines and the memory plan use this
+        self.rollout_precision_spec: RolloutPrecision = get_rollout_precision(self.rollout_precision)
+        self.rollout_precision = self.rollout_precision_spec.name
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:

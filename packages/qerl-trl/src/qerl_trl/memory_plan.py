@@ -16,6 +16,10 @@ Held for the whole run
   * weights: the projections' ``in·out`` weights at :data:`WEIGHT_BYTES` per weight (NVFP4: 4-bit code + one FP8 scale
     per 16 = 0.5625 B; bf16: 2 B; NF4 as QLoRA: 4-bit code + absmax per 64, double-quantized), plus embeddings and
     ``lm_head`` (``V·H`` each, one matrix when tied), norms and q/k/v biases, in bf16.
+  * FP8 copy (``rollout_precision`` fp8 / auto with the graph engine, which generates with the policy itself): an
+    E4M3 copy of every projection beside its NVFP4 weights, 1 byte per weight + a float32 scale per output row
+    (:func:`nvfp4.rollout_precision.fp8_copy_bytes`); training keeps the NVFP4 weights. A colocated vLLM engine
+    holds its own copy of the weights instead (FSDP2 plan): ``fp8`` the E4M3 copy only, ``auto`` both.
   * LoRA: ``r·(in + out)`` parameters per adapted projection, in ``lora_param_bytes`` (4: the trainer keeps the adapters
     in fp32), and as many gradient values during the backward.
   * optimizer: AdamW's ``exp_avg`` and ``exp_avg_sq``, 2 values per LoRA parameter in the parameters' dtype (8-bit
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from nvfp4.formats import FORMATS
+from nvfp4.rollout_precision import PRECISIONS, fp8_copy_bytes
 
 if TYPE_CHECKING:
     from .quantization import QuantScheme
@@ -68,6 +73,7 @@ __all__ = [
     "ModelShape",
     "RunShape",
     "QWEN25_SHAPES",
+    "check_fp8_copy",
     "check_plan",
     "cuda_budget_bytes",
     "fsdp2_answer",
@@ -202,6 +208,8 @@ class RunShape:
         held_generation: whether the generation rows stay allocated during training (the graph engine's static cache).
         train_prompt_len: longest prompt of the training set in tokens, when known (the training micro-batch is padded
             to it, not to the engine's cap); None: ``prompt_len``.
+        rollout_precision: ``"w4a16"``, ``"fp8"`` or ``"auto"``: with fp8 / auto the model that generates holds an FP8
+            copy of the projections (the policy itself with the graph engine: added to ``weights``).
     """
 
     quantization: str
@@ -219,8 +227,11 @@ class RunShape:
     activation_bytes: int = 2
     held_generation: bool = True
     train_prompt_len: int | None = None
+    rollout_precision: str = "w4a16"
 
     def __post_init__(self) -> None:
+        if self.rollout_precision not in PRECISIONS:
+            raise MemoryPlanError(f"rollout_precision {self.rollout_precision!r}: expected one of {', '.join(PRECISIONS)}")
         if self.quantization not in WEIGHT_BYTES:
             raise MemoryPlanError(f"quantization {self.quantization!r}: expected one of {', '.join(WEIGHT_BYTES)}")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -361,7 +372,8 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
     h, i, v, n_layers = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers
     proj = m.projections()
     parts = _weight_parts(m, run)
-    weights = int(n_layers * parts["layer"] + parts["embeddings"] + parts["final_norm"])
+    fp8_copy = n_layers * parts["fp8_layer"] if run.rollout_precision != "w4a16" else 0
+    weights = int(n_layers * parts["layer"] + parts["embeddings"] + parts["final_norm"] + fp8_copy)
 
     lora_params = n_layers * sum(run.lora_r * sum(proj[t]) for t in run.lora_targets)
     lora = 2 * lora_params * run.lora_param_bytes  # parameters + gradients
@@ -390,7 +402,7 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
         optimizer=optimizer, training=training, kv_per_row=kv_per_row, buffers_per_row=buffers_per_row,
         prefill_per_row=prefill_per_row, wave_rows=0,
         details={"lora_params": lora_params, "training_tokens": tokens, "training_kept": int(tokens * kept),
-                 "training_mask": int(mask), "training_lm_head": int(lm_head)},
+                 "training_mask": int(mask), "training_lm_head": int(lm_head), "fp8_copy": int(fp8_copy)},
     )  # fmt: skip
     object.__setattr__(plan, "wave_rows", _fit_rows(plan))
     return plan
@@ -409,6 +421,7 @@ def _weight_parts(m: ModelShape, run: RunShape) -> dict[str, float]:
     return {
         "layer": layer,
         "layer_projections": projections,
+        "fp8_layer": fp8_copy_bytes(list(proj.values())),
         "embeddings": 2 * m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2),
         "final_norm": 2 * m.hidden_size,
     }
@@ -463,7 +476,14 @@ def run_shape_from_config(
         activation_bytes=activation_bytes or (2 if bf16 else 4),
         held_generation=args.rollout_engine_class.holds_generation_memory,
         train_prompt_len=train_prompt_len,
+        rollout_precision=_precision(args),
     )
+
+
+def _precision(args: Any) -> str:
+    """The config's parsed ``rollout_precision`` (``QeRLConfig.rollout_precision_spec``), ``"w4a16"`` if it has none."""
+    spec = getattr(args, "rollout_precision_spec", None)
+    return spec.name if spec is not None else "w4a16"
 
 
 def check_plan(plan: MemoryPlan, *, waves_allowed: bool = True) -> None:
@@ -503,6 +523,25 @@ def check_plan(plan: MemoryPlan, *, waves_allowed: bool = True) -> None:
         f"LoRA and optimizer {(plan.lora + plan.optimizer) / GB:.1f} GB + training micro-batch "
         f"{plan.training / GB:.1f} GB + {what} ({plan.per_row / GB:.2f} GB each) is {over / GB:.1f} GB over the "
         f"{plan.usable_bytes / GB:.1f} GB usable ({plan.margin:.0%} kept free); {fix}"
+    )
+
+
+def check_fp8_copy(plan: MemoryPlan) -> None:
+    """Raise :class:`MemoryPlanError` (one line, naming the numbers) when the FP8 copy of ``rollout_precision`` fp8 /
+    auto does not fit beside the run, or costs it generation waves: an extra wave decodes the whole batch once more,
+    far more time than FP8's 1.2-1.45x on the linears saves (the H100 spike, ``gemm_fp8_spike.json``). The plan
+    without the copy is what ``w4a16`` would do."""
+    run = plan.run
+    w4a16 = plan_memory(plan.model, replace(run, rollout_precision="w4a16"), plan.budget_bytes, plan.margin)
+    if plan.fits and plan.waves <= w4a16.waves:
+        return
+    copy = plan.details["fp8_copy"]
+    then = (f"then take {plan.waves} wave(s) of <= {plan.rows_per_wave} instead of {w4a16.waves} of <= "
+            f"{w4a16.rows_per_wave}" if plan.fits else "then do not fit at all")  # fmt: skip
+    raise MemoryPlanError(
+        f"rollout_precision={run.rollout_precision!r} adds a {copy / GB:.1f} GB FP8 copy of the linears (1 byte a "
+        f"weight + 4 per output row) to {w4a16.weights / GB:.1f} GB of weights: the {run.generation_rows} generation "
+        f"rows {then} in {plan.usable_bytes / GB:.1f} GB usable; use rollout_precision='w4a16' here"
     )
 
 
@@ -547,6 +586,8 @@ def preflight(
         return None
     waves = engine.generates_in_waves
     wanted = getattr(args, "generation_wave_rows", None) if waves else None
+    if plan.run.rollout_precision != "w4a16" and wanted is None:
+        check_fp8_copy(plan)
     if wanted is not None and plan.peak(min(wanted, plan.run.generation_rows)) > plan.usable_bytes:
         rows = min(wanted, plan.run.generation_rows)
         over = plan.peak(rows) - plan.usable_bytes
@@ -612,6 +653,9 @@ def plan_fsdp2(
         raise MemoryPlanError(f"vllm.tensor_parallel_size={tp} must divide the GPU count ({num_gpus})")
     if vllm_colocate:  # an engine generates its tp processes' rows; its KV cache stays allocated while they train
         run = replace(run, held_generation=True, generation_rows=run.generation_rows * tp)
+    precision = run.rollout_precision
+    if vllm_colocate:  # the engine's weights carry the FP8 copy, not the policy's
+        run = replace(run, rollout_precision="w4a16")
     base = plan_memory(model, run, budget_bytes, margin)
     parts = _weight_parts(model, run)
     n = num_gpus
@@ -626,16 +670,20 @@ def plan_fsdp2(
         details.update(num_gpus=n, fsdp_sharded=int((base.weights + base.lora + base.optimizer) / n),
                        fsdp_gathered=int(gathered))  # fmt: skip
     kv_per_row, buffers_per_row, prefill_per_row = base.kv_per_row, base.buffers_per_row, base.prefill_per_row
-    if vllm_colocate:
-        engine_weights = int(base.weights / tp)
+    if vllm_colocate:  # fp8: the E4M3 copy replaces the NVFP4 projections; auto: both
+        fp8_copy = model.num_layers * parts["fp8_layer"] if precision != "w4a16" else 0
+        dropped = model.num_layers * parts["layer_projections"] if precision == "fp8" else 0
+        engine_weights = int((base.weights - dropped + fp8_copy) / tp)
         if vllm_shares_weights and n == 1 and tp == 1:
-            # the engine keeps packed (its qerl backend) the formats with a global scale, as qerl_vllm.quant decides
+            # the engine keeps packed (its qerl backend) the formats with a global scale, as qerl_vllm.quant decides;
+            # with fp8 it keeps no NVFP4 projections to share, only the embeddings
             fmt = FORMATS.get(run.quantization)
-            packed = model.num_layers * parts["layer_projections"] if fmt is not None and fmt.has_global_scale else 0
+            keeps_packed = fmt is not None and fmt.has_global_scale and precision != "fp8"
+            packed = model.num_layers * parts["layer_projections"] if keeps_packed else 0
             shared = parts["embeddings"] + packed
             engine_weights -= int(shared)
             details.update(vllm_shared_weights=int(shared))
-        details.update(vllm_weights=engine_weights, vllm_tp=tp)
+        details.update(vllm_weights=engine_weights, vllm_tp=tp, vllm_fp8_copy=int(fp8_copy / tp))
         weights += engine_weights
         kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / tp), 0, 0
     plan = replace(base, weights=weights, lora=lora, optimizer=optimizer, kv_per_row=kv_per_row,

@@ -46,6 +46,8 @@ class RolloutEngine:
             plan then sets ``generation_wave_rows`` instead of refusing the run).
         sampling_logprobs: whether :meth:`generate` returns the sampled tokens' logprobs from a model other than the
             trainer's (vLLM): TRL's importance-sampling correction (``vllm_importance_sampling_*``) then applies.
+        rollout_precisions: the ``rollout_precision`` values it honours (:mod:`nvfp4.rollout_precision`); the base
+            class refuses the others in :meth:`check_config`.
     """
 
     name: ClassVar[str]
@@ -53,6 +55,7 @@ class RolloutEngine:
     holds_generation_memory: ClassVar[bool]
     generates_in_waves: ClassVar[bool] = False
     sampling_logprobs: ClassVar[bool] = False
+    rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -78,6 +81,16 @@ class RolloutEngine:
                 "continuous-batching) rollouts sample with the engine's own seed: use rollout_engine='transformers' "
                 "or 'graph', or rollout_seed_per_prompt=False"
             )
+        precision = cfg.rollout_precision_spec
+        if precision.name not in cls.rollout_precisions:
+            raise ValueError(f"rollout_engine={cls.name!r} generates in {' or '.join(cls.rollout_precisions)} only, "
+                             f"not rollout_precision={precision.name!r}: use rollout_engine='graph' or 'vllm', or "
+                             "rollout_precision='w4a16'")  # fmt: skip
+        fmt = cfg.quant_scheme.format
+        if precision.fp8_copy and (fmt is None or not fmt.has_global_scale):
+            raise ValueError(f"rollout_precision={precision.name!r} makes its FP8 copy from NVFP4 weights; "
+                             f"quantization={cfg.quantization!r} has none: use an nvfp4-* quantization or "
+                             "rollout_precision='w4a16'")  # fmt: skip
 
     @classmethod
     def prepare(cls, model_name: str | None, model: nn.Module, scheme: QuantScheme, args: Any) -> Any:

@@ -345,6 +345,7 @@ class ColocateVLLMGeneration(_VLLMGeneration):
             enforce_eager=settings.enforce_eager,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             lora_dir=lora_dir,
+            rollout_precision=args.rollout_precision_spec.name,  # fp8 / auto: the plugin's linear method (issue #51)
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
             **extra,
         )
@@ -497,6 +498,7 @@ class VLLMRollout(RolloutEngine):
     seeds_per_prompt = False  # the engine samples with its own seed
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
     sampling_logprobs = True  # vLLM's processed logprobs: TRL's importance-sampling correction applies
+    rollout_precisions = ("w4a16", "fp8", "auto")  # colocate; a server's is its own --additional-config
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -513,6 +515,9 @@ class VLLMRollout(RolloutEngine):
             )
         if cfg.aqn and cfg.aqn_mode != "per_step":
             raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        if cfg.rollout_precision_spec.fp8_copy and cfg.vllm.server_url:
+            raise ValueError("rollout_precision is a vLLM server's own setting: start it with --additional-config "
+                             "'{\"qerl_rollout_precision\": \"fp8\"}' and keep rollout_precision='w4a16' here")
         if cfg.use_vllm:
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import torch
+from nvfp4.fp8_model import fp8_rollouts
 
 from ..base import RolloutEngine, generate_padded
 from ..transformers import generation_cache_len
@@ -47,6 +48,7 @@ class GraphRollout(RolloutEngine):
     name = "graph"
     holds_generation_memory = True  # the policy's own KV cache, on the training GPU
     generates_in_waves = True  # a batch that does not fit is decoded in waves of generation_wave_rows
+    rollout_precisions = ("w4a16", "fp8", "auto")  # fp8 / auto: an E4M3 copy beside the policy (nvfp4.fp8_model)
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -83,13 +85,18 @@ class GraphRollout(RolloutEngine):
         super().__init__(trainer)
         if trainer._is_vlm:
             raise NotImplementedError("rollout_engine='graph' supports text-only models; use 'transformers' or 'vllm'")
+        self._fp8_attached = False
 
     def before_train(self) -> None:
         """On CUDA with ``generation_wave_rows`` unset, before the first step: the memory plan
         (:func:`qerl_trl.memory_plan.preflight`) against the GPU's memory; generate in waves of the rows that fit (or
         raise :class:`~qerl_trl.memory_plan.MemoryPlanError`, one line, when not even one fits). ``qerl train`` has
         made the check before loading the model (and set ``generation_wave_rows`` when waves are needed); this covers
-        the Python API."""
+        the Python API. Then, with ``rollout_precision`` fp8 / auto, the FP8 copies (:meth:`_attach_fp8_copies`)."""
+        self._plan_memory()
+        self._attach_fp8_copies()  # after the plan, which counts them (and refuses a run they do not fit)
+
+    def _plan_memory(self) -> None:
         trainer = self.trainer
         if trainer.accelerator.device.type != "cuda" or trainer.args.generation_wave_rows is not None:
             return
@@ -100,6 +107,26 @@ class GraphRollout(RolloutEngine):
                          world_size=trainer.accelerator.num_processes)  # fmt: skip
         if plan is not None and trainer.args.generation_wave_rows is not None:
             logger.warning("memory plan: %s", plan.summary())
+
+    def _attach_fp8_copies(self) -> None:
+        """``rollout_precision`` fp8 / auto: the E4M3 copy of every NVFP4 linear, made once (the first time training
+        starts), beside the NVFP4 weights training keeps using; ``auto``'s crossover is the model shape's
+        (:func:`nvfp4.rollout_precision.fp8_crossover_rows`). Logged in one line with its bytes."""
+        precision = self.trainer.args.rollout_precision_spec
+        if not precision.fp8_copy or self._fp8_attached:
+            return
+        from nvfp4.fp8_model import attach_fp8_copies
+        from nvfp4.rollout_precision import fp8_crossover_rows
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        rows, measured = fp8_crossover_rows(text.hidden_size, text.intermediate_size)
+        held = attach_fp8_copies(model, precision, rows)
+        self._fp8_attached = True
+        when = "every call" if precision.name == "fp8" else (
+            f"calls of >= {rows} rows ({'measured' if measured else 'not measured for this shape: the 7B value'})")
+        logger.warning("rollout_precision=%s: FP8 copies of the NVFP4 linears, %.2f GB, used for %s",
+                       precision.name, held / 1e9, when)  # fmt: skip
 
     def generate(
         self,
@@ -125,6 +152,7 @@ class GraphRollout(RolloutEngine):
                 "prompts with images or other multimodal inputs"
             )
         trainer = self.trainer
+        self._attach_fp8_copies()  # made once (before_train's, or here when generating before training starts)
         gen = trainer.generation_config
         cache_len = generation_cache_len(gen, trainer.args)
 
@@ -138,18 +166,19 @@ class GraphRollout(RolloutEngine):
                     f"{trainer.args.max_completion_length}, or generation_kwargs['max_cache_len']): raise "
                     "generation_prompt_cache_len or shorten the prompts"
                 )
-            return graph_generate(
-                model,
-                input_ids,
-                attention_mask,
-                max_new_tokens=gen.max_new_tokens,
-                min_new_tokens=gen.min_new_tokens or 0,
-                temperature=gen.temperature,
-                do_sample=gen.do_sample,
-                eos_token_id=gen.eos_token_id,
-                pad_token_id=gen.pad_token_id,
-                max_cache_len=cache_len,
-                **{"max_rows": trainer.args.generation_wave_rows, **getattr(trainer, "graph_generate_kwargs", {})},
-            )
+            with fp8_rollouts(model):  # rollout_precision fp8 / auto: the layers' E4M3 copies (none: no change)
+                return graph_generate(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    max_new_tokens=gen.max_new_tokens,
+                    min_new_tokens=gen.min_new_tokens or 0,
+                    temperature=gen.temperature,
+                    do_sample=gen.do_sample,
+                    eos_token_id=gen.eos_token_id,
+                    pad_token_id=gen.pad_token_id,
+                    max_cache_len=cache_len,
+                    **{"max_rows": trainer.args.generation_wave_rows, **getattr(trainer, "graph_generate_kwargs", {})},
+                )
 
         return generate_padded(trainer, prompt_ids, "graph_generate", run), None

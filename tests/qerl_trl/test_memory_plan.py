@@ -304,6 +304,6 @@ def test_fp8_copy_is_counted_and_a_plan_it_does_not_fit_stops_in_one_line(tmp_pa
     shape = QWEN25_SHAPES["Qwen/Qwen2.5-7B-Instruct"]
     engine = {p: plan_fsdp2(shape, replace(w4.run, rollout_precision=p), H100_80GB_BYTES, 2, vllm_colocate=True,
                             vllm_tp=1).details["vllm_weights"] for p in ("w4a16", "fp8", "auto")}  # fmt: skip
-    copy, nvfp4 = auto.details["fp8_copy"], 28 * _weight_parts(shape, w4.run)["projections"]
+    copy, nvfp4 = auto.details["fp8_copy"], 28 * _weight_parts(shape, w4.run)["layer_projections"]
     assert engine["auto"] - engine["w4a16"] == pytest.approx(copy, abs=1)
     assert engine["fp8"] - engine["w4a16"] == pytest.approx(copy - nvfp4, abs=1)

@@ -822,6 +822,31 @@ def test_sampling_correction_is_trls_importance_ratio(mode):
         sampling_correction(trainer, sampling, mask, "tokens", lo, hi)
 
 
+def test_importance_sampling_is_per_token_by_default():
+    """QeRL's default correction is TRL's ``token_truncate`` (each token's ratio clipped, every completion kept), not
+    TRL's own default ``sequence_mask``, whose ratio is the product over the completion. At a per-token gap like the
+    one AQN's noise makes on the H100 (offline default, σ = 1e-2: mean |Δ logprob| ≈ 0.2) a ratio over 300 tokens
+    leaves most completions with almost no weight or none; per token, no completion drops out."""
+    from qerl_trl.trainer import sampling_correction
+    from trl import GRPOConfig
+
+    assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_mode"].default == "sequence_mask"  # TRL's
+    assert QeRLConfig(output_dir="x").vllm_importance_sampling_mode == "token_truncate"
+    assert QeRLDAPOConfig(output_dir="x").vllm_importance_sampling_mode == "token_truncate"
+    assert QeRLConfig(output_dir="x", vllm_importance_sampling_mode="sequence_mask").vllm_importance_sampling_mode == (
+        "sequence_mask"
+    )
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(256, 300, generator=g) * 3
+    sampling = trainer + torch.randn(256, 300, generator=g) * 0.25  # mean |gap| 0.2
+    mask = torch.ones(256, 300)
+    per_sequence = sampling_correction(trainer, sampling, mask, "sequence_mask", None, 3.0)[:, 0]
+    per_token = sampling_correction(trainer, sampling, mask, "token_truncate", None, 3.0)
+    assert (per_sequence < 0.1).float().mean() > 0.3 and (per_sequence == 0).float().mean() > 0.3
+    weight = (per_token * mask).sum(-1) / mask.sum(-1)  # what each completion's tokens carry on average
+    assert weight.min() > 0.8 and (weight - 1).abs().mean() < 0.1
+
+
 def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeypatch):
     """The GPU re-split (rows sorted by completion length, each micro-batch cut to its longest row; for DAPO's
     token-summed loss also sized to even out their padded positions) makes the same optimizer step as TRL's shuffled,

@@ -129,7 +129,9 @@ class QeRLConfig(GRPOConfig):
         rollout_engine: ``"transformers"`` (the policy's own ``generate``) or ``"vllm"``: an in-process vLLM engine
             (colocate), or the server at ``vllm.server_url``. The LoRA adapter is synced as an adapter once per
             step, AQN noise goes on the engine's norm weights, and TRL's importance-sampling correction
-            (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap.
+            (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap, per token by default
+            (``vllm_importance_sampling_mode="token_truncate"``, not TRL's ``sequence_mask``: a ratio taken over
+            a whole completion under AQN's noise masks or shrinks most completions).
         vllm: the vLLM engine's settings, :class:`VLLMRolloutConfig` (``server_url``, ``model_path``, ``cache_dir``,
             ``adapter_dir``, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``,
             ``kv_cache_memory_bytes``, ``server_timeout``, ``tensor_parallel_size``); the flat ``vllm_<setting>``
@@ -222,6 +224,16 @@ class QeRLConfig(GRPOConfig):
         metadata={
             "help": "Rollout engine: 'transformers' (the policy's generate), 'vllm' (colocate, or server), or 'graph' "
             "(opt-in: qerl_trl.rollout.graph.generate, one compiled CUDA graph per decode step incl. sampling)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "TRL's correction of the engine-vs-trainer gap (engines that return sampling logprobs: vLLM). "
+            "QeRL's default is token_truncate (per-token ratio clipped to [clip_min, clip_max]; every completion "
+            "kept) instead of TRL's sequence_mask, whose ratio is the product over the whole completion: at "
+            "AQN's sigma and at the recipes' lengths it zeroed or shrank most completions (BENCHMARKS.md). "
+            "token_mask | sequence_truncate | sequence_mask as TRL."
         },
     )
     vllm: dict | str | None = field(

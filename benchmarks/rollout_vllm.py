@@ -481,7 +481,8 @@ def main(argv=None) -> None:
         worker_exit(args, run_arm, ARM_LABEL.get(args.arm), engine="vllm", batches=[])  # exits (skips vLLM's teardown)
 
     if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
-        print(table(merge_results(args.table)[1]))
+        rows = merge_results(args.table)[1]
+        print(table(rows) + (f"\n\nms per decode step (under torch.profiler)\n{pt}" if (pt := profile_table(rows)) else ""))
         return
 
     models = ["tiny"] if args.tiny else csv_list(args.models)

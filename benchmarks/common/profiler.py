@@ -127,18 +127,20 @@ def profile_decode(run: Callable[[int], float], cuda: bool, steps: int = 16, top
 
 
 def profile_table(results: list[dict]) -> str:
-    """One row per (arm, batch) holding a ``profile``: ms per step by category, GPU busy, wall and the gap."""
+    """One row per (arm, batch) holding a ``profile``: ms per step unprofiled (the timed runs), under the profiler
+    (wall), GPU busy, the gap and each category."""
     cols = [c for c in CATEGORY_COLUMNS if any(r.get("profile", {}).get("by_category_ms", {}).get(c)
                                                for x in results for r in x.get("batches", []))]  # fmt: skip
-    lines = ["| model | engine | arm | B | wall | GPU busy | CPU gap | " + " | ".join(cols) + " |",
-             "|---|---|---|---:|" + "---:|" * (3 + len(cols))]  # fmt: skip
+    lines = ["| model | engine | arm | B | unprofiled | wall | GPU busy | CPU gap | " + " | ".join(cols) + " |",
+             "|---|---|---|---:|" + "---:|" * (4 + len(cols))]  # fmt: skip
     for x in results:
         for r in x.get("batches", []):
             if p := r.get("profile"):
-                cells = [p["wall_ms"], p["gpu_busy_ms"], p["cpu_gap_ms"], *(p["by_category_ms"][c] for c in cols)]
+                cells = [r.get("ms_per_step", float("nan")), p["wall_ms"], p["gpu_busy_ms"], p["cpu_gap_ms"],
+                         *(p["by_category_ms"][c] for c in cols)]  # fmt: skip
                 lines.append(f"| {x['model']} | {x.get('engine')} | {x['arm']} | {r['batch']} | "
                              + " | ".join(f"{v:.2f}" for v in cells) + " |")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def kernel_times(prof) -> dict[str, dict]:

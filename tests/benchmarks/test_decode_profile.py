@@ -1,13 +1,12 @@
-"""``common.profiler``'s decode-step profile (issue #51 item 1): the kernel categories on recorded kernel names of a
-decode step (vLLM 0.26 on an H100: FA3, punica LoRA, cuBLAS / nvjet, the FP8 product, the sampler; the graph engine
-with our kernels), the lm_head found by position, and ``profile_decode`` / ``--profile`` on the CPU (other names
-there: that proves the plumbing only)."""
+"""``common.profiler``'s decode-step profile (issue #51 item 1): the kernel categories on the kernel names of a decode
+step as the sources define them (vLLM 0.26's CUDA ops, FA3, punica's Triton LoRA kernels, cuBLAS / nvjet, torch's
+row-wise ``_scaled_mm`` and reductions, inductor's fused names, our kernels) — written here by hand, not yet taken
+from an H100 trace: the GPU run's ``other`` column and top kernels check them; the lm_head found by position; and
+``profile_decode`` on the CPU (other names there: the plumbing only; ``rollout.py --profile`` end to end:
+``test_rollout_smoke.py``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,39 +17,62 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common.profiler import CATEGORY_COLUMNS, label_kernels, profile_decode, profile_table  # noqa: E402
 
-# One decoder layer and the step's tail, in launch order, as torch.profiler names the kernels (CUDA graph replay).
+# One decoder layer and the step's tail in launch order, named as torch.profiler shows kernels (demangled).
 VLLM_BF16_LORA_STEP = [
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm/rotary/act"),
     ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", "cuBLAS gemm"),  # qkv_proj
     ("_lora_shrink_kernel", "LoRA"),
     ("_lora_expand_kernel", "LoRA"),
-    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(long const*, c10::BFloat16*, c10::BFloat16*)", "norm/rotary/act"),
-    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)",
-     "attention"),
-    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90"
-     "<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, "
-     "128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, false, false, false, true> > > >(...)", "attention"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
-     "__5x_cublas", "cuBLAS gemm"),  # o_proj
-    ("void vllm::act_and_mul_kernel<c10::BFloat16, &(c10::BFloat16 vllm::silu_kernel<c10::BFloat16>(c10::BFloat16 "
-     "const&)), true>(c10::BFloat16*, c10::BFloat16 const*, int)", "norm/rotary/act"),
+    (
+        "void vllm::rotary_embedding_kernel<c10::BFloat16, true>(long const*, c10::BFloat16*, c10::BFloat16*)",
+        "norm/rotary/act",
+    ),
+    (
+        "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)",
+        "attention",
+    ),
+    (
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90"
+        "<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, "
+        "128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, false, false, false, true> > > >(...)",
+        "attention",
+    ),
+    (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+        "__5x_cublas",
+        "cuBLAS gemm",
+    ),  # o_proj
+    (
+        "void vllm::act_and_mul_kernel<c10::BFloat16, &(c10::BFloat16 vllm::silu_kernel<c10::BFloat16>(c10::BFloat16 "
+        "const&)), true>(c10::BFloat16*, c10::BFloat16 const*, int)",
+        "norm/rotary/act",
+    ),
     ("triton_poi_fused_add_3", "inductor (fused)"),
     ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(...)", "norm/rotary/act"),  # the final norm
     ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT", "lm_head"),  # compute_logits, eager after the replay
-    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false>(...)",
-     "lm_head"),
-    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>(...)",
-     "other"),  # logits.float()
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
-     "long, 4, 4> >(...)", "sampling"),
+    (
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false>(...)",
+        "lm_head",
+    ),
+    (
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>(...)",
+        "other",
+    ),  # logits.float()
+    (
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
+        "long, 4, 4> >(...)",
+        "sampling",
+    ),
     ("Memcpy DtoH (Device -> Pinned)", "memcpy/memset"),
 ]
 OURS_FP8_AND_GRAPH_ENGINE = [
     ("_act_quant_kernel", "fp8 gemm"),
-    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
-     "cute::tuple<int, int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
-     "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<4, cute::tuple<cute::C<1>>>, cutlass::float_e4m3_t> > >",
-     "fp8 gemm"),
+    (
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
+        "cute::tuple<int, int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
+        "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<4, cute::tuple<cute::C<1>>>, cutlass::float_e4m3_t> > >",
+        "fp8 gemm",
+    ),
     ("_linear_mma_kernel", "nvfp4 gemm"),
     ("_gemv_kernel", "nvfp4 gemm"),
     ("_decode_attention_split_kernel", "attention"),
@@ -89,16 +111,3 @@ def test_profile_decode_subtracts_the_prefill_on_the_cpu():
     assert p["gpu_busy_ms"] > 0 and p["cpu_gap_ms"] == pytest.approx(p["wall_ms"] - p["gpu_busy_ms"], abs=1e-3)
     row = {"model": "tiny", "engine": "cpu", "arm": "x", "batches": [{"batch": 8, "profile": p}]}
     assert "| tiny | cpu | x | 8 |" in profile_table([row])
-
-
-def test_rollout_graph_engine_profile_end_to_end(tmp_path):
-    out = tmp_path / "rollout.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--tiny", "--no-compile", "--engine", "graph",
-           "--arms", "bf16", "--batch", "2", "--prompt-len", "8", "--new-tokens", "6", "--warmup-tokens", "2",
-           "--in-process", "--profile", "--out", str(out)]  # fmt: skip
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    prof = json.loads(out.read_text())["results"][0]["batches"][0]["profile"]
-    assert prof["steps"] == 5 and prof["kernels_per_step"] > 0 and prof["top_kernels_ms"]
-    assert "ms per decode step" in p.stdout and "| tiny | graph | bf16 | 2 |" in p.stdout

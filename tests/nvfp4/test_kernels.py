@@ -244,6 +244,51 @@ def test_large_m_kernel_under_triton_interpreter():
         assert r["shape"] == [r["m"], r["n"]], r
 
 
+_INTERP_ROWS_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
+    """
+    from nvfp4.kernels.nvfp4_gemm import linear_config
+    from nvfp4.layout import to_mma_layout
+
+    torch.manual_seed(1357)
+    # the dispatch's own configs (no override), each form at a K of the offline model vLLM runs (576: not a multiple
+    # of the tile; 1536: split 3), M real rows then M_PAD as a CUDA-graph size pads them with garbage rows
+    cases = [(3, 8, 192, 576, False), (20, 32, 192, 576, False), (42, 48, 192, 576, False),  # tc: bm 16, 32, 64
+             (3, 8, 128, 1536, True), (20, 24, 128, 1536, True),  # MMA decode kernel, split 3, summed in the kernel
+             (42, 48, 128, 1536, True), (100, 128, 128, 1536, True)]  # split 3 + reduce kernel; large-M, split 12
+    for m, pad, n, k, mma in cases:
+        q = quantize(torch.randn(n, k))
+        packed = to_mma_layout(q.packed) if mma else q.packed
+        cfg, cfg_pad = linear_config(m, n, k, mma=mma), linear_config(pad, n, k, mma=mma)
+        x = torch.randn(m, k, dtype=torch.float16)
+        junk = torch.randn(pad - m, k, dtype=torch.float16) * 1e4
+        junk[::2, ::7] = float("nan")
+        junk[1::2, ::5] = float("inf")
+        y = nvfp4_linear(x, packed, q.scale, q.global_scale)
+        again = nvfp4_linear(x, packed, q.scale, q.global_scale)
+        padded = nvfp4_linear(torch.cat([x, junk]), packed, q.scale, q.global_scale)[:m]
+        wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+        out.append(dict(m=m, pad=pad, mma=mma, same_config=cfg == cfg_pad, split=cfg.split_k, rel=rel(y, x.double() @ wd.T),
+                        again=bool(torch.equal(again, y)), padded=bool(torch.equal(padded, y))))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_rows_independent_of_padding_and_repeats_bit_identical_under_triton_interpreter():
+    """What vLLM needs of the op to give the same tokens and logprobs run to run: at the dispatch's own configs
+    (tensor-core kernel, MMA decode kernel with split-K summed in the kernel or by the reduce kernel, large-M split-K)
+    the same input twice gives the same bits, and a row's output does not depend on the rows beside it: the first M
+    rows of a batch padded with NaN / inf / huge rows (a CUDA-graph size's padding) equal the unpadded call's bit for
+    bit, where the padded M takes the same config."""
+    results = run_under_interpreter(_INTERP_ROWS_SCRIPT, timeout=600, extra_path=[SRC])
+    assert len(results) == 7
+    assert {r["split"] for r in results if r["mma"]} >= {3, 12}, results  # the split-K forms were exercised
+    for r in results:
+        assert r["same_config"], r  # the cases are chosen so that padding keeps the config
+        assert r["rel"] == r["rel"] and r["rel"] < 2e-3, r
+        assert r["again"] and r["padded"], r
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------

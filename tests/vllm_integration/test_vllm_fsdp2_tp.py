@@ -17,19 +17,25 @@ at step 1):
   the controller's float32 draw gathered whole from the shards (bit-identical), and after it the clean weights are
   back, bit-identical.
 
-This file is also the worker: ``accelerate launch ... tests/vllm_integration/test_vllm_fsdp2_tp.py MODEL_DIR OUT_DIR``.
+This file is also the worker: ``accelerate launch ... tests/vllm_integration/test_vllm_fsdp2_tp.py MODEL_DIR OUT_DIR
+DIAG_DIR`` (each worker dumps its Python stacks into ``DIAG_DIR/stacks-rank{r}.txt`` on SIGUSR1). A launch that runs
+past :data:`LAUNCH_TIMEOUT_S` fails the test with both workers' stacks instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +44,9 @@ FSDP2_CONFIG = REPO / "recipes" / "accelerate" / "fsdp2.yaml"
 SOURCES = [
     REPO / p for p in ("packages/qerl-trl/src", "packages/nvfp4/src", "packages/aqn/src", "integrations/vllm/src")
 ]
+#: a pass takes ~35 s on 2 idle cores, ~2 min while other jobs share them; a hang fails long before CI's 900 s
+LAUNCH_TIMEOUT_S = 420
+SHM = Path("/dev/shm")
 
 
 def even_token_reward(completions, completion_ids, **kwargs):
@@ -61,7 +70,8 @@ def run(model_dir: str, out_dir: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     vllm = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20,
-            "cache_dir": str(Path(out_dir) / "engine-ckpt")}  # fmt: skip
+            "cache_dir": str(Path(out_dir) / "engine-ckpt"),
+            "adapter_dir": str(Path(out_dir) / "engine-adapters")}  # fmt: skip  # not /dev/shm: a killed run leaks it
     argv = ["offline-default", "--model_name_or_path", model_dir, "--output_dir", out_dir,
             "--per_device_train_batch_size", "4", "--num_generations", "4", "--gradient_accumulation_steps", "1",
             "--lora_r", "8", "--lora_alpha", "8", "--max_completion_length", "6", "--max_steps", "2",
@@ -141,23 +151,98 @@ def _tiny_dir(root: Path) -> Path:
     return path
 
 
+def _workers(launcher: int) -> list[int]:
+    """The pids of this file's worker processes under the ``accelerate launch`` process ``launcher`` (torchrun starts
+    them in sessions of their own, so the launch's process group does not reach them)."""
+    found, todo = [], [launcher]
+    while todo:
+        pid = todo.pop()
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            todo.append(child)
+            try:
+                if Path(__file__).name in Path(f"/proc/{child}/cmdline").read_text():
+                    found.append(child)
+            except OSError:
+                pass
+    return found
+
+
+def _stop(launch: subprocess.Popen, diag: Path) -> str:
+    """Kill a launch that hangs, after each worker dumped its Python stacks (SIGUSR1: ``faulthandler``); the stacks."""
+    workers = _workers(launch.pid)
+    for sig in (signal.SIGUSR1, signal.SIGKILL):
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, sig)
+        time.sleep(3 if sig == signal.SIGUSR1 else 0)  # faulthandler writes the stacks
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launch.pid, signal.SIGKILL)
+    launch.wait()
+    stacks = [f"--- {f.name}\n{f.read_text()}" for f in sorted(diag.glob("stacks-rank*.txt"))]
+    return "\n".join(stacks) or f"no stacks written (workers found: {workers})"
+
+
+def _shm_in_use() -> set[str]:
+    """The /dev/shm files some process maps now."""
+    used = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            used.update(line.split(None, 5)[-1] for line in maps.read_text().splitlines() if " /dev/shm/" in line)
+        except OSError:  # gone, or not ours to read
+            pass
+    return used
+
+
+def _remove_stale_cpushm(min_age_s: float = 60.0) -> list[str]:
+    """vLLM-CPU's TP shared-memory segments (``/dev/shm/*cpushm*``) that no process maps: a worker killed or ended by
+    ``os._exit`` leaves them, and the next engine of the same group name then fails to create them (errno 17). Its
+    group names are fixed under the external launcher (no run id), so a leftover breaks every later run."""
+    if not SHM.is_dir():
+        return []
+    used, now, removed = _shm_in_use(), time.time(), []
+    for f in SHM.glob("*cpushm*"):
+        try:
+            if str(f) not in used and now - f.stat().st_mtime > min_age_s:
+                f.unlink()
+                removed.append(f.name)
+        except OSError:
+            pass
+    return removed
+
+
 def test_qerl_train_fsdp2_with_a_tensor_parallel_vllm_engine(tmp_path):
     from ports import free_port
 
+    _remove_stale_cpushm()
     model_dir = _tiny_dir(tmp_path)
-    out = tmp_path / "run"
+    out, diag = tmp_path / "run", tmp_path / "diag"
+    diag.mkdir()
     pythonpath = os.pathsep.join([*map(str, SOURCES), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath,
            "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the external launcher sets its own
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-           __file__, str(model_dir), str(out)]  # fmt: skip
+           __file__, str(model_dir), str(out), str(diag)]  # fmt: skip
+    log_path = tmp_path / "launch.log"
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=900)
+    with log_path.open("w") as log:
+        launch = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            returncode, stacks = launch.wait(timeout=LAUNCH_TIMEOUT_S), None
+        except subprocess.TimeoutExpired:
+            returncode, stacks = None, _stop(launch, diag)
+            _remove_stale_cpushm(min_age_s=0)  # the killed workers' segments
+    if stacks is not None:
+        pytest.fail(f"the 2-process launch did not finish in {LAUNCH_TIMEOUT_S} s (a hang); the workers' Python "
+                    f"stacks:\n{stacks}\n--- the launch's log, last lines:\n{log_path.read_text()[-4000:]}")  # fmt: skip
     seconds = time.perf_counter() - start
-    (tmp_path / "launch.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    output = log_path.read_text()
+    assert returncode == 0, output[-8000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     print(f"\n2-process FSDP2 qerl train with a TP=2 vLLM engine, 2 steps: {seconds:.0f} s; rank 0: {ranks[0]}")
     for r in ranks:
@@ -170,11 +255,13 @@ def test_qerl_train_fsdp2_with_a_tensor_parallel_vllm_engine(tmp_path):
         assert r["sigma"] > 0 and r["adapter_equal"] and r["adapter_tensors"] == 28
         assert r["noised_norms"] == 4 and r["noisy_equal"] and r["noise_moved"] and r["others_clean"]
         assert r["restored"]
-    assert "Invalid process group" not in proc.stderr  # closing the TP engine left the launch's group alone
+    assert "Invalid process group" not in output  # closing the TP engine left the launch's group alone
     assert ranks[0]["adapter_sum"] == ranks[1]["adapter_sum"]
     # each process kept its own rows of the group's generation: 4 per step, not the other rank's
     assert [len(r["completions"]) for r in ranks] == [8, 8] and ranks[0]["completions"] != ranks[1]["completions"]
 
 
 if __name__ == "__main__":
+    stacks_file = open(Path(sys.argv[3], f"stacks-rank{os.environ['RANK']}.txt"), "w")  # noqa: SIM115 - open till exit
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)  # the test's view of a hang
     run(sys.argv[1], sys.argv[2])

@@ -115,20 +115,21 @@ def engine_checkpoint(
     tag = scheme.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
     key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
-    if (target / "config.json").is_file():
-        return str(target)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # several trainer processes (one machine): transformers' save_pretrained writes on global rank 0 only, so
-        # that one saves and the others wait for it
-        if dist.get_rank() == 0:
+        # that one saves and the others wait for it. Every rank takes the barrier, cached or not: a rank that looked
+        # for the checkpoint only after rank 0 had written it would skip the barrier rank 0 waits in, and the next
+        # collectives would pair up wrongly (the FSDP2 + TP test's hang)
+        if dist.get_rank() == 0 and not (target / "config.json").is_file():
             _save_engine_checkpoint(target, model, src)
         dist.barrier()
         if not (target / "config.json").is_file():
             raise FileNotFoundError(f"{target}: rank 0 wrote no engine checkpoint here (vllm.cache_dir must be shared)")
         return str(target)
-    _save_engine_checkpoint(target, model, src)
+    if not (target / "config.json").is_file():
+        _save_engine_checkpoint(target, model, src)
     return str(target)
 
 

@@ -612,7 +612,7 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
         steps = k // (64 * quarters)
         # --fewer-stages: also one cp.async stage less (less shared memory: more programs per SM hide more latency)
         for st in (stages, stages - 1) if FEWER_STAGES and stages > 2 else (stages,):
-            for target in (kern._NUM_SMS, 2 * kern._NUM_SMS):
+            for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
                 split = max(1, min(-(-target // programs), steps // 2))
                 out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, st, True, group_m=8, mma=True,
                                         large_m=True))  # fmt: skip
@@ -644,7 +644,7 @@ def fwd_candidates(m: int, n: int, k: int, mma: bool = True, retune_small_m: boo
         for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)):
             for pf in (False, True):
                 for tgt in (264, 528):
-                    split = kern._pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
+                    split = kern.pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
                     out.append(LinearConfig(1, bn, bk, split, 4, 1, gemv=True, prefetch=pf))
     if m <= 128:
         out += [kern.tc_config(m, n, k), kern.tc_config(m, n, k, prefetch=True)]

@@ -308,9 +308,11 @@ def _launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
             f.result()
 
 
-def _eval_metrics(folder: Path) -> dict | None:
-    path = folder / "eval.json"
-    return json.loads(path.read_text()).get("metrics") if path.is_file() else None
+def _pass_rates(folder: Path) -> dict:
+    """Greedy pass@1 and sampled pass@4 of one evaluation folder (None where its eval did not finish)."""
+    g, smp = ((folder / k / "eval.json") for k in ("greedy", "sampled"))
+    g, smp = (json.loads(f.read_text()).get("metrics") if f.is_file() else None for f in (g, smp))
+    return {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
 
 
 def _ci95(values: list[float]) -> tuple[float, float] | None:
@@ -333,8 +335,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
     for task in tasks:
         base = {}
         for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms} | {"none", "rtn"}):
-            g, smp = (_eval_metrics(runs / task / f"base-{quant}" / k) for k in ("greedy", "sampled"))
-            base[quant] = {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
+            base[quant] = _pass_rates(runs / task / f"base-{quant}")
         per_arm: dict = {}
         for arm in arms:
             spec = GPU_ARMS[arm]
@@ -346,9 +347,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
                     continue
                 evals = {"0": base[spec["quantization"]]}
                 for step in sorted(s for s in eval_at if s > 0):
-                    g, smp = (_eval_metrics(out / f"eval-{step}" / k) for k in ("greedy", "sampled"))
-                    evals[str(step)] = {"greedy_pass@1": g and g.get("pass@1"),
-                                        "sampled_pass@4": smp and smp.get("pass@4")}  # fmt: skip
+                    evals[str(step)] = _pass_rates(out / f"eval-{step}")
                 wall = json.loads((out / "wall_time.json").read_text()) if (out / "wall_time.json").is_file() else {}
                 acc_key = next((k for k in rows[0] if k.startswith("rewards/") and "accuracy" in k and
                                 k.endswith("/mean")), None)  # fmt: skip
@@ -419,6 +418,18 @@ def take_arms_from(res: dict, specs: list[str]) -> None:
                                                f"stopped it after {checked} steps, all identical to that run's.")
 
 
+def _curves(arm: dict, key: str):
+    """``arm``'s per-seed curves of ``key`` cut to the shortest, as a ``[seeds, steps]`` array (None as NaN); None
+    when no seed has the curve."""
+    import numpy as np
+
+    curves = [s[key] for s in arm.get("seeds", {}).values() if s.get(key)]
+    if not curves:
+        return None
+    n = min(len(c) for c in curves)
+    return np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
+
+
 def _summary_rows(res: dict) -> list[dict]:
     """Per (task, arm): held-out accuracy at the first and last eval (mean, 95 % CI over seeds), final reward, and
     steps to reach 50 % of bf16 + LoRA's final reward (mean curve over seeds, smoothed over 10 steps)."""
@@ -427,14 +438,11 @@ def _summary_rows(res: dict) -> list[dict]:
     rows = []
     for task, data in res["tasks"].items():
         def mean_curve(arm: str, key: str, data: dict = data):
-            curves = [s[key] for s in data["arms"].get(arm, {}).get("seeds", {}).values() if s.get(key)]
-            if not curves:
+            arr = _curves(data["arms"].get(arm, {}), key)
+            if arr is None:
                 return None
-            n = min(len(c) for c in curves)
-            arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
-            m = np.nanmean(arr, 0)
-            k = min(10, n)
-            return np.convolve(m, np.ones(k) / k, mode="valid")
+            k = min(10, arr.shape[1])
+            return np.convolve(np.nanmean(arr, 0), np.ones(k) / k, mode="valid")
 
         ref = mean_curve("bf16+LoRA", "reward")
         target = 0.5 * ref[-1] if ref is not None and len(ref) and ref[-1] > 0 else None
@@ -449,7 +457,7 @@ def _summary_rows(res: dict) -> list[dict]:
                     row[f"{key} {label}"] = (ci if ci else (vals[0], None)) if vals else None
             cur = mean_curve(arm, "reward")
             row["final_reward"] = None if cur is None else float(cur[-1])
-            window = None if cur is None else len(_reward_curve_len(data, arm)) - len(cur) + 1
+            window = None if cur is None else _curves(a, "reward").shape[1] - len(cur) + 1
             hit = None if cur is None or target is None else next((i + window for i, v in enumerate(cur) if v >= target),
                                                                    None)  # fmt: skip
             row["steps_to_half_bf16_final"] = hit
@@ -457,12 +465,6 @@ def _summary_rows(res: dict) -> list[dict]:
             row["entropy_first_20"] = None if ent is None else float(ent[: max(1, 20 - 9)].mean())
             rows.append(row)
     return rows
-
-
-def _reward_curve_len(data: dict, arm: str) -> range:
-    """Steps of the shortest reward curve of ``arm`` (the x range of its mean curve before smoothing)."""
-    curves = [s["reward"] for s in data["arms"][arm]["seeds"].values() if s.get("reward")]
-    return range(min(len(c) for c in curves)) if curves else range(0)
 
 
 def table_gpu(res: dict) -> str:
@@ -503,16 +505,14 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
                   ("aqn_sigma", "AQN σ"), ("completion_length", "tokens"))  # fmt: skip
         for axis, (key, ylabel) in zip(axes[:4], panels):
             for arm, a in data["arms"].items():
-                curves = [s[key] for s in a["seeds"].values() if s.get(key)]
-                if not curves:
+                arr = _curves(a, key)
+                if arr is None:
                     continue
-                n = min(len(c) for c in curves)
-                arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
-                x = np.arange(1, n + 1)
+                x = np.arange(1, arr.shape[1] + 1)
                 mean = np.nanmean(arr, 0)
-                axis.plot(x, mean, color=GPU_COLORS[arm], lw=1.8, label=f"{arm} ({len(curves)} seeds)")
-                if len(curves) > 1:
-                    half = 1.96 * np.nanstd(arr, 0, ddof=1) / np.sqrt(len(curves))
+                axis.plot(x, mean, color=GPU_COLORS[arm], lw=1.8, label=f"{arm} ({len(arr)} seeds)")
+                if len(arr) > 1:
+                    half = 1.96 * np.nanstd(arr, 0, ddof=1) / np.sqrt(len(arr))
                     axis.fill_between(x, mean - half, mean + half, color=GPU_COLORS[arm], alpha=0.15)
             axis.set_xlabel("training step")
             axis.set_ylabel(ylabel)

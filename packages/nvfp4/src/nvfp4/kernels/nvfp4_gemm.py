@@ -44,6 +44,7 @@ __all__ = [
     "nvfp4_linear_dgrad",
     "nvfp4_lora_linear",
     "pick_split",
+    "splitk_counters_left",
 ]
 
 #: the GEMM's Triton kernels by name, for tools that compile them for sm_90 without a GPU (benchmarks/kernel_sass.py)
@@ -315,6 +316,13 @@ def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_spl
 # one device share them: kernels on two concurrent streams must not both use the fused reduction.
 _SPLITK_COUNTERS: dict[torch.device, torch.Tensor] = {}
 SPLITK_COUNTERS = 1 << 16
+
+
+def splitk_counters_left() -> int:
+    """Split-K tickets and stream-K flags still non-zero, over every device's counters: 0 whenever no launch is in
+    flight (each launch leaves what it used at zero), so a non-zero count names a launch that did not
+    (benchmarks/vllm_gpu/repro_probe.py checks it)."""
+    return sum(int(c.count_nonzero()) for c in _SPLITK_COUNTERS.values())
 
 
 def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:

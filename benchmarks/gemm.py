@@ -55,8 +55,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common/, also when a test loads this file
 
+import common  # noqa: E402, F401  (the workspace packages on sys.path)
+from common.shapes import linear_shapes  # noqa: E402
 from nvfp4 import NVFP4Linear, mxfp4  # noqa: E402
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
@@ -64,21 +66,11 @@ from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 from nvfp4.kernels.large_m import LARGE_M_TILES  # noqa: E402
 from nvfp4.layout import mma_layout_supported, to_mma_layout  # noqa: E402
 
+#: name → {linear: (N=out, K=in)} of one decoder layer (q, k, v, o, gate, up, down), from common.shapes
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
-    # name → {linear: (N=out, K=in)}
-    "Qwen2.5-7B": {
-        "q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584),
-        "gate": (18944, 3584), "up": (18944, 3584), "down": (3584, 18944),
-    },
-    "Qwen2.5-14B": {
-        "q": (5120, 5120), "k": (1024, 5120), "v": (1024, 5120), "o": (5120, 5120),
-        "gate": (13824, 5120), "up": (13824, 5120), "down": (5120, 13824),
-    },
-    "Qwen2.5-32B": {
-        "q": (5120, 5120), "k": (1024, 5120), "v": (1024, 5120), "o": (5120, 5120),
-        "gate": (27648, 5120), "up": (27648, 5120), "down": (5120, 27648),
-    },
-}  # fmt: skip
+    f"Qwen2.5-{key.upper()}": {name.removesuffix("_proj"): nk for name, nk in linear_shapes(key).items()}
+    for key in ("7b", "14b", "32b")
+}
 FWD_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
@@ -612,7 +604,7 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
         steps = k // (64 * quarters)
         # --fewer-stages: also one cp.async stage less (less shared memory: more programs per SM hide more latency)
         for st in (stages, stages - 1) if FEWER_STAGES and stages > 2 else (stages,):
-            for target in (kern._NUM_SMS, 2 * kern._NUM_SMS):
+            for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
                 split = max(1, min(-(-target // programs), steps // 2))
                 out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, st, True, group_m=8, mma=True,
                                         large_m=True))  # fmt: skip
@@ -644,7 +636,7 @@ def fwd_candidates(m: int, n: int, k: int, mma: bool = True, retune_small_m: boo
         for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)):
             for pf in (False, True):
                 for tgt in (264, 528):
-                    split = kern._pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
+                    split = kern.pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
                     out.append(LinearConfig(1, bn, bk, split, 4, 1, gemv=True, prefetch=pf))
     if m <= 128:
         out += [kern.tc_config(m, n, k), kern.tc_config(m, n, k, prefetch=True)]

@@ -104,17 +104,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import (
-    RESULTS,
-    csv_list,
-    device_name,
-    gb,
-    merge_results,
-    now,
-    rss_peak_gb,
-    versions,
-    write_result,
-)
+from common.env import RESULTS, csv_list, device_name, gb, merge_results, now, rss_peak_gb, versions, write_result
 from common.models import ARM_LABEL, OURS, add_lora, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
@@ -161,9 +151,8 @@ def make_tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", model_max_length=1 << 20
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   model_max_length=1 << 20)  # fmt: skip
     fast.padding_side = "left"
     return fast
 
@@ -397,22 +386,11 @@ def _step_row(c: dict, group: int) -> dict:
         r["completion_len_sd"] = round(statistics.pstdev(lens), 1)
         r["completion_len_p50_p90_p99"] = [q[min(len(q) - 1, int(f * len(q)))] for f in (0.5, 0.9, 0.99)]
     r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
-    r["decode_tok_s"] = (
-        round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
-    )  # the prefill yields each sequence's first token
-    for k in (
-        "peak_gpu_gb",
-        "peak_gpu_reserved_gb",
-        "peak_after_gen_gb",
-        "peak_after_loss_fwd_gb",
-        "peak_after_backward_gb",
-        "peak_after_optimizer_gb",
-        "peak_rss_gb",
-        "dynamo",
-        "graph_break_reasons",
-        "torch_log",
-        "trl_log",
-    ):
+    # the prefill yields each sequence's first token
+    r["decode_tok_s"] = round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
+    for k in ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb",
+              "peak_after_backward_gb", "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons",
+              "torch_log", "trl_log"):  # fmt: skip
         if k in c:
             r[k] = c[k]
     return r
@@ -425,47 +403,26 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     if not meas:
         return
     s = {}
-    for k in (
-        "step_s",
-        "gen_s",
-        "sync_s",
-        "prefill_s",
-        "aqn_s",
-        "decode_s",
-        "score_s",
-        "score_fwd_s",
-        "loss_fwd_s",
-        "backward_s",
-        "clip_s",
-        "optimizer_s",
-        "other_s",
-        "gen_tok_s",
-        "decode_tok_s",
-    ):
+    for k in ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
+              "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s"):  # fmt: skip
         s[k] = _median([r.get(k) for r in meas])
     s["warmup_step_s"] = round(sum(r["step_s"] for r in warm), 3) if warm else None
     s["step_s_min"] = round(min(r["step_s"] for r in meas), 4)
     # compile estimate: the warm-up steps' time minus what they would take at the measured steps' per-token speed
     per_tok = (s["decode_s"] or 0.0) / max(meas[0]["expected_len"] or 1, 1)
     rest = s["step_s"] - (s["decode_s"] or 0.0)
-    s["compile_s_est"] = (
-        round(sum(r["step_s"] - rest - per_tok * (r["expected_len"] or 0) for r in warm), 2) if warm else None
-    )
+    s["compile_s_est"] = round(sum(r["step_s"] - rest - per_tok * (r["expected_len"] or 0) for r in warm), 2) if warm \
+        else None  # fmt: skip
     peaks = [r.get("peak_gpu_gb") for r in rows if r.get("peak_gpu_gb") is not None]
     s["peak_gpu_gb"] = max(peaks) if peaks else None
     resv = [r.get("peak_gpu_reserved_gb") for r in rows if r.get("peak_gpu_reserved_gb") is not None]
     s["peak_gpu_reserved_gb"] = max(resv) if resv else None
     s["peak_rss_gb"] = rss_peak_gb()
     if args.eos_mean_tokens:  # spread lengths: each row ends after --min-new-tokens, at the cap at the latest
-        lens_ok = all(
-            min(args.min_new_tokens, r["expected_len"] - 1) < r["completion_len_min"]
-            and r["completion_len_max"] <= r["expected_len"]
-            for r in rows
-        )
+        lens_ok = all(min(args.min_new_tokens, r["expected_len"] - 1) < r["completion_len_min"]
+                      and r["completion_len_max"] <= r["expected_len"] for r in rows)  # fmt: skip
     else:
-        lens_ok = all(
-            r["completion_len_min"] == r["expected_len"] and r["completion_len_max"] == r["expected_len"] for r in rows
-        )
+        lens_ok = all(r["completion_len_min"] == r["expected_len"] == r["completion_len_max"] for r in rows)
     s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
     dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in _DYN_KEYS}
@@ -477,17 +434,10 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
             reasons[k.split("\n")[0][:160]] = v
     s["warmup_graph_break_reasons"] = reasons
     s["dynamo_measured"] = dyn_meas
-    s["compiled_path_ok"] = (
-        None
-        if not compiled
-        else bool(
-            dyn_warm["unique_graphs"] >= 1
-            and dyn_meas["unique_graphs"] == 0
-            and dyn_meas["graph_breaks"] == 0
-            and dyn_meas["frames_ok"] == 0
-            and (not cuda or dyn_meas["cudagraph_skips"] == 0)
-        )
-    )
+    # compiled on the warm-up, and the measured steps neither compiled, broke, ran a new frame nor skipped a CUDA graph
+    quiet = dyn_meas["unique_graphs"] == dyn_meas["graph_breaks"] == dyn_meas["frames_ok"] == 0
+    s["compiled_path_ok"] = None if not compiled else bool(
+        dyn_warm["unique_graphs"] >= 1 and quiet and (not cuda or dyn_meas["cudagraph_skips"] == 0))  # fmt: skip
     res["summary"] = s
 
 
@@ -639,33 +589,15 @@ def run_worker(args) -> dict:
         gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
     res["rollout_engine"] = engine
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
-        output_dir=outdir,
-        per_device_train_batch_size=args.per_device_batch or args.group,
-        num_generations=args.group,
-        gradient_accumulation_steps=args.grad_accum,
-        max_completion_length=args.completion_len,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        generation_kwargs=gen_kwargs,
-        learning_rate=1e-5,
-        beta=args.beta,
-        max_steps=n_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=cuda and dtype == torch.bfloat16,
+        output_dir=outdir, per_device_train_batch_size=args.per_device_batch or args.group, num_generations=args.group,
+        gradient_accumulation_steps=args.grad_accum, max_completion_length=args.completion_len, temperature=1.0,
+        top_p=1.0, top_k=0, generation_kwargs=gen_kwargs, learning_rate=1e-5, beta=args.beta, max_steps=n_steps,
+        logging_steps=1, save_strategy="no", report_to="none", bf16=cuda and dtype == torch.bfloat16,
         gradient_checkpointing=args.grad_ckpt,
         gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
-        ddp_broadcast_buffers=False,
-        ddp_find_unused_parameters=False,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        log_completions=False,
-        use_cpu=not cuda,
-    )
+        ddp_broadcast_buffers=False, ddp_find_unused_parameters=False, seed=0, data_seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False, use_cpu=not cuda,
+    )  # fmt: skip
     if stock_trl:
         from trl import GRPOConfig
 
@@ -680,21 +612,13 @@ def run_worker(args) -> dict:
                             "kv_cache_memory_bytes": ckpt["kv_cache_bytes"],
                             "gpu_memory_utilization": ckpt["gpu_memory_utilization"]}  # fmt: skip
         else:
-            qerl |= dict(
-                generation_prompt_cache_len=cache_prompt,  # the memory plan's prompt cap
-                generation_wave_rows=args.wave_rows or None,
-                cache_implementation=None if args.no_static_cache else "static",
-                compile_generation=not args.no_compile,  # the trainer's compiled decode on CUDA (knobs set below)
-            )
+            # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
+            qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
+                         cache_implementation=None if args.no_static_cache else "static",
+                         compile_generation=not args.no_compile)  # fmt: skip
         cfg = QeRLConfig(**shared, **qerl)
-    trainer = TimedTrainer(
-        model=model,
-        reward_funcs=make_reward(vocab),
-        args=cfg,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[step_clock],
-    )
+    trainer = TimedTrainer(model=model, reward_funcs=make_reward(vocab), args=cfg, train_dataset=dataset,
+                           processing_class=tokenizer, callbacks=[step_clock])  # fmt: skip
     step_clock.trainer = trainer
     compiled = not args.no_compile and not args.no_static_cache and not on_vllm
     if on_vllm:  # the adapter sync (ours) or TRL's merge + weight load, inside gen
@@ -723,28 +647,13 @@ def run_worker(args) -> dict:
     if compiled and engine == "transformers":
         compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
         gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
-    res["generation_config"] = {
-        k: getattr(gcfg, k, None)
-        for k in (
-            "max_new_tokens",
-            "min_new_tokens",
-            "do_sample",
-            "temperature",
-            "top_p",
-            "top_k",
-            "cache_implementation",
-            "max_cache_len",
-        )
-    } | {
-        "compile": compiled,
-        "compile_config": (
-            None
-            if not compiled
-            else repr(gcfg.compile_config)
-            if engine == "transformers"
-            else graph_compile_options(args)
-        ),
-    }
+    keys = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "cache_implementation",
+            "max_cache_len")  # fmt: skip
+    knobs = None
+    if compiled:
+        knobs = repr(gcfg.compile_config) if engine == "transformers" else graph_compile_options(args)
+    res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
+                                                                             "compile_config": knobs}  # fmt: skip
     lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
     res["trainable_dtypes"] = lora_dtypes
     res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
@@ -769,15 +678,9 @@ def run_worker(args) -> dict:
     res["status"] = status
 
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        mine = {
-            "rank": rank,
-            "device": str(device),
-            "status": status,
-            "gen_tok_s": (res.get("summary") or {}).get("gen_tok_s"),
-            "step_s": (res.get("summary") or {}).get("step_s"),
-            "gen_s": (res.get("summary") or {}).get("gen_s"),
-            "peak_gpu_gb": (res.get("summary") or {}).get("peak_gpu_gb"),
-        }
+        summary = res.get("summary") or {}
+        mine = {"rank": rank, "device": str(device), "status": status}
+        mine |= {k: summary.get(k) for k in ("gen_tok_s", "step_s", "gen_s", "peak_gpu_gb")}
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, mine)
         res["per_process"] = gathered
@@ -1098,54 +1001,37 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--models", default="7b,14b", help="comma list of " + ",".join(m for m in MODELS if m != "tiny"))
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=1024, help="max_completion_length (= min_new_tokens)")
     ap.add_argument("--group", type=int, default=8, help="num_generations (and per_device_train_batch_size by default)")
     ap.add_argument("--per-device-batch", type=int, default=None, help="per_device_train_batch_size (default --group)")
-    ap.add_argument(
-        "--grad-accum", type=int, default=1, help="gradient_accumulation_steps (= TRL's steps_per_generation)"
-    )
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="gradient_accumulation_steps (= TRL's steps_per_generation)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps before the measured ones (compile)")
-    ap.add_argument(
-        "--warmup-completion-len",
-        type=int,
-        default=0,
-        help="completion length of the warm-up steps (default: --completion-len); the static cache keeps its full "
-        "size, so a short warm-up compiles the same decode graph (saves minutes at 32B)",
-    )
-    ap.add_argument(
-        "--eos-mean-tokens",
-        type=int,
-        default=None,
-        help="spread completion lengths: round(V / M) EOS ids, a row ends past --min-new-tokens with probability ~1/M "
-        "per token (0: fixed lengths; default: --lengths' or 0)",
-    )
+    ap.add_argument("--warmup-completion-len", type=int, default=0,
+                    help="completion length of the warm-up steps (default: --completion-len); the static cache keeps "
+                    "its full size, so a short warm-up compiles the same decode graph (saves minutes at 32B)")
+    ap.add_argument("--eos-mean-tokens", type=int, default=None,
+                    help="spread completion lengths: round(V / M) EOS ids, a row ends past --min-new-tokens with "
+                    "probability ~1/M per token (0: fixed lengths; default: --lengths' or 0)")
     ap.add_argument("--min-new-tokens", type=int, default=None, help="with --eos-mean-tokens: no EOS before this")
     ap.add_argument("--lengths", choices=sorted(LENGTH_PRESETS), help="preset --min-new-tokens / --eos-mean-tokens")
     ap.add_argument("--wave-rows", type=int, default=0, help="generation_wave_rows (0: the memory plan's, on CUDA)")
-    ap.add_argument(
-        "--prompt-cache-len",
-        type=int,
-        default=None,
-        help="prompt positions of the KV cache and the memory plan (a recipe's generation_prompt_cache_len, 1024 by "
-        "default there; default here: --prompt-len)",
-    )
+    ap.add_argument("--prompt-cache-len", type=int, default=None,
+                    help="prompt positions of the KV cache and the memory plan (a recipe's "
+                    "generation_prompt_cache_len, 1024 by default there; default here: --prompt-len)")
     ap.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing")
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
     ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off")
-    ap.add_argument(
-        "--input-require-grads",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after init",
-    )
+    ap.add_argument("--input-require-grads", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
+                    "init")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
@@ -1155,12 +1041,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
     ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
-    ap.add_argument(
-        "--rollout-engine",
-        default="transformers",
-        choices=ENGINES,
-        help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)",
-    )
+    ap.add_argument("--rollout-engine", default="transformers", choices=ENGINES,
+                    help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
     ap.add_argument("--recipe", help="run `qerl train RECIPE --rollout_engine vllm` (its whole step; run_recipe)")
     ap.add_argument("--recipe-overrides", help="--recipe: more `qerl train` options (CPU check: shorter completions)")
@@ -1253,13 +1135,9 @@ def main(argv=None) -> None:
             results.append(res)
             if main_proc:
                 s = res.get("summary") or {}
-                print(
-                    f"[{m}/{a}/{res['rollout_engine']}] {res.get('status')} in {res['wall_s']} s; "
-                    f"s/step {s.get('step_s')}, "
-                    f"gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak {s.get('peak_gpu_gb')} GB, "
-                    f"compiled ok={s.get('compiled_path_ok')}",
-                    flush=True,
-                )
+                print(f"[{m}/{a}/{res['rollout_engine']}] {res.get('status')} in {res['wall_s']} s; s/step "
+                      f"{s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak "
+                      f"{s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}", flush=True)  # fmt: skip
                 write_result(args.out, meta, results)
     if main_proc:
         print()

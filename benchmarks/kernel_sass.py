@@ -37,7 +37,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4" / "src"))
 
-from nvfp4.kernels import hopper_ws, large_m  # noqa: E402
+from nvfp4.kernels import hopper_ws  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -148,23 +148,23 @@ def main() -> None:
     if args.ws:
         ws_report(args.ws)
         return
+    mma, large, ct = (kern.JIT_KERNELS[k] for k in ("linear_mma", "linear_large_m", "linear"))
     cases = [
-        ("MMA layout, M<=16, 3 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=16), 4, 3),
-        ("MMA layout, M<=16, 3 stages, fused LoRA r=32", kern._linear_mma_kernel, {},
-         dict(BLOCK_M=16, HAS_LORA=True, BLOCK_R=32), 4, 3),
-        ("MMA layout, M<=64, 2 stages", kern._linear_mma_kernel, {}, dict(BLOCK_M=64), 4, 2),
-        ("MMA layout, M<=16, 3 stages, split-K summed in the kernel", kern._linear_mma_kernel, {"y_ptr": "*fp32"},
+        ("MMA layout, M<=16, 3 stages", mma, {}, dict(BLOCK_M=16), 4, 3),
+        ("MMA layout, M<=16, 3 stages, fused LoRA r=32", mma, {}, dict(BLOCK_M=16, HAS_LORA=True, BLOCK_R=32), 4, 3),
+        ("MMA layout, M<=64, 2 stages", mma, {}, dict(BLOCK_M=64), 4, 2),
+        ("MMA layout, M<=16, 3 stages, split-K summed in the kernel", mma, {"y_ptr": "*fp32"},
          dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True), 4, 3),
-        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32 beside every tile", kern._linear_mma_kernel,
-         {"y_ptr": "*fp32"}, dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32), 4, 3),
-        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32, x·Aᵀ once per split (SHARED_T)",
-         kern._linear_mma_kernel, {"y_ptr": "*fp32"},
-         dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32, SHARED_T=True), 4, 3),
-        ("large-M kernel, 64 x 128 tiles (1 tile, K step 64), 4 warps, 4 stages", large_m._linear_large_m_kernel,
-         _LARGE_M, dict(TILES=1, QUARTERS=1, BLOCK_M=128, GROUP_M=8), 4, 4),
-        ("large-M kernel, 128 x 256 tiles (2 tiles, K step 64), 8 warps, 3 stages", large_m._linear_large_m_kernel,
-         _LARGE_M, dict(TILES=2, QUARTERS=1, BLOCK_M=256, GROUP_M=8), 8, 3),
-        ("CT layout, M<=16 (tc_config)", kern._linear_kernel, _CT_EXTRA,
+        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32 beside every tile", mma, {"y_ptr": "*fp32"},
+         dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32), 4, 3),
+        ("MMA layout, M<=16, 3 stages, split-K summed, fused LoRA r=32, x·Aᵀ once per split (SHARED_T)", mma,
+         {"y_ptr": "*fp32"}, dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True, HAS_LORA=True, BLOCK_R=32, SHARED_T=True),
+         4, 3),
+        ("large-M kernel, 64 x 128 tiles (1 tile, K step 64), 4 warps, 4 stages", large, _LARGE_M,
+         dict(TILES=1, QUARTERS=1, BLOCK_M=128, GROUP_M=8), 4, 4),
+        ("large-M kernel, 128 x 256 tiles (2 tiles, K step 64), 8 warps, 3 stages", large, _LARGE_M,
+         dict(TILES=2, QUARTERS=1, BLOCK_M=256, GROUP_M=8), 8, 3),
+        ("CT layout, M<=16 (tc_config)", ct, _CT_EXTRA,
          dict(BLOCK_M=16, EVEN_K=True, SWAP=True, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, PREFETCH=False), 4, 1),
     ]  # fmt: skip
     for name, fn, extra, const, warps, stages in cases:

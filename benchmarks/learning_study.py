@@ -1,16 +1,6 @@
-"""Learning study (issue #8): bf16+LoRA vs NVFP4+LoRA vs NVFP4+LoRA+AQN, GRPO on the offline default model.
+"""Learning studies on the GPU (issues #21, #22): bf16 + LoRA against NVFP4 + LoRA (± AQN) and other 4-bit formats.
 
-Each arm x seed is one real ``qerl train offline-default`` run (same data, same steps, same hyper-parameters; only
-``--quantization`` / ``--aqn`` differ), followed by a greedy ``qerl eval`` of its adapter on the arithmetic test
-split; the base models (bf16 and NVFP4-RTN) are evaluated once each. Runs go to ``runs/learning_study/<arm>-s<seed>``
-(gitignored), two at a time with one torch thread each (``--lanes``), logs under ``/tmp``.
-
-    uv run python benchmarks/learning_study.py                 # train + eval + plot (~50 min on 2 shared CPU cores)
-    uv run python benchmarks/learning_study.py --plot-only     # re-read the run folders, write JSON + PNG
-
-Writes ``benchmarks/results/learning_study.json`` and ``docs/learning_study.png``.
-
-The GPU study (issue #21, ``--gpu``): four arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's
+The GPU study (issue #21): four arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's
 exponential σ schedule, NVFP4 + LoRA + AQN at a constant σ as the ablation) × seeds × two tasks — arithmetic as a
 curriculum (single-digit sums for the first half of the steps, then two-digit: ``digits: [1, 2]``, not shuffled) and
 GSM8K (``../shared/data/gsm8k``) — each a real ``qerl train`` run (graph rollout engine on CUDA) saving its adapter at
@@ -43,6 +33,10 @@ Writes ``benchmarks/results/learning_study_formats.json`` and ``docs/learning_st
 available as a further arm; every arm is selectable with ``--gpu --arms``.) The NF4 arm's LoRA adapters are fp32 like
 every other arm's (``QeRLGRPOTrainer`` undoes TRL's bf16 cast of QLoRA adapters), so the arms differ in the frozen
 4-bit base only.
+
+The CPU study of issue #8 (``--steps 15``, ``benchmarks/results/learning_study.json``, ``docs/learning_study.png``)
+left the tree; its code is ``benchmarks/learning_study.py@4f53c7b``. ``--gpu`` names the study that stays, so that the
+recorded command lines run as written.
 """
 
 from __future__ import annotations
@@ -62,24 +56,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {
-    "bf16+LoRA": {"tag": "bf16", "quantization": "none", "aqn": "false"},
-    "NVFP4+LoRA": {"tag": "nvfp4", "quantization": "rtn", "aqn": "false"},
-    "NVFP4+LoRA+AQN": {"tag": "nvfp4-aqn", "quantization": "rtn", "aqn": "true"},
-}
-COLORS = {"bf16+LoRA": "tab:gray", "NVFP4+LoRA": "tab:blue", "NVFP4+LoRA+AQN": "tab:red"}
-TRAIN_OVERRIDES = {
-    "per_device_train_batch_size": 16,
-    "gradient_accumulation_steps": 1,  # one micro-batch per step, as the recipe had it then (now 16 of 2)
-    "num_generations": 4,
-    "max_completion_length": 12,
-    "learning_rate": 5e-4,
-    "aqn_num_stages": 5,
-    "save_strategy": "no",
-    "disable_tqdm": "true",
-}
-EVAL_ARGS = ["--task", "arithmetic", "--split", "test", "--limit", "64", "--greedy", "--max-new-tokens", "12",
-             "--no-progress"]
 
 
 def _env() -> dict[str, str]:
@@ -97,87 +73,6 @@ def _run(cmd: list[str], log: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - start
 
 
-def _cached_eval(argv: list[str]) -> None:
-    """``qerl_trl.evaluation.main(argv)`` with NVFP4 weights dequantized once (``nvfp4.cache_dequantized``).
-
-    ``qerl eval`` on CPU runs the NVFP4 reference path, which re-dequantizes every weight on every decoded token; the
-    cache gives the same numbers (bit-identical by construction) several times faster. Dense models are unaffected.
-    """
-    import nvfp4
-    import qerl_trl.evaluation as ev
-
-    plain = ev.evaluate
-
-    def evaluate(model, *args, **kwargs):
-        with nvfp4.cache_dequantized(model, model.get_input_embeddings().weight.dtype):
-            return plain(model, *args, **kwargs)
-
-    ev.evaluate = evaluate
-    ev.main(argv)
-
-
-def _eval_cmd(quantize: str, out: Path, adapter: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--model", "offline-default", "--quantization",
-           quantize, *EVAL_ARGS, "--output", str(out)]
-    return cmd + (["--adapter", str(adapter)] if adapter else [])
-
-
-def _job_train(arm: str, seed: int, steps: int, runs: Path, logs: Path) -> None:
-    spec = ARMS[arm]
-    out = runs / f"{spec['tag']}-s{seed}"
-    if (out / "metrics.jsonl").is_file() and not (out / "final" / "adapter_config.json").is_file():
-        # a run a previous driver started is still going (its process outlives that driver): wait for it
-        print(f"[{time.strftime('%H:%M:%S')}] waiting for {out} to finish", flush=True)
-        while not (out / "final" / "adapter_config.json").is_file():
-            time.sleep(10)
-    if (out / "final" / "adapter_config.json").is_file():
-        print(f"[skip] {out} already trained", flush=True)
-    else:
-        cmd = [sys.executable, "-m", "qerl_trl.cli", "train", "offline-default", "--output_dir", str(out),
-               "--seed", str(seed), "--max_steps", str(steps), "--quantization", spec["quantization"],
-               "--aqn", spec["aqn"]]
-        for k, v in TRAIN_OVERRIDES.items():
-            cmd += [f"--{k}", str(v)]
-        print(f"[{time.strftime('%H:%M:%S')}] train {arm} seed {seed}", flush=True)
-        rc, sec = _run(cmd, logs / f"train-{spec['tag']}-s{seed}.log")
-        (out).mkdir(parents=True, exist_ok=True)
-        (out / "wall_time.json").write_text(json.dumps({"train_wall_s": sec, "rc": rc}))
-        print(f"[{time.strftime('%H:%M:%S')}] done {arm} seed {seed}: rc {rc}, {sec:.0f} s", flush=True)
-    if (out / "final" / "adapter_config.json").is_file() and not (out / "eval" / "eval.json").is_file():
-        _run(_eval_cmd(spec["quantization"], out / "eval", out / "final"), logs / f"eval-{spec['tag']}-s{seed}.log")
-
-
-def _job_base_eval(quantize: str, runs: Path, logs: Path) -> None:
-    out = runs / f"base-{quantize}"
-    if not (out / "eval.json").is_file():
-        print(f"[{time.strftime('%H:%M:%S')}] eval base quantize={quantize}", flush=True)
-        _run(_eval_cmd(quantize, out), logs / f"eval-base-{quantize}.log")
-
-
-def launch(steps: int, seeds: list[int], runs: Path, logs: Path) -> None:
-    """Two lanes; arm order so that an interrupted study still has every arm at least once."""
-    runs.mkdir(parents=True, exist_ok=True)
-    logs.mkdir(parents=True, exist_ok=True)
-    arms = list(ARMS)
-    lanes: list[list] = [[("base", "none")], [("base", "rtn")]]
-    for i, seed in enumerate(seeds):
-        order = arms if i % 2 == 0 else arms[::-1]
-        lanes[i % 2] += [("train", arm, seed) for arm in order]
-
-    def worker(jobs: list) -> None:
-        for job in jobs:
-            if job[0] == "base":
-                _job_base_eval(job[1], runs, logs)
-            else:
-                _job_train(job[1], job[2], steps, runs, logs)
-
-    threads = [threading.Thread(target=worker, args=(lane,)) for lane in lanes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 def _read_metrics(path: Path) -> list[dict]:
     rows: dict[int, dict] = {}
     if path.is_file():
@@ -187,138 +82,6 @@ def _read_metrics(path: Path) -> list[dict]:
                 if "reward" in row and "step" in row:
                     rows[int(row["step"])] = row
     return [rows[k] for k in sorted(rows)]
-
-
-def _accuracy(path: Path) -> float | None:
-    if not path.is_file():
-        return None
-    res = json.loads(path.read_text())
-    for key in ("accuracy", "pass@1", "mean_reward", "score"):
-        if key in res:
-            return float(res[key])
-    metrics = res.get("metrics", {})
-    for key in ("accuracy", "pass@1", "mean_reward"):
-        if key in metrics:
-            return float(metrics[key])
-    return None
-
-
-def collect(steps: int, seeds: list[int], runs: Path) -> dict:
-    import torch
-    import transformers
-    import trl
-
-    base = {q: _accuracy(runs / f"base-{q}" / "eval.json") for q in ("none", "rtn")}
-    arms: dict = {}
-    for arm, spec in ARMS.items():
-        per_seed = {}
-        for seed in seeds:
-            out = runs / f"{spec['tag']}-s{seed}"
-            rows = _read_metrics(out / "metrics.jsonl")
-            if not rows:
-                continue
-            wall = json.loads((out / "wall_time.json").read_text()) if (out / "wall_time.json").is_file() else {}
-            per_seed[str(seed)] = {
-                "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
-                "finished": (out / "final" / "adapter_config.json").is_file(),
-                "steps_logged": len(rows),
-                "reward": [r["reward"] for r in rows],
-                "accuracy_reward": [r.get("rewards/arithmetic_accuracy_reward/mean") for r in rows],
-                "answer_tag_reward": [r.get("rewards/answer_tag_reward/mean") for r in rows],
-                "entropy": [r.get("entropy") for r in rows],
-                "aqn_sigma": [r.get("aqn/sigma") for r in rows],
-                "completion_length": [r.get("completions/mean_length") for r in rows],
-                "eval_accuracy_before": base[spec["quantization"]],
-                "eval_accuracy_after": _accuracy(out / "eval" / "eval.json"),
-                "train_wall_s": wall.get("train_wall_s"),
-                "sum_step_time_s": sum(r.get("step_time", 0.0) for r in rows),
-            }
-        arms[arm] = {"settings": {"quantization": spec["quantization"], "aqn": spec["aqn"] == "true"},
-                     "seeds": per_seed}
-    return {
-        "benchmark": "learning_study",
-        "issue": 8,
-        "date": datetime.date.today().isoformat(),
-        "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared), OMP_NUM_THREADS=1, 2 runs at a time",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "trl": trl.__version__},
-        "settings": {
-            "recipe": "offline-default (SmolLM2-135M-Instruct, GRPO, arithmetic 1-digit '+', n_examples 2000, "
-                      "LoRA r=32 alpha=32, beta 0, T=1.0, AQN exponential 1e-2 -> 5e-4)",
-            "max_steps": steps, "seeds": seeds, "overrides": TRAIN_OVERRIDES,
-            "eval": "qerl_trl.evaluation " + " ".join(EVAL_ARGS) + " (accuracy on the first 64 test problems)",
-        },
-        "base_eval_accuracy": {"bf16": base["none"], "nvfp4-rtn": base["rtn"]},
-        "arms": arms,
-    }
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (ax, cx, ex, bx) = plt.subplots(1, 4, figsize=(21, 4.6), gridspec_kw={"width_ratios": [1.5, 1.5, 1.5, 1]})
-    labels, before, after_mean, after_lo, after_hi = [], [], [], [], []
-    for arm, data in result["arms"].items():
-        for axis, key in ((ax, "reward"), (cx, "accuracy_reward"), (ex, "entropy")):
-            curves = [s[key] for s in data["seeds"].values()]
-            if curves:
-                n = min(len(c) for c in curves)
-                arr = np.array([c[:n] for c in curves], dtype=float)
-                x = np.arange(1, n + 1)
-                axis.plot(x, arr.mean(0), color=COLORS[arm], label=f"{arm} ({len(curves)} seeds)", lw=2)
-                axis.fill_between(x, arr.min(0), arr.max(0), color=COLORS[arm], alpha=0.18)
-        accs = [s["eval_accuracy_after"] for s in data["seeds"].values() if s["eval_accuracy_after"] is not None]
-        labels.append(arm)
-        b = [s["eval_accuracy_before"] for s in data["seeds"].values() if s["eval_accuracy_before"] is not None]
-        before.append(b[0] if b else np.nan)
-        after_mean.append(np.mean(accs) if accs else np.nan)
-        after_lo.append(np.mean(accs) - min(accs) if accs else 0)
-        after_hi.append(max(accs) - np.mean(accs) if accs else 0)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward of the step's completions")
-    ax.set_title("GRPO reward vs step (mean, band = range over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    cx.set_xlabel("training step")
-    cx.set_ylabel("fraction of the step's completions correct")
-    cx.set_title("accuracy part of the reward (mean, band = range)")
-    cx.grid(alpha=0.3)
-    ex.set_xlabel("training step")
-    ex.set_ylabel("nats / token")
-    ex.set_title("policy entropy (TRL 'entropy', training forward)")
-    ex.grid(alpha=0.3)
-    xs = np.arange(len(labels))
-    bx.bar(xs - 0.2, before, 0.4, color="lightgray", edgecolor="k", label="before (base)")
-    bx.bar(xs + 0.2, after_mean, 0.4, yerr=[after_lo, after_hi], capsize=4,
-           color=[COLORS[a] for a in labels], edgecolor="k", label="after (mean, range)")
-    bx.set_xticks(xs, [a.replace("+", "+\n") for a in labels], fontsize=8)
-    bx.set_ylabel("greedy accuracy, arithmetic test[:64]")
-    bx.set_title("eval before / after")
-    bx.legend(fontsize=8)
-    bx.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"SmolLM2-135M-Instruct, arithmetic, {result['settings']['max_steps']} steps × 16 samples, CPU")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
-def table(result: dict) -> str:
-    lines = ["| arm | seed | steps | reward first 3 | reward last 3 | acc before | acc after | train wall s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for arm, data in result["arms"].items():
-        for seed, s in data["seeds"].items():
-            r = s["reward"]
-            first = sum(r[:3]) / len(r[:3])
-            last = sum(r[-3:]) / len(r[-3:])
-            fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-            wall = "—" if s["train_wall_s"] is None else f"{s['train_wall_s']:.0f}"
-            lines.append(f"| {arm} | {seed} | {s['steps_logged']} | {first:.3f} | {last:.3f} | "
-                         f"{fmt(s['eval_accuracy_before'])} | {fmt(s['eval_accuracy_after'])} | {wall} |")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ GPU study (#21)
@@ -337,8 +100,9 @@ GPU_ARMS = {
 # (the NVFP4 arms keep the alias "rtn" = "nvfp4-rtn": their base-model evals live in base-rtn/ folders)
 #: ``--formats``: NVFP4 + AQN vs MXFP4 + AQN vs NF4 (QLoRA), everything else as the GPU study
 FORMAT_ARMS = ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]
-GPU_COLORS = COLORS | {"NVFP4+LoRA+AQN const σ": "tab:orange", "MXFP4+LoRA+AQN": "tab:green",
-                       "NF4 (QLoRA)": "tab:purple", "NF4+LoRA+AQN": "tab:brown"}  # fmt: skip
+GPU_COLORS = {"bf16+LoRA": "tab:gray", "NVFP4+LoRA": "tab:blue", "NVFP4+LoRA+AQN": "tab:red",
+              "NVFP4+LoRA+AQN const σ": "tab:orange", "MXFP4+LoRA+AQN": "tab:green", "NF4 (QLoRA)": "tab:purple",
+              "NF4+LoRA+AQN": "tab:brown"}  # fmt: skip
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 # per task: trainer overrides, eval task options / limit / completion budget
 GPU_TASKS = {
@@ -387,7 +151,7 @@ def _gsm8k_path() -> Path:
 
 def gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int], out: Path, tiny: bool) -> list[str]:
     """The ``qerl train`` command line of one GPU run of the study (arm, seed, steps; checkpoints at ``eval_at``);
-    ``tiny``: CPU-smoke sizes. ``nan_hunt.py`` replays its bf16 + LoRA GSM8K run."""
+    ``tiny``: CPU-smoke sizes."""
     spec = GPU_ARMS[arm]
     cfg = dict(GPU_TRAIN) | dict(GPU_TASKS[task]["train"])
     prompts_per_step = cfg["per_device_train_batch_size"] // cfg["num_generations"]
@@ -544,9 +308,11 @@ def _launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
             f.result()
 
 
-def _eval_metrics(folder: Path) -> dict | None:
-    path = folder / "eval.json"
-    return json.loads(path.read_text()).get("metrics") if path.is_file() else None
+def _pass_rates(folder: Path) -> dict:
+    """Greedy pass@1 and sampled pass@4 of one evaluation folder (None where its eval did not finish)."""
+    g, smp = ((folder / k / "eval.json") for k in ("greedy", "sampled"))
+    g, smp = (json.loads(f.read_text()).get("metrics") if f.is_file() else None for f in (g, smp))
+    return {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
 
 
 def _ci95(values: list[float]) -> tuple[float, float] | None:
@@ -569,8 +335,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
     for task in tasks:
         base = {}
         for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms} | {"none", "rtn"}):
-            g, smp = (_eval_metrics(runs / task / f"base-{quant}" / k) for k in ("greedy", "sampled"))
-            base[quant] = {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
+            base[quant] = _pass_rates(runs / task / f"base-{quant}")
         per_arm: dict = {}
         for arm in arms:
             spec = GPU_ARMS[arm]
@@ -582,9 +347,7 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
                     continue
                 evals = {"0": base[spec["quantization"]]}
                 for step in sorted(s for s in eval_at if s > 0):
-                    g, smp = (_eval_metrics(out / f"eval-{step}" / k) for k in ("greedy", "sampled"))
-                    evals[str(step)] = {"greedy_pass@1": g and g.get("pass@1"),
-                                        "sampled_pass@4": smp and smp.get("pass@4")}  # fmt: skip
+                    evals[str(step)] = _pass_rates(out / f"eval-{step}")
                 wall = json.loads((out / "wall_time.json").read_text()) if (out / "wall_time.json").is_file() else {}
                 acc_key = next((k for k in rows[0] if k.startswith("rewards/") and "accuracy" in k and
                                 k.endswith("/mean")), None)  # fmt: skip
@@ -655,6 +418,18 @@ def take_arms_from(res: dict, specs: list[str]) -> None:
                                                f"stopped it after {checked} steps, all identical to that run's.")
 
 
+def _curves(arm: dict, key: str):
+    """``arm``'s per-seed curves of ``key`` cut to the shortest, as a ``[seeds, steps]`` array (None as NaN); None
+    when no seed has the curve."""
+    import numpy as np
+
+    curves = [s[key] for s in arm.get("seeds", {}).values() if s.get(key)]
+    if not curves:
+        return None
+    n = min(len(c) for c in curves)
+    return np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
+
+
 def _summary_rows(res: dict) -> list[dict]:
     """Per (task, arm): held-out accuracy at the first and last eval (mean, 95 % CI over seeds), final reward, and
     steps to reach 50 % of bf16 + LoRA's final reward (mean curve over seeds, smoothed over 10 steps)."""
@@ -663,14 +438,11 @@ def _summary_rows(res: dict) -> list[dict]:
     rows = []
     for task, data in res["tasks"].items():
         def mean_curve(arm: str, key: str, data: dict = data):
-            curves = [s[key] for s in data["arms"].get(arm, {}).get("seeds", {}).values() if s.get(key)]
-            if not curves:
+            arr = _curves(data["arms"].get(arm, {}), key)
+            if arr is None:
                 return None
-            n = min(len(c) for c in curves)
-            arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
-            m = np.nanmean(arr, 0)
-            k = min(10, n)
-            return np.convolve(m, np.ones(k) / k, mode="valid")
+            k = min(10, arr.shape[1])
+            return np.convolve(np.nanmean(arr, 0), np.ones(k) / k, mode="valid")
 
         ref = mean_curve("bf16+LoRA", "reward")
         target = 0.5 * ref[-1] if ref is not None and len(ref) and ref[-1] > 0 else None
@@ -685,7 +457,7 @@ def _summary_rows(res: dict) -> list[dict]:
                     row[f"{key} {label}"] = (ci if ci else (vals[0], None)) if vals else None
             cur = mean_curve(arm, "reward")
             row["final_reward"] = None if cur is None else float(cur[-1])
-            window = None if cur is None else len(_reward_curve_len(data, arm)) - len(cur) + 1
+            window = None if cur is None else _curves(a, "reward").shape[1] - len(cur) + 1
             hit = None if cur is None or target is None else next((i + window for i, v in enumerate(cur) if v >= target),
                                                                    None)  # fmt: skip
             row["steps_to_half_bf16_final"] = hit
@@ -693,12 +465,6 @@ def _summary_rows(res: dict) -> list[dict]:
             row["entropy_first_20"] = None if ent is None else float(ent[: max(1, 20 - 9)].mean())
             rows.append(row)
     return rows
-
-
-def _reward_curve_len(data: dict, arm: str) -> range:
-    """Steps of the shortest reward curve of ``arm`` (the x range of its mean curve before smoothing)."""
-    curves = [s["reward"] for s in data["arms"][arm]["seeds"].values() if s.get("reward")]
-    return range(min(len(c) for c in curves)) if curves else range(0)
 
 
 def table_gpu(res: dict) -> str:
@@ -739,16 +505,14 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
                   ("aqn_sigma", "AQN σ"), ("completion_length", "tokens"))  # fmt: skip
         for axis, (key, ylabel) in zip(axes[:4], panels):
             for arm, a in data["arms"].items():
-                curves = [s[key] for s in a["seeds"].values() if s.get(key)]
-                if not curves:
+                arr = _curves(a, key)
+                if arr is None:
                     continue
-                n = min(len(c) for c in curves)
-                arr = np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
-                x = np.arange(1, n + 1)
+                x = np.arange(1, arr.shape[1] + 1)
                 mean = np.nanmean(arr, 0)
-                axis.plot(x, mean, color=GPU_COLORS[arm], lw=1.8, label=f"{arm} ({len(curves)} seeds)")
-                if len(curves) > 1:
-                    half = 1.96 * np.nanstd(arr, 0, ddof=1) / np.sqrt(len(curves))
+                axis.plot(x, mean, color=GPU_COLORS[arm], lw=1.8, label=f"{arm} ({len(arr)} seeds)")
+                if len(arr) > 1:
+                    half = 1.96 * np.nanstd(arr, 0, ddof=1) / np.sqrt(len(arr))
                     axis.fill_between(x, mean - half, mean + half, color=GPU_COLORS[arm], alpha=0.15)
             axis.set_xlabel("training step")
             axis.set_ylabel(ylabel)
@@ -819,65 +583,42 @@ def main_gpu(args) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["_eval"]:
-        _cached_eval(sys.argv[2:])
-        return
     if sys.argv[1:2] == ["_eval_many"]:
         _eval_many(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "learning_study")
+    ap.add_argument("--gpu", action="store_true", help="the GPU study (the only one here; kept for recorded commands)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--runs", type=Path, default=None, help="run folders (default runs/<study>[_tiny])")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/learning_study_logs"))
     ap.add_argument("--plot-only", action="store_true", help="only read existing run folders and write JSON + PNG")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "learning_study.json")
-    ap.add_argument("--png", type=Path, default=ROOT / "docs" / "learning_study.png")
-    gpu = ap.add_argument_group("GPU study (issue #21)")
-    gpu.add_argument("--gpu", action="store_true", help="the GPU study: 4 arms x seeds x 2 tasks, evals at steps")
-    gpu.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
-    gpu.add_argument("--arms", default=None, help="comma list of arm names (default: the first four: bf16+LoRA, "
+    ap.add_argument("--json", type=Path, default=None, help="default benchmarks/results/<study>[_tiny].json")
+    ap.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
+    ap.add_argument("--arms", default=None, help="comma list of arm names (default: the first four: bf16+LoRA, "
                      "NVFP4+LoRA, NVFP4+LoRA+AQN, NVFP4+LoRA+AQN const σ); all: " + ", ".join(GPU_ARMS))
-    gpu.add_argument("--formats", action="store_true",
+    ap.add_argument("--formats", action="store_true",
                      help="the formats comparison (issue #22): --gpu with --arms " + ",".join(FORMAT_ARMS) + " and "
                           "--tasks arithmetic unless given; writes benchmarks/results/learning_study_formats.json and "
                           "docs/learning_study_formats_<task>.png")
-    gpu.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
-    gpu.add_argument("--parallel", type=int, default=12, help="runs at a time")
-    gpu.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL,
+    ap.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
+    ap.add_argument("--parallel", type=int, default=12, help="runs at a time")
+    ap.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL,
                      help="of those, evals at a time (GPU memory: a sampled GSM8K eval holds ~10 GB of KV cache)")
-    gpu.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
-    gpu.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
-    gpu.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
+    ap.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
+    ap.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "
                      "study's lifetime): on the H100, 12 GSM8K runs at once made ~16-18 steps/min each")
-    gpu.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
-    gpu.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
+    ap.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
+    ap.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
                      help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "
                           "steps it logged must equal that run's)")
     args = ap.parse_args()
     if args.formats:
-        args.gpu = True
         args.arms = args.arms or ",".join(FORMAT_ARMS)
-        if args.tasks == "arithmetic,gsm8k" and "--tasks" not in sys.argv:
+        if "--tasks" not in sys.argv:
             args.tasks = "arithmetic"
-    if args.gpu:
-        if args.steps == 15:  # the CPU study's default: the GPU study's is 150
-            args.steps = 150
-        if args.seeds == [0, 1]:
-            args.seeds = [0, 1, 2]
-        if args.runs == ROOT / "runs" / "learning_study":
-            args.runs = None
-        if args.json == ROOT / "benchmarks" / "results" / "learning_study.json":
-            args.json = None
-        return main_gpu(args)
-    if not args.plot_only:
-        launch(args.steps, args.seeds, args.runs, args.logs)
-    result = collect(args.steps, args.seeds, args.runs)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    plot(result, args.png)
-    print(f"written: {args.json}, {args.png}")
+    main_gpu(args)
 
 
 if __name__ == "__main__":

@@ -29,15 +29,25 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, device_name, now, rss_peak_gb, sync, versions
+from common.env import RESULTS, device_name, gb, now, rss_peak_gb, sync, versions, write_result
 from common.models import init_
 from common.shapes import MODELS, meta_model, qwen2_config
+from common.tables import markdown
 
 
 def _meta_model(model_key: str):
     import torch
 
     return meta_model(qwen2_config(model_key, dtype="bfloat16"), torch.bfloat16)
+
+
+def _gpu_peaks(device: str) -> dict[str, float]:
+    """Peak and current GPU memory allocated (GB) on CUDA; nothing on CPU."""
+    import torch
+
+    if device != "cuda":
+        return {}
+    return {"peak_gpu_gb": gb(torch.cuda.max_memory_allocated()), "final_gpu_gb": gb(torch.cuda.memory_allocated())}
 
 
 def run_layers(model_key: str, device: str, method: str) -> dict:
@@ -68,22 +78,9 @@ def run_layers(model_key: str, device: str, method: str) -> dict:
         init_(mod)
     sync()
     total = time.perf_counter() - t_all
-    out = {
-        "mode": "layers",
-        "model": model_key,
-        "method": method,
-        "device": device,
-        "linears_quantized": n_lin,
-        "params_quantized": n_params,
-        "quantize_s": round(t_quant, 3),
-        "random_init_s": round(t_init, 3),
-        "end_to_end_s": round(total, 3),
-        "peak_rss_gb": rss_peak_gb(),
-    }
-    if device == "cuda":
-        out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-        out["final_gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
-    return out
+    return {"mode": "layers", "model": model_key, "method": method, "device": device, "linears_quantized": n_lin,
+            "params_quantized": n_params, "quantize_s": round(t_quant, 3), "random_init_s": round(t_init, 3),
+            "end_to_end_s": round(total, 3), "peak_rss_gb": rss_peak_gb(), **_gpu_peaks(device)}  # fmt: skip
 
 
 def write_checkpoint(model_key: str, path: Path, device: str) -> dict:
@@ -133,15 +130,8 @@ def load_once(path: str, device: str, method: str | None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16, **kw)
     sync()
     dt = time.perf_counter() - t0
-    out = {
-        "load_s": round(dt, 3),
-        "nvfp4_linears": sum(isinstance(m, NVFP4Linear) for m in model.modules()),
-        "peak_rss_gb": rss_peak_gb(),
-    }
-    if device == "cuda":
-        out["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-        out["final_gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
-    return out
+    return {"load_s": round(dt, 3), "nvfp4_linears": sum(isinstance(m, NVFP4Linear) for m in model.modules()),
+            "peak_rss_gb": rss_peak_gb(), **_gpu_peaks(device)}  # fmt: skip
 
 
 def run_hf(model_key: str, device: str, method: str, ckpt_dir: Path, keep: bool) -> dict:
@@ -217,30 +207,23 @@ def main(argv=None) -> None:
             results.append(r)
         else:
             ap.error(f"unknown mode {mode}")
-        p = Path(args.out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps({**meta, "results": results}, indent=1))
+        write_result(args.out, meta, results)  # after every mode: a later mode's failure keeps it
 
-    print("\n| mode | model | method | quantize s | end to end s | peak GPU GB | peak host RSS GB |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    rows = []
     for r in results:
         if r["mode"] == "layers":
-            print(
-                f"| layers (quantize_model per layer) | {r['model']} | {r['method']} | {r['quantize_s']} | "
-                f"{r['end_to_end_s']} (incl. random init {r['random_init_s']}) | {r.get('peak_gpu_gb', '—')} | "
-                f"{r['peak_rss_gb']} |"
-            )
+            rows.append(["layers (quantize_model per layer)", r["model"], r["method"], r["quantize_s"],
+                         f"{r['end_to_end_s']} (incl. random init {r['random_init_s']})", r.get("peak_gpu_gb", "—"),
+                         r["peak_rss_gb"]])  # fmt: skip
         else:
             b, q = r.get("bf16_load", {}), r.get("nvfp4_load", {})
-            print(
-                f"| from_pretrained bf16 (reference) | {r['model']} | — | — | {b.get('load_s', b.get('status'))} | "
-                f"{b.get('peak_gpu_gb', '—')} | {b.get('peak_rss_gb', '—')} |"
-            )
-            print(
-                f"| from_pretrained + NVFP4Config | {r['model']} | {r['method']} | "
-                f"{r.get('quantize_overhead_s', '—')} (overhead vs bf16 load) | {q.get('load_s', q.get('status'))} | "
-                f"{q.get('peak_gpu_gb', '—')} | {q.get('peak_rss_gb', '—')} |"
-            )
+            rows.append(["from_pretrained bf16 (reference)", r["model"], "—", "—", b.get("load_s", b.get("status")),
+                         b.get("peak_gpu_gb", "—"), b.get("peak_rss_gb", "—")])  # fmt: skip
+            rows.append(["from_pretrained + NVFP4Config", r["model"], r["method"],
+                         f"{r.get('quantize_overhead_s', '—')} (overhead vs bf16 load)", q.get("load_s", q.get("status")),
+                         q.get("peak_gpu_gb", "—"), q.get("peak_rss_gb", "—")])  # fmt: skip
+    header = ["mode", "model", "method", "quantize s", "end to end s", "peak GPU GB", "peak host RSS GB"]
+    print("\n" + markdown(header, rows, "lllrrrr"))
     print(f"\nwrote {args.out}")
 
 

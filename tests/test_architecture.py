@@ -55,13 +55,12 @@ def test_no_package_has_an_import_cycle():
     assert am.import_cycles(ROOT) == {top: [] for top in am.PACKAGE_SRCS}
 
 
-#: benchmark scripts that compare their own --engine / --rollout-engine option values (not the package's registry),
-#: and the two that read private kernel objects by design: gemm.py's split heuristics, kernel_sass.py's JIT kernels
+#: benchmark scripts that compare their own --engine / --rollout-engine option values (not the package's registry):
+#: grpo_step.py (which arm loads a vLLM checkpoint, which engine takes the compile knobs) and rollout.py. No benchmark
+#: imports or reads a private name (gemm.py and kernel_sass.py read nvfp4_gemm's NUM_SMS, pick_split, JIT_KERNELS)
 FROZEN_BENCHMARKS = {
     "benchmarks/grpo_step.py",
     "benchmarks/rollout.py",
-    "benchmarks/gemm.py",
-    "benchmarks/kernel_sass.py",
 }
 
 
@@ -77,8 +76,7 @@ def test_an_engine_name_becomes_a_class_once_per_entry_point():
 
 
 def test_no_private_names_imported_across_packages_or_by_benchmarks():
-    left = {s.split(":")[0] for s in am.private_imports(ROOT)}
-    assert left <= FROZEN_BENCHMARKS, left - FROZEN_BENCHMARKS
+    assert am.private_imports(ROOT) == []
 
 
 def test_benchmarks_hold_what_a_maintainer_reruns():
@@ -92,4 +90,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # vLLM's additional_config), for the GPU measurement against bf16 + LoRA and W4A16
     # +112 (→ 6,245, issue #51 item 1): rollout.py / rollout_vllm.py --profile, ms per decode step by kernel category
     # (common/profiler.py: the categories, lm_head by position, profile_decode, profile_table)
-    assert am.benchmark_lines(ROOT) <= 6245
+    # +338 (→ 6,583, 3fdda47, merged without a line here): vllm_gpu/repro_probe.py, the vLLM LoRA-sync repro probe
+    # -484 (→ 6,099): learning_study.py's CPU study and common/entropy.py left (code at 4f53c7b); shared pieces, compaction
+    assert am.benchmark_lines(ROOT) <= 6099

@@ -6,7 +6,6 @@
 * :mod:`common.models`: random-weight models of those shapes, built layer by layer in an arm's format, + LoRA.
 * :mod:`common.workers`: one (model, arm) per subprocess, its result or its failure as a row; torch.compile counters.
 * :mod:`common.tables`: markdown tables. :mod:`common.plots`: figures.
-* :mod:`common.entropy`: sampling and per-token entropy of completions (AQN and quantization entropy studies).
 
 Importing it puts the workspace packages on ``sys.path``, so the scripts also run with a plain ``python3`` beside the
 packages (the GPU image has their dependencies, not the workspace venv).

@@ -16,7 +16,6 @@ from . import ROOT
 __all__ = [
     "RESULTS",
     "ROOT",
-    "cpu_name",
     "csv_list",
     "device_name",
     "gb",
@@ -67,17 +66,6 @@ def versions() -> dict[str, str]:
         except Exception as e:  # noqa: BLE001
             out[name] = f"not installed ({type(e).__name__})"
     return out
-
-
-def cpu_name() -> str:
-    """The CPU model (``/proc/cpuinfo``), else what ``platform`` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_name() -> str:

@@ -33,7 +33,9 @@ from .small_m import _gemv_kernel, _linear_kernel, _linear_mma_kernel, _splitk_r
 
 __all__ = [
     "DgradConfig",
+    "JIT_KERNELS",
     "LinearConfig",
+    "NUM_SMS",
     "dequantize_triton",
     "dgrad_config",
     "linear_config",
@@ -41,7 +43,12 @@ __all__ = [
     "nvfp4_linear",
     "nvfp4_linear_dgrad",
     "nvfp4_lora_linear",
+    "pick_split",
+    "splitk_counters_left",
 ]
+
+#: the GEMM's Triton kernels by name, for tools that compile them for sm_90 without a GPU (benchmarks/kernel_sass.py)
+JIT_KERNELS = {"linear_mma": _linear_mma_kernel, "linear_large_m": _linear_large_m_kernel, "linear": _linear_kernel}
 
 # Tests set this to allocate every output with NaN, so an element the kernels never write cannot pass.
 POISON_OUTPUTS = False
@@ -68,7 +75,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # ----------------------------------------------------------------------------------------------------------------
 # Configs (tuned on one H100 SXM, see docs/kernels.md)
 # ----------------------------------------------------------------------------------------------------------------
-_NUM_SMS = 132
+#: the H100's SMs, which the configs below are tuned for (benchmarks/gemm.py's sweep reads it too)
+NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class DgradConfig:
     mma: bool = False  # _dgrad_mma_kernel, for weights in the MMA layout (block_n/block_k are then 64/256)
 
 
-def _pick_split(tiles: int, k: int, block_k: int, target: int = 2 * _NUM_SMS, min_k: int = 512) -> int:
+def pick_split(tiles: int, k: int, block_k: int, target: int = 2 * NUM_SMS, min_k: int = 512) -> int:
     """Number of K splits so that ``tiles · split`` reaches ``target`` programs, each with ≥ ``min_k`` inputs."""
     if tiles >= target:
         return 1
@@ -128,7 +136,7 @@ GEMV_MAX_M = 2
 GEMV_MAX_N = 1024
 GEMV_TILE = (16, 512)  # (BLOCK_N, BLOCK_K)
 GEMV_WARPS = 4
-GEMV_TARGET = 4 * _NUM_SMS  # split K until ~4 programs per SM
+GEMV_TARGET = 4 * NUM_SMS  # split K until ~4 programs per SM
 GEMV_MIN_K = 512
 GEMV_PREFETCH = False  # register prefetch measured no faster for the GEMV
 # Register prefetch in the tensor-core kernel: faster for small weights (N ≤ 1024) at M ≤ 16, slower on large ones.
@@ -199,7 +207,7 @@ def linear_config(m: int, n: int, k: int, mma: bool = False) -> LinearConfig:
         return LinearConfig(dequant=True)
     if m <= GEMV_MAX_M and n <= GEMV_MAX_N and k % GEMV_TILE[1] == 0:
         bn, bk = GEMV_TILE
-        split = _pick_split(triton.cdiv(n, bn), k, bk, target=GEMV_TARGET, min_k=GEMV_MIN_K)
+        split = pick_split(triton.cdiv(n, bn), k, bk, target=GEMV_TARGET, min_k=GEMV_MIN_K)
         return LinearConfig(1, bn, bk, split, GEMV_WARPS, 1, gemv=True, prefetch=GEMV_PREFETCH)
     return tc_config(m, n, k, prefetch=m <= 16 and n <= TC_PREFETCH_MAX_N)
 
@@ -209,14 +217,14 @@ def tc_config(m: int, n: int, k: int, prefetch: bool = False) -> LinearConfig:
     if m <= 32:
         bm = 16 if m <= 16 else 32
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, 64)
-        split = _pick_split(tiles, k, 128, target=4 * _NUM_SMS)
+        split = pick_split(tiles, k, 128, target=4 * NUM_SMS)
         bk = 256 if split == 1 and k <= 4096 else 128  # short rows without split: a longer K step amortises more
         return LinearConfig(bm, 64, bk, split, 4, 1, True, prefetch=prefetch)
     if m <= 64:
         tiles = triton.cdiv(n, 128)
-        return LinearConfig(64, 128, 128, _pick_split(tiles, k, 128), 8, 1, True, prefetch=prefetch)
+        return LinearConfig(64, 128, 128, pick_split(tiles, k, 128), 8, 1, True, prefetch=prefetch)
     tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
-    return LinearConfig(128, 128, 64, _pick_split(tiles, k, 64), 4, 1, True, prefetch=prefetch)
+    return LinearConfig(128, 128, 64, pick_split(tiles, k, 64), 4, 1, True, prefetch=prefetch)
 
 
 def dgrad_config(m: int, n: int, k: int, mma: bool = False) -> DgradConfig:
@@ -308,6 +316,13 @@ def _launch_tc(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_spl
 # one device share them: kernels on two concurrent streams must not both use the fused reduction.
 _SPLITK_COUNTERS: dict[torch.device, torch.Tensor] = {}
 SPLITK_COUNTERS = 1 << 16
+
+
+def splitk_counters_left() -> int:
+    """Split-K tickets and stream-K flags still non-zero, over every device's counters: 0 whenever no launch is in
+    flight (each launch leaves what it used at zero), so a non-zero count names a launch that did not
+    (benchmarks/vllm_gpu/repro_probe.py checks it)."""
+    return sum(int(c.count_nonzero()) for c in _SPLITK_COUNTERS.values())
 
 
 def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:

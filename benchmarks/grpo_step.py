@@ -736,9 +736,9 @@ def run_recipe(args) -> dict:
     template = len(tok(tok.apply_chat_template(make_prompt(""), tokenize=False))["input_ids"])  # system prompt
     if args.prompt_len <= template:
         raise ValueError(f"--prompt-len {args.prompt_len}: the task's chat template alone is {template} tokens")
-    data = outdir / "train.jsonl"  # the task's fields (problem, answer); the gold answer is never scored
-    rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]
-    data.write_text("".join(json.dumps({"problem": r, "answer": "0"}) + "\n" for r in rows))
+    data = outdir / "train.jsonl"  # bigmath's fields (problem, answer) and gsm8k's (question, answer with "####")
+    rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
+    data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
     if args.eos_mean_tokens:
         gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)

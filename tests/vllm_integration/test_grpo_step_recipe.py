@@ -39,3 +39,23 @@ def test_dapo_32b_recipe_runs_on_vllm_at_tiny_shapes(tmp_path):
     assert w["rows"] == 128 and w["cap"] == 48 and w["train_row_tokens"] == 64 + 48, w
     assert w["gen_s"] > 0 and w["train_s"] > 0 and w["step_s"] >= w["gen_s"] + w["train_s"]
     assert not out.with_suffix(".partial.json").exists()
+
+
+def test_gsm8k_7b_recipe_runs_on_vllm_at_tiny_shapes(tmp_path):
+    """The 7B GSM8K recipe the same way (issue #47 item 7 runs it on the H100): its task reads ``question`` and an
+    answer with ``####`` from the same random rows; 128 completions a step, the engine's sampling logprobs corrected."""
+    out = tmp_path / "gsm8k.json"
+    src = [REPO / p for p in ("packages/nvfp4/src", "packages/aqn/src", "packages/qerl-trl/src", "integrations/vllm/src")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, src))}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "grpo_step.py"), "--tiny", "--recipe", "gsm8k-qwen2.5-7b-grpo",
+           "--arms", "nvfp4", "--rollout-engine", "vllm", "--prompt-len", "64", "--min-new-tokens", "4",
+           "--eos-mean-tokens", "16", "--recipe-overrides", "--max_completion_length 48", "--probe-tokens", "8",
+           "--warmup-steps", "0", "--steps", "1", "--vllm-kv-gb", "0.0625", "--ckpt-root", str(tmp_path / "ckpt"),
+           "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["status"] == "ok" and res["train_argv"][1] == "gsm8k-qwen2.5-7b-grpo"
+    (step,) = res["steps"]
+    assert step["completions"] == 128 and 4 < step["completion_len_min"] <= step["completion_len_max"] <= 48
+    assert "sampling/importance_sampling_ratio/mean" in step["trl_log"] and step["trl_log"]["aqn/sigma"] >= 0

@@ -17,6 +17,7 @@ from nvfp4.rollout_precision import (
     fp8_copy_bytes,
     fp8_crossover_rows,
     get_rollout_precision,
+    model_crossover_rows,
 )
 from torch import nn
 
@@ -40,6 +41,10 @@ def test_setting_parses_once_and_says_what_it_needs():
         get_rollout_precision("fp16")
     assert fp8_crossover_rows(3584, 18944) == (128, True)  # Qwen2.5-7B, measured (gemm_fp8_spike.json @ bdf44f8)
     assert fp8_crossover_rows(576, 1536) == (UNMEASURED_CROSSOVER_ROWS, False)
+    from transformers import Qwen2Config
+
+    assert model_crossover_rows(Qwen2Config(hidden_size=3584, intermediate_size=18944)) == (128, True)
+    assert model_crossover_rows(None) == (UNMEASURED_CROSSOVER_ROWS, False)  # vLLM without a model config
     assert fp8_copy_bytes([(3584, 4608), (18944, 3584)]) == 3584 * 4608 + 4 * 4608 + 18944 * 3584 + 4 * 3584
 
 

@@ -55,7 +55,7 @@ from nvfp4 import fp8, mxfp4, ops
 from nvfp4.codec import dequantize
 from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
 from nvfp4.layout import mma_layout_supported, mma_scales_supported, to_mma_layout
-from nvfp4.rollout_precision import RolloutPrecision, fp8_crossover_rows, get_rollout_precision
+from nvfp4.rollout_precision import RolloutPrecision, get_rollout_precision, model_crossover_rows
 
 from . import vllm_missing
 
@@ -310,9 +310,8 @@ class QeRLNVFP4Config(QuantizationConfig):
             if current_platform.is_cuda() and not current_platform.has_device_capability(FP8_MIN_CAPABILITY):
                 raise ValueError(f"{ROLLOUT_PRECISION_KEY}={precision.name!r} needs FP8 tensor cores (compute "
                                  f"capability {FP8_MIN_CAPABILITY / 10:.1f}+): use w4a16 on this GPU")  # fmt: skip
-            text = vllm_config.model_config.hf_config if vllm_config.model_config is not None else None
-            text = text.get_text_config() if hasattr(text, "get_text_config") else text
-            rows, measured = fp8_crossover_rows(getattr(text, "hidden_size", 0), getattr(text, "intermediate_size", 0))
+            model_config = vllm_config.model_config
+            rows, measured = model_crossover_rows(model_config.hf_config if model_config is not None else None)
             logger.info("%s: rollout_precision=%s (auto's crossover: %d rows, %s)", QUANT_METHOD, precision.name,
                         rows, "measured" if measured else "not measured for this shape: the 7B value")  # fmt: skip
         self._rollout = (precision, rows)

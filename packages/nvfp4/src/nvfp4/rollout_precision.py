@@ -25,6 +25,7 @@ This module holds the setting and the table only (no torch): the ops are :mod:`n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "FP8_CROSSOVER_ROWS",
@@ -34,6 +35,7 @@ __all__ = [
     "fp8_copy_bytes",
     "fp8_crossover_rows",
     "get_rollout_precision",
+    "model_crossover_rows",
 ]
 
 PRECISIONS: tuple[str, ...] = ("w4a16", "fp8", "auto")
@@ -90,6 +92,13 @@ def fp8_crossover_rows(hidden_size: int, intermediate_size: int) -> tuple[int, b
     in :data:`FP8_CROSSOVER_ROWS` and :data:`UNMEASURED_CROSSOVER_ROWS` is used."""
     rows = FP8_CROSSOVER_ROWS.get((int(hidden_size), int(intermediate_size)))
     return (rows, True) if rows is not None else (UNMEASURED_CROSSOVER_ROWS, False)
+
+
+def model_crossover_rows(config: Any) -> tuple[int, bool]:
+    """:func:`fp8_crossover_rows` of a transformers model config (its text config where it has one: multimodal
+    models); a config without ``hidden_size`` / ``intermediate_size`` (or None) takes the unmeasured value."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return fp8_crossover_rows(getattr(text, "hidden_size", 0), getattr(text, "intermediate_size", 0))
 
 
 def fp8_copy_bytes(linears: list[tuple[int, int]]) -> int:

@@ -116,11 +116,10 @@ class GraphRollout(RolloutEngine):
         if not precision.fp8_copy or self._fp8_attached:
             return
         from nvfp4.fp8_model import attach_fp8_copies
-        from nvfp4.rollout_precision import fp8_crossover_rows
+        from nvfp4.rollout_precision import model_crossover_rows
 
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        rows, measured = fp8_crossover_rows(text.hidden_size, text.intermediate_size)
+        rows, measured = model_crossover_rows(model.config)
         held = attach_fp8_copies(model, precision, rows)
         self._fp8_attached = True
         when = "every call" if precision.name == "fp8" else (

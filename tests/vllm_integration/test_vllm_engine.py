@@ -235,3 +235,17 @@ def test_vllm_serve_openai_completion(ckpt, tmp_path):
         assert out["usage"]["completion_tokens"] >= 1 and choice["text"].strip()
         assert len(choice["logprobs"]["token_logprobs"]) == out["usage"]["completion_tokens"]
         print(f"\n[serve] {PROMPTS[0]!r} -> {choice['text']!r}")
+
+
+def test_utilization_for_a_fixed_kv_cache_passes_vllms_start_check():
+    """vLLM's start check (``vllm.v1.worker.utils.request_memory``): free >= ceil(total x utilization). The fraction
+    given beside ``kv_cache_memory_bytes`` passes it for any free memory, and gives away at most 0.2 % of the card."""
+    import math
+
+    from qerl_vllm.engine import utilization_for_fixed_kv_cache
+
+    total = 85_017_362_432  # an 80 GB H100 as torch.cuda.mem_get_info reports it
+    for free in (total, int(0.9 * total), 74_000_000_000, 20_000_000_000, 3 * 2**30, 1 << 20):
+        util = utilization_for_fixed_kv_cache(free, total)
+        assert 0 < util < 1 and (math.ceil(total * util) <= free or util == 0.01), (free, util)
+        assert util >= min(free / total - 0.002, 0.01) - 1e-12

@@ -30,6 +30,7 @@ Only public vLLM APIs are used: ``LLM``, ``SamplingParams``, ``LoRARequest``, ``
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -166,6 +167,14 @@ def _default_lora_root() -> str:
     return tempfile.mkdtemp(prefix="qerl-vllm-lora-", dir=base)
 
 
+def utilization_for_fixed_kv_cache(free_bytes: int, total_bytes: int) -> float:
+    """``gpu_memory_utilization`` for an engine whose KV cache ``kv_cache_memory_bytes`` fixes: the fraction of the
+    GPU free now, rounded down. vLLM (0.26) still refuses to start when free memory < total x utilization (0.9 by
+    default) although the KV size no longer depends on it, so beside a colocated trainer that already holds its policy
+    the default fails; with a fixed KV cache the fraction is read only by that check."""
+    return max(0.01, math.floor(1000 * free_bytes / total_bytes) / 1000 - 0.001)
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` over an NVFP4 checkpoint, with LoRA-adapter sync and AQN norm-weight push/restore.
 
@@ -175,7 +184,8 @@ class VLLMEngine:
         seed: engine seed (sampling with ``temperature > 0`` is reproducible per seed / per-request ``seed``).
         dtype: activation / dense-weight dtype (``"bfloat16"``).
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache (on CPU: fraction of host memory;
-            prefer ``kv_cache_memory_bytes`` there).
+            prefer ``kv_cache_memory_bytes`` there). With ``kv_cache_memory_bytes`` given and this not, on a GPU: the
+            fraction free at start (:func:`utilization_for_fixed_kv_cache`).
         max_model_len: longest prompt + completion.
         max_loras: adapters resident at once (1 is enough for on-policy RL).
         enforce_eager: no CUDA graphs / torch.compile (default True on CPU, where start-up time dominates).
@@ -235,6 +245,8 @@ class VLLMEngine:
             kv_cache_memory_bytes = 512 << 20
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+            if gpu_memory_utilization is None and not on_cpu and torch.cuda.is_available():
+                kwargs["gpu_memory_utilization"] = utilization_for_fixed_kv_cache(*torch.cuda.mem_get_info())
         kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         kwargs.update(llm_kwargs)
         precision = get_rollout_precision(rollout_precision)

@@ -21,6 +21,7 @@ from qerl_trl.memory_plan import (
     ModelShape,
     RunShape,
     check_plan,
+    plan_fsdp2,
     plan_memory,
     preflight,
     run_shape_from_config,
@@ -216,7 +217,8 @@ def _recipe_model_config(model_name: str, offline_model_path: Path):
 def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
     """Every shipped recipe, as written, on an 80 GB H100 (pure arithmetic, activations in bf16 as on the GPU): the plan
     fits, in one batch or in waves. The 32B DAPO recipe (128 completions x 8,192 tokens, micro-batch 1) is generated
-    in 8 waves of 16 rows with a planned peak under 75 GB; the 7B GSM8K recipe in 2 waves of 64."""
+    in 8 waves of 16 rows with a planned peak under 75 GB; the 7B GSM8K recipe (colocated vLLM, weights shared) holds
+    64 sequences at once in its KV cache (the engine schedules the other 64)."""
     from qerl_trl.cli import RECIPES_DIR, parse_train_args
 
     got = {}
@@ -224,8 +226,13 @@ def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
         script_args, config = parse_train_args([recipe.stem, "--output_dir", str(tmp_path / recipe.stem)])
         shape = ModelShape.from_config(_recipe_model_config(script_args.model_name_or_path, offline_model_path))
         run = run_shape_from_config(config, activation_bytes=2)
-        plan = plan_memory(shape, run, H100_80GB_BYTES)
-        check_plan(plan, waves_allowed=config.rollout_engine_class.generates_in_waves)
+        engine = config.rollout_engine_class
+        if engine.colocated_engine(config):  # vLLM beside the policy: its weights (shared) and paged KV cache count too
+            plan = plan_fsdp2(shape, run, H100_80GB_BYTES, 1, vllm_colocate=True,
+                              vllm_shares_weights=config.vllm.share_weights)  # fmt: skip
+        else:
+            plan = plan_memory(shape, run, H100_80GB_BYTES)
+        check_plan(plan, waves_allowed=engine.generates_in_waves or engine.colocated_engine(config))
         got[recipe.stem] = (plan.waves, plan.rows_per_wave, plan.peak(plan.rows_per_wave) / GB, plan)
     assert set(got) >= {"offline-default", "gsm8k-qwen2.5-7b-grpo", "bigmath-qwen2.5-32b-dapo"}
     assert got["offline-default"][:2] == (1, 32)
@@ -278,10 +285,11 @@ def test_fp8_copy_is_counted_and_a_plan_it_does_not_fit_stops_in_one_line(tmp_pa
     from dataclasses import replace
 
     from qerl_trl.cli import parse_train_args
-    from qerl_trl.memory_plan import QWEN25_SHAPES, _weight_parts, plan_fsdp2
+    from qerl_trl.memory_plan import QWEN25_SHAPES, _weight_parts
 
     def plan_of(recipe: str, model: str, precision: str):
-        _, config = parse_train_args([recipe, "--output_dir", str(tmp_path / recipe), "--rollout_precision", precision])
+        _, config = parse_train_args([recipe, "--output_dir", str(tmp_path / recipe), "--rollout_precision", precision,
+                                      "--rollout_engine", "graph"])  # fmt: skip (the engine whose copy the policy holds)
         config.bf16 = True  # plan the GPU run's activations
         return config, plan_memory(QWEN25_SHAPES[model], run_shape_from_config(config), H100_80GB_BYTES)
 

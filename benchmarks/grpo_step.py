@@ -811,7 +811,7 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     ``P`` and of ``P + C - n`` tokens (the two ends of a row's life), one ``generate`` of 1 token (prefill) and one of
     ``n = --probe-tokens`` (fresh prompts each, EOS ignored): seconds per decode step at short and at long context.
     One wave of ``rows`` completions of ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows
-    linearly with the context). Training: the last step's first micro-batch (``train_rows`` rows, one in the shipped
+    linearly with the context). Training: the last step's first micro-batch, at most ``per_device_batch`` rows (``train_rows``; one in the shipped
     32B recipe), its completions stretched to ``C`` (``P + C`` tokens a row): loss forward and backward timed, peak
     GPU memory; gradients dropped."""
     import math
@@ -837,7 +837,10 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     out["wave_s"] = round(out["short_1_s"] + cap * (out["short_step_s"] + out["long_step_s"]) / 2, 2)
     out["gen_s"] = round(math.ceil(completions / rows) * out["wave_s"], 1)
     out["gen_tok_s"] = round(completions * cap / out["gen_s"], 1)
-    b = dict(trainer._buffered_inputs[0])
+    b, n_rows = dict(trainer._buffered_inputs[0]), trainer._buffered_inputs[0]["completion_ids"].size(0)
+    # at the cap every row is as long, so packed micro-batches hold TRL's split (per_device_batch rows), not the more
+    # rows that short completions let the packer put together (the 7B recipe's first: 23 rows, 80 GB when stretched)
+    b = {k: v[: args.per_device_batch] if torch.is_tensor(v) and v.dim() and v.size(0) == n_rows else v for k, v in b.items()}
     m = b["completion_ids"].size(1)
     for k in completion_aligned(b) if cap > m else ():  # [rows, m]: stretched to the cap by their last column
         b[k] = torch.cat([b[k], b[k][:, -1:].expand(-1, cap - m)], dim=1)

@@ -254,17 +254,28 @@ def test_colocated_trainer_views_what_the_engine_holds_by_default(trained):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
 
 
+def _max_logprob_change(outs, refs) -> float:
+    return max(abs(a - b) for o, r in zip(outs, refs) for a, b in zip(o.logprobs, r.logprobs))
+
+
 def test_engine_follows_lora_update_like_the_trainer(trained):
+    """The engine with the synced adapter matches the trainer's PeftModel (teacher-forced, per-dtype tolerance) and
+    differs from its base model by far more than from itself run to run (the same generation twice: 0 where LoRA is
+    bit-reproducible, on CUDA through the session's one-split LoRA shrink, conftest.py). The engine-vs-trainer gap is
+    no noise floor for it: in bf16 that gap is rounding of the adapter's effect's order (mean 0.061 against a 0.27
+    effect on the H200, 2026-11-28)."""
     trained.rollout.generation.sync_weights()  # the adapter after the last optimizer step (global_step 3)
     assert trained.rollout.generation.last_synced_step == 3
     prompt_ids = _prompt_ids(trained)
     ours = _engine_greedy(trained, prompt_ids)
+    run_to_run = _max_logprob_change(_engine_greedy(trained, prompt_ids), ours)
     cmp = compare_forced(ours, _hf_forced(trained, prompt_ids, ours))
     base = _engine_greedy(trained, prompt_ids, lora=None)
-    lora_effect = max(abs(a - b) for o, p in zip(ours, base) for a, b in zip(o.logprobs, p.logprobs))
-    print(f"\n[lora] engine vs HF PeftModel: {cmp}; engine synced-vs-base max |Δlogp| = {lora_effect:.4g}")
+    lora_effect = _max_logprob_change(ours, base)
+    print(f"\n[lora] engine vs HF PeftModel: {cmp}; engine synced-vs-base max |Δlogp| = {lora_effect:.4g}, "
+          f"synced run to run {run_to_run:.4g}")  # fmt: skip
     check_forced(cmp)
-    assert lora_effect > 10 * max(cmp["mean_logprob_gap"], 1e-5), "the synced adapter should change the engine"
+    assert lora_effect > 10 * max(run_to_run, 1e-5), "the synced adapter should change the engine"
 
 
 def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):

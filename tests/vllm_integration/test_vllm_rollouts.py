@@ -346,7 +346,7 @@ def test_colocated_trainer_and_engine_hold_the_weights_once(ckpt, tmp_path, qerl
         embed = model.get_input_embeddings().weight
         own_bytes = unique_storage_bytes(*linears) + embed.untyped_storage().nbytes()
         prompt_ids = _prompt_ids(trainer)
-        batch = torch.tensor([prompt_ids[1]])
+        batch = torch.tensor([prompt_ids[1]], device=embed.device)  # the trainer's device (CUDA there)
 
         def forward():
             with torch.no_grad():

@@ -20,8 +20,8 @@ The arms, each in its own process (so that vLLM's per-process caches and environ
   (the test's step 2), the prefix cache left on once, base again. The prefix cache is reset before every other
   generate (a hit shortens the prefill, so the prefill's M differs: not like with like).
 * ``qerl-eager-shrink1``, ``native-eager-shrink1``: as ``*-eager`` with vLLM's LoRA shrink kernel told to use one K
-  split (``VLLM_TUNED_CONFIG_FOLDER``, vLLM's own config hook): its default at < 128 rows splits K 64 ways and sums
-  the fp32 partials with ``tl.atomic_add``, in arrival order.
+  split (``VLLM_TUNED_CONFIG_FOLDER``, vLLM's own config hook; the file from :mod:`qerl_vllm.lora_shrink`): its
+  default at < 128 rows splits K 64 ways and sums the fp32 partials with ``tl.atomic_add``, in arrival order.
 
 Reading it: ``ops`` all same and ``*-eager`` differing only with LoRA, with ``*-shrink1`` same: vLLM's LoRA shrink
 atomics, not our kernels (the test then cannot ask for < 1e-5 without that config). ``ops`` differing: our kernel
@@ -185,18 +185,6 @@ def _adapter_state(ckpt: Path, rank: int):
     return state, targets
 
 
-def _shrink_one_split_config(folder: Path) -> None:
-    """vLLM's tuned-config file for its LoRA shrink kernel with one K split (no atomics); keys are matched to the
-    nearest (max_loras, m, k, n), the slice count exactly (1-3 slices: o/down, gate_up, qkv)."""
-    import torch
-
-    cfg = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": 1, "num_warps": 4, "num_ctas": 1,
-           "group_size_m": 8, "num_stages": 2, "max_nreg": None}  # fmt: skip
-    table = {"1": {str(s): {"1": {"576": {"8": cfg}}} for s in (1, 2, 3)}}
-    name = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
-    (folder / f"{name}_SHRINK.json").write_text(json.dumps(table))
-
-
 def _print_engine_settings(arm: str, eng) -> None:
     """The vLLM settings the hypotheses hinge on (each read defensively: names move between vLLM versions)."""
     import vllm
@@ -303,7 +291,9 @@ def main() -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if any(x.endswith("shrink1") for x in arms):
-            _shrink_one_split_config(Path(tmp))
+            from qerl_vllm.lora_shrink import write_one_split_shrink_config
+
+            write_one_split_shrink_config(tmp)
         procs = {}
 
         def start(arm: str) -> subprocess.Popen:  # output to files: a full pipe would stall an arm not yet read

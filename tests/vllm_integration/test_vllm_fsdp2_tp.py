@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_test_helpers import too_few_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP2_CONFIG = REPO / "recipes" / "accelerate" / "fsdp2.yaml"
@@ -214,6 +215,7 @@ def _remove_stale_cpushm(min_age_s: float = 60.0) -> list[str]:
     return removed
 
 
+@pytest.mark.skipif(too_few_gpus(2), reason="2 trainer processes and a TP-2 engine need 2 GPUs under CUDA")
 def test_qerl_train_fsdp2_with_a_tensor_parallel_vllm_engine(tmp_path):
     from ports import free_port
 

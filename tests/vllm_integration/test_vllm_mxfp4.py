@@ -49,7 +49,8 @@ def test_checkpoint_is_mxfp4a16_and_the_plugin_claims_it(ckpt, engine):
 
 def test_engine_layers_compute_with_the_mxfp4_dequantization(ckpt, engine):
     """The fused q/k/v and the down projection of layer 0 give ``x · dequant(W)ᵀ`` of the checkpoint's tensors (vLLM's
-    CPU linear hands its weight to oneDNN after loading, so the product is compared, not the weight)."""
+    CPU linear hands its weight to oneDNN after loading, so the product is compared, not the weight). The inputs go
+    in the engine's dtype to the layers' device (CUDA: bf16 on the GPU); the reference is their exact product."""
     from nvfp4 import mxfp4
     from safetensors.torch import load_file
 
@@ -62,19 +63,25 @@ def test_engine_layers_compute_with_the_mxfp4_dequantization(ckpt, engine):
 
     qkv_ref = torch.cat([deq("self_attn.q_proj"), deq("self_attn.k_proj"), deq("self_attn.v_proj")])
     down_ref = deq("mlp.down_proj")
-    x = torch.randn(5, qkv_ref.shape[1], generator=torch.Generator().manual_seed(0))
-    h = torch.randn(5, down_ref.shape[1], generator=torch.Generator().manual_seed(1))
+    dtype = getattr(torch, ENGINE_DTYPE)
+    x = torch.randn(5, qkv_ref.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    h = torch.randn(5, down_ref.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
 
     def run(model):
         layer = model.model.layers[0]
         qkv_proj, down_proj = (getattr(m, "base_layer", m) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
-        with torch.no_grad():  # the base layers (the engine wraps them for LoRA)
-            return qkv_proj(x)[0].clone(), down_proj(h)[0].clone()
+        with torch.no_grad():  # the base layers (the engine wraps them for LoRA); a float32 copy of each output back
+            return tuple(proj(a.to(proj.weight.device))[0].to(device="cpu", dtype=torch.float32, copy=True)
+                         for proj, a in ((qkv_proj, x), (down_proj, h)))  # fmt: skip
 
     qkv, down = engine.llm.apply_model(run)[0]
-    torch.testing.assert_close(qkv, x @ qkv_ref.T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(down, h @ down_ref.T, rtol=1e-5, atol=1e-5)
-    wrong = x @ torch.cat([deq("self_attn.k_proj"), deq("self_attn.q_proj"), deq("self_attn.v_proj")])[: qkv.shape[1]].T
+    # float32: summation order only; bf16: the output's rounding (2^-9 relative) and cuBLAS's bf16 partial sums
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    given_x, given_h = x.float(), h.float()  # the inputs the layers had, exactly
+    torch.testing.assert_close(qkv, given_x @ qkv_ref.T, **tol)
+    torch.testing.assert_close(down, given_h @ down_ref.T, **tol)
+    shuffled = torch.cat([deq("self_attn.k_proj"), deq("self_attn.q_proj"), deq("self_attn.v_proj")])
+    wrong = given_x @ shuffled[: qkv.shape[1]].T
     assert not torch.allclose(qkv, wrong, rtol=1e-2, atol=1e-2)  # the comparison can tell shards apart
 
 

@@ -31,6 +31,7 @@ from vllm_test_helpers import (
     compare_forced,
     hf_forced,
     nvfp4_offline_checkpoint,
+    too_few_gpus,
     vllm_server,
 )
 
@@ -254,17 +255,28 @@ def test_colocated_trainer_views_what_the_engine_holds_by_default(trained):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
 
 
+def _max_logprob_change(outs, refs) -> float:
+    return max(abs(a - b) for o, r in zip(outs, refs) for a, b in zip(o.logprobs, r.logprobs))
+
+
 def test_engine_follows_lora_update_like_the_trainer(trained):
+    """The engine with the synced adapter matches the trainer's PeftModel (teacher-forced, per-dtype tolerance) and
+    differs from its base model by far more than from itself run to run (the same generation twice: 0 where LoRA is
+    bit-reproducible, on CUDA through the session's one-split LoRA shrink, conftest.py). The engine-vs-trainer gap is
+    no noise floor for it: in bf16 that gap is rounding of the adapter's effect's order (mean 0.061 against a 0.27
+    effect on the H200, 2026-11-28)."""
     trained.rollout.generation.sync_weights()  # the adapter after the last optimizer step (global_step 3)
     assert trained.rollout.generation.last_synced_step == 3
     prompt_ids = _prompt_ids(trained)
     ours = _engine_greedy(trained, prompt_ids)
+    run_to_run = _max_logprob_change(_engine_greedy(trained, prompt_ids), ours)
     cmp = compare_forced(ours, _hf_forced(trained, prompt_ids, ours))
     base = _engine_greedy(trained, prompt_ids, lora=None)
-    lora_effect = max(abs(a - b) for o, p in zip(ours, base) for a, b in zip(o.logprobs, p.logprobs))
-    print(f"\n[lora] engine vs HF PeftModel: {cmp}; engine synced-vs-base max |Δlogp| = {lora_effect:.4g}")
+    lora_effect = _max_logprob_change(ours, base)
+    print(f"\n[lora] engine vs HF PeftModel: {cmp}; engine synced-vs-base max |Δlogp| = {lora_effect:.4g}, "
+          f"synced run to run {run_to_run:.4g}")  # fmt: skip
     check_forced(cmp)
-    assert lora_effect > 10 * max(cmp["mean_logprob_gap"], 1e-5), "the synced adapter should change the engine"
+    assert lora_effect > 10 * max(run_to_run, 1e-5), "the synced adapter should change the engine"
 
 
 def test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically(trained):
@@ -335,7 +347,7 @@ def test_colocated_trainer_and_engine_hold_the_weights_once(ckpt, tmp_path, qerl
         embed = model.get_input_embeddings().weight
         own_bytes = unique_storage_bytes(*linears) + embed.untyped_storage().nbytes()
         prompt_ids = _prompt_ids(trainer)
-        batch = torch.tensor([prompt_ids[1]])
+        batch = torch.tensor([prompt_ids[1]], device=embed.device)  # the trainer's device (CUDA there)
 
         def forward():
             with torch.no_grad():
@@ -483,6 +495,7 @@ def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> N
     trainer.accelerator.end_training()
 
 
+@pytest.mark.skipif(too_few_gpus(2), reason="2 trainer processes need 2 GPUs under CUDA (NCCL: one device a rank)")
 def test_two_trainer_processes_share_one_vllm_server(server, ckpt, tmp_path):
     """``accelerate launch`` (the shipped DDP config, 2 gloo processes) against one server: every rank sends its own
     prompts, only the main process pushes the LoRA adapter and the AQN norms, both ranks finish the same steps."""

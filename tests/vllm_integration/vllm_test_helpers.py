@@ -45,6 +45,14 @@ TOL = (
     if ENGINE_DTYPE == "float32"
     else Tolerances(logprob_gap=0.35, tie=0.35, clean_gap=0.1)
 )
+
+
+def too_few_gpus(processes: int) -> bool:
+    """CUDA is there with fewer GPUs than ``processes`` trainer processes: each rank takes a GPU of its own (NCCL
+    stops two ranks on one device: "Duplicate GPU detected"). On CPU the processes run over gloo."""
+    return torch.cuda.is_available() and torch.cuda.device_count() < processes
+
+
 NVFP4_CKPT_NAME = "SmolLM2-135M-Instruct-nvfp4-rtn-v2"  # v2: saved with the compressed-tensors config
 MXFP4_CKPT_NAME = "SmolLM2-135M-Instruct-mxfp4-rtn-v1"
 

@@ -321,7 +321,7 @@ SPLITK_COUNTERS = 1 << 16
 def splitk_counters_left() -> int:
     """Split-K tickets and stream-K flags still non-zero, over every device's counters: 0 whenever no launch is in
     flight (each launch leaves what it used at zero), so a non-zero count names a launch that did not
-    (benchmarks/vllm_gpu/repro_probe.py checks it)."""
+    (the run-to-run probe checked it on an H200: benchmarks/results/repro_probe_h200_b78624b.log)."""
     return sum(int(c.count_nonzero()) for c in _SPLITK_COUNTERS.values())
 
 

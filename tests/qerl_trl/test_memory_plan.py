@@ -218,7 +218,8 @@ def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
     """Every shipped recipe, as written, on an 80 GB H100 (pure arithmetic, activations in bf16 as on the GPU): the plan
     fits, in one batch or in waves. The 32B DAPO recipe (128 completions x 8,192 tokens, micro-batch 1) is generated
     in 8 waves of 16 rows with a planned peak under 75 GB; the 7B GSM8K recipe (colocated vLLM, weights shared) holds
-    64 sequences at once in its KV cache (the engine schedules the other 64)."""
+    the 12 GiB KV cache its ``vllm.kv_cache_memory_bytes`` fixes: 48 sequences of 4,608 positions (``max_model_len``)
+    at once, 56 KiB a position (the engine schedules the other 80)."""
     from qerl_trl.cli import RECIPES_DIR, parse_train_args
 
     got = {}
@@ -229,14 +230,18 @@ def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
         engine = config.rollout_engine_class
         if engine.colocated_engine(config):  # vLLM beside the policy: its weights (shared) and paged KV cache count too
             plan = plan_fsdp2(shape, run, H100_80GB_BYTES, 1, vllm_colocate=True,
-                              vllm_shares_weights=config.vllm.share_weights)  # fmt: skip
+                              vllm_shares_weights=config.vllm.share_weights,
+                              vllm_kv_cache_bytes=config.vllm.kv_cache_memory_bytes,
+                              vllm_max_model_len=config.vllm.max_model_len)  # fmt: skip
         else:
             plan = plan_memory(shape, run, H100_80GB_BYTES)
         check_plan(plan, waves_allowed=engine.generates_in_waves or engine.colocated_engine(config))
         got[recipe.stem] = (plan.waves, plan.rows_per_wave, plan.peak(plan.rows_per_wave) / GB, plan)
     assert set(got) >= {"offline-default", "gsm8k-qwen2.5-7b-grpo", "bigmath-qwen2.5-32b-dapo"}
     assert got["offline-default"][:2] == (1, 32)
-    assert got["gsm8k-qwen2.5-7b-grpo"][:2] == (2, 64)
+    plan = got["gsm8k-qwen2.5-7b-grpo"][3]
+    assert plan.kv_cache_bytes == 12 * 2**30 and plan.wave_rows == 12 * 2**30 // (56 * 1024 * 4608) == 48
+    assert plan.peak(plan.wave_rows) <= plan.usable_bytes and plan.per_row == 0  # 12 GiB held, not 64 x 0.29 GB
     waves, rows, peak, plan = got["bigmath-qwen2.5-32b-dapo"]
     assert (waves, rows) == (8, 16) and peak <= 75, plan.summary()
     assert plan.run.generation_rows == 128 and plan.run.completion_len == 8192

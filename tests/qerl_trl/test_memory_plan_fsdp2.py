@@ -148,3 +148,73 @@ def test_colocated_vllm_sharing_the_weights_counts_them_once(capsys):
     assert once.startup_extra == shared and once.peak(1) >= once.fixed + once.per_row + shared
     vllm72 = RunShape(**{**DAPO.__dict__, "held_generation": False})
     assert smallest_fsdp2_gpus(Q72, vllm72, H100_80GB_BYTES, vllm_colocate=True, vllm_shares_weights=True) == 2
+
+
+Q7 = QWEN25_SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+GIB = 2**30
+#: the 7B GSM8K recipe's shape: 128 completions, micro-batch 16 x (1,024 + 4,096) tokens, rollouts by colocated vLLM
+GSM8K = RunShape(quantization="nvfp4", lora_r=32, lora_targets=LORA_TARGETS, generation_rows=128, micro_batch_rows=16,
+                 prompt_len=1024, completion_len=4096, cache_len=5120, held_generation=False)  # fmt: skip
+
+
+def test_vllm_kv_cache_memory_bytes_is_the_planned_kv_cache(capsys):
+    """``vllm.kv_cache_memory_bytes``: vLLM allocates exactly that on each GPU whatever the rows, so the plan holds it
+    and its rows at once are the sequences it holds (of ``min(cache_len, max_model_len)`` positions: 56 KiB a position
+    for Qwen2.5-7B); the engine schedules the rest. The 7B recipe as shipped: 12 GiB, 48 sequences of 4,608 positions
+    (not 64 x 5,120 positions at 0.29 GB each)."""
+    from qerl_trl.cli import main
+
+    rows_model = plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_shares_weights=True)
+    plan = plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_shares_weights=True,
+                      vllm_kv_cache_bytes=12 * GIB, vllm_max_model_len=4608)  # fmt: skip
+    assert Q7.kv_bytes_per_token(2) == 56 * 1024 and plan.kv_per_row == 56 * 1024 * 4608
+    assert plan.kv_cache_bytes == 12 * GIB and plan.per_row == 0 and plan.fixed == rows_model.fixed + 12 * GIB
+    assert plan.wave_rows == 12 * GIB // (56 * 1024 * 4608) == 48  # vLLM: "Maximum concurrency ... 48.76x"
+    assert plan.peak(1) == plan.peak(48) == rows_model.fixed + 12 * GIB + plan.training  # training over the start
+    # max_model_len unset: sequences of cache_len positions, and vLLM's start check is the model's 32,768 positions
+    plan = plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=12 * GIB)
+    assert plan.wave_rows == 12 * GIB // (56 * 1024 * 5120) and plan.details["vllm_kv_start"] == 56 * 1024 * 32768
+    # TP = 2: the KV heads split, 12 GiB on each GPU holds twice as many sequences (the engine's two processes' rows)
+    two = plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 2, vllm_colocate=True, vllm_kv_cache_bytes=12 * GIB,
+                     vllm_max_model_len=4608)  # fmt: skip
+    assert two.kv_per_row == 56 * 1024 * 4608 // 2 and two.wave_rows == 97
+    main(["plan", "gsm8k-qwen2.5-7b-grpo", "--rollout_engine", "vllm", "--gpus", "1"])
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and ": fits:" in line, line
+    assert "KV cache 12.9 GB fixed by vllm.kv_cache_memory_bytes, holding 48 of the 128 sequences of 4608" in line
+
+
+def test_vllm_kv_cache_too_small_for_one_sequence_or_too_large_stops_in_one_line(capsys):
+    """A fixed cache that cannot hold one sequence of vLLM's max_model_len (vLLM would refuse to start), or that does
+    not fit beside the rest: does not fit, one line naming vllm.kv_cache_memory_bytes and the value that would do;
+    ``qerl plan`` exits 2. Unset (None or 0, as vLLM reads it): the row model, unchanged."""
+    from qerl_trl.cli import main
+
+    # 1 GiB, max_model_len unset: vLLM checks the model's 32,768 positions (1.75 GiB); on 2 GPUs (TP 2) 0.875 GiB each
+    fits, line = fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=GIB)
+    assert not fits and "\n" not in line and line.endswith("smallest GPU count that fits: 2 (estimate)"), line
+    assert "vllm.kv_cache_memory_bytes=1073741824 cannot hold one sequence of 32768 positions" in line
+    assert "raise it to 1879048192 or more, or lower vllm.max_model_len" in line
+    fits, line = fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=GIB,
+                              vllm_max_model_len=4608)  # fmt: skip
+    assert fits and "holding 4 of the 128 sequences of 4608 positions at once" in line, line
+    # 60 GiB beside 42 GB of training on an 80 GB GPU: over; the largest cache that fits is named, and it fits
+    fits, line = fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=60 * GIB,
+                              vllm_max_model_len=4608)  # fmt: skip
+    assert not fits and "\n" not in line and "GB over with its fixed KV cache" in line, line
+    room = int(line.split("set vllm.kv_cache_memory_bytes to ")[1].split()[0])
+    assert room % 2**20 == 0 and 12 * GIB < room < 60 * GIB
+    assert fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=room,
+                        vllm_max_model_len=4608)[0]  # fmt: skip
+    assert not fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=room + 2**20,
+                            vllm_max_model_len=4608)[0]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "1", "--vllm", '{"kv_cache_memory_bytes": 1073741824}'])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert exit_info.value.code == 2 and len(out) == 1 and "cannot hold one sequence of 32768 positions" in out[0]
+    # unset: the plan of before, whatever max_model_len says
+    before = plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True)
+    for kv in (None, 0):
+        assert plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=kv,
+                          vllm_max_model_len=4608) == before  # fmt: skip
+    assert before.kv_cache_bytes == 0 and before.per_row == before.kv_per_row == 56 * 1024 * 5120

@@ -130,7 +130,8 @@ class ModelShape:
 
     Attributes: ``hidden_size`` H, ``intermediate_size`` I, ``num_layers`` n_L, ``num_attention_heads`` n_q,
     ``num_kv_heads`` n_kv, ``head_dim`` d, ``vocab_size`` V, ``tie_word_embeddings`` (one matrix for embeddings and
-    ``lm_head``), ``attention_bias`` (q/k/v biases, Qwen2).
+    ``lm_head``), ``attention_bias`` (q/k/v biases, Qwen2), ``max_positions`` (the context length in tokens, config
+    ``max_position_embeddings``: a vLLM engine's ``max_model_len`` when it is not set; None: not known).
     """
 
     hidden_size: int
@@ -142,6 +143,7 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    max_positions: int | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -166,6 +168,7 @@ class ModelShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+            max_positions=getattr(config, "max_position_embeddings", None),
         )
 
     def projections(self) -> dict[str, tuple[int, int]]:
@@ -271,6 +274,10 @@ class MemoryPlan:
     #: bytes held twice only while a colocated vLLM engine starts: the weights the policy then shares with it (both
     #: copies exist until the engine has loaded and the policy's are freed, with the KV cache already allocated)
     startup_extra: int = 0
+    #: bytes per GPU of a KV cache whose size is fixed (a colocated vLLM engine's ``kv_cache_memory_bytes``), held
+    #: whatever the rows: part of :attr:`fixed`, the rows then hold nothing of their own and ``kv_per_row`` is what one
+    #: sequence takes of it; 0: the KV cache grows with the rows
+    kv_cache_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -279,13 +286,13 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        """Held whatever the number of rows: weights, LoRA (+ gradients), optimizer state."""
-        return self.weights + self.lora + self.optimizer
+        """Held whatever the number of rows: weights, LoRA (+ gradients), optimizer state, a fixed KV cache."""
+        return self.weights + self.lora + self.optimizer + self.kv_cache_bytes
 
     @property
     def per_row(self) -> int:
-        """Held per generation row: its KV cache and engine buffers."""
-        return self.kv_per_row + self.buffers_per_row
+        """Held per generation row: its KV cache and engine buffers (nothing with a fixed :attr:`kv_cache_bytes`)."""
+        return 0 if self.kv_cache_bytes else self.kv_per_row + self.buffers_per_row
 
     def peak(self, rows: int) -> int:
         """Planned peak with ``rows`` generation rows held: the fixed part, the rows, and the larger of the prefill
@@ -430,6 +437,9 @@ def _weight_parts(m: ModelShape, run: RunShape) -> dict[str, float]:
 def _fit_rows(plan: MemoryPlan) -> int:
     """The most generation rows whose peak stays within the usable budget (0 when not one fits)."""
     run = plan.run
+    if plan.kv_cache_bytes:  # a fixed KV cache: the sequences it holds at once, when it fits beside the rest
+        fits = plan.peak(0) <= plan.usable_bytes
+        return min(run.generation_rows, plan.kv_cache_bytes // plan.kv_per_row) if fits else 0
     room = plan.usable_bytes - plan.fixed
     by_prefill = room // (plan.per_row + plan.prefill_per_row)
     by_train = (room - plan.training) // plan.per_row if run.held_generation else (room if room >= plan.training else -1)
@@ -606,7 +616,7 @@ def preflight(
 # ----------------------------------------------------------------------------------------------------------- FSDP2
 #: config.json sizes of Qwen2.5-{7B,14B,32B,72B}-Instruct, for plans of models whose config is not at hand (no Hub)
 QWEN25_SHAPES: dict[str, ModelShape] = {
-    f"Qwen/Qwen2.5-{size}-Instruct": ModelShape(h, i, n, q, kv, 128, 152064, attention_bias=True)
+    f"Qwen/Qwen2.5-{size}-Instruct": ModelShape(h, i, n, q, kv, 128, 152064, attention_bias=True, max_positions=32768)
     for size, (h, i, n, q, kv) in {
         "7B": (3584, 18944, 28, 28, 4),
         "14B": (5120, 13824, 48, 40, 8),
@@ -621,6 +631,7 @@ FSDP_GATHERED_LAYERS = 2
 def plan_fsdp2(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, margin: float = DEFAULT_MARGIN, *,
     vllm_colocate: bool = False, vllm_tp: int | None = None, vllm_shares_weights: bool = False,
+    vllm_kv_cache_bytes: int | None = None, vllm_max_model_len: int | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """The :class:`MemoryPlan` of one GPU when ``num_gpus`` processes train ``run`` under FSDP2 (``fully_shard``:
     :mod:`nvfp4.fsdp` for the 4-bit weights, accelerate's per-decoder-layer groups for the rest), within
@@ -632,6 +643,13 @@ def plan_fsdp2(
     are split too: the plan's generation rows are then an engine's (the rows of its ``vllm_tp`` processes,
     ``kv_per_row / vllm_tp`` per GPU and row, the engine's activations left to the margin), and ``wave_rows`` is how
     many sequences of ``cache_len`` positions its KV cache holds at once (the engine schedules the rest).
+
+    ``vllm_kv_cache_bytes`` (``vllm.kv_cache_memory_bytes``; None or 0: unset, as vLLM reads it): the engine's KV
+    cache is that many bytes on each of its GPUs (vLLM's ``CacheConfig.kv_cache_memory_bytes`` is per GPU, each TP
+    worker allocates it), held whatever the rows (:attr:`MemoryPlan.kv_cache_bytes`); ``wave_rows`` is then the
+    sequences it holds at once, each of ``min(cache_len, vllm_max_model_len)`` positions, and 0 when the rest does
+    not fit beside it or when it cannot hold one sequence of ``vllm_max_model_len`` positions (unset: the model's
+    :attr:`~ModelShape.max_positions`), which vLLM refuses at start (``details["vllm_kv_start"]``: those bytes).
 
     ``vllm_shares_weights`` (``vllm.share_weights``): with one process and ``vllm_tp`` = 1 the policy's frozen
     weights are views of the engine's (:mod:`qerl_trl.rollout.shared_weights`), so the embeddings and ``lm_head``
@@ -686,24 +704,39 @@ def plan_fsdp2(
         details.update(vllm_weights=engine_weights, vllm_tp=tp, vllm_fp8_copy=int(fp8_copy / tp))
         weights += engine_weights
         kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / tp), 0, 0
+    kv_cache = int(vllm_kv_cache_bytes or 0) if vllm_colocate else 0
+    if kv_cache:
+        # vLLM pages its cache: a sequence holds the positions it has reached, at most the run's cache_len (prompt
+        # cap + max_completion_length) and at most max_model_len (vLLM ends it there), so the sequences at once are
+        # counted at the shorter of the two, full length (the worst case). vLLM's start check is one sequence of its
+        # max_model_len (unset: the model's context length), which may be longer than any sequence of the run.
+        max_len = vllm_max_model_len or model.max_positions or run.cache_len
+        per_token = model.kv_bytes_per_token(run.activation_bytes)
+        seq_len = min(run.cache_len, max_len)
+        kv_per_row = math.ceil(per_token * seq_len / tp)
+        details.update(vllm_kv_start=math.ceil(per_token * max_len / tp), vllm_max_model_len=max_len,
+                       vllm_seq_len=seq_len)  # fmt: skip
     plan = replace(base, weights=weights, lora=lora, optimizer=optimizer, kv_per_row=kv_per_row,
                    buffers_per_row=buffers_per_row, prefill_per_row=prefill_per_row, wave_rows=0,
-                   details=details, startup_extra=details.get("vllm_shared_weights", 0))  # fmt: skip
-    object.__setattr__(plan, "wave_rows", _fit_rows(plan))
+                   details=details, startup_extra=details.get("vllm_shared_weights", 0),
+                   kv_cache_bytes=kv_cache)  # fmt: skip
+    starts = kv_cache >= details.get("vllm_kv_start", 0)  # vLLM refuses a cache without one max_model_len sequence
+    object.__setattr__(plan, "wave_rows", _fit_rows(plan) if starts else 0)
     return plan
 
 
 def smallest_fsdp2_gpus(
     model: ModelShape, run: RunShape, budget_bytes: int, *, max_gpus: int = 8, margin: float = DEFAULT_MARGIN,
     waves_allowed: bool = True, vllm_colocate: bool = False, vllm_tp: int | None = None,
-    vllm_shares_weights: bool = False,
+    vllm_shares_weights: bool = False, vllm_kv_cache_bytes: int | None = None, vllm_max_model_len: int | None = None,
 ) -> int | None:  # fmt: skip
     """The fewest GPUs (1 .. ``max_gpus``; multiples of ``vllm_tp`` when it is set) of ``budget_bytes`` each on which
     :func:`plan_fsdp2` fits ``run`` (at least one generation row per wave, or the whole batch without
     ``waves_allowed``); None when none does."""
     for n in range(vllm_tp or 1, max_gpus + 1, vllm_tp or 1):
         plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
-                          vllm_shares_weights=vllm_shares_weights)  # fmt: skip
+                          vllm_shares_weights=vllm_shares_weights, vllm_kv_cache_bytes=vllm_kv_cache_bytes,
+                          vllm_max_model_len=vllm_max_model_len)  # fmt: skip
         if plan.wave_rows >= (1 if waves_allowed else run.generation_rows):
             return n
     return None
@@ -712,19 +745,22 @@ def smallest_fsdp2_gpus(
 def fsdp2_answer(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
     max_gpus: int = 8, margin: float = DEFAULT_MARGIN, waves_allowed: bool = True, vllm_colocate: bool = False,
-    vllm_tp: int | None = None, vllm_shares_weights: bool = False,
+    vllm_tp: int | None = None, vllm_shares_weights: bool = False, vllm_kv_cache_bytes: int | None = None,
+    vllm_max_model_len: int | None = None,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``run`` on ``model`` fits ``num_gpus`` GPUs of ``budget_bytes`` under FSDP2, and one line saying so:
     the planned peak per GPU against what is usable, and the smallest GPU count that would fit (``qerl plan``; an
-    estimate, see :func:`plan_fsdp2`)."""
-    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
-                      vllm_shares_weights=vllm_shares_weights)  # fmt: skip
+    estimate, see :func:`plan_fsdp2`). With a fixed vLLM KV cache (``vllm_kv_cache_bytes``, bytes per GPU) the line
+    says how many sequences it holds at once, and which value of ``vllm.kv_cache_memory_bytes`` would do when it
+    cannot hold one sequence or does not fit beside the rest."""
+    vllm = dict(vllm_colocate=vllm_colocate, vllm_tp=vllm_tp, vllm_shares_weights=vllm_shares_weights,
+                vllm_kv_cache_bytes=vllm_kv_cache_bytes, vllm_max_model_len=vllm_max_model_len)  # fmt: skip
+    plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, **vllm)
     need = 1 if waves_allowed else run.generation_rows
     fits = plan.wave_rows >= need
     rows = plan.rows_per_wave if fits else need
     smallest = smallest_fsdp2_gpus(model, run, budget_bytes, max_gpus=max_gpus, margin=margin,
-                                   waves_allowed=waves_allowed, vllm_colocate=vllm_colocate,
-                                   vllm_tp=vllm_tp, vllm_shares_weights=vllm_shares_weights)  # fmt: skip
+                                   waves_allowed=waves_allowed, **vllm)  # fmt: skip
     where = f"{num_gpus} GPU{'s' if num_gpus > 1 else ''} of {budget_bytes / GB:.1f} GB"
     mode = "FSDP2" if num_gpus > 1 else "one process"
     head = (
@@ -733,9 +769,17 @@ def fsdp2_answer(
     )
     engine, shared = plan.details.get("vllm_weights", 0), plan.details.get("vllm_shared_weights", 0)
     engine_weights = f"{engine / GB:.1f} GB" + (f" (+ {shared / GB:.1f} GB shared with the policy)" if shared else "")
-    gen = (f"vLLM TP={plan.details.get('vllm_tp')} weights {engine_weights} + KV cache for {rows} concurrent "
-           f"sequence(s) of {run.cache_len} positions {rows * plan.per_row / GB:.1f} GB" if vllm_colocate else
-           f"{rows} generation row(s) per wave {rows * plan.per_row / GB:.1f} GB")  # fmt: skip
+    kv, start = plan.kv_cache_bytes, plan.details.get("vllm_kv_start", 0)
+    engine_kv = f"vLLM TP={plan.details.get('vllm_tp')} weights {engine_weights} + KV cache"
+    if kv:  # held whatever the rows; vLLM schedules the sequences it cannot hold at once
+        held = min(run.generation_rows, kv // plan.kv_per_row)
+        gen = (f"{engine_kv} {kv / GB:.1f} GB fixed by vllm.kv_cache_memory_bytes, holding {held} of the "
+               f"{run.generation_rows} sequences of {plan.details['vllm_seq_len']} positions at once")  # fmt: skip
+    elif vllm_colocate:
+        gen = (f"{engine_kv} for {rows} concurrent sequence(s) of {run.cache_len} positions "
+               f"{rows * plan.per_row / GB:.1f} GB")  # fmt: skip
+    else:
+        gen = f"{rows} generation row(s) per wave {rows * plan.per_row / GB:.1f} GB"
     body = (
         f"planned peak {plan.peak(rows) / GB:.1f} of {plan.usable_bytes / GB:.1f} GB usable per GPU (policy weights "
         f"{(plan.weights - engine) / GB:.1f} GB, LoRA + optimizer {(plan.lora + plan.optimizer) / GB:.2f} GB, "
@@ -745,7 +789,20 @@ def fsdp2_answer(
         least = f"no count up to {max_gpus} GPUs fits"
     else:
         least = f"smallest GPU count that fits: {smallest}"
-    verdict = "fits" if fits else f"does not fit, {(plan.peak(rows) - plan.usable_bytes) / GB:.1f} GB over"
+    over = plan.peak(rows) - plan.usable_bytes
+    verdict = "fits" if fits else f"does not fit, {over / GB:.1f} GB over"
+    mib = 2**20  # the values suggested for vllm.kv_cache_memory_bytes: whole MiB
+    if kv and kv < start:  # vLLM itself stops at start: "max_model_len ... larger than ... stored in KV cache"
+        verdict = (
+            f"does not fit: vllm.kv_cache_memory_bytes={kv} cannot hold one sequence of "
+            f"{plan.details['vllm_max_model_len']} positions (vLLM's max_model_len, {start / 2**30:.2f} GiB per GPU) "
+            f"and vLLM would refuse to start; raise it to {-(-start // mib) * mib} or more, or lower vllm.max_model_len"
+        )
+    elif kv and not fits:  # the fixed cache is held in full: a smaller one may fit
+        room = (kv - over) // mib * mib  # the largest cache that fits beside the rest
+        fix = (f"set vllm.kv_cache_memory_bytes to {room} or less" if room >= start else
+               f"lowering vllm.kv_cache_memory_bytes cannot: one sequence needs {start / 2**30:.2f} GiB")  # fmt: skip
+        verdict = f"does not fit, {over / GB:.1f} GB over with its fixed KV cache ({fix})"
     return fits, f"{head}{verdict}: {body}; {least} (estimate)"
 
 
@@ -779,8 +836,9 @@ def fsdp2_preflight(
     shape as :func:`run_shape_from_config` reads it with bf16 activations (the GPU run's, whatever machine plans it);
     ``rollout_engine="vllm"`` without a ``server_url`` plans colocated engines of ``vllm.tensor_parallel_size``
     (unset: ``num_gpus`` when several GPUs shard the policy, as the trainer resolves it; a ``ValueError`` when it does
-    not divide ``num_gpus``; with ``vllm.share_weights`` on one GPU the weights are counted once), a vLLM server on
-    other GPUs nothing; the graph engine may generate in waves."""
+    not divide ``num_gpus``; with ``vllm.share_weights`` on one GPU the weights are counted once; with
+    ``vllm.kv_cache_memory_bytes`` its KV cache is that many bytes per GPU, sequences of at most ``vllm.max_model_len``
+    positions), a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
     run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
     engine = args.rollout_engine_class  # what it holds and how it generates are its own rules
     colocate = engine.colocated_engine(args)
@@ -790,5 +848,7 @@ def fsdp2_preflight(
     tp = args.vllm.tensor_parallel_size if colocate else None  # unset: each count's own (num_gpus)
     return fsdp2_answer(model, run, budget_bytes, num_gpus, name=name, margin=margin, waves_allowed=waves,
                         vllm_colocate=colocate, vllm_tp=tp,
-                        vllm_shares_weights=colocate and args.vllm.share_weights)  # fmt: skip
+                        vllm_shares_weights=colocate and args.vllm.share_weights,
+                        vllm_kv_cache_bytes=args.vllm.kv_cache_memory_bytes if colocate else None,
+                        vllm_max_model_len=args.vllm.max_model_len if colocate else None)  # fmt: skip
 

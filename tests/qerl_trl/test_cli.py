@@ -440,3 +440,22 @@ def test_first_screen_holds_only_our_lines(tiny_dir, tmp_path):
     foreign = [seg for line in lines for seg in line.split("\r") if not ours(seg)]
     assert not foreign, "\n".join(lines)
     assert any(line.startswith("qerl train: 1 step") for line in done.stdout.splitlines()), done.stdout[-2000:]
+
+
+def test_vllm_on_the_command_line_updates_the_recipes_mapping(tmp_path):
+    """``--vllm '{JSON}'`` over a recipe's ``vllm:`` block changes the keys it names and keeps the others (``null``
+    unsets one), in the full parse and in the check before TRL is imported; a recipe without the block takes it whole."""
+    from qerl_trl.cli import precheck_train_args
+
+    out = ["--output_dir", str(tmp_path / "run")]
+    _, config = parse_train_args(["gsm8k-qwen2.5-7b-grpo", *out, "--vllm", '{"gpu_memory_utilization": 0.3}'])
+    assert (config.vllm.kv_cache_memory_bytes, config.vllm.max_model_len) == (12 << 30, 4608)
+    assert config.vllm.gpu_memory_utilization == 0.3
+    _, config = parse_train_args(["gsm8k-qwen2.5-7b-grpo", *out, '--vllm={"kv_cache_memory_bytes": null}'])
+    assert config.vllm.kv_cache_memory_bytes is None and config.vllm.max_model_len == 4608
+    offline = ["--model_name_or_path", "offline-default"]  # the check looks for the model: no Hub here
+    _, pre = precheck_train_args(["gsm8k-qwen2.5-7b-grpo", *out, *offline, "--vllm", '{"max_model_len": 5120}'])
+    vllm = json.loads(pre.vllm) if isinstance(pre.vllm, str) else pre.vllm  # the check keeps the option's text
+    assert vllm["kv_cache_memory_bytes"] == 12 << 30 and vllm["max_model_len"] == 5120
+    _, config = parse_train_args(["offline-default", *out, "--vllm", '{"gpu_memory_utilization": 0.3}'])
+    assert config.vllm.gpu_memory_utilization == 0.3 and config.vllm.kv_cache_memory_bytes is None

@@ -173,7 +173,27 @@ def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     i = argv.index("--config")
     if i + 1 >= len(argv):
         raise UsageError("argument --config: expected one argument (a recipe .yaml file)")
-    return argv, _read_recipe(argv[i + 1])
+    recipe = _read_recipe(argv[i + 1])
+    return _merge_mapping_option(argv, recipe, "vllm"), recipe
+
+
+def _merge_mapping_option(argv: list[str], recipe: dict[str, Any], name: str) -> list[str]:
+    """``--name '{JSON}'`` over a recipe's ``name:`` mapping updates it key by key (``null`` unsets a key) instead of
+    replacing it: ``--vllm '{"gpu_memory_utilization": 0.3}'`` on a recipe with ``vllm: {kv_cache_memory_bytes: …}``
+    keeps the cache size. A value that is not a JSON object is left for the config's own one-line error."""
+    base = recipe.get(name)
+    for i, arg in enumerate(argv):
+        eq = arg.startswith(f"--{name}=")
+        if isinstance(base, dict) and (eq or (arg == f"--{name}" and i + 1 < len(argv))):
+            raw = arg.split("=", 1)[1] if eq else argv[i + 1]
+            try:
+                given = json.loads(raw)
+            except json.JSONDecodeError:
+                return argv
+            if isinstance(given, dict):
+                merged = json.dumps({**base, **given})
+                return [*argv[:i], f"--{name}={merged}", *argv[i + (1 if eq else 2) :]]
+    return argv
 
 
 def precheck_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:

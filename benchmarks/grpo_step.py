@@ -84,7 +84,8 @@ recorded as ``generation_wave_rows``; the warm-up at the full length compiles th
     python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine graph --group 8 --prompt-len 256 \
         --completion-len 2048 --lengths bigmath --steps 2 --arm-timeout 570 --out $OUT/grpo_32b_g8_2048.json
 
-Issue #47 item 5, a shipped recipe's whole steps through ``qerl train`` itself with vLLM rollouts (``run_recipe``)::
+Issue #47 items 5 and 7, a shipped recipe's whole steps through ``qerl train`` itself with vLLM rollouts, or the graph
+engine's (``--rollout-engine graph``: no ``--vllm-kv-gb``; ``run_recipe``)::
 
     python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine vllm --recipe bigmath-qwen2.5-32b-dapo \
         --prompt-len 256 --lengths bigmath --warmup-steps 0 --steps 2 --vllm-kv-gb 14 --no-subprocess --out $OUT/d.json
@@ -413,10 +414,8 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     rest = s["step_s"] - (s["decode_s"] or 0.0)
     s["compile_s_est"] = round(sum(r["step_s"] - rest - per_tok * (r["expected_len"] or 0) for r in warm), 2) if warm \
         else None  # fmt: skip
-    peaks = [r.get("peak_gpu_gb") for r in rows if r.get("peak_gpu_gb") is not None]
-    s["peak_gpu_gb"] = max(peaks) if peaks else None
-    resv = [r.get("peak_gpu_reserved_gb") for r in rows if r.get("peak_gpu_reserved_gb") is not None]
-    s["peak_gpu_reserved_gb"] = max(resv) if resv else None
+    for k in ("peak_gpu_gb", "peak_gpu_reserved_gb"):
+        s[k] = max((r[k] for r in rows if r.get(k) is not None), default=None)
     s["peak_rss_gb"] = rss_peak_gb()
     if args.eos_mean_tokens:  # spread lengths: each row ends after --min-new-tokens, at the cap at the latest
         lens_ok = all(min(args.min_new_tokens, r["expected_len"] - 1) < r["completion_len_min"]
@@ -698,12 +697,16 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the 
 
 
 def run_recipe(args) -> dict:
-    """``--recipe``: ``qerl train RECIPE`` itself (``qerl_trl.cli.main``), ``--rollout_engine vllm``, on the vLLM arm's
-    NVFP4 checkpoint (written layer by layer). Recipe settings as shipped but for the overrides in ``train_argv``: the
-    model, the engine and its ``vllm`` memory knobs (``--vllm-kv-gb``), ``max_steps``, a local ``data_path`` (random
-    words, ``--prompt-len`` tokens after the chat template), ``rewards`` = mean token id (varies within every group,
-    so DAPO's dynamic sampling keeps every group) and ``generation_kwargs`` for ``--lengths`` (``_vllm_spread_kwargs``).
-    The trainer class ``qerl train`` builds gets the phase timers; after the first step, the worst-case probe."""
+    """``--recipe``: ``qerl train RECIPE`` itself (``qerl_trl.cli.main``) on ``--rollout-engine`` vllm (default) or
+    graph, on the vLLM arm's NVFP4 checkpoint (written layer by layer). Recipe settings as shipped but for the
+    overrides in ``train_argv``: the model, the engine (vllm: its ``vllm`` memory knobs, ``--vllm-kv-gb``; graph: the
+    recipe's own settings), ``max_steps``, a local ``data_path`` (random words, ``--prompt-len`` tokens after the chat
+    template), ``rewards`` = mean token id (varies within every group, so DAPO's dynamic sampling keeps every group)
+    and ``generation_kwargs`` for ``--lengths``. One length distribution on both engines (past ``--min-new-tokens`` a
+    near-uniform model stops with probability 1/M a token): vLLM takes 127 stop ids with a logit bias
+    (``_vllm_spread_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
+    127 are the first of them), set where TRL's init put the model's. The trainer class ``qerl train`` builds gets the
+    phase timers; after the first step, the worst-case probe."""
     import shlex
     from unittest import mock
 
@@ -725,7 +728,8 @@ def run_recipe(args) -> dict:
     if "--max_completion_length" in extra:
         args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
     clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
-    res |= {"rollout_engine": "vllm", "recipe": args.recipe, "recipe_settings": recipe}
+    on_vllm, eos = args.rollout_engine == "vllm", []
+    res |= {"rollout_engine": args.rollout_engine, "recipe": args.recipe, "recipe_settings": recipe}
     t0 = time.perf_counter()
     path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
     vocab = MODELS[args.model]["vocab_size"]
@@ -740,26 +744,32 @@ def run_recipe(args) -> dict:
     rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
     data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
-    if args.eos_mean_tokens:
+    if args.eos_mean_tokens and on_vllm:
         gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
-    else:
+    elif on_vllm:
         gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
-    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    kv, total = int(args.vllm_kv_gb * 2**30), torch.cuda.get_device_properties(0).total_memory if cuda else 0
-    vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
-            "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if cuda else 0.1}  # fmt: skip
+    else:  # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
+        eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
+        gen_kwargs = {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}
+        res["spread_eos_ids"] = len(eos)
+    engine_argv = ["--rollout_engine", args.rollout_engine]
+    if on_vllm:
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        kv, total = int(args.vllm_kv_gb * 2**30), torch.cuda.get_device_properties(0).total_memory if cuda else 0
+        vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
+                "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if cuda else 0.1}  # fmt: skip
+        engine_argv, res["vllm_engine"] = [*engine_argv, "--vllm", json.dumps(vllm)], vllm | {"weights_bytes": weights}
     n_steps = args.warmup_steps + args.steps
-    argv = ["train", args.recipe, "--model_name_or_path", str(path), "--rollout_engine", "vllm", "--vllm",
-            json.dumps(vllm), "--max_steps", str(n_steps), "--output_dir", str(outdir / "run"), "--data_path",
-            str(data), "--rewards", "mean_token_id", "--generation_kwargs", json.dumps(gen_kwargs), *extra]  # fmt: skip
+    argv = ["train", args.recipe, "--model_name_or_path", str(path), *engine_argv, "--max_steps", str(n_steps),
+            "--output_dir", str(outdir / "run"), "--data_path", str(data), "--rewards", "mean_token_id",
+            "--generation_kwargs", json.dumps(gen_kwargs), *extra]  # fmt: skip
     prompt_tokens = len(tok(tok.apply_chat_template(make_prompt(rows[0]), tokenize=False))["input_ids"])
     res |= {"train_argv": argv, "prompt_tokens": prompt_tokens, "checkpoint": str(path)}
-    res["vllm_engine"] = vllm | {"weights_bytes": weights}
     dapo = recipe.get("algorithm") == "dapo"
     module, name = (qerl_trl.dapo, "QeRLDAPOTrainer") if dapo else (qerl_trl.trainer, "QeRLGRPOTrainer")
     Timed, StepClock = _make_trainer_class(clock, base=getattr(module, name))
     step_clock = StepClock()
-    step_clock.lengths, step_clock.on_vllm = [args.completion_len] * n_steps, True
+    step_clock.lengths, step_clock.on_vllm = [args.completion_len] * n_steps, on_vllm
     step_clock.min_new = args.min_new_tokens if args.eos_mean_tokens else None
     partial = Path(args.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -785,7 +795,10 @@ def run_recipe(args) -> dict:
             holder.append(self)
             step_clock.trainer = self
             self.add_callback(step_clock)
-            _time_sync(self, clock)
+            if on_vllm:
+                _time_sync(self, clock)
+            else:  # graph: the spread EOS ids where TRL's init put the model's (its stop ids, its cut after EOS)
+                self.eos_token_ids = self.generation_config.eos_token_id = [*self.eos_token_ids, *eos]
 
     status = "ok"
     try:
@@ -798,7 +811,7 @@ def run_recipe(args) -> dict:
     rows = [_step_row(c, args.group) for c in clock.steps]
     _summarize(res, rows, args.warmup_steps, False, cuda, args)
     res["status"] = status if status != "ok" or len(rows) == n_steps else f"partial: {len(rows)} of {n_steps} steps"
-    if res.get("summary") and isinstance(res.get("worst_case"), dict) and "gen_s" in res["worst_case"]:
+    if res.get("summary") and isinstance(res.get("worst_case"), dict) and "loss_fwd_s" in res["worst_case"]:
         _worst_case_estimate(res, args)
     partial.unlink(missing_ok=True)
     return res
@@ -807,36 +820,41 @@ def run_recipe(args) -> dict:
 def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     """Every completion at the cap ``C``, probed after the first step on the trainer's own engine and policy.
 
-    Generation: the rows whose prompt + ``C`` positions fit the engine's KV cache at once (``rows``); for prompts of
-    ``P`` and of ``P + C - n`` tokens (the two ends of a row's life), one ``generate`` of 1 token (prefill) and one of
-    ``n = --probe-tokens`` (fresh prompts each, EOS ignored): seconds per decode step at short and at long context.
-    One wave of ``rows`` completions of ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows
-    linearly with the context). Training: the last step's first micro-batch, at most ``per_device_batch`` rows (``train_rows``; one in the shipped
-    32B recipe), its completions stretched to ``C`` (``P + C`` tokens a row): loss forward and backward timed, peak
-    GPU memory; gradients dropped."""
+    Generation, on vLLM (the graph engine's is skipped, the reason in ``generation``): the rows whose prompt + ``C``
+    positions fit the engine's KV cache at once (``rows``); for prompts of ``P`` and of ``P + C - n`` tokens (the two
+    ends of a row's life), one ``generate`` of 1 token (prefill) and one of ``n = --probe-tokens`` (fresh prompts
+    each, EOS ignored): seconds per decode step at short and at long context. One wave of ``rows`` completions of
+    ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows linearly with the context). Training: the
+    last step's first micro-batch, at most ``per_device_batch`` rows (``train_rows``; one in the 32B recipe),
+    stretched to ``C`` (``P + C`` tokens a row): loss forward and backward timed, peak GPU memory; gradients dropped."""
     import math
 
     import torch
     from qerl_trl.trainer import TRAINING_SDPA_BACKENDS, completion_aligned
     from torch.nn.attention import sdpa_kernel
 
-    engine, cap, p, n = trainer.rollout.generation.engine, args.completion_len, args.prompt_len, args.probe_tokens
-    cache = engine.llm.llm_engine.vllm_config.cache_config
-    kv_tokens = cache.num_gpu_blocks * cache.block_size
+    cap, p, n = args.completion_len, args.prompt_len, args.probe_tokens
     completions = args.per_device_batch * args.grad_accum
-    rows = min(completions, max(1, kv_tokens // (math.ceil((p + cap) / cache.block_size) * cache.block_size)))
-    out: dict = {"kv_cache_tokens": kv_tokens, "rows": rows, "probe_tokens": n, "cap": cap}
-    g = torch.Generator().manual_seed(1)
-    for ctx, plen in (("short", p), ("long", p + cap - n)):
-        for k in (1, n):
-            ids = torch.randint(3, vocab, (rows, plen), generator=g).tolist()
-            t = clock.now()
-            engine.generate(ids, {"temperature": 1.0, "max_tokens": k, "min_tokens": k, "ignore_eos": True})
-            out[f"{ctx}_{k}_s"] = round(clock.now() - t, 4)
-        out[f"{ctx}_step_s"] = round((out[f"{ctx}_{n}_s"] - out[f"{ctx}_1_s"]) / (n - 1), 5)
-    out["wave_s"] = round(out["short_1_s"] + cap * (out["short_step_s"] + out["long_step_s"]) / 2, 2)
-    out["gen_s"] = round(math.ceil(completions / rows) * out["wave_s"], 1)
-    out["gen_tok_s"] = round(completions * cap / out["gen_s"], 1)
+    out: dict = {"rows": trainer.args.generation_wave_rows or completions, "probe_tokens": n, "cap": cap}
+    if args.rollout_engine != "vllm":  # no gen_s (nor step_s): the measured steps' generation stands
+        out["generation"] = (f"skipped: the graph engine prefills a wave of {out['rows']} rows in one forward, sized by "
+                             f"the memory plan for {trainer.args.generation_prompt_cache_len}-token prompts (the long "
+                             f"end is {p + cap - n}), and a wave at the cap is {cap} decode steps")  # fmt: skip
+    else:
+        cache = (engine := trainer.rollout.generation.engine).llm.llm_engine.vllm_config.cache_config
+        out["kv_cache_tokens"] = cache.num_gpu_blocks * cache.block_size
+        out["rows"] = rows = min(completions, max(1, cache.num_gpu_blocks // math.ceil((p + cap) / cache.block_size)))
+        g = torch.Generator().manual_seed(1)
+        for ctx, plen in (("short", p), ("long", p + cap - n)):
+            for k in (1, n):
+                ids = torch.randint(3, vocab, (rows, plen), generator=g).tolist()
+                t = clock.now()
+                engine.generate(ids, {"temperature": 1.0, "max_tokens": k, "min_tokens": k, "ignore_eos": True})
+                out[f"{ctx}_{k}_s"] = round(clock.now() - t, 4)
+            out[f"{ctx}_step_s"] = round((out[f"{ctx}_{n}_s"] - out[f"{ctx}_1_s"]) / (n - 1), 5)
+        out["wave_s"] = round(out["short_1_s"] + cap * (out["short_step_s"] + out["long_step_s"]) / 2, 2)
+        out["gen_s"] = round(math.ceil(completions / rows) * out["wave_s"], 1)
+        out["gen_tok_s"] = round(completions * cap / out["gen_s"], 1)
     b, n_rows = dict(trainer._buffered_inputs[0]), trainer._buffered_inputs[0]["completion_ids"].size(0)
     # at the cap every row is as long, so packed micro-batches hold TRL's split (per_device_batch rows), not the more
     # rows that short completions let the packer put together (the 7B recipe's first: 23 rows, 80 GB when stretched)
@@ -867,38 +885,15 @@ def _worst_case_estimate(res: dict, args) -> None:
     tokens = step["completion_tokens"] + completions * res["prompt_tokens"]
     w["train_s"] = round(completions / w["train_rows"] * (w["loss_fwd_s"] + w["backward_s"]), 1)
     w["score_s"] = round(s["score_s"] * completions * (res["prompt_tokens"] + w["cap"]) / tokens, 1)
-    w["step_s"] = round(w["gen_s"] + w["train_s"] + w["score_s"] + s["optimizer_s"] + s["clip_s"] + s["other_s"], 1)
+    if "gen_s" in w:  # (vLLM: the graph engine's generation is not probed)
+        w["step_s"] = round(w["gen_s"] + w["train_s"] + w["score_s"] + s["optimizer_s"] + s["clip_s"] + s["other_s"], 1)
 
 
 _PASS = (
-    "prompt_len",
-    "completion_len",
-    "group",
-    "per_device_batch",
-    "grad_accum",
-    "steps",
-    "warmup_steps",
-    "beta",
-    "aqn_sigma",
-    "lora_r",
-    "lora_dtype",
-    "nvfp4_method",
-    "compile_backend",
-    "compile_mode",
-    "dtype",
-    "warmup_completion_len",
-    "rollout_engine",
-    "eos_mean_tokens",
-    "min_new_tokens",
-    "wave_rows",
-    "prompt_cache_len",
-    "vllm_kv_gb",
-    "ckpt_root",
-    "recipe",
-    "recipe_overrides",
-    "probe_tokens",
-    "out",
-)
+    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps beta aqn_sigma lora_r lora_dtype "
+    "nvfp4_method compile_backend compile_mode dtype warmup_completion_len rollout_engine eos_mean_tokens "
+    "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
+).split()  # the options a worker subprocess gets (when set)
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
 
@@ -1044,10 +1039,10 @@ def main(argv=None) -> None:
     ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
     ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
-    ap.add_argument("--rollout-engine", default="transformers", choices=ENGINES,
-                    help="QeRLConfig.rollout_engine: transformers (generate) or graph (qerl_trl.graph_generate)")
+    ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
+                    "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
-    ap.add_argument("--recipe", help="run `qerl train RECIPE --rollout_engine vllm` (its whole step; run_recipe)")
+    ap.add_argument("--recipe", help="run `qerl train RECIPE --rollout_engine ENGINE` (its whole step; run_recipe)")
     ap.add_argument("--recipe-overrides", help="--recipe: more `qerl train` options (CPU check: shorter completions)")
     ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
@@ -1077,6 +1072,9 @@ def main(argv=None) -> None:
         args.eos_mean_tokens = preset[1]
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
+    args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")
+    if args.recipe and args.rollout_engine == "transformers":
+        ap.error("--recipe runs on --rollout-engine vllm (the default) or graph")
     if args.rollout_engine == "graph" and args.no_static_cache:
         ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 

@@ -104,3 +104,38 @@ def test_grpo_step_tiny_spread_lengths_in_waves(tmp_path):
         lens.append((step["completion_len_min"], step["completion_len_max"]))
     assert any(lo < hi for lo, hi in lens), lens  # spread, not fixed
     assert res["summary"]["completion_lengths_ok"] and res["summary"]["advantages_nonzero"]
+
+
+def test_grpo_step_recipe_on_the_graph_engine(tmp_path):
+    """``--recipe`` with ``--rollout-engine graph`` (issue #47 item 7, S3g): ``qerl train`` with the shipped 32B DAPO recipe
+    on its own engine settings (no ``--vllm``), the graph engine's spread EOS ids (``round(V / M)``, as the other
+    arms) on TRL's generation config, one whole step of 128 completions, and the probe's micro-batch at the cap (the
+    graph engine's generation probe skipped with its reason)."""
+    out = tmp_path / "dapo_graph.json"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--recipe", "bigmath-qwen2.5-32b-dapo", "--arms", "nvfp4",
+           "--rollout-engine", "graph", "--prompt-len", "64", "--min-new-tokens", "4", "--eos-mean-tokens", "16",
+           "--recipe-overrides", "--max_completion_length 48 --overlong_buffer_length 16", "--probe-tokens", "8",
+           "--warmup-steps", "0", "--steps", "1", "--ckpt-root", str(tmp_path / "ckpt"), "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["status"] == "ok" and res["rollout_engine"] == "graph", res.get("status")
+    assert res["train_argv"][4:6] == ["--rollout_engine", "graph"] and "--vllm" not in res["train_argv"]
+    assert json.loads(res["train_argv"][res["train_argv"].index("--generation_kwargs") + 1]) == {"min_new_tokens": 4}
+    assert res["spread_eos_ids"] == 64 and "vllm_engine" not in res  # 1024 / 16 EOS ids
+    (step,) = res["steps"]
+    assert step["completions"] == 128 and 4 < step["completion_len_min"] < step["completion_len_max"] <= 48
+    assert step["gen_s"] > 0 and step["loss_fwd_s"] > 0 and step["backward_s"] > 0 and step["sync_s"] == 0
+    assert step["trl_log"]["dapo/informative_group_fraction"] == 1.0
+    assert res["summary"]["completion_lengths_ok"] and res["summary"]["advantages_nonzero"]
+    w = res["worst_case"]
+    assert w["generation"].startswith("skipped: ") and "gen_s" not in w and "step_s" not in w, w
+    assert w["train_row_tokens"] == 64 + 48 and w["train_s"] > 0
+
+
+def test_grpo_step_recipe_refuses_the_transformers_engine():
+    """``--recipe`` runs on vllm (its default: ``--rollout-engine`` unset) or graph; transformers is a one-line error."""
+    cmd = [sys.executable, str(SCRIPT), "--recipe", "bigmath-qwen2.5-32b-dapo", "--rollout-engine", "transformers"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--recipe runs on --rollout-engine vllm (the default) or graph" in p.stderr, p.stderr

@@ -11,19 +11,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+SRC = [REPO / p for p in ("packages/nvfp4/src", "packages/aqn/src", "packages/qerl-trl/src", "integrations/vllm/src")]
+#: the package sources before the inherited PYTHONPATH (on the GPU machine the vLLM and TRL wheels come through it)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([*map(str, SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
 
 
 def test_dapo_32b_recipe_runs_on_vllm_at_tiny_shapes(tmp_path):
     out = tmp_path / "dapo.json"
-    src = [REPO / p for p in ("packages/nvfp4/src", "packages/aqn/src", "packages/qerl-trl/src", "integrations/vllm")]
-    src[-1] = src[-1] / "src"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, src))}
     cmd = [sys.executable, str(REPO / "benchmarks" / "grpo_step.py"), "--tiny", "--recipe", "bigmath-qwen2.5-32b-dapo",
            "--arms", "nvfp4", "--rollout-engine", "vllm", "--prompt-len", "64", "--min-new-tokens", "4",
            "--eos-mean-tokens", "16", "--recipe-overrides", "--max_completion_length 48 --overlong_buffer_length 16",
            "--probe-tokens", "8", "--warmup-steps", "0", "--steps", "2", "--vllm-kv-gb", "0.0625", "--ckpt-root",
            str(tmp_path / "ckpt"), "--out", str(out)]  # fmt: skip
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (res,) = json.loads(out.read_text())["results"]
     assert res["status"] == "ok" and res["rollout_engine"] == "vllm", res.get("status")
@@ -42,20 +43,19 @@ def test_dapo_32b_recipe_runs_on_vllm_at_tiny_shapes(tmp_path):
 
 
 def test_gsm8k_7b_recipe_runs_on_vllm_at_tiny_shapes(tmp_path):
-    """The 7B GSM8K recipe the same way (issue #47 item 7 runs it on the H100): its task reads ``question`` and an
-    answer with ``####`` from the same random rows; 128 completions a step, the engine's sampling logprobs corrected."""
+    """The 7B GSM8K recipe the same way (issue #47 item 7 runs it on the H100), on vLLM as ``--recipe``'s default
+    engine: its task reads ``question`` and an answer with ``####`` from the same random rows; 128 completions a step,
+    the engine's sampling logprobs corrected."""
     out = tmp_path / "gsm8k.json"
-    src = [REPO / p for p in ("packages/nvfp4/src", "packages/aqn/src", "packages/qerl-trl/src", "integrations/vllm/src")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, src))}
     cmd = [sys.executable, str(REPO / "benchmarks" / "grpo_step.py"), "--tiny", "--recipe", "gsm8k-qwen2.5-7b-grpo",
-           "--arms", "nvfp4", "--rollout-engine", "vllm", "--prompt-len", "64", "--min-new-tokens", "4",
+           "--arms", "nvfp4", "--prompt-len", "64", "--min-new-tokens", "4",  # --rollout-engine: vllm by default
            "--eos-mean-tokens", "16", "--recipe-overrides", "--max_completion_length 48", "--probe-tokens", "8",
            "--warmup-steps", "0", "--steps", "1", "--vllm-kv-gb", "0.0625", "--ckpt-root", str(tmp_path / "ckpt"),
            "--out", str(out)]  # fmt: skip
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (res,) = json.loads(out.read_text())["results"]
-    assert res["status"] == "ok" and res["train_argv"][1] == "gsm8k-qwen2.5-7b-grpo"
+    assert res["status"] == "ok" and res["train_argv"][1] == "gsm8k-qwen2.5-7b-grpo" and res["rollout_engine"] == "vllm"
     (step,) = res["steps"]
     assert step["completions"] == 128 and 4 < step["completion_len_min"] <= step["completion_len_max"] <= 48
     assert "sampling/importance_sampling_ratio/mean" in step["trl_log"] and step["trl_log"]["aqn/sigma"] >= 0

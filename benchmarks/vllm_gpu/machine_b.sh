@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # THERE, as a background job after install.sh finished (issue #47; one one-GPU machine):
-#     bash benchmarks/vllm_gpu/bg.sh start b 'MACHINE_B_STEPS="1 2" bash benchmarks/vllm_gpu/machine_b.sh'
+#     bash benchmarks/vllm_gpu/bg.sh start b 'MACHINE_B_STEPS="1 2" bash benchmarks/vllm_gpu/machine_b.sh'   # ~20 min
 # One step after another (a second vLLM engine on the card would fail vLLM's free-memory check), files under $JOB_OUT:
 # 1. the vLLM tests that failed on the H200 at b78624b (CPU-only assumptions, vLLM's LoRA shrink atomics), fixed since;
 # 2. `qerl train` offline default, 20 steps, one run per OFFLINE_ARMS entry ENGINE:IS_MODE:SEED (IS_MODE: QeRL's
@@ -41,12 +41,12 @@ if step 2; then
     rm -rf "$O/run_$name"/checkpoint-* "$O/run_$name/final"  # keep metrics and plots
   done
 fi
-for engine in vllm graph; do
-  n=3; [ "$engine" = graph ] && n=4
+for engine in vllm graph; do  # ~20 and ~25 min of a machine each (README "Next session's machines"): one per machine
+  n=3 more=(--steps 2 --vllm-kv-gb 14); [ "$engine" = graph ] && n=4 more=(--steps 1)
   step $n || continue
   say "$n the 32B DAPO recipe on $engine"
   python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine "$engine" \
-    --recipe bigmath-qwen2.5-32b-dapo --prompt-len 256 --lengths bigmath --warmup-steps 0 --steps 2 --vllm-kv-gb 14 \
+    --recipe bigmath-qwen2.5-32b-dapo --prompt-len 256 --lengths bigmath --warmup-steps 0 "${more[@]}" \
     --probe-tokens 256 --no-subprocess --out "$O/dapo_32b_$engine.json" > "$O/dapo_32b_$engine.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/dapo_32b_$engine.log"
 done

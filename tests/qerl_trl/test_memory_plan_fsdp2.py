@@ -3,6 +3,8 @@ smallest GPU count that fits, in one line (exit 2 when the run does not fit). Sh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from qerl_trl.memory_plan import (
     GB,
@@ -88,6 +90,29 @@ def test_qerl_train_checks_the_fsdp2_plan_under_an_fsdp2_launch(monkeypatch, tmp
         check_memory(script_args, config, budget_bytes=10**6)
     assert check_memory(script_args, config, budget_bytes=80 * 10**9) is True
 
+
+
+def test_qerl_train_checks_a_colocated_vllm_with_a_fixed_kv_cache_on_one_gpu(tmp_path, tiny_dir, capsys):
+    """One process, ``rollout_engine="vllm"`` colocated with ``vllm.kv_cache_memory_bytes`` set (the 7B GSM8K
+    recipe's way): ``qerl train``'s memory check plans the engine too (its cache held beside the policy) and stops in
+    one line naming the setting when that cache does not fit; without the setting nothing is planned (vLLM sizes its
+    own cache from ``gpu_memory_utilization``)."""
+    from qerl_trl.cli import check_memory, parse_train_args
+    from qerl_trl.memory_plan import MemoryPlanError
+
+    def config_with(vllm: dict):
+        return parse_train_args(["offline-default", "--model_name_or_path", str(tiny_dir), "--output_dir",
+                                 str(tmp_path), "--rollout_engine", "vllm", "--vllm", json.dumps(vllm)])  # fmt: skip
+
+    script_args, config = config_with({"kv_cache_memory_bytes": 40 * 10**9})
+    with pytest.raises(MemoryPlanError, match="vllm.kv_cache_memory_bytes") as info:
+        check_memory(script_args, config, budget_bytes=16 * 10**9)
+    assert "\n" not in str(info.value)
+    script_args, config = config_with({"kv_cache_memory_bytes": 2**30})
+    assert check_memory(script_args, config, budget_bytes=16 * 10**9) is True
+    assert ": fits:" in capsys.readouterr().out
+    script_args, config = config_with({"gpu_memory_utilization": 0.3})
+    assert check_memory(script_args, config, budget_bytes=16 * 10**9) is None
 
 def test_vllm_tensor_parallel_size_sets_the_engine_share_per_gpu(capsys):
     """``vllm.tensor_parallel_size`` = T: engines of T GPUs each (weights / T and KV heads / T per GPU, the rows of T

@@ -360,8 +360,9 @@ def check_memory(
     Raises :class:`~qerl_trl.memory_plan.MemoryPlanError` (one line: what does not fit, by how much, which setting to
     change) when not even one generation row fits beside the weights, LoRA, optimizer state and training micro-batch
     (with ``rollout_engine="transformers"``: when the whole generation batch does not). When the graph engine has to
-    generate in waves, sets ``config.generation_wave_rows`` and prints one line saying so. Returns the plan (None when
-    nothing was planned)."""
+    generate in waves, sets ``config.generation_wave_rows`` and prints one line saying so. A colocated vLLM engine is
+    planned when ``vllm.kv_cache_memory_bytes`` fixes its cache (one line printed either way). Returns the plan (True
+    for the FSDP2 / colocated-vLLM plan's line, None when nothing was planned)."""
     from .memory_plan import GB, cuda_budget_bytes, fsdp2_requested, preflight
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -381,6 +382,10 @@ def check_memory(
         return None
     if world > 1 and fsdp2_requested():  # the policy sharded over the processes: the FSDP2 plan, one line
         return check_fsdp2(script_args, config, model_config, budget_bytes, world)
+    if world == 1 and config.rollout_engine_class.colocated_engine(config) and config.vllm.kv_cache_memory_bytes:
+        # a colocated vLLM whose KV cache the setting fixes (the 7B GSM8K recipe): the plan that counts the engine,
+        # its weights shared and that cache held (FSDP2's on one GPU); without the setting vLLM sizes its own cache
+        return check_fsdp2(script_args, config, model_config, budget_bytes, 1)
     before = config.generation_wave_rows
     # the training micro-batch is padded to the longest prompt, not to the engine's cap (1024 by default): for the
     # offline demo's ~60-token prompts that cap made the plan 13 GB where the run peaks at 1.9

@@ -234,7 +234,8 @@ def test_vllm_kv_cache_too_small_for_one_sequence_or_too_large_stops_in_one_line
     assert not fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=room + 2**20,
                             vllm_max_model_len=4608)[0]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "1", "--vllm", '{"kv_cache_memory_bytes": 1073741824}'])
+        main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "1", "--vllm",  # null: the recipe's max_model_len unset
+              '{"kv_cache_memory_bytes": 1073741824, "max_model_len": null}'])  # fmt: skip
     out = capsys.readouterr().out.strip().splitlines()
     assert exit_info.value.code == 2 and len(out) == 1 and "cannot hold one sequence of 32768 positions" in out[0]
     # unset: the plan of before, whatever max_model_len says

@@ -4,11 +4,12 @@ vLLM's Triton LoRA "shrink" kernel (``x @ lora_A`` for every token) splits K 64 
 there) and sums the float32 partial products with ``tl.atomic_add`` in the order the blocks finish, so the same
 adapter on the same prompts gives different logprobs from one run to the next (0.066-0.086 apart, bf16, on an H200
 with vLLM 0.26: ``benchmarks/results/repro_probe_h200_b78624b.log``, the probe at b78624b; the base model without
-LoRA, and our kernels, bit-identical). With one split the kernel stores its sums instead: every arm of that probe was then bit-identical run to run. vLLM
-takes the split from a JSON file in the folder ``VLLM_TUNED_CONFIG_FOLDER`` names (its own tuning hook,
-``vllm/lora/ops/triton_ops/utils.py``); :func:`write_one_split_shrink_config` writes that file. vLLM reads the variable
-once per process and keeps what it found (an engine freezes vLLM's environment when it starts), so set it before the
-first engine or server of the process starts. vLLM's CPU engine runs LoRA without these kernels and never reads it.
+LoRA, and our kernels, bit-identical). With one split the kernel stores its sums instead: every arm of that probe was
+then bit-identical run to run. vLLM takes the split from a JSON file in the folder ``VLLM_TUNED_CONFIG_FOLDER`` names
+(its own tuning hook, ``vllm/lora/ops/triton_ops/utils.py``); :func:`write_one_split_shrink_config` writes that file.
+vLLM reads the variable once per process and keeps what it found (an engine freezes vLLM's environment when it
+starts), so set it before the first engine or server of the process starts. vLLM's CPU engine runs LoRA without these
+kernels and never reads it.
 """
 
 from __future__ import annotations

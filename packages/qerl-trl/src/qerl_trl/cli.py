@@ -182,9 +182,11 @@ def _merge_mapping_option(argv: list[str], recipe: dict[str, Any], name: str) ->
     replacing it: ``--vllm '{"gpu_memory_utilization": 0.3}'`` on a recipe with ``vllm: {kv_cache_memory_bytes: …}``
     keeps the cache size. A value that is not a JSON object is left for the config's own one-line error."""
     base = recipe.get(name)
+    if not isinstance(base, dict):  # no mapping in the recipe: the option's value is the whole setting
+        return argv
     for i, arg in enumerate(argv):
         eq = arg.startswith(f"--{name}=")
-        if isinstance(base, dict) and (eq or (arg == f"--{name}" and i + 1 < len(argv))):
+        if eq or (arg == f"--{name}" and i + 1 < len(argv)):
             raw = arg.split("=", 1)[1] if eq else argv[i + 1]
             try:
                 given = json.loads(raw)

@@ -294,6 +294,12 @@ class MemoryPlan:
         """Held per generation row: its KV cache and engine buffers (nothing with a fixed :attr:`kv_cache_bytes`)."""
         return 0 if self.kv_cache_bytes else self.kv_per_row + self.buffers_per_row
 
+    @property
+    def kv_cache_rows(self) -> int:
+        """With a fixed :attr:`kv_cache_bytes`: the generation rows (sequences of ``kv_per_row`` bytes) it holds at
+        once, at most the run's; 0 without one."""
+        return min(self.run.generation_rows, self.kv_cache_bytes // self.kv_per_row) if self.kv_cache_bytes else 0
+
     def peak(self, rows: int) -> int:
         """Planned peak with ``rows`` generation rows held: the fixed part, the rows, and the larger of the prefill
         (a wave of ``rows``), the training micro-batch (with the rows still held when ``held_generation``) and a
@@ -438,8 +444,7 @@ def _fit_rows(plan: MemoryPlan) -> int:
     """The most generation rows whose peak stays within the usable budget (0 when not one fits)."""
     run = plan.run
     if plan.kv_cache_bytes:  # a fixed KV cache: the sequences it holds at once, when it fits beside the rest
-        fits = plan.peak(0) <= plan.usable_bytes
-        return min(run.generation_rows, plan.kv_cache_bytes // plan.kv_per_row) if fits else 0
+        return plan.kv_cache_rows if plan.peak(0) <= plan.usable_bytes else 0
     room = plan.usable_bytes - plan.fixed
     by_prefill = room // (plan.per_row + plan.prefill_per_row)
     by_train = (room - plan.training) // plan.per_row if run.held_generation else (room if room >= plan.training else -1)
@@ -772,8 +777,7 @@ def fsdp2_answer(
     kv, start = plan.kv_cache_bytes, plan.details.get("vllm_kv_start", 0)
     engine_kv = f"vLLM TP={plan.details.get('vllm_tp')} weights {engine_weights} + KV cache"
     if kv:  # held whatever the rows; vLLM schedules the sequences it cannot hold at once
-        held = min(run.generation_rows, kv // plan.kv_per_row)
-        gen = (f"{engine_kv} {kv / GB:.1f} GB fixed by vllm.kv_cache_memory_bytes, holding {held} of the "
+        gen = (f"{engine_kv} {kv / GB:.1f} GB fixed by vllm.kv_cache_memory_bytes, holding {plan.kv_cache_rows} of the "
                f"{run.generation_rows} sequences of {plan.details['vllm_seq_len']} positions at once")  # fmt: skip
     elif vllm_colocate:
         gen = (f"{engine_kv} for {rows} concurrent sequence(s) of {run.cache_len} positions "

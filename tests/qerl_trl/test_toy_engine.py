@@ -58,10 +58,14 @@ def test_an_engine_that_does_not_say_how_it_holds_generation_memory_is_refused(t
         QeRLConfig(output_dir=str(tmp_path), rollout_engine="unsaid")
 
 
-def test_an_engine_with_sampling_logprobs_gets_trls_sampling_correction(tmp_path, tiny_dir, toy_engine, monkeypatch):
+@pytest.mark.parametrize("correction", [None, "true"])
+def test_an_engine_with_sampling_logprobs_gets_trls_sampling_correction(
+    tmp_path, tiny_dir, toy_engine, monkeypatch, correction
+):
     """An engine that returns its sampling logprobs (vLLM's case) is driven through the interface only: its adapter once
     per step (``sync_lora``), its ``generate``; no TRL engine is planted in the trainer, and TRL's importance-sampling
-    correction runs on the engine's logprobs (here the policy's own: ratio 1), from the loss forward (deferred)."""
+    correction runs on the engine's logprobs (here the policy's own: ratio 1), from the loss forward (deferred). Under
+    AQN the correction is off by default, and the gap and the ratio are logged all the same; set, it is on."""
     from qerl_trl.cli import parse_train_args, train
 
     monkeypatch.setitem(ENGINES, "toy-logprobs", "toy_engine:SamplingToyRollout")
@@ -72,7 +76,10 @@ def test_an_engine_with_sampling_logprobs_gets_trls_sampling_correction(tmp_path
             "--rollout_engine", "toy-logprobs", "--max_steps", "2", "--per_device_train_batch_size", "4",
             "--num_generations", "2", "--max_completion_length", "4", "--task_options", json.dumps({"n_examples": 8}),
             "--disable_tqdm", "true", "--save_strategy", "no", "--logging_steps", "1"]  # fmt: skip
+    if correction is not None:
+        argv += ["--vllm_importance_sampling_correction", correction]
     trainer = train(*parse_train_args(argv))
+    assert trainer.vllm_importance_sampling_correction is (correction is not None)
     assert SamplingToyRollout.synced == [0, 1] and len(toy_engine.generations) == 2
     assert not hasattr(trainer, "vllm_generation") and not hasattr(trainer, "_last_loaded_step")
     assert trainer._defers_sampling_correction()

@@ -847,6 +847,23 @@ def test_importance_sampling_is_per_token_by_default():
     assert weight.min() > 0.8 and (weight - 1).abs().mean() < 0.1
 
 
+def test_sampling_correction_is_off_under_aqn_at_w4a16_unless_set():
+    """AQN's noise lives in the engine's norms only, so TRL's correction would re-weight the exploration it adds: off by
+    default while AQN is on with W4A16 rollouts (vLLM reached 0.856 / 0.838 without it on the offline default, 0.725 /
+    0.787 with it), on without AQN (TRL's default) and with FP8 rollouts (a numeric gap); a value set is kept."""
+    from trl import GRPOConfig
+
+    assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_correction"].default is True  # TRL's
+    assert QeRLConfig(output_dir="x").vllm_importance_sampling_correction is False
+    assert QeRLDAPOConfig(output_dir="x").vllm_importance_sampling_correction is False
+    assert QeRLConfig(output_dir="x", aqn=False).vllm_importance_sampling_correction is True
+    fp8 = QeRLConfig(output_dir="x", rollout_engine="vllm", rollout_precision="fp8")
+    assert fp8.vllm_importance_sampling_correction is True
+    for value in (True, False):
+        set_ = QeRLConfig(output_dir="x", vllm_importance_sampling_correction=value)
+        assert set_.vllm_importance_sampling_correction is value
+
+
 def test_micro_batches_by_length_give_the_same_step(tmp_path, tokenizer, monkeypatch):
     """The GPU re-split (rows sorted by completion length, each micro-batch cut to its longest row; for DAPO's
     token-summed loss also sized to even out their padded positions) makes the same optimizer step as TRL's shuffled,

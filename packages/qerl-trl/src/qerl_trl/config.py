@@ -100,6 +100,19 @@ class VLLMRolloutConfig:
         return cls(**(value or {}))
 
 
+def default_sampling_correction(aqn: bool, precision: RolloutPrecision) -> bool:
+    """QeRL's default for TRL's ``vllm_importance_sampling_correction`` (when the user leaves it unset).
+
+    Off while AQN is on and rollouts run W4A16: the engine samples from the noisy policy on purpose (the noise lives in
+    its norm weights only) and the trainer scores the clean one, so a ratio of the two re-weights AQN's exploration
+    rather than a numerical error, which the graph and transformers engines never do. On the offline default (H200,
+    20 steps, ``benchmarks/results/offline_default_h200_is_off_dce0c4f.json``) vLLM with ``token_truncate`` reached
+    last-5 rewards 0.725 / 0.787 (seeds 0 / 1), without the correction 0.856 / 0.838, the graph engine 0.844 / 0.863.
+    On with FP8 rollouts (their engine-vs-trainer gap is numeric: what the correction is for) and without AQN (TRL's
+    default)."""
+    return not aqn or precision.fp8_copy
+
+
 @dataclass
 class QeRLConfig(GRPOConfig):
     """``GRPOConfig`` with the QeRL parts. Defaults follow the QeRL paper where it states them.
@@ -129,9 +142,10 @@ class QeRLConfig(GRPOConfig):
         rollout_engine: ``"transformers"`` (the policy's own ``generate``) or ``"vllm"``: an in-process vLLM engine
             (colocate), or the server at ``vllm.server_url``. The LoRA adapter is synced as an adapter once per
             step, AQN noise goes on the engine's norm weights, and TRL's importance-sampling correction
-            (``vllm_importance_sampling_*``) runs on the engine-vs-trainer logprob gap, per token by default
+            (``vllm_importance_sampling_*``) can run on the engine-vs-trainer logprob gap, per token
             (``vllm_importance_sampling_mode="token_truncate"``, not TRL's ``sequence_mask``: a ratio taken over
-            a whole completion under AQN's noise masks or shrinks most completions).
+            a whole completion under AQN's noise masks or shrinks most completions). Unset, the correction is off
+            while AQN is on with W4A16 rollouts and on otherwise (:func:`default_sampling_correction`).
         vllm: the vLLM engine's settings, :class:`VLLMRolloutConfig` (``server_url``, ``model_path``, ``cache_dir``,
             ``adapter_dir``, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``,
             ``kv_cache_memory_bytes``, ``server_timeout``, ``tensor_parallel_size``); the flat ``vllm_<setting>``
@@ -226,6 +240,16 @@ class QeRLConfig(GRPOConfig):
             "(opt-in: qerl_trl.rollout.graph.generate, one compiled CUDA graph per decode step incl. sampling)."
         },
     )
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's engine-vs-trainer correction (engines that return sampling logprobs: vLLM). Default (None): "
+            "off while AQN is on with W4A16 rollouts, on otherwise. AQN's noise is in the engine's norms only, so the "
+            "correction would re-weight the exploration it adds (the graph and transformers engines never do): on "
+            "the offline default (H200, 20 steps) vLLM with it reached last-5 rewards 0.725 / 0.787 (seeds 0 / 1), "
+            "without it 0.856 / 0.838, the graph engine 0.844 / 0.863. FP8 rollouts keep it: their gap is numeric."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate",
         metadata={
@@ -317,6 +341,12 @@ class QeRLConfig(GRPOConfig):
             # launched as several processes (accelerate launch / torchrun) on a machine without an accelerator:
             # transformers only sets up the gloo process group with use_cpu, else each process would train alone
             self.use_cpu = True
+        #: the parsed ``rollout_precision`` (ValueError naming the values); the engines and the memory plan use this
+        self.rollout_precision_spec: RolloutPrecision = get_rollout_precision(self.rollout_precision)
+        self.rollout_precision = self.rollout_precision_spec.name
+        if self.vllm_importance_sampling_correction is None:  # before TRL's checks, which read it
+            precision = self.rollout_precision_spec
+            self.vllm_importance_sampling_correction = default_sampling_correction(self.aqn, precision)
         super().__post_init__()
         #: the parsed ``quantization`` (ValueError listing the valid values and aliases); the trainer uses this object
         self.quant_scheme: QuantScheme = get_scheme(self.quantization)
@@ -324,9 +354,6 @@ class QeRLConfig(GRPOConfig):
         self.quantization = self.quant_scheme.name  # canonical: "rtn" → "nvfp4-rtn"
         #: the resolved ``rollout_engine`` (ValueError naming the engines); the trainer and the memory plan use this
         self.rollout_engine_class: type[RolloutEngine] = engine_class(self.rollout_engine)
-        #: the parsed ``rollout_precision`` (ValueError naming the values); the engines and the memory plan use this
-        self.rollout_precision_spec: RolloutPrecision = get_rollout_precision(self.rollout_precision)
-        self.rollout_precision = self.rollout_precision_spec.name
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if self.logprob_batch_size is not None and self.logprob_batch_size <= 0:

@@ -897,18 +897,19 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return inputs
 
     def _defers_sampling_correction(self) -> bool:
-        """Whether the engine-vs-trainer sampling correction (TRL's ``vllm_importance_sampling_correction``) is
-        computed in the loss forward instead of in a forward of its own.
+        """Whether the engine-vs-trainer gap (TRL's ``sampling/*`` metrics) and the sampling correction, when it is
+        on (``vllm_importance_sampling_correction``), come from the loss forward instead of a forward of their own.
 
         TRL scores every completion of a vLLM generation batch in an extra no-grad forward (``old_per_token_logps``),
         to compare the trainer's logprobs with the engine's. When the weights cannot change between generation and
         loss (one policy iteration, whole generation batches per optimizer step) those logprobs are the loss
         forward's own, detached: the 7B GSM8K step spent 7.7 s of 45 s in that forward
-        (``benchmarks/results/grpo_7b_gsm8k_vllm.json``). The ratio, its clipping and its metrics are the same."""
+        (``benchmarks/results/grpo_7b_gsm8k_vllm.json``). The ratio, its clipping and its metrics are the same. With
+        the correction off (QeRL's default under AQN, :func:`qerl_trl.config.default_sampling_correction`) the gap
+        and the ratio it would apply are still logged, at no extra forward; the loss leaves the ratio out."""
         args = self.args
         return (
             bool(getattr(self, "use_vllm", False))
-            and self.vllm_importance_sampling_correction
             and self.num_iterations == 1
             and args.gradient_accumulation_steps % args.steps_per_generation == 0
             and self.loss_type != "vespo"
@@ -917,12 +918,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not (self.model.training and self._defers_sampling_correction()):
             return super()._generate_and_score_completions(inputs)
-        # TRL computes old_per_token_logps, the ratio and its metrics only under this flag; the loss turns it back on
-        self.vllm_importance_sampling_correction = False
+        # TRL computes old_per_token_logps, the ratio and its metrics only under this flag; the loss reads it again
+        correction, self.vllm_importance_sampling_correction = self.vllm_importance_sampling_correction, False
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            self.vllm_importance_sampling_correction = True
+            self.vllm_importance_sampling_correction = correction
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's, except for an empty micro-batch (:func:`micro_batches_by_length` with ``fewest``): a zero loss on the

@@ -241,3 +241,29 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path, capsys):
     model, _, info = load_model(str(tiny_dir), quantization="mxfp4-rtn")
     assert info["quantize"] == "mxfp4-rtn"
     assert sum(m.format == "mxfp4" for m in model.modules() if isinstance(m, SCHEMES["mxfp4-rtn"].layer_type)) == 14
+
+
+def test_calibrated_policy_is_saved_once_per_machine(tmp_path, tiny_dir, monkeypatch):
+    """Every rank calibrates the same policy; only local rank 0 writes it (a 72B copy per rank would fill the disk),
+    through a per-process temporary folder, and a folder that another process published first is kept as it is."""
+    from qerl_trl.quantization import publish_dir
+
+    scheme = get_scheme("nvfp4-gptq")
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8]] * 2
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    scheme.load(str(tiny_dir), dtype=torch.float32, calibration_data=ids, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    scheme.load(str(tiny_dir), dtype=torch.float32, calibration_data=ids, cache_dir=tmp_path / "cache")
+    (saved,) = (tmp_path / "cache").iterdir()
+    assert (saved / "config.json").is_file() and ".partial" not in saved.name
+
+    late = tmp_path / "late.partial-1"
+    late.mkdir()
+    (late / "config.json").write_text("{}")
+    assert publish_dir(late, saved) is False and not late.exists()
+    assert (saved / "config.json").read_text() != "{}"  # the first one kept
+    fresh = tmp_path / "fresh.partial-2"
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    assert publish_dir(fresh, tmp_path / "fresh") is True and (tmp_path / "fresh" / "config.json").is_file()

@@ -47,6 +47,7 @@ __all__ = [
     "SCHEMES",
     "QuantScheme",
     "calibrated_checkpoint_path",
+    "publish_dir",
     "get_scheme",
     "keep_nf4_exact",
 ]
@@ -170,10 +171,12 @@ class _FP4Scheme(QuantScheme):
             logger.info("loading the %s-calibrated policy from %s (no new calibration)", self.name, cached)
             return load_nvfp4_checkpoint(cached, **kwargs)
         model = super().load(path, dtype=dtype, device_map=device_map, calibration_data=calibration_data)
-        tmp = cached.with_name(cached.name + ".partial")
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return model  # every rank calibrated the same policy: one copy per machine is written, by local rank 0
+        tmp = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
         model.save_pretrained(tmp)
-        tmp.rename(cached)  # complete or absent: an interrupted save is never taken for a calibrated policy
-        logger.info("saved the %s-calibrated policy to %s", self.name, cached)
+        if publish_dir(tmp, cached):
+            logger.info("saved the %s-calibrated policy to %s", self.name, cached)
         return model
 
     def quantize_(self, model, *, calibration_data=None, double_quant=True):
@@ -276,6 +279,7 @@ def _bitsandbytes() -> Any:
 
 _NVFP4_KERNELS = "NVFP4Linear → nvfp4::linear (Triton kernels on CUDA, nvfp4.kernels; dequantize + F.linear elsewhere)"
 
+
 def _fp4_kernels(fmt: Format) -> str:
     transcode = fmt.to_nvfp4_scales
     if transcode is None:
@@ -322,6 +326,22 @@ def get_scheme(value: str | QuantScheme, what: str = "quantization") -> QuantSch
         aliases = ", ".join(f"{a!r} (= {c!r})" for a, c in ALIASES.items())
         raise ValueError(f"{what} must be one of {', '.join(map(repr, SCHEMES))}; aliases: {aliases}, got {value!r}")
     return scheme
+
+
+def publish_dir(tmp: Path, target: Path) -> bool:
+    """Rename the finished folder ``tmp`` to ``target``: complete or absent, an interrupted save is never taken for a
+    result. If another process (a machine sharing the file system) published ``target`` first, ``tmp`` is removed and
+    theirs is kept (the same content). Returns whether ``tmp`` became ``target``."""
+    import shutil
+
+    try:
+        tmp.rename(target)
+        return True
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
 
 
 def calibrated_checkpoint_path(

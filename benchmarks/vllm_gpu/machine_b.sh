@@ -10,7 +10,8 @@
 #    offline_default_h200_is_off_dce0c4f.json);
 # 3. the shipped 32B DAPO recipe on vLLM (item 5 again: shared weights + packed micro-batches), 4. the same on the
 #    graph engine (item 7 for the 32B recipe). Earlier jobs: b78624b (probe, offline default seed 0, 7B recipe on vLLM,
-#    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*).
+#    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*). 5. (only when asked: MACHINE_B_STEPS="5") issue #48's `-m gpu`
+#    suite of the main tests, never run whole on a GPU.
 set -uo pipefail
 source benchmarks/vllm_gpu/env.sh
 O=${JOB_OUT:-/tmp/qerl-b-out}
@@ -57,4 +58,10 @@ for engine in vllm graph; do
     --out "$O/dapo_32b_$engine.json" > "$O/dapo_32b_$engine.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/dapo_32b_$engine.log"
 done
+if step 5; then  # issue #48: the whole `-m gpu` suite of the main tests once after the move (GPU_TESTS_S: its time)
+  say "5 pytest -m gpu (the main tests)"
+  timeout -s INT "${GPU_TESTS_S:-900}" python3 -m pytest -m gpu tests --ignore=tests/vllm_integration \
+    -p no:cacheprovider -rfE --durations=15 > "$O/gpu_tests.log" 2>&1
+  echo "rc $?"; tail -n 3 "$O/gpu_tests.log"
+fi
 say "machine_b done"

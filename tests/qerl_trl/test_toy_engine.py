@@ -104,3 +104,23 @@ def test_an_engine_with_sampling_logprobs_refuses_trls_rollout_func(tmp_path, ti
     with pytest.raises(ValueError, match="'toy-logprobs' does not support TRL's tools, environment_factory or rollout_func"):
         QeRLGRPOTrainer(str(tiny_dir), lambda completions, **kw: [0.0] * len(completions), args,
                         train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), rollout_func=lambda p, t: {})  # fmt: skip
+
+
+def test_a_missing_vllm_stops_before_the_policy_loads(tmp_path):
+    """``rollout_engine="vllm"`` (colocate) where vLLM is not installed: one ``MissingExtraError`` naming the pip line,
+    raised by the engine's ``check_environment`` before any weight is read (the model path does not even exist); a
+    server needs nothing here."""
+    import importlib.util
+
+    from nvfp4.extras import MissingExtraError
+    from qerl_trl.config import QeRLConfig
+    from qerl_trl.rollout.vllm import VLLMRollout
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment (the main one has none: its tests run in .venv-vllm)")
+    args = QeRLConfig(output_dir=str(tmp_path), rollout_engine="vllm", report_to="none")
+    with pytest.raises(MissingExtraError, match=r"needs vLLM and qerl-vllm: pip install 'qerl-vllm\[vllm\]'$"):
+        QeRLGRPOTrainer(str(tmp_path / "no-such-model"), lambda completions, **kw: [0.0] * len(completions), args)
+    VLLMRollout.check_environment(QeRLConfig(output_dir=str(tmp_path), rollout_engine="vllm",
+                                             vllm={"server_url": "http://127.0.0.1:8000"}, report_to="none"))  # fmt: skip

@@ -603,6 +603,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}"
             )
+        args.rollout_engine_class.check_environment(args)  # a missing vLLM stops here, before the policy loads
         model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:

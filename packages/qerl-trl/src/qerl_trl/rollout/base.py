@@ -93,6 +93,12 @@ class RolloutEngine:
                              "rollout_precision='w4a16'")  # fmt: skip
 
     @classmethod
+    def check_environment(cls, cfg: Any) -> None:
+        """Raise :class:`nvfp4.extras.MissingExtraError` (one line: what to install) when this process lacks what the
+        engine needs for ``cfg``; the trainer calls it before the policy loads, so a missing package costs no load.
+        Apart from :meth:`check_config`: a config may be built where it will not run (``qerl plan``, tests)."""
+
+    @classmethod
     def prepare(cls, model_name: str | None, model: nn.Module, scheme: QuantScheme, args: Any) -> Any:
         """Work on the loaded policy before PEFT wraps it (vLLM: save the checkpoint its engine loads); default none."""
         return None

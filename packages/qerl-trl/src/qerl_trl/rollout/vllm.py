@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nvfp4.extras import missing_extra
 from nvfp4.peft import write_adapter
 from trl.extras.profiling import profiling_context
 
@@ -77,6 +79,8 @@ __all__ = [
 ]
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: what needs vLLM in a missing-package error (with the other way: a server, which brings its own)
+_COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
@@ -314,10 +318,7 @@ class ColocateVLLMGeneration(_VLLMGeneration):
         try:
             from qerl_vllm.engine import VLLMEngine
         except ImportError as e:
-            raise ImportError(
-                "rollout_engine='vllm' (colocate) needs vLLM and qerl-vllm in this environment "
-                "(bash .ci/vllm-setup, or pip install 'qerl-trl[vllm]'); or set vllm.server_url"
-            ) from e
+            raise missing_extra(e, "qerl_vllm", _COLOCATE_NEEDS, "vLLM and qerl-vllm", "qerl-trl[vllm]") from e
 
         args, settings, acc = trainer.args, trainer.args.vllm, trainer.accelerator
         world = int(acc.num_processes)
@@ -523,6 +524,16 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
+
+    @classmethod
+    def check_environment(cls, cfg: Any) -> None:
+        """Colocate: vLLM and qerl-vllm importable here (a server brings its own)."""
+        if cfg.vllm.server_url:
+            return
+        # the extra qerl-trl[vllm] brings the plugin only; qerl-vllm[vllm] brings vLLM too (GPU: the CUDA wheel)
+        for module, install in (("vllm", "qerl-vllm[vllm]"), ("qerl_vllm", "qerl-trl[vllm]")):
+            if importlib.util.find_spec(module) is None:
+                raise missing_extra(None, module, _COLOCATE_NEEDS, "vLLM and qerl-vllm", install)
 
     def __init__(self, trainer: Any, prepared: str | None = None) -> None:
         super().__init__(trainer)

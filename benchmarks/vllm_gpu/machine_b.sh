@@ -47,15 +47,14 @@ if step 2; then
   done
 fi
 # ~20 and ~25 min of a machine each: one GPU each, side by side on a two-GPU machine (README "Next session's
-# machines": CUDA_VISIBLE_DEVICES and CKPT_ROOT per job, so the two 32B checkpoints are built apart)
+# machines": CUDA_VISIBLE_DEVICES and QERL_CACHE per job, so the two 32B checkpoints and engine caches stay apart)
 for engine in vllm graph; do
   n=3 more=(--steps 2 --vllm-kv-gb 14); [ "$engine" = graph ] && n=4 more=(--steps 1)
   step $n || continue
   say "$n the 32B DAPO recipe on $engine"
   python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine "$engine" \
     --recipe bigmath-qwen2.5-32b-dapo --prompt-len 256 --lengths bigmath --warmup-steps 0 "${more[@]}" \
-    --probe-tokens 256 --no-subprocess --ckpt-root "${CKPT_ROOT:-/tmp/qerl-cache/rollout_vllm}" \
-    --out "$O/dapo_32b_$engine.json" > "$O/dapo_32b_$engine.log" 2>&1
+    --probe-tokens 256 --no-subprocess --out "$O/dapo_32b_$engine.json" > "$O/dapo_32b_$engine.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/dapo_32b_$engine.log"
 done
 if step 5; then  # issue #48: the whole `-m gpu` suite of the main tests once after the move (GPU_TESTS_S: its time)

@@ -6,7 +6,7 @@
 #    under SIGINT, so pytest prints its summary and durations if the time runs out;
 # 2. `qerl train` offline default, 20 steps, one run per OFFLINE_ARMS entry ENGINE:IS_MODE:SEED (IS_MODE: token_truncate
 #    = the correction on, off = vllm_importance_sampling_correction false, empty = the config's default: off under AQN
-#    since dce0c4f+); default: the shipped default on both engines at a third seed (item 3's arms at seeds 0 and 1 ran:
+#    since 0e0058a); default: the shipped default on both engines at a third seed (item 3's arms at seeds 0 and 1 ran:
 #    offline_default_h200_is_off_dce0c4f.json);
 # 3. the shipped 32B DAPO recipe on vLLM (item 5 again: shared weights + packed micro-batches), 4. the same on the
 #    graph engine (item 7 for the 32B recipe). Earlier jobs: b78624b (probe, offline default seed 0, 7B recipe on vLLM,

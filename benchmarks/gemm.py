@@ -13,13 +13,14 @@ scales at load, MMA layout, the NVFP4 kernels; :func:`nvfp4.mxfp4.to_nvfp4`), ro
 (0.5625 B: the E8M0 scales are duplicated to the 16-input grid), so only noise should separate them.
 
 Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
-``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
-kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
-MMA kernel's split-K configs once more with the partials summed by the separate ``_splitk_reduce_kernel`` (the
-previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``; ``--compare-lora`` times
-``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched (``lora_ms``: with split-K summed in the kernel,
-``x·Aᵀ`` computed once per K split and shared by the tiles) and with ``x·Aᵀ`` beside every tile
-(``lora_pertile_ms``, the previous way).
+``_linear_mma_kernel``). ``--compare-lora`` times ``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched
+(``lora_ms``: with split-K summed in the kernel, ``x·Aᵀ`` computed once per K split and shared by the tiles) and
+with ``x·Aᵀ`` beside every tile (``lora_pertile_ms``, the previous way).
+
+Finished comparisons left after dce0c4f (git keeps them; their results stay in ``results/`` and
+docs/benchmarks_history.md): ``--compare-ct`` (the compressed-tensors-layout kernels, ``ct_ms``), ``--compare-reduce``
+(split-K summed by a separate kernel, ``sep_reduce_ms``), ``--fewer-stages`` (sweep) and ``--profile`` (one plain
+launch per shape for ``ncu``).
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -30,11 +31,8 @@ Usage (on the GPU machine)::
 
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
-    python benchmarks/gemm.py --compare-ct          # plus the compressed-tensors-layout kernels, side by side
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
     python benchmarks/gemm.py --fp8 --out $OUT      # issue #51: FP8 rollouts' spike → gemm_fp8_spike.json
-    ncu --section SpeedOfLight --section WarpStateStats --csv python benchmarks/gemm.py --profile 7b:gate:256
-        # one plain launch of ours, ours + LoRA and bf16 per shape (no graph), for a profiler's stall reasons
 """
 
 from __future__ import annotations
@@ -76,7 +74,6 @@ BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
 DEV = "cuda"
 REP_BUDGET_S = 0.1  # replay time per measurement (the sweep uses less)
-FEWER_STAGES = False  # --fewer-stages
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -166,9 +163,9 @@ def _n_calls(n_copies: int) -> int:
     return min(n_copies, 256)
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, ct: bool = False):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    q = wts.q_ct if ct else wts.q
+    q = wts.q
     nq = _n_calls(len(q))
     ours = time_graph([partial(nvfp4_linear, x, *q[i % len(q)], None, config=config) for i in range(nq)])
     ref = None
@@ -442,33 +439,6 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
     return ours, ref
 
 
-def run_profile(specs: list[str]) -> None:
-    """Launch ours, ours + rank-32 LoRA and bf16 once each (after a warm-up call) per ``model:linear:M`` spec, outside
-    any CUDA graph and on one weight copy, so that a profiler (``ncu``) sees each kernel as dispatched."""
-    for spec in specs:
-        model, linear, m = spec.split(":")
-        name = next(k for k in MODELS if model.lower() in k.lower())
-        n, k = MODELS[name][linear]
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        q = quantize(w)
-        packed = to_mma_layout(q.packed) if mma_layout_supported(n, k) else q.packed
-        x = torch.randn(int(m), k, device=DEV, dtype=torch.bfloat16)
-        a = torch.randn(32, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-        b = torch.randn(n, 32, device=DEV, dtype=torch.bfloat16)
-        for _ in range(2):  # the first call compiles
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours")
-            nvfp4_linear(x, packed, q.scale, q.global_scale, None)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours+lora")
-            nvfp4_lora_linear(x, packed, q.scale, q.global_scale, None, a, b, 2.0)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} bf16")
-            F.linear(x, w)
-            torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-        print(f"profiled {name} {linear} N={n} K={k} M={m}: {kern.linear_config(int(m), n, k, mma=True)}", flush=True)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Full tables
 # --------------------------------------------------------------------------------------------------------------
@@ -477,8 +447,6 @@ def run_tables(
     fwd_ms: list[int],
     bwd_ms: list[int],
     partial: Path | None = None,
-    compare_ct: bool = False,
-    compare_reduce: bool = False,
     compare_lora: bool = False,
     peer_int4: bool = False,
     with_mxfp4: bool = True,
@@ -486,9 +454,7 @@ def run_tables(
     with_ws: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
-    linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
-    ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K);
-    ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
+    linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
     ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming 0.1.10 on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
@@ -496,7 +462,7 @@ def run_tables(
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4, need_mxfp4=with_mxfp4)
+            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4)
             hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
@@ -511,12 +477,6 @@ def run_tables(
                            config=cfg.__dict__, ours_form=form, prev_ms=prev, ws_ms=ws_ms)  # fmt: skip
                 if hum:
                     row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-                if compare_ct:
-                    row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
-                if compare_reduce:
-                    split = cfg.mma and not cfg.dequant and cfg.split_k > 1
-                    sep = replace(cfg, fused_reduce=False)
-                    row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
@@ -543,8 +503,7 @@ def run_tables(
 
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
-EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 as dispatched",
-                 "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
+EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
                  "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming 0.1.10 NVFP4",
                  "prev": "previous dispatch (same run)"}  # fmt: skip
 
@@ -602,31 +561,23 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
             continue
         programs = -(-m // bm) * -(-n // (64 * tiles))
         steps = k // (64 * quarters)
-        # --fewer-stages: also one cp.async stage less (less shared memory: more programs per SM hide more latency)
-        for st in (stages, stages - 1) if FEWER_STAGES and stages > 2 else (stages,):
-            for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
-                split = max(1, min(-(-target // programs), steps // 2))
-                out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, st, True, group_m=8, mma=True,
-                                        large_m=True))  # fmt: skip
+        for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
+            split = max(1, min(-(-target // programs), steps // 2))
+            out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, group_m=8, mma=True,
+                                    large_m=True))  # fmt: skip
     return list(dict.fromkeys(out))
 
 
-def fwd_candidates(m: int, n: int, k: int, mma: bool = True, retune_small_m: bool = False) -> list[LinearConfig]:
+def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfig]:
     """Candidate forward configs for one (M, N, K). MMA layout: splits × pipeline depths of ``_linear_mma_kernel``
     (M ≤ 128), the large-M kernel's tiles from M = 32 (:func:`large_m_candidates`), dequantize + cuBLAS from
     M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
-    ``tc_config`` with and without register prefetch (M ≤ 128). ``retune_small_m``: the decode kernel's splits ×
-    depths too (else only its current config, :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`)."""
+    ``tc_config`` with and without register prefetch (M ≤ 128). The decode kernel (M ≤ 128) keeps its current config,
+    :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`."""
     out: list[LinearConfig] = []
     if mma:
-        bm = max(16, triton_next_pow2(m))
-        if m <= 128 and not retune_small_m:
+        if m <= 128:
             out.append(kern.mma_config(m, n, k))
-        elif m <= 128:
-            steps = k // 256
-            for split in sorted({s for s in (1, 2, 3, 4, 6, 8, 12) if s == 1 or steps // s >= 2}):
-                for stages in (2, 3, 4) if m <= 64 else (1, 2):
-                    out.append(LinearConfig(bm, 64, 256, split, 4, stages, True, mma=True))
         if m >= 32:
             out += large_m_candidates(m, n, k)
         if m >= 64:
@@ -749,15 +700,13 @@ def env_info() -> dict:
 
 
 def main() -> None:
-    global REP_BUDGET_S, FEWER_STAGES
+    global REP_BUDGET_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="also write the JSON into this folder")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     ap.add_argument("--ms", default=None, help="comma-separated forward Ms (default: the full list)")
     ap.add_argument("--bwd-ms", default=None, help="comma-separated backward Ms")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
-    ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
-    ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
@@ -775,13 +724,7 @@ def main() -> None:
     ap.add_argument("--apply-table", default=None, metavar="JSON", nargs="+",
                     help="rewrite dispatch_table.FORWARD from the fastest forms of these runs (sweep or --ws tables)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
-    ap.add_argument("--fewer-stages", action="store_true", help="sweep: large-M tiles also with one cp.async stage less")
-    ap.add_argument("--profile", default=None, metavar="MODEL:LINEAR:M,...",
-                    help="launch each shape once per arm outside CUDA graphs (run under ncu) and exit")
     args = ap.parse_args()
-    if args.profile:
-        run_profile(args.profile.split(","))
-        return
     if args.write_table:
         print(dispatch_table_source(json.loads(Path(args.write_table).read_text())))
         return
@@ -808,7 +751,6 @@ def main() -> None:
         name = "gemm_spike_ss.json"
     elif args.sweep:
         REP_BUDGET_S = 0.06
-        FEWER_STAGES = args.fewer_stages
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip
         res.update(info)
@@ -816,8 +758,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -17,10 +17,11 @@ Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:
 (``lora_ms``: with split-K summed in the kernel, ``x·Aᵀ`` computed once per K split and shared by the tiles) and
 with ``x·Aᵀ`` beside every tile (``lora_pertile_ms``, the previous way).
 
-Finished comparisons left after dce0c4f (git keeps them; their results stay in ``results/`` and
-docs/benchmarks_history.md): ``--compare-ct`` (the compressed-tensors-layout kernels, ``ct_ms``), ``--compare-reduce``
-(split-K summed by a separate kernel, ``sep_reduce_ms``), ``--fewer-stages`` (sweep) and ``--profile`` (one plain
-launch per shape for ``ncu``).
+Finished comparisons left after dce0c4f (git keeps them; their results stay in ``results/``, their write-ups in
+docs/benchmarks_history.md and docs/fp8_rollouts.md): ``--compare-ct`` (the compressed-tensors-layout kernels,
+``ct_ms``), ``--compare-reduce`` (split-K summed by a separate kernel, ``sep_reduce_ms``), ``--fewer-stages`` (sweep),
+``--profile`` (one plain launch per shape for ``ncu``) and ``--fp8`` (issue #51's FP8-rollout spike, decided "go":
+``results/gemm_fp8_spike.json``).
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -32,7 +33,6 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
-    python benchmarks/gemm.py --fp8 --out $OUT      # issue #51: FP8 rollouts' spike → gemm_fp8_spike.json
 """
 
 from __future__ import annotations
@@ -324,98 +324,6 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
         cells = [f"{r[a + '_x_bf16']:8.2f}" if a + "_x_bf16" in r else f"{'-':>8}" for a in arms]
         print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:9.4f} " + " ".join(cells))
     return {"spike": rows}
-
-
-# Issue #51's FP8-rollout spike: Qwen2.5-7B's linears as vLLM fuses them, each with the op before it in the layer
-FP8_SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-FP8_PROLOGUE = {"qkv": "rms_norm", "o": "plain", "gate_up": "rms_norm", "down": "silu_mul"}
-FP8_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
-FP8_ARMS = ("bf16", "ours", "fp8_gemm", "fp8", "bf16_pro", "ours_pro", "fp8_pro")
-
-
-def run_fp8(ms: list[int], out: Path | None) -> dict:
-    """Per linear and M, in one run (CUDA-graph replays, rotated weights): ``bf16`` cuBLAS, ``ours`` (W4A16 as
-    dispatched), ``fp8_gemm`` (``torch._scaled_mm`` row-wise on an activation already in E4M3), ``fp8`` (the plain
-    fused quantisation + ``_scaled_mm``), and with the op before the linear (RMSNorm + residual before qkv/gate_up,
-    SiLU-and-mul before down, nothing before o): ``bf16_pro`` / ``ours_pro`` (our kernel's bf16 RMSNorm or SiLU-and-mul,
-    then the GEMM) and ``fp8_pro`` (that op fused with the quantisation, then ``_scaled_mm``). ``*_err``: relative
-    error against the NVFP4 policy's output (x · dequant(W)ᵀ in float64); an FP8 arm over 0.1 or with NaN is not
-    timed. The layer rows sum the four linears per M."""
-    from nvfp4 import fp8
-    from nvfp4.codec import dequantize
-    from nvfp4.kernels import fp8 as kfp8
-
-    rows = []
-    for name, (n, k) in FP8_SHAPES.items():
-        wts, mode = Weights(n, k), FP8_PROLOGUE[name]
-        w8 = [fp8.fp8_weight(*wts.q[i % len(wts.q)]) for i in range(max(2, math.ceil(ROTATE_BYTES / (n * k))))]
-        wd = dequantize(*wts.q[0], torch.float64)
-        nw = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
-        for m in ms:
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            xin = torch.randn(m, 2 * k if mode == "silu_mul" else k, device=DEV, dtype=torch.bfloat16)
-            kw = dict(norm_weight=nw, residual=torch.randn_like(xin)) if mode == "rms_norm" else {}
-            qx, sx, _, _ = fp8.act_quant(x)
-            pol = x.double() @ wd.T
-            row = {"linear": name, "N": n, "K": k, "M": m, "prologue": mode}
-            row["ours_err"] = ((nvfp4_linear(x, *wts.q[0]).double() - pol).norm() / pol.norm()).item()
-            y8 = fp8.fp8_linear(x, *w8[0])
-            row["fp8_err"] = ((y8.double() - pol).norm() / pol.norm()).item()
-            y8p = fp8.scaled_linear(*kfp8.act_quant(xin, mode, **kw)[:2], *w8[0]).double()
-            yp = kfp8.act_quant(xin, mode, **kw, write_q=False, write_y=True)[2].double() @ wd.T
-            row["fp8_pro_err"] = ((y8p - yp).norm() / yp.norm()).item()
-            ok = all(math.isfinite(row[e]) and row[e] < 0.1 for e in ("fp8_err", "fp8_pro_err"))
-
-            def pro_bf16(t=xin, kw=kw, mode=mode):
-                return t if mode == "plain" else kfp8.act_quant(t, mode, **kw, write_q=False, write_y=True)[2]
-
-            def pro_fp8(w, t=xin, kw=kw, mode=mode):
-                return fp8.scaled_linear(*kfp8.act_quant(t, mode, **kw)[:2], *w)
-
-            def bf16_pro(w, pro=pro_bf16):
-                return F.linear(pro(), w)
-
-            def ours_pro(q, pro=pro_bf16):
-                return nvfp4_linear(pro(), *q, None)
-
-            bf, qs, w8s = ([v[i % len(v)] for i in range(_n_calls(len(v)))] for v in (wts.bf16, wts.q, w8))
-            fns = {
-                "bf16": [partial(F.linear, x, w) for w in bf],
-                "ours": [partial(nvfp4_linear, x, *q, None) for q in qs],
-                "fp8_gemm": [partial(fp8.scaled_linear, qx, sx, *w) for w in w8s],
-                "fp8": [partial(fp8.fp8_linear, x, *w) for w in w8s],
-                "bf16_pro": [partial(bf16_pro, w) for w in bf],
-                "ours_pro": [partial(ours_pro, q) for q in qs],
-                "fp8_pro": [partial(pro_fp8, w) for w in w8s],
-            }
-            for arm, f in fns.items():
-                if ok or not arm.startswith("fp8"):
-                    row[f"{arm}_ms"] = time_graph(f)
-            for arm in FP8_ARMS:
-                if f"{arm}_ms" in row:
-                    row[f"{arm}_x_bf16"] = row["bf16_pro_ms" if arm.endswith("_pro") else "bf16_ms"] / row[f"{arm}_ms"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "gemm_fp8_spike_partial.json").write_text(json.dumps(rows, indent=1))
-        del wts, w8, wd
-        torch.cuda.empty_cache()
-    layer = []
-    for m in ms:
-        grp = [r for r in rows if r["M"] == m]
-        done = [a for a in FP8_ARMS if all(f"{a}_ms" in r for r in grp)]
-        lr = {"M": m, **{f"{a}_ms": sum(r[f"{a}_ms"] for r in grp) for a in done}}
-        for a in FP8_ARMS:
-            if f"{a}_ms" in lr:
-                lr[f"{a}_x_bf16"] = lr["bf16_pro_ms" if a.endswith("_pro") else "bf16_ms"] / lr[f"{a}_ms"]
-        layer.append(lr)
-    head = " ".join(f"{a:>9}" for a in FP8_ARMS)
-    print(f"\n{'linear':8} {'M':>5} {head}  fp8_err  (x bf16; *_pro: x bf16_pro)")
-    for r in rows + [dict(lr, linear="layer", fp8_err=float("nan")) for lr in layer]:
-        cells = [f"{r[a + '_x_bf16']:9.2f}" if a + "_x_bf16" in r else f"{'-':>9}" for a in FP8_ARMS]
-        print(f"{r['linear']:8} {r['M']:5d} " + " ".join(cells) + f"  {r['fp8_err']:.4f}")
-    return {"fp8_spike": rows, "layer": layer, "shapes": FP8_SHAPES, "prologue": FP8_PROLOGUE}
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
@@ -715,9 +623,6 @@ def main() -> None:
     ap.add_argument("--spike", action="store_true",
                     help="round 12: kernel v4 (hopper_ss) beside the shipped kernel, bf16 and Humming on the 7B gate/down "
                          "(--ms, default 64,128,256); writes results/gemm_spike_ss.json")
-    ap.add_argument("--fp8", action="store_true",
-                    help="issue #51: bf16, W4A16 and FP8 (fused quantisation, GEMM alone) on the 7B layer as vLLM fuses "
-                         "it, with the op before each linear (--ms, default 1..1024); writes results/gemm_fp8_spike.json")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
@@ -738,12 +643,7 @@ def main() -> None:
     info = env_info()
     print(json.dumps(info), flush=True)
     t0 = time.time()
-    if args.fp8:
-        REP_BUDGET_S = args.rep_budget
-        res = run_fp8([int(v) for v in args.ms.split(",")] if args.ms else FP8_MS, Path(args.out) if args.out else None)
-        res.update(info, method="CUDA-graph replays rotating >=200 MB of weight copies; median per call")
-        name = "gemm_fp8_spike.json"
-    elif args.spike:
+    if args.spike:
         REP_BUDGET_S = args.rep_budget
         res = run_spike([int(v) for v in args.ms.split(",")] if args.ms else [64, 128, 256],
                         Path(args.out) if args.out else None)  # fmt: skip

@@ -193,22 +193,32 @@ def bench_int4(wts: Weights, m: int) -> float:
 
 
 def humming_layers(wts: Weights) -> list:
-    """Humming 0.1.10 (``humming-kernels``, what vLLM 0.26 ships) layers of the rotated bf16 copies: NVFP4 e2m1 values,
-    e4m3 scale per 16, fp32 global scale, quantized by Humming's own quantizer (its 0.1.10 quantizer returns a 0-dim
-    global scale that its layer wants as shape (1,)). As many layers as our rotated copies."""
-    from humming.layer import HummingLayer
-    from humming.utils.weight import quantize_weight
+    """Humming (``humming-kernels``) NVFP4 layers of the rotated bf16 copies, as many as our rotated copies: e2m1 values,
+    e4m3 scale per 16, fp32 global scale, quantized by Humming's own quantizer, with whichever version is installed.
+    0.1.19 spells the scales ``scale_type="group"`` + ``scale_2_type="tensor"`` and quantizes with
+    ``load_from_unquantized`` (as ``shared/probes/humming_vs_ours.py``); 0.1.10 (what vLLM 0.26 ships) takes
+    ``scale_type="group_tensor"`` and ``quantize_weight``, whose 0-dim global scale its layer wants as shape (1,)."""
+    from importlib.metadata import version
 
+    from humming.layer import HummingLayer
+
+    new = tuple(int(p) for p in version("humming-kernels").split(".")[:3]) >= (0, 1, 19)
+    cfg = dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", group_size=16, scale_type="group", scale_2_type="tensor")
+    old = {"dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16, "scale_type": "group_tensor"}
     layers = []
     for i in range(len(wts.q)):
         w = wts.bf16[i % len(wts.bf16)]
-        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, torch_dtype=torch.bfloat16,
-                             weight_config={"dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16,
-                                            "scale_type": "group_tensor"}).cuda()  # fmt: skip
-        sch = layer.weight_schema
-        qw, ws, _, gs = quantize_weight(w, dtype=sch.b_dtype, scale_dtype=sch.bs_dtype, group_size=16,
-                                        has_global_scale=True, pack=True)  # fmt: skip
-        layer.load_from_tensors({"weight": qw, "weight_scale": ws, "global_scale": gs.reshape(1)})
+        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, weight_config=dict(cfg if new else old),
+                             torch_dtype=torch.bfloat16).cuda()  # fmt: skip
+        if new:
+            layer.load_from_unquantized(w)
+        else:
+            from humming.utils.weight import quantize_weight
+
+            sch = layer.weight_schema
+            qw, ws, _, gs = quantize_weight(w, dtype=sch.b_dtype, scale_dtype=sch.bs_dtype, group_size=16,
+                                            has_global_scale=True, pack=True)  # fmt: skip
+            layer.load_from_tensors({"weight": qw, "weight_scale": ws, "global_scale": gs.reshape(1)})
         layer.transform()
         layers.append(layer)
     return layers
@@ -238,26 +248,6 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
 
 
-def humming_layers_any(wts: Weights) -> list:
-    """Humming layers of the rotated bf16 copies with whichever ``humming-kernels`` is installed: 0.1.19 spells NVFP4's
-    scales ``scale_type="group"`` + ``scale_2_type="tensor"`` and quantizes with ``load_from_unquantized`` (as
-    ``shared/probes/humming_vs_ours.py``); older versions take :func:`humming_layers`."""
-    from importlib.metadata import version
-
-    from humming.layer import HummingLayer
-
-    if tuple(int(p) for p in version("humming-kernels").split(".")[:3]) < (0, 1, 19):
-        return humming_layers(wts)
-    cfg = dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", group_size=16, scale_type="group", scale_2_type="tensor")
-    layers = []
-    for i in range(len(wts.q)):
-        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, weight_config=dict(cfg), torch_dtype=torch.bfloat16).cuda()
-        layer.load_from_unquantized(wts.bf16[i % len(wts.bf16)])
-        layer.transform()
-        layers.append(layer)
-    return layers
-
-
 SPIKE_SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B
 # v4 arms: hopper_ss.SPIKE_CONFIGS ("ss") and SPIKE_ALT_CONFIGS ("ss_alt")
 SPIKE_VARIANTS = {"ss": False, "ss_alt": True}
@@ -277,7 +267,7 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
         hum = []
         if peer_humming:
             try:
-                hum = humming_layers_any(wts)
+                hum = humming_layers(wts)
             except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
                 print(f"humming unavailable: {e!r}", flush=True)
         p0, s0, g0 = wts.q_ct[0]
@@ -363,7 +353,7 @@ def run_tables(
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
-    ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming 0.1.10 on the same bf16 weights, its quantizer).
+    ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
     makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
@@ -412,7 +402,7 @@ def run_tables(
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
-                 "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming 0.1.10 NVFP4",
+                 "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming NVFP4",
                  "prev": "previous dispatch (same run)"}  # fmt: skip
 
 
@@ -618,7 +608,7 @@ def main() -> None:
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
-    ap.add_argument("--peer-humming", action="store_true", help="also time Humming 0.1.10 NVFP4 (humming-kernels)")
+    ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
     ap.add_argument("--spike", action="store_true",
                     help="round 12: kernel v4 (hopper_ss) beside the shipped kernel, bf16 and Humming on the 7B gate/down "

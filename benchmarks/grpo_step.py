@@ -585,7 +585,7 @@ def run_worker(args) -> dict:
         res["spread_eos_ids"] = len(eos)
     if not on_vllm:
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
-        gen_kwargs["max_cache_len"] = cache_prompt + args.completion_len
+        gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
     res["rollout_engine"] = engine
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
         output_dir=outdir, per_device_train_batch_size=args.per_device_batch or args.group, num_generations=args.group,
@@ -613,13 +613,13 @@ def run_worker(args) -> dict:
         else:
             # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
             qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
-                         cache_implementation="static",
+                         cache_implementation=None if args.no_static_cache else "static",
                          compile_generation=not args.no_compile)  # fmt: skip
         cfg = QeRLConfig(**shared, **qerl)
     trainer = TimedTrainer(model=model, reward_funcs=make_reward(vocab), args=cfg, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=[step_clock])  # fmt: skip
     step_clock.trainer = trainer
-    compiled = not args.no_compile and not on_vllm
+    compiled = not args.no_compile and not args.no_static_cache and not on_vllm
     if on_vllm:  # the adapter sync (ours) or TRL's merge + weight load, inside gen
         _time_sync(trainer, clock)
         if cuda:
@@ -637,6 +637,11 @@ def run_worker(args) -> dict:
                 json.dump(part, f, default=str)
 
     step_clock.after_step = save_partial
+    if not args.input_require_grads:
+        # TRL registers enable_input_require_grads (an embedding forward hook calling requires_grad_) for PEFT +
+        # gradient checkpointing; non-reentrant checkpointing does not need it, and the hook breaks the compiled decode
+        trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
+    res["input_require_grads_hook"] = args.input_require_grads
     gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
     if compiled and engine == "transformers":
         compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
@@ -889,13 +894,15 @@ _PASS = (
     "nvfp4_method compile_backend compile_mode dtype warmup_completion_len rollout_engine eos_mean_tokens "
     "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
 ).split()  # the options a worker subprocess gets (when set)
-_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "no_aqn")
+_FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
 
 def _run_subprocess(args, model: str, arm: str) -> dict:
     def cmd(result_path: str) -> list[str]:
-        ckpt = "--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt"
-        return [*worker_cmd(str(Path(__file__).resolve()), args, model, arm, result_path, _PASS, _FLAGS), ckpt]
+        return worker_cmd(str(Path(__file__).resolve()), args, model, arm, result_path, _PASS, _FLAGS) + [
+            "--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt",
+            "--input-require-grads" if args.input_require_grads else "--no-input-require-grads",
+        ]
 
     return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
@@ -998,7 +1005,11 @@ def main(argv=None) -> None:
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
     ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
     ap.add_argument("--no-aqn", action="store_true", help="AQN off")
+    ap.add_argument("--input-require-grads", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
+                    "init")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
+    ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
     ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
                     "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
@@ -1029,6 +1040,8 @@ def main(argv=None) -> None:
     args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")
     if args.recipe and args.rollout_engine == "transformers":
         ap.error("--recipe runs on --rollout-engine vllm (the default) or graph")
+    if args.rollout_engine == "graph" and args.no_static_cache:
+        ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 
     if args._worker:
         worker_exit(args, run_worker, ARM_LABEL.get(args.arm))
@@ -1054,7 +1067,7 @@ def main(argv=None) -> None:
             "transformers": "transformers generate, static cache",
             "vllm": "rollout_engine='vllm': colocated vLLM, paged KV cache, LoRA synced as an adapter",
         }.get(args.rollout_engine, "rollout_engine='graph': qerl_trl graph_generate, static cache")
-        + ("" if args.no_compile or args.rollout_engine == "vllm" else " + compiled decode")
+        + ("" if args.no_compile or args.no_static_cache or args.rollout_engine == "vllm" else " + compiled decode")
         + ") + scoring + loss forward + backward + AdamW step",
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",

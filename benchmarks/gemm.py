@@ -13,13 +13,15 @@ scales at load, MMA layout, the NVFP4 kernels; :func:`nvfp4.mxfp4.to_nvfp4`), ro
 (0.5625 B: the E8M0 scales are duplicated to the 16-input grid), so only noise should separate them.
 
 Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
-``_linear_mma_kernel``). ``--compare-ct`` also times the same call on the compressed-tensors layout (the previous
-kernels, ``_linear_kernel`` / ``_gemv_kernel``) in the same run, as ``ct_ms``; ``--compare-reduce`` times the
-MMA kernel's split-K configs once more with the partials summed by the separate ``_splitk_reduce_kernel`` (the
-previous way, one more launch) instead of in the kernel, as ``sep_reduce_ms``; ``--compare-lora`` times
-``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched (``lora_ms``: with split-K summed in the kernel,
-``x·Aᵀ`` computed once per K split and shared by the tiles) and with ``x·Aᵀ`` beside every tile
-(``lora_pertile_ms``, the previous way).
+``_linear_mma_kernel``). ``--compare-lora`` times ``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched
+(``lora_ms``: with split-K summed in the kernel, ``x·Aᵀ`` computed once per K split and shared by the tiles) and
+with ``x·Aᵀ`` beside every tile (``lora_pertile_ms``, the previous way).
+
+Finished comparisons left after dce0c4f (git keeps them; their results stay in ``results/``, their write-ups in
+docs/benchmarks_history.md and docs/fp8_rollouts.md): ``--compare-ct`` (the compressed-tensors-layout kernels,
+``ct_ms``), ``--compare-reduce`` (split-K summed by a separate kernel, ``sep_reduce_ms``), ``--fewer-stages`` (sweep),
+``--profile`` (one plain launch per shape for ``ncu``) and ``--fp8`` (issue #51's FP8-rollout spike, decided "go":
+``results/gemm_fp8_spike.json``).
 
 Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
 exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
@@ -30,11 +32,7 @@ Usage (on the GPU machine)::
 
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
-    python benchmarks/gemm.py --compare-ct          # plus the compressed-tensors-layout kernels, side by side
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
-    python benchmarks/gemm.py --fp8 --out $OUT      # issue #51: FP8 rollouts' spike → gemm_fp8_spike.json
-    ncu --section SpeedOfLight --section WarpStateStats --csv python benchmarks/gemm.py --profile 7b:gate:256
-        # one plain launch of ours, ours + LoRA and bf16 per shape (no graph), for a profiler's stall reasons
 """
 
 from __future__ import annotations
@@ -76,7 +74,6 @@ BWD_MS = [256, 1024, 4096]
 ROTATE_BYTES = 200e6
 DEV = "cuda"
 REP_BUDGET_S = 0.1  # replay time per measurement (the sweep uses less)
-FEWER_STAGES = False  # --fewer-stages
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -166,9 +163,9 @@ def _n_calls(n_copies: int) -> int:
     return min(n_copies, 256)
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, ct: bool = False):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    q = wts.q_ct if ct else wts.q
+    q = wts.q
     nq = _n_calls(len(q))
     ours = time_graph([partial(nvfp4_linear, x, *q[i % len(q)], None, config=config) for i in range(nq)])
     ref = None
@@ -196,22 +193,32 @@ def bench_int4(wts: Weights, m: int) -> float:
 
 
 def humming_layers(wts: Weights) -> list:
-    """Humming 0.1.10 (``humming-kernels``, what vLLM 0.26 ships) layers of the rotated bf16 copies: NVFP4 e2m1 values,
-    e4m3 scale per 16, fp32 global scale, quantized by Humming's own quantizer (its 0.1.10 quantizer returns a 0-dim
-    global scale that its layer wants as shape (1,)). As many layers as our rotated copies."""
-    from humming.layer import HummingLayer
-    from humming.utils.weight import quantize_weight
+    """Humming (``humming-kernels``) NVFP4 layers of the rotated bf16 copies, as many as our rotated copies: e2m1 values,
+    e4m3 scale per 16, fp32 global scale, quantized by Humming's own quantizer, with whichever version is installed.
+    0.1.19 spells the scales ``scale_type="group"`` + ``scale_2_type="tensor"`` and quantizes with
+    ``load_from_unquantized`` (as ``shared/probes/humming_vs_ours.py``); 0.1.10 (what vLLM 0.26 ships) takes
+    ``scale_type="group_tensor"`` and ``quantize_weight``, whose 0-dim global scale its layer wants as shape (1,)."""
+    from importlib.metadata import version
 
+    from humming.layer import HummingLayer
+
+    new = tuple(int(p) for p in version("humming-kernels").split(".")[:3]) >= (0, 1, 19)
+    cfg = dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", group_size=16, scale_type="group", scale_2_type="tensor")
+    old = {"dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16, "scale_type": "group_tensor"}
     layers = []
     for i in range(len(wts.q)):
         w = wts.bf16[i % len(wts.bf16)]
-        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, torch_dtype=torch.bfloat16,
-                             weight_config={"dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16,
-                                            "scale_type": "group_tensor"}).cuda()  # fmt: skip
-        sch = layer.weight_schema
-        qw, ws, _, gs = quantize_weight(w, dtype=sch.b_dtype, scale_dtype=sch.bs_dtype, group_size=16,
-                                        has_global_scale=True, pack=True)  # fmt: skip
-        layer.load_from_tensors({"weight": qw, "weight_scale": ws, "global_scale": gs.reshape(1)})
+        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, weight_config=dict(cfg if new else old),
+                             torch_dtype=torch.bfloat16).cuda()  # fmt: skip
+        if new:
+            layer.load_from_unquantized(w)
+        else:
+            from humming.utils.weight import quantize_weight
+
+            sch = layer.weight_schema
+            qw, ws, _, gs = quantize_weight(w, dtype=sch.b_dtype, scale_dtype=sch.bs_dtype, group_size=16,
+                                            has_global_scale=True, pack=True)  # fmt: skip
+            layer.load_from_tensors({"weight": qw, "weight_scale": ws, "global_scale": gs.reshape(1)})
         layer.transform()
         layers.append(layer)
     return layers
@@ -241,26 +248,6 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
 
 
-def humming_layers_any(wts: Weights) -> list:
-    """Humming layers of the rotated bf16 copies with whichever ``humming-kernels`` is installed: 0.1.19 spells NVFP4's
-    scales ``scale_type="group"`` + ``scale_2_type="tensor"`` and quantizes with ``load_from_unquantized`` (as
-    ``shared/probes/humming_vs_ours.py``); older versions take :func:`humming_layers`."""
-    from importlib.metadata import version
-
-    from humming.layer import HummingLayer
-
-    if tuple(int(p) for p in version("humming-kernels").split(".")[:3]) < (0, 1, 19):
-        return humming_layers(wts)
-    cfg = dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", group_size=16, scale_type="group", scale_2_type="tensor")
-    layers = []
-    for i in range(len(wts.q)):
-        layer = HummingLayer(shape_n=wts.n, shape_k=wts.k, weight_config=dict(cfg), torch_dtype=torch.bfloat16).cuda()
-        layer.load_from_unquantized(wts.bf16[i % len(wts.bf16)])
-        layer.transform()
-        layers.append(layer)
-    return layers
-
-
 SPIKE_SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B
 # v4 arms: hopper_ss.SPIKE_CONFIGS ("ss") and SPIKE_ALT_CONFIGS ("ss_alt")
 SPIKE_VARIANTS = {"ss": False, "ss_alt": True}
@@ -280,7 +267,7 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
         hum = []
         if peer_humming:
             try:
-                hum = humming_layers_any(wts)
+                hum = humming_layers(wts)
             except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
                 print(f"humming unavailable: {e!r}", flush=True)
         p0, s0, g0 = wts.q_ct[0]
@@ -329,98 +316,6 @@ def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dic
     return {"spike": rows}
 
 
-# Issue #51's FP8-rollout spike: Qwen2.5-7B's linears as vLLM fuses them, each with the op before it in the layer
-FP8_SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-FP8_PROLOGUE = {"qkv": "rms_norm", "o": "plain", "gate_up": "rms_norm", "down": "silu_mul"}
-FP8_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
-FP8_ARMS = ("bf16", "ours", "fp8_gemm", "fp8", "bf16_pro", "ours_pro", "fp8_pro")
-
-
-def run_fp8(ms: list[int], out: Path | None) -> dict:
-    """Per linear and M, in one run (CUDA-graph replays, rotated weights): ``bf16`` cuBLAS, ``ours`` (W4A16 as
-    dispatched), ``fp8_gemm`` (``torch._scaled_mm`` row-wise on an activation already in E4M3), ``fp8`` (the plain
-    fused quantisation + ``_scaled_mm``), and with the op before the linear (RMSNorm + residual before qkv/gate_up,
-    SiLU-and-mul before down, nothing before o): ``bf16_pro`` / ``ours_pro`` (our kernel's bf16 RMSNorm or SiLU-and-mul,
-    then the GEMM) and ``fp8_pro`` (that op fused with the quantisation, then ``_scaled_mm``). ``*_err``: relative
-    error against the NVFP4 policy's output (x · dequant(W)ᵀ in float64); an FP8 arm over 0.1 or with NaN is not
-    timed. The layer rows sum the four linears per M."""
-    from nvfp4 import fp8
-    from nvfp4.codec import dequantize
-    from nvfp4.kernels import fp8 as kfp8
-
-    rows = []
-    for name, (n, k) in FP8_SHAPES.items():
-        wts, mode = Weights(n, k), FP8_PROLOGUE[name]
-        w8 = [fp8.fp8_weight(*wts.q[i % len(wts.q)]) for i in range(max(2, math.ceil(ROTATE_BYTES / (n * k))))]
-        wd = dequantize(*wts.q[0], torch.float64)
-        nw = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
-        for m in ms:
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            xin = torch.randn(m, 2 * k if mode == "silu_mul" else k, device=DEV, dtype=torch.bfloat16)
-            kw = dict(norm_weight=nw, residual=torch.randn_like(xin)) if mode == "rms_norm" else {}
-            qx, sx, _, _ = fp8.act_quant(x)
-            pol = x.double() @ wd.T
-            row = {"linear": name, "N": n, "K": k, "M": m, "prologue": mode}
-            row["ours_err"] = ((nvfp4_linear(x, *wts.q[0]).double() - pol).norm() / pol.norm()).item()
-            y8 = fp8.fp8_linear(x, *w8[0])
-            row["fp8_err"] = ((y8.double() - pol).norm() / pol.norm()).item()
-            y8p = fp8.scaled_linear(*kfp8.act_quant(xin, mode, **kw)[:2], *w8[0]).double()
-            yp = kfp8.act_quant(xin, mode, **kw, write_q=False, write_y=True)[2].double() @ wd.T
-            row["fp8_pro_err"] = ((y8p - yp).norm() / yp.norm()).item()
-            ok = all(math.isfinite(row[e]) and row[e] < 0.1 for e in ("fp8_err", "fp8_pro_err"))
-
-            def pro_bf16(t=xin, kw=kw, mode=mode):
-                return t if mode == "plain" else kfp8.act_quant(t, mode, **kw, write_q=False, write_y=True)[2]
-
-            def pro_fp8(w, t=xin, kw=kw, mode=mode):
-                return fp8.scaled_linear(*kfp8.act_quant(t, mode, **kw)[:2], *w)
-
-            def bf16_pro(w, pro=pro_bf16):
-                return F.linear(pro(), w)
-
-            def ours_pro(q, pro=pro_bf16):
-                return nvfp4_linear(pro(), *q, None)
-
-            bf, qs, w8s = ([v[i % len(v)] for i in range(_n_calls(len(v)))] for v in (wts.bf16, wts.q, w8))
-            fns = {
-                "bf16": [partial(F.linear, x, w) for w in bf],
-                "ours": [partial(nvfp4_linear, x, *q, None) for q in qs],
-                "fp8_gemm": [partial(fp8.scaled_linear, qx, sx, *w) for w in w8s],
-                "fp8": [partial(fp8.fp8_linear, x, *w) for w in w8s],
-                "bf16_pro": [partial(bf16_pro, w) for w in bf],
-                "ours_pro": [partial(ours_pro, q) for q in qs],
-                "fp8_pro": [partial(pro_fp8, w) for w in w8s],
-            }
-            for arm, f in fns.items():
-                if ok or not arm.startswith("fp8"):
-                    row[f"{arm}_ms"] = time_graph(f)
-            for arm in FP8_ARMS:
-                if f"{arm}_ms" in row:
-                    row[f"{arm}_x_bf16"] = row["bf16_pro_ms" if arm.endswith("_pro") else "bf16_ms"] / row[f"{arm}_ms"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "gemm_fp8_spike_partial.json").write_text(json.dumps(rows, indent=1))
-        del wts, w8, wd
-        torch.cuda.empty_cache()
-    layer = []
-    for m in ms:
-        grp = [r for r in rows if r["M"] == m]
-        done = [a for a in FP8_ARMS if all(f"{a}_ms" in r for r in grp)]
-        lr = {"M": m, **{f"{a}_ms": sum(r[f"{a}_ms"] for r in grp) for a in done}}
-        for a in FP8_ARMS:
-            if f"{a}_ms" in lr:
-                lr[f"{a}_x_bf16"] = lr["bf16_pro_ms" if a.endswith("_pro") else "bf16_ms"] / lr[f"{a}_ms"]
-        layer.append(lr)
-    head = " ".join(f"{a:>9}" for a in FP8_ARMS)
-    print(f"\n{'linear':8} {'M':>5} {head}  fp8_err  (x bf16; *_pro: x bf16_pro)")
-    for r in rows + [dict(lr, linear="layer", fp8_err=float("nan")) for lr in layer]:
-        cells = [f"{r[a + '_x_bf16']:9.2f}" if a + "_x_bf16" in r else f"{'-':>9}" for a in FP8_ARMS]
-        print(f"{r['linear']:8} {r['M']:5d} " + " ".join(cells) + f"  {r['fp8_err']:.4f}")
-    return {"fp8_spike": rows, "layer": layer, "shapes": FP8_SHAPES, "prologue": FP8_PROLOGUE}
-
-
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
     """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
@@ -442,33 +337,6 @@ def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16
     return ours, ref
 
 
-def run_profile(specs: list[str]) -> None:
-    """Launch ours, ours + rank-32 LoRA and bf16 once each (after a warm-up call) per ``model:linear:M`` spec, outside
-    any CUDA graph and on one weight copy, so that a profiler (``ncu``) sees each kernel as dispatched."""
-    for spec in specs:
-        model, linear, m = spec.split(":")
-        name = next(k for k in MODELS if model.lower() in k.lower())
-        n, k = MODELS[name][linear]
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        q = quantize(w)
-        packed = to_mma_layout(q.packed) if mma_layout_supported(n, k) else q.packed
-        x = torch.randn(int(m), k, device=DEV, dtype=torch.bfloat16)
-        a = torch.randn(32, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-        b = torch.randn(n, 32, device=DEV, dtype=torch.bfloat16)
-        for _ in range(2):  # the first call compiles
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours")
-            nvfp4_linear(x, packed, q.scale, q.global_scale, None)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} ours+lora")
-            nvfp4_lora_linear(x, packed, q.scale, q.global_scale, None, a, b, 2.0)
-            torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"{name} {linear} M={m} bf16")
-            F.linear(x, w)
-            torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-        print(f"profiled {name} {linear} N={n} K={k} M={m}: {kern.linear_config(int(m), n, k, mma=True)}", flush=True)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Full tables
 # --------------------------------------------------------------------------------------------------------------
@@ -477,8 +345,6 @@ def run_tables(
     fwd_ms: list[int],
     bwd_ms: list[int],
     partial: Path | None = None,
-    compare_ct: bool = False,
-    compare_reduce: bool = False,
     compare_lora: bool = False,
     peer_int4: bool = False,
     with_mxfp4: bool = True,
@@ -486,17 +352,15 @@ def run_tables(
     with_ws: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
-    linear (a run cut short still leaves its numbers). ``compare_ct``: forward rows also get ``ct_ms``;
-    ``compare_reduce``: ``sep_reduce_ms`` (split-K summed by the separate kernel; = ``ours_ms`` without split-K);
-    ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
-    ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming 0.1.10 on the same bf16 weights, its quantizer).
+    linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
+    ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
     makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_ct=compare_ct, need_int4=peer_int4, need_mxfp4=with_mxfp4)
+            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4)
             hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
@@ -511,12 +375,6 @@ def run_tables(
                            config=cfg.__dict__, ours_form=form, prev_ms=prev, ws_ms=ws_ms)  # fmt: skip
                 if hum:
                     row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-                if compare_ct:
-                    row["ct_ms"], _ = bench_fwd(wts, m, with_bf16=False, ct=True)
-                if compare_reduce:
-                    split = cfg.mma and not cfg.dequant and cfg.split_k > 1
-                    sep = replace(cfg, fused_reduce=False)
-                    row["sep_reduce_ms"] = bench_fwd(wts, m, sep, with_bf16=False)[0] if split else ours
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
@@ -543,9 +401,8 @@ def run_tables(
 
 
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
-EXTRA_COLUMNS = {"ct": "CT-layout kernels", "sep_reduce": "separate split-K reduce", "lora": "+ LoRA r=32 as dispatched",
-                 "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
-                 "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming 0.1.10 NVFP4",
+EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
+                 "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming NVFP4",
                  "prev": "previous dispatch (same run)"}  # fmt: skip
 
 
@@ -602,31 +459,23 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
             continue
         programs = -(-m // bm) * -(-n // (64 * tiles))
         steps = k // (64 * quarters)
-        # --fewer-stages: also one cp.async stage less (less shared memory: more programs per SM hide more latency)
-        for st in (stages, stages - 1) if FEWER_STAGES and stages > 2 else (stages,):
-            for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
-                split = max(1, min(-(-target // programs), steps // 2))
-                out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, st, True, group_m=8, mma=True,
-                                        large_m=True))  # fmt: skip
+        for target in (kern.NUM_SMS, 2 * kern.NUM_SMS):
+            split = max(1, min(-(-target // programs), steps // 2))
+            out.append(LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, True, group_m=8, mma=True,
+                                    large_m=True))  # fmt: skip
     return list(dict.fromkeys(out))
 
 
-def fwd_candidates(m: int, n: int, k: int, mma: bool = True, retune_small_m: bool = False) -> list[LinearConfig]:
+def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfig]:
     """Candidate forward configs for one (M, N, K). MMA layout: splits × pipeline depths of ``_linear_mma_kernel``
     (M ≤ 128), the large-M kernel's tiles from M = 32 (:func:`large_m_candidates`), dequantize + cuBLAS from
     M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
-    ``tc_config`` with and without register prefetch (M ≤ 128). ``retune_small_m``: the decode kernel's splits ×
-    depths too (else only its current config, :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`)."""
+    ``tc_config`` with and without register prefetch (M ≤ 128). The decode kernel (M ≤ 128) keeps its current config,
+    :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`."""
     out: list[LinearConfig] = []
     if mma:
-        bm = max(16, triton_next_pow2(m))
-        if m <= 128 and not retune_small_m:
+        if m <= 128:
             out.append(kern.mma_config(m, n, k))
-        elif m <= 128:
-            steps = k // 256
-            for split in sorted({s for s in (1, 2, 3, 4, 6, 8, 12) if s == 1 or steps // s >= 2}):
-                for stages in (2, 3, 4) if m <= 64 else (1, 2):
-                    out.append(LinearConfig(bm, 64, 256, split, 4, stages, True, mma=True))
         if m >= 32:
             out += large_m_candidates(m, n, k)
         if m >= 64:
@@ -749,39 +598,28 @@ def env_info() -> dict:
 
 
 def main() -> None:
-    global REP_BUDGET_S, FEWER_STAGES
+    global REP_BUDGET_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="also write the JSON into this folder")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     ap.add_argument("--ms", default=None, help="comma-separated forward Ms (default: the full list)")
     ap.add_argument("--bwd-ms", default=None, help="comma-separated backward Ms")
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the tables")
-    ap.add_argument("--compare-ct", action="store_true", help="also time the compressed-tensors-layout kernels")
-    ap.add_argument("--compare-reduce", action="store_true", help="also time split-K with the separate reduce kernel")
     ap.add_argument("--compare-lora", action="store_true", help="also time the fused rank-32 LoRA (as dispatched, and x·Aᵀ per tile)")
     ap.add_argument("--peer-int4", action="store_true", help="also time torch's tinygemm int4 (group 128) as a peer")
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
-    ap.add_argument("--peer-humming", action="store_true", help="also time Humming 0.1.10 NVFP4 (humming-kernels)")
+    ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
     ap.add_argument("--spike", action="store_true",
                     help="round 12: kernel v4 (hopper_ss) beside the shipped kernel, bf16 and Humming on the 7B gate/down "
                          "(--ms, default 64,128,256); writes results/gemm_spike_ss.json")
-    ap.add_argument("--fp8", action="store_true",
-                    help="issue #51: bf16, W4A16 and FP8 (fused quantisation, GEMM alone) on the 7B layer as vLLM fuses "
-                         "it, with the op before each linear (--ms, default 1..1024); writes results/gemm_fp8_spike.json")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--apply-table", default=None, metavar="JSON", nargs="+",
                     help="rewrite dispatch_table.FORWARD from the fastest forms of these runs (sweep or --ws tables)")
     ap.add_argument("--budget", type=float, default=420.0, help="sweep wall-clock budget, seconds")
-    ap.add_argument("--fewer-stages", action="store_true", help="sweep: large-M tiles also with one cp.async stage less")
-    ap.add_argument("--profile", default=None, metavar="MODEL:LINEAR:M,...",
-                    help="launch each shape once per arm outside CUDA graphs (run under ncu) and exit")
     args = ap.parse_args()
-    if args.profile:
-        run_profile(args.profile.split(","))
-        return
     if args.write_table:
         print(dispatch_table_source(json.loads(Path(args.write_table).read_text())))
         return
@@ -795,12 +633,7 @@ def main() -> None:
     info = env_info()
     print(json.dumps(info), flush=True)
     t0 = time.time()
-    if args.fp8:
-        REP_BUDGET_S = args.rep_budget
-        res = run_fp8([int(v) for v in args.ms.split(",")] if args.ms else FP8_MS, Path(args.out) if args.out else None)
-        res.update(info, method="CUDA-graph replays rotating >=200 MB of weight copies; median per call")
-        name = "gemm_fp8_spike.json"
-    elif args.spike:
+    if args.spike:
         REP_BUDGET_S = args.rep_budget
         res = run_spike([int(v) for v in args.ms.split(",")] if args.ms else [64, 128, 256],
                         Path(args.out) if args.out else None)  # fmt: skip
@@ -808,7 +641,6 @@ def main() -> None:
         name = "gemm_spike_ss.json"
     elif args.sweep:
         REP_BUDGET_S = 0.06
-        FEWER_STAGES = args.fewer_stages
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip
         res.update(info)
@@ -816,8 +648,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_ct, args.compare_reduce,
-                         args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

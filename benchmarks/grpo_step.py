@@ -99,7 +99,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -111,12 +110,13 @@ from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
     LogCatcher,
-    add_worker_arguments,
+    add_arm_arguments,
     check_names,
     dynamo_counters,
-    exception_result,
-    failed,
+    run_arm_grid,
+    run_in_process,
     run_worker_subprocess,
+    worker_cmd,
     worker_exit,
 )
 
@@ -897,36 +897,14 @@ _PASS = (
 _FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
 
 
-def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--arm", arm]
-    cmd += ["--_result", result_path]
-    for k in _PASS:
-        v = getattr(args, k)
-        if v is not None:
-            cmd += ["--" + k.replace("_", "-"), str(v)]
-    cmd.append("--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt")
-    cmd.append("--input-require-grads" if args.input_require_grads else "--no-input-require-grads")
-    cmd += ["--" + f.replace("_", "-") for f in _FLAGS if getattr(args, f)]
-    return cmd
-
-
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    return run_worker_subprocess(lambda rp: _worker_cmd(args, model, arm, rp), model, arm, args, ARM_LABEL[arm])
+    def cmd(result_path: str) -> list[str]:
+        return worker_cmd(str(Path(__file__).resolve()), args, model, arm, result_path, _PASS, _FLAGS) + [
+            "--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt",
+            "--input-require-grads" if args.input_require_grads else "--no-input-require-grads",
+        ]
 
-
-def _run_in_process(args, model: str, arm: str) -> dict:
-    import torch
-
-    wargs = argparse.Namespace(**{**vars(args), "model": model, "arm": arm})
-    try:
-        res = run_worker(wargs)
-    except Exception as e:  # noqa: BLE001
-        res = exception_result(model, arm, e, ARM_LABEL[arm])
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
-    return res
+    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
 def _engine(r: dict) -> str:
@@ -1030,13 +1008,6 @@ def main(argv=None) -> None:
     ap.add_argument("--input-require-grads", action=argparse.BooleanOptionalAction, default=True,
                     help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
                     "init")
-    ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
-    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
-    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "cudagraphs", "eager", "aot_eager"])
-    ap.add_argument("--compile-mode", default="reduce-overhead")
-    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
     ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
     ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
@@ -1049,14 +1020,8 @@ def main(argv=None) -> None:
                     help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
-    ap.add_argument("--cpu", action="store_true", help="force CPU")
     ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
-    ap.add_argument("--arm-timeout", type=float, default=1200.0, help="seconds per (model, arm) subprocess")
-    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new (model, arm) after this many seconds")
-    ap.add_argument("--out", default=str(RESULTS / "grpo_step.json"))
-    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
-    ap.add_argument("--verbose", action="store_true", help="print worker output")
-    add_worker_arguments(ap)
+    add_arm_arguments(ap, out=str(RESULTS / "grpo_step.json"), arm_timeout=1200.0)
     args = ap.parse_args(argv)
     if args.tiny and not args._worker:
         args.models = "tiny"
@@ -1107,7 +1072,7 @@ def main(argv=None) -> None:
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "world_size": world,
-        "versions": versions() | {k: _version(k) for k in ("trl", "datasets")},
+        "versions": versions("trl", "datasets"),
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
         "configs": {m: MODELS[m] for m in models},
         "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
@@ -1120,26 +1085,17 @@ def main(argv=None) -> None:
     }
     if main_proc:
         print(f"# grpo_step: {meta['device']} x{world} | {meta['versions']}", flush=True)
-    results: list[dict] = []
-    t_start = time.perf_counter()
-    for m in models:
-        for a in arms:
-            t0 = time.perf_counter()
-            if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", ARM_LABEL[a], wall_s=0.0)
-            else:
-                if main_proc:
-                    print(f"[{m}/{a}] running ...", flush=True)
-                res = _run_in_process(args, m, a) if in_process else _run_subprocess(args, m, a)
-                res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
-            res.setdefault("rollout_engine", "vllm" if a == TRL_VLLM else args.rollout_engine)
-            results.append(res)
-            if main_proc:
-                s = res.get("summary") or {}
-                print(f"[{m}/{a}/{res['rollout_engine']}] {res.get('status')} in {res['wall_s']} s; s/step "
-                      f"{s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} tok/s), peak "
-                      f"{s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}", flush=True)  # fmt: skip
-                write_result(args.out, meta, results)
+
+    def run_one(m: str, a: str) -> dict:
+        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if in_process else _run_subprocess(args, m, a)
+
+    def brief(res: dict) -> str:
+        s = res.get("summary") or {}
+        return (f"{res['rollout_engine']}: s/step {s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} "
+                f"tok/s), peak {s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}")  # fmt: skip
+
+    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief, report=main_proc,
+                           defaults=lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
     if main_proc:
         print()
         print(table(results))
@@ -1147,13 +1103,6 @@ def main(argv=None) -> None:
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-
-def _version(name: str) -> str:
-    try:
-        return getattr(__import__(name), "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        return f"not installed ({type(e).__name__})"
 
 
 if __name__ == "__main__":

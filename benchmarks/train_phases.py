@@ -39,14 +39,15 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import common  # noqa: F401  (the workspace packages on sys.path)
+from common.env import git_commit
+
 PHASES = ("generation", "aqn", "rewards", "old_ref_logps", "rollout_other", "loss_forward", "backward", "grad_clip",
           "optimizer", "logging", "checkpoint", "step_end", "other")  # fmt: skip
 FIELDS = ("wall_s", "user_s", "sys_s", "minflt", "majflt")
@@ -220,16 +221,6 @@ def print_table(summary: dict[str, dict[str, float]]) -> None:
             print(f"{p:15s} {v['wall_s']:8.3f} {v['user_s']:8.3f} {v['sys_s']:8.3f} {int(v['minflt']):10d}")
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps to profile (of the recipe's max_steps)")
@@ -253,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup = _counters()
     result: dict = {
         "what": "phases of the first optimizer steps of `qerl train` (benchmarks/train_phases.py)",
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),

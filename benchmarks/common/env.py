@@ -55,12 +55,12 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def versions() -> dict[str, str]:
-    """Commit, Python and the versions of the libraries a measurement depends on."""
+def versions(*more: str) -> dict[str, str]:
+    """Commit, Python and the versions of the libraries a measurement depends on (and of the modules ``more``)."""
     import torch
 
     out = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "peft", "triton", "bitsandbytes", "accelerate"):
+    for name in ("transformers", "peft", "triton", "bitsandbytes", "accelerate", *more):
         try:
             out[name] = getattr(__import__(name), "__version__", "?")
         except Exception as e:  # noqa: BLE001

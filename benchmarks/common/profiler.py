@@ -1,19 +1,14 @@
 """The GPU kernels of a profiled region, by category; the decode step's share of each (``rollout.py`` /
-``rollout_vllm.py --profile``); one profiled arm per process (:func:`run_arms`)."""
+``rollout_vllm.py --profile``). (``kernel_times`` and ``run_arms``, the per-kernel times and one-arm-per-process loop
+of the removed ``decode_profile.py``, left after dce0c4f.)"""
 
 from __future__ import annotations
 
-import datetime
-import json
 import re
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 
-from .env import device_name, versions
-
-__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "by_category", "category", "kernel_times",
-           "label_kernels", "profile_decode", "profile_table", "run_arms"]  # fmt: skip
+__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "by_category", "category", "label_kernels", "profile_decode",
+           "profile_table"]  # fmt: skip
 
 # First match wins: LoRA before the GEMMs (punica's names hold "lora"), attention before FP8 (vLLM's KV-cache write
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).
@@ -141,40 +136,3 @@ def profile_table(results: list[dict]) -> str:
                 lines.append(f"| {x['model']} | {x.get('engine')} | {x['arm']} | {r['batch']} | "
                              + " | ".join(f"{v:.2f}" for v in cells) + " |")  # fmt: skip
     return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def kernel_times(prof) -> dict[str, dict]:
-    """``{kernel name: {"us": total device µs, "calls": n}}``: the GPU-side events (kernels, memcpy/memset)."""
-    from torch.autograd import DeviceType
-
-    out: dict[str, dict] = {}
-    for evt in prof.key_averages():
-        if evt.device_type != DeviceType.CUDA:
-            continue  # CPU ops (their device time would count their kernels twice)
-        out[evt.key] = {"us": float(evt.self_device_time_total), "calls": int(evt.count)}
-    return out
-
-
-def run_arms(args, tag: str, worker_cmd: Callable[[str, Path], list[str]], worker_env=None) -> list[dict]:
-    """Run each of ``args.arms`` in a fresh process (``worker_cmd(arm, part_json)``, environment ``worker_env(arm)``)
-    and collect the JSON each writes; ``args.out`` is rewritten after every arm (device, versions, date, arguments and
-    the results so far), so a killed run keeps what it measured."""
-    results = []
-    for arm in args.arms:
-        part = Path(args.out).with_suffix(f".{arm.replace(':', '-')}.part.json")
-        print(f"[{tag}] {args.model} {arm} ...", flush=True)
-        proc = subprocess.run(worker_cmd(arm, part), env=worker_env(arm) if worker_env else None)
-        if proc.returncode == 0 and part.exists():
-            results.append(json.loads(part.read_text()))
-            part.unlink()
-        else:
-            results.append({"model": args.model, "arm": arm, "status": f"failed (rc {proc.returncode})"})
-        meta = {
-            "device": device_name(),
-            "versions": versions(),
-            "date": datetime.date.today().isoformat(),
-            "args": vars(args),
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    return results

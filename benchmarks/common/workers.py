@@ -1,5 +1,6 @@
 """One (model, arm) per subprocess: no compile-cache or allocator interference between arms, an OOM only ends its own
-arm ("does not fit"), a hung arm is killed at its timeout. Also the torch.compile counters the rows report."""
+arm ("does not fit"), a hung arm is killed at its timeout. Also the options and the loop over (model, arm) the
+scripts share, and the torch.compile counters the rows report."""
 
 from __future__ import annotations
 
@@ -12,19 +13,25 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from .env import write_result
 
 __all__ = [
     "LogCatcher",
+    "add_arm_arguments",
     "add_worker_arguments",
     "check_names",
     "counter_diff",
     "dynamo_counters",
     "exception_result",
     "failed",
+    "run_arm_grid",
+    "run_in_process",
     "run_worker_subprocess",
     "save_partial",
+    "worker_cmd",
     "worker_exit",
 ]
 
@@ -108,6 +115,87 @@ def add_worker_arguments(ap: Any) -> None:
     ap.add_argument("--_result", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
+
+
+def add_arm_arguments(ap: Any, out: str, arm_timeout: float) -> None:
+    """The options of the scripts that build :mod:`common.models`' arms and run each in a subprocess: the arms'
+    adapter and quantization, the compile knobs, one subprocess per (model, arm) with its timeout and the run's
+    deadline, the result file and merging runs (plus :func:`add_worker_arguments`)."""
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
+    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
+    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "cudagraphs", "eager", "aot_eager"],
+                    help="cudagraphs = dynamo + CUDA graphs without inductor (much faster to compile)")  # fmt: skip
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
+    ap.add_argument("--cpu", action="store_true", help="force CPU")
+    ap.add_argument("--arm-timeout", type=float, default=arm_timeout, help="seconds per (model, arm) subprocess")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)")  # fmt: skip
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
+    ap.add_argument("--verbose", action="store_true", help="print worker output")
+    add_worker_arguments(ap)
+
+
+def worker_cmd(script: str, args: Any, model: str, arm: str, result_path: str, options: Sequence[str],
+               flags: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """The ``--_worker`` command line of one (model, arm): ``script`` with its result file, the run's ``options``
+    (those set; a list as a comma list) and ``flags`` (those on)."""
+    cmd = [sys.executable, script, "--_worker", "--_result", result_path, "--model", model, "--arm", arm]
+    for k in options:
+        if (v := getattr(args, k)) is not None:
+            cmd += ["--" + k.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    return cmd + ["--" + f.replace("_", "-") for f in flags if getattr(args, f)]
+
+
+def run_in_process(run_worker: Callable[[Any], dict], args: Any, model: str, arm: str, label: str | None = None,
+                   **kw: Any) -> dict:  # fmt: skip
+    """One (model, arm) in this process (debugging, DDP): its result or its failure row; then the compiled graphs and
+    the allocator's cached blocks are dropped, so the next arm starts clean."""
+    import argparse
+    import gc
+
+    import torch
+
+    try:
+        res = run_worker(argparse.Namespace(**{**vars(args), "model": model, "arm": arm}))
+    except Exception as e:  # noqa: BLE001
+        res = exception_result(model, arm, e, label, **kw)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return res
+
+
+def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_one: Callable[[str, str], dict],
+                 labels: dict[str, str], brief: Callable[[dict], str], defaults: Callable[[str], dict] = dict,
+                 report: bool = True, t_start: float | None = None) -> list[dict]:  # fmt: skip
+    """Every (model, arm) in order through ``run_one(model, arm)``. None starts once ``args.deadline_s`` has passed
+    since ``t_start`` (``time.perf_counter()``; default: now) (a "not run" row); every row gets its wall time and ``defaults(arm)`` where it lacks them, and a line
+    (``brief(row)``); ``args.out`` is rewritten after every arm, so a run cut short keeps what it measured.
+    ``report=False`` (a DDP rank other than the first) neither prints nor writes."""
+    results: list[dict] = []
+    t_start = time.perf_counter() if t_start is None else t_start
+    for m in models:
+        for a in arms:
+            t0 = time.perf_counter()
+            if args.deadline_s and t0 - t_start > args.deadline_s:
+                res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", labels[a], wall_s=0.0)
+            else:
+                if report:
+                    print(f"[{m}/{a}] running ...", flush=True)
+                res = run_one(m, a)
+                res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
+            for k, v in defaults(a).items():
+                res.setdefault(k, v)
+            results.append(res)
+            if report:
+                print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief(res)}", flush=True)
+                write_result(args.out, meta, results)
+    return results
 
 
 def save_partial(args: Any, res: dict) -> None:

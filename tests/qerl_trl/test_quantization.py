@@ -245,8 +245,9 @@ def test_eval_accepts_the_same_names(tiny_dir, tmp_path, capsys):
 
 def test_calibrated_policy_is_saved_once_per_machine(tmp_path, tiny_dir, monkeypatch):
     """Every rank calibrates the same policy; only local rank 0 writes it (a 72B copy per rank would fill the disk),
-    through a per-process temporary folder, and a folder that another process published first is kept as it is."""
-    from qerl_trl.quantization import publish_dir
+    through a temporary folder of its own (``nvfp4.offline.publish_checkpoint``), and a checkpoint that another process
+    published first is kept as it is."""
+    from nvfp4.offline import publish_checkpoint
 
     scheme = get_scheme("nvfp4-gptq")
     ids = [[1, 2, 3, 4, 5, 6, 7, 8]] * 2
@@ -258,12 +259,12 @@ def test_calibrated_policy_is_saved_once_per_machine(tmp_path, tiny_dir, monkeyp
     (saved,) = (tmp_path / "cache").iterdir()
     assert (saved / "config.json").is_file() and ".partial" not in saved.name
 
-    late = tmp_path / "late.partial-1"
-    late.mkdir()
-    (late / "config.json").write_text("{}")
-    assert publish_dir(late, saved) is False and not late.exists()
+    def write_stub(folder):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+
+    assert publish_checkpoint(saved, write_stub) is False  # published first: the late copy is dropped
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [saved.name]
     assert (saved / "config.json").read_text() != "{}"  # the first one kept
-    fresh = tmp_path / "fresh.partial-2"
-    fresh.mkdir()
-    (fresh / "config.json").write_text("{}")
-    assert publish_dir(fresh, tmp_path / "fresh") is True and (tmp_path / "fresh" / "config.json").is_file()
+    fresh = tmp_path / "fresh"
+    assert publish_checkpoint(fresh, write_stub) is True and (fresh / "config.json").read_text() == "{}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .extras import missing_extra
@@ -35,6 +36,24 @@ def offline_default_gguf() -> Path:
 def cache_dir() -> Path:
     """Where converted checkpoints live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
     return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+
+
+def publish_checkpoint(target: Path, save: Callable[[Path], None]) -> bool:
+    """``save(folder)`` writes a checkpoint into a fresh folder beside ``target``, which one rename then makes
+    ``target``: complete or absent, a crashed save never passes for a checkpoint. Several processes may race (ranks of
+    one run, machines sharing a file system): the first rename wins and the others' copies are dropped (same content).
+    Returns whether this call's copy became ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / "ckpt"
+        save(staged)
+        try:
+            staged.rename(target)
+            return True
+        except OSError:  # another process won the race; its copy is complete (rename is atomic)
+            if not (target / "config.json").is_file():
+                raise
+            return False
 
 
 def offline_default_model_path() -> Path:
@@ -67,18 +86,10 @@ def offline_default_model_path() -> Path:
     tokenizer.eos_token = "<|im_end|>"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = "<|endoftext|>"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        staged = Path(tmp) / "ckpt"
-        staged.mkdir()
-        for f in Path(tmp).iterdir():
-            if f != staged:
-                f.rename(staged / f.name)
-        try:
-            staged.rename(target)
-        except OSError:  # another process won the race; its copy is complete (rename is atomic)
-            if not (target / "config.json").is_file():
-                raise
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    publish_checkpoint(target, save)
     return target

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from nvfp4.formats import FORMATS, NVFP4, Format
 from nvfp4.methods import CALIBRATED_METHODS
+from nvfp4.offline import publish_checkpoint
 from torch import nn
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "SCHEMES",
     "QuantScheme",
     "calibrated_checkpoint_path",
-    "publish_dir",
     "get_scheme",
     "keep_nf4_exact",
 ]
@@ -173,9 +173,7 @@ class _FP4Scheme(QuantScheme):
         model = super().load(path, dtype=dtype, device_map=device_map, calibration_data=calibration_data)
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             return model  # every rank calibrated the same policy: one copy per machine is written, by local rank 0
-        tmp = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
-        model.save_pretrained(tmp)
-        if publish_dir(tmp, cached):
+        if publish_checkpoint(cached, model.save_pretrained):
             logger.info("saved the %s-calibrated policy to %s", self.name, cached)
         return model
 
@@ -326,22 +324,6 @@ def get_scheme(value: str | QuantScheme, what: str = "quantization") -> QuantSch
         aliases = ", ".join(f"{a!r} (= {c!r})" for a, c in ALIASES.items())
         raise ValueError(f"{what} must be one of {', '.join(map(repr, SCHEMES))}; aliases: {aliases}, got {value!r}")
     return scheme
-
-
-def publish_dir(tmp: Path, target: Path) -> bool:
-    """Rename the finished folder ``tmp`` to ``target``: complete or absent, an interrupted save is never taken for a
-    result. If another process (a machine sharing the file system) published ``target`` first, ``tmp`` is removed and
-    theirs is kept (the same content). Returns whether ``tmp`` became ``target``."""
-    import shutil
-
-    try:
-        tmp.rename(target)
-        return True
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        return False
 
 
 def calibrated_checkpoint_path(

@@ -51,7 +51,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -60,6 +59,7 @@ from typing import Any
 
 import torch
 from nvfp4.extras import missing_extra
+from nvfp4.offline import publish_checkpoint
 from nvfp4.peft import write_adapter
 from trl.extras.profiling import profiling_context
 
@@ -139,9 +139,8 @@ def engine_checkpoint(
 
 def _save_engine_checkpoint(target: Path, model: Any, src: str | None) -> None:
     """``model`` (with ``src``'s tokenizer and generation config) saved as ``target``, atomically (a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / "ckpt"
+
+    def save(staged: Path) -> None:
         model.save_pretrained(staged)
         if src is not None:
             with contextlib.suppress(Exception):
@@ -152,11 +151,8 @@ def _save_engine_checkpoint(target: Path, model: Any, src: str | None) -> None:
                 for f in ("generation_config.json",):
                     if (Path(src) / f).is_file() and not (staged / f).is_file():
                         shutil.copy(Path(src) / f, staged / f)
-        try:
-            staged.rename(target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
+
+    publish_checkpoint(target, save)
 
 
 # ---------------------------------------------------------------------------------------------- adapters

@@ -2,16 +2,20 @@
 # THERE, as a background job after install.sh finished (issue #47; one one-GPU machine):
 #     bash benchmarks/vllm_gpu/bg.sh start b 'MACHINE_B_STEPS="1 2" bash benchmarks/vllm_gpu/machine_b.sh'   # ~20 min
 # One step after another (a second vLLM engine on the card would fail vLLM's free-memory check), files under $JOB_OUT:
-# 1. the four vLLM tests that dce0c4f's 900 s did not reach (7 of 11 passed: vllm_tests_h200_dce0c4f.log), verbose and
-#    under SIGINT, so pytest prints its summary and durations if the time runs out;
+# 1. vLLM tests (issue #47 item 2): VLLM_TESTS (pytest paths or node ids; default the whole tests/vllm_integration),
+#    VLLM_TESTS_S seconds (default 900), log $O/${VLLM_TESTS_LOG:-vllm_tests}.log; verbose and under SIGINT, so pytest
+#    prints its summary and durations if the time runs out (tests needing 2 GPUs skip where one is visible);
 # 2. `qerl train` offline default, 20 steps, one run per OFFLINE_ARMS entry ENGINE:IS_MODE:SEED (IS_MODE: token_truncate
 #    = the correction on, off = vllm_importance_sampling_correction false, empty = the config's default: off under AQN
 #    since 0e0058a); default: the shipped default on both engines at a third seed (item 3's arms at seeds 0 and 1 ran:
 #    offline_default_h200_is_off_dce0c4f.json);
 # 3. the shipped 32B DAPO recipe on vLLM (item 5 again: shared weights + packed micro-batches), 4. the same on the
 #    graph engine (item 7 for the 32B recipe). Earlier jobs: b78624b (probe, offline default seed 0, 7B recipe on vLLM,
-#    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*). 5. (only when asked: MACHINE_B_STEPS="5") issue #48's `-m gpu`
-#    suite of the main tests, never run whole on a GPU.
+#    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*), e0a0a82 (steps 3-4 side by side, step 1's four tests, step 5
+#    cut at 420 s: *_e0a0a82*). 5. (only when asked: MACHINE_B_STEPS="5") issue #48's `-m gpu` suite of the main tests,
+#    verbose (each test's line stays if the time runs out). 6. (only when asked) issue #50's kernel v4 spike against
+#    Humming 0.1.19 (its wheel carried in .carry/h19, installed apart from vLLM's 0.1.10): hopper_ss GPU tests, then
+#    `gemm.py --spike --ms 64,128,256` (docs/kernels.md round 12).
 set -uo pipefail
 source benchmarks/vllm_gpu/env.sh
 O=${JOB_OUT:-/tmp/qerl-b-out}
@@ -20,15 +24,11 @@ nvidia-smi -L > "$O/gpu.txt"
 step() { [[ " ${MACHINE_B_STEPS:-1 2 3 4} " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%T))"; }
 if step 1; then
-  say "1 the vLLM tests dce0c4f did not reach"
-  t=tests/vllm_integration/test_vllm_rollouts.py
-  timeout -s INT 900 python3 -m pytest \
-    "$t::test_engine_follows_lora_update_like_the_trainer" \
-    "$t::test_aqn_noise_on_engine_matches_hf_and_restores_bit_identically" \
-    "$t::test_colocated_trainer_and_engine_hold_the_weights_once" \
-    "$t::test_two_trainer_processes_share_one_vllm_server" \
-    -p no:cacheprovider -v -rA --durations=0 > "$O/vllm_tests.log" 2>&1
-  echo "rc $?"; tail -n 3 "$O/vllm_tests.log"
+  say "1 vLLM tests: ${VLLM_TESTS:-tests/vllm_integration}"
+  # shellcheck disable=SC2086  # VLLM_TESTS is a list of paths
+  timeout -s INT "${VLLM_TESTS_S:-900}" python3 -m pytest ${VLLM_TESTS:-tests/vllm_integration} \
+    -p no:cacheprovider -v -rA --durations=0 > "$O/${VLLM_TESTS_LOG:-vllm_tests}.log" 2>&1
+  echo "rc $?"; tail -n 3 "$O/${VLLM_TESTS_LOG:-vllm_tests}.log"
 fi
 if step 2; then
   for arm in ${OFFLINE_ARMS:-vllm::2 graph::2}; do
@@ -60,7 +60,18 @@ done
 if step 5; then  # issue #48: the whole `-m gpu` suite of the main tests once after the move (GPU_TESTS_S: its time)
   say "5 pytest -m gpu (the main tests)"
   timeout -s INT "${GPU_TESTS_S:-900}" python3 -m pytest -m gpu tests --ignore=tests/vllm_integration \
-    -p no:cacheprovider -rfE --durations=15 > "$O/gpu_tests.log" 2>&1
+    -p no:cacheprovider -v -rfE --durations=15 > "$O/gpu_tests.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/gpu_tests.log"
+fi
+if step 6; then
+  say "6 kernel v4 spike against Humming 0.1.19"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/h19 .carry/h19/*.whl &&
+    PYTHONPATH=/tmp/h19:$PYTHONPATH timeout -s INT 300 python3 -m pytest -p no:cacheprovider -m gpu -v -x \
+      tests/nvfp4/test_hopper_ss.py > "$O/gpu_tests_hopper_ss.log" 2>&1
+  echo "rc $?"; tail -n 2 "$O/gpu_tests_hopper_ss.log"
+  PYTHONPATH=/tmp/h19:$PYTHONPATH python3 -c "import humming, importlib.metadata as m; print('humming', m.version('humming-kernels'))"
+  PYTHONPATH=/tmp/h19:$PYTHONPATH timeout -s INT 420 python3 benchmarks/gemm.py --spike --ms 64,128,256 --out "$O" \
+    > "$O/spike.log" 2>&1
+  echo "rc $?"; tail -n 12 "$O/spike.log"
 fi
 say "machine_b done"

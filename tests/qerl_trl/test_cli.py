@@ -26,8 +26,9 @@ def test_every_shipped_recipe_parses(recipe):
         assert config.num_generations == (16 if script.task == "bigmath" else 8)
         assert config.max_completion_length == (8192 if script.task == "bigmath" else 4096)
         # the GPU recipes default to the engine measured fastest at their batch and lengths (issue #47 item 7): vLLM
-        # for the 7B GSM8K recipe (3ed8a10, one H100, both engines in one run); the 32B recipe's run of both is to come
-        assert config.rollout_engine == ("vllm" if script.task == "gsm8k" else "graph")
+        # for the 7B GSM8K recipe (3ed8a10, one H100, both engines in one run) and the 32B DAPO recipe (e0a0a82, one
+        # two-GPU H200, one engine a GPU at once); each fixes its paged KV cache
+        assert config.rollout_engine == "vllm" and config.vllm.kv_cache_memory_bytes in (12 * 2**30, 14 * 2**30)
     if script.algorithm == "dapo":
         assert (config.epsilon, config.epsilon_high, config.beta, config.dynamic_sampling) == (0.2, 0.28, 0.0, True)
 

@@ -216,10 +216,11 @@ def _recipe_model_config(model_name: str, offline_model_path: Path):
 
 def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
     """Every shipped recipe, as written, on an 80 GB H100 (pure arithmetic, activations in bf16 as on the GPU): the plan
-    fits, in one batch or in waves. The 32B DAPO recipe (128 completions x 8,192 tokens, micro-batch 1) is generated
-    in 8 waves of 16 rows with a planned peak under 75 GB; the 7B GSM8K recipe (colocated vLLM, weights shared) holds
-    the 12 GiB KV cache its ``vllm.kv_cache_memory_bytes`` fixes: 48 sequences of 4,608 positions (``max_model_len``)
-    at once, 56 KiB a position (the engine schedules the other 80)."""
+    fits, in one batch or in waves. Both GPU recipes run on colocated vLLM (weights shared) and hold the KV cache their
+    ``vllm.kv_cache_memory_bytes`` fixes: the 7B GSM8K recipe 12 GiB, 48 sequences of 4,608 positions
+    (``max_model_len``) at once at 56 KiB a position (the engine schedules the other 80); the 32B DAPO recipe 14 GiB, 6
+    of 9,216 at 256 KiB. The 32B recipe on its fallback engine (``--rollout_engine graph``, 128 completions x 8,192
+    tokens, micro-batch 1) is generated in 8 waves of 16 rows with a planned peak under 75 GB."""
     from qerl_trl.cli import RECIPES_DIR, parse_train_args
 
     got = {}
@@ -242,8 +243,12 @@ def test_shipped_recipes_fit_an_h100(tmp_path, offline_model_path):
     plan = got["gsm8k-qwen2.5-7b-grpo"][3]
     assert plan.kv_cache_bytes == 12 * 2**30 and plan.wave_rows == 12 * 2**30 // (56 * 1024 * 4608) == 48
     assert plan.peak(plan.wave_rows) <= plan.usable_bytes and plan.per_row == 0  # 12 GiB held, not 64 x 0.29 GB
-    waves, rows, peak, plan = got["bigmath-qwen2.5-32b-dapo"]
-    assert (waves, rows) == (8, 16) and peak <= 75, plan.summary()
+    plan = got["bigmath-qwen2.5-32b-dapo"][3]
+    assert plan.kv_cache_bytes == 14 * 2**30 and plan.wave_rows == 14 * 2**30 // (256 * 1024 * 9216) == 6
+    assert plan.peak(plan.wave_rows) <= 65 * GB and plan.per_row == 0, plan.summary()
+    _, config = parse_train_args(["bigmath-qwen2.5-32b-dapo", "--rollout_engine", "graph", "--output_dir", str(tmp_path)])
+    plan = plan_memory(ModelShape.from_config(qwen("32b")), run_shape_from_config(config, activation_bytes=2), H100_80GB_BYTES)
+    assert (plan.waves, plan.rows_per_wave) == (8, 16) and plan.peak(plan.rows_per_wave) <= 75 * GB, plan.summary()
     assert plan.run.generation_rows == 128 and plan.run.completion_len == 8192
     assert 2.4 * GB < plan.kv_per_row < 2.45 * GB  # 256 KiB x 9216 positions
 

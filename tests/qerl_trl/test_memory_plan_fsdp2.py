@@ -19,6 +19,8 @@ from qerl_trl.memory_plan import (
 )
 
 Q72 = QWEN25_SHAPES["Qwen/Qwen2.5-72B-Instruct"]
+#: the 32B DAPO recipe fixes 14 GiB of KV cache a GPU (sized for 32B on one H100); 72B plans leave it to the plan
+KV_FROM_PLAN = '{"kv_cache_memory_bytes": null}'
 Q32 = QWEN25_SHAPES["Qwen/Qwen2.5-32B-Instruct"]
 #: the shipped 32B DAPO recipe's shape (micro-batch 1 x (1,024 + 8,192) tokens, 128 completions per process)
 DAPO = RunShape(quantization="nvfp4", lora_r=32, lora_targets=LORA_TARGETS, generation_rows=128, micro_batch_rows=1,
@@ -62,7 +64,7 @@ def test_qerl_plan_command_one_line_and_exit_code(capsys):
     from qerl_trl.cli import main
 
     args = ["plan", "bigmath-qwen2.5-32b-dapo", "--model_name_or_path", "Qwen/Qwen2.5-72B-Instruct",
-            "--rollout_engine", "vllm"]  # fmt: skip
+            "--vllm", KV_FROM_PLAN]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         main(args + ["--gpus", "1"])
     assert exit_info.value.code == 2
@@ -134,12 +136,12 @@ def test_vllm_tensor_parallel_size_sets_the_engine_share_per_gpu(capsys):
     with pytest.raises(MemoryPlanError, match="tensor_parallel_size=3 must divide the GPU count"):
         plan_fsdp2(Q72, vllm, H100_80GB_BYTES, 4, vllm_colocate=True, vllm_tp=3)
     args = ["plan", "bigmath-qwen2.5-32b-dapo", "--model_name_or_path", "Qwen/Qwen2.5-72B-Instruct",
-            "--rollout_engine", "vllm"]  # fmt: skip
-    main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 2}', "--memory-budget-gb", "85.5"])
+            "--vllm", KV_FROM_PLAN]  # fmt: skip
+    main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 2, "kv_cache_memory_bytes": null}', "--memory-budget-gb", "85.5"])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and ": fits:" in out[0] and "vLLM TP=2" in out[0]
     with pytest.raises(SystemExit) as exit_info:
-        main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 3}'])
+        main(args + ["--gpus", "2", "--vllm", '{"tensor_parallel_size": 3, "kv_cache_memory_bytes": null}'])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and "must divide the number of training processes (2)" in err[-1]
 

@@ -39,11 +39,14 @@ class Tolerances:
 
 # float32 engine: measured ~1e-5 (CPU). bf16 engine on the H100 (2026-11-27): greedy logprob gaps up to 0.17 against
 # the float32 reference, sampling_logp_difference/mean 0.030-0.038 (max 0.32) on noise-free steps: bf16 logits of
-# magnitude ~20 carry a rounding step of 0.06-0.125 on their own.
+# magnitude ~20 carry a rounding step of 0.06-0.125 on their own. ``tie`` is twice ``logprob_gap``: the engine picked
+# its token t over the reference's best b, so ref(b) - ref(t) <= |ref(b) - eng(b)| + |eng(t) - ref(t)|, two gaps; the
+# H200 at e0a0a82 showed one (0.4375, with a 0.28 largest gap: vllm_tests_h200_e0a0a82.log), so a tie bound at one gap
+# failed a run whose every logprob sat inside its bound.
 TOL = (
-    Tolerances(logprob_gap=1e-3, tie=1e-3, clean_gap=1e-3)
+    Tolerances(logprob_gap=1e-3, tie=2e-3, clean_gap=1e-3)
     if ENGINE_DTYPE == "float32"
-    else Tolerances(logprob_gap=0.35, tie=0.35, clean_gap=0.1)
+    else Tolerances(logprob_gap=0.35, tie=0.7, clean_gap=0.1)
 )
 
 

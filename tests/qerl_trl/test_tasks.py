@@ -105,6 +105,30 @@ def test_hub_load_offline_tells_user_to_pass_path(task, split, monkeypatch):
         load_task(task, split)
 
 
+def test_an_unresolvable_hub_fails_at_once_with_the_local_alternative(monkeypatch):
+    """No proxy and a Hub host that cannot resolve (``.invalid`` never does, RFC 2606): one error naming why and the
+    local alternative, before ``datasets`` is asked (it would retry 5 times, ~40 s). Under ``HF_HUB_OFFLINE`` or
+    behind a proxy nothing is probed: the cache or the proxy answers."""
+    import huggingface_hub.constants
+    from qerl_trl.tasks import hub_unreachable
+
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.qerl-test.invalid")
+    assert hub_unreachable().startswith("hub.qerl-test.invalid does not resolve")
+    with pytest.raises(TaskDataError) as info:
+        load_task("gsm8k", "test")
+    msg = str(info.value)
+    assert "\n" not in msg and "could not load openai/gsm8k (main) split 'test'" in msg, msg
+    assert "does not resolve" in msg and "HF_HUB_OFFLINE=1" in msg and "pass path= (CLI: --data-path)" in msg
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert hub_unreachable() is None
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert hub_unreachable() is None
+
+
 def test_arithmetic_is_deterministic_and_correct():
     a = load_task("arithmetic", "train", n_examples=300, seed=3)
     b = load_task("arithmetic", "train", n_examples=300, seed=3)

@@ -124,3 +124,19 @@ def test_a_missing_vllm_stops_before_the_policy_loads(tmp_path):
         QeRLGRPOTrainer(str(tmp_path / "no-such-model"), lambda completions, **kw: [0.0] * len(completions), args)
     VLLMRollout.check_environment(QeRLConfig(output_dir=str(tmp_path), rollout_engine="vllm",
                                              vllm={"server_url": "http://127.0.0.1:8000"}, report_to="none"))  # fmt: skip
+
+
+def test_qerl_eval_on_a_missing_vllm_stops_before_the_model_loads(tmp_path, capsys):
+    """``qerl eval --engine vllm`` where vLLM is not installed: the engine's ``check_evaluation`` stops it in one line
+    (the pip line, exit 2) before any model is read (the model path does not even exist)."""
+    import importlib.util
+
+    from qerl_trl.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment (the main one has none: its tests run in .venv-vllm)")
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--model", str(tmp_path / "no-such-model"), "--task", "arithmetic", "--engine", "vllm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert err[0] == "qerl eval: error: qerl eval --engine vllm needs vLLM and qerl-vllm: pip install 'qerl-vllm[vllm]'"

@@ -132,17 +132,39 @@ def _local_rows(task: str, path: str | Path, split: str) -> list[dict[str, Any]]
     raise TaskDataError(f"task {task!r}: data path {p} does not exist (give a folder with {split}.jsonl or a .jsonl file)")
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached, when that is known at once, else None: no proxy is set and the Hub's
+    host does not resolve (a client without a proxy must resolve it itself). ``datasets`` would find out after 5
+    retries with backoff (~40 s of "Retrying in 8s" lines). Under ``HF_HUB_OFFLINE`` nothing is asked (its cache
+    answers), nor behind a proxy (which resolves for the client)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in proxies):
+        return None
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"{host} does not resolve ({e.strerror or e}) and no proxy is set"
+    return None
+
+
 def _hub_rows(task: str, repo: str, split: str, config: str | None = None, local_hint: str = "") -> Dataset:
     from datasets import load_dataset
 
+    what = f"task {task!r}: could not load {repo}{f' ({config})' if config else ''} split {split!r} from the Hugging Face Hub"
+    local = f"Without network access pass path= (CLI: --data-path) {local_hint}"
+    if (why := hub_unreachable()) is not None:
+        raise TaskDataError(f"{what} ({why}; HF_HUB_OFFLINE=1 reads a cached copy). {local}")
     try:
         return load_dataset(repo, config, split=split)
     except Exception as e:  # offline, missing, gated...: the user needs to know the local alternative
-        raise TaskDataError(
-            f"task {task!r}: could not load {repo}{f' ({config})' if config else ''} split {split!r} from the Hugging "
-            f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Without network access pass "
-            f"path= (CLI: --data-path) {local_hint}"
-        ) from e
+        raise TaskDataError(f"{what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {local}") from e
 
 
 def _require(row: dict[str, Any], keys: tuple[str, ...], task: str, where: str) -> None:

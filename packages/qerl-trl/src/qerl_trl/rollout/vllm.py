@@ -83,6 +83,14 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"
 
 
+def _require_vllm_here(what: str) -> None:
+    """:class:`nvfp4.extras.MissingExtraError` (one line: what to install) unless vLLM and qerl-vllm are importable.
+    The extra qerl-trl[vllm] brings the plugin only; qerl-vllm[vllm] brings vLLM too (GPU: the CUDA wheel)."""
+    for module, install in (("vllm", "qerl-vllm[vllm]"), ("qerl_vllm", "qerl-trl[vllm]")):
+        if importlib.util.find_spec(module) is None:
+            raise missing_extra(None, module, what, "vLLM and qerl-vllm", install)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoint
 def engine_checkpoint(
     name_or_path: str | None,
@@ -524,12 +532,8 @@ class VLLMRollout(RolloutEngine):
     @classmethod
     def check_environment(cls, cfg: Any) -> None:
         """Colocate: vLLM and qerl-vllm importable here (a server brings its own)."""
-        if cfg.vllm.server_url:
-            return
-        # the extra qerl-trl[vllm] brings the plugin only; qerl-vllm[vllm] brings vLLM too (GPU: the CUDA wheel)
-        for module, install in (("vllm", "qerl-vllm[vllm]"), ("qerl_vllm", "qerl-trl[vllm]")):
-            if importlib.util.find_spec(module) is None:
-                raise missing_extra(None, module, _COLOCATE_NEEDS, "vLLM and qerl-vllm", install)
+        if not cfg.vllm.server_url:
+            _require_vllm_here(_COLOCATE_NEEDS)
 
     def __init__(self, trainer: Any, prepared: str | None = None) -> None:
         super().__init__(trainer)
@@ -548,17 +552,15 @@ class VLLMRollout(RolloutEngine):
         if not scheme.vllm_engine:
             raise ValueError(f"--engine vllm loads NVFP4 or dense checkpoints, not --quantization {scheme}; "
                              "use --engine transformers")  # fmt: skip
+        _require_vllm_here("qerl eval --engine vllm")  # before the model loads
 
     @classmethod
     def evaluation_generator(cls, model_name, model, scheme, *, seed, dtype, adapter) -> Any:
         """``qerl eval --engine vllm``: a vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on
         load), with ``adapter`` synced as a LoRA adapter."""
         from peft import PeftModel
+        from qerl_vllm.engine import VLLMEngine  # there: check_evaluation ran first
 
-        try:
-            from qerl_vllm.engine import VLLMEngine
-        except ImportError as e:
-            raise SystemExit(f"qerl eval --engine vllm needs vLLM and the qerl-vllm plugin ({e}); see .ci/vllm-setup") from e
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         path = engine_checkpoint(model_name, base, scheme)
         engine = VLLMEngine(path, seed=seed, max_lora_rank=64, dtype=dtype)  # same compute dtype as HF

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import ENGINE_DTYPE, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
+from vllm_test_helpers import EAGER, ENGINE_DTYPE, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
 
 PROMPTS = [
     "The capital of France is",
@@ -38,7 +38,7 @@ def ckpt() -> Path:
 def engine(ckpt):
     from qerl_vllm.engine import VLLMEngine
 
-    eng = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+    eng = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20, enforce_eager=EAGER,
                      dtype=ENGINE_DTYPE, rollout_precision="fp8")  # fmt: skip
     yield eng
     eng.close()
@@ -172,7 +172,7 @@ def test_rollout_trainer_mismatch_w4a16_vs_fp8(engine, ckpt, hf_models):
     texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in data["prompt"]]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     fp8_stats = _mismatch(engine, hf_models, prompts, fp8_rollouts=True)
-    w4 = VLLMEngine(ckpt, max_lora_rank=0, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+    w4 = VLLMEngine(ckpt, max_lora_rank=0, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20, enforce_eager=EAGER,
                     dtype=ENGINE_DTYPE)  # fmt: skip
     try:
         w4_stats = _mismatch(w4, hf_models, prompts, fp8_rollouts=False)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import ENGINE_DTYPE, check_forced, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
+from vllm_test_helpers import (
+    EAGER,
+    ENGINE_DTYPE,
+    check_forced,
+    compare_forced,
+    eos_ids,
+    hf_forced,
+    nvfp4_offline_checkpoint,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N_TOKENS = 12
@@ -25,7 +33,7 @@ def ckpt() -> Path:
 def engine(ckpt):
     from qerl_vllm.engine import VLLMEngine
 
-    eng = VLLMEngine(ckpt, max_lora_rank=8, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+    eng = VLLMEngine(ckpt, max_lora_rank=8, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20, enforce_eager=EAGER,
                      dtype=ENGINE_DTYPE)  # fmt: skip
     yield eng
     eng.close()

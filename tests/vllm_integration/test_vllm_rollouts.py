@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from vllm_test_helpers import (
+    EAGER,
     ENGINE_DTYPE,
     TOL,
     check_forced,
@@ -71,7 +72,7 @@ def _args(tmp: Path, cls=None, vllm: dict | None = None, **kw):
         aqn_sigma_start=SIGMA,
         aqn_sigma_end=SIGMA,
         rollout_engine="vllm",
-        vllm={"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, **(vllm or {})},
+        vllm={"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": EAGER, **(vllm or {})},
     )
     base.update(kw)
     return (cls or QeRLConfig)(**base)

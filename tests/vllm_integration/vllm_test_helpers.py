@@ -22,6 +22,13 @@ import torch
 # bfloat16, because vLLM's GPU LoRA kernels (punica lora_shrink/lora_expand) take only fp16/bf16 adapters.
 ENGINE_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 
+# The colocated engines of the rollout, FP8 and MXFP4 tests start eager (no torch.compile, no CUDA graphs), as the
+# servers always did: on the H200 compiling and capturing made ~150 s of each 135M engine's start (e0a0a82:
+# vllm_tests_h200_e0a0a82.log, the ``trained`` fixture's setup 226 s), about 2 min a test. vLLM's compiled path with
+# our plugin's ops stays covered by test_vllm_engine.py's engines (vLLM's default there), the evaluation test and the
+# GPU recipe runs (benchmarks/vllm_gpu/machine_b.sh). On CPU every engine is eager anyway (VLLMEngine's default).
+EAGER = True
+
 
 @dataclass(frozen=True)
 class Tolerances:

@@ -277,6 +277,7 @@ FAST_ERRORS = [
     (["--quantization", "foo"], ["quantization", "'foo'", "'nvfp4-rtn'"]),
     (["--rollout_precision", "fp16"], ["--rollout_precision", "'fp16'", "'w4a16', 'fp8', 'auto'"]),
     (["--task", "gsm8k", "--data_path", "/nonexistent/gsm8k"], ["--data_path", "'/nonexistent/gsm8k'", "no such file"]),
+    (["--task", "gsm8k", "--data_path", "{data}"], ["--data_path", "has no train.jsonl", "(found: test.jsonl)"]),
     (["{recipe}"], ["recipe", "lora_r must be an integer", "[1, 2]"]),
     (["--output_dir", "{run}"], ["--output_dir", "earlier-run", "an earlier run", "--resume true",
                                  "--overwrite_output_dir true"]),
@@ -295,7 +296,10 @@ def test_argument_errors_come_in_one_line_within_2_s_and_touch_nothing(tmp_path,
     recipe = tmp_path / "bad-rank.yaml"
     recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text().replace("lora_r: 32", "lora_r: [1, 2]"))
     before = _hashes(run)
-    argv = [a.replace("{run}", str(run)).replace("{recipe}", str(recipe)) for a in argv]
+    data = tmp_path / "gsm8k-test-only"  # a folder with another split's file only
+    data.mkdir()
+    (data / "test.jsonl").write_text("{}\n")
+    argv = [a.replace("{run}", str(run)).replace("{recipe}", str(recipe)).replace("{data}", str(data)) for a in argv]
     env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"}
     start = time.perf_counter()
     done = subprocess.run([_qerl(), "train", *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

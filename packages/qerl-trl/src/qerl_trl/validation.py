@@ -244,10 +244,16 @@ def check_output_dir(argument: str, value: str) -> None:
 def check_data_path(argument: str, value: str | None, split: str) -> None:
     """``value`` (``None``: the task's own source) exists: a ``.jsonl`` file or a folder with ``<split>.jsonl`` (what is
     inside is the task loader's to check)."""
-    if value is not None and not Path(value).expanduser().exists():
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    if not path.exists():
         raise UsageError(
             f"{argument} {value!r}: no such file or folder (expected a folder with {split}.jsonl or a .jsonl file)"
         )
+    if path.is_dir() and not any((path / f"{split}{ext}").is_file() for ext in (".jsonl", ".json")):
+        have = ", ".join(sorted(f.name for f in path.glob("*.jsonl"))) or "no .jsonl files"
+        raise UsageError(f"{argument} {value!r}: the folder has no {split}.jsonl (found: {have})")
 
 
 def _check_positive(argument: str, value: Any) -> None:

@@ -105,7 +105,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, csv_list, device_name, gb, merge_results, now, rss_peak_gb, versions, write_result
-from common.models import ARM_LABEL, OURS, add_lora, build_arm, compile_config, graph_compile_options, spread_eos_ids
+from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -134,7 +134,7 @@ ARM_LABEL = ARM_LABEL | {TRL_VLLM: "TRL + vLLM, bf16 + LoRA (merged each step)"}
 #: Geometric(800): longest of 128 rows ~4,500 of the 8,192 cap. A geometric tail does not reach the cap the way
 #: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
 LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
-ENGINES = ("transformers", "graph", "vllm")  # QeRLConfig.rollout_engine (the trl-vllm arm always runs TRL's vLLM)
+ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the trl-vllm arm always runs TRL's vLLM)
 PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
@@ -513,6 +513,15 @@ def _time_sync(trainer, clock: _Clock) -> None:
     generation.sync_weights = timed_sync
 
 
+def _rollout_engine(name: str, cuda: bool):
+    """The :class:`~qerl_trl.rollout.RolloutEngine` class ``rollout_engine=name`` selects, from a ``QeRLConfig`` (where
+    a name becomes a class) on the trainer's device: the arm's engine rules are its class attributes."""
+    from qerl_trl import QeRLConfig
+
+    return QeRLConfig(output_dir=tempfile.gettempdir(), rollout_engine=name, use_cpu=not cuda,
+                      report_to="none").rollout_engine_class  # fmt: skip
+
+
 def run_worker(args) -> dict:
     import torch
 
@@ -535,8 +544,8 @@ def run_worker(args) -> dict:
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
     clock = _Clock(device)
     stock_trl = args.arm == TRL_VLLM
-    engine = "vllm" if stock_trl else getattr(args, "rollout_engine", "transformers")
-    on_vllm = engine == "vllm"
+    engine = _rollout_engine("vllm" if stock_trl else args.rollout_engine, cuda)
+    on_vllm = engine.generates_from_copy
     if on_vllm:  # the engine loads a checkpoint: the trainer's policy comes from the same files
         model, ckpt = _vllm_arm_model(args, device, dtype, res)
     else:
@@ -557,7 +566,6 @@ def run_worker(args) -> dict:
         base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
-    from qerl_trl.rollout.transformers import compiled_generation_config
 
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -586,7 +594,7 @@ def run_worker(args) -> dict:
     if not on_vllm:
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
         gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
-    res["rollout_engine"] = engine
+    res["rollout_engine"] = engine.name
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
         output_dir=outdir, per_device_train_batch_size=args.per_device_batch or args.group, num_generations=args.group,
         gradient_accumulation_steps=args.grad_accum, max_completion_length=args.completion_len, temperature=1.0,
@@ -603,7 +611,7 @@ def run_worker(args) -> dict:
         cfg = GRPOConfig(**shared, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=ckpt["max_model_len"],
                          vllm_gpu_memory_utilization=ckpt["gpu_memory_utilization"])  # fmt: skip
     else:
-        qerl = dict(rollout_engine=engine, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
+        qerl = dict(rollout_engine=engine.name, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
@@ -619,13 +627,13 @@ def run_worker(args) -> dict:
     trainer = TimedTrainer(model=model, reward_funcs=make_reward(vocab), args=cfg, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=[step_clock])  # fmt: skip
     step_clock.trainer = trainer
-    compiled = not args.no_compile and not args.no_static_cache and not on_vllm
+    # the decode compiled with the benchmark's knobs, on CPU too (vLLM compiles its own way: None)
+    knobs = engine.compile_decode(trainer, None if args.no_compile else graph_compile_options(args))
+    compiled = knobs is not None
     if on_vllm:  # the adapter sync (ours) or TRL's merge + weight load, inside gen
         _time_sync(trainer, clock)
         if cuda:
             res["gpu_gb_after_init"] = gb(torch.cuda.memory_allocated(device))  # both policies' weights + KV cache
-    if engine == "graph":  # graph_generate: static cache always, compiled with the benchmark's knobs (CPU included)
-        trainer.graph_generate_kwargs = {"compile": not args.no_compile, "compile_options": graph_compile_options(args)}
 
     def save_partial() -> None:
         if getattr(args, "_result", None) and rank == 0:
@@ -643,14 +651,8 @@ def run_worker(args) -> dict:
         trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
     res["input_require_grads_hook"] = args.input_require_grads
     gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
-    if compiled and engine == "transformers":
-        compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
-        gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
     keys = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "cache_implementation",
             "max_cache_len")  # fmt: skip
-    knobs = None
-    if compiled:
-        knobs = repr(gcfg.compile_config) if engine == "transformers" else graph_compile_options(args)
     res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
                                                                              "compile_config": knobs}  # fmt: skip
     lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
@@ -721,6 +723,9 @@ def run_recipe(args) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    engine = _rollout_engine(args.rollout_engine, cuda)
+    if engine.holds_generation_memory and not engine.generates_in_waves:  # a recipe's batch would not fit at once
+        raise ValueError("--recipe runs on --rollout-engine vllm (the default) or graph")
     recipe = yaml.safe_load(cli.recipe_path(args.recipe).read_text())
     args.group, args.per_device_batch = recipe["num_generations"], recipe["per_device_train_batch_size"]
     args.grad_accum, args.completion_len = recipe["gradient_accumulation_steps"], recipe["max_completion_length"]
@@ -728,7 +733,7 @@ def run_recipe(args) -> dict:
     if "--max_completion_length" in extra:
         args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
     clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
-    on_vllm, eos = args.rollout_engine == "vllm", []
+    on_vllm, eos = engine.generates_from_copy, []
     res |= {"rollout_engine": args.rollout_engine, "recipe": args.recipe, "recipe_settings": recipe}
     t0 = time.perf_counter()
     path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
@@ -836,7 +841,7 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     cap, p, n = args.completion_len, args.prompt_len, args.probe_tokens
     completions = args.per_device_batch * args.grad_accum
     out: dict = {"rows": trainer.args.generation_wave_rows or completions, "probe_tokens": n, "cap": cap}
-    if args.rollout_engine != "vllm":  # no gen_s (nor step_s): the measured steps' generation stands
+    if not trainer.args.rollout_engine_class.generates_from_copy:  # no gen_s (nor step_s): the steps' generation stands
         out["generation"] = (f"skipped: the graph engine prefills a wave of {out['rows']} rows in one forward, sized by "
                              f"the memory plan for {trainer.args.generation_prompt_cache_len}-token prompts (the long "
                              f"end is {p + cap - n}), and a wave at the cap is {cap} decode steps")  # fmt: skip
@@ -1009,7 +1014,8 @@ def main(argv=None) -> None:
                     help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
                     "init")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
-    ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
+    ap.add_argument("--no-static-cache", action="store_true",
+                    help="transformers engine: dynamic KV cache, eager decode (graph's is always static)")  # fmt: skip
     ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
                     "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
@@ -1038,10 +1044,6 @@ def main(argv=None) -> None:
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
     args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")
-    if args.recipe and args.rollout_engine == "transformers":
-        ap.error("--recipe runs on --rollout-engine vllm (the default) or graph")
-    if args.rollout_engine == "graph" and args.no_static_cache:
-        ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 
     if args._worker:
         worker_exit(args, run_worker, ARM_LABEL.get(args.arm))
@@ -1062,13 +1064,9 @@ def main(argv=None) -> None:
     check_names(ap, arms, ARMS, "arm")
     main_proc = rank == 0
     meta = {
-        "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation ("
-        + {
-            "transformers": "transformers generate, static cache",
-            "vllm": "rollout_engine='vllm': colocated vLLM, paged KV cache, LoRA synced as an adapter",
-        }.get(args.rollout_engine, "rollout_engine='graph': qerl_trl graph_generate, static cache")
-        + ("" if args.no_compile or args.no_static_cache or args.rollout_engine == "vllm" else " + compiled decode")
-        + ") + scoring + loss forward + backward + AdamW step",
+        "benchmark": f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine="
+        f"{args.rollout_engine!r}; compiled or not: each row's generation_config) + scoring + loss forward + backward "
+        "+ AdamW step",
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "world_size": world,

@@ -11,9 +11,9 @@ step:
   (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest; with
   ``--rollout-engine graph`` the prefill is not hooked and is counted in ``decode``);
 * ``score``: the rest of ``_prepare_inputs`` (tokenizing, rewards, advantages, and the no-grad log-prob forwards TRL
-  runs there: the reference forward when ``--beta`` > 0, ``score_fwd``; with DDP also the wait for the slowest
+  runs there, ``score_fwd``, none of them a reference forward: β = 0; with DDP also the wait for the slowest
   rank's generation, as the rewards are gathered across ranks);
-* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on by default as in the paper);
+* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on as in the paper);
 * ``backward``: the rest of ``training_step`` (``accelerator.backward``; with DDP the gradient all-reduce);
 * ``clip``: grad-norm clipping, ``optimizer``: ``optimizer.step()`` (callbacks ``on_pre_optimizer_step`` /
   ``on_optimizer_step``); ``step``: ``on_step_begin`` → ``on_step_end``.
@@ -36,8 +36,8 @@ with probability about 1/M: lengths about ``min + Geometric(M)``, a long tail up
 ``--lengths`` presets (assumptions, not fits to a published distribution; see :data:`LENGTH_PRESETS`): ``gsm8k``
 (mean ~300 tokens) and ``bigmath`` (mean ~1,000). Each step records the lengths' mean, spread and quantiles; with
 ``--rollout-engine graph`` the memory plan's wave size (``generation_wave_rows``, or ``--wave-rows``) too. Sampling at temperature 1.0; reward = mean token
-id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = ``--beta`` (0: no reference
-forward); AQN on (constant σ = ``--aqn-sigma`` on every step, warm-up included, so the measured steps run the same
+id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = 0 (no reference forward);
+AQN on (constant σ = 0.01 on every step, warm-up included, so the measured steps run the same
 code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
 
 Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
@@ -135,6 +135,9 @@ ARM_LABEL = ARM_LABEL | {TRL_VLLM: "TRL + vLLM, bf16 + LoRA (merged each step)"}
 #: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
 LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
 ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the trl-vllm arm always runs TRL's vLLM)
+#: settings of every committed run: options up to e0a0a82 that no run set otherwise; the result JSONs keep them
+FIXED_SETTINGS = {"beta": 0.0, "aqn_sigma": 1e-2, "no_aqn": False, "grad_ckpt": True, "input_require_grads": True,
+                  "no_static_cache": False, "dtype": None}  # fmt: skip
 PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
@@ -537,7 +540,7 @@ def run_worker(args) -> dict:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     catcher = LogCatcher()
     catcher.install()
@@ -593,15 +596,14 @@ def run_worker(args) -> dict:
         res["spread_eos_ids"] = len(eos)
     if not on_vllm:
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
-        gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
+        gen_kwargs["max_cache_len"] = cache_prompt + args.completion_len
     res["rollout_engine"] = engine.name
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
         output_dir=outdir, per_device_train_batch_size=args.per_device_batch or args.group, num_generations=args.group,
         gradient_accumulation_steps=args.grad_accum, max_completion_length=args.completion_len, temperature=1.0,
         top_p=1.0, top_k=0, generation_kwargs=gen_kwargs, learning_rate=1e-5, beta=args.beta, max_steps=n_steps,
         logging_steps=1, save_strategy="no", report_to="none", bf16=cuda and dtype == torch.bfloat16,
-        gradient_checkpointing=args.grad_ckpt,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
         ddp_broadcast_buffers=False, ddp_find_unused_parameters=False, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True, log_completions=False, use_cpu=not cuda,
     )  # fmt: skip
@@ -611,7 +613,7 @@ def run_worker(args) -> dict:
         cfg = GRPOConfig(**shared, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=ckpt["max_model_len"],
                          vllm_gpu_memory_utilization=ckpt["gpu_memory_utilization"])  # fmt: skip
     else:
-        qerl = dict(rollout_engine=engine.name, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
+        qerl = dict(rollout_engine=engine.name, aqn=True, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
@@ -621,7 +623,7 @@ def run_worker(args) -> dict:
         else:
             # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
             qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
-                         cache_implementation=None if args.no_static_cache else "static",
+                         cache_implementation="static",
                          compile_generation=not args.no_compile)  # fmt: skip
         cfg = QeRLConfig(**shared, **qerl)
     trainer = TimedTrainer(model=model, reward_funcs=make_reward(vocab), args=cfg, train_dataset=dataset,
@@ -645,10 +647,6 @@ def run_worker(args) -> dict:
                 json.dump(part, f, default=str)
 
     step_clock.after_step = save_partial
-    if not args.input_require_grads:
-        # TRL registers enable_input_require_grads (an embedding forward hook calling requires_grad_) for PEFT +
-        # gradient checkpointing; non-reentrant checkpointing does not need it, and the hook breaks the compiled decode
-        trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
     res["input_require_grads_hook"] = args.input_require_grads
     gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
     keys = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "cache_implementation",
@@ -895,20 +893,15 @@ def _worst_case_estimate(res: dict, args) -> None:
 
 
 _PASS = (
-    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps beta aqn_sigma lora_r lora_dtype "
+    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps lora_r lora_dtype "
     "nvfp4_method compile_backend compile_mode dtype warmup_completion_len rollout_engine eos_mean_tokens "
     "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
 ).split()  # the options a worker subprocess gets (when set)
-_FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
+_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
 
 
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    def cmd(result_path: str) -> list[str]:
-        return worker_cmd(str(Path(__file__).resolve()), args, model, arm, result_path, _PASS, _FLAGS) + [
-            "--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt",
-            "--input-require-grads" if args.input_require_grads else "--no-input-require-grads",
-        ]
-
+    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)  # noqa: E731
     return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
@@ -1006,16 +999,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-cache-len", type=int, default=None,
                     help="prompt positions of the KV cache and the memory plan (a recipe's "
                     "generation_prompt_cache_len, 1024 by default there; default here: --prompt-len)")
-    ap.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing")
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
-    ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
-    ap.add_argument("--no-aqn", action="store_true", help="AQN off")
-    ap.add_argument("--input-require-grads", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
-                    "init")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
-    ap.add_argument("--no-static-cache", action="store_true",
-                    help="transformers engine: dynamic KV cache, eager decode (graph's is always static)")  # fmt: skip
     ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
                     "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
@@ -1024,11 +1008,11 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
                     help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
     ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
     add_arm_arguments(ap, out=str(RESULTS / "grpo_step.json"), arm_timeout=1200.0)
     args = ap.parse_args(argv)
+    vars(args).update(FIXED_SETTINGS)
     if args.tiny and not args._worker:
         args.models = "tiny"
         if args.prompt_len == 256:

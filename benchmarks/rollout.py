@@ -137,8 +137,13 @@ class Decoder:
 
 DECODERS = {
     "generate": Decoder("transformers generate, static cache", " + compiled decode", False, compile_config, _generate),
-    "graph": Decoder("qerl_trl graph_generate, static cache", " + one compiled graph per decode step incl. sampling",
-                    True, lambda args, cuda: graph_compile_options(args), _graph_generate),  # fmt: skip
+    "graph": Decoder(
+        "qerl_trl graph_generate, static cache",
+        " + one compiled graph per decode step incl. sampling",
+        True,
+        lambda args, cuda: graph_compile_options(args),
+        _graph_generate,
+    ),
 }
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)

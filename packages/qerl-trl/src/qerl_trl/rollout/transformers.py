@@ -45,7 +45,8 @@ class TransformersRollout(RolloutEngine):
 
         gen.disable_compile = False
         gen.compile_config = CompileConfig(**options)
-        gen.compile_config._compile_all_devices = trainer.accelerator.device.type != "cuda"  # else CUDA only
+        if trainer.accelerator.device.type != "cuda":
+            gen.compile_config._compile_all_devices = True  # generate compiles on CUDA only unless told
         gen.max_cache_len = generation_cache_len(gen, trainer.args)
         return repr(gen.compile_config)
 

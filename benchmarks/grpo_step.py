@@ -11,9 +11,9 @@ step:
   (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest; with
   ``--rollout-engine graph`` the prefill is not hooked and is counted in ``decode``);
 * ``score``: the rest of ``_prepare_inputs`` (tokenizing, rewards, advantages, and the no-grad log-prob forwards TRL
-  runs there: the reference forward when ``--beta`` > 0, ``score_fwd``; with DDP also the wait for the slowest
+  runs there, ``score_fwd``, none of them a reference forward: β = 0; with DDP also the wait for the slowest
   rank's generation, as the rewards are gathered across ranks);
-* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on by default as in the paper);
+* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on as in the paper);
 * ``backward``: the rest of ``training_step`` (``accelerator.backward``; with DDP the gradient all-reduce);
 * ``clip``: grad-norm clipping, ``optimizer``: ``optimizer.step()`` (callbacks ``on_pre_optimizer_step`` /
   ``on_optimizer_step``); ``step``: ``on_step_begin`` → ``on_step_end``.
@@ -36,8 +36,8 @@ with probability about 1/M: lengths about ``min + Geometric(M)``, a long tail up
 ``--lengths`` presets (assumptions, not fits to a published distribution; see :data:`LENGTH_PRESETS`): ``gsm8k``
 (mean ~300 tokens) and ``bigmath`` (mean ~1,000). Each step records the lengths' mean, spread and quantiles; with
 ``--rollout-engine graph`` the memory plan's wave size (``generation_wave_rows``, or ``--wave-rows``) too. Sampling at temperature 1.0; reward = mean token
-id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = ``--beta`` (0: no reference
-forward); AQN on (constant σ = ``--aqn-sigma`` on every step, warm-up included, so the measured steps run the same
+id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = 0 (no reference forward);
+AQN on (constant σ = 0.01 on every step, warm-up included, so the measured steps run the same
 code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
 
 Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
@@ -105,7 +105,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, csv_list, device_name, gb, merge_results, now, rss_peak_gb, versions, write_result
-from common.models import ARM_LABEL, OURS, add_lora, build_arm, compile_config, graph_compile_options, spread_eos_ids
+from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -134,7 +134,10 @@ ARM_LABEL = ARM_LABEL | {TRL_VLLM: "TRL + vLLM, bf16 + LoRA (merged each step)"}
 #: Geometric(800): longest of 128 rows ~4,500 of the 8,192 cap. A geometric tail does not reach the cap the way
 #: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
 LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
-ENGINES = ("transformers", "graph", "vllm")  # QeRLConfig.rollout_engine (the trl-vllm arm always runs TRL's vLLM)
+ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the trl-vllm arm always runs TRL's vLLM)
+#: settings of every committed run: options up to e0a0a82 that no run set otherwise; the result JSONs keep them
+FIXED_SETTINGS = {"beta": 0.0, "aqn_sigma": 1e-2, "no_aqn": False, "grad_ckpt": True, "input_require_grads": True,
+                  "no_static_cache": False, "dtype": None}  # fmt: skip
 PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
@@ -513,6 +516,15 @@ def _time_sync(trainer, clock: _Clock) -> None:
     generation.sync_weights = timed_sync
 
 
+def _rollout_engine(name: str, cuda: bool):
+    """The :class:`~qerl_trl.rollout.RolloutEngine` class ``rollout_engine=name`` selects, from a ``QeRLConfig`` (where
+    a name becomes a class) on the trainer's device: the arm's engine rules are its class attributes."""
+    from qerl_trl import QeRLConfig
+
+    return QeRLConfig(output_dir=tempfile.gettempdir(), rollout_engine=name, use_cpu=not cuda,
+                      report_to="none").rollout_engine_class  # fmt: skip
+
+
 def run_worker(args) -> dict:
     import torch
 
@@ -528,15 +540,15 @@ def run_worker(args) -> dict:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     catcher = LogCatcher()
     catcher.install()
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
     clock = _Clock(device)
     stock_trl = args.arm == TRL_VLLM
-    engine = "vllm" if stock_trl else getattr(args, "rollout_engine", "transformers")
-    on_vllm = engine == "vllm"
+    engine = _rollout_engine("vllm" if stock_trl else args.rollout_engine, cuda)
+    on_vllm = engine.generates_from_copy
     if on_vllm:  # the engine loads a checkpoint: the trainer's policy comes from the same files
         model, ckpt = _vllm_arm_model(args, device, dtype, res)
     else:
@@ -557,7 +569,6 @@ def run_worker(args) -> dict:
         base._prefill = timed_prefill
 
     from qerl_trl import QeRLConfig
-    from qerl_trl.rollout.transformers import compiled_generation_config
 
     vocab = MODELS[args.model]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -585,15 +596,14 @@ def run_worker(args) -> dict:
         res["spread_eos_ids"] = len(eos)
     if not on_vllm:
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
-        gen_kwargs |= {} if args.no_static_cache else {"max_cache_len": cache_prompt + args.completion_len}
-    res["rollout_engine"] = engine
+        gen_kwargs["max_cache_len"] = cache_prompt + args.completion_len
+    res["rollout_engine"] = engine.name
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
         output_dir=outdir, per_device_train_batch_size=args.per_device_batch or args.group, num_generations=args.group,
         gradient_accumulation_steps=args.grad_accum, max_completion_length=args.completion_len, temperature=1.0,
         top_p=1.0, top_k=0, generation_kwargs=gen_kwargs, learning_rate=1e-5, beta=args.beta, max_steps=n_steps,
         logging_steps=1, save_strategy="no", report_to="none", bf16=cuda and dtype == torch.bfloat16,
-        gradient_checkpointing=args.grad_ckpt,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
         ddp_broadcast_buffers=False, ddp_find_unused_parameters=False, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True, log_completions=False, use_cpu=not cuda,
     )  # fmt: skip
@@ -603,7 +613,7 @@ def run_worker(args) -> dict:
         cfg = GRPOConfig(**shared, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=ckpt["max_model_len"],
                          vllm_gpu_memory_utilization=ckpt["gpu_memory_utilization"])  # fmt: skip
     else:
-        qerl = dict(rollout_engine=engine, aqn=not args.no_aqn, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
+        qerl = dict(rollout_engine=engine.name, aqn=True, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
@@ -613,19 +623,19 @@ def run_worker(args) -> dict:
         else:
             # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
             qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
-                         cache_implementation=None if args.no_static_cache else "static",
+                         cache_implementation="static",
                          compile_generation=not args.no_compile)  # fmt: skip
         cfg = QeRLConfig(**shared, **qerl)
     trainer = TimedTrainer(model=model, reward_funcs=make_reward(vocab), args=cfg, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=[step_clock])  # fmt: skip
     step_clock.trainer = trainer
-    compiled = not args.no_compile and not args.no_static_cache and not on_vllm
+    # the decode compiled with the benchmark's knobs, on CPU too (vLLM compiles its own way: None)
+    knobs = engine.compile_decode(trainer, None if args.no_compile else graph_compile_options(args))
+    compiled = knobs is not None
     if on_vllm:  # the adapter sync (ours) or TRL's merge + weight load, inside gen
         _time_sync(trainer, clock)
         if cuda:
             res["gpu_gb_after_init"] = gb(torch.cuda.memory_allocated(device))  # both policies' weights + KV cache
-    if engine == "graph":  # graph_generate: static cache always, compiled with the benchmark's knobs (CPU included)
-        trainer.graph_generate_kwargs = {"compile": not args.no_compile, "compile_options": graph_compile_options(args)}
 
     def save_partial() -> None:
         if getattr(args, "_result", None) and rank == 0:
@@ -637,20 +647,10 @@ def run_worker(args) -> dict:
                 json.dump(part, f, default=str)
 
     step_clock.after_step = save_partial
-    if not args.input_require_grads:
-        # TRL registers enable_input_require_grads (an embedding forward hook calling requires_grad_) for PEFT +
-        # gradient checkpointing; non-reentrant checkpointing does not need it, and the hook breaks the compiled decode
-        trainer.accelerator.unwrap_model(trainer.model).disable_input_require_grads()
     res["input_require_grads_hook"] = args.input_require_grads
     gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
-    if compiled and engine == "transformers":
-        compiled_generation_config(gcfg, cfg)  # what the trainer already did on CUDA; on CPU, done here
-        gcfg.compile_config = compile_config(args, cuda)  # the benchmark's compile knobs
     keys = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "cache_implementation",
             "max_cache_len")  # fmt: skip
-    knobs = None
-    if compiled:
-        knobs = repr(gcfg.compile_config) if engine == "transformers" else graph_compile_options(args)
     res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
                                                                              "compile_config": knobs}  # fmt: skip
     lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
@@ -721,6 +721,9 @@ def run_recipe(args) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    engine = _rollout_engine(args.rollout_engine, cuda)
+    if engine.holds_generation_memory and not engine.generates_in_waves:  # a recipe's batch would not fit at once
+        raise ValueError("--recipe runs on --rollout-engine vllm (the default) or graph")
     recipe = yaml.safe_load(cli.recipe_path(args.recipe).read_text())
     args.group, args.per_device_batch = recipe["num_generations"], recipe["per_device_train_batch_size"]
     args.grad_accum, args.completion_len = recipe["gradient_accumulation_steps"], recipe["max_completion_length"]
@@ -728,7 +731,7 @@ def run_recipe(args) -> dict:
     if "--max_completion_length" in extra:
         args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
     clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
-    on_vllm, eos = args.rollout_engine == "vllm", []
+    on_vllm, eos = engine.generates_from_copy, []
     res |= {"rollout_engine": args.rollout_engine, "recipe": args.recipe, "recipe_settings": recipe}
     t0 = time.perf_counter()
     path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
@@ -836,7 +839,7 @@ def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
     cap, p, n = args.completion_len, args.prompt_len, args.probe_tokens
     completions = args.per_device_batch * args.grad_accum
     out: dict = {"rows": trainer.args.generation_wave_rows or completions, "probe_tokens": n, "cap": cap}
-    if args.rollout_engine != "vllm":  # no gen_s (nor step_s): the measured steps' generation stands
+    if not trainer.args.rollout_engine_class.generates_from_copy:  # no gen_s (nor step_s): the steps' generation stands
         out["generation"] = (f"skipped: the graph engine prefills a wave of {out['rows']} rows in one forward, sized by "
                              f"the memory plan for {trainer.args.generation_prompt_cache_len}-token prompts (the long "
                              f"end is {p + cap - n}), and a wave at the cap is {cap} decode steps")  # fmt: skip
@@ -890,20 +893,15 @@ def _worst_case_estimate(res: dict, args) -> None:
 
 
 _PASS = (
-    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps beta aqn_sigma lora_r lora_dtype "
+    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps lora_r lora_dtype "
     "nvfp4_method compile_backend compile_mode dtype warmup_completion_len rollout_engine eos_mean_tokens "
     "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
 ).split()  # the options a worker subprocess gets (when set)
-_FLAGS = ("no_compile", "no_static_cache", "cpu", "fullgraph", "no_double_quant", "no_aqn")
+_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
 
 
 def _run_subprocess(args, model: str, arm: str) -> dict:
-    def cmd(result_path: str) -> list[str]:
-        return worker_cmd(str(Path(__file__).resolve()), args, model, arm, result_path, _PASS, _FLAGS) + [
-            "--grad-ckpt" if args.grad_ckpt else "--no-grad-ckpt",
-            "--input-require-grads" if args.input_require_grads else "--no-input-require-grads",
-        ]
-
+    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)  # noqa: E731
     return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
@@ -1001,15 +999,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-cache-len", type=int, default=None,
                     help="prompt positions of the KV cache and the memory plan (a recipe's "
                     "generation_prompt_cache_len, 1024 by default there; default here: --prompt-len)")
-    ap.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing")
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference forward)")
-    ap.add_argument("--aqn-sigma", type=float, default=1e-2, help="constant AQN σ (paper's σ_start)")
-    ap.add_argument("--no-aqn", action="store_true", help="AQN off")
-    ap.add_argument("--input-require-grads", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep TRL's enable_input_require_grads hook (PEFT + grad ckpt); --no-...: remove it after "
-                    "init")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
-    ap.add_argument("--no-static-cache", action="store_true", help="dynamic KV cache (implies --no-compile)")
     ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
                     "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
@@ -1018,11 +1008,11 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
                     help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
     ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
     add_arm_arguments(ap, out=str(RESULTS / "grpo_step.json"), arm_timeout=1200.0)
     args = ap.parse_args(argv)
+    vars(args).update(FIXED_SETTINGS)
     if args.tiny and not args._worker:
         args.models = "tiny"
         if args.prompt_len == 256:
@@ -1038,10 +1028,6 @@ def main(argv=None) -> None:
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
     args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")
-    if args.recipe and args.rollout_engine == "transformers":
-        ap.error("--recipe runs on --rollout-engine vllm (the default) or graph")
-    if args.rollout_engine == "graph" and args.no_static_cache:
-        ap.error("--rollout-engine graph always uses a static cache: drop --no-static-cache")
 
     if args._worker:
         worker_exit(args, run_worker, ARM_LABEL.get(args.arm))
@@ -1062,13 +1048,9 @@ def main(argv=None) -> None:
     check_names(ap, arms, ARMS, "arm")
     main_proc = rank == 0
     meta = {
-        "benchmark": "one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation ("
-        + {
-            "transformers": "transformers generate, static cache",
-            "vllm": "rollout_engine='vllm': colocated vLLM, paged KV cache, LoRA synced as an adapter",
-        }.get(args.rollout_engine, "rollout_engine='graph': qerl_trl graph_generate, static cache")
-        + ("" if args.no_compile or args.no_static_cache or args.rollout_engine == "vllm" else " + compiled decode")
-        + ") + scoring + loss forward + backward + AdamW step",
+        "benchmark": f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine="
+        f"{args.rollout_engine!r}; compiled or not: each row's generation_config) + scoring + loss forward + backward "
+        "+ AdamW step",
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "world_size": world,

@@ -64,12 +64,13 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import (
     RESULTS,
-    csv_list,
     device_name,
     gb,
     merge_results,
@@ -83,12 +84,12 @@ from common.env import (
 from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
 from common.profiler import profile_decode, profile_table
+from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
     LogCatcher,
     add_arm_arguments,
-    check_names,
     counter_diff,
     dynamo_counters,
     run_arm_grid,
@@ -99,15 +100,57 @@ from common.workers import (
     worker_exit,
 )
 
-ENGINES = ("generate", "graph")  # model.generate | qerl_trl.graph_generate.graph_generate
-PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s
+
+def _generate(model, ids, n_new: int, args, cc):
+    """``model.generate`` with a static cache of the run's length, greedy, exactly ``n_new`` tokens (EOS disabled)."""
+    import torch
+    from transformers import GenerationConfig
+
+    gcfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
+                            cache_implementation="static", max_cache_len=args.prompt_len + args.new_tokens,
+                            eos_token_id=None, bos_token_id=None, pad_token_id=0, use_cache=True, compile_config=cc,
+                            disable_compile=args.no_compile)  # fmt: skip
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
+
+
+def _graph_generate(model, ids, n_new: int, args, options):
+    """``graph_generate`` with the same lengths, greedy decoding, no EOS and cache length as :func:`_generate`."""
+    import torch
+    from qerl_trl.graph_generate import graph_generate
+
+    return graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                          do_sample=False, eos_token_id=None, pad_token_id=0,
+                          max_cache_len=args.prompt_len + args.new_tokens, compile=not args.no_compile,
+                          compile_options=options)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What ``--engine`` generates with, and its rules here."""
+
+    description: str  # the JSON's ``benchmark`` (its compiled form: + ``compiled``)
+    compiled: str
+    compacts: bool  # finished rows compacted away: ``--eos-mean-tokens`` measures it
+    compile_options: Callable  # (args, cuda) -> what ``run`` compiles with
+    run: Callable  # (model, ids, n_new, args, compile options) -> prompt + completion ids
+
+
+DECODERS = {
+    "generate": Decoder("transformers generate, static cache", " + compiled decode", False, compile_config, _generate),
+    "graph": Decoder(
+        "qerl_trl graph_generate, static cache",
+        " + one compiled graph per decode step incl. sampling",
+        True,
+        lambda args, cuda: graph_compile_options(args),
+        _graph_generate,
+    ),
+}
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
 
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_worker(args) -> dict:
     import torch
-    from transformers import GenerationConfig
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -121,52 +164,14 @@ def run_worker(args) -> dict:
     if model is None:
         return res
     vocab = MODELS[args.model]["vocab_size"]
-
-    cc = None if args.no_compile else compile_config(args, cuda)
-
-    def gcfg(n_new: int) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=n_new,
-            min_new_tokens=n_new,
-            do_sample=False,
-            num_beams=1,
-            cache_implementation="static",
-            max_cache_len=args.prompt_len + args.new_tokens,
-            eos_token_id=None,
-            bos_token_id=None,
-            pad_token_id=0,
-            use_cache=True,
-            compile_config=cc,
-            disable_compile=args.no_compile,
-        )
-
-    if engine == "graph":
-        from qerl_trl.graph_generate import graph_generate
-
-        graph_opts = graph_compile_options(args)
-
-    def run_engine(ids, n_new: int):
-        if engine == "graph":  # same lengths, greedy, no EOS, same cache length as generate
-            return graph_generate(
-                model,
-                ids,
-                torch.ones_like(ids),
-                max_new_tokens=n_new,
-                min_new_tokens=n_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                max_cache_len=args.prompt_len + args.new_tokens,
-                compile=not args.no_compile,
-                compile_options=graph_opts,
-            )
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg(n_new))
+    decoder = DECODERS[engine]
+    options = None if args.no_compile else decoder.compile_options(args, cuda)  # made once: one compiled graph each
 
     def generate(ids, n_new: int):
         with torch.no_grad():
             sync()
             t = time.perf_counter()
-            out = run_engine(ids, n_new)
+            out = decoder.run(model, ids, n_new, args, options)
             sync()
             return time.perf_counter() - t, out
 
@@ -183,9 +188,8 @@ def run_worker(args) -> dict:
         if args.eos_mean_tokens:
             try:
                 c0 = dynamo_counters()
-                prefill_all = [generate(ids, 1)[0] for _ in range(PREFILL_SAMPLES)]
-                row["prefill_s"], row["prefill_s_all"] = round(min(prefill_all), 4), [round(t, 4) for t in prefill_all]
-                row.update(measure_spread(args, model, ids, device, graph_opts))
+                row.update(prefill_row(lambda ids=ids: generate(ids, 1)[0]))
+                row.update(measure_spread(args, model, ids, device, options))
                 row["dynamo_timed"] = counter_diff(c0, dynamo_counters())  # compiles of the warm-ups included
             except torch.OutOfMemoryError as e:
                 row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
@@ -204,9 +208,7 @@ def run_worker(args) -> dict:
             c1 = dynamo_counters()
             row["warmup2_s"], _ = generate(ids, args.warmup_tokens)  # must be a pure replay
             c2 = dynamo_counters()
-            # prefill (eager) + 1 token, the fastest of 3: one sample varied 2-3× between runs of the same engine
-            prefill_all = [generate(ids, 1)[0] for _ in range(PREFILL_SAMPLES)]
-            row["prefill_s"], row["prefill_s_all"] = min(prefill_all), [round(t, 4) for t in prefill_all]
+            row.update(prefill_row(lambda ids=ids: generate(ids, 1)[0]))  # prefill (eager) + 1 token
             row["compile_s"] = round(row["warmup1_s"] - row["warmup2_s"], 2)
             times = []
             for _ in range(args.repeats):
@@ -225,14 +227,8 @@ def run_worker(args) -> dict:
         new = out.shape[1] - args.prompt_len
         row["new_tokens_generated"] = int(new)
         row["length_ok"] = bool(new == args.new_tokens)
-        gen_s = min(times)
-        row["gen_s"] = round(gen_s, 4)
-        row["gen_s_all"] = [round(t, 4) for t in times]
-        row["tok_s"] = round(b * args.new_tokens / gen_s, 2)
-        decode_s = gen_s - row["prefill_s"]
-        row["decode_tok_s"] = round(b * (args.new_tokens - 1) / decode_s, 2) if decode_s > 0 else None
-        row["ms_per_step"] = round(1000 * decode_s / max(args.new_tokens - 1, 1), 3)
-        for k in ("warmup1_s", "warmup2_s", "prefill_s"):
+        row.update(fixed_length_row(times, b, args.new_tokens, row["prefill_s"]))
+        for k in ("warmup1_s", "warmup2_s"):
             row[k] = round(row[k], 3)
         row["dynamo_compile"] = counter_diff(c0, c1)
         row["dynamo_warmup2"] = counter_diff(c1, c2)
@@ -275,14 +271,12 @@ def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:
     return ends.tolist(), bool((gen[after] == SPREAD_PAD).all())
 
 
-def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
+def measure_spread(args, model, ids, device, graph_opts: dict | None) -> dict:
     """``--eos-mean-tokens``: ``args.spread_warmups`` warm-up rollouts (the first compiles and records every batch size
     compaction reaches; the timed rounds' dynamo counters show any compile they still did), then
     ``args.repeats`` rounds of the :data:`SPREAD_VARIANTS`, each round one seed for all three. Returns the row's
     ``spread`` results (per variant: median ``tok_s`` of real tokens, every round's time, tokens, steps, mean and
     max completion length, well-formedness) and the warm-ups' times."""
-    import statistics
-
     import torch
     from qerl_trl.graph_generate import graph_generate
 
@@ -322,21 +316,7 @@ def measure_spread(args, model, ids, device, graph_opts: dict) -> dict:
     for r in range(args.repeats):
         for v in SPREAD_VARIANTS:
             rounds[v].append(run(v, r))
-    spread = {}
-    for v, rs in rounds.items():
-        tok_s = [x["tokens"] / x["s"] for x in rs]
-        lengths = [n_ for x in rs for n_ in x["lengths"]]
-        spread[v] = {
-            "tok_s": round(statistics.median(tok_s), 2),
-            "tok_s_all": [round(t, 2) for t in tok_s],
-            "gen_s_all": [round(x["s"], 4) for x in rs],
-            "tokens_all": [x["tokens"] for x in rs],
-            "steps_all": [x["steps"] for x in rs],
-            "mean_len": round(sum(lengths) / len(lengths), 1),
-            "max_len": max(lengths),
-            "well_formed": all(x["ok"] for x in rs),
-        }
-    return {"warmup_s": warm, "n_eos_ids": len(eos), "spread": spread}
+    return {"warmup_s": warm, "n_eos_ids": len(eos), "spread": spread_summary(rounds)}
 
 
 def spread_table(results: list[dict]) -> str:
@@ -442,7 +422,7 @@ def table(results: list[dict]) -> str:
     eng_rat = [
         f"| {m} | {ARM_LABEL.get(a, a)} | {b} | {ratio(v, (m, a, b, 'generate'), run)} |"
         for (m, a, b, e), (v, run) in sorted(by.items())
-        if e == "graph" and (m, a, b, "generate") in by
+        if e != "generate" and (m, a, b, "generate") in by
     ]
     if eng_rat:
         lines += ["", "| model | arm | B | graph / generate tok/s |", "|---|---|---:|---:|", *eng_rat]
@@ -458,38 +438,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--models", default="7b,14b,32b", help="comma list of " + ",".join(MODELS))
+    add_rollout_arguments(ap, models="7b,14b,32b", batch="1,8", new_tokens=1024, repeats=1, spread_warmups=2)
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
-    ap.add_argument("--batch", default="1,8", type=lambda s: [int(x) for x in csv_list(s)])
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of each warm-up generate (compile)")
-    ap.add_argument(
-        "--eos-mean-tokens",
-        type=float,
-        default=0.0,
-        help="graph engine: completions of varying length (EOS ids for a mean of this many tokens past "
-        "--min-new-tokens; sampled); 0: fixed lengths, greedy",
-    )
-    ap.add_argument("--min-new-tokens", type=int, default=0, help="with --eos-mean-tokens: EOS suppressed before this")
-    ap.add_argument("--spread-warmups", type=int, default=2,
-                    help="with --eos-mean-tokens: warm-up rollouts per batch (the first compiles and records)")  # fmt: skip
     ap.add_argument("--compact-min-batch", type=int, default=None,
                     help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
-    ap.add_argument("--repeats", type=int, default=1, help="timed generates per batch (min is reported)")
     ap.add_argument(
         "--engine",
         default="generate",
-        choices=ENGINES,
+        choices=DECODERS,
         help="generate: model.generate (static cache, compiled decode forward); graph: qerl_trl graph_generate "
         "(one compiled graph per decode step, sampling included, no host sync per step)",
     )
     ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
-    ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation)")
     ap.add_argument("--in-process", action="store_true", help="run arms in this process (debugging)")
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
     ap.add_argument("--plot-only", metavar="JSON", help="with --plot: plot this result JSON, run nothing")
-    ap.add_argument("--profile", action="store_true", help="ms per decode step by kernel category (module doc)")
     add_arm_arguments(ap, out=str(RESULTS / "rollout.json"), arm_timeout=900.0)
     args = ap.parse_args(argv)
 
@@ -513,22 +476,12 @@ def main(argv=None) -> None:
             print(f"wrote {plot(results, args.plot, 'merged runs')}")
         return
 
-    models = ["tiny"] if args.tiny else csv_list(args.models)
-    arms = csv_list(args.arms)
-    check_names(ap, models, MODELS, "model")
-    check_names(ap, arms, ARMS, "arm")
-    if args.eos_mean_tokens and args.engine != "graph":
+    models, arms = models_and_arms(ap, args, ARMS)
+    if args.eos_mean_tokens and not DECODERS[args.engine].compacts:
         ap.error("--eos-mean-tokens needs --engine graph (compaction is graph_generate's)")
-    if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.new_tokens:
-        ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
     meta = {
-        "benchmark": (
-            "rollout tokens/s, transformers generate, static cache" + ("" if args.no_compile else " + compiled decode")
-            if args.engine == "generate"
-            else "rollout tokens/s, qerl_trl graph_generate (static cache"
-            + ("" if args.no_compile else ", one compiled graph per decode step incl. sampling")
-            + ")"
-        ),
+        "benchmark": f"rollout tokens/s, {DECODERS[args.engine].description}"
+        + ("" if args.no_compile else DECODERS[args.engine].compiled),
         "date": now(),
         "device": device_name() if not args.cpu else "cpu (forced)",
         "versions": versions(),

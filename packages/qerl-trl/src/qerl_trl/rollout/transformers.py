@@ -34,6 +34,22 @@ class TransformersRollout(RolloutEngine):
         """``qerl eval --engine transformers``: the evaluated model generates itself."""
         return None
 
+    @classmethod
+    def compile_decode(cls, trainer, options):
+        """transformers' compiled decode with ``CompileConfig(**options)``, on any device (the trainer turns it on on
+        CUDA only); a dynamic KV cache stays eager."""
+        gen = trainer.generation_config
+        if options is None or gen.cache_implementation != "static":
+            return None
+        from transformers.generation.configuration_utils import CompileConfig
+
+        gen.disable_compile = False
+        gen.compile_config = CompileConfig(**options)
+        if trainer.accelerator.device.type != "cuda":
+            gen.compile_config._compile_all_devices = True  # generate compiles on CUDA only unless told
+        gen.max_cache_len = generation_cache_len(gen, trainer.args)
+        return repr(gen.compile_config)
+
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
         super().__init__(trainer)
         if trainer.accelerator.device.type == "cuda":

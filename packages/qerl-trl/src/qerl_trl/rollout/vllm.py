@@ -504,6 +504,7 @@ class VLLMRollout(RolloutEngine):
     seeds_per_prompt = False  # the engine samples with its own seed
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
     sampling_logprobs = True  # vLLM's processed logprobs: TRL's importance-sampling correction applies
+    generates_from_copy = True  # its engine loads the policy's checkpoint; the adapter is synced to it every step
     rollout_precisions = ("w4a16", "fp8", "auto")  # colocate; a server's is its own --additional-config
 
     @classmethod

@@ -41,7 +41,7 @@ HONOURED_KWARGS = frozenset(
 class GraphRollout(RolloutEngine):
     """TRL's regular path with :func:`~qerl_trl.rollout.graph.generate.graph_generate` in place of ``generate``; AQN on the
     policy itself (the noisy norms are what its compiled step reads). ``trainer.graph_generate_kwargs``, when a caller
-    sets it (``benchmarks/grpo_step.py``), adds ``graph_generate`` keywords (``compile``, ``compile_options``,
+    sets it (:meth:`compile_decode`), adds ``graph_generate`` keywords (``compile``, ``compile_options``,
     ``check_every``, ``compact``, ``compact_min_batch``); unset: its defaults (compiled with CUDA graphs on CUDA, eager
     elsewhere; finished rows compacted)."""
 
@@ -80,6 +80,14 @@ class GraphRollout(RolloutEngine):
                 "rollout_engine='graph' replays one compiled graph per token, which cannot redraw AQN noise per "
                 "forward: use aqn_mode='per_step'"
             )
+
+    @classmethod
+    def compile_decode(cls, trainer, options):
+        """``graph_generate``'s decode step compiled with ``options`` (``None``: eager), on any device; its KV cache is
+        always static."""
+        compiled = {"compile": options is not None} | ({"compile_options": options} if options else {})
+        trainer.graph_generate_kwargs = getattr(trainer, "graph_generate_kwargs", {}) | compiled
+        return options
 
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
         super().__init__(trainer)

@@ -183,7 +183,7 @@ def test_cli_errors(tiny_dir, tmp_path):
     with pytest.raises(UsageError, match="--data-path .*missing': no such file or folder"):
         main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(tmp_path / "missing")])
     (tmp_path / "data").mkdir()
-    with pytest.raises(UsageError, match="--data-path .*data': task 'gsm8k': .* has no test.jsonl"):
+    with pytest.raises(UsageError, match=r"--data-path .*data': the folder has no test.jsonl \(found: no .jsonl files\)"):
         main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(tmp_path / "data")])
     with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
         verify_adapter(__import__("peft").get_peft_model(q, __import__("peft").LoraConfig(target_modules=["q_proj"])),

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -70,7 +69,7 @@ MXFP4_CKPT_NAME = "SmolLM2-135M-Instruct-mxfp4-rtn-v1"
 def nvfp4_offline_checkpoint(format: str = "nvfp4") -> Path:
     """The offline default model quantized to NVFP4 (RTN), saved as ``nvfp4`` saves by default (the compressed-tensors
     ``NVFP4A16`` config), built once per machine; ``format="mxfp4"``: MXFP4 (``MXFP4A16``)."""
-    from nvfp4.offline import cache_dir, offline_default_model_path
+    from nvfp4.offline import cache_dir, offline_default_model_path, publish_checkpoint
 
     target = cache_dir() / (MXFP4_CKPT_NAME if format == "mxfp4" else NVFP4_CKPT_NAME)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
@@ -82,19 +81,15 @@ def nvfp4_offline_checkpoint(format: str = "nvfp4") -> Path:
     src = offline_default_model_path()
     cfg = NVFP4Config(format=format)
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=torch.bfloat16)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / "ckpt"
+
+    def save(staged: Path) -> None:
         model.save_pretrained(staged)
         AutoTokenizer.from_pretrained(src).save_pretrained(staged)
         for f in ("generation_config.json",):
             if (src / f).is_file() and not (staged / f).is_file():
                 shutil.copy(src / f, staged / f)
-        try:
-            staged.rename(target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
+
+    publish_checkpoint(target, save)  # atomic; a lost race keeps the winner's copy
     return target
 
 

@@ -41,13 +41,9 @@ class TransformersRollout(RolloutEngine):
         gen = trainer.generation_config
         if options is None or gen.cache_implementation != "static":
             return None
-        from transformers.generation.configuration_utils import CompileConfig
-
-        gen.disable_compile = False
-        gen.compile_config = CompileConfig(**options)
+        _turn_on_compile(gen, trainer.args, options)
         if trainer.accelerator.device.type != "cuda":
             gen.compile_config._compile_all_devices = True  # generate compiles on CUDA only unless told
-        gen.max_cache_len = generation_cache_len(gen, trainer.args)
         return repr(gen.compile_config)
 
     def __init__(self, trainer: Any, prepared: Any = None) -> None:
@@ -149,9 +145,15 @@ def compiled_generation_config(generation_config: GenerationConfig, args: Any) -
     """
     if not args.compile_generation or generation_config.cache_implementation != "static":
         return generation_config
+    _turn_on_compile(generation_config, args, {"dynamic": False})  # inductor, mode="reduce-overhead"
+    return generation_config
+
+
+def _turn_on_compile(generation_config: GenerationConfig, args: Any, options: dict[str, Any]) -> None:
+    """``generate``'s compiled decode with ``CompileConfig(**options)`` over a static cache of the fixed length
+    :func:`generation_cache_len` gives (what TRL's ``disable_compile=True`` leaves off)."""
     from transformers.generation.configuration_utils import CompileConfig
 
     generation_config.disable_compile = False
-    generation_config.compile_config = CompileConfig(dynamic=False)  # inductor, mode="reduce-overhead"
+    generation_config.compile_config = CompileConfig(**options)
     generation_config.max_cache_len = generation_cache_len(generation_config, args)
-    return generation_config

@@ -248,74 +248,6 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
 
 
-SPIKE_SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B
-# v4 arms: hopper_ss.SPIKE_CONFIGS ("ss") and SPIKE_ALT_CONFIGS ("ss_alt")
-SPIKE_VARIANTS = {"ss": False, "ss_alt": True}
-
-
-def run_spike(ms: list[int], out: Path | None, peer_humming: bool = True) -> dict:
-    """Round 12's spike: kernel v4 (:mod:`nvfp4.kernels.hopper_ss`, SS ``wgmma`` fed by transform warpgroups) beside
-    the shipped dispatch, bf16 cuBLAS and Humming (whatever version is installed), on the 7B gate and down shapes,
-    in one run. Every v4 config is checked against the float64 reference on the first weight copy before it is
-    timed (``ss_err``); a failing check leaves ``ss_ms`` out and records the error."""
-    from nvfp4.codec import dequantize
-    from nvfp4.kernels import hopper_ss
-
-    rows = []
-    for name, (n, k) in SPIKE_SHAPES.items():
-        wts = Weights(n, k, need_ct=True)
-        hum = []
-        if peer_humming:
-            try:
-                hum = humming_layers(wts)
-            except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
-                print(f"humming unavailable: {e!r}", flush=True)
-        p0, s0, g0 = wts.q_ct[0]
-        w64 = dequantize(p0, s0, g0, torch.float64)
-        for m in ms:
-            row = {"linear": name, "N": n, "K": k, "M": m}
-            row["ours_ms"], row["bf16_ms"] = bench_fwd(wts, m)
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            ref = x.double() @ w64.T
-            for arm, alt in SPIKE_VARIANTS.items():
-                cfg = hopper_ss.spike_config(m, alt)
-                row[f"{arm}_config"] = cfg
-                hopper_ss.POISON = True
-                try:
-                    y = hopper_ss.ss_linear(x, *wts.q[0], None, **cfg)
-                    torch.cuda.synchronize()
-                    bad = torch.isnan(y).any().item()
-                    err = float("nan") if bad else ((y.double() - ref).norm() / ref.norm()).item()
-                except Exception as e:  # noqa: BLE001 - report and go on to the other arms
-                    err, bad = float("nan"), True
-                    row[f"{arm}_exception"] = repr(e)
-                finally:
-                    hopper_ss.POISON = False
-                row[f"{arm}_err"] = err
-                if not bad and err < 1e-2:
-                    nq = _n_calls(len(wts.q))
-                    row[f"{arm}_ms"] = time_graph([partial(hopper_ss.ss_linear, x, *wts.q[i % len(wts.q)], None, **cfg)
-                                                   for i in range(nq)])  # fmt: skip
-            if hum:
-                row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-            for arm in ("ours", *SPIKE_VARIANTS, "humming"):
-                if f"{arm}_ms" in row:
-                    row[f"{arm}_x_bf16"] = row["bf16_ms"] / row[f"{arm}_ms"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "gemm_spike_ss_partial.json").write_text(json.dumps(rows, indent=1))
-        del wts, hum
-        torch.cuda.empty_cache()
-    arms = ("ours", *SPIKE_VARIANTS, "humming")
-    print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>9} " + " ".join(f"{a:>8}" for a in arms) + "   (x bf16; ours = shipped)")
-    for r in rows:
-        cells = [f"{r[a + '_x_bf16']:8.2f}" if a + "_x_bf16" in r else f"{'-':>8}" for a in arms]
-        print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:9.4f} " + " ".join(cells))
-    return {"spike": rows}
-
-
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
     """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
@@ -610,9 +542,6 @@ def main() -> None:
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
-    ap.add_argument("--spike", action="store_true",
-                    help="round 12: kernel v4 (hopper_ss) beside the shipped kernel, bf16 and Humming on the 7B gate/down "
-                         "(--ms, default 64,128,256); writes results/gemm_spike_ss.json")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
@@ -633,13 +562,7 @@ def main() -> None:
     info = env_info()
     print(json.dumps(info), flush=True)
     t0 = time.time()
-    if args.spike:
-        REP_BUDGET_S = args.rep_budget
-        res = run_spike([int(v) for v in args.ms.split(",")] if args.ms else [64, 128, 256],
-                        Path(args.out) if args.out else None)  # fmt: skip
-        res.update(info)
-        name = "gemm_spike_ss.json"
-    elif args.sweep:
+    if args.sweep:
         REP_BUDGET_S = 0.06
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip

@@ -13,7 +13,6 @@ Usage::
     uv run python benchmarks/kernel_sass.py              # the default decode configs, both layouts
     uv run python benchmarks/kernel_sass.py --ttgir      # also print the layout conversions in the TTGIR
     uv run python benchmarks/kernel_sass.py --ws 128,2,8,2 128,4,6,2 128,4,6,2,1   # the Gluon kernel (hopper_ws)
-    uv run python benchmarks/kernel_sass.py --ss 128,2,6,3,1,2 64,2,8,3,1,2   # kernel v4's spike (hopper_ss)
 
 ``--ws BLOCK_M,TILES,STAGES,SUB[,FIXUP]``: the warp-specialised kernel per config (registers, spills, shared memory,
 ``HGMMA``/``LDS``/``SYNCS``/``WARPGROUP`` counts), then its stream-K schedule on the 7B/32B large linears at
@@ -115,36 +114,12 @@ def ws_report(configs: list[str]) -> None:
                                             f"tail {t['serial_parts']}x{t['part_kb']} KB" for m, t in tails.items()))  # fmt: skip
 
 
-def ss_report(configs: list[str]) -> None:
-    """``--ss BLOCK_M,TILES,STAGES,ASTAGES,SUB,XF``: SASS summary of each kernel-v4 spike config (hopper_ss), with the
-    ``HGMMA`` forms (``gdesc`` A: both operands from shared memory) and the decoded tile's ``STSM`` stores."""
-    from nvfp4.kernels import hopper_ss
-
-    for c in configs:
-        bm, tiles, stages, astages, sub, xf = map(int, c.split(","))
-        compiled = hopper_ss.compile_sm90(bm, tiles, stages, astages, sub, xf)
-        line, counts = sass_summary(compiled, WS_COUNTED[:-1] + r"|FENCE\S*)")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-        # the operand form of each wgmma: "R.., gdesc[..]" = A from shared memory, "R.., R.." = A from registers
-        forms = collections.Counter(re.sub(r"\d+", "#", m) for m in re.findall(r"HGMMA\.\S+ R\d+, \w+", sass))
-        print(f"hopper_ss block_m={bm} tiles={tiles} stages={stages} astages={astages} sub={sub} xf={xf}\n"
-              f"  {line}  shared {compiled.metadata.shared} B\n  {counts}\n  wgmma forms: {dict(forms)}")  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ttgir", action="store_true", help="print the layout conversions / shared-memory allocations")
     ap.add_argument("--ws", nargs="+", default=None, metavar="BM,T,STAGES,SUB[,FIXUP]",
                     help="the warp-specialised Gluon kernel (hopper_ws) per config, and its stream-K schedule")  # fmt: skip
-    ap.add_argument("--ss", nargs="+", default=None, metavar="BM,T,STAGES,ASTAGES,SUB,XF",
-                    help="kernel v4's spike (hopper_ss, SS wgmma fed by transform warpgroups) per config")  # fmt: skip
     args = ap.parse_args()
-    if args.ss:
-        ss_report(args.ss)
-        return
     if args.ws:
         ws_report(args.ws)
         return

@@ -13,10 +13,9 @@
 #    graph engine (item 7 for the 32B recipe). Earlier jobs: b78624b (probe, offline default seed 0, 7B recipe on vLLM,
 #    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*), e0a0a82 (steps 3-4 side by side, step 1's four tests, step 5
 #    cut at 420 s: *_e0a0a82*). 5. (only when asked: MACHINE_B_STEPS="5") issue #48's `-m gpu` suite of the main tests,
-#    verbose (each test's line stays if the time runs out). 6. (only when asked) issue #50's kernel v4 spike against
-#    Humming 0.1.19 (its wheel carried in .carry/h19 and copied to /tmp/h19-wheels by call 5, installed apart from
-#    vLLM's 0.1.10): hopper_ss GPU tests, then
-#    `gemm.py --spike --ms 64,128,256` (docs/kernels.md round 12).
+#    verbose (each test's line stays if the time runs out). (Step 6, issue #50's kernel v4 spike, ran at 0c004f2 and
+#    left with the spike: docs/kernels.md round 12.) 0c004f2 (one H200): step 1 as two jobs side by side on the one
+#    card, then the failures alone (vllm_tests_h200_0c004f2_*.log).
 set -uo pipefail
 source benchmarks/vllm_gpu/env.sh
 O=${JOB_OUT:-/tmp/qerl-b-out}
@@ -63,17 +62,5 @@ if step 5; then  # issue #48: the whole `-m gpu` suite of the main tests once af
   timeout -s INT "${GPU_TESTS_S:-900}" python3 -m pytest -m gpu tests --ignore=tests/vllm_integration \
     -p no:cacheprovider -v -rfE --durations=15 > "$O/gpu_tests.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/gpu_tests.log"
-fi
-if step 6; then
-  say "6 kernel v4 spike against Humming 0.1.19"
-  # bg.sh's tree copy leaves .carry out: call 5 copies the wheel to /tmp/h19-wheels before starting the job
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/h19 /tmp/h19-wheels/*.whl &&
-    PYTHONPATH=/tmp/h19:$PYTHONPATH timeout -s INT 300 python3 -m pytest -p no:cacheprovider -m gpu -v -x \
-      tests/nvfp4/test_hopper_ss.py > "$O/gpu_tests_hopper_ss.log" 2>&1
-  echo "rc $?"; tail -n 2 "$O/gpu_tests_hopper_ss.log"
-  PYTHONPATH=/tmp/h19:$PYTHONPATH python3 -c "import humming, importlib.metadata as m; print('humming', m.version('humming-kernels'))"
-  PYTHONPATH=/tmp/h19:$PYTHONPATH timeout -s INT 420 python3 benchmarks/gemm.py --spike --ms 64,128,256 --out "$O" \
-    > "$O/spike.log" 2>&1
-  echo "rc $?"; tail -n 12 "$O/spike.log"
 fi
 say "machine_b done"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_test_helpers import EAGER, ENGINE_DTYPE, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
+from vllm_test_helpers import EAGER, ENGINE_DTYPE, TOL, compare_forced, eos_ids, hf_forced, nvfp4_offline_checkpoint
 
 PROMPTS = [
     "The capital of France is",
@@ -27,6 +27,9 @@ LORA_RANK = 8
 # the FP8 engine's mean teacher-forced logprob gap to a reference (measured 0.08-0.25 on this CPU, float32, 2026-11-28;
 # see test_fp8_engine_generates_within_the_fp8_error_of_the_w4a16_policy): E4M3 on both operands of every linear
 FP8_MEAN_GAP = 0.4
+# the bf16 engine's fused linear against the float32 FP8 reference: bf16 output rounding (~2e-3 relative rms) and the
+# rare E4M3 activation step where the GPU's quantisation kernel rounds a boundary value the other way
+LAYER_REL_BF16 = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,10 @@ def test_fp8_engine_holds_the_e4m3_copy_and_computes_as_the_fp8_reference(engine
     attn = hf_models.model.layers[1].self_attn
     with torch.no_grad(), fp8_rollouts(hf_models):
         ref = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    if ENGINE_DTYPE == "float32":
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    else:  # the bf16 engine rounds its output to bf16 (2^-9 relative; H200 2026-12-01: 0.0034 largest difference)
+        assert (y.float() - ref).norm() / ref.norm() < LAYER_REL_BF16
 
 
 def test_fp8_engine_generates_within_the_fp8_error_of_the_w4a16_policy(engine, hf_models, prompt_ids):
@@ -157,12 +163,14 @@ def _mismatch(engine, hf_model, prompts: list[list[int]], fp8_rollouts: bool) ->
 
 
 def test_rollout_trainer_mismatch_w4a16_vs_fp8(engine, ckpt, hf_models):
-    """Issue #51 item 4 on the CPU (numerics only): per-token |logprob(rollout) − logprob(trainer)| and importance
+    """Issue #51 item 4 (on the CPU: numerics only): per-token |logprob(rollout) − logprob(trainer)| and importance
     ratios, the W4A16 engine against the FP8 one, on 8 offline-default arithmetic prompts x 4 samples at temperature
-    1. The W4A16 engine is the trainer's numbers (float32: summation order only); FP8 moves them by its error.
+    1. The W4A16 engine is the trainer's numbers up to the engine dtype (float32: summation order; bf16 on CUDA: its
+    rounding); FP8 moves them by its error.
     ``QERL_FP8_MISMATCH_OUT=<path>`` writes the result as JSON."""
     import json
     import os
+    import weakref
 
     from qerl_trl.tasks import load_task
     from qerl_vllm.engine import VLLMEngine
@@ -174,16 +182,20 @@ def test_rollout_trainer_mismatch_w4a16_vs_fp8(engine, ckpt, hf_models):
     fp8_stats = _mismatch(engine, hf_models, prompts, fp8_rollouts=True)
     w4 = VLLMEngine(ckpt, max_lora_rank=0, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20, enforce_eager=EAGER,
                     dtype=ENGINE_DTYPE)  # fmt: skip
+    engine_ref = weakref.ref(w4.llm)
     try:
         w4_stats = _mismatch(w4, hf_models, prompts, fp8_rollouts=False)
     finally:
         w4.close()
-    result = {"model": "offline-default (SmolLM2-135M-Instruct, NVFP4 RTN)", "device": "cpu", "dtype": ENGINE_DTYPE,
+    assert engine_ref() is None, "a closed engine stays alive: the next one in this process shares its graph pool"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"model": "offline-default (SmolLM2-135M-Instruct, NVFP4 RTN)", "device": device, "dtype": ENGINE_DTYPE,
               "prompts": len(prompts), "samples_per_prompt": 4, "max_tokens": 12, "temperature": 1.0,
               "arms": [w4_stats, fp8_stats]}  # fmt: skip
     print("\n" + json.dumps(result, indent=1))
     if os.environ.get(MISMATCH_OUT_ENV):
         with open(os.environ[MISMATCH_OUT_ENV], "w") as f:
             f.write(json.dumps(result, indent=1) + "\n")
-    assert w4_stats["abs_logprob_gap"]["max"] < 1e-3 and fp8_stats["tokens"] > 0
+    # the W4A16 engine is the trainer up to the engine dtype (float32: summation order; bf16: its rounding)
+    assert w4_stats["abs_logprob_gap"]["max"] < TOL.logprob_gap and fp8_stats["tokens"] > 0
     assert fp8_stats["abs_logprob_gap"]["mean"] < FP8_MEAN_GAP

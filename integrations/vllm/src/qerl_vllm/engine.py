@@ -508,12 +508,29 @@ class VLLMEngine:
             except Exception:  # noqa: BLE001
                 pass
             del llm
+            _release_engine_memory()
 
     def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_engine_memory() -> None:
+    """Collect the closed engine and hand its cached CUDA memory back, so that a later engine in this process starts
+    clean. vLLM's own shutdown (``EngineCore.shutdown``: ``gc.unfreeze``, ``gc.collect``, ``empty_cache``) runs while
+    the ``LLM`` is still referenced; what is freed only afterwards stays cached, among it the blocks of vLLM's
+    process-wide CUDA-graph pool. A second engine then captures into that pool, released by the first engine's graphs
+    but not yet emptied, and PyTorch's allocator stops on ``use_count > 0 INTERNAL ASSERT FAILED`` (``qerl eval
+    --engine vllm`` twice in one process on the H200, 2026-12-01: vllm_tests_h200_0c004f2_rerun.log)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _adapter_rank(folder: Path) -> int | None:

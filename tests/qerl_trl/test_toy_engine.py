@@ -140,3 +140,21 @@ def test_qerl_eval_on_a_missing_vllm_stops_before_the_model_loads(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1, err
     assert err[0] == "qerl eval: error: qerl eval --engine vllm needs vLLM and qerl-vllm: pip install 'qerl-vllm[vllm]'"
+
+
+def test_qerl_train_on_a_missing_vllm_stops_before_the_data_loads(tmp_path, capsys):
+    """``qerl train --rollout_engine vllm`` where vLLM is not installed: one line (the pip line, exit 2) as soon as the
+    config is parsed, before the training set, the memory plan or the policy."""
+    import importlib.util
+
+    from qerl_trl.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment (the main one has none: its tests run in .venv-vllm)")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--rollout_engine", "vllm", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert err[0] == ("qerl train: error: rollout_engine='vllm' colocated (or set vllm.server_url for a server) needs "
+                      "vLLM and qerl-vllm: pip install 'qerl-vllm[vllm]'")
+    assert not (tmp_path / "run").exists()

@@ -564,12 +564,15 @@ def main(argv: list[str] | None = None) -> None:
         from .memory import TRAIN_MMAP_THRESHOLD, pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold(TRAIN_MMAP_THRESHOLD)  # before the model loads: no glibc threshold drift
+        from nvfp4.extras import MissingExtraError
+
         try:  # a bad recipe name fails here before torch is imported; the config's values, paths, data, --resume
             script_args, config = parse_train_args(argv)  # before the model loads
+            # what the engine needs in this process (vLLM colocated), before the data loads; the trainer checks again
+            config.rollout_engine_class.check_environment(config)
             inputs = validate_train_args(script_args, config)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, MissingExtraError) as e:
             _usage_error("qerl train", e, debug)
-        from nvfp4.extras import MissingExtraError
 
         from .memory_plan import MemoryPlanError
 

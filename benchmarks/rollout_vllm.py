@@ -57,7 +57,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,46 +79,41 @@ from common.workers import (
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
 
+# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, label); each + LoRA, and those of _BASE also without it
+_LORA_ARMS: dict[str, tuple[str, str | None, str]] = {
+    "vllm-bf16": ("bf16", None, "vLLM bf16 + LoRA"),
+    "vllm-nvfp4-marlin": ("nvfp4", "native", "vLLM NVFP4 + LoRA (stock: Marlin)"),
+    "vllm-nvfp4": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours)"),
+    "vllm-nvfp4-humming": ("nvfp4", "native", "vLLM NVFP4 + LoRA (stock: Humming)"),
+    # rollout_precision (issue #51): the plugin's method, E4M3 copy
+    "vllm-nvfp4-fp8": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)"),
+    "vllm-nvfp4-auto": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)"),
+}
+_BASE = ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4", "vllm-nvfp4-humming")  # the "-base" arms: LoRA's cost
+
+
+def _no_lora(label: str) -> str:
+    """``vLLM NVFP4 + LoRA (ours)`` -> ``vLLM NVFP4 (ours, no LoRA)``; ``vLLM bf16 + LoRA`` -> ``vLLM bf16 (no LoRA)``."""
+    label = label.replace(" + LoRA", "")
+    return label[:-1] + ", no LoRA)" if label.endswith(")") else label + " (no LoRA)"
+
+
 # arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, LoRA adapter?)
-ARMS: dict[str, tuple[str, str | None, bool]] = {
-    "vllm-bf16": ("bf16", None, True),
-    "vllm-nvfp4-marlin": ("nvfp4", "native", True),
-    "vllm-nvfp4": ("nvfp4", "qerl", True),
-    "vllm-nvfp4-humming": ("nvfp4", "native", True),
-    "vllm-nvfp4-fp8": ("nvfp4", "qerl", True),  # rollout_precision (issue #51): the plugin's method, E4M3 copy
-    "vllm-nvfp4-auto": ("nvfp4", "qerl", True),
-    "vllm-bf16-base": ("bf16", None, False),
-    "vllm-nvfp4-marlin-base": ("nvfp4", "native", False),
-    "vllm-nvfp4-base": ("nvfp4", "qerl", False),
-    "vllm-nvfp4-humming-base": ("nvfp4", "native", False),
+ARMS: dict[str, tuple[str, str | None, bool]] = {a: (c, b, True) for a, (c, b, _) in _LORA_ARMS.items()} | {
+    f"{a}-base": (*_LORA_ARMS[a][:2], False) for a in _BASE
+}
+ARM_LABEL = {a: label for a, (_, _, label) in _LORA_ARMS.items()} | {
+    f"{a}-base": _no_lora(_LORA_ARMS[a][2]) for a in _BASE
 }
 # arm -> extra LLM(...) arguments (vLLM EngineArgs). linear_backend="humming" (vLLM >= 0.26, KernelConfig.linear_backend,
 # CLI --linear-backend humming) makes init_nvfp4_linear_kernel pick HummingNvFp4LinearKernel for compressed-tensors
 # NVFP4A16 layers; with "auto" that scheme (use_a16=True) forces MarlinNvFp4LinearKernel.
-ARM_ENGINE_KW: dict[str, dict] = {
+_ENGINE_KW: dict[str, dict] = {
     "vllm-nvfp4-humming": {"linear_backend": "humming"},
-    "vllm-nvfp4-humming-base": {"linear_backend": "humming"},
     **{f"vllm-nvfp4-{p}": {"additional_config": {"qerl_rollout_precision": p}} for p in ("fp8", "auto")},
 }
 # arm -> the NVFP4 kernel class that must show in linear_kernels for the arm to measure what its name says
-ARM_KERNEL = {
-    "vllm-nvfp4-marlin": "MarlinNvFp4LinearKernel",
-    "vllm-nvfp4-marlin-base": "MarlinNvFp4LinearKernel",
-    "vllm-nvfp4-humming": "HummingNvFp4LinearKernel",
-    "vllm-nvfp4-humming-base": "HummingNvFp4LinearKernel",
-}
-ARM_LABEL = {
-    "vllm-bf16": "vLLM bf16 + LoRA",
-    "vllm-nvfp4-marlin": "vLLM NVFP4 + LoRA (stock: Marlin)",
-    "vllm-nvfp4": "vLLM NVFP4 + LoRA (ours)",
-    "vllm-nvfp4-humming": "vLLM NVFP4 + LoRA (stock: Humming)",
-    "vllm-nvfp4-fp8": "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)",
-    "vllm-nvfp4-auto": "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)",
-    "vllm-bf16-base": "vLLM bf16 (no LoRA)",
-    "vllm-nvfp4-marlin-base": "vLLM NVFP4 (stock: Marlin, no LoRA)",
-    "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",
-    "vllm-nvfp4-humming-base": "vLLM NVFP4 (stock: Humming, no LoRA)",
-}
+_KERNEL = {"vllm-nvfp4-marlin": "MarlinNvFp4LinearKernel", "vllm-nvfp4-humming": "HummingNvFp4LinearKernel"}
 CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
 
 
@@ -173,16 +167,15 @@ def checkpoints(model_key: str, root: Path, lora_r: int, nvfp4_only: bool = Fals
 
 
 def _save(target: Path, write) -> None:
-    """``write(folder)`` into a temporary folder renamed to ``target`` (a killed build leaves no half checkpoint)."""
-    import shutil
+    """``write(folder)``, then its ``.done``, published as ``target`` by one rename (``nvfp4.offline``'s: a killed
+    build leaves no half checkpoint)."""
+    from nvfp4.offline import publish_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-    write(tmp)
-    (tmp / ".done").write_text("")
-    tmp.rename(target)
+    def save(folder: Path) -> None:
+        write(folder)
+        (folder / ".done").write_text("")
+
+    publish_checkpoint(target, save)
 
 
 def _write_adapter(model, folder: Path, r: int) -> None:
@@ -212,7 +205,7 @@ def _write_adapter(model, folder: Path, r: int) -> None:
 def run_arm(args) -> dict:
     """One arm in this process: its ``LLM``, then per batch the warm-ups, the prefill and the timed rollouts."""
     ckpt_kind, backend, with_lora = ARMS[args.arm]
-    engine_kw = ARM_ENGINE_KW.get(args.arm, {})
+    engine_kw = _ENGINE_KW.get(args.arm.removesuffix("-base"), {})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine, as the trainer runs it
     if backend:
         os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
@@ -253,8 +246,8 @@ def run_arm(args) -> dict:
     res["init_s"] = round(time.perf_counter() - t0, 2)
     res["linear_methods"] = llm.apply_model(_linear_methods)[0]
     res["linear_kernels"] = llm.apply_model(_linear_kernels)[0]
-    if args.arm in ARM_KERNEL:  # e.g. Humming asked for but Marlin ran: the numbers would be Marlin's
-        res["kernel_ok"] = any(k.endswith(":" + ARM_KERNEL[args.arm]) for k in res["linear_kernels"])
+    if kernel := _KERNEL.get(args.arm.removesuffix("-base")):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
+        res["kernel_ok"] = any(k.endswith(":" + kernel) for k in res["linear_kernels"])
     lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
     vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
@@ -300,7 +293,7 @@ def run_arm(args) -> dict:
         save_partial(args, res)
     res["status"] = "ok" if all("status" not in r for r in res["batches"]) else "partial"
     if res.get("kernel_ok") is False:
-        res["status"] += f" (but {ARM_KERNEL[args.arm]} did not run: {res['linear_kernels']})"
+        res["status"] += f" (but {kernel} did not run: {res['linear_kernels']})"
     return res
 
 

@@ -116,7 +116,6 @@ from common.workers import (
     run_arm_grid,
     run_in_process,
     run_worker_subprocess,
-    worker_cmd,
     worker_exit,
 )
 
@@ -900,11 +899,6 @@ _PASS = (
 _FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
 
 
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)  # noqa: E731
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
-
-
 def _engine(r: dict) -> str:
     return r.get("rollout_engine", "transformers")  # rows written before --rollout-engine existed: transformers
 
@@ -1069,7 +1063,9 @@ def main(argv=None) -> None:
         print(f"# grpo_step: {meta['device']} x{world} | {meta['versions']}", flush=True)
 
     def run_one(m: str, a: str) -> dict:
-        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if in_process else _run_subprocess(args, m, a)
+        if in_process:
+            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
 
     def brief(res: dict) -> str:
         s = res.get("summary") or {}

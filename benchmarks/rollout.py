@@ -96,7 +96,6 @@ from common.workers import (
     run_in_process,
     run_worker_subprocess,
     save_partial,
-    worker_cmd,
     worker_exit,
 )
 
@@ -359,11 +358,6 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_
 _FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "profile")
 
 
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
-
-
 def table(results: list[dict]) -> str:
     lines = [
         "| model | arm | engine | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB | compiled path"
@@ -494,7 +488,9 @@ def main(argv=None) -> None:
     }
     print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
     def run_one(m: str, a: str) -> dict:
-        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if args.in_process else _run_subprocess(args, m, a)
+        if args.in_process:
+            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
 
     def brief(res: dict) -> str:
         return ", ".join(f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "

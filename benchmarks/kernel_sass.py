@@ -67,15 +67,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
                                                                              num_stages=num_stages))  # fmt: skip
 
 
-def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int]]:
-    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``)."""
+def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int], str]:
+    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``, the SASS)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     line = res.stdout.strip().splitlines()[-1].split("CONSTANT")[0].strip()
-    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items()))
+    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items())), sass
 
 
 WS_COUNTED = r"\b(LDL\S*|STL\S*|LDS\S*|STS\S*|HGMMA\S*|WARPGROUP\S*|SYNCS\S*|UTMALDG\S*|BAR\.SYNC\S*|ATOMG\S*|LDG\S*)"
@@ -105,7 +105,7 @@ def ws_report(configs: list[str]) -> None:
     for c in configs:
         bm, tiles, stages, sub, *fixup = map(int, c.split(","))
         compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup and fixup[0]))
-        line, counts = sass_summary(compiled, WS_COUNTED)
+        line, counts, _ = sass_summary(compiled, WS_COUNTED)
         print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup and fixup[0])}\n"
               f"  {line}  shared {compiled.metadata.shared} B\n  {counts}")  # fmt: skip
         for name, (n, k) in WS_SHAPES.items():
@@ -147,7 +147,7 @@ def main() -> None:
                           SHARED_T=False)  # fmt: skip
         constexprs |= const
         compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
-        line, counts = sass_summary(compiled)
+        line, counts, _ = sass_summary(compiled)
         print(f"{name}\n  {line}  shared {compiled.metadata.shared} B\n  {counts}")
         if args.ttgir:
             for ln in compiled.asm["ttgir"].splitlines():

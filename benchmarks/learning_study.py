@@ -283,16 +283,6 @@ def launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, 
     log's end is printed either way."""
     global _EVAL_SLOTS
     _EVAL_SLOTS = threading.BoundedSemaphore(eval_parallel)
-    with _mps_daemon(logs / "mps") if mps else contextlib.nullcontext():
-        _launch_gpu(tasks, arms, seeds, steps, eval_at, runs, logs, parallel, tiny)
-    for argvs, log in list(_FAILED_EVALS):
-        rc = _run_eval_job(argvs, log.with_suffix(".retry.log"))
-        print(f"[{time.strftime('%H:%M:%S')}] eval retried alone ({log.name}): rc {rc}", flush=True)
-    _FAILED_EVALS.clear()  # a retry that failed again was printed; it is not retried twice
-
-
-def _launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int, eval_at: list[int], runs: Path,
-                logs: Path, parallel: int, tiny: bool) -> None:  # fmt: skip
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     # seeds outermost: a study cut short still has every arm of the first seeds
@@ -303,9 +293,13 @@ def _launch_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
             for quant in sorted({GPU_ARMS[a]["quantization"] for a in arms}):
                 argvs = _gpu_eval_argvs(task, quant, runs / task / f"base-{quant}", None, tiny)
                 jobs.append((_run_eval_job, (argvs, logs / f"eval-{task}-base-{quant}.log")))
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
+    with _mps_daemon(logs / "mps") if mps else contextlib.nullcontext(), ThreadPoolExecutor(parallel) as pool:
         for f in [pool.submit(fn, *a) for fn, a in jobs]:
             f.result()
+    for argvs, log in list(_FAILED_EVALS):
+        rc = _run_eval_job(argvs, log.with_suffix(".retry.log"))
+        print(f"[{time.strftime('%H:%M:%S')}] eval retried alone ({log.name}): rc {rc}", flush=True)
+    _FAILED_EVALS.clear()  # a retry that failed again was printed; it is not retried twice
 
 
 def _pass_rates(folder: Path) -> dict:
@@ -315,12 +309,15 @@ def _pass_rates(folder: Path) -> dict:
     return {"greedy_pass@1": g and g.get("pass@1"), "sampled_pass@4": smp and smp.get("pass@4")}
 
 
-def _ci95(values: list[float]) -> tuple[float, float] | None:
-    """Mean ± half-width of the 95 % t interval over seeds (None with < 2 values)."""
+def _seed_ci(arm: dict, step: int | None, key: str) -> tuple[float, float | None] | None:
+    """``key`` of ``arm``'s evaluations at ``step`` over its seeds: the mean and the half-width of the 95 % t interval
+    (one seed: its value and None; none: None)."""
     import statistics
 
+    values = [s["eval"].get(str(step), {}).get(key) for s in arm["seeds"].values()]
+    values = [v for v in values if v is not None]
     if len(values) < 2:
-        return None
+        return (values[0], None) if values else None
     t = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(len(values), 2.0)
     return statistics.mean(values), t * statistics.stdev(values) / math.sqrt(len(values))
 
@@ -451,10 +448,7 @@ def _summary_rows(res: dict) -> list[dict]:
             steps = sorted({int(k) for s in a["seeds"].values() for k in s["eval"]})
             for key in ("greedy_pass@1", "sampled_pass@4"):
                 for label, step in (("start", steps[0] if steps else None), ("end", steps[-1] if steps else None)):
-                    vals = [s["eval"].get(str(step), {}).get(key) for s in a["seeds"].values()]
-                    vals = [v for v in vals if v is not None]
-                    ci = _ci95(vals)
-                    row[f"{key} {label}"] = (ci if ci else (vals[0], None)) if vals else None
+                    row[f"{key} {label}"] = _seed_ci(a, step, key)
             cur = mean_curve(arm, "reward")
             row["final_reward"] = None if cur is None else float(cur[-1])
             window = None if cur is None else _curves(a, "reward").shape[1] - len(cur) + 1
@@ -525,11 +519,9 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
             steps = sorted({int(k) for s in a["seeds"].values() for k in s["eval"]})
             means, errs = [], []
             for st in steps:
-                vals = [s["eval"].get(str(st), {}).get("greedy_pass@1") for s in a["seeds"].values()]
-                vals = [v for v in vals if v is not None]
-                ci = _ci95(vals)
-                means.append(ci[0] if ci else (vals[0] if vals else np.nan))
-                errs.append(ci[1] if ci else 0.0)
+                mean, half = _seed_ci(a, st, "greedy_pass@1") or (np.nan, None)
+                means.append(mean)
+                errs.append(half or 0.0)
             xs = np.arange(len(steps)) + (i - (len(data["arms"]) - 1) / 2) * width
             ax.bar(xs, means, width, yerr=errs, capsize=3, color=GPU_COLORS[arm], edgecolor="k", label=arm)
             ax.set_xticks(np.arange(len(steps)), [f"step {st}" for st in steps])
@@ -552,12 +544,9 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
 
 def main_gpu(args) -> None:
     tasks, arms = args.tasks.split(","), args.arms.split(",") if args.arms else list(GPU_ARMS)[:4]
-    for name in arms:
-        if name not in GPU_ARMS:
-            raise SystemExit(f"unknown arm {name!r}; arms: {', '.join(GPU_ARMS)}")
-    for name in tasks:
-        if name not in GPU_TASKS:
-            raise SystemExit(f"unknown task {name!r}; tasks: {', '.join(GPU_TASKS)}")
+    for names, known, what in ((arms, GPU_ARMS, "arm"), (tasks, GPU_TASKS, "task")):
+        if unknown := [n for n in names if n not in known]:
+            raise SystemExit(f"unknown {what} {unknown[0]!r}; {what}s: {', '.join(known)}")
     GPU_TRAIN["rollout_engine"] = args.rollout_engine
     steps, seeds, eval_at = args.steps, args.seeds, sorted(set(args.eval_at))
     if args.tiny:

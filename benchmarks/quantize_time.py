@@ -197,16 +197,14 @@ def main(argv=None) -> None:
     results = []
     for mode in [m.strip() for m in args.mode.split(",") if m.strip()]:
         if mode == "layers":
-            for meth in methods:
-                r = run_layers(model_key, device, meth)
-                print(json.dumps(r), flush=True)
-                results.append(r)
+            runs = [run_layers(model_key, device, meth) for meth in methods]
         elif mode == "hf":
-            r = run_hf(model_key, device, methods[0], Path(args.ckpt_dir), args.keep_ckpt)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            runs = [run_hf(model_key, device, methods[0], Path(args.ckpt_dir), args.keep_ckpt)]
         else:
             ap.error(f"unknown mode {mode}")
+        for r in runs:
+            print(json.dumps(r), flush=True)
+        results += runs
         write_result(args.out, meta, results)  # after every mode: a later mode's failure keeps it
 
     rows = []

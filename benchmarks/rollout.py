@@ -96,7 +96,6 @@ from common.workers import (
     run_in_process,
     run_worker_subprocess,
     save_partial,
-    worker_cmd,
     worker_exit,
 )
 
@@ -185,78 +184,67 @@ def run_worker(args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(1, vocab, (b, args.prompt_len), device=device, generator=None)
         n_logs = len(catcher.records)
-        if args.eos_mean_tokens:
-            try:
+        try:
+            if args.eos_mean_tokens:
                 c0 = dynamo_counters()
                 row.update(prefill_row(lambda ids=ids: generate(ids, 1)[0]))
                 row.update(measure_spread(args, model, ids, device, options))
                 row["dynamo_timed"] = counter_diff(c0, dynamo_counters())  # compiles of the warm-ups included
-            except torch.OutOfMemoryError as e:
-                row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
-                status = "partial: OOM"
-                del ids
-                break
-            row["torch_log"] = catcher.records[n_logs:][:20]
-            if cuda:
-                row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
-            del ids
-            save_partial(args, res)
-            continue
-        try:
-            c0 = dynamo_counters()
-            row["warmup1_s"], _ = generate(ids, args.warmup_tokens)  # compile + CUDA-graph recording
-            c1 = dynamo_counters()
-            row["warmup2_s"], _ = generate(ids, args.warmup_tokens)  # must be a pure replay
-            c2 = dynamo_counters()
-            row.update(prefill_row(lambda ids=ids: generate(ids, 1)[0]))  # prefill (eager) + 1 token
-            row["compile_s"] = round(row["warmup1_s"] - row["warmup2_s"], 2)
-            times = []
-            for _ in range(args.repeats):
-                dt, out = generate(ids, args.new_tokens)
-                times.append(dt)
-            c3 = dynamo_counters()
-            if args.profile:  # after the counters: the profiled runs replay the same graphs
-                row["profile"] = profile_decode(lambda n, ids=ids: generate(ids, n)[0], cuda, min(16, args.new_tokens - 1))
+            else:
+                row.update(measure_fixed(args, lambda n, ids=ids: generate(ids, n), cuda))
         except torch.OutOfMemoryError as e:
             row["status"] = f"does not fit: OOM at batch {b} ({str(e).splitlines()[0][:200]})"
             status = "partial: OOM"
             if cuda:
                 row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
-            del ids
             break
-        new = out.shape[1] - args.prompt_len
-        row["new_tokens_generated"] = int(new)
-        row["length_ok"] = bool(new == args.new_tokens)
-        row.update(fixed_length_row(times, b, args.new_tokens, row["prefill_s"]))
-        for k in ("warmup1_s", "warmup2_s"):
-            row[k] = round(row[k], 3)
-        row["dynamo_compile"] = counter_diff(c0, c1)
-        row["dynamo_warmup2"] = counter_diff(c1, c2)
-        row["dynamo_timed"] = counter_diff(c2, c3)
-        row["graph_break_reasons"] = c3["graph_break_reasons"]
-        row["recompiled_after_warmup"] = bool(
-            row["dynamo_warmup2"]["unique_graphs"] or row["dynamo_timed"]["unique_graphs"]
-        )
         row["torch_log"] = catcher.records[n_logs:][:20]
         if cuda:
             row["peak_gpu_gb"] = gb(torch.cuda.max_memory_allocated())
             row["peak_gpu_reserved_gb"] = gb(torch.cuda.max_memory_reserved())
-        compiled = not args.no_compile
-        row["compiled_path_ok"] = (
-            None
-            if not compiled
-            else bool(
-                row["dynamo_compile"]["unique_graphs"] >= 1
-                and c3["graph_breaks"] == 0
-                and not row["recompiled_after_warmup"]
-                and (not cuda or c3["cudagraph_skips"] == 0)
-            )
-        )
-        del ids, out
+        del ids
         save_partial(args, res)
     res["status"] = status
     res["peak_rss_gb"] = rss_peak_gb()
     return res
+
+
+def measure_fixed(args, generate: Callable, cuda: bool) -> dict:
+    """Fixed lengths, one batch (``generate(n)``: seconds and ids of ``n`` new tokens): the two warm-ups (compile +
+    CUDA-graph recording, then a replay that must not compile), the prefill, the timed generates, ``--profile``'s
+    decode profile; the row's timings, lengths and dynamo counters, and whether the compiled path held."""
+    row: dict = {}
+    c0 = dynamo_counters()
+    warmup1_s, _ = generate(args.warmup_tokens)  # compile + CUDA-graph recording
+    c1 = dynamo_counters()
+    warmup2_s, _ = generate(args.warmup_tokens)  # must be a pure replay
+    c2 = dynamo_counters()
+    row.update(prefill_row(lambda: generate(1)[0]))  # prefill (eager) + 1 token
+    row["compile_s"] = round(warmup1_s - warmup2_s, 2)
+    times = []
+    for _ in range(args.repeats):
+        dt, out = generate(args.new_tokens)
+        times.append(dt)
+    c3 = dynamo_counters()
+    if args.profile:  # after the counters: the profiled runs replay the same graphs
+        row["profile"] = profile_decode(lambda n: generate(n)[0], cuda, min(16, args.new_tokens - 1))
+    new = out.shape[1] - args.prompt_len
+    row["new_tokens_generated"] = int(new)
+    row["length_ok"] = bool(new == args.new_tokens)
+    row.update(fixed_length_row(times, len(out), args.new_tokens, row["prefill_s"]))
+    row["warmup1_s"], row["warmup2_s"] = round(warmup1_s, 3), round(warmup2_s, 3)
+    row["dynamo_compile"] = counter_diff(c0, c1)
+    row["dynamo_warmup2"] = counter_diff(c1, c2)
+    row["dynamo_timed"] = counter_diff(c2, c3)
+    row["graph_break_reasons"] = c3["graph_break_reasons"]
+    row["recompiled_after_warmup"] = bool(row["dynamo_warmup2"]["unique_graphs"] or row["dynamo_timed"]["unique_graphs"])
+    row["compiled_path_ok"] = None if args.no_compile else bool(
+        row["dynamo_compile"]["unique_graphs"] >= 1
+        and c3["graph_breaks"] == 0
+        and not row["recompiled_after_warmup"]
+        and (not cuda or c3["cudagraph_skips"] == 0)
+    )  # fmt: skip
+    return row
 
 
 def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:
@@ -357,11 +345,6 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_
          "compile_backend", "compile_mode", "engine", "eos_mean_tokens", "min_new_tokens", "spread_warmups",
          "compact_min_batch")  # fmt: skip
 _FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "profile")
-
-
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
 
 
 def table(results: list[dict]) -> str:
@@ -494,7 +477,9 @@ def main(argv=None) -> None:
     }
     print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
     def run_one(m: str, a: str) -> dict:
-        return run_in_process(run_worker, args, m, a, ARM_LABEL[a]) if args.in_process else _run_subprocess(args, m, a)
+        if args.in_process:
+            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
 
     def brief(res: dict) -> str:
         return ", ".join(f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "

@@ -57,7 +57,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,53 +72,47 @@ from common.workers import (
     run_arm_grid,
     run_worker_subprocess,
     save_partial,
-    worker_cmd,
     worker_exit,
 )
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
 
+# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, label); each + LoRA, and those of _BASE also without it
+_LORA_ARMS: dict[str, tuple[str, str | None, str]] = {
+    "vllm-bf16": ("bf16", None, "vLLM bf16 + LoRA"),
+    "vllm-nvfp4-marlin": ("nvfp4", "native", "vLLM NVFP4 + LoRA (stock: Marlin)"),
+    "vllm-nvfp4": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours)"),
+    "vllm-nvfp4-humming": ("nvfp4", "native", "vLLM NVFP4 + LoRA (stock: Humming)"),
+    # rollout_precision (issue #51): the plugin's method, E4M3 copy
+    "vllm-nvfp4-fp8": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)"),
+    "vllm-nvfp4-auto": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)"),
+}
+_BASE = ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4", "vllm-nvfp4-humming")  # the "-base" arms: LoRA's cost
+
+
+def _no_lora(label: str) -> str:
+    """``vLLM NVFP4 + LoRA (ours)`` -> ``vLLM NVFP4 (ours, no LoRA)``; ``vLLM bf16 + LoRA`` -> ``vLLM bf16 (no LoRA)``."""
+    label = label.replace(" + LoRA", "")
+    return label[:-1] + ", no LoRA)" if label.endswith(")") else label + " (no LoRA)"
+
+
 # arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, LoRA adapter?)
-ARMS: dict[str, tuple[str, str | None, bool]] = {
-    "vllm-bf16": ("bf16", None, True),
-    "vllm-nvfp4-marlin": ("nvfp4", "native", True),
-    "vllm-nvfp4": ("nvfp4", "qerl", True),
-    "vllm-nvfp4-humming": ("nvfp4", "native", True),
-    "vllm-nvfp4-fp8": ("nvfp4", "qerl", True),  # rollout_precision (issue #51): the plugin's method, E4M3 copy
-    "vllm-nvfp4-auto": ("nvfp4", "qerl", True),
-    "vllm-bf16-base": ("bf16", None, False),
-    "vllm-nvfp4-marlin-base": ("nvfp4", "native", False),
-    "vllm-nvfp4-base": ("nvfp4", "qerl", False),
-    "vllm-nvfp4-humming-base": ("nvfp4", "native", False),
+ARMS: dict[str, tuple[str, str | None, bool]] = {a: (c, b, True) for a, (c, b, _) in _LORA_ARMS.items()} | {
+    f"{a}-base": (*_LORA_ARMS[a][:2], False) for a in _BASE
+}
+ARM_LABEL = {a: label for a, (_, _, label) in _LORA_ARMS.items()} | {
+    f"{a}-base": _no_lora(_LORA_ARMS[a][2]) for a in _BASE
 }
 # arm -> extra LLM(...) arguments (vLLM EngineArgs). linear_backend="humming" (vLLM >= 0.26, KernelConfig.linear_backend,
 # CLI --linear-backend humming) makes init_nvfp4_linear_kernel pick HummingNvFp4LinearKernel for compressed-tensors
 # NVFP4A16 layers; with "auto" that scheme (use_a16=True) forces MarlinNvFp4LinearKernel.
-ARM_ENGINE_KW: dict[str, dict] = {
+_ENGINE_KW: dict[str, dict] = {
     "vllm-nvfp4-humming": {"linear_backend": "humming"},
-    "vllm-nvfp4-humming-base": {"linear_backend": "humming"},
     **{f"vllm-nvfp4-{p}": {"additional_config": {"qerl_rollout_precision": p}} for p in ("fp8", "auto")},
 }
 # arm -> the NVFP4 kernel class that must show in linear_kernels for the arm to measure what its name says
-ARM_KERNEL = {
-    "vllm-nvfp4-marlin": "MarlinNvFp4LinearKernel",
-    "vllm-nvfp4-marlin-base": "MarlinNvFp4LinearKernel",
-    "vllm-nvfp4-humming": "HummingNvFp4LinearKernel",
-    "vllm-nvfp4-humming-base": "HummingNvFp4LinearKernel",
-}
-ARM_LABEL = {
-    "vllm-bf16": "vLLM bf16 + LoRA",
-    "vllm-nvfp4-marlin": "vLLM NVFP4 + LoRA (stock: Marlin)",
-    "vllm-nvfp4": "vLLM NVFP4 + LoRA (ours)",
-    "vllm-nvfp4-humming": "vLLM NVFP4 + LoRA (stock: Humming)",
-    "vllm-nvfp4-fp8": "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)",
-    "vllm-nvfp4-auto": "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)",
-    "vllm-bf16-base": "vLLM bf16 (no LoRA)",
-    "vllm-nvfp4-marlin-base": "vLLM NVFP4 (stock: Marlin, no LoRA)",
-    "vllm-nvfp4-base": "vLLM NVFP4 (ours, no LoRA)",
-    "vllm-nvfp4-humming-base": "vLLM NVFP4 (stock: Humming, no LoRA)",
-}
+_KERNEL = {"vllm-nvfp4-marlin": "MarlinNvFp4LinearKernel", "vllm-nvfp4-humming": "HummingNvFp4LinearKernel"}
 CKPT_VERSION = 1  # bump when the checkpoints' recipe changes (a new folder is built)
 
 
@@ -173,16 +166,15 @@ def checkpoints(model_key: str, root: Path, lora_r: int, nvfp4_only: bool = Fals
 
 
 def _save(target: Path, write) -> None:
-    """``write(folder)`` into a temporary folder renamed to ``target`` (a killed build leaves no half checkpoint)."""
-    import shutil
+    """``write(folder)``, then its ``.done``, published as ``target`` by one rename (``nvfp4.offline``'s: a killed
+    build leaves no half checkpoint)."""
+    from nvfp4.offline import publish_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-    write(tmp)
-    (tmp / ".done").write_text("")
-    tmp.rename(target)
+    def save(folder: Path) -> None:
+        write(folder)
+        (folder / ".done").write_text("")
+
+    publish_checkpoint(target, save)
 
 
 def _write_adapter(model, folder: Path, r: int) -> None:
@@ -212,7 +204,7 @@ def _write_adapter(model, folder: Path, r: int) -> None:
 def run_arm(args) -> dict:
     """One arm in this process: its ``LLM``, then per batch the warm-ups, the prefill and the timed rollouts."""
     ckpt_kind, backend, with_lora = ARMS[args.arm]
-    engine_kw = ARM_ENGINE_KW.get(args.arm, {})
+    engine_kw = _ENGINE_KW.get(args.arm.removesuffix("-base"), {})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine, as the trainer runs it
     if backend:
         os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
@@ -251,10 +243,9 @@ def run_arm(args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     res["init_s"] = round(time.perf_counter() - t0, 2)
-    res["linear_methods"] = llm.apply_model(_linear_methods)[0]
-    res["linear_kernels"] = llm.apply_model(_linear_kernels)[0]
-    if args.arm in ARM_KERNEL:  # e.g. Humming asked for but Marlin ran: the numbers would be Marlin's
-        res["kernel_ok"] = any(k.endswith(":" + ARM_KERNEL[args.arm]) for k in res["linear_kernels"])
+    res.update(llm.apply_model(_linear_quant)[0])
+    if kernel := _KERNEL.get(args.arm.removesuffix("-base")):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
+        res["kernel_ok"] = any(k.endswith(":" + kernel) for k in res["linear_kernels"])
     lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
     vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
@@ -300,7 +291,7 @@ def run_arm(args) -> dict:
         save_partial(args, res)
     res["status"] = "ok" if all("status" not in r for r in res["batches"]) else "partial"
     if res.get("kernel_ok") is False:
-        res["status"] += f" (but {ARM_KERNEL[args.arm]} did not run: {res['linear_kernels']})"
+        res["status"] += f" (but {kernel} did not run: {res['linear_kernels']})"
     return res
 
 
@@ -325,33 +316,24 @@ def _humming_version(load: bool) -> str:
     return f"humming-kernels {version}"
 
 
-def _linear_methods(model) -> list[str]:
-    """The quantize-method classes of the engine model's linears (LoRA wrappers looked through)."""
-    out = set()
-    for m in model.modules():
-        base = getattr(m, "base_layer", m)
-        qm = getattr(base, "quant_method", None)
-        if qm is not None:
-            out.add(type(qm).__name__)
-    return sorted(out)
-
-
-def _linear_kernels(model) -> list[str]:
-    """``scheme:kernel`` class names of the linears whose quantize method holds a kernel object: vLLM's
+def _linear_quant(model) -> dict[str, list[str]]:
+    """``linear_methods``: the quantize-method classes of the engine model's linears (LoRA wrappers looked through);
+    ``linear_kernels``: ``scheme:kernel`` class names of those whose method holds a kernel object: vLLM's
     compressed-tensors schemes keep the chosen NVFP4 GEMM kernel on ``layer.scheme.kernel`` (Marlin, Humming,
-    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). Empty for unquantized models and
-    for our plugin's method."""
-    out = set()
+    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). No kernels for unquantized models
+    and for our plugin's method."""
+    methods, kernels = set(), set()
     for m in model.modules():
         base = getattr(m, "base_layer", m)
         qm = getattr(base, "quant_method", None)
         if qm is None:
             continue
+        methods.add(type(qm).__name__)
         for holder in (getattr(base, "scheme", None), qm):
             kernel = getattr(holder, "kernel", None) if holder is not None else None
             if kernel is not None and not isinstance(kernel, (str, int, float)):
-                out.add(f"{type(holder).__name__}:{type(kernel).__name__}")
-    return sorted(out)
+                kernels.add(f"{type(holder).__name__}:{type(kernel).__name__}")
+    return {"linear_methods": sorted(methods), "linear_kernels": sorted(kernels)}
 
 
 def _spread(args, generate, prompts, vocab: int, SamplingParams) -> dict:  # noqa: N803 (vllm's class, passed in)
@@ -430,11 +412,6 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_
 _FLAGS = ("enforce_eager", "profile")
 
 
-def _run_subprocess(args, model: str, arm: str) -> dict:
-    cmd = lambda rp: worker_cmd(str(Path(__file__).resolve()), args, model, arm, rp, _PASS, _FLAGS)
-    return run_worker_subprocess(cmd, model, arm, args, ARM_LABEL[arm])
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -498,7 +475,10 @@ def main(argv=None) -> None:
                           for r in res.get("batches", []))  # fmt: skip
         return f"init {res.get('init_s')} s, {res.get('linear_methods')}, {res.get('linear_kernels')}; {tok_s}"
 
-    results = run_arm_grid(args, models, arms, meta, lambda m, a: _run_subprocess(args, m, a), ARM_LABEL, brief,
+    def run_one(m: str, a: str) -> dict:
+        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+
+    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
                            lambda a: dict(engine="vllm", batches=[]), t_start=t_start)  # fmt: skip
     print()
     print(table(results))

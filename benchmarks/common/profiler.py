@@ -1,14 +1,13 @@
 """The GPU kernels of a profiled region, by category; the decode step's share of each (``rollout.py`` /
-``rollout_vllm.py --profile``). (``kernel_times`` and ``run_arms``, the per-kernel times and one-arm-per-process loop
-of the removed ``decode_profile.py``, left after dce0c4f.)"""
+``rollout_vllm.py --profile``). (``kernel_times``, ``run_arms`` and ``by_category``, the per-kernel times,
+one-arm-per-process loop and per-category totals of the removed ``decode_profile.py``, left after dce0c4f.)"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "by_category", "category", "label_kernels", "profile_decode",
-           "profile_table"]  # fmt: skip
+__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profile_decode", "profile_table"]
 
 # First match wins: LoRA before the GEMMs (punica's names hold "lora"), attention before FP8 (vLLM's KV-cache write
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).
@@ -43,19 +42,6 @@ def category(kernel: str) -> str:
         if pat.search(kernel):
             return name
     return "other"
-
-
-def by_category(kernel_us: dict[str, float], top: int) -> dict:
-    """``{kernel: µs}`` → total (``kernels_us``), per category (``by_category_us``) and the ``top`` largest kernels
-    (``top_kernels_us``), rounded for the JSON."""
-    cats: dict[str, float] = {}
-    for name, us in kernel_us.items():
-        cats[category(name)] = cats.get(category(name), 0.0) + us
-    return {
-        "kernels_us": round(sum(cats.values()), 1),
-        "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-        "top_kernels_us": {k: round(v, 2) for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])[:top]},
-    }
 
 
 def label_kernels(names: list[str]) -> list[str]:

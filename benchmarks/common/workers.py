@@ -218,17 +218,16 @@ def worker_exit(args: Any, run_worker: Callable[[Any], dict], label: str | None 
     os._exit(0)
 
 
-def run_worker_subprocess(
-    cmd: Callable[[str], list[str]], model: str, arm: str, args: Any, label: str | None = None, **kw: Any
-) -> dict:
-    """Run ``cmd(result_path)`` (within ``args.arm_timeout`` s); its result file, or a failure row with the log's
-    tail. ``kw`` (and ``label``) fill the failure row."""
+def run_worker_subprocess(script: str, args: Any, model: str, arm: str, options: Sequence[str],
+                          flags: Sequence[str] = (), label: str | None = None) -> dict:  # fmt: skip
+    """Run ``script``'s ``--_worker`` of one (model, arm) (:func:`worker_cmd`: ``options`` and ``flags`` passed on)
+    within ``args.arm_timeout`` s; its result file, or a failure row (``label``) with the log's tail."""
     with tempfile.TemporaryDirectory() as td:
         result_path = os.path.join(td, "r.json")
         t0 = time.perf_counter()
         try:
-            p = subprocess.run(cmd(result_path), timeout=args.arm_timeout, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            cmd = worker_cmd(os.path.abspath(script), args, model, arm, result_path, options, flags)
+            p = subprocess.run(cmd, timeout=args.arm_timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             out, rc = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -243,7 +242,7 @@ def run_worker_subprocess(
             tail = "\n".join(out.strip().splitlines()[-15:])
             oom = "OutOfMemoryError" in out or "CUDA out of memory" in out
             status = "does not fit: OOM (worker died)" if oom else f"failed (rc={rc})"
-            res = failed(model, arm, status, label, log_tail=tail, **kw)
+            res = failed(model, arm, status, label, log_tail=tail)
             print(f"[{model}/{arm}] worker rc={rc}\n{tail}", file=sys.stderr)
     res["wall_s"] = wall
     return res

@@ -99,7 +99,8 @@ def _two_cta_config(config: tuple[int, ...]) -> dict:
 def test_two_cta_configs_fit_two_per_sm_without_spills(config):
     """Round 14's spike: one consumer warpgroup per CTA, two CTAs per SM. Each config compiles for sm_90a with
     registers for two CTAs (maxnreg × the CTA's threads, the producer's warpgroup included, ≤ 32K), shared memory
-    for two (plus the 1 KB reserved per CTA, ≤ half of 228 KB), no spills, and the register-A wgmma."""
+    for two (plus the 1 KB reserved per CTA, ≤ half of 228 KB), no spills, and the register-A wgmma, which ptxas
+    does not serialise for want of registers (C7512, as block_m 128 × tiles 2 × sub 2 would: 128 + 2·32 live)."""
     import triton
     from nvfp4.kernels import hopper_ws
 
@@ -114,6 +115,11 @@ def test_two_cta_configs_fit_two_per_sm_without_spills(config):
         sass = subprocess.run(
             [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(compiled.asm["ptx"])
+        ptxas = subprocess.run([bin_dir / "ptxas", "-v", "--gpu-name=sm_90a", Path(d) / "k.ptx", "-o", Path(d) / "k.o"],
+                               capture_output=True, text=True, check=True).stderr  # fmt: skip
+    assert "serialized" not in ptxas, ptxas
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     static = int(re.search(r"SHARED:(\d+)", usage).group(1))
     assert compiled.metadata.num_warps == 8  # one consumer warpgroup + the producer's (a warp padded to 4)

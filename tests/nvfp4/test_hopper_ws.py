@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import tempfile
@@ -39,21 +40,25 @@ def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool =
     return hopper_ws.compile_sm90(block_m, tiles, stages, sub, fixup)
 
 
-@pytest.mark.parametrize("config", _table_configs()[:1])
-def test_compiles_for_sm90a_without_a_gpu(config):
-    """CI's build check: a kernel that no longer compiles for sm_90a, or that spills, fails here."""
-    import triton
+_BIN = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 
-    compiled = _compile_sm90(*config)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+def _usage_and_sass(compiled) -> tuple[str, str]:
+    """``cuobjdump``'s resource line(s) and the SASS of a kernel compiled for sm_90a."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+        usage = subprocess.run([_BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run(
-            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+        sass = subprocess.run([_BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    return usage, sass
+
+
+@pytest.mark.parametrize("config", _table_configs()[:1])
+def test_compiles_for_sm90a_without_a_gpu(config):
+    """CI's build check: a kernel that no longer compiles for sm_90a, or that spills, fails here."""
+    compiled = _compile_sm90(*config)
+    usage, sass = _usage_and_sass(compiled)
     assert "sm_90a" in compiled.asm["ptx"] or ".target sm_90a" in compiled.asm["ptx"]
     assert re.search(r"STACK:0\b", usage), usage  # no local-memory spills
     assert "LDL" not in sass and "STL" not in sass
@@ -64,16 +69,7 @@ def test_compiles_for_sm90a_without_a_gpu(config):
 def test_parallel_fixup_compiles_for_sm90a_without_spills_in_the_main_loop():
     """The ``fixup=True`` form (256-row tiles, the spike's candidate) builds for sm_90a; whatever ptxas spills sits
     outside the wgmma loop (between a ``WARPGROUP.ARRIVE`` and its ``DEPBAR`` there is no local memory)."""
-    import triton
-
-    compiled = _compile_sm90(128, 4, 6, 2, fixup=True)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run(
-            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    _, sass = _usage_and_sass(_compile_sm90(128, 4, 6, 2, fixup=True))
     assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+,", sass)
     assert "LDG.E.STRONG.GPU" in sass  # the per-thread acquire poll of the parts' flags
     in_loop = False
@@ -101,23 +97,14 @@ def test_two_cta_configs_fit_two_per_sm_without_spills(config):
     registers for two CTAs (maxnreg × the CTA's threads, the producer's warpgroup included, ≤ 32K), shared memory
     for two (plus the 1 KB reserved per CTA, ≤ half of 228 KB), no spills, and the register-A wgmma, which ptxas
     does not serialise for want of registers (C7512, as block_m 128 × tiles 2 × sub 2 would: 128 + 2·32 live)."""
-    import triton
     from nvfp4.kernels import hopper_ws
 
     cfg = _two_cta_config(config)
     compiled = hopper_ws.compile_sm90(cfg.pop("block_m"), cfg.pop("tiles"), cfg.pop("stages"), cfg.pop("sub"), **cfg)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run(
-            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    usage, sass = _usage_and_sass(compiled)
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.ptx").write_text(compiled.asm["ptx"])
-        ptxas = subprocess.run([bin_dir / "ptxas", "-v", "--gpu-name=sm_90a", Path(d) / "k.ptx", "-o", Path(d) / "k.o"],
+        ptxas = subprocess.run([_BIN / "ptxas", "-v", "--gpu-name=sm_90a", Path(d) / "k.ptx", "-o", Path(d) / "k.o"],
                                capture_output=True, text=True, check=True).stderr  # fmt: skip
     assert "serialized" not in ptxas, ptxas
     regs = int(re.search(r"REG:(\d+)", usage).group(1))

@@ -259,49 +259,18 @@ def test_cuda_graph_replays_are_bit_equal_gpu():
 def test_parallel_fixup_against_the_reference_and_the_serial_sum_gpu(config):
     """``fixup=True`` against the float64 reference (odd M, bias, NaN-poisoned output), bit-equal repeats, flags
     left at zero; long K (many programs per tile) and short K."""
-    from nvfp4.kernels import hopper_ws
-    from nvfp4.layout import to_mma_layout
-
     block_m, tiles, stages, sub = config
     cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=True)
-    hopper_ws.POISON = True
-    try:
-        for m, n, k in (
-            (block_m + 3, 64 * tiles * 14, 18944),
-            (2 * block_m - 1, 64 * tiles * 37, 3584),
-            (37, 1024, 5120),
-        ):
-            q = quantize(torch.randn(n, k, device="cuda"))
-            packed = to_mma_layout(q.packed)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-            ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
-            y = hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)
-            assert _rel(y, ref) < 1e-2, (m, n, k, config)
-            assert torch.equal(y, hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)), (
-                "not deterministic"
-            )
-            assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
-    finally:
-        hopper_ws.POISON = False
+    _check_shapes([(block_m + 3, 64 * tiles * 14, 18944), (2 * block_m - 1, 64 * tiles * 37, 3584), (37, 1024, 5120)],
+                  cfg, config)  # fmt: skip
 
 
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("config", _two_cta_configs())
-def test_two_cta_configs_against_the_reference_gpu(config):
-    """Round 14's spike (one consumer warpgroup, two CTAs per SM: ``2·SMs`` programs, all resident) on the random
-    shapes of the table's test and the 7B gate/down at M = 64-256: float64 reference (odd M, bias, NaN-poisoned
-    output), bit-equal repeats, flags left at zero."""
+def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) -> None:
+    """``ws_linear(**cfg)`` on fresh random (M, N, K) ``shapes`` against the float64 reference (bias, NaN-poisoned
+    output), bit-equal on a repeat, every launch leaving its flags at zero."""
     from nvfp4.kernels import hopper_ws
     from nvfp4.layout import to_mma_layout
 
-    cfg = _two_cta_config(config)
-    block_m, tiles = config[:2]
-    gen = torch.Generator().manual_seed(sum(config))
-    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)),
-               256 * int(torch.randint(1, 30, (1,), generator=gen))) for m in (1, block_m - 1, block_m + 3, 700)]
-    shapes += [(m, n, k) for m in (64, 128, 255) for n, k in ((18944, 3584), (3584, 18944))]  # fmt: skip
     hopper_ws.POISON = True
     try:
         for m, n, k in shapes:
@@ -316,3 +285,20 @@ def test_two_cta_configs_against_the_reference_gpu(config):
             assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
     finally:
         hopper_ws.POISON = False
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", _two_cta_configs())
+def test_two_cta_configs_against_the_reference_gpu(config):
+    """Round 14's spike (one consumer warpgroup, two CTAs per SM: ``2·SMs`` programs, all resident) on the random
+    shapes of the table's test and the 7B gate/down at M = 64-256: float64 reference (odd M, bias, NaN-poisoned
+    output), bit-equal repeats, flags left at zero."""
+
+    cfg = _two_cta_config(config)
+    block_m, tiles = config[:2]
+    gen = torch.Generator().manual_seed(sum(config))
+    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)),
+               256 * int(torch.randint(1, 30, (1,), generator=gen))) for m in (1, block_m - 1, block_m + 3, 700)]
+    shapes += [(m, n, k) for m in (64, 128, 255) for n, k in ((18944, 3584), (3584, 18944))]  # fmt: skip
+    _check_shapes(shapes, cfg, config)

@@ -261,10 +261,11 @@ def run_occupancy(ms: list[int], out: Path | None) -> dict:
     rows = []
     for name, (n, k) in {"gate": (18944, 3584), "down": (3584, 18944)}.items():  # Qwen2.5-7B
         wts = Weights(n, k, need_ct=True)
+        hum = []
         try:
             hum = humming_layers(wts)
         except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
-            hum = print(f"humming unavailable: {e!r}", flush=True) or []
+            print(f"humming unavailable: {e!r}", flush=True)
         w64 = dequantize(*wts.q_ct[0], torch.float64)
         for m in ms:
             row = {"linear": name, "N": n, "K": k, "M": m}

@@ -67,15 +67,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
                                                                              num_stages=num_stages))  # fmt: skip
 
 
-def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int], str]:
-    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``, the SASS)."""
+def sass_summary(compiled, counted: str = COUNTED) -> tuple[str, dict[str, int]]:
+    """(resource line from ``cuobjdump``, counts of the instructions matching ``counted``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     line = res.stdout.strip().splitlines()[-1].split("CONSTANT")[0].strip()
-    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items())), sass
+    return line, dict(sorted(collections.Counter(re.findall(counted, sass)).items()))
 
 
 WS_COUNTED = r"\b(LDL\S*|STL\S*|LDS\S*|STS\S*|HGMMA\S*|WARPGROUP\S*|SYNCS\S*|UTMALDG\S*|BAR\.SYNC\S*|ATOMG\S*|LDG\S*)"
@@ -106,7 +106,7 @@ def ws_report(configs: list[str]) -> None:
         v = list(map(int, c.split(",")))
         bm, tiles, stages, sub, fixup, consumers, ctas = v + [0, 2, 1][len(v) - 4 :]
         compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup), consumers=consumers, ctas_per_sm=ctas)
-        line, counts, _ = sass_summary(compiled, WS_COUNTED)
+        line, counts = sass_summary(compiled, WS_COUNTED)
         regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])})
         print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup)} consumers={consumers}"
               f" ctas_per_sm={ctas} maxnreg={hopper_ws.max_registers(consumers, ctas)}\n"
@@ -151,7 +151,7 @@ def main() -> None:
                           SHARED_T=False)  # fmt: skip
         constexprs |= const
         compiled = compile_sm90(fn, _COMMON | extra, constexprs, warps, stages)
-        line, counts, _ = sass_summary(compiled)
+        line, counts = sass_summary(compiled)
         print(f"{name}\n  {line}  shared {compiled.metadata.shared} B\n  {counts}")
         if args.ttgir:
             for ln in compiled.asm["ttgir"].splitlines():

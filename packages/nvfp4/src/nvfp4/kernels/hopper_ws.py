@@ -447,11 +447,10 @@ def _resident_per_sm(compiled, device: torch.device) -> int:
 
 
 def max_registers(consumers: int = 2, ctas_per_sm: int = 1) -> int:
-    """``maxnreg`` of the launch: 168 for the shipped form (2 consumers + the producer's warpgroup, 384 threads,
-    one CTA per SM), else the most that lets ``ctas_per_sm`` CTAs of ``128·(consumers + 1)`` threads share the SM's
-    64K registers (1 consumer × 2 CTAs: 128; the default consumer's ``setmaxnreg`` then takes 2·128 − 40 = 216)."""
-    if (consumers, ctas_per_sm) == (2, 1):
-        return 168
+    """``maxnreg`` of the launch: the most (a multiple of 8, at most 168) that lets ``ctas_per_sm`` CTAs of
+    ``128·(consumers + 1)`` threads (the producer's warpgroup included) share the SM's 64K registers: 168 for the
+    shipped form (2 consumers, one CTA per SM), 128 for 1 consumer × 2 CTAs (the default consumer's ``setmaxnreg``
+    then takes 2·128 − 40 = 216)."""
     return min(168, 65536 // (128 * (consumers + 1) * ctas_per_sm) // 8 * 8)
 
 

@@ -168,7 +168,11 @@ def checkpoints(model_key: str, root: Path, lora_r: int, nvfp4_only: bool = Fals
 def _save(target: Path, write) -> None:
     """``write(folder)``, then its ``.done``, published as ``target`` by one rename (``nvfp4.offline``'s: a killed
     build leaves no half checkpoint)."""
+    import shutil
+
     from nvfp4.offline import publish_checkpoint
+
+    shutil.rmtree(target, ignore_errors=True)  # callers build what has no .done: a folder there is stale
 
     def save(folder: Path) -> None:
         write(folder)

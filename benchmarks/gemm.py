@@ -33,7 +33,6 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
-    python benchmarks/gemm.py --occupancy --ms 64,128,256 --out $OUT   # round 14 → gemm_occupancy.json
 """
 
 from __future__ import annotations
@@ -247,67 +246,6 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     if n % (64 * tiles):
         return None
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
-
-
-def run_occupancy(ms: list[int], out: Path | None) -> dict:
-    """Round 14's spike: hopper_ws with one consumer warpgroup per CTA and two CTAs per SM (``TWO_CTA_CONFIGS`` with
-    block_m ≤ max(64, M)) beside the shipped dispatch, bf16 cuBLAS and Humming (if importable) on the 7B gate and
-    down, in one run. Each config is checked against the float64 reference before it is timed (``<arm>_err``; a
-    failing check leaves ``<arm>_ms`` out), and timed again on one CTA per SM (``<arm>_1cta_ms``, the same binary):
-    the overlap of two CTAs' pipelines is the difference."""
-    from nvfp4.codec import dequantize
-    from nvfp4.kernels import hopper_ws
-
-    rows = []
-    for name, (n, k) in {"gate": (18944, 3584), "down": (3584, 18944)}.items():  # Qwen2.5-7B
-        wts = Weights(n, k, need_ct=True)
-        hum = []
-        try:
-            hum = humming_layers(wts)
-        except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
-            print(f"humming unavailable: {e!r}", flush=True)
-        w64 = dequantize(*wts.q_ct[0], torch.float64)
-        for m in ms:
-            row = {"linear": name, "N": n, "K": k, "M": m}
-            row["ours_ms"], row["bf16_ms"] = bench_fwd(wts, m)
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            ref = x.double() @ w64.T
-            for c in (c for c in hopper_ws.TWO_CTA_CONFIGS if c[0] <= max(64, m)):
-                arm, cfg = "c" + "_".join(map(str, c)), dict(zip(("block_m", "tiles", "stages", "sub", "fixup"), c))
-                hopper_ws.POISON = True
-                try:
-                    y = hopper_ws.ws_linear(x, *wts.q[0], None, **cfg, consumers=1, ctas_per_sm=2).double()
-                    row[f"{arm}_err"] = ((y - ref).norm() / ref.norm()).item()  # NaN where an element is left unwritten
-                except Exception as e:  # noqa: BLE001 - report and go on to the other configs
-                    row[f"{arm}_err"], row[f"{arm}_exception"] = float("nan"), repr(e)
-                finally:
-                    hopper_ws.POISON = False
-                if row[f"{arm}_err"] < 1e-2:
-                    for key, extra in ((arm, {}), (f"{arm}_1cta", {"programs": hopper_ws.num_sms(x.device)})):
-                        row[f"{key}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *wts.q[i % len(wts.q)], None,
-                                                               **cfg, consumers=1, ctas_per_sm=2, **extra)
-                                                       for i in range(_n_calls(len(wts.q)))])  # fmt: skip
-            if hum:
-                row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-            row.update({f"{a[:-3]}_x_bf16": row["bf16_ms"] / row[a] for a in list(row) if a.endswith("_ms")})
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "gemm_occupancy_partial.json").write_text(json.dumps(rows, indent=1))
-        del wts, hum
-        torch.cuda.empty_cache()
-    print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>8} {'ours':>6} {'humming':>7} {'best 2-CTA':>10} {'/ours':>6} {'1 CTA':>6}"
-          "  (x bf16; ours = shipped dispatch; 1 CTA: the best config's binary on one CTA per SM)")  # fmt: skip
-    for r in rows:
-        best = max((a[:-7] for a in r if a.startswith("c") and a.endswith("_x_bf16") and "_1cta" not in a),
-                   key=lambda a, r=r: r[a + "_x_bf16"], default="none")  # fmt: skip
-        cells = [f"{r[key]:.2f}" if key in r else "-" for key in ("ours_x_bf16", "humming_x_bf16", f"{best}_x_bf16")]
-        vs = f"{r['ours_ms'] / r[best + '_ms']:.2f}" if best + "_ms" in r else "-"
-        one = f"{r[best + '_1cta_x_bf16']:.2f}" if best + "_1cta_x_bf16" in r else "-"
-        print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:8.4f} {cells[0]:>6} {cells[1]:>7} {cells[2]:>10} {vs:>6} "
-              f"{one:>6}  {best}")  # fmt: skip
-    return {"occupancy": rows}
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
@@ -585,10 +523,17 @@ def apply_table(runs: list[dict]) -> None:
 
 
 def env_info() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import triton
 
+    try:
+        humming = version("humming-kernels")  # the peer's version (--peer-humming), None where it is not installed
+    except PackageNotFoundError:
+        humming = None
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.date.today().isoformat(), sms=torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
+                humming=humming, date=datetime.date.today().isoformat(),
+                sms=torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
 
 
 def main() -> None:
@@ -604,8 +549,6 @@ def main() -> None:
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
-    ap.add_argument("--occupancy", action="store_true", help="round 14: hopper_ws.TWO_CTA_CONFIGS (1 consumer x 2 CTAs "
-                    "per SM) beside the shipped kernel, bf16 and Humming on the 7B gate/down (--ms, default 64,128,256)")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
@@ -626,13 +569,7 @@ def main() -> None:
     info = env_info()
     print(json.dumps(info), flush=True)
     t0 = time.time()
-    if args.occupancy:
-        REP_BUDGET_S = args.rep_budget
-        res = run_occupancy([int(v) for v in args.ms.split(",")] if args.ms else [64, 128, 256],
-                            Path(args.out) if args.out else None)  # fmt: skip
-        res.update(info)
-        name = "gemm_occupancy.json"
-    elif args.sweep:
+    if args.sweep:
         REP_BUDGET_S = 0.06
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip

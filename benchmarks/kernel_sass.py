@@ -14,9 +14,9 @@ Usage::
     uv run python benchmarks/kernel_sass.py --ttgir      # also print the layout conversions in the TTGIR
     uv run python benchmarks/kernel_sass.py --ws 128,2,8,2 128,4,6,2 128,4,6,2,1   # the Gluon kernel (hopper_ws)
 
-``--ws BLOCK_M,TILES,STAGES,SUB[,FIXUP[,CONSUMERS,CTAS_PER_SM]]``: the warp-specialised kernel per config (registers,
-spills, shared memory, the partitions' ``setmaxnreg``, ``HGMMA``/``LDS``/``SYNCS``/``WARPGROUP`` counts), then its stream-K schedule on the 7B/32B large linears at
-M = 64-512 on 132 SMs (× CTAS_PER_SM programs): units per program and per tile, and the serial tail of the sum of split tiles (``fixup=False``:
+``--ws BLOCK_M,TILES,STAGES,SUB[,FIXUP]``: the warp-specialised kernel per config (registers, spills, shared memory,
+``HGMMA``/``LDS``/``SYNCS``/``WARPGROUP`` counts), then its stream-K schedule on the 7B/32B large linears at
+M = 64-512 on 132 SMs: units per program and per tile, and the serial tail of the sum of split tiles (``fixup=False``:
 the most parts one program reads after the last is written, and their size per consumer pair).
 """
 
@@ -103,17 +103,13 @@ def streamk_tail(m: int, n: int, k: int, block_m: int, tiles: int, sub: int, pro
 def ws_report(configs: list[str]) -> None:
     """``--ws``: SASS summary and stream-K schedule of each hopper_ws config."""
     for c in configs:
-        v = list(map(int, c.split(",")))
-        bm, tiles, stages, sub, fixup, consumers, ctas = v + [0, 2, 1][len(v) - 4 :]
-        compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup), consumers=consumers, ctas_per_sm=ctas)
+        bm, tiles, stages, sub, *fixup = map(int, c.split(","))
+        compiled = hopper_ws.compile_sm90(bm, tiles, stages, sub, bool(fixup and fixup[0]))
         line, counts = sass_summary(compiled, WS_COUNTED)
-        regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])})
-        print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup)} consumers={consumers}"
-              f" ctas_per_sm={ctas} maxnreg={hopper_ws.max_registers(consumers, ctas)}\n"
-              f"  {line}  shared {compiled.metadata.shared} B  setmaxnreg {regs}\n  {counts}")  # fmt: skip
+        print(f"hopper_ws block_m={bm} tiles={tiles} stages={stages} sub={sub} fixup={bool(fixup and fixup[0])}\n"
+              f"  {line}  shared {compiled.metadata.shared} B\n  {counts}")  # fmt: skip
         for name, (n, k) in WS_SHAPES.items():
-            tails = {m: streamk_tail(m, n, k, bm, tiles, sub, 132 * ctas) for m in (64, 128, 256, 512)
-                     if bm <= max(64, m)}  # fmt: skip
+            tails = {m: streamk_tail(m, n, k, bm, tiles, sub) for m in (64, 128, 256, 512) if bm <= max(64, m)}
             print(f"  {name}: " + "; ".join(f"M={m} {t['units_per_program']}/prog {t['units_per_tile']}/tile, "
                                             f"tail {t['serial_parts']}x{t['part_kb']} KB" for m, t in tails.items()))  # fmt: skip
 
@@ -121,7 +117,7 @@ def ws_report(configs: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ttgir", action="store_true", help="print the layout conversions / shared-memory allocations")
-    ap.add_argument("--ws", nargs="+", default=None, metavar="BM,T,STAGES,SUB[,FIXUP[,CONSUMERS,CTAS_PER_SM]]",
+    ap.add_argument("--ws", nargs="+", default=None, metavar="BM,T,STAGES,SUB[,FIXUP]",
                     help="the warp-specialised Gluon kernel (hopper_ws) per config, and its stream-K schedule")  # fmt: skip
     args = ap.parse_args()
     if args.ws:

@@ -13,10 +13,10 @@
 #    graph engine (item 7 for the 32B recipe). Earlier jobs: b78624b (probe, offline default seed 0, 7B recipe on vLLM,
 #    S0's second half), dce0c4f (steps 1-2: *_dce0c4f.*), e0a0a82 (steps 3-4 side by side, step 1's four tests, step 5
 #    cut at 420 s: *_e0a0a82*). 5. (only when asked: MACHINE_B_STEPS="5") issue #48's `-m gpu` suite of the main tests,
-#    verbose (each test's line stays if the time runs out). 6. (only when asked) issue #50's round 14 spike: the
-#    hopper_ws GPU tests (the two-CTA configs among them), then `gemm.py --occupancy` (round 12's SS spike ran at
-#    0c004f2 as the earlier step 6 and left with its no-go). 0c004f2 (one H200): step 1 as two jobs side by side on the one
-#    card, then the failures alone (vllm_tests_h200_0c004f2_*.log).
+#    verbose (each test's line stays if the time runs out). (Step 6 ran issue #50's kernel spikes and left with them:
+#    round 12's at 0c004f2; round 14's two-CTA spike at ffe0fc3 on one H200, no-go: gemm_occupancy_h200_ffe0fc3.json,
+#    docs/kernels.md.) 0c004f2 (one H200): step 1 as two jobs side by side on the one card, then the failures alone
+#    (vllm_tests_h200_0c004f2_*.log).
 set -uo pipefail
 source benchmarks/vllm_gpu/env.sh
 O=${JOB_OUT:-/tmp/qerl-b-out}
@@ -63,21 +63,5 @@ if step 5; then  # issue #48: the whole `-m gpu` suite of the main tests once af
   timeout -s INT "${GPU_TESTS_S:-900}" python3 -m pytest -m gpu tests --ignore=tests/vllm_integration \
     -p no:cacheprovider -v -rfE --durations=15 > "$O/gpu_tests.log" 2>&1
   echo "rc $?"; tail -n 3 "$O/gpu_tests.log"
-fi
-if step 6; then  # issue #50 round 14 (docs/kernels.md): one consumer x two CTAs per SM, against the shipped kernel
-  say "6 kernel round 14: the two-CTA configs' GPU tests, then gemm.py --occupancy"
-  # Humming 0.1.19 where call 5 copied its wheel to /tmp/h19-wheels (bg.sh's tree copy leaves .carry out), else
-  # vLLM's pinned 0.1.10 from the install
-  H=""
-  if ls /tmp/h19-wheels/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/h19 /tmp/h19-wheels/*.whl &&
-      H=/tmp/h19:
-  fi
-  PYTHONPATH=$H$PYTHONPATH timeout -s INT 400 python3 -m pytest -p no:cacheprovider -m gpu -v \
-    tests/nvfp4/test_hopper_ws.py > "$O/gpu_tests_hopper_ws.log" 2>&1
-  echo "rc $?"; tail -n 2 "$O/gpu_tests_hopper_ws.log"
-  PYTHONPATH=$H$PYTHONPATH timeout -s INT 420 python3 benchmarks/gemm.py --occupancy --ms 64,128,256 --out "$O" \
-    > "$O/occupancy.log" 2>&1
-  echo "rc $?"; tail -n 14 "$O/occupancy.log"
 fi
 say "machine_b done"

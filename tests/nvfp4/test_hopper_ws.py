@@ -3,10 +3,9 @@
 * CPU (CI): the kernel compiles for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``), its SASS has the
   Hopper instructions it is built on (``HGMMA`` with a register A operand, ``UTMALDG`` bulk tensor copies,
   ``SYNCS`` mbarriers) and no local-memory spills; the dispatch falls back to the Triton kernels where it cannot run.
-  Round 14's two-CTA configs (one consumer warpgroup per CTA, two CTAs per SM) fit two per SM, without spills.
 * GPU (``-m gpu``, the H100): every config the dispatch table uses against the float64 PyTorch reference on fresh
   random inputs (odd M, bias, NaN-poisoned outputs), bit-equal repeated calls (stream-K sums its split tiles in a
-  fixed order), a LoRA adapter through ``nvfp4_lora_linear``, and CUDA-graph replays; the two-CTA configs likewise.
+  fixed order), a LoRA adapter through ``nvfp4_lora_linear``, and CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -78,55 +77,15 @@ def test_parallel_fixup_compiles_for_sm90a_without_spills_in_the_main_loop():
         assert not (in_loop and re.search(r"\b(LDL|STL)\b", line)), line
 
 
-def _two_cta_configs() -> tuple[tuple[int, ...], ...]:
-    from nvfp4.kernels import hopper_ws
-
-    return hopper_ws.TWO_CTA_CONFIGS
-
-
-def _two_cta_config(config: tuple[int, ...]) -> dict:
-    """A :data:`hopper_ws.TWO_CTA_CONFIGS` entry as :func:`hopper_ws.launch`'s keywords."""
-    block_m, tiles, stages, sub, *fixup = config
-    return dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup and fixup[0]), consumers=1,
-                ctas_per_sm=2)  # fmt: skip
-
-
-@pytest.mark.parametrize("config", _two_cta_configs())
-def test_two_cta_configs_fit_two_per_sm_without_spills(config):
-    """Round 14's spike: one consumer warpgroup per CTA, two CTAs per SM. Each config compiles for sm_90a with
-    registers for two CTAs (maxnreg × the CTA's threads, the producer's warpgroup included, ≤ 32K), shared memory
-    for two (plus the 1 KB reserved per CTA, ≤ half of 228 KB), no spills, and the register-A wgmma, which ptxas
-    does not serialise for want of registers (C7512, as block_m 128 × tiles 2 × sub 2 would: 128 + 2·32 live)."""
-    from nvfp4.kernels import hopper_ws
-
-    cfg = _two_cta_config(config)
-    compiled = hopper_ws.compile_sm90(cfg.pop("block_m"), cfg.pop("tiles"), cfg.pop("stages"), cfg.pop("sub"), **cfg)
-    usage, sass = _usage_and_sass(compiled)
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.ptx").write_text(compiled.asm["ptx"])
-        ptxas = subprocess.run([_BIN / "ptxas", "-v", "--gpu-name=sm_90a", Path(d) / "k.ptx", "-o", Path(d) / "k.o"],
-                               capture_output=True, text=True, check=True).stderr  # fmt: skip
-    assert "serialized" not in ptxas, ptxas
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    static = int(re.search(r"SHARED:(\d+)", usage).group(1))
-    assert compiled.metadata.num_warps == 8  # one consumer warpgroup + the producer's (a warp padded to 4)
-    assert regs * 32 * compiled.metadata.num_warps * 2 <= 65536, usage
-    assert 2 * (compiled.metadata.shared + static + 1024) <= 228 * 1024, (compiled.metadata.shared, static)
-    assert re.search(r"STACK:0\b", usage) and "LDL" not in sass and "STL" not in sass, usage
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+216;", compiled.asm["ptx"])  # the consumer: 2·128 − 40 in the region
-    assert re.search(rf"HGMMA\.64x{config[0]}x16\.F32\.BF16 R\d+, R\d+,", sass), "wgmma with a register A operand"
-
-
 @pytest.mark.parametrize("shape", [(128, 3584, 18944, 128, 4, 2), (128, 18944, 3584, 128, 4, 2), (300, 1024, 5120, 64, 2, 2),
                                    (64, 5120, 27648, 64, 4, 1), (700, 27648, 5120, 256, 2, 1)])  # fmt: skip
-@pytest.mark.parametrize("programs", [264, 132, 100, 7])
-@pytest.mark.parametrize("consumers", [2, 1])
-def test_parallel_fixup_schedule_sums_every_split_tile_once(shape, programs, consumers):
+@pytest.mark.parametrize("programs", [132, 100, 7])
+def test_parallel_fixup_schedule_sums_every_split_tile_once(shape, programs):
     """The index arithmetic of ``fixup=True`` replayed in Python (:func:`hopper_ws._participants`'s formula, the slot
     and flag indices of ``_consumer`` and ``_parallel_fixup``): every part a reader adds is a part of its tile, the
     parts cover the tile's K once, every token group of a split tile is summed by exactly one program, and the flags
     come back to zero; the workspace slots and flags of (program, segment, consumer) are distinct and within the
-    ``2·consumers·programs`` that :func:`hopper_ws.launch` allocates (``consumers=1``: round 14's two CTAs per SM)."""
+    ``4·programs`` that :func:`hopper_ws.launch` allocates."""
     m, n, k, block_m, tiles, sub = shape
     num_m, ku = -(-m // block_m), k // (64 * sub)
     u = num_m * (n // (64 * tiles)) * ku
@@ -143,9 +102,9 @@ def test_parallel_fixup_schedule_sums_every_split_tile_once(shape, programs, con
                 pf, pl = first_last(tile)
                 assert pf <= me <= pl
                 parts[(me, int(unit != u0))] = (tile, ke - kb)
-                for wg in range(consumers):  # _consumer's slot and flag indices of this part
+                for wg in range(2):  # _consumer's slot and flag indices of this part
                     j = int(unit != u0)
-                    slots.append((j * consumers * g + consumers * me + wg, 2 * consumers * me + consumers * j + wg))
+                    slots.append((j * 2 * g + 2 * me + wg, 4 * me + 2 * j + wg))
                 flags[(me, int(unit != u0))] = pl - pf + 1
             unit += ke - kb
     for me in range(g):  # the fixups: the first segment's tile and the last segment's, where split
@@ -164,7 +123,7 @@ def test_parallel_fixup_schedule_sums_every_split_tile_once(shape, programs, con
                 flags[key] -= 1
     assert set(flags.values()) <= {0}
     for index in zip(*slots, strict=True):
-        assert len(set(index)) == len(index) and max(index) < 2 * consumers * g
+        assert len(set(index)) == len(index) and max(index) < 4 * g
     assert set(summed.values()) <= {1}
     assert len(summed) == len({t for t, _ in parts.values()}) * (block_m // 4)
 
@@ -285,20 +244,3 @@ def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) 
             assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
     finally:
         hopper_ws.POISON = False
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("config", _two_cta_configs())
-def test_two_cta_configs_against_the_reference_gpu(config):
-    """Round 14's spike (one consumer warpgroup, two CTAs per SM: ``2·SMs`` programs, all resident) on the random
-    shapes of the table's test and the 7B gate/down at M = 64-256: float64 reference (odd M, bias, NaN-poisoned
-    output), bit-equal repeats, flags left at zero."""
-
-    cfg = _two_cta_config(config)
-    block_m, tiles = config[:2]
-    gen = torch.Generator().manual_seed(sum(config))
-    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)),
-               256 * int(torch.randint(1, 30, (1,), generator=gen))) for m in (1, block_m - 1, block_m + 3, 700)]
-    shapes += [(m, n, k) for m in (64, 128, 255) for n, k in ((18944, 3584), (3584, 18944))]  # fmt: skip
-    _check_shapes(shapes, cfg, config)

@@ -121,12 +121,10 @@ def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.conste
 
 @gluon.jit
 def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
-              N, K, stride_ym, WG: gl.constexpr, NC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+              N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
               T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
               FIXUP: gl.constexpr):  # fmt: skip
-    """Consumer partition ``WG`` of ``NC``, ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row
-    tile (``TC = T / NC``). Its workspace slots and flags are indexed ``NC·program + WG``."""
-    TC: gl.constexpr = T // NC
+    """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -149,7 +147,7 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
         for ku in range(kb, ke):
             # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
             # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
-            # decode; the other consumer partition (NC = 2) or the SM's other CTA (NC = 1) decodes meanwhile.
+            # decode; the other consumer partition decodes meanwhile.
             a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout)
             if SUB == 2:
                 a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
@@ -175,25 +173,25 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
                 j = (u - (ke - kb) != u0).to(gl.int32)  # slot 0: the program's first segment; 1: its last
                 pf, pl = _participants(tile, G, U, KU)
                 slot_t = cols_c[None, :] * (64 * TC) + rows_c[:, None]
-                gl.store(ws_ptr + (j * NC * G + NC * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot_t, acc)
+                gl.store(ws_ptr + (j * 2 * G + 2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot_t, acc)
                 gl.thread_barrier()  # every thread's part is out before the flag goes up
-                gl.atomic_xchg(flag_ptr + 2 * NC * me + NC * j + WG, pl - pf + 1, sem="release", scope="gpu")
+                gl.atomic_xchg(flag_ptr + 4 * me + 2 * j + WG, pl - pf + 1, sem="release", scope="gpu")
         else:
             # Stream-K: a tile split between programs is summed by the program holding its first stages (it reaches
             # them last, so the others' parts are written by then), in program order: deterministic.
-            flag = flag_ptr + NC * me + WG
+            flag = flag_ptr + 2 * me + WG
             if kb > 0:
-                gl.store(ws_ptr + (NC * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot, acc)
+                gl.store(ws_ptr + (2 * me + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot, acc)
                 gl.thread_barrier()  # every thread's part is out before the flag goes up
                 gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
             else:
                 covered = ke
                 other = me + 1
                 while covered < KU:
-                    oflag = flag_ptr + NC * other + WG
+                    oflag = flag_ptr + 2 * other + WG
                     while gl.atomic_add(oflag, 0, sem="acquire", scope="gpu") == 0:
                         pass
-                    acc += gl.load(ws_ptr + (NC * other + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot,
+                    acc += gl.load(ws_ptr + (2 * other + WG).to(gl.int64) * (64 * TC * BLOCK_M) + slot,
                                    cache_modifier=".cg")  # fmt: skip
                     gl.atomic_xchg(oflag, 0, sem="relaxed", scope="gpu")
                     covered = gl.minimum(KU, (other + 1) * U // G - tile * KU)
@@ -206,11 +204,11 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
         t0, kb0, ke0 = _segment(u0, u1, KU)
         if (kb0 > 0) | (ke0 < KU):
             _parallel_fixup(t0, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym, WG,
-                            NC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
+                            TC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
         t1 = (u1 - 1) // KU
         if (t1 != t0) & (u1 - t1 * KU < KU):
             _parallel_fixup(t1, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym, WG,
-                            NC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
+                            TC, HAS_BIAS, BLOCK_M, T, WARPS)  # fmt: skip
 
 
 @gluon.jit
@@ -252,13 +250,12 @@ def _store_rows(acc, rows_c, cols_c, n0, tile, post, b_ptr, y_ptr, num_m, M, N, 
 
 @gluon.jit
 def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU, num_m, M, N, stride_ym,
-                    WG: gl.constexpr, NC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
                     T: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """Sum this program's share of split ``tile`` (this consumer's rows): the ``n`` programs that worked on it take
     every ``n``-th group of ``WARPS`` tokens; each group adds the ``n`` slots (16 at a time: one round of
     loads) in a fixed order (deterministic) and goes to y. The serial form has one program read all ``n - 1``
     other slots after the last of them is written (the tail of the kernel); here each reads ``1/n`` of each."""
-    TC: gl.constexpr = T // NC
     ROWS: gl.constexpr = 64 * TC
     QB: gl.constexpr = 32 * WARPS
     QN: gl.constexpr = 16  # parts loaded per round
@@ -271,7 +268,7 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
     for qb in range(pf, pl + 1, QB):
         q = qb + gl.arange(0, QB, layout=f_layout)
         live = q <= pl
-        _wait_nonzero(flag_ptr + 2 * NC * q + NC * gl.where(q == pf, j_first, 0) + WG, live)
+        _wait_nonzero(flag_ptr + 4 * q + 2 * gl.where(q == pf, j_first, 0) + WG, live)
     gl.thread_barrier()  # all flags seen before anyone reads a part
     red2: gl.constexpr = gl.SliceLayout(0, red)
     tok = gl.arange(0, WARPS, layout=gl.SliceLayout(1, red2))
@@ -287,7 +284,7 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
         # QN programs' parts in one round of loads, added in program order (the sum runs within each thread)
         for qb in range(pf, pl + 1, QN):
             q = qb + qq
-            base = (gl.where(q == pf, j_first, 0) * NC * G + NC * q + WG).to(gl.int64) * (ROWS * BLOCK_M)
+            base = (gl.where(q == pf, j_first, 0) * 2 * G + 2 * q + WG).to(gl.int64) * (ROWS * BLOCK_M)
             part = gl.load(ws_ptr + base[:, None, None] + off, mask=(q <= pl)[:, None, None], other=0.0,
                            cache_modifier=".cg")  # fmt: skip
             acc += gl.sum(part, axis=0)
@@ -302,20 +299,17 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
     for qb in range(pf, pl + 1, QB):
         q = qb + gl.arange(0, QB, layout=f_layout)
         live = q <= pl
-        gl.atomic_add(flag_ptr + 2 * NC * q + NC * gl.where(q == pf, j_first, 0) + WG, gl.full([QB], -1, gl.int32, f_layout),
+        gl.atomic_add(flag_ptr + 4 * q + 2 * gl.where(q == pf, j_first, 0) + WG, gl.full([QB], -1, gl.int32, f_layout),
                       mask=live, sem="relaxed", scope="gpu")  # fmt: skip
 
 
 @gluon.jit
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                      SUB: gl.constexpr, FIXUP: gl.constexpr, CONSUMERS: gl.constexpr,
-                      num_warps: gl.constexpr):  # fmt: skip
+                      SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
-    (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). ``CONSUMERS``
-    (2 or 1) partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them. With one consumer
-    the CTA is small enough for two per SM (``launch(ctas_per_sm=2)``): two rings that drift out of phase, so that
-    one CTA's decode overlaps the other's wgmma."""
+    (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
+    partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
     num_m = gl.cdiv(M, BLOCK_M)
     KU = K // (64 * SUB)  # units of SUB stages of 64 inputs per tile
     U = num_m * (N // (64 * T)) * KU
@@ -330,41 +324,22 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # each consumer frees the stage
+        mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ready.index(i), count=1)
 
-    # the producer warp is padded to a warpgroup; the default (first) consumer gets the registers the others leave
-    if CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U,
-                             KU, num_m, M, N, K, stride_ym, 0, 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U,
-                             KU, num_m, M, N, K, stride_ym, 1, 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
-                (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M,
-                             T, STAGES, SUB)),
-            ],
-            [num_warps, 1],
-            [232, 40],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U,
-                             KU, num_m, M, N, K, stride_ym, 0, 1, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
-                (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M,
-                             T, STAGES, SUB)),
-            ],
-            [1],
-            [40],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
+            (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
+                         STAGES, SUB)),
+        ],
+        [num_warps, 1],
+        [232, 40],
+    )  # fmt: skip
 
-
-# Round 14's spike (docs/kernels.md): (block_m, tiles, stages, sub[, fixup]) run with consumers=1, ctas_per_sm=2 —
-# within two CTAs' registers (maxnreg 128) and shared memory (≤ 113 KB each), no spills, no wgmma serialised for
-# registers (ptxas C7512: block_m 128 × tiles 2 takes sub 1) (tests/nvfp4)
-TWO_CTA_CONFIGS = ((64, 1, 8, 2), (64, 2, 6, 2), (64, 2, 6, 2, 1), (128, 1, 5, 2), (128, 1, 5, 2, 1), (128, 2, 4, 1),
-                   (128, 2, 5, 1), (128, 2, 5, 1, 1))  # fmt: skip
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -386,8 +361,7 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
-           stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False, consumers: int = 2,
-           ctas_per_sm: int = 1) -> torch.Tensor:  # fmt: skip
+           stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
@@ -395,17 +369,15 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
         packed: uint8 ``[N/4, 2K]`` (MMA layout); scale: fp8 ``[N, K/16]``; global_scale: fp32 ``[1]``.
         bias: optional ``[N]`` in x's dtype.
         y: ``[M, N]`` output in x's dtype, row-contiguous.
-        flags: int32, at least ``consumers·programs`` zeros (each launch leaves them zero).
+        flags: int32, at least ``2·programs`` zeros (each launch leaves them zero).
         block_m, tiles, stages, sub: rows of x per tile (the wgmma N), weight tiles of 64 rows (``64·tiles``
             output rows, split between the two consumer warpgroups), pipeline stages of 64 inputs, stages per
             scheduling unit.
-        programs: persistent programs (default: ``ctas_per_sm`` per SM; every program must be resident at once,
-            since a split tile's programs wait on each other).
-        fixup: the programs that share a split tile each sum a share of it at the end (needs ``2·consumers·programs``
-            flags) instead of the tile's first program summing all the others' parts: the serial sum is the
-            kernel's tail where a tile is split many ways (256-row tiles, long K).
-        consumers: consumer warpgroups per CTA (2, or 1: it owns all ``tiles`` of the CTA).
-        ctas_per_sm: programs per SM (2 with ``consumers=1``: ``maxnreg`` and shared memory sized for two).
+        programs: persistent programs (default: one per SM, the most that are resident at once: a split tile's
+            programs wait on each other).
+        fixup: the programs that share a split tile each sum a share of it at the end (needs ``4·programs``
+            flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
+            sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
     """
     m, k = x.shape
     n = scale.shape[0]
@@ -415,43 +387,15 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
                               w_layout)  # fmt: skip
     s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
     units = triton.cdiv(m, block_m) * (n // (64 * tiles)) * (k // (64 * sub))
-    g = min(programs or ctas_per_sm * num_sms(x.device), units)
-    slots = (2 if fixup else 1) * consumers * g  # (first/last segment ×) program × consumer
+    g = min(programs or num_sms(x.device), units)
+    slots = 4 * g if fixup else 2 * g  # (first/last segment ×) program × consumer
     if flags.numel() < slots:
         raise ValueError(f"hopper_ws.launch: {flags.numel()} flags for {g} programs (needs {slots})")
-    ws = torch.empty((slots, 64 * tiles // consumers * block_m), dtype=torch.float32, device=x.device)
-    args = (x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n, k, y.stride(0))
-    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages, SUB=sub, FIXUP=fixup,
-                CONSUMERS=consumers, num_warps=4, maxnreg=max_registers(consumers, ctas_per_sm))  # fmt: skip
-    if g > num_sms(x.device):  # the split tiles' programs wait on each other: all of them must be resident at once
-        key = (x.device, bias is not None, *meta.values())
-        if key not in _RESIDENT:
-            _RESIDENT[key] = _resident_per_sm(_ws_linear_kernel.warmup(*args, grid=(g,), **meta), x.device)
-        if g > _RESIDENT[key] * num_sms(x.device):
-            raise ValueError(f"hopper_ws.launch: {g} programs, {_RESIDENT[key]} CTAs of {meta} fit an SM")
-    _ws_linear_kernel[(g,)](*args, **meta)
+    ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
+    _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
+                            k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
+                            SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=168)  # fmt: skip
     return y
-
-
-_RESIDENT: dict[tuple, int] = {}
-
-
-def _resident_per_sm(compiled, device: torch.device) -> int:
-    """CTAs of ``compiled`` that fit one SM by registers (``maxnreg`` × all warps, the producer's warpgroup included)
-    and shared memory (the kernel's plus the 1 KB the system reserves per CTA)."""
-    compiled._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    regs = compiled.n_regs * 32 * compiled.metadata.num_warps
-    smem = compiled.metadata.shared + 1024
-    return min(props.regs_per_multiprocessor // regs, props.shared_memory_per_multiprocessor // smem)
-
-
-def max_registers(consumers: int = 2, ctas_per_sm: int = 1) -> int:
-    """``maxnreg`` of the launch: the most (a multiple of 8, at most 168) that lets ``ctas_per_sm`` CTAs of
-    ``128·(consumers + 1)`` threads (the producer's warpgroup included) share the SM's 64K registers: 168 for the
-    shipped form (2 consumers, one CTA per SM), 128 for 1 consumer × 2 CTAs (the default consumer's ``setmaxnreg``
-    then takes 2·128 − 40 = 216)."""
-    return min(168, 65536 // (128 * (consumers + 1) * ctas_per_sm) // 8 * 8)
 
 
 def _smem_layouts(block_m: int):
@@ -462,8 +406,7 @@ def _smem_layouts(block_m: int):
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))  # fmt: skip
 
 
-def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True,
-                 consumers: int = 2, ctas_per_sm: int = 1):  # fmt: skip
+def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
     ``benchmarks/kernel_sass.py@1486a77 --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
     from triton.backends.compiler import GPUTarget
@@ -475,13 +418,13 @@ def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = 
            "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "CONSUMERS": "constexpr", "num_warps": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
-              "CONSUMERS": consumers, "num_warps": 4}  # fmt: skip
+              "num_warps": 4}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=max_registers(consumers, ctas_per_sm)))  # fmt: skip
+                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}

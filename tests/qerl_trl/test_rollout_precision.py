@@ -41,6 +41,23 @@ def test_the_config_parses_it_once_and_engines_refuse_what_they_cannot_honour(tm
     assert config.rollout_precision == "fp8"
 
 
+def test_fp8_rollouts_without_sampling_logprobs_say_the_correction_does_not_run(caplog):
+    """TRL's importance-sampling correction reads the engine's logprobs: the graph engine returns none, so FP8 rollouts
+    there (correction on by default) are told once, in one line, that their gap to the trainer stays uncorrected."""
+    said = "TRL's importance-sampling correction does not run"
+    with caplog.at_level("WARNING", logger="qerl_trl.rollout.base"):
+        QeRLConfig(output_dir="x", rollout_engine="graph", rollout_precision="auto")
+    lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "rollout_engine='graph'" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="qerl_trl.rollout.base"):
+        QeRLConfig(output_dir="x", rollout_engine="vllm", rollout_precision="fp8")  # vLLM returns them
+        QeRLConfig(output_dir="x", rollout_engine="graph", rollout_precision="fp8",
+                   vllm_importance_sampling_correction=False)  # chosen off: nothing to say
+        QeRLConfig(output_dir="x", rollout_engine="graph")  # w4a16
+    assert not [r for r in caplog.records if said in r.getMessage()]
+
+
 def test_bad_values_are_one_line_before_and_after_torch(tmp_path, capsys, monkeypatch):
     from qerl_trl.cli import DEBUG_ENV
 

@@ -166,7 +166,8 @@ class QeRLConfig(GRPOConfig):
             7B layer, measured; 128 for unmeasured shapes). Engines ``"graph"`` (the copy beside the policy's NVFP4
             weights: +1 byte a weight, counted by the memory plan) and ``"vllm"`` (colocate: the engine's linear
             method, ``qerl_vllm.quant``); training's forward, backward and logprobs stay W4A16; LoRA stays bf16 on
-            top, AQN unchanged (its noise is on the norms).
+            top, AQN unchanged (its noise is on the norms). TRL's importance-sampling correction needs the engine's
+            sampling logprobs: vLLM's; the graph engine has none (a warning says so when it is on).
         generation_wave_rows: ``"graph"``: the most rows decoded at once; a larger generation batch is generated in
             waves of at most that many rows through one KV cache of that many rows (``graph_generate(max_rows=)``).
             Default: on CUDA, as many as :mod:`qerl_trl.memory_plan` fits in the GPU's memory beside the weights, LoRA,

@@ -14,6 +14,7 @@ No engine writes the trainer's (TRL's) state.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from ..quantization import QuantScheme
 
 __all__ = ["RolloutEngine", "generate_padded"]
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
@@ -95,6 +98,12 @@ class RolloutEngine:
             raise ValueError(f"rollout_precision={precision.name!r} makes its FP8 copy from NVFP4 weights; "
                              f"quantization={cfg.quantization!r} has none: use an nvfp4-* quantization or "
                              "rollout_precision='w4a16'")  # fmt: skip
+        if precision.fp8_copy and cfg.vllm_importance_sampling_correction and not cls.sampling_logprobs:
+            # TRL's correction reads the engine's sampling logprobs; without them the FP8-vs-trainer gap (a numeric one,
+            # unlike AQN's noise) goes into the loss as it is: said once here instead of a True setting doing nothing
+            logger.warning("rollout_precision=%r on rollout_engine=%r: the engine returns no sampling logprobs, so "
+                           "TRL's importance-sampling correction does not run on the FP8 rollouts' gap to the "
+                           "trainer (docs/fp8_rollouts.md); rollout_engine='vllm' applies it", precision.name, cls.name)
 
     @classmethod
     def check_environment(cls, cfg: Any) -> None:

@@ -1,6 +1,5 @@
 """The GPU kernels of a profiled region, by category; the decode step's share of each (``rollout.py`` /
-``rollout_vllm.py --profile``). (``kernel_times``, ``run_arms`` and ``by_category``, the per-kernel times,
-one-arm-per-process loop and per-category totals of the removed ``decode_profile.py``, left after dce0c4f.)"""
+``rollout_vllm.py --profile``)."""
 
 from __future__ import annotations
 
@@ -13,12 +12,8 @@ __all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profi
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("LoRA", re.compile(r"lora|punica|sgmv|bgmv", re.I)),
-    (
-        "nvfp4 gemm",
-        re.compile(
-            r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel"
-        ),
-    ),
+    ("nvfp4 gemm", re.compile(r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel"
+                              r"|_dgrad_(mma_)?kernel")),  # fmt: skip
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention|paged_attn|reshape_and_cache", re.I)),
     # torch._scaled_mm row-wise (cutlass, float_e4m3_t), vLLM's cutlass_scaled_mm, our activation quantisation
     ("fp8 gemm", re.compile(r"e4m3|e5m2|fp8|scaled_mm|_act_quant_kernel", re.I)),

@@ -934,16 +934,12 @@ def main(argv=None) -> None:
     vars(args).update(FIXED_SETTINGS)
     if args.tiny and not args._worker:
         args.models = "tiny"
-        if args.prompt_len == 256:
-            args.prompt_len = 16
-        if args.completion_len == 1024:
-            args.completion_len = 8
+        args.prompt_len = 16 if args.prompt_len == 256 else args.prompt_len
+        args.completion_len = 8 if args.completion_len == 1024 else args.completion_len
 
     preset = LENGTH_PRESETS.get(args.lengths, (0, 0))
-    if args.min_new_tokens is None:
-        args.min_new_tokens = preset[0]
-    if args.eos_mean_tokens is None:
-        args.eos_mean_tokens = preset[1]
+    args.min_new_tokens = preset[0] if args.min_new_tokens is None else args.min_new_tokens
+    args.eos_mean_tokens = preset[1] if args.eos_mean_tokens is None else args.eos_mean_tokens
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
     args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")

@@ -446,14 +446,12 @@ def table_gpu(res: dict) -> str:
 def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> list[Path]:
     """One figure per task, ``<folder>/<prefix>_<task>.png``: reward, entropy, σ, completion length per step (mean over
     seeds, 95 % CI band) and held-out greedy pass@1 at each evaluated step, one colour per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import warnings
 
-    import matplotlib.pyplot as plt
     import numpy as np
+    from common.plots import pyplot, save_figure
 
+    plt = pyplot()
     warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (σ of the arms without AQN)
     paths = []
     for task, data in res["tasks"].items():
@@ -497,11 +495,7 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
         span = f"stopped at steps {min(logged)}-{max(logged)} of {steps_total}" if stopped else f"{steps_total} steps"
         fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on {task}, {span}, {res['device']}")
         fig.tight_layout()
-        path = folder / f"{prefix}_{task}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, folder / f"{prefix}_{task}.png"))
     return paths
 
 

@@ -104,8 +104,13 @@ class Decoder:
 
 DECODERS = {
     "generate": Decoder("transformers generate, static cache", " + compiled decode", False, compile_config, _generate),
-    "graph": Decoder("qerl_trl graph_generate, static cache", " + one compiled graph per decode step incl. sampling",
-                     True, lambda args, cuda: graph_compile_options(args), _graph_generate),  # fmt: skip
+    "graph": Decoder(
+        "qerl_trl graph_generate, static cache",
+        " + one compiled graph per decode step incl. sampling",
+        True,
+        lambda args, cuda: graph_compile_options(args),
+        _graph_generate,
+    ),
 }
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
@@ -386,8 +391,7 @@ def main(argv=None) -> None:
     if args.plot_only:
         if not args.plot:
             ap.error("--plot-only needs --plot PNG")
-        with open(args.plot_only) as f:
-            d = json.load(f)
+        d = json.loads(Path(args.plot_only).read_text())
         print(f"wrote {plot(d['results'], args.plot, run_title(d))}")
         return
 

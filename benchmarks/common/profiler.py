@@ -12,8 +12,12 @@ __all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profi
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("LoRA", re.compile(r"lora|punica|sgmv|bgmv", re.I)),
-    ("nvfp4 gemm", re.compile(r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel"
-                              r"|_dgrad_(mma_)?kernel")),  # fmt: skip
+    (
+        "nvfp4 gemm",
+        re.compile(
+            r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel"
+        ),
+    ),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention|paged_attn|reshape_and_cache", re.I)),
     # torch._scaled_mm row-wise (cutlass, float_e4m3_t), vLLM's cutlass_scaled_mm, our activation quantisation
     ("fp8 gemm", re.compile(r"e4m3|e5m2|fp8|scaled_mm|_act_quant_kernel", re.I)),

@@ -1,64 +1,24 @@
 """One full GRPO step (issue #7): generation + scoring + loss + backward + optimizer, per arm, in the real trainer.
 
-Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` (TRL 1.16's ``GRPOTrainer`` + AQN) for ``--warmup-steps`` +
-``--steps`` optimizer steps, by default on one group per step (``num_generations = per_device_train_batch_size =
---group``, ``gradient_accumulation_steps = 1``), or at a recipe's generation batch with ``--per-device-batch`` and
-``--grad-accum`` (TRL generates ``per_device_batch × grad_accum`` completions in one round, then trains on them in
-``grad_accum`` micro-batches; the 7B recipe: 16 × 8 = 128 completions, groups of 8), and times every phase of every
-step:
+Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` for ``--warmup-steps`` + ``--steps`` optimizer steps, on one
+group per step, or at a recipe's generation batch (``--per-device-batch`` × ``--grad-accum`` completions, trained in
+``--grad-accum`` micro-batches), and times every phase of every step, each boundary a device synchronize (the JSON's
+``definitions``): ``gen`` (``_generate_single_turn``: ``prefill``, ``aqn``, ``decode``), ``score`` (the rest of
+``_prepare_inputs``; its no-grad log-prob forwards ``score_fwd``), ``loss_fwd``, ``backward``, ``clip``,
+``optimizer``; with peak GPU memory, peak RSS and dynamo counters per step (a measured step that compiles or breaks
+again shows ``compiled path`` ≠ ok).
 
-* ``gen``: ``_generate_single_turn`` (transformers ``generate``, AQN noise on/off included), split into ``prefill``
-  (the model's ``_prefill``, eager), ``aqn`` (applying + restoring the noise) and ``decode`` (the rest; with
-  ``--rollout-engine graph`` the prefill is not hooked and is counted in ``decode``);
-* ``score``: the rest of ``_prepare_inputs`` (tokenizing, rewards, advantages, and the no-grad log-prob forwards TRL
-  runs there, ``score_fwd``, none of them a reference forward: β = 0; with DDP also the wait for the slowest
-  rank's generation, as the rewards are gathered across ranks);
-* ``loss_fwd``: ``compute_loss`` (policy forward, gradient checkpointing on as in the paper);
-* ``backward``: the rest of ``training_step`` (``accelerator.backward``; with DDP the gradient all-reduce);
-* ``clip``: grad-norm clipping, ``optimizer``: ``optimizer.step()`` (callbacks ``on_pre_optimizer_step`` /
-  ``on_optimizer_step``); ``step``: ``on_step_begin`` → ``on_step_end``.
-Every boundary is a ``torch.cuda.synchronize``. Peak GPU memory per step (reset at the step's start; also the running
-peak after generation, loss forward, backward and optimizer), peak host RSS, and dynamo counters per step (graph
-breaks, new graphs = (re)compiles, skipped CUDA graphs): the decode is compiled on the warm-up step, and a measured
-step that compiles again (or breaks) shows up as ``compiled path`` ≠ ok.
+Models and arms are :mod:`common.models`' (random weights with the real Qwen2.5 shapes, LoRA r=32 in every arm;
+``trl-vllm``: stock TRL with its colocated vLLM). The tokenizer is a WordLevel one over the model's vocabulary (a
+prompt of ``--prompt-len`` words is that many tokens; no Hub). Completions have a fixed length, or spread lengths
+with ``--eos-mean-tokens M`` / ``--lengths`` (:data:`LENGTH_PRESETS`; ``round(V / M)`` EOS ids, as ``rollout.py``).
+Sampling at T = 1; reward = mean token id / vocab (non-zero advantages); β = 0; AQN at σ = 0.01 on every step;
+AdamW, lr 1e-5. Generation is TRL's path with a static cache and the compiled decode (``--no-compile``: eager), or
+``--rollout-engine graph`` / ``vllm``. Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results
+appended to ``--out`` after every arm; under ``accelerate launch`` the arms run in the launched processes (DDP), rank
+0 writing every rank's numbers.
 
-Models and arms are :mod:`common.models`' (``build_model``): random weights with the real Qwen2.5-7B /
-14B / 32B shapes, built and quantized layer by layer on the GPU (the 32B never exists in bf16 in full), LoRA r=32 on
-q/k/v/o/gate/up/down in every arm (adapters in ``--lora-dtype``): ``bf16`` (bf16 base + LoRA), ``qlora``
-(bitsandbytes NF4 + LoRA), ``nvfp4`` (NVFP4 + LoRA, ours). The trainer gets the ``PeftModel`` (its ``peft_config`` is
-then ignored). Tokenizer: a real ``PreTrainedTokenizerFast`` over a WordLevel vocabulary of the model's vocab size
-with a whitespace pre-tokenizer, so a prompt of ``--prompt-len`` words is exactly that many tokens (no Hub).
-Completions have a fixed length by default: ``generation_kwargs={"min_new_tokens": --completion-len}`` (EOS masked
-until ``max_completion_length``); the JSON records the lengths generated. ``--eos-mean-tokens M`` gives them spread
-lengths instead, as ``benchmarks/rollout.py`` does: ``round(V / M)`` token ids become EOS ids (the model's generation
-config, which TRL reads), so past ``--min-new-tokens`` a row of the near-uniform random-weight model ends at each step
-with probability about 1/M: lengths about ``min + Geometric(M)``, a long tail up to ``--completion-len``.
-``--lengths`` presets (assumptions, not fits to a published distribution; see :data:`LENGTH_PRESETS`): ``gsm8k``
-(mean ~300 tokens) and ``bigmath`` (mean ~1,000). Each step records the lengths' mean, spread and quantiles; with
-``--rollout-engine graph`` the memory plan's wave size (``generation_wave_rows``, or ``--wave-rows``) too. Sampling at temperature 1.0; reward = mean token
-id / vocab (deterministic, varies within a group, so the advantages are non-zero); β = 0 (no reference forward);
-AQN on (constant σ = 0.01 on every step, warm-up included, so the measured steps run the same
-code as the warm-up; its cost is part of our step); AdamW, lr 1e-5; no checkpoints.
-
-Generation runs TRL's regular path (``unwrapped_model.generate(..., generation_config=trainer.generation_config)``)
-with ``cache_implementation="static"``. TRL 1.16 builds that config with ``disable_compile=True``; the trainer turns
-the compiled decode back on on CUDA (``QeRLConfig.compile_generation``, ``qerl_trl.rollout.transformers.compiled_generation_config``)
-and this script sets its own ``CompileConfig`` knobs on top (default ``dynamic=False, mode="reduce-overhead"``), so
-transformers compiles the decode forward with CUDA graphs as in ``rollout.py`` (``--no-compile``: eager decode,
-``compile_generation=False``). On CPU the compile is forced (``_compile_all_devices``).
-``--rollout-engine graph`` sets ``QeRLConfig.rollout_engine="graph"`` instead: the trainer generates with
-``qerl_trl.graph_generate`` (one compiled graph per decode step, sampling included), its ``torch.compile`` options from
-the same knobs (``common.models.graph_compile_options``; compiled on CPU too unless ``--no-compile``), the same fixed
-completion lengths and cache length. Rows carry their ``rollout_engine``.
-
-Each (model, arm) runs in a fresh subprocess (OOM = "does not fit", recorded with the phase it happened in); results
-are appended to ``--out`` after every arm. Under ``accelerate launch`` (``WORLD_SIZE`` > 1) the arms run in the
-launched processes (DDP, ``ddp_broadcast_buffers=False``: NVFP4 weights are buffers), each on ``cuda:LOCAL_RANK``
-with one group per process and step; rank 0 writes the JSON with ``world_size`` and every rank's numbers.
-
-Usage (H100 device calls of at most 10 minutes: one model per call, arms in separate subprocesses; a short warm-up
-``--warmup-completion-len 32`` compiles the same decode graph as the full length, the static cache keeping its full
-size; measured on the H100: 32B NVFP4, 2048 tokens, 1 measured step = 309 s for the arm)::
+Usage (H100 calls of at most 10 minutes; ``--warmup-completion-len 32`` compiles the full length's decode graph)::
 
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms nvfp4 --rollout-engine graph \
@@ -109,9 +69,11 @@ from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_op
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
+    DYN_KEYS,
     LogCatcher,
     add_arm_arguments,
     check_names,
+    counter_diff,
     dynamo_counters,
     run_arm_grid,
     run_in_process,
@@ -121,23 +83,16 @@ from common.workers import (
 
 TRL_VLLM = "trl-vllm"
 ARMS = ("bf16", "qlora", "nvfp4", TRL_VLLM)
-#: ``trl-vllm``: what TRL users run today: stock ``trl.GRPOTrainer`` (no QeRL), ``use_vllm=True, vllm_mode="colocate"``,
-#: the bf16 checkpoint + a PEFT LoRA; TRL merges the adapter into a copy of the weights and loads them into its vLLM
-#: engine every step (``sync`` below), no AQN. Its label lives here, beside the other arms' in common.models.
+#: ``trl-vllm``: stock ``trl.GRPOTrainer`` with its colocated vLLM, the bf16 checkpoint + a PEFT LoRA merged into
+#: the engine's weights every step (``sync``), no AQN
 ARM_LABEL = ARM_LABEL | {TRL_VLLM: "TRL + vLLM, bf16 + LoRA (merged each step)"}
-#: ``--lengths``: (``--min-new-tokens``, ``--eos-mean-tokens``). Assumptions (no per-token length distribution of these
-#: runs was found published): ``gsm8k``, Qwen2.5-7B-Instruct's chain-of-thought answers on GSM8K, mean ~300 tokens (the
-#: figure issue #40 gives), here 100 + Geometric(200): sd ~200, longest of 128 rows ~1,100, the 4,096 cap not reached;
-#: ``bigmath``, Qwen2.5-32B-Instruct under DAPO on BigMath, mean ~1,000 (competition problems; DAPO's length grows over
-#: training, QeRL timed its first 30 steps "where the output token length is relatively short"), here 200 +
-#: Geometric(800): longest of 128 rows ~4,500 of the 8,192 cap. A geometric tail does not reach the cap the way
-#: truncated DAPO rollouts do; measure the real distribution (``completions/mean_length``) where the Hub is reachable.
+#: ``--lengths``: (``--min-new-tokens``, ``--eos-mean-tokens``), assumed lengths (BENCHMARKS.md says why): GSM8K
+#: with Qwen2.5-7B-Instruct, mean ~300 tokens; BigMath under DAPO with Qwen2.5-32B-Instruct, mean ~1,000
 LENGTH_PRESETS: dict[str, tuple[int, int]] = {"gsm8k": (100, 200), "bigmath": (200, 800)}
 ENGINES = ("transformers", "graph", "vllm")  # --rollout-engine's choices (the trl-vllm arm always runs TRL's vLLM)
 #: settings of every committed run: options up to e0a0a82 that no run set otherwise; the result JSONs keep them
 FIXED_SETTINGS = {"beta": 0.0, "aqn_sigma": 1e-2, "no_aqn": False, "grad_ckpt": True, "input_require_grads": True,
                   "no_static_cache": False, "dtype": None}  # fmt: skip
-_DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")
 
 
 # ----------------------------------------------------------------------------------------------------------- pieces
@@ -326,8 +281,8 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
 
             c = clock.cur
             c["step_s"] = clock.now() - c.pop("t0")
-            d0, d1 = c.pop("dyn0"), dynamo_counters()
-            c["dynamo"] = {k: d1[k] - d0[k] for k in _DYN_KEYS}
+            d1 = dynamo_counters()
+            c["dynamo"] = counter_diff(c.pop("dyn0"), d1)
             c["graph_break_reasons"] = d1["graph_break_reasons"] if c["dynamo"]["graph_breaks"] else {}
             n0 = c.pop("n_logs0")
             if self.catcher:
@@ -423,8 +378,8 @@ def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
         lens_ok = all(r["completion_len_min"] == r["expected_len"] == r["completion_len_max"] for r in rows)
     s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
-    dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in _DYN_KEYS}
-    dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in _DYN_KEYS}
+    dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in DYN_KEYS}
+    dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in DYN_KEYS}
     s["dynamo_warmup"] = dyn_warm
     reasons: dict = {}
     for r in warm:
@@ -445,10 +400,8 @@ VLLM_MAX_STOP_IDS = 127  # vLLM 0.26 refuses a request of more than 128 stop ids
 
 
 def _vllm_arm_model(args, device, dtype, res: dict):
-    """The policy of a vLLM arm, loaded from the checkpoint its engine loads (``rollout_vllm.checkpoints``: the same
-    random Qwen2.5 weights in bf16, and their NVFP4 RTN), with the benchmarks' LoRA; and the engine's settings:
-    ``max_model_len``, a KV cache of ``--vllm-kv-gb`` (ours: ``kv_cache_memory_bytes``; TRL exposes only
-    ``gpu_memory_utilization``, set to its vLLM weights + that KV cache + 3 GiB of the card)."""
+    """The policy of a vLLM arm from the checkpoint its engine loads (``rollout_vllm.checkpoints``), with the
+    benchmarks' LoRA; and the engine's settings (``_vllm_memory``)."""
     import torch
     from rollout_vllm import checkpoints
 
@@ -496,11 +449,9 @@ def _vllm_memory(path: Path, args, device, res: dict) -> dict:
 
 
 def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
-    """``SamplingParams`` keywords of the vLLM arms' lengths: every completion at ``--completion-len`` (EOS ignored),
-    or spread lengths (``--eos-mean-tokens M``, recorded in ``res["spread_eos"]``): ``round(V / M)`` EOS ids are more
-    than vLLM takes, so :data:`VLLM_MAX_STOP_IDS` of them get a logit bias ``b`` that gives a near-uniform model the
-    same odds of stopping per step, ``k·e^b / (V - k + k·e^b) = 1 / M``; EOS suppressed before ``--min-new-tokens``
-    (vLLM's ``min_tokens``)."""
+    """``SamplingParams`` keywords of the vLLM arms' lengths: fixed, or for ``--eos-mean-tokens M``
+    :data:`VLLM_MAX_STOP_IDS` EOS ids with a logit bias ``b`` giving a near-uniform model the odds ``round(V / M)`` ids
+    would, ``k·e^b / (V - k + k·e^b) = 1 / M`` (recorded in ``res["spread_eos"]``)."""
     import math
 
     if not args.eos_mean_tokens:
@@ -514,9 +465,7 @@ def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
 
 
 def _time_sync(trainer, clock: _Clock) -> None:
-    """Time the engine's weight sync (ours: the LoRA adapter as a new vLLM adapter; TRL: merge + load the weights)
-    as its own phase inside ``gen``: both trainers call their vLLM generation's ``sync_weights()`` (ours:
-    ``trainer.rollout.generation``, through ``RolloutEngine.sync_lora``; TRL's: ``trainer.vllm_generation``)."""
+    """Time the vLLM generation's ``sync_weights()`` (ours: the LoRA adapter; TRL: merge + load) as ``sync``."""
     generation = trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation
     sync_weights = generation.sync_weights
 
@@ -528,8 +477,7 @@ def _time_sync(trainer, clock: _Clock) -> None:
 
 
 def _rollout_engine(name: str, cuda: bool):
-    """The :class:`~qerl_trl.rollout.RolloutEngine` class ``rollout_engine=name`` selects, from a ``QeRLConfig`` (where
-    a name becomes a class) on the trainer's device: the arm's engine rules are its class attributes."""
+    """The ``RolloutEngine`` class ``rollout_engine=name`` selects (``QeRLConfig`` makes a name a class)."""
     from qerl_trl import QeRLConfig
 
     return QeRLConfig(output_dir=tempfile.gettempdir(), rollout_engine=name, use_cpu=not cuda,
@@ -695,22 +643,15 @@ def run_worker(args) -> dict:
     return res
 
 
-# ---------------------------------------------------------------------------------------------------------- driver
 # ------------------------------------------------------------------------------------------ --recipe: `qerl train`
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the word tokenizer's: contents, spaced
 
 
 def run_recipe(args) -> dict:
-    """``--recipe``: ``qerl train RECIPE`` itself (``qerl_trl.cli.main``) on ``--rollout-engine`` vllm (default) or
-    graph, on the vLLM arm's NVFP4 checkpoint (written layer by layer). Recipe settings as shipped but for the
-    overrides in ``train_argv``: the model, the engine (vllm: its ``vllm`` memory knobs, ``--vllm-kv-gb``; graph: the
-    recipe's own settings), ``max_steps``, a local ``data_path`` (random words, ``--prompt-len`` tokens after the chat
-    template), ``rewards`` = mean token id (varies within every group, so DAPO's dynamic sampling keeps every group)
-    and ``generation_kwargs`` for ``--lengths``. One length distribution on both engines (past ``--min-new-tokens`` a
-    near-uniform model stops with probability 1/M a token): vLLM takes 127 stop ids with a logit bias
-    (``_vllm_length_kwargs``), the graph engine ``round(V / M)`` EOS ids (``spread_eos_ids``, as the other arms; vLLM's
-    127 are the first of them), set where TRL's init put the model's. The trainer class ``qerl train`` builds gets the
-    phase timers; after the first step, the worst-case probe."""
+    """``--recipe``: ``qerl train RECIPE`` itself on ``--rollout-engine`` vllm (default) or graph, on the vLLM arm's
+    NVFP4 checkpoint; the recipe as shipped but for ``train_argv``'s overrides (model, engine, ``max_steps``, random
+    prompts of ``--prompt-len`` tokens, the mean-token-id reward, ``--lengths``: vLLM's 127 stop ids with a logit bias,
+    the graph engine's ``round(V / M)`` EOS ids). Its trainer gets the phase timers, then the worst-case probe."""
     import shlex
     from unittest import mock
 
@@ -818,15 +759,10 @@ def run_recipe(args) -> dict:
 
 
 def _worst_case_probe(trainer, args, vocab: int, clock: _Clock) -> dict:
-    """Every completion at the cap ``C``, probed after the first step on the trainer's own engine and policy.
-
-    Generation, on vLLM (the graph engine's is skipped, the reason in ``generation``): the rows whose prompt + ``C``
-    positions fit the engine's KV cache at once (``rows``); for prompts of ``P`` and of ``P + C - n`` tokens (the two
-    ends of a row's life), one ``generate`` of 1 token (prefill) and one of ``n = --probe-tokens`` (fresh prompts
-    each, EOS ignored): seconds per decode step at short and at long context. One wave of ``rows`` completions of
-    ``C`` tokens ~ prefill + ``C`` x the mean of the two (attention grows linearly with the context). Training: the
-    last step's first micro-batch, at most ``per_device_batch`` rows (``train_rows``; one in the 32B recipe),
-    stretched to ``C`` (``P + C`` tokens a row): loss forward and backward timed, peak GPU memory; gradients dropped."""
+    """Every completion at the cap ``C``, probed after the first step on the trainer's own engine and policy: on vLLM,
+    seconds per decode step at the short and long ends of a row (prompts of ``P`` and ``P + C - n`` tokens, ``n =
+    --probe-tokens``) for the rows the KV cache holds at once; training, the last step's first micro-batch (at most
+    ``per_device_batch`` rows) stretched to ``C``: loss forward and backward timed, peak GPU memory."""
     import math
 
     import torch
@@ -975,31 +911,22 @@ def main(argv=None) -> None:
     ap.add_argument("--completion-len", type=int, default=1024, help="max_completion_length (= min_new_tokens)")
     ap.add_argument("--group", type=int, default=8, help="num_generations (and per_device_train_batch_size by default)")
     ap.add_argument("--per-device-batch", type=int, default=None, help="per_device_train_batch_size (default --group)")
-    ap.add_argument("--grad-accum", type=int, default=1,
-                    help="gradient_accumulation_steps (= TRL's steps_per_generation)")  # fmt: skip
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps before the measured ones (compile)")
-    ap.add_argument("--warmup-completion-len", type=int, default=0,
-                    help="completion length of the warm-up steps (default: --completion-len); the static cache keeps "
-                    "its full size, so a short warm-up compiles the same decode graph (saves minutes at 32B)")
-    ap.add_argument("--eos-mean-tokens", type=int, default=None,
-                    help="spread completion lengths: round(V / M) EOS ids, a row ends past --min-new-tokens with "
-                    "probability ~1/M per token (0: fixed lengths; default: --lengths' or 0)")
+    ap.add_argument("--warmup-completion-len", type=int, default=0, help="of the warm-up steps (0: --completion-len)")
+    ap.add_argument("--eos-mean-tokens", type=int, default=None, help="spread lengths, mean M (default: --lengths')")
     ap.add_argument("--min-new-tokens", type=int, default=None, help="with --eos-mean-tokens: no EOS before this")
     ap.add_argument("--lengths", choices=sorted(LENGTH_PRESETS), help="preset --min-new-tokens / --eos-mean-tokens")
     ap.add_argument("--wave-rows", type=int, default=0, help="generation_wave_rows (0: the memory plan's, on CUDA)")
-    ap.add_argument("--prompt-cache-len", type=int, default=None,
-                    help="prompt positions of the KV cache and the memory plan (a recipe's "
-                    "generation_prompt_cache_len, 1024 by default there; default here: --prompt-len)")
+    ap.add_argument("--prompt-cache-len", type=int, default=None, help="generation_prompt_cache_len (--prompt-len)")
     ap.add_argument("--no-compile", action="store_true", help="eager decode (TRL's default)")
-    ap.add_argument("--rollout-engine", choices=ENGINES, help="QeRLConfig.rollout_engine: transformers (generate, the "
-                    "default), graph (qerl_trl.graph_generate) or vllm; with --recipe vllm (default) or graph")
+    ap.add_argument("--rollout-engine", choices=ENGINES, help="default: transformers, with --recipe vllm")
     ap.add_argument("--vllm-kv-gb", type=float, default=8.0, help="vLLM arms: the engine's KV cache (GiB)")
     ap.add_argument("--recipe", help="run `qerl train RECIPE --rollout_engine ENGINE` (its whole step; run_recipe)")
     ap.add_argument("--recipe-overrides", help="--recipe: more `qerl train` options (CPU check: shorter completions)")
     ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
-    ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm",
-                    help="vLLM arms: where rollout_vllm.py's checkpoints are (built on first use)")  # fmt: skip
+    ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
     ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
     add_arm_arguments(ap, out=str(RESULTS / "grpo_step.json"), arm_timeout=1200.0)
@@ -1007,16 +934,12 @@ def main(argv=None) -> None:
     vars(args).update(FIXED_SETTINGS)
     if args.tiny and not args._worker:
         args.models = "tiny"
-        if args.prompt_len == 256:
-            args.prompt_len = 16
-        if args.completion_len == 1024:
-            args.completion_len = 8
+        args.prompt_len = 16 if args.prompt_len == 256 else args.prompt_len
+        args.completion_len = 8 if args.completion_len == 1024 else args.completion_len
 
     preset = LENGTH_PRESETS.get(args.lengths, (0, 0))
-    if args.min_new_tokens is None:
-        args.min_new_tokens = preset[0]
-    if args.eos_mean_tokens is None:
-        args.eos_mean_tokens = preset[1]
+    args.min_new_tokens = preset[0] if args.min_new_tokens is None else args.min_new_tokens
+    args.eos_mean_tokens = preset[1] if args.eos_mean_tokens is None else args.eos_mean_tokens
     if args.eos_mean_tokens < 0 or not 0 <= args.min_new_tokens < args.completion_len:
         ap.error("--eos-mean-tokens must be >= 0 and --min-new-tokens in [0, --completion-len)")
     args.rollout_engine = args.rollout_engine or ("vllm" if args.recipe else "transformers")

@@ -1,42 +1,27 @@
 """Learning studies on the GPU (issues #21, #22): bf16 + LoRA against NVFP4 + LoRA (± AQN) and other 4-bit formats.
 
-The GPU study (issue #21): four arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's
-exponential σ schedule, NVFP4 + LoRA + AQN at a constant σ as the ablation) × seeds × two tasks — arithmetic as a
-curriculum (single-digit sums for the first half of the steps, then two-digit: ``digits: [1, 2]``, not shuffled) and
-GSM8K (``../shared/data/gsm8k``) — each a real ``qerl train`` run (graph rollout engine on CUDA) saving its adapter at
-every ``--eval-at`` step; then ``qerl eval`` (greedy pass@1 and sampled pass@4) of every saved adapter and of the
-base models on held-out test problems (arithmetic: two-digit test stream; GSM8K: test split). Every arm of a seed
-sees the same prompts in the same order (same data seed). Runs execute ``--parallel`` at a time as separate
-processes on one GPU (the model is tiny), one torch thread each::
+The GPU study (issue #21): arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's exponential σ
+schedule, and at a constant σ) × seeds × two tasks (arithmetic as a curriculum, one- then two-digit sums; GSM8K from
+``../shared/data/gsm8k``), each a ``qerl train`` run saving its adapter at every ``--eval-at`` step, then ``qerl
+eval`` (greedy pass@1, sampled pass@4) of every adapter and of the base models on held-out problems. Every arm of a
+seed sees the same prompts in the same order. Runs execute ``--parallel`` at a time on one GPU (``--mps``: under
+CUDA MPS), their evals ``--eval-parallel`` at a time. Writes ``benchmarks/results/learning_study_gpu.json`` and
+``docs/learning_study_gpu_<task>.png``::
 
     python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
-    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs (see below)
+    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs
     python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
 
-Writes ``benchmarks/results/learning_study_gpu.json`` and ``docs/learning_study_gpu_<task>.png``. The 12 GSM8K runs under
-``--mps`` train in ~12 min of an H100 scoring all 16 sequences per loss forward (27 min with the recipe's 2 per
-forward); their 26 evaluations (greedy and sampled: 34-47 s each on the H100) then run ``--eval-parallel`` at a
-time.
-
-The formats comparison (issue #22, ``--formats``): the same harness with the arms NVFP4 + LoRA + AQN, MXFP4 + LoRA +
-AQN (``--quantization mxfp4-rtn``) and NF4 (QLoRA: bitsandbytes NF4, double-quantized absmax, LoRA, no AQN;
-``--quantization nf4``), on the arithmetic curriculum unless ``--tasks`` says otherwise; every other setting (data,
-steps, LoRA, σ schedule, evals) as the GPU study. One figure per task (reward, entropy, σ, length, held-out accuracy
-per arm) and one table (``table_gpu``)::
+The formats comparison (issue #22, ``--formats``): the same harness with NVFP4 + LoRA + AQN, MXFP4 + LoRA + AQN and
+NF4 (QLoRA: bitsandbytes NF4, fp32 LoRA like every arm's, no AQN) on the arithmetic curriculum unless ``--tasks``
+says otherwise; writes ``benchmarks/results/learning_study_formats.json`` and ``docs/learning_study_formats_*.png``::
 
     python3 benchmarks/learning_study.py --formats                  # 3 arms x 3 seeds x 150 steps on one GPU
     python3 benchmarks/learning_study.py --formats --arms "NVFP4+LoRA+AQN,MXFP4+LoRA+AQN,NF4 (QLoRA),bf16+LoRA"
     python3 benchmarks/learning_study.py --formats --plot-only
 
-Writes ``benchmarks/results/learning_study_formats.json`` and ``docs/learning_study_formats_<task>.png``. (``NF4+LoRA+AQN`` is
-available as a further arm; every arm is selectable with ``--gpu --arms``.) The NF4 arm's LoRA adapters are fp32 like
-every other arm's (``QeRLGRPOTrainer`` undoes TRL's bf16 cast of QLoRA adapters), so the arms differ in the frozen
-4-bit base only.
-
-The CPU study of issue #8 (``--steps 15``, ``benchmarks/results/learning_study.json``, ``docs/learning_study.png``)
-left the tree; its code is ``benchmarks/learning_study.py@4f53c7b``. ``--gpu`` names the study that stays, so that the
-recorded command lines run as written.
+The CPU study of issue #8 is ``benchmarks/learning_study.py@4f53c7b``; ``--gpu`` stays so that recorded commands run.
 """
 
 from __future__ import annotations
@@ -113,33 +98,17 @@ GPU_TASKS = {
         "eval": ["--task", "arithmetic", "--task-option", "digits=2", "--limit", "200", "--max-new-tokens", "12"],
     },
     "gsm8k": {
-        # logprob_batch_size: the recipe's 2 (for CPU host memory) scores the 16 sequences in 8 forwards, each
-        # recomputed in the backward (gradient checkpointing): 150 342 aten ops per loss forward + backward against
-        # 19 017 with the whole batch (counted on CPU). Eager on a GPU each op costs launch + Python time: a lone H100
-        # run spent ~3.9 s of its 5.1 s step outside generation. The arithmetic runs keep the recipe's value of then
-        # (2, above), so that they re-run identically.
+        # logprob_batch_size 16: one scoring forward (the recipe's 2 made 8x the eager ops, ~3.9 s of a 5.1 s step)
         "train": {"task": "gsm8k", "task_options": "{}", "max_completion_length": 256, "logprob_batch_size": 16},
-        # one batch of all 200 problems (800 rows sampled): eager decoding of this model is launch-bound, so an eval
-        # takes about as long as one batch does
+        # one batch of all 200 problems: eager decoding of this model is launch-bound
         "eval": ["--task", "gsm8k", "--limit", "200", "--max-new-tokens", "256", "--batch-size", "200"],
     },
 }
-GPU_TRAIN = {
-    # one micro-batch per step with gradient checkpointing, as the offline default recipe had it when these runs were
-    # recorded (it now trains 4 micro-batches of 8 without checkpointing, for CPU)
-    "per_device_train_batch_size": 16,
-    "gradient_accumulation_steps": 1,
-    "gradient_checkpointing": "true",
-    "num_generations": 4,
-    "learning_rate": 2e-4,
-    "aqn_sigma_start": 1e-2,
-    "aqn_sigma_end": 5e-4,
-    "aqn_num_stages": 10,
-    "rollout_engine": "graph",
-    "save_strategy": "steps",
-    "save_total_limit": 100,
-    "disable_tqdm": "true",
-}
+# one micro-batch per step with gradient checkpointing: the offline default recipe when these runs were recorded
+GPU_TRAIN = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "gradient_checkpointing": "true",
+             "num_generations": 4, "learning_rate": 2e-4, "aqn_sigma_start": 1e-2, "aqn_sigma_end": 5e-4,
+             "aqn_num_stages": 10, "rollout_engine": "graph", "save_strategy": "steps", "save_total_limit": 100,
+             "disable_tqdm": "true"}  # fmt: skip
 
 
 def _gsm8k_path() -> Path:
@@ -200,9 +169,7 @@ def _eval_many(argvs_json: str) -> None:
 
 #: eval jobs that failed (argument lists, log): ``launch_gpu`` runs each once more, alone, after the others
 _FAILED_EVALS: list[tuple[list[list[str]], Path]] = []
-#: evals running at once (``--eval-parallel``): a sampled GSM8K eval decodes 800 rows in one batch, ~10 GB of KV cache
-#: (800 x ~550 positions x 23 KB for SmolLM2-135M; a sample with 4 running read 38 GB); the nine NVFP4 runs end together,
-#: and nine of those at once beside the runs still training would pass the H100's 80 GB
+#: evals running at once (``--eval-parallel``): a sampled GSM8K eval holds ~10 GB of KV cache
 EVAL_PARALLEL = 6
 _EVAL_SLOTS = threading.BoundedSemaphore(EVAL_PARALLEL)
 
@@ -381,12 +348,8 @@ def collect_gpu(tasks: list[str], arms: list[str], seeds: list[int], steps: int,
 
 
 def take_arms_from(res: dict, specs: list[str]) -> None:
-    """``--arm-from [TASK/]ARM=JSON``: put an earlier study's data for ``ARM`` (in ``TASK``, or in every task both
-    hold) in place of this run's.
-
-    For an arm stopped early (say to fit a device's time limit) whose code path did not change: every step this run
-    did log must equal the earlier run's, reward and entropy (the runs are deterministic on one GPU), else
-    ``SystemExit``. The result's ``notes`` say which arm came from where."""
+    """``--arm-from [TASK/]ARM=JSON``: an earlier study's data for ``ARM`` (in ``TASK``, or every task) in place of
+    this run's, whose logged steps must equal that run's (reward and entropy); ``notes`` say which came from where."""
     for spec in specs:
         name, sep, path = spec.partition("=")
         only, _, arm = name.rpartition("/")
@@ -483,14 +446,12 @@ def table_gpu(res: dict) -> str:
 def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> list[Path]:
     """One figure per task, ``<folder>/<prefix>_<task>.png``: reward, entropy, σ, completion length per step (mean over
     seeds, 95 % CI band) and held-out greedy pass@1 at each evaluated step, one colour per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import warnings
 
-    import matplotlib.pyplot as plt
     import numpy as np
+    from common.plots import pyplot, save_figure
 
+    plt = pyplot()
     warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (σ of the arms without AQN)
     paths = []
     for task, data in res["tasks"].items():
@@ -534,11 +495,7 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
         span = f"stopped at steps {min(logged)}-{max(logged)} of {steps_total}" if stopped else f"{steps_total} steps"
         fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on {task}, {span}, {res['device']}")
         fig.tight_layout()
-        path = folder / f"{prefix}_{task}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, folder / f"{prefix}_{task}.png"))
     return paths
 
 
@@ -584,24 +541,16 @@ def main() -> None:
     ap.add_argument("--plot-only", action="store_true", help="only read existing run folders and write JSON + PNG")
     ap.add_argument("--json", type=Path, default=None, help="default benchmarks/results/<study>[_tiny].json")
     ap.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
-    ap.add_argument("--arms", default=None, help="comma list of arm names (default: the first four: bf16+LoRA, "
-                     "NVFP4+LoRA, NVFP4+LoRA+AQN, NVFP4+LoRA+AQN const σ); all: " + ", ".join(GPU_ARMS))
-    ap.add_argument("--formats", action="store_true",
-                     help="the formats comparison (issue #22): --gpu with --arms " + ",".join(FORMAT_ARMS) + " and "
-                          "--tasks arithmetic unless given; writes benchmarks/results/learning_study_formats.json and "
-                          "docs/learning_study_formats_<task>.png")
+    ap.add_argument("--arms", default=None, help="comma list (default: the first four) of " + ", ".join(GPU_ARMS))
+    ap.add_argument("--formats", action="store_true", help="the formats comparison (issue #22)")
     ap.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     ap.add_argument("--parallel", type=int, default=12, help="runs at a time")
-    ap.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL,
-                     help="of those, evals at a time (GPU memory: a sampled GSM8K eval holds ~10 GB of KV cache)")
+    ap.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL, help="of those, evals at a time")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: 1 seed, 2 steps, tiny batches and evals")
     ap.add_argument("--png-dir", type=Path, default=None, help="figure folder (default docs/)")
-    ap.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS (a control daemon for the "
-                     "study's lifetime): on the H100, 12 GSM8K runs at once made ~16-18 steps/min each")
+    ap.add_argument("--mps", action="store_true", help="run the processes under CUDA MPS")
     ap.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
-    ap.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON",
-                     help="take ARM's data from an earlier study's JSON (for an arm this run stopped early: the "
-                          "steps it logged must equal that run's)")
+    ap.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON", help="see take_arms_from")
     args = ap.parse_args()
     if args.formats:
         args.arms = args.arms or ",".join(FORMAT_ARMS)

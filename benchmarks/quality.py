@@ -1,19 +1,14 @@
 """NVFP4 quality on the offline default model: bytes on disk, weight error, output error and GSM8K perplexity.
 
-Arms: the dense checkpoint, NVFP4-RTN (compressed-tensors rounding), NVFP4-MSE (per-block scale search),
-NVFP4-AWQ (activation-weighted scale search) and NVFP4-GPTQ (error-compensating rounding), the last two calibrated on
-``--calib-samples`` GSM8K train texts. Per arm: bytes on disk, weight error, output error per layer type (on 8 GSM8K
-test texts, each layer's input taken in the quantized model's own forward), GSM8K test perplexity, time to quantize,
-and the share of RTN's perplexity loss each method removes.
+Arms: the dense checkpoint, NVFP4-RTN, -MSE (per-block scale search), -AWQ and -GPTQ (calibrated on
+``--calib-samples`` GSM8K train texts); per arm the bytes on disk, weight error, output error per layer type (8 GSM8K
+test texts), GSM8K test perplexity, time to quantize, and the share of RTN's perplexity loss each method removes::
 
     uv run python benchmarks/quality.py --data ../shared/data/gsm8k
 
-``--formats`` (issue #22) compares the 4-bit formats at equal method instead: NVFP4-RTN, MXFP4-RTN and NF4 (bitsandbytes,
-its own blockwise absmax-64 rounding, with and without QLoRA's double quantization of the absmax) through the same
-loaders ``qerl train --quantization nvfp4-rtn | mxfp4-rtn | nf4`` uses; per arm: bits per weight of the quantized
-linears (their stored tensors), weight error, output error per layer type, GSM8K perplexity. Each arm's 4-bit
-weights are dequantized once into plain fp32 linears for the measurements (the CPU forward of every format is
-dequantize-then-matmul; for NF4 the JSON records the largest logit difference to bitsandbytes' own forward)::
+``--formats`` (issue #22): NVFP4-RTN, MXFP4-RTN and NF4 (bitsandbytes, with and without QLoRA's double quantization)
+through ``qerl train --quantization``'s loaders, each dequantized once into fp32 linears for the measurements (NF4's
+largest logit difference to bitsandbytes' own forward recorded); bits per weight instead of bytes::
 
     uv run python benchmarks/quality.py --formats --data ../shared/data/gsm8k     # → benchmarks/results/quality_formats.json
 """

@@ -1,15 +1,10 @@
 """Quantization time of a Qwen2.5-7B-shaped model to NVFP4 (issue #7; goal ≤ 30 s on the H100) and peak memory.
 
-Two ways, both with random bf16 weights of the real shape (speed does not depend on weight values):
-
-* ``--mode layers`` (default): the model is built on the meta device and each decoder layer is materialised on the
-  GPU (random bf16), then ``nvfp4.quantize_model(layer, method=...)`` converts its 7 linears (q/k/v and gate/up
-  share a global scale) before the next layer exists. Reports the quantization time alone (sum over layers, CUDA
-  synchronised) and end to end (with the random init), peak GPU memory and peak host RSS.
-* ``--mode hf``: the user path. Writes a random bf16 checkpoint (safetensors shards, one per layer) to ``--ckpt-dir``,
-  then, each in a fresh process, times ``AutoModelForCausalLM.from_pretrained(path, device_map=DEV, dtype=bf16)``
-  (plain bf16 load, the reference) and the same call with ``quantization_config=NVFP4Config(method=...)``
-  (quantize on load). Quantization overhead = difference. Files are read once before timing (page cache warm).
+Both modes use random bf16 weights of the real shape (speed does not depend on the values). ``--mode layers``
+(default): each decoder layer materialised on the GPU in turn, then ``nvfp4.quantize_model(layer, method=...)``;
+quantization time alone and end to end, peak GPU memory and host RSS. ``--mode hf``, the user path: a random bf16
+checkpoint in ``--ckpt-dir``, then in fresh processes ``AutoModelForCausalLM.from_pretrained`` in bf16 and with
+``quantization_config=NVFP4Config(method=...)`` (page cache warm); the overhead is the difference.
 
 Usage::
 
@@ -94,11 +89,8 @@ def write_checkpoint(model_key: str, path: Path, device: str) -> dict:
     total = 0
     t0 = time.perf_counter()
     parts = [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
-    parts += [
-        ("model.embed_tokens.", model.model.embed_tokens),
-        ("model.norm.", model.model.norm),
-        ("lm_head.", model.lm_head),
-    ]
+    parts += [("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
+              ("lm_head.", model.lm_head)]  # fmt: skip
     n = len(parts)
     for i, (prefix, mod) in enumerate(parts):
         mod.to_empty(device=device)
@@ -134,7 +126,7 @@ def load_once(path: str, device: str, method: str | None) -> dict:
             "peak_rss_gb": rss_peak_gb(), **_gpu_peaks(device)}  # fmt: skip
 
 
-def run_hf(model_key: str, device: str, method: str, ckpt_dir: Path, keep: bool) -> dict:
+def run_hf(model_key: str, device: str, method: str, ckpt_dir: Path) -> dict:
     out: dict = {"mode": "hf", "model": model_key, "method": method, "device": device, "ckpt_dir": str(ckpt_dir)}
     out["checkpoint"] = write_checkpoint(model_key, ckpt_dir, device)
     t0 = time.perf_counter()
@@ -156,8 +148,7 @@ def run_hf(model_key: str, device: str, method: str, ckpt_dir: Path, keep: bool)
             out[name] = json.loads(lines[-1][7:])
     if "load_s" in out.get("bf16_load", {}) and "load_s" in out.get("nvfp4_load", {}):
         out["quantize_overhead_s"] = round(out["nvfp4_load"]["load_s"] - out["bf16_load"]["load_s"], 3)
-    if not keep:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
     return out
 
 
@@ -169,7 +160,6 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU validation)")
     ap.add_argument("--ckpt-dir", default="/tmp/qerl_qt_ckpt")
-    ap.add_argument("--keep-ckpt", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "quantize_time.json"))
     ap.add_argument("--_load", help=argparse.SUPPRESS)
     ap.add_argument("--_load-method", default=None, help=argparse.SUPPRESS)
@@ -199,7 +189,7 @@ def main(argv=None) -> None:
         if mode == "layers":
             runs = [run_layers(model_key, device, meth) for meth in methods]
         elif mode == "hf":
-            runs = [run_hf(model_key, device, methods[0], Path(args.ckpt_dir), args.keep_ckpt)]
+            runs = [run_hf(model_key, device, methods[0], Path(args.ckpt_dir))]
         else:
             ap.error(f"unknown mode {mode}")
         for r in runs:

@@ -1,51 +1,19 @@
 """Rollout throughput (issue #7): transformers ``generate`` with a static cache + compiled decode (CUDA graphs).
 
-Every arm runs in the same engine: ``model.generate(..., cache_implementation="static")``. With a static cache on
-CUDA, transformers 5.17 (``GenerationMixin._valid_auto_compile_criteria`` / ``PreTrainedModel.get_compiled_call``)
-wraps the *decode* forward in ``torch.compile(model.__call__, **compile_config.to_dict())``; the default
-``CompileConfig`` is inductor + ``mode="reduce-overhead"`` (CUDA graphs). The prefill runs eagerly. We pass an
-explicit ``CompileConfig(dynamic=False)`` so batch 1 and batch 8 each get their own static graph (batch 1 is always
-specialised by dynamo anyway), and ``max_cache_len`` so that a short warm-up ``generate`` compiles and records the
-exact graphs (same cache shape) that the timed ``generate`` replays.
+Every arm runs ``model.generate(..., cache_implementation="static")``: on CUDA transformers compiles the decode
+forward (``CompileConfig(dynamic=False)``, CUDA graphs; the prefill eager), and ``max_cache_len`` lets a short warm-up
+record the graphs the timed ``generate`` replays. Models and arms: :mod:`common.models` (random weights with the real
+Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each + LoRA r=32, and ``-base`` arms without it).
 
-Models and arms: :mod:`common.models` (random weights with the real Qwen2.5 shapes of :mod:`common.shapes`, built
-layer by layer in the arm's format: ``bf16``, ``qlora`` (bitsandbytes NF4), ``nvfp4``, each + LoRA r=32, and the
-``-base`` arms without LoRA).
-
-Fixed lengths: random prompt of ``--prompt-len`` tokens, exactly ``--new-tokens`` new tokens (greedy, EOS disabled,
-``min_new_tokens = max_new_tokens``). Per (model, arm, batch):
-warm-up ``generate`` of ``--warmup-tokens`` (compile + CUDA-graph recording; its time is reported as ``compile_s``),
-a second warm-up (must not recompile), three 1-token ``generate`` calls (prefill time: the fastest), then the timed
-``generate``.
-``tok/s = batch * new_tokens / time(generate)`` (end to end, prefill included); ``decode tok/s`` excludes the
-prefill. Dynamo counters (graph breaks, unique graphs, recompiles, skipped CUDA graphs) are recorded per batch, so a
-LoRA that breaks the compiled path shows up in the table.
-
-``--engine graph`` replaces ``model.generate`` by :func:`qerl_trl.graph_generate.graph_generate` (same static cache
-length, lengths, greedy decoding, warm-ups and timings): the whole decode step, sampling included, is one
-``torch.compile(mode="reduce-overhead")`` graph (``--compile-backend`` / ``--compile-mode`` / ``--fullgraph`` apply to
-it) replayed by a Python loop that never syncs with the GPU, so the host work of ``generate`` between CUDA graphs
-(logits processors, stopping criteria, a sync per step) goes away; on CUDA its attention is
-``qerl_trl.decode_attention`` (graph_generate's default; every arm alike). Rows carry their ``engine``; ``--merge``
-puts both engines in one table.
-
-``--profile``: per batch, after the timed runs, ms per decode step by kernel category (linears, LoRA, attention,
-lm_head, sampling, norms, the rest; ``common.profiler.profile_decode``: runs of 1 and 17 tokens under
-``torch.profiler``, subtracted), GPU busy time and the CPU gap: the row's ``profile``. CUPTI records the kernels
-replayed inside CUDA graphs one by one; ``kernels_per_step`` shows it (a replay seen as one launch would be a handful).
-
-``--eos-mean-tokens M`` (graph engine) measures completions of varying length instead, as RL rollouts have them:
-the arms sample at T = 1 with a set of ``round(V / M)`` EOS ids (drawn once, seeded); a random-weight model's
-next-token distribution is close to uniform, so past ``--min-new-tokens`` a row ends at each step with probability
-about 1/M (lengths about geometric, a long tail up to ``--new-tokens``). Per batch, after two warm-up rollouts, each
-of ``--repeats`` rounds times three variants with the same seed: ``fixed`` (EOS suppressed: every row runs to the
-cap), ``eos`` (rows stop at EOS, the batch decodes until the last row is done: ``compact=False``) and
-``eos+compact`` (finished rows compacted away, ``graph_generate``'s default). ``tok/s`` there counts real tokens
-(up to and including each row's EOS, no padding) over the wall time of the call (prefill included); the median over
-rounds is reported, and every round is kept.
-
-Each (model, arm) runs in a fresh subprocess (no compile-cache or allocator interference; OOM = "does not fit"),
-results are appended to ``--out`` after every arm, so a run cut short keeps what it measured.
+Fixed lengths: a random ``--prompt-len`` prompt, exactly ``--new-tokens`` greedy tokens. Per (model, arm, batch): a
+warm-up (``compile_s``), a second warm-up (must not recompile), three 1-token calls (the prefill: the fastest), then
+the timed ``generate``: ``tok/s`` end to end, ``decode tok/s`` without the prefill, dynamo counters per batch.
+``--engine graph``: :func:`qerl_trl.graph_generate.graph_generate` instead (one compiled graph per decode step,
+sampling included). ``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
+``--eos-mean-tokens M`` (graph engine): spread lengths, T = 1 with ``round(V / M)`` EOS ids, so past
+``--min-new-tokens`` a row ends with probability ~1/M a step; per round three variants with one seed, ``fixed``,
+``eos`` (``compact=False``) and ``eos+compact``; ``tok/s`` counts real tokens, median over ``--repeats`` rounds.
+Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results appended to ``--out`` after every arm.
 
 Usage::
 
@@ -210,9 +178,8 @@ def run_worker(args) -> dict:
 
 
 def measure_fixed(args, generate: Callable, cuda: bool) -> dict:
-    """Fixed lengths, one batch (``generate(n)``: seconds and ids of ``n`` new tokens): the two warm-ups (compile +
-    CUDA-graph recording, then a replay that must not compile), the prefill, the timed generates, ``--profile``'s
-    decode profile; the row's timings, lengths and dynamo counters, and whether the compiled path held."""
+    """Fixed lengths, one batch (``generate(n)``: seconds and ids of ``n`` new tokens): the row's timings, lengths,
+    dynamo counters and whether the compiled path held."""
     row: dict = {}
     c0 = dynamo_counters()
     warmup1_s, _ = generate(args.warmup_tokens)  # compile + CUDA-graph recording
@@ -260,11 +227,9 @@ def completion_lengths(gen, eos: list[int]) -> tuple[list[int], bool]:
 
 
 def measure_spread(args, model, ids, device, graph_opts: dict | None) -> dict:
-    """``--eos-mean-tokens``: ``args.spread_warmups`` warm-up rollouts (the first compiles and records every batch size
-    compaction reaches; the timed rounds' dynamo counters show any compile they still did), then
-    ``args.repeats`` rounds of the :data:`SPREAD_VARIANTS`, each round one seed for all three. Returns the row's
-    ``spread`` results (per variant: median ``tok_s`` of real tokens, every round's time, tokens, steps, mean and
-    max completion length, well-formedness) and the warm-ups' times."""
+    """``--eos-mean-tokens``: ``args.spread_warmups`` warm-up rollouts (the first compiles every batch size compaction
+    reaches), then ``args.repeats`` rounds of the :data:`SPREAD_VARIANTS`, one seed a round; the row's ``spread``
+    (:func:`common.rollouts.spread_summary`) and the warm-ups' times."""
     import torch
     from qerl_trl.graph_generate import graph_generate
 
@@ -277,23 +242,11 @@ def measure_spread(args, model, ids, device, graph_opts: dict | None) -> dict:
         g = torch.Generator(device=device).manual_seed(seed)
         sync()
         t0 = time.perf_counter()
-        out = graph_generate(
-            model,
-            ids,
-            torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n if variant == "fixed" else args.min_new_tokens,
-            do_sample=True,
-            temperature=1.0,
-            eos_token_id=eos,
-            pad_token_id=SPREAD_PAD,
-            max_cache_len=p + n,
-            compile=not args.no_compile,
-            compile_options=graph_opts,
-            compact=variant == "eos+compact",
-            generator=g,
-            **compact_kw,
-        )
+        out = graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=n, do_sample=True, temperature=1.0,
+                             min_new_tokens=n if variant == "fixed" else args.min_new_tokens, eos_token_id=eos,
+                             pad_token_id=SPREAD_PAD, max_cache_len=p + n, compile=not args.no_compile,
+                             compile_options=graph_opts, compact=variant == "eos+compact", generator=g,
+                             **compact_kw)  # fmt: skip
         sync()
         dt = time.perf_counter() - t0
         lengths, ok = completion_lengths(out[:, p:], eos)
@@ -377,8 +330,7 @@ def table(results: list[dict]) -> str:
                 f"{fmt(row.get('compile_s'))} | {fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
                 f"{row.get('status', r.get('status'))} |"
             )
-    # ratios, side by side
-    # (--merge tags each result with the run it came from; a ratio across two runs is marked as such)
+    # ratios (--merge tags each result with its run; a ratio across two runs is marked as such)
     by = {
         (r["model"], r["arm"], row["batch"], r.get("engine", "generate")): (row.get("tok_s"), r.get("run"))
         for r in results
@@ -425,13 +377,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
     ap.add_argument("--compact-min-batch", type=int, default=None,
                     help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
-    ap.add_argument(
-        "--engine",
-        default="generate",
-        choices=DECODERS,
-        help="generate: model.generate (static cache, compiled decode forward); graph: qerl_trl graph_generate "
-        "(one compiled graph per decode step, sampling included, no host sync per step)",
-    )
+    ap.add_argument("--engine", default="generate", choices=DECODERS, help="model.generate or qerl_trl graph_generate")
     ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
     ap.add_argument("--in-process", action="store_true", help="run arms in this process (debugging)")
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
@@ -445,8 +391,7 @@ def main(argv=None) -> None:
     if args.plot_only:
         if not args.plot:
             ap.error("--plot-only needs --plot PNG")
-        with open(args.plot_only) as f:
-            d = json.load(f)
+        d = json.loads(Path(args.plot_only).read_text())
         print(f"wrote {plot(d['results'], args.plot, run_title(d))}")
         return
 

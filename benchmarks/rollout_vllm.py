@@ -2,45 +2,20 @@
 through our plugin's kernels — beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
 
 Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=``--lora-r`` on q/k/v/o/gate/up/down as a vLLM
-adapter, ``LoRARequest`` on every request, never merged):
+adapter, never merged): ``vllm-bf16`` (stock vLLM); ``vllm-nvfp4-marlin`` (the NVFP4 checkpoint, RTN of the same
+weights, with ``QERL_VLLM_NVFP4_BACKEND=native``: vLLM's compressed-tensors NVFP4A16, Marlin on Hopper; CUDA only);
+``vllm-nvfp4`` (``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (the Marlin
+arm with ``LLM(linear_backend="humming")``: vLLM 0.26's Humming W4A16 kernel; skipped without ``humming``); ``*-base``
+without the adapter. Every arm records ``linear_methods``, ``linear_kernels`` and ``kernel_ok`` (the kernel it is
+meant to measure ran).
 
-* ``vllm-bf16``          bf16 checkpoint, stock vLLM
-* ``vllm-nvfp4-marlin``  the NVFP4 checkpoint (RTN of the same weights), ``QERL_VLLM_NVFP4_BACKEND=native``: stock
-  vLLM's compressed-tensors NVFP4A16 scheme (Marlin on Hopper; CUDA only)
-* ``vllm-nvfp4``         the same checkpoint, ``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels
-* ``vllm-nvfp4-humming`` the Marlin arm's checkpoint and backend plus ``LLM(linear_backend="humming")`` (vLLM's
-  ``--linear-backend humming``): the same compressed-tensors NVFP4A16 scheme with vLLM 0.26's Humming W4A16 kernel
-  (``HummingNvFp4LinearKernel``, package ``humming-kernels``, JIT-compiled with NVRTC/nvcc on first use) in place of
-  Marlin, which that scheme forces when ``linear_backend`` is ``auto``
-  (``vllm/model_executor/kernels/linear/__init__.py``, ``init_nvfp4_linear_kernel``). CUDA only; without an
-  importable ``humming`` the arm is skipped with that reason in ``status``.
-* ``*-base``: the same without the adapter (LoRA's cost).
-
-Every arm records ``linear_methods`` (the linears' quantize-method classes) and ``linear_kernels`` (``scheme:kernel``
-class names where vLLM holds a kernel object on the layer's scheme, e.g. ``CompressedTensorsW4A4Fp4:
-MarlinNvFp4LinearKernel`` or ``...:HummingNvFp4LinearKernel``); ``kernel_ok`` says whether the kernel the arm is
-meant to measure is the one that ran (Marlin / Humming arms).
-
-Models: random weights with the real Qwen2.5 shapes of :mod:`common.shapes` (built by :func:`common.models.build_model`
-layer by layer, normal(0, 0.02), norms 1), saved once per machine as a bf16 checkpoint, an NVFP4 checkpoint
-(``from_pretrained(bf16, quantization_config=NVFP4Config())`` + ``save_pretrained``: compressed-tensors NVFP4A16)
-and a random adapter (PEFT format, B non-zero), under ``--ckpt-root``.
-
-Lengths as ``rollout.py``: random prompts of ``--prompt-len`` token ids, ``--new-tokens`` new tokens. Fixed lengths:
-greedy, EOS ignored, ``min_tokens = max_tokens``. ``--eos-mean-tokens M``: sampling at T = 1; per round two variants with one seed per request: ``fixed`` (every row
-to the cap) and ``eos`` (rows of spread lengths; vLLM's continuous batching drops finished rows, the counterpart of
-the graph engine's ``eos+compact``). vLLM takes at most 128 stop ids a request, so the graph engine's ``round(V / M)``
-EOS ids cannot be sent; each request gets ``max_tokens = min_tokens = L`` (EOS ignored) with ``L`` from
-:func:`common.models.spread_lengths`: the length distribution those EOS ids give a near-uniform model past
-``--min-new-tokens``, drawn once (seed 0), the same for every arm. Tokens counted are the completions' token ids; ``tok/s`` = tokens / wall time of one ``generate`` (prefill included), the best of
-``--repeats`` (fixed) or the median (spread). ``init_s`` is the ``LLM`` construction (weights, torch.compile, CUDA
-graph capture). The engine runs in this process's worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's
-colocated engine does.
-
-``--profile``: per batch, ms per decode step by kernel category, as ``rollout.py --profile``. ``torch.profiler``
-wraps ``llm.generate`` here: the engine core and its GPU worker run in this process (vLLM's ``start_profile`` writes
-per-worker trace files to parse instead). The forward is a CUDA-graph replay, recorded kernel by kernel by CUPTI
-(``kernels_per_step``; ``--enforce-eager`` for an eager arm beside it); lm_head and the sampler run eagerly after it.
+Models: :func:`common.models.build_model`'s random Qwen2.5 weights, saved once per machine under ``--ckpt-root`` as a
+bf16 checkpoint, an NVFP4 one (compressed-tensors NVFP4A16) and a random PEFT adapter. Lengths as ``rollout.py``;
+``--eos-mean-tokens M``: T = 1, per round ``fixed`` and ``eos`` (continuous batching drops finished rows), each
+request ``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths` (vLLM takes at most 128 stop ids).
+``tok/s`` = completion tokens / wall time of one ``generate``; ``init_s`` the ``LLM`` construction. The engine runs
+in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's colocated one does; ``--profile`` as
+``rollout.py --profile`` (``--enforce-eager`` for an eager arm).
 
 Usage::
 
@@ -67,13 +42,7 @@ from common.profiler import profile_decode, profile_table
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
-from common.workers import (
-    add_worker_arguments,
-    run_arm_grid,
-    run_worker_subprocess,
-    save_partial,
-    worker_exit,
-)
+from common.workers import add_run_arguments, run_arm_grid, run_worker_subprocess, save_partial, worker_exit
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
@@ -104,9 +73,7 @@ ARMS: dict[str, tuple[str, str | None, bool]] = {a: (c, b, True) for a, (c, b, _
 ARM_LABEL = {a: label for a, (_, _, label) in _LORA_ARMS.items()} | {
     f"{a}-base": _no_lora(_LORA_ARMS[a][2]) for a in _BASE
 }
-# arm -> extra LLM(...) arguments (vLLM EngineArgs). linear_backend="humming" (vLLM >= 0.26, KernelConfig.linear_backend,
-# CLI --linear-backend humming) makes init_nvfp4_linear_kernel pick HummingNvFp4LinearKernel for compressed-tensors
-# NVFP4A16 layers; with "auto" that scheme (use_a16=True) forces MarlinNvFp4LinearKernel.
+# arm -> extra LLM(...) arguments: linear_backend="humming" picks HummingNvFp4LinearKernel (with "auto": Marlin)
 _ENGINE_KW: dict[str, dict] = {
     "vllm-nvfp4-humming": {"linear_backend": "humming"},
     **{f"vllm-nvfp4-{p}": {"additional_config": {"qerl_rollout_precision": p}} for p in ("fp8", "auto")},
@@ -322,10 +289,7 @@ def _humming_version(load: bool) -> str:
 
 def _linear_quant(model) -> dict[str, list[str]]:
     """``linear_methods``: the quantize-method classes of the engine model's linears (LoRA wrappers looked through);
-    ``linear_kernels``: ``scheme:kernel`` class names of those whose method holds a kernel object: vLLM's
-    compressed-tensors schemes keep the chosen NVFP4 GEMM kernel on ``layer.scheme.kernel`` (Marlin, Humming,
-    CUTLASS, ...); the method itself when it holds one (``quant_method.kernel``). No kernels for unquantized models
-    and for our plugin's method."""
+    ``linear_kernels``: ``scheme:kernel`` class names where ``layer.scheme`` or the method holds a kernel object."""
     methods, kernels = set(), set()
     for m in model.modules():
         base = getattr(m, "base_layer", m)
@@ -396,11 +360,8 @@ def table(results: list[dict]) -> str:
                   *rat]  # fmt: skip
     spread = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
     if spread:
-        lines += [
-            "",
-            "| model | engine | arm | B | fixed tok/s | EOS tok/s | mean / max len |",
-            "|---|---|---|---:|---:|---:|---|",
-        ]
+        lines += ["", "| model | engine | arm | B | fixed tok/s | EOS tok/s | mean / max len |",
+                  "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
         for r, row in spread:
             sp = row["spread"]
             eos = sp.get("eos+compact", sp.get("eos"))  # the graph engine's compaction = vLLM's continuous batching
@@ -426,14 +387,10 @@ def main(argv=None) -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
-    ap.add_argument("--arm-timeout", type=float, default=900.0)
-    ap.add_argument("--verbose", action="store_true", help="print worker output")
-    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new arm after this many seconds")
-    ap.add_argument("--out", default=str(RESULTS / "rollout_vllm.json"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")
     ap.add_argument("--nvfp4-only", action="store_true", help="with --build-only: NVFP4 + adapter only, layer by layer")
-    add_worker_arguments(ap)
+    add_run_arguments(ap, out=str(RESULTS / "rollout_vllm.json"), arm_timeout=900.0)
     ap.add_argument("--_build", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 

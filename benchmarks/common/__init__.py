@@ -18,10 +18,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for _src in (
-    ROOT / "packages" / "nvfp4" / "src",
-    ROOT / "packages" / "aqn" / "src",
-    ROOT / "packages" / "qerl-trl" / "src",
-):
-    if str(_src) not in sys.path:
+for _pkg in ("nvfp4", "aqn", "qerl-trl"):
+    if str(_src := ROOT / "packages" / _pkg / "src") not in sys.path:
         sys.path.insert(0, str(_src))

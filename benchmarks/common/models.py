@@ -22,31 +22,15 @@ from typing import Any
 from .env import gb, sync
 from .shapes import LINEARS, meta_model, qwen2_config
 
-__all__ = [
-    "ARMS",
-    "ARM_LABEL",
-    "OURS",
-    "add_lora",
-    "arm_scheme",
-    "build_arm",
-    "build_model",
-    "compile_config",
-    "graph_compile_options",
-    "init_",
-    "materialize",
-]
+__all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "build_model", "compile_config",
+           "graph_compile_options", "init_", "materialize"]  # fmt: skip
 
 ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
 #: the arm the others are compared with (ratios: ours / other)
 OURS = "nvfp4"
-ARM_LABEL = {
-    "bf16": "bf16 + LoRA",
-    "qlora": "QLoRA (bnb NF4 + LoRA)",
-    "nvfp4": "NVFP4 + LoRA (ours)",
-    "bf16-base": "bf16 (no LoRA)",
-    "qlora-base": "bnb NF4 (no LoRA)",
-    "nvfp4-base": "NVFP4 (no LoRA)",
-}
+ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)",
+             "bf16-base": "bf16 (no LoRA)", "qlora-base": "bnb NF4 (no LoRA)",
+             "nvfp4-base": "NVFP4 (no LoRA)"}  # fmt: skip
 _ARM_SCHEME = {"bf16": "none", "qlora": "nf4", "nvfp4": "nvfp4-{method}"}
 
 
@@ -101,9 +85,7 @@ def build_model(
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftover:
         raise RuntimeError(f"tensors left on meta: {leftover[:5]}")
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
-    model.generation_config.pad_token_id = 0
+    model.generation_config.update(eos_token_id=None, bos_token_id=None, pad_token_id=0)
     model.eval()
     model.requires_grad_(False)
     if arm.removesuffix("-base") == "qlora":
@@ -138,12 +120,8 @@ def add_lora(model, lora_r: int, lora_dtype, device, info: dict):
 
 
 def build_arm(args, device, dtype, res: dict):
-    """:func:`build_model` for ``args.model`` / ``args.arm`` (and its LoRA / quantization options) on ``device``.
-
-    Returns the model, with ``build_s``, the build info and ``weights_gpu_gb`` added to ``res``; or None, with
-    ``res["status"]`` saying why not: a QLoRA arm without CUDA (unless ``ROLLOUT_BNB_CPU``) or without
-    bitsandbytes, or an OOM while building ("does not fit").
-    """
+    """:func:`build_model` for ``args.model`` / ``args.arm`` on ``device``, with ``build_s``, the build info and
+    ``weights_gpu_gb`` added to ``res``; or None with ``res["status"]`` saying why not (QLoRA, OOM)."""
     import torch
 
     cuda = device.type == "cuda"
@@ -190,11 +168,9 @@ def graph_compile_options(args) -> dict:
 
 
 def spread_lengths(n: int, mean_tokens: float, min_tokens: int, cap: int, seed: int = 0) -> list[int]:
-    """``n`` completion lengths from the distribution :func:`spread_eos_ids` gives a near-uniform model: past
-    ``min_tokens`` a row stops at each step with probability ``1 / mean_tokens`` (its EOS counted), capped at ``cap``.
-
-    For engines that cannot take ``round(V / M)`` stop ids (vLLM: at most 128 per request), each request is sent with
-    ``max_tokens = min_tokens = length`` instead: the same length distribution, drawn once from ``seed``."""
+    """``n`` completion lengths from the distribution :func:`spread_eos_ids` gives a near-uniform model (past
+    ``min_tokens`` a row stops with probability ``1 / mean_tokens`` a step, capped at ``cap``), drawn from ``seed``:
+    for engines that take fewer stop ids (vLLM: 128 a request)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)

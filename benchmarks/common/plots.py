@@ -33,12 +33,8 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 110) -> Path:
 def plot_batches(
     results: list[dict], path: str | Path, labels: dict[str, str], ours: str, ours_name: str, title: str | None = None
 ) -> Path:
-    """Tokens/s against batch size per (model, arm), and arm ``ours``'s ratio to each other arm, into a PNG.
-
-    ``results`` are a rollout JSON's ``results``; rows merged from several runs (``--merge`` tags them) stay separate
-    curves, and a ratio is only drawn within one run and engine. Both axes of the throughput panel are logarithmic;
-    the ratio panel marks 1× (parity). ``labels``: arm → legend name; ``ours_name``: the ratio axis's name of ``ours``.
-    """
+    """Tokens/s against batch size per (model, arm, run, engine) of a rollout JSON's ``results``, and arm ``ours``'s
+    ratio to each other arm within one run and engine, into a PNG (``labels``: arm → legend name)."""
     plt = pyplot()
     curves: dict[tuple[str, str, int, str], dict[int, float]] = {}  # one per (model, engine, run, arm)
     for r in results:

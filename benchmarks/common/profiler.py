@@ -1,6 +1,5 @@
 """The GPU kernels of a profiled region, by category; the decode step's share of each (``rollout.py`` /
-``rollout_vllm.py --profile``). (``kernel_times``, ``run_arms`` and ``by_category``, the per-kernel times,
-one-arm-per-process loop and per-category totals of the removed ``decode_profile.py``, left after dce0c4f.)"""
+``rollout_vllm.py --profile``)."""
 
 from __future__ import annotations
 

@@ -18,30 +18,14 @@ from typing import Any
 
 from .env import write_result
 
-__all__ = [
-    "LogCatcher",
-    "add_arm_arguments",
-    "add_worker_arguments",
-    "check_names",
-    "counter_diff",
-    "dynamo_counters",
-    "exception_result",
-    "failed",
-    "run_arm_grid",
-    "run_in_process",
-    "run_worker_subprocess",
-    "save_partial",
-    "worker_cmd",
-    "worker_exit",
-]
+__all__ = ["DYN_KEYS", "LogCatcher", "add_arm_arguments", "add_run_arguments", "add_worker_arguments", "check_names",
+           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process",
+           "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
 
 
 class LogCatcher(logging.Handler):
-    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records.
-
-    torch's artifact loggers are named ``<module>.__<artifact>`` (``torch._dynamo.guards.__recompiles``) and propagate
-    up to ``torch._dynamo`` / ``torch._inductor`` (which do not propagate further), so the handler sits on those parents
-    and keeps the records whose logger name matches."""
+    """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records: the handler sits on the
+    parents of torch's artifact loggers (``torch._dynamo.guards.__recompiles`` ...) and keeps those that match."""
 
     NAMES = ("__recompiles", "__graph_breaks", "__perf_hints", "cudagraph_trees")
     PARENTS = ("torch._dynamo", "torch._inductor", "torch")
@@ -84,9 +68,12 @@ def dynamo_counters() -> dict[str, Any]:
     }
 
 
+DYN_KEYS = ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")  # the counters that count
+
+
 def counter_diff(a: dict, b: dict) -> dict[str, int]:
     """What happened between two :func:`dynamo_counters` snapshots."""
-    return {k: b[k] - a[k] for k in ("graph_breaks", "unique_graphs", "frames_ok", "cudagraph_skips")}
+    return {k: b[k] - a[k] for k in DYN_KEYS}
 
 
 def failed(model: str, arm: str, status: str, label: str | None = None, **kw: Any) -> dict:
@@ -119,8 +106,7 @@ def add_worker_arguments(ap: Any) -> None:
 
 def add_arm_arguments(ap: Any, out: str, arm_timeout: float) -> None:
     """The options of the scripts that build :mod:`common.models`' arms and run each in a subprocess: the arms'
-    adapter and quantization, the compile knobs, one subprocess per (model, arm) with its timeout and the run's
-    deadline, the result file and merging runs (plus :func:`add_worker_arguments`)."""
+    adapter and quantization, the compile knobs, :func:`add_run_arguments` and merging runs."""
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
@@ -130,11 +116,17 @@ def add_arm_arguments(ap: Any, out: str, arm_timeout: float) -> None:
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
     ap.add_argument("--cpu", action="store_true", help="force CPU")
+    add_run_arguments(ap, out, arm_timeout)
+    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
+
+
+def add_run_arguments(ap: Any, out: str, arm_timeout: float) -> None:
+    """A run of (model, arm) subprocesses: each one's timeout, the run's deadline, the result file, the workers'
+    output (plus :func:`add_worker_arguments`)."""
     ap.add_argument("--arm-timeout", type=float, default=arm_timeout, help="seconds per (model, arm) subprocess")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)")  # fmt: skip
     ap.add_argument("--out", default=out)
-    ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
     ap.add_argument("--verbose", action="store_true", help="print worker output")
     add_worker_arguments(ap)
 
@@ -173,10 +165,9 @@ def run_in_process(run_worker: Callable[[Any], dict], args: Any, model: str, arm
 def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_one: Callable[[str, str], dict],
                  labels: dict[str, str], brief: Callable[[dict], str], defaults: Callable[[str], dict] = dict,
                  report: bool = True, t_start: float | None = None) -> list[dict]:  # fmt: skip
-    """Every (model, arm) in order through ``run_one(model, arm)``. None starts once ``args.deadline_s`` has passed
-    since ``t_start`` (``time.perf_counter()``; default: now) (a "not run" row); every row gets its wall time and ``defaults(arm)`` where it lacks them, and a line
-    (``brief(row)``); ``args.out`` is rewritten after every arm, so a run cut short keeps what it measured.
-    ``report=False`` (a DDP rank other than the first) neither prints nor writes."""
+    """Every (model, arm) through ``run_one(model, arm)``, none started after ``args.deadline_s`` from ``t_start`` (a
+    "not run" row); each row gets its wall time, ``defaults(arm)`` and a line (``brief(row)``), and ``args.out`` is
+    rewritten after every arm. ``report=False`` (a DDP rank other than the first) neither prints nor writes."""
     results: list[dict] = []
     t_start = time.perf_counter() if t_start is None else t_start
     for m in models:

@@ -21,6 +21,12 @@ says otherwise; writes ``benchmarks/results/learning_study_formats.json`` and ``
     python3 benchmarks/learning_study.py --formats --arms "NVFP4+LoRA+AQN,MXFP4+LoRA+AQN,NF4 (QLoRA),bf16+LoRA"
     python3 benchmarks/learning_study.py --formats --plot-only
 
+The FP8-rollout parity study (issue #51, ``--fp8``): NVFP4 + LoRA + AQN with rollouts on vLLM in W4A16 and in FP8
+(each with its default importance-sampling correction: off, on), arithmetic unless ``--tasks`` says otherwise; needs
+vLLM (``benchmarks/vllm_gpu``); writes ``benchmarks/results/learning_study_fp8.json`` and ``docs/learning_study_fp8_*.png``::
+
+    python3 benchmarks/learning_study.py --fp8 --parallel 6         # 2 arms x 3 seeds x 150 steps on one GPU
+
 The CPU study of issue #8 is ``benchmarks/learning_study.py@4f53c7b``; ``--gpu`` stays so that recorded commands run.
 """
 
@@ -81,13 +87,22 @@ GPU_ARMS = {
     "MXFP4+LoRA+AQN": {"tag": "mxfp4-aqn", "quantization": "mxfp4-rtn", "aqn": "true", "aqn_schedule": "exponential"},
     "NF4 (QLoRA)": {"tag": "nf4", "quantization": "nf4", "aqn": "false"},
     "NF4+LoRA+AQN": {"tag": "nf4-aqn", "quantization": "nf4", "aqn": "true", "aqn_schedule": "exponential"},
+    # the FP8-rollout parity study (issue #51): rollouts on vLLM, whose sampling logprobs feed TRL's correction (on by
+    # default with FP8; off under AQN at W4A16); a small engine each, so that the runs share the card
+    "NVFP4+LoRA+AQN vLLM": {"tag": "nvfp4-aqn-vllm", "quantization": "rtn", "aqn": "true", "aqn_schedule": "exponential",
+                            "rollout_engine": "vllm", "vllm": '{"gpu_memory_utilization": 0.06}'},
+    "NVFP4+LoRA+AQN vLLM FP8": {"tag": "nvfp4-aqn-vllm-fp8", "quantization": "rtn", "aqn": "true",
+                                "aqn_schedule": "exponential", "rollout_engine": "vllm", "rollout_precision": "fp8",
+                                "vllm": '{"gpu_memory_utilization": 0.06}'},
 }  # fmt: skip
 # (the NVFP4 arms keep the alias "rtn" = "nvfp4-rtn": their base-model evals live in base-rtn/ folders)
-#: ``--formats``: NVFP4 + AQN vs MXFP4 + AQN vs NF4 (QLoRA), everything else as the GPU study
-FORMAT_ARMS = ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]
+#: the studies beside the GPU study (--formats, --fp8): their issue and arms, everything else as the GPU study
+PRESETS = {"formats": (22, ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]),
+           "fp8": (51, ["NVFP4+LoRA+AQN vLLM", "NVFP4+LoRA+AQN vLLM FP8"])}  # fmt: skip
 GPU_COLORS = {"bf16+LoRA": "tab:gray", "NVFP4+LoRA": "tab:blue", "NVFP4+LoRA+AQN": "tab:red",
               "NVFP4+LoRA+AQN const σ": "tab:orange", "MXFP4+LoRA+AQN": "tab:green", "NF4 (QLoRA)": "tab:purple",
-              "NF4+LoRA+AQN": "tab:brown"}  # fmt: skip
+              "NF4+LoRA+AQN": "tab:brown", "NVFP4+LoRA+AQN vLLM": "tab:pink",
+              "NVFP4+LoRA+AQN vLLM FP8": "tab:cyan"}  # fmt: skip
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 # per task: trainer overrides, eval task options / limit / completion budget
 GPU_TASKS = {
@@ -133,7 +148,7 @@ def gpu_train_cmd(task: str, arm: str, seed: int, steps: int, eval_at: list[int]
     cfg |= {k: v for k, v in spec.items() if k not in ("tag",)}
     if tiny:  # CPU smoke: eager transformers rollouts, short everything
         cfg |= {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
-                "rollout_engine": "transformers"}
+                "rollout_engine": "transformers", "rollout_precision": None, "vllm": None}
         if task == "arithmetic":
             cfg["task_options"] = json.dumps({"n_examples": 2 * steps, "digits": [1, 2], "ops": "+"})
     cmd = [sys.executable, "-m", "qerl_trl.cli", "train", "offline-default", "--output_dir", str(out), "--seed",
@@ -510,7 +525,7 @@ def main_gpu(args) -> None:
         steps, seeds, eval_at = 2, seeds[:1], [0, 2]
     if any(s > steps or s < 0 for s in eval_at) or steps not in eval_at:
         raise SystemExit(f"--eval-at {eval_at}: steps in 0..{steps}, the last one included")
-    name = "learning_study_formats" if args.formats else "learning_study_gpu"
+    name = f"learning_study_{args.preset}" if args.preset else "learning_study_gpu"
     runs = args.runs or ROOT / "runs" / (f"{name}_tiny" if args.tiny else name)
     if not args.plot_only:
         launch_gpu(tasks, arms, seeds, steps, eval_at, runs, args.logs, args.parallel, args.tiny, args.mps,
@@ -519,8 +534,8 @@ def main_gpu(args) -> None:
     take_arms_from(res, args.arm_from)
     out = args.json or ROOT / "benchmarks" / "results" / (f"{name}_tiny.json" if args.tiny else f"{name}.json")
     res["summary"] = _summary_rows(res)
-    if args.formats:
-        res["issue"], res["benchmark"] = 22, "learning_study_formats"
+    if args.preset:
+        res["issue"], res["benchmark"] = PRESETS[args.preset][0], name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(table_gpu(res))
@@ -542,7 +557,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="default benchmarks/results/<study>[_tiny].json")
     ap.add_argument("--tasks", default="arithmetic,gsm8k", help="comma list of " + ",".join(GPU_TASKS))
     ap.add_argument("--arms", default=None, help="comma list (default: the first four) of " + ", ".join(GPU_ARMS))
-    ap.add_argument("--formats", action="store_true", help="the formats comparison (issue #22)")
+    ap.add_argument("--formats", action="store_const", dest="preset", const="formats", help="formats (issue #22)")
+    ap.add_argument("--fp8", action="store_const", dest="preset", const="fp8", help="FP8 rollouts' parity (#51)")
     ap.add_argument("--eval-at", type=int, nargs="+", default=[0, 75, 150], help="steps evaluated (0 = base model)")
     ap.add_argument("--parallel", type=int, default=12, help="runs at a time")
     ap.add_argument("--eval-parallel", type=int, default=EVAL_PARALLEL, help="of those, evals at a time")
@@ -552,8 +568,8 @@ def main() -> None:
     ap.add_argument("--rollout-engine", default="graph", choices=["graph", "transformers"], help="on CUDA")
     ap.add_argument("--arm-from", action="append", default=[], metavar="[TASK/]ARM=JSON", help="see take_arms_from")
     args = ap.parse_args()
-    if args.formats:
-        args.arms = args.arms or ",".join(FORMAT_ARMS)
+    if args.preset:
+        args.arms = args.arms or ",".join(PRESETS[args.preset][1])
         if "--tasks" not in sys.argv:
             args.tasks = "arithmetic"
     main_gpu(args)

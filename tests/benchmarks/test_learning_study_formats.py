@@ -14,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "learning_study.py"
+sys.path.insert(0, str(REPO / "benchmarks"))  # plot_gpu imports benchmarks/common, as the script run from there does
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,23 @@ def test_arm_to_train_and_eval_arguments(study, tmp_path, arm, quantization, aqn
     for argv in study._gpu_eval_argvs("arithmetic", study.GPU_ARMS[arm]["quantization"], tmp_path / "e",
                                       tmp_path / "run" / "final", tiny=False):  # fmt: skip
         assert build_parser().parse_args(argv).quantization.name == quantization
+
+
+@pytest.mark.parametrize(("arm", "precision", "correction"),
+                         [("NVFP4+LoRA+AQN vLLM", "w4a16", False), ("NVFP4+LoRA+AQN vLLM FP8", "fp8", True)])
+def test_fp8_parity_arms_roll_out_on_vllm_with_their_default_correction(study, tmp_path, arm, precision, correction):
+    """``--fp8`` (issue #51): the NVFP4 + AQN recipe of the GPU study with vLLM rollouts, W4A16 or FP8, each with
+    QeRL's default importance-sampling correction (vLLM returns the sampling logprobs it needs), a small engine each."""
+    from qerl_trl.cli import parse_train_args
+
+    assert study.PRESETS["fp8"][1] == ["NVFP4+LoRA+AQN vLLM", "NVFP4+LoRA+AQN vLLM FP8"] and arm in study.GPU_COLORS
+    cmd = study.gpu_train_cmd("arithmetic", arm, 2, 150, [0, 75, 150], tmp_path / "run", tiny=False)
+    _, config = parse_train_args(cmd[4:])
+    assert (config.rollout_engine, config.rollout_precision, config.quantization, config.aqn) == (
+        "vllm", precision, "nvfp4-rtn", True)
+    assert config.vllm_importance_sampling_correction is correction and config.vllm.gpu_memory_utilization == 0.06
+    _, tiny = parse_train_args(study.gpu_train_cmd("arithmetic", arm, 2, 2, [0, 2], tmp_path / "t", tiny=True)[4:])
+    assert (tiny.rollout_engine, tiny.rollout_precision) == ("transformers", "w4a16")  # the CPU smoke's engine
 
 
 def test_formats_preset_plot_only_writes_json_table_and_figure(tmp_path):

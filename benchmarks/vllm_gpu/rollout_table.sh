@@ -21,7 +21,8 @@
 set -uo pipefail
 HERE=benchmarks/vllm_gpu
 BG=/tmp/qerl-bg
-RUNS=(vllm_fixed graph_spread graph_fixed vllm_spread)  # lane i % n takes RUNS[i]: the two long ones first
+# lane i % n takes RUNS[i]: the two long ones first; TABLE_RUNS="..." runs a part (one GPU: two machines' worth)
+read -ra RUNS <<< "${TABLE_RUNS:-vllm_fixed graph_spread graph_fixed vllm_spread}"
 
 case "${1:-}" in
   start)
@@ -64,18 +65,18 @@ case "${1:-}" in
       echo "== $run ($(date -u +%T), lane $lane, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-})"
       case "$run" in
         vllm_*)
-          if [ "$run" = vllm_fixed ]; then
+          if [ "$run" = vllm_fixed ] || [[ " ${RUNS[*]} " != *" vllm_fixed "* ]]; then  # this run builds them
             if $P benchmarks/rollout_vllm.py "${VMODEL[@]}" --build-only > "$O/build.log" 2>&1; then
               touch "$BG/ckpt.ok"
             else
               touch "$BG/ckpt.failed"; echo "checkpoint build failed: $O/build.log"; tail -n 20 "$O/build.log"; continue
             fi
-            extra=(--repeats 2)
           else
             while [ ! -e "$BG/ckpt.ok" ] && [ ! -e "$BG/ckpt.failed" ]; do sleep 5; done
             [ -e "$BG/ckpt.ok" ] || { echo "no checkpoints (vllm_fixed's build failed)"; continue; }
-            extra=(--repeats 2 "${SPREAD[@]}")
           fi
+          extra=(--repeats 2)
+          [ "$run" = vllm_spread ] && extra+=("${SPREAD[@]}")
           d=$(deadline "$VT")
           [ "$d" -gt 0 ] || { echo "skipped: no time left in the lane's budget"; continue; }
           $P benchmarks/rollout_vllm.py "${VMODEL[@]}" --arms "$VARMS" "${SIZE[@]}" "${extra[@]}" --arm-timeout "$VT" \

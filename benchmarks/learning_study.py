@@ -87,14 +87,12 @@ GPU_ARMS = {
     "MXFP4+LoRA+AQN": {"tag": "mxfp4-aqn", "quantization": "mxfp4-rtn", "aqn": "true", "aqn_schedule": "exponential"},
     "NF4 (QLoRA)": {"tag": "nf4", "quantization": "nf4", "aqn": "false"},
     "NF4+LoRA+AQN": {"tag": "nf4-aqn", "quantization": "nf4", "aqn": "true", "aqn_schedule": "exponential"},
-    # the FP8-rollout parity study (issue #51): rollouts on vLLM, whose sampling logprobs feed TRL's correction (on by
-    # default with FP8; off under AQN at W4A16); a small engine each, so that the runs share the card
-    "NVFP4+LoRA+AQN vLLM": {"tag": "nvfp4-aqn-vllm", "quantization": "rtn", "aqn": "true", "aqn_schedule": "exponential",
-                            "rollout_engine": "vllm", "vllm": '{"gpu_memory_utilization": 0.06}'},
-    "NVFP4+LoRA+AQN vLLM FP8": {"tag": "nvfp4-aqn-vllm-fp8", "quantization": "rtn", "aqn": "true",
-                                "aqn_schedule": "exponential", "rollout_engine": "vllm", "rollout_precision": "fp8",
-                                "vllm": '{"gpu_memory_utilization": 0.06}'},
 }  # fmt: skip
+# the FP8-rollout parity study (issue #51): the NVFP4 + AQN arm with rollouts on vLLM, whose sampling logprobs feed
+# TRL's correction (on by default with FP8; off under AQN at W4A16); a small engine each, so that the runs share the card
+_VLLM = GPU_ARMS["NVFP4+LoRA+AQN"] | {"rollout_engine": "vllm", "vllm": '{"gpu_memory_utilization": 0.06}'}
+GPU_ARMS["NVFP4+LoRA+AQN vLLM"] = _VLLM | {"tag": "nvfp4-aqn-vllm"}
+GPU_ARMS["NVFP4+LoRA+AQN vLLM FP8"] = _VLLM | {"tag": "nvfp4-aqn-vllm-fp8", "rollout_precision": "fp8"}
 # (the NVFP4 arms keep the alias "rtn" = "nvfp4-rtn": their base-model evals live in base-rtn/ folders)
 #: the studies beside the GPU study (--formats, --fp8): their issue and arms, everything else as the GPU study
 PRESETS = {"formats": (22, ["NVFP4+LoRA+AQN", "MXFP4+LoRA+AQN", "NF4 (QLoRA)"]),

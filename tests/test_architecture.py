@@ -104,6 +104,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # -297 (→ 4,754, #48): compaction, no behaviour change: docstrings and help that repeated BENCHMARKS.md,
     # rollout_vllm's run options from common.workers, counter_diff once, learning_study's figures through common.plots,
     # quantize_time's unused --keep-ckpt
-    # +16 (→ 4,770, #51): learning_study.py --fp8, the FP8-rollout parity study's two arms with vLLM rollouts (--formats
+    # +14 (→ 4,768, #51): learning_study.py --fp8, the FP8-rollout parity study's two arms with vLLM rollouts (--formats
     # and --fp8 as PRESETS)
-    assert am.benchmark_lines(ROOT) <= 4770
+    assert am.benchmark_lines(ROOT) <= 4768

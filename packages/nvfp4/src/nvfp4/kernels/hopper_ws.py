@@ -341,6 +341,11 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     )  # fmt: skip
 
 
+#: the launch's register cap: two consumer warpgroups and the producer's (a warp padded to a warpgroup), 384 threads,
+#: share the SM's 64K registers (65536 // 384 = 170, down to a multiple of 8); in the specialised region the consumers
+#: take 232 and the producer 40 (``warp_specialize``'s counts)
+MAXNREG = 168
+
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -394,7 +399,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=168)  # fmt: skip
+                            SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=MAXNREG)  # fmt: skip
     return y
 
 
@@ -424,7 +429,7 @@ def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = 
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=168))  # fmt: skip
+                          options=dict(num_warps=4, maxnreg=MAXNREG))  # fmt: skip
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}

@@ -104,7 +104,8 @@ class RolloutEngine:
             # unlike AQN's noise) goes into the loss as it is: said once here instead of a True setting doing nothing
             logger.warning("rollout_precision=%r on rollout_engine=%r: the engine returns no sampling logprobs, so "
                            "TRL's importance-sampling correction does not run on the FP8 rollouts' gap to the "
-                           "trainer (docs/fp8_rollouts.md); rollout_engine='vllm' applies it", precision.name, cls.name)
+                           "trainer (docs/fp8_rollouts.md); rollout_engine='graph' or 'vllm' apply it", precision.name,
+                           cls.name)  # fmt: skip
 
     @classmethod
     def check_environment(cls, cfg: Any) -> None:

@@ -214,8 +214,8 @@ def _choose(
     the EOS logits at -inf while ``eos_block`` is set (``min_new_tokens``), the distribution the token was actually
     drawn from, as vLLM's ``processed_logprobs`` (which also masks EOS for ``min_tokens``). Greedy decoding divides by
     1 (``temperature`` holds 1.0). It costs one gather and one ``logsumexp`` over the vocabulary per step, no [B, V]
-    log-softmax: in the compiled step inductor fuses the logsumexp's max and sum with the softmax's over the same
-    ``scaled`` row; eagerly it is one more read of the [B, V] float32 logits.
+    log-softmax written: eagerly one more read of the [B, V] float32 ``scaled`` logits (the softmax reads them too);
+    compiled, inductor may fuse its max and sum with the softmax's over the same row (not measured).
     """
     logits = logits.float().masked_fill(eos_mask & eos_block, float("-inf"))
     scaled = logits / temperature
@@ -553,8 +553,8 @@ class _Wave:
         first = rows = st.rows(batch, model.config)
 
         def choose_args(r: _Rows) -> tuple:  # the state _choose advances, in its argument order
-            return (r.tok, r.seq, r.logp, st.cur, r.finished, r.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature,
-                    r.noise if do_sample else None, do_sample)  # fmt: skip
+            return (r.tok, r.seq, r.logp, st.cur, r.finished, r.gen_len, st.eos_mask, st.eos_block, st.pad,
+                    st.temperature, r.noise if do_sample else None, do_sample)  # fmt: skip
 
         if do_sample:
             rows.noise.exponential_(generator=generator)

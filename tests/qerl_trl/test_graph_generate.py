@@ -249,6 +249,96 @@ def test_smaller_call_reuses_larger_state():
     release_graph_state(model)
 
 
+def _reference_logprobs(model, out: torch.Tensor, mask: torch.Tensor, temperature: float,
+                        eos_blocked_until: int = 0) -> torch.Tensor:
+    """Plain PyTorch: one full forward of ``model`` over prompt + completion (``out`` ``[B, P + T]``, prompts of
+    ``mask``'s length ``P``, left-padded), the trainer's ``log_softmax(logits / temperature)`` in float32 gathered at
+    the generated tokens, ``[B, T]``; with ``eos_blocked_until``, the EOS logit at -inf for the first that many
+    tokens (what ``min_new_tokens`` samples from)."""
+    p = mask.shape[1]
+    gen = out[:, p:]
+    full = torch.cat([mask, torch.ones_like(gen)], 1)
+    pos = (full.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, p - 1 : -1].float()
+    logits[:, :eos_blocked_until, EOS] = float("-inf")
+    return torch.log_softmax(logits / temperature, -1).gather(-1, gen[..., None]).squeeze(-1)
+
+
+def _ends(gen: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """Each row's length up to and including its first EOS (the whole row without one), ``[B, 1]``."""
+    is_eos = torch.isin(gen, torch.tensor(eos, device=gen.device))
+    return torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, gen.shape[1])[:, None]
+
+
+@pytest.mark.parametrize(("temperature", "max_rows"), [(0.7, None), (1.6, 3)])
+def test_sampling_logprobs_match_a_full_forward_with_compaction(temperature, max_rows):
+    """``return_logprobs``: each sampled token's logprob is the trainer's ``log_softmax(logits / T)`` of one full
+    forward over prompt + completion, while rows finish at different steps and are compacted out of the batch (in
+    one batch, and in waves of 3 rows): the per-row logprob buffer moves with its row. 0 after a row's EOS."""
+    model = _model("qwen2")
+    _eos_likely(model, boost=3.0)
+    ids, mask = _prompts(batch=8, length=12, seed=int(temperature * 10))
+    eos = [EOS, 3]
+    sizes, _ = _batch_sizes(model)
+    out, logp = graph_generate(model, ids, mask, max_new_tokens=40, temperature=temperature, eos_token_id=eos,
+                               pad_token_id=PAD, generator=torch.Generator().manual_seed(7), check_every=2,
+                               compact_min_batch=1, max_rows=max_rows, return_logprobs=True)  # fmt: skip
+    gen = out[:, 12:]
+    assert logp.shape == gen.shape and logp.dtype == torch.float32 and logp.device == out.device
+    ends = _ends(gen, eos)
+    assert len(set(ends[:, 0].tolist())) >= 3, ends  # rows finished at different steps
+    assert min(sizes[1:]) < (max_rows or 8), sizes  # and compaction dropped some
+    after = torch.arange(gen.shape[1])[None, :] >= ends
+    ref = _reference_logprobs(model, out, mask, temperature)
+    assert (logp[after] == 0).all()
+    assert torch.allclose(logp[~after], ref[~after], atol=1e-4, rtol=1e-4), (logp - ref)[~after].abs().max()
+    assert (logp[~after] < 0).all()
+    # the sequences are what the call without return_logprobs returns (same generator seed)
+    again = graph_generate(model, ids, mask, max_new_tokens=40, temperature=temperature, eos_token_id=eos,
+                           pad_token_id=PAD, generator=torch.Generator().manual_seed(7), check_every=2,
+                           compact_min_batch=1, max_rows=max_rows)  # fmt: skip
+    assert torch.equal(again, out)
+
+
+def test_sampling_logprobs_under_min_new_tokens_and_greedy():
+    """While ``min_new_tokens`` blocks EOS the token is drawn from the distribution without it, and its logprob is
+    taken there (vLLM's ``processed_logprobs`` for ``min_tokens``); afterwards it is the trainer's plain
+    ``log_softmax(logits / T)``. Greedy decoding reports the logprobs at temperature 1."""
+    model = _model()
+    _eos_likely(model, boost=3.0)
+    ids, mask = _prompts(batch=4, length=8)
+    out, logp = graph_generate(model, ids, mask, max_new_tokens=16, min_new_tokens=5, temperature=0.8,
+                               eos_token_id=EOS, pad_token_id=PAD, generator=torch.Generator().manual_seed(3),
+                               check_every=2, compact_min_batch=1, return_logprobs=True)  # fmt: skip
+    after = torch.arange(out.shape[1] - 8)[None, :] >= _ends(out[:, 8:], [EOS])
+    ref = _reference_logprobs(model, out, mask, 0.8, eos_blocked_until=5)
+    assert torch.allclose(logp[~after], ref[~after], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref[:, :5], _reference_logprobs(model, out, mask, 0.8)[:, :5], atol=1e-3)
+    greedy, glogp = graph_generate(model, ids, mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                   temperature=0.5, return_logprobs=True)  # fmt: skip
+    assert torch.allclose(glogp, _reference_logprobs(model, greedy, mask, 1.0), atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_step_records_the_eager_logprobs():
+    """The compiled step (dynamo + AOT autograd, compaction to 2 rows) writes the logprobs the eager loop does, with
+    the same number of graphs: the logprob buffer is one more static input of the step."""
+    from torch._dynamo.utils import counters
+
+    model, ids, mask, kw = _compiled_compaction_case()
+    ref, ref_logp = graph_generate(model, ids, mask, compile=False, return_logprobs=True, **kw)
+    opts = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    got, logp = graph_generate(model, ids, mask, compile=True, compile_options=opts, return_logprobs=True, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(got, ref) and torch.allclose(logp, ref_logp, atol=1e-5)
+    after = torch.arange(got.shape[1] - 18)[None, :] >= _ends(got[:, 18:], kw["eos_token_id"])
+    assert len(set(after.sum(1).tolist())) >= 2 and (logp[after] == 0).all()
+    assert torch.allclose(logp[~after], _reference_logprobs(model, got, mask, 1.0)[~after], atol=1e-4, rtol=1e-4)
+    got2, logp2 = graph_generate(model, ids, mask, compile=True, compile_options=opts, return_logprobs=True, **kw)
+    assert torch.equal(got2, ref) and torch.equal(logp2, logp) and counters["stats"]["unique_graphs"] == graphs
+    release_graph_state(model)
+
+
 def _eos_likely(model, boost: float = 4.0):
     """Add ``boost`` to the EOS logit (a hook on lm_head): most rows finish within a few dozen sampled tokens."""
     bias = torch.zeros(model.config.vocab_size)
@@ -462,6 +552,41 @@ def test_cuda_graphs_compaction_gpu():
         assert (gen[after] == PAD).all(), name
         gap, tol = _argmax_gap(model, out, mask)
         assert ((gap <= tol) | after).all(), (name, gap[~after].max().item())
+        release_graph_state(model)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_sampling_logprobs_gpu():
+    """The CUDA-graph form of the CPU logprob tests (inductor, ``mode="reduce-overhead"``), bf16 + LoRA and NVFP4 +
+    LoRA: 16 rows sampled at T = 0.7, finishing at different steps (EOS made likely) and compacted every 2nd step
+    down to 1 row. Each returned logprob is the trainer's float32 ``log_softmax(logits / T)`` of an uncompiled
+    full-sequence forward at the sampled token (within bf16 noise: inductor and eager round the logits differently),
+    0 after the row's EOS, and a second call from the same seed (replaying the recorded graphs) returns the same."""
+    arms = _lora_arms_gpu()
+    ids, mask = _prompts(batch=16, length=18)
+    ids, mask = ids.cuda(), mask.cuda()
+    t, eos = 0.7, [EOS, 3]
+    for name, model in arms.items():
+        model.eval()
+        bias = torch.zeros(model.config.vocab_size, device="cuda", dtype=torch.bfloat16)
+        bias[EOS] = 6.0
+        hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out, b=bias: out + b)
+        torch._dynamo.reset()
+        kw = dict(max_new_tokens=48, temperature=t, eos_token_id=eos, pad_token_id=PAD, check_every=2,
+                  compact_min_batch=1, compile=True, return_logprobs=True)  # fmt: skip
+        out, logp = graph_generate(model, ids, mask, generator=torch.Generator("cuda").manual_seed(0), **kw)
+        out2, logp2 = graph_generate(model, ids, mask, generator=torch.Generator("cuda").manual_seed(0), **kw)
+        assert torch.equal(out2, out) and torch.equal(logp2, logp), name
+        gen = out[:, 18:]
+        assert logp.shape == gen.shape and logp.dtype == torch.float32 and logp.is_cuda
+        ends = _ends(gen, eos)
+        assert len(set(ends[:, 0].tolist())) >= 3, (name, ends)  # staggered: compaction had rows to drop
+        after = torch.arange(gen.shape[1], device="cuda")[None, :] >= ends
+        assert (logp[after] == 0).all(), name
+        ref = _reference_logprobs(model, out, mask, t)
+        err = (logp - ref)[~after].abs()
+        assert torch.isfinite(logp).all() and err.max() < 0.15 and err.mean() < 0.02, (name, err.max(), err.mean())
+        hook.remove()
         release_graph_state(model)
 
 

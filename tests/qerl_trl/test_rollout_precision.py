@@ -41,20 +41,29 @@ def test_the_config_parses_it_once_and_engines_refuse_what_they_cannot_honour(tm
     assert config.rollout_precision == "fp8"
 
 
-def test_fp8_rollouts_without_sampling_logprobs_say_the_correction_does_not_run(caplog):
-    """TRL's importance-sampling correction reads the engine's logprobs: the graph engine returns none, so FP8 rollouts
-    there (correction on by default) are told once, in one line, that their gap to the trainer stays uncorrected."""
+def test_fp8_rollouts_without_sampling_logprobs_say_the_correction_does_not_run(caplog, monkeypatch):
+    """TRL's importance-sampling correction reads the engine's logprobs: FP8 rollouts on an engine that returns none
+    (here the graph engine without them, as it was before it recorded them) are told once, in one line, that their gap
+    to the trainer stays uncorrected (correction on by default). The graph and vLLM engines return them: no line."""
+    from qerl_trl.rollout.graph.engine import GraphRollout
+
+    class NoLogprobs(GraphRollout):
+        name = "graph-no-logprobs"
+        sampling_logprobs = False
+
     said = "TRL's importance-sampling correction does not run"
-    with caplog.at_level("WARNING", logger="qerl_trl.rollout.base"):
-        QeRLConfig(output_dir="x", rollout_engine="graph", rollout_precision="auto")
-    lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
-    assert len(lines) == 1 and "\n" not in lines[0] and "rollout_engine='graph'" in lines[0], lines
-    caplog.clear()
+    with monkeypatch.context() as patch, caplog.at_level("WARNING", logger="qerl_trl.rollout.base"):
+        patch.setattr("qerl_trl.config.engine_class", lambda name: NoLogprobs)
+        QeRLConfig(output_dir="x", rollout_engine="graph-no-logprobs", rollout_precision="auto")
+        lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "rollout_engine='graph-no-logprobs'" in lines[0], lines
+        caplog.clear()
+        QeRLConfig(output_dir="x", rollout_engine="graph-no-logprobs", rollout_precision="fp8",
+                   vllm_importance_sampling_correction=False)  # chosen off: nothing to say
+        QeRLConfig(output_dir="x", rollout_engine="graph-no-logprobs")  # w4a16
     with caplog.at_level("WARNING", logger="qerl_trl.rollout.base"):
         QeRLConfig(output_dir="x", rollout_engine="vllm", rollout_precision="fp8")  # vLLM returns them
-        QeRLConfig(output_dir="x", rollout_engine="graph", rollout_precision="fp8",
-                   vllm_importance_sampling_correction=False)  # chosen off: nothing to say
-        QeRLConfig(output_dir="x", rollout_engine="graph")  # w4a16
+        QeRLConfig(output_dir="x", rollout_engine="graph", rollout_precision="auto")  # so does the graph engine
     assert not [r for r in caplog.records if said in r.getMessage()]
 
 

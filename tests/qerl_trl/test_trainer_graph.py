@@ -1,8 +1,9 @@
 """``rollout_engine="graph"``: QeRLGRPOTrainer generating with ``qerl_trl.rollout.graph.generate`` (CPU, eager decode).
 
 Config validation (what graph_generate cannot honour is refused up front); the glue (TRL's left padding, EOS cut,
-``(ids, None)``) against ``graph_generate`` called directly with the same seed, and against TRL's own transformers path
-when both decode greedily; one seeded training step end to end.
+``(ids, logprobs)``) against ``graph_generate`` called directly with the same seed, and against TRL's own transformers
+path when both decode greedily; one seeded training step end to end; TRL's importance-sampling correction on the
+engine's sampling logprobs (W4A16 and FP8 rollouts).
 """
 
 from __future__ import annotations
@@ -123,15 +124,19 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     torch.manual_seed(1234)
     assert isinstance(trainer.rollout, GraphRollout)
     got, logprobs = trainer.rollout.generate(prompts, None, {}, 1)
-    assert logprobs is None and len(got) == len(prompts)
+    assert len(got) == len(prompts) and [len(lp) for lp in logprobs] == [len(c) for c in got]
 
     width = -(-max(map(len, prompts)) // 8) * 8
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(1234)
-    ref = graph_generate(trainer.accelerator.unwrap_model(trainer.model), ids, mask, max_new_tokens=MAX_NEW,
-                         temperature=1.0, eos_token_id=eos, pad_token_id=pad, max_cache_len=192 + MAX_NEW)  # fmt: skip
+    ref, ref_logp = graph_generate(trainer.accelerator.unwrap_model(trainer.model), ids, mask, max_new_tokens=MAX_NEW,
+                                   temperature=1.0, eos_token_id=eos, pad_token_id=pad, max_cache_len=192 + MAX_NEW,
+                                   return_logprobs=True)  # fmt: skip
     assert got == _cut_after_eos(ref[:, width:], eos)
+    # the logprobs cut exactly like the ids: floats, one per completion token
+    assert logprobs == [ref_logp[i, : len(c)].tolist() for i, c in enumerate(got)]
+    assert all(isinstance(x, float) and x < 0 for lp in logprobs for x in lp)
     lengths = [len(c) for c in got]
     assert all(1 <= n <= MAX_NEW for n in lengths)
     assert any(n < MAX_NEW for n in lengths), "the EOS boost should end some completion early"
@@ -143,7 +148,9 @@ def test_graph_path_equals_graph_generate_and_trl_greedy(tmp_path, tokenizer):
     gen = trainer.generation_config
     gen.do_sample, gen.cache_implementation, gen.max_cache_len = False, "static", 192 + MAX_NEW
     graph_greedy, _ = trainer.rollout.generate(prompts, None, {}, 1)
+    trainer.use_vllm = False  # set for TRL's correction (the graph engine's logprobs); TRL's own path reads it
     trl_greedy, _ = TransformersRollout(trainer).generate(prompts, None, {}, 1)
+    trainer.use_vllm = True
     assert graph_greedy == trl_greedy
     # generation_wave_rows: the 4 rows in waves of 2 (graph_generate's max_rows), the same greedy completions
     from qerl_trl.rollout.graph.generate import _STATES
@@ -280,3 +287,40 @@ def test_graph_engine_generates_with_the_fp8_copy_and_trains_w4a16(tmp_path, tok
         assert all(n == len(layers) for n in rows_seen), rows_seen
     changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, lora_before[n])]
     assert changed, "no LoRA weight moved"
+
+
+# ---------------------------------------------------------------------------------------------- sampling correction
+@pytest.mark.parametrize(("precision", "seeded"), [("w4a16", False), ("fp8", True)])
+def test_graph_engine_sampling_logprobs_run_trls_importance_sampling_correction(tmp_path, tokenizer, precision,
+                                                                                 seeded):  # fmt: skip
+    """``rollout_engine="graph"`` returns its sampling logprobs, so with ``vllm_importance_sampling_correction`` TRL's
+    correction runs on them (from the loss forward, deferred) and logs its ``sampling/*`` metrics. The trainer scores
+    at the same temperature (0.7): W4A16 rollouts (the trainer's own forward, decoded) give a ratio of 1 up to float
+    noise; FP8 rollouts (CPU: the float32 reference of the E4M3 product; ``rollout_seed_per_prompt``, one call per
+    prompt group) a gap that the ratio corrects."""
+    model = tiny_nvfp4_policy(tokenizer, eos_boost=9.0)
+    args = args_for(tmp_path, aqn=False, rollout_precision=precision, vllm_importance_sampling_correction=True,
+                    temperature=0.7, rollout_seed_per_prompt=seeded, max_steps=2)  # fmt: skip
+    trainer = QeRLGRPOTrainer(model, even_token_reward, args, train_dataset=arithmetic(), processing_class=tokenizer)
+    assert GraphRollout.sampling_logprobs and trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    returned: list[list[list[float]]] = []
+    real_generate = trainer.rollout.generate
+
+    def generate(*a, **kw):
+        ids, logprobs = real_generate(*a, **kw)
+        returned.append(logprobs)
+        return ids, logprobs
+
+    trainer.rollout.generate = generate
+    trainer.train()
+    assert returned and all(lp is not None for lp in returned)
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2
+    for h in steps:
+        gap, ratio = h["sampling/sampling_logp_difference/mean"], h["sampling/importance_sampling_ratio/mean"]
+        assert h["sampling/importance_sampling_ratio/min"] <= ratio <= h["sampling/importance_sampling_ratio/max"]
+        if precision == "w4a16":
+            assert gap < 1e-4 and abs(ratio - 1) < 1e-4, h
+        else:
+            # about 1e-3 here: the FP8 forward is not the trainer's, and the ratio re-weights its tokens
+            assert 1e-4 < gap < 0.5 and h["sampling/importance_sampling_ratio/min"] < 1 - 1e-3, h

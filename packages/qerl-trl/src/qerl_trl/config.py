@@ -167,7 +167,7 @@ class QeRLConfig(GRPOConfig):
             weights: +1 byte a weight, counted by the memory plan) and ``"vllm"`` (colocate: the engine's linear
             method, ``qerl_vllm.quant``); training's forward, backward and logprobs stay W4A16; LoRA stays bf16 on
             top, AQN unchanged (its noise is on the norms). TRL's importance-sampling correction needs the engine's
-            sampling logprobs: vLLM's; the graph engine has none (a warning says so when it is on).
+            sampling logprobs: both engines return them (an engine without them gets a warning when it is on).
         generation_wave_rows: ``"graph"``: the most rows decoded at once; a larger generation batch is generated in
             waves of at most that many rows through one KV cache of that many rows (``graph_generate(max_rows=)``).
             Default: on CUDA, as many as :mod:`qerl_trl.memory_plan` fits in the GPU's memory beside the weights, LoRA,
@@ -244,9 +244,9 @@ class QeRLConfig(GRPOConfig):
     vllm_importance_sampling_correction: bool | None = field(
         default=None,
         metadata={
-            "help": "TRL's engine-vs-trainer correction (engines that return sampling logprobs: vLLM). Default (None): "
+            "help": "TRL's engine-vs-trainer correction (engines that return sampling logprobs: graph, vLLM). Default (None): "
             "off while AQN is on with W4A16 rollouts, on otherwise. AQN's noise is in the engine's norms only, so the "
-            "correction would re-weight the exploration it adds (the graph and transformers engines never do): on "
+            "correction would re-weight the exploration it adds (the transformers engine never does): on "
             "the offline default (H200, 20 steps) vLLM with it reached last-5 rewards 0.725 / 0.787 (seeds 0 / 1), "
             "without it 0.856 / 0.838, the graph engine 0.844 / 0.863. FP8 rollouts keep it: their gap is numeric."
         },

@@ -26,8 +26,9 @@ Held for the whole run
     optimizers: 2 bytes; SGD: none). Only the adapters train, so nothing for the frozen base.
   * generation rows (the graph engine keeps its static cache and buffers between steps, so that every step replays the
     graphs recorded on the first: they are held during training too). Per row:
-    KV cache ``2·n_L·n_kv·d·cache_len·a``; the engine's ``seq`` and ``mask`` ``[cache_len]`` int64 and its sampling
-    noise ``[V]`` fp32; the decode step's logits temporaries in its CUDA-graph pool (``[V]`` bf16 + 4 × ``[V]`` fp32).
+    KV cache ``2·n_L·n_kv·d·cache_len·a``; the engine's ``seq`` and ``mask`` ``[cache_len]`` int64, its sampled
+    tokens' logprobs ``[cache_len]`` fp32 and its sampling noise ``[V]`` fp32; the decode step's logits temporaries in
+    its CUDA-graph pool (``[V]`` bf16 + 4 × ``[V]`` fp32).
 
 Transient, one phase at a time (the plan takes the larger)
   * prefill of a wave of ``R`` rows × ``P`` prompt tokens (no grad): per token ``(4·H + 4·I)·a`` (the layer's MLP
@@ -403,7 +404,7 @@ def plan_memory(model: ModelShape, run: RunShape, budget_bytes: int, margin: flo
     training = int(tokens * (kept + recompute) + mask + lm_head)
 
     kv_per_row = m.kv_bytes_per_token(a) * run.cache_len
-    buffers_per_row = 2 * 8 * run.cache_len + 4 * v + _DECODE_LOGITS_BYTES * v
+    buffers_per_row = (2 * 8 + 4) * run.cache_len + 4 * v + _DECODE_LOGITS_BYTES * v  # seq, mask int64; logp fp32
     prefill_per_row = int(
         run.prompt_len * (_PREFILL_H * h + _PREFILL_I * i) * a  # the layer's intermediates
         + 2 * m.num_attention_heads * m.head_dim * run.cache_len * a  # repeat_kv of the whole cache (SDPA, masked)

@@ -14,8 +14,9 @@ What the subclass adds, each through a method TRL's own trainers override:
 * the rollouts come from one :class:`~qerl_trl.rollout.RolloutEngine` (``self.rollout``, :mod:`qerl_trl.rollout`,
   chosen by ``rollout_engine``): ``"transformers"`` (the policy's ``generate``), ``"graph"`` (opt-in:
   :func:`~qerl_trl.rollout.graph.generate.graph_generate`, one compiled CUDA graph per decode step, sampling included, no host
-  sync per step) or ``"vllm"`` (colocate or server, LoRA synced as an adapter each step, AQN on the engine's norms,
-  TRL's importance-sampling correction on). The trainer calls the engine's interface only: ``sync_lora`` once per
+  sync per step; it returns its sampling logprobs) or ``"vllm"`` (colocate or server, LoRA synced as an adapter each
+  step, AQN on the engine's norms). On the engines that return sampling logprobs (graph, vLLM) TRL's
+  importance-sampling correction runs. The trainer calls the engine's interface only: ``sync_lora`` once per
   ``global_step``, ``set_noise`` and ``generate`` per generation call, ``close``.
 * ``train``: on CPU the NVFP4 weights are dequantized once for the run; under DDP the 4-bit buffers are left out of
   DDP's broadcasts (every rank loads the same frozen base; only the LoRA gradients are all-reduced).
@@ -818,12 +819,14 @@ class QeRLGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         fork_devices = [device] if device.type == "cuda" else []
         completion_ids: list = []
+        logprobs: list | None = []  # the engine's sampling logprobs (graph), None when it returns none
         for start in range(0, n, g):
             with torch.random.fork_rng(devices=fork_devices):
                 torch.manual_seed(rollout_seed(self.args.seed, step, call, (base + start) // g))
-                ids, _ = self._generate_turn(prompt_ids[start : start + g], None, {}, num_generations, has_tool_images)
+                ids, lps = self._generate_turn(prompt_ids[start : start + g], None, {}, num_generations, has_tool_images)
             completion_ids.extend(ids)
-        return completion_ids, None
+            logprobs = None if logprobs is None or lps is None else [*logprobs, *lps]
+        return completion_ids, logprobs
 
     def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """One generation call of the rollout engine, without this class's AQN / timing wrapper."""

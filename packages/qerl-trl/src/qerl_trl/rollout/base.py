@@ -47,8 +47,9 @@ class RolloutEngine:
             plan then counts it); ``False``: the engine sizes its own memory (vLLM). Every engine must say.
         generates_in_waves: whether it generates a batch that does not fit in waves of the rows that do (the memory
             plan then sets ``generation_wave_rows`` instead of refusing the run).
-        sampling_logprobs: whether :meth:`generate` returns the sampled tokens' logprobs from a model other than the
-            trainer's (vLLM): TRL's importance-sampling correction (``vllm_importance_sampling_*``) then applies.
+        sampling_logprobs: whether :meth:`generate` returns the sampled tokens' logprobs under the distribution they
+            were sampled from (vLLM's ``processed_logprobs``; the graph engine's own, from its FP8 or W4A16 rollout
+            forward): TRL's importance-sampling correction (``vllm_importance_sampling_*``) then applies.
         rollout_precisions: the ``rollout_precision`` values it honours (:mod:`nvfp4.rollout_precision`); the base
             class refuses the others in :meth:`check_config`.
         generates_from_copy: whether it generates from a copy of the policy in an engine of its own, loaded from a
@@ -103,7 +104,8 @@ class RolloutEngine:
             # unlike AQN's noise) goes into the loss as it is: said once here instead of a True setting doing nothing
             logger.warning("rollout_precision=%r on rollout_engine=%r: the engine returns no sampling logprobs, so "
                            "TRL's importance-sampling correction does not run on the FP8 rollouts' gap to the "
-                           "trainer (docs/fp8_rollouts.md); rollout_engine='vllm' applies it", precision.name, cls.name)
+                           "trainer (docs/fp8_rollouts.md); rollout_engine='graph' or 'vllm' apply it", precision.name,
+                           cls.name)  # fmt: skip
 
     @classmethod
     def check_environment(cls, cfg: Any) -> None:
@@ -174,11 +176,16 @@ class RolloutEngine:
         """Release what the engine holds (processes, GPU memory); nothing for the in-process engines."""
 
 
-def generate_padded(trainer: Any, prompt_ids: list[list[int]], profile_name: str, run: Callable) -> list[list[int]]:
+def generate_padded(
+    trainer: Any, prompt_ids: list[list[int]], profile_name: str, run: Callable, *, logprobs: bool = False
+) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """TRL 1.16's regular generation path around ``run(model, input_ids, attention_mask)``, which returns the prompt +
     completion ids ``[B, T + new]``: the left padding (``pad``, ``pad_to_multiple_of``), the context managers
     (unwrapped model with gradient checkpointing off, no grad, FSDP full params), and the post-processing (the tokens
-    after the padded prompt, cut after the first EOS). Returns the completions as lists of token ids."""
+    after the padded prompt, cut after the first EOS). Returns the completions as lists of token ids.
+
+    With ``logprobs``, ``run`` returns ``(ids, completion_logprobs)``, the latter ``[B, new]`` float32 aligned with the
+    completion tokens, and the result is ``(completions, their logprobs)``, each list cut where its ids are."""
     from trl.extras.profiling import profiling_context
     from trl.models import unwrap_model_for_generation
     from trl.trainer.utils import pad
@@ -210,7 +217,8 @@ def generate_padded(trainer: Any, prompt_ids: list[list[int]], profile_name: str
         torch.no_grad(),
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
-        prompt_completion_ids = run(unwrapped_model, input_ids, attention_mask)
+        out = run(unwrapped_model, input_ids, attention_mask)
+    prompt_completion_ids, completion_logprobs = out if logprobs else (out, None)
     completion_ids = prompt_completion_ids[:, prompt_length:]
     # Mask everything after the first EOS token (TRL 1.16's lines)
     is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=device))
@@ -218,4 +226,8 @@ def generate_padded(trainer: Any, prompt_ids: list[list[int]], profile_name: str
     eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
     sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
     completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-    return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)]
+    keep = completion_mask.bool().cpu()
+    ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), keep, strict=True)]
+    if completion_logprobs is None:
+        return ids
+    return ids, [lp[m].tolist() for lp, m in zip(completion_logprobs.float().cpu(), keep, strict=True)]

@@ -49,6 +49,9 @@ class GraphRollout(RolloutEngine):
     holds_generation_memory = True  # the policy's own KV cache, on the training GPU
     generates_in_waves = True  # a batch that does not fit is decoded in waves of generation_wave_rows
     rollout_precisions = ("w4a16", "fp8", "auto")  # fp8 / auto: an E4M3 copy beside the policy (nvfp4.fp8_model)
+    # graph_generate records each sampled token's logprob (float32 log_softmax(logits / temperature), as vLLM's
+    # processed_logprobs): TRL's importance-sampling correction then covers the FP8 rollouts' gap to the trainer
+    sampling_logprobs = True
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -142,8 +145,10 @@ class GraphRollout(RolloutEngine):
         multimodal_fields: dict | None,
         num_generations: int = 1,
         has_tool_images: bool = False,
-    ) -> tuple[list[list[int]], None]:
-        """TRL 1.16's regular generation path with ``graph_generate`` in place of ``unwrapped_model.generate``.
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """TRL 1.16's regular generation path with ``graph_generate`` in place of ``unwrapped_model.generate``:
+        ``(completion_ids, logprobs)``, ``logprobs[i]`` the float32 logprobs of ``completion_ids[i]``'s tokens under the
+        distribution they were sampled from (``graph_generate(..., return_logprobs=True)``), cut where the ids are.
 
         Why not ``generate``: it graphs only the decode forward and syncs the GPU to the host every token, which left
         an H100 idle for longer than a 7B step's GEMMs (:mod:`qerl_trl.rollout.graph.generate`). What stays TRL's: the left
@@ -163,7 +168,7 @@ class GraphRollout(RolloutEngine):
         gen = trainer.generation_config
         cache_len = generation_cache_len(gen, trainer.args)
 
-        def run(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        def run(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             prompt_length = input_ids.size(1)
             if prompt_length + gen.max_new_tokens > cache_len:
                 raise ValueError(
@@ -185,7 +190,8 @@ class GraphRollout(RolloutEngine):
                     eos_token_id=gen.eos_token_id,
                     pad_token_id=gen.pad_token_id,
                     max_cache_len=cache_len,
+                    return_logprobs=True,
                     **{"max_rows": trainer.args.generation_wave_rows, **getattr(trainer, "graph_generate_kwargs", {})},
                 )
 
-        return generate_padded(trainer, prompt_ids, "graph_generate", run), None
+        return generate_padded(trainer, prompt_ids, "graph_generate", run, logprobs=True)

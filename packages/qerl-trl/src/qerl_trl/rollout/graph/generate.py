@@ -62,6 +62,7 @@ class _Rows:
     pos: torch.Tensor
     mask: torch.Tensor
     seq: torch.Tensor
+    logp: torch.Tensor
     finished: torch.Tensor
     gen_len: torch.Tensor
     noise: torch.Tensor | None
@@ -82,6 +83,11 @@ class _State:
     pos: torch.Tensor  # [B, 1] int64: its position id
     mask: torch.Tensor  # [B, L] int64: prompt mask, then 1 for every generated position
     seq: torch.Tensor  # [B, L] int64: prompt + generated tokens
+    #: [B, L] float32, aligned with ``seq``: at each generated position the log-probability of the token there under
+    #: the distribution it was drawn from, ``log_softmax(logits / temperature)`` (EOS at -inf while ``eos_block``),
+    #: vLLM's ``processed_logprobs``; 0 after the row's EOS, the prompt's positions unwritten. Moves with the row when
+    #: finished rows are compacted, as ``seq`` does.
+    logp: torch.Tensor
     cur: torch.Tensor  # [1] int64: index in ``seq`` of the next generated token
     finished: torch.Tensor  # [B, 1] bool: row emitted an EOS
     gen_len: torch.Tensor  # [B, 1] int64: tokens generated before finishing (the EOS included)
@@ -100,7 +106,7 @@ class _State:
             self.views[b] = _Rows(
                 cache=self.cache if full else _row_view_cache(self.cache, config, b),
                 **{n: getattr(self, n) if full else _static(getattr(self, n)[:b])
-                   for n in ("tok", "pos", "mask", "seq", "finished", "gen_len")},
+                   for n in ("tok", "pos", "mask", "seq", "logp", "finished", "gen_len")},
                 noise=None if self.noise is None else self.noise if full else _static(self.noise[:b]),
             )  # fmt: skip
         return self.views[b]
@@ -166,6 +172,7 @@ def _get_state(model: nn.Module, batch: int, cache_len: int, device: torch.devic
         pos=buf(batch, 1),
         mask=buf(batch, cache_len),
         seq=buf(batch, cache_len),
+        logp=buf(batch, cache_len, dtype=torch.float32),
         cur=buf(1),
         finished=buf(batch, 1, dtype=torch.bool),
         gen_len=buf(batch, 1),
@@ -186,6 +193,7 @@ def _choose(
     logits: torch.Tensor,
     tok: torch.Tensor,
     seq: torch.Tensor,
+    logp: torch.Tensor,
     cur: torch.Tensor,
     finished: torch.Tensor,
     gen_len: torch.Tensor,
@@ -200,17 +208,30 @@ def _choose(
 
     Sampling is gpt-fast's ``argmax(probs / q)`` with ``q ~ Exp(1)`` (``noise``, drawn by the caller): the same
     distribution as ``torch.multinomial(probs, 1)`` without its device-to-host synchronisation.
+
+    The chosen token's log-probability goes to ``logp`` [B, L] float32 at column ``cur`` (0 for finished rows): the
+    float32 ``log_softmax(logits / temperature)`` of the trainer (TRL divides its logits by the same temperature), with
+    the EOS logits at -inf while ``eos_block`` is set (``min_new_tokens``), the distribution the token was actually
+    drawn from, as vLLM's ``processed_logprobs`` (which also masks EOS for ``min_tokens``). Greedy decoding divides by
+    1 (``temperature`` holds 1.0). It costs one gather and one ``logsumexp`` over the vocabulary per step, no [B, V]
+    log-softmax written: eagerly one more read of the [B, V] float32 ``scaled`` logits (the softmax reads them too);
+    compiled, inductor may fuse its max and sum with the softmax's over the same row (not measured).
     """
     logits = logits.float().masked_fill(eos_mask & eos_block, float("-inf"))
+    scaled = logits / temperature
     if do_sample:
-        probs = torch.softmax(logits / temperature, dim=-1)
+        probs = torch.softmax(scaled, dim=-1)
         nxt = torch.argmax(probs / noise.clamp_min(1e-30), dim=-1, keepdim=True)  # a 0 draw (CPU) must not give NaN
     else:
         nxt = torch.argmax(logits, dim=-1, keepdim=True)
+    # not log(probs[nxt]): that underflows to -inf for a token below e^-103 (float32), which a draw can still pick
+    lp = scaled.gather(1, nxt) - torch.logsumexp(scaled, dim=-1, keepdim=True)
     nxt = torch.where(finished, pad, nxt)  # finished rows keep emitting pad
+    lp = lp.masked_fill(finished, 0.0)
     gen_len.add_((~finished).long())
     finished.logical_or_(eos_mask[nxt])
     seq.index_copy_(1, cur, nxt)
+    logp.index_copy_(1, cur, lp)
     cur.add_(1)
     tok.copy_(nxt)
 
@@ -322,7 +343,8 @@ def graph_generate(
     compact: bool = True,
     compact_min_batch: int = COMPACT_MIN_BATCH,
     max_rows: int | None = None,
-) -> torch.LongTensor:
+    return_logprobs: bool = False,
+) -> torch.LongTensor | tuple[torch.LongTensor, torch.Tensor]:
     """Generate ``max_new_tokens`` tokens per row with a static KV cache and one compiled graph per decode step.
 
     The prompt is prefilled eagerly (one forward); each decode step (forward, EOS suppression, sampling, bookkeeping)
@@ -365,12 +387,17 @@ def graph_generate(
             not refilled from the queue as continuous batching does: all rows of the cache share one write position
             (``StaticCache``'s counter, one graph per step), so a row started later would need positions the cache
             does not have; a wave's tail runs at the compacted batch instead.
+        return_logprobs: also return the generated tokens' logprobs (always recorded; this only returns them).
 
     Returns:
         ``[B, P + T]`` int64 on the device of ``input_ids``: the prompt followed by the generated tokens, rows that
         finished early padded with ``pad_token_id`` after their EOS, as ``model.generate`` returns it. ``T`` is
         ``max_new_tokens``, or (with an EOS id and ``min_new_tokens < max_new_tokens``) the number of steps after
-        which every row had finished, as ``generate`` stops.
+        which every row had finished, as ``generate`` stops. With ``return_logprobs``: ``(that, logprobs)``,
+        ``logprobs`` ``[B, T]`` float32 on the same device, aligned with the generated tokens: each token's
+        log-probability under the distribution it was sampled from, ``log_softmax(logits / temperature)`` in float32
+        (greedy: temperature 1; EOS excluded while fewer than ``min_new_tokens`` were generated), what vLLM returns as
+        ``processed_logprobs`` and what the trainer's logprobs are compared with; 0 after a row's EOS.
 
     Graph reuse: the KV cache (``transformers.StaticCache``) and the step's buffers are kept per model for the next
     call with the same ``(B, L, device)`` (``B``: the rows of one wave), which then replays the same graph; a call with
@@ -446,18 +473,22 @@ def graph_generate(
                 st.cache.reset()  # the next wave's rows start from position 0 of the same cache
             outs.append(run(input_ids[start : start + wave], attention_mask[start : start + wave]))
     if len(outs) == 1:
-        return outs[0]
-    # as one batch would return them: up to the longest row's last token, pad after each row's end
-    out = torch.full((batch, max(o.shape[1] for o in outs)), pad_token_id, dtype=torch.long, device=device)
-    for start, o in zip(range(0, batch, wave), outs, strict=True):
-        out[start : start + o.shape[0], : o.shape[1]] = o
-    return out
+        out, logp = outs[0]
+    else:
+        # as one batch would return them: up to the longest row's last token, pad (logprob 0) after each row's end
+        out = torch.full((batch, max(o.shape[1] for o, _ in outs)), pad_token_id, dtype=torch.long, device=device)
+        logp = torch.zeros(batch, out.shape[1] - prompt_len, dtype=torch.float32, device=device)
+        for start, (o, lp) in zip(range(0, batch, wave), outs, strict=True):
+            out[start : start + o.shape[0], : o.shape[1]] = o
+            logp[start : start + lp.shape[0], : lp.shape[1]] = lp
+    return (out, logp) if return_logprobs else out
 
 
 @dataclass
 class _Wave:
     """One :func:`graph_generate` call's settings; calling it generates one wave of rows (the first ``b`` rows of the
-    state ``st``) and returns ``[b, P + T]`` as ``graph_generate`` does for a batch of ``b``."""
+    state ``st``) and returns ``[b, P + T]`` as ``graph_generate`` does for a batch of ``b``, with the generated tokens'
+    logprobs ``[b, T]`` float32 (0 after a row's EOS)."""
 
     model: nn.Module
     st: _State
@@ -476,7 +507,7 @@ class _Wave:
     compact_min_batch: int
     keep_last: bool
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.LongTensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
         model, st, prompt_len = self.model, self.st, self.prompt_len
         max_new_tokens, min_new_tokens, do_sample = self.max_new_tokens, self.min_new_tokens, self.do_sample
         eos, pad_token_id, generator = self.eos, self.pad_token_id, self.generator
@@ -522,8 +553,8 @@ class _Wave:
         first = rows = st.rows(batch, model.config)
 
         def choose_args(r: _Rows) -> tuple:  # the state _choose advances, in its argument order
-            return (r.tok, r.seq, st.cur, r.finished, r.gen_len, st.eos_mask, st.eos_block, st.pad, st.temperature,
-                    r.noise if do_sample else None, do_sample)  # fmt: skip
+            return (r.tok, r.seq, r.logp, st.cur, r.finished, r.gen_len, st.eos_mask, st.eos_block, st.pad,
+                    st.temperature, r.noise if do_sample else None, do_sample)  # fmt: skip
 
         if do_sample:
             rows.noise.exponential_(generator=generator)
@@ -542,7 +573,8 @@ class _Wave:
 
         check = bool(eos) and min_new_tokens < max_new_tokens
         b, step = batch, step_for(batch)
-        row_of = out_seq = out_len = None  # after a compaction: original row of each row, and the rows put aside
+        # after a compaction: original row of each row, and the rows put aside
+        row_of = out_seq = out_logp = out_len = None
         for t in range(1, max_new_tokens):  # token t of each row (token 0 came from the prefill)
             if t == min_new_tokens:
                 st.eos_block.fill_(False)
@@ -560,8 +592,9 @@ class _Wave:
                 continue
             if row_of is None:
                 row_of = torch.arange(batch, device=device)
-                out_seq, out_len = first.seq.clone(), first.gen_len.clone()
-            out_seq[row_of], out_len[row_of] = rows.seq, rows.gen_len  # every row as it is now; the kept ones go on
+                out_seq, out_logp, out_len = first.seq.clone(), first.logp.clone(), first.gen_len.clone()
+            # every row as it is now; the kept ones go on
+            out_seq[row_of], out_logp[row_of], out_len[row_of] = rows.seq, rows.logp, rows.gen_len
             keep = torch.cat([alive.nonzero()[:, 0], (~alive).nonzero()[:, 0]])[:size]  # unfinished first
             _move_rows_to_front(st, keep, prompt_len + t)
             row_of = row_of[keep]
@@ -569,13 +602,16 @@ class _Wave:
             state = choose_args(rows)
         if row_of is None:
             new = int(first.gen_len.max()) if check else max_new_tokens  # as generate: stop when the last row finished
-            return first.seq[:, : prompt_len + new].clone()
-        out_seq[row_of], out_len[row_of] = rows.seq, rows.gen_len
+            return first.seq[:, : prompt_len + new].clone(), first.logp[:, prompt_len : prompt_len + new].clone()
+        out_seq[row_of], out_logp[row_of], out_len[row_of] = rows.seq, rows.logp, rows.gen_len
         new = int(out_len.max())
         out = out_seq[:, : prompt_len + new].clone()
-        # positions after a row's EOS hold pad, as without compaction (a row put aside stopped writing them)
-        out[:, prompt_len:].masked_fill_(torch.arange(new, device=device)[None, :] >= out_len, pad_token_id)
-        return out
+        logp = out_logp[:, prompt_len : prompt_len + new].clone()
+        # positions after a row's EOS hold pad (logprob 0), as without compaction (a row put aside stopped writing them)
+        after = torch.arange(new, device=device)[None, :] >= out_len
+        out[:, prompt_len:].masked_fill_(after, pad_token_id)
+        logp.masked_fill_(after, 0.0)
+        return out, logp
 
 
 def _move_rows_to_front(st: _State, keep: torch.Tensor, filled: int) -> None:
@@ -586,7 +622,7 @@ def _move_rows_to_front(st: _State, keep: torch.Tensor, filled: int) -> None:
     for layer in st.cache.layers:
         layer.keys[:n, :, :filled] = layer.keys[keep, :, :filled]
         layer.values[:n, :, :filled] = layer.values[keep, :, :filled]
-    for buf in (st.tok, st.pos, st.mask, st.seq, st.finished, st.gen_len):
+    for buf in (st.tok, st.pos, st.mask, st.seq, st.logp, st.finished, st.gen_len):
         buf[:n] = buf[keep]
 
 

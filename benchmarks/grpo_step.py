@@ -15,24 +15,14 @@ with ``--eos-mean-tokens M`` / ``--lengths`` (:data:`LENGTH_PRESETS`; ``round(V 
 Sampling at T = 1; reward = mean token id / vocab (non-zero advantages); β = 0; AQN at σ = 0.01 on every step;
 AdamW, lr 1e-5. Generation is TRL's path with a static cache and the compiled decode (``--no-compile``: eager), or
 ``--rollout-engine graph`` / ``vllm``. Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results
-appended to ``--out`` after every arm; under ``accelerate launch`` the arms run in the launched processes (DDP), rank
-0 writing every rank's numbers.
+appended to ``--out`` after every arm. One process: the DDP runs under ``accelerate launch`` (issue #7's, in
+docs/benchmarks_history.md) are at ``benchmarks/grpo_step.py@e48270c``.
 
-Usage (H100 calls of at most 10 minutes; ``--warmup-completion-len 32`` compiles the full length's decode graph)::
+Usage (the fixed-length runs of issue #7: docs/benchmarks_history.md)::
 
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms nvfp4 --rollout-engine graph \
         --compile-backend eager --out /tmp/g_graph.json                                      # CPU smoke, graph engine
-    python3 benchmarks/grpo_step.py --models 7b --arms nvfp4,bf16,qlora --completion-len 1024 \
-        --warmup-completion-len 32 --steps 2 --deadline-s 380 --arm-timeout 240 --out $OUT/grpo_7b.json   # ~8 min
-    python3 benchmarks/grpo_step.py --models 14b --arms nvfp4,bf16 --completion-len 1024 \
-        --warmup-completion-len 32 --steps 2 --deadline-s 300 --arm-timeout 280 --out $OUT/grpo_14b.json  # ~8 min
-    python3 benchmarks/grpo_step.py --models 14b --arms qlora --completion-len 1024 \
-        --warmup-completion-len 32 --steps 2 --arm-timeout 560 --out $OUT/grpo_14b_qlora.json            # ~5 min
-    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --completion-len 2048 \
-        --warmup-completion-len 32 --steps 2 --arm-timeout 570 --out $OUT/grpo_32b.json                  # ~8 min
-    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 benchmarks/grpo_step.py \
-        --models 7b --arms nvfp4 --warmup-completion-len 32 --out $OUT/grpo_7b_ddp2.json    # 2 GPUs, one arm per launch
     python3 benchmarks/grpo_step.py --merge a.json b.json --out grpo_step.json   # combine runs, print the table
 
 Issue #40, the recipes' own settings at spread lengths (graph engine; on CUDA the memory plan picks the wave size,
@@ -490,20 +480,14 @@ def run_worker(args) -> dict:
     if args.recipe:
         return run_recipe(args)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available() and not args.cpu
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     catcher = LogCatcher()
     catcher.install()
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": world, "rank": rank}
+    # one process (world_size and rank stay, as in the DDP runs' rows)
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": 1, "rank": 0}
     clock = _Clock(device)
     stock_trl = args.arm == TRL_VLLM
     engine = _rollout_engine("vllm" if stock_trl else args.rollout_engine, cuda)
@@ -533,7 +517,7 @@ def run_worker(args) -> dict:
     tokenizer = make_tokenizer(vocab)
     n_steps = args.warmup_steps + args.steps
     per_step = _completions_per_step(args)
-    dataset = make_dataset(max(8, 2 * n_steps * world * per_step // args.group), args.prompt_len, vocab)
+    dataset = make_dataset(max(8, 2 * n_steps * per_step // args.group), args.prompt_len, vocab)
     TimedTrainer, StepClock = _make_trainer_class(clock, stock_trl)
     step_clock = StepClock()
     step_clock.catcher = catcher
@@ -593,7 +577,7 @@ def run_worker(args) -> dict:
             res["gpu_gb_after_init"] = gb(torch.cuda.memory_allocated(device))  # both policies' weights + KV cache
 
     def save_partial() -> None:
-        if getattr(args, "_result", None) and rank == 0:
+        if getattr(args, "_result", None):
             part = dict(res)
             part["status"] = f"partial: killed after step {_summarize(part, clock, compiled, args)} of {n_steps}"
             with open(args._result, "w") as f:
@@ -627,17 +611,6 @@ def run_worker(args) -> dict:
     if status == "ok" and done < n_steps:
         status = f"partial: {done} of {n_steps} steps"
     res["status"] = status
-
-    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        summary = res.get("summary") or {}
-        mine = {"rank": rank, "device": str(device), "status": status}
-        mine |= {k: summary.get(k) for k in ("gen_tok_s", "step_s", "gen_s", "peak_gpu_gb")}
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, mine)
-        res["per_process"] = gathered
-        tok = [g["gen_tok_s"] for g in gathered if g and g.get("gen_tok_s")]
-        if res.get("summary") and tok:
-            res["summary"]["gen_tok_s_all_processes"] = round(sum(tok), 2)
     res["peak_rss_gb"] = rss_peak_gb()
     del trainer, model
     return res
@@ -826,11 +799,11 @@ def _worst_case_estimate(res: dict, args) -> None:
 
 
 _PASS = (
-    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps lora_r lora_dtype "
-    "nvfp4_method compile_backend compile_mode dtype warmup_completion_len rollout_engine eos_mean_tokens "
-    "min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe recipe_overrides probe_tokens out"
+    "prompt_len completion_len group per_device_batch grad_accum steps warmup_steps compile_backend warmup_completion_len "
+    "rollout_engine eos_mean_tokens min_new_tokens wave_rows prompt_cache_len vllm_kv_gb ckpt_root recipe "
+    "recipe_overrides probe_tokens out"
 ).split()  # the options a worker subprocess gets (when set)
-_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant")
+_FLAGS = ("no_compile",)
 
 
 def _engine(r: dict) -> str:
@@ -861,7 +834,7 @@ def table(results: list[dict]) -> str:
         comp = "ok" if s.get("completion_lengths_ok") else "WRONG LENGTH"
         comp += "" if s.get("advantages_nonzero") else ", zero adv."
         tok = s.get("gen_tok_s")
-        if r.get("world_size", 1) > 1 and s.get("gen_tok_s_all_processes"):
+        if s.get("gen_tok_s_all_processes"):  # a DDP run's (grpo_step.py@e48270c)
             tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
         lines.append(
             f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {fmt(s['step_s'], 2)} "
@@ -928,10 +901,10 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-tokens", type=int, default=256, help="--recipe: worst-case probe's tokens (0: none)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
     ap.add_argument("--tiny", action="store_true", help="tiny config, short prompt/completion (CPU validation)")
-    ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process (implied under DDP)")
+    ap.add_argument("--no-subprocess", action="store_true", help="run arms in this process")
     add_arm_arguments(ap, out=str(RESULTS / "grpo_step.json"), arm_timeout=1200.0)
+    ap.set_defaults(**FIXED_SETTINGS)
     args = ap.parse_args(argv)
-    vars(args).update(FIXED_SETTINGS)
     if args.tiny and not args._worker:
         args.models = "tiny"
         args.prompt_len = 16 if args.prompt_len == 256 else args.prompt_len
@@ -953,24 +926,18 @@ def main(argv=None) -> None:
         print(table(results))
         return
 
-    import torch
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    in_process = args.no_subprocess or world > 1
     models, arms = csv_list(args.models), csv_list(args.arms)
     check_names(ap, models, MODELS, "model")
     check_names(ap, arms, ARMS, "arm")
-    main_proc = rank == 0
     meta = {
         "benchmark": f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine="
         f"{args.rollout_engine!r}; compiled or not: each row's generation_config) + scoring + loss forward + backward "
         "+ AdamW step",
         "date": now(),
-        "device": device_name() if not args.cpu else "cpu (forced)",
-        "world_size": world,
+        "device": device_name(),
+        "world_size": 1,
         "versions": versions("trl", "datasets"),
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose")},
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "merge"},
         "configs": {m: MODELS[m] for m in models},
         "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
         "model._prefill, not hooked with rollout_engine graph: 0, counted in decode; aqn = applying/restoring the "
@@ -980,11 +947,10 @@ def main(argv=None) -> None:
         "on_step_begin..on_step_end. Table values: median over measured steps; compile s = warm-up step(s) time. "
         "gen tok/s = completion tokens of this process / gen s.",
     }
-    if main_proc:
-        print(f"# grpo_step: {meta['device']} x{world} | {meta['versions']}", flush=True)
+    print(f"# grpo_step: {meta['device']} | {meta['versions']}", flush=True)
 
     def run_one(m: str, a: str) -> dict:
-        if in_process:
+        if args.no_subprocess:
             return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
         return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
 
@@ -993,15 +959,11 @@ def main(argv=None) -> None:
         return (f"{res['rollout_engine']}: s/step {s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} "
                 f"tok/s), peak {s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}")  # fmt: skip
 
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief, report=main_proc,
+    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
                            defaults=lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
-    if main_proc:
-        print()
-        print(table(results))
-        print(f"\nwrote {args.out}")
-    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    print()
+    print(table(results))
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,24 @@
-"""Rollout throughput (issue #7): transformers ``generate`` with a static cache + compiled decode (CUDA graphs).
+"""Rollout throughput (issue #7): ``qerl_trl.graph_generate``, a static cache and one compiled graph per decode step.
 
-Every arm runs ``model.generate(..., cache_implementation="static")``: on CUDA transformers compiles the decode
-forward (``CompileConfig(dynamic=False)``, CUDA graphs; the prefill eager), and ``max_cache_len`` lets a short warm-up
-record the graphs the timed ``generate`` replays. Models and arms: :mod:`common.models` (random weights with the real
-Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each + LoRA r=32, and ``-base`` arms without it).
+Every arm runs :func:`qerl_trl.graph_generate.graph_generate` (sampling inside the compiled step; CUDA graphs on
+CUDA), whose ``max_cache_len`` lets a short warm-up record the graphs the timed call replays. Models and arms:
+:mod:`common.models` (random weights with the real Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each + LoRA r=32,
+and ``-base`` arms without it). The transformers ``generate`` engine (``--engine generate``, the default before issue
+#48) is at ``benchmarks/rollout.py@e48270c``; ``--engine graph`` stays so that recorded commands run.
 
 Fixed lengths: a random ``--prompt-len`` prompt, exactly ``--new-tokens`` greedy tokens. Per (model, arm, batch): a
 warm-up (``compile_s``), a second warm-up (must not recompile), three 1-token calls (the prefill: the fastest), then
-the timed ``generate``: ``tok/s`` end to end, ``decode tok/s`` without the prefill, dynamo counters per batch.
-``--engine graph``: :func:`qerl_trl.graph_generate.graph_generate` instead (one compiled graph per decode step,
-sampling included). ``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
-``--eos-mean-tokens M`` (graph engine): spread lengths, T = 1 with ``round(V / M)`` EOS ids, so past
-``--min-new-tokens`` a row ends with probability ~1/M a step; per round three variants with one seed, ``fixed``,
-``eos`` (``compact=False``) and ``eos+compact``; ``tok/s`` counts real tokens, median over ``--repeats`` rounds.
+the timed rollout: ``tok/s`` end to end, ``decode tok/s`` without the prefill, dynamo counters per batch.
+``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
+``--eos-mean-tokens M``: spread lengths, T = 1 with ``round(V / M)`` EOS ids, so past ``--min-new-tokens`` a row
+ends with probability ~1/M a step; per round three variants with one seed, ``fixed``, ``eos`` (``compact=False``)
+and ``eos+compact``; ``tok/s`` counts real tokens, median over ``--repeats`` rounds.
 Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results appended to ``--out`` after every arm.
 
 Usage::
 
     uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
-    uv run python benchmarks/rollout.py --tiny --no-compile --engine graph   # same, graph_generate engine
-    python3 benchmarks/rollout.py --models 7b,14b,32b --arms bf16,qlora,nvfp4 --batch 1,8 \\
-        --prompt-len 256 --new-tokens 1024 --out $OUT/rollout.json    # H100
-    python3 benchmarks/rollout.py --models 7b --arms nvfp4,bf16 --batch 64,128 --engine graph --prompt-len 256 \
+    python3 benchmarks/rollout.py --models 7b --arms nvfp4,bf16 --batch 64,128 --prompt-len 256 \
         --new-tokens 512 --min-new-tokens 64 --eos-mean-tokens 128 --repeats 2   # H100, lengths spread
     python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
 """
@@ -33,7 +30,6 @@ import gc
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
@@ -49,7 +45,7 @@ from common.env import (
     versions,
     write_result,
 )
-from common.models import ARM_LABEL, ARMS, OURS, build_arm, compile_config, graph_compile_options, spread_eos_ids
+from common.models import ARM_LABEL, ARMS, OURS, build_arm, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
 from common.profiler import profile_decode, profile_table
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
@@ -68,20 +64,8 @@ from common.workers import (
 )
 
 
-def _generate(model, ids, n_new: int, args, cc):
-    """``model.generate`` with a static cache of the run's length, greedy, exactly ``n_new`` tokens (EOS disabled)."""
-    import torch
-    from transformers import GenerationConfig
-
-    gcfg = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
-                            cache_implementation="static", max_cache_len=args.prompt_len + args.new_tokens,
-                            eos_token_id=None, bos_token_id=None, pad_token_id=0, use_cache=True, compile_config=cc,
-                            disable_compile=args.no_compile)  # fmt: skip
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
-
-
 def _graph_generate(model, ids, n_new: int, args, options):
-    """``graph_generate`` with the same lengths, greedy decoding, no EOS and cache length as :func:`_generate`."""
+    """``graph_generate`` of exactly ``n_new`` greedy tokens (EOS disabled), the cache as long as the run's longest."""
     import torch
     from qerl_trl.graph_generate import graph_generate
 
@@ -91,27 +75,6 @@ def _graph_generate(model, ids, n_new: int, args, options):
                           compile_options=options)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Decoder:
-    """What ``--engine`` generates with, and its rules here."""
-
-    description: str  # the JSON's ``benchmark`` (its compiled form: + ``compiled``)
-    compiled: str
-    compacts: bool  # finished rows compacted away: ``--eos-mean-tokens`` measures it
-    compile_options: Callable  # (args, cuda) -> what ``run`` compiles with
-    run: Callable  # (model, ids, n_new, args, compile options) -> prompt + completion ids
-
-
-DECODERS = {
-    "generate": Decoder("transformers generate, static cache", " + compiled decode", False, compile_config, _generate),
-    "graph": Decoder(
-        "qerl_trl graph_generate, static cache",
-        " + one compiled graph per decode step incl. sampling",
-        True,
-        lambda args, cuda: graph_compile_options(args),
-        _graph_generate,
-    ),
-}
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
 
@@ -119,26 +82,25 @@ SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
 def run_worker(args) -> dict:
     import torch
 
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     torch.manual_seed(0)
     catcher = LogCatcher()
     catcher.install()
-    engine = getattr(args, "engine", "generate")
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": engine, "batches": []}
+    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": args.engine,
+                 "batches": []}  # fmt: skip
     model = build_arm(args, device, dtype, res)
     if model is None:
         return res
     vocab = MODELS[args.model]["vocab_size"]
-    decoder = DECODERS[engine]
-    options = None if args.no_compile else decoder.compile_options(args, cuda)  # made once: one compiled graph each
+    options = None if args.no_compile else graph_compile_options(args)  # made once: one compiled graph each
 
     def generate(ids, n_new: int):
         with torch.no_grad():
             sync()
             t = time.perf_counter()
-            out = decoder.run(model, ids, n_new, args, options)
+            out = _graph_generate(model, ids, n_new, args, options)
             sync()
             return time.perf_counter() - t, out
 
@@ -294,10 +256,9 @@ def spread_table(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "lora_dtype", "nvfp4_method",
-         "compile_backend", "compile_mode", "engine", "eos_mean_tokens", "min_new_tokens", "spread_warmups",
-         "compact_min_batch")  # fmt: skip
-_FLAGS = ("no_compile", "cpu", "fullgraph", "no_double_quant", "profile")
+_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "compile_backend", "engine", "eos_mean_tokens",
+         "min_new_tokens", "spread_warmups", "compact_min_batch")  # fmt: skip
+_FLAGS = ("no_compile", "profile")
 
 
 def table(results: list[dict]) -> str:
@@ -354,13 +315,8 @@ def table(results: list[dict]) -> str:
             "|---|---|---:|---:|---:|",
             *rat,
         ]
-    eng_rat = [
-        f"| {m} | {ARM_LABEL.get(a, a)} | {b} | {ratio(v, (m, a, b, 'generate'), run)} |"
-        for (m, a, b, e), (v, run) in sorted(by.items())
-        if e != "generate" and (m, a, b, "generate") in by
-    ]
-    if eng_rat:
-        lines += ["", "| model | arm | B | graph / generate tok/s |", "|---|---|---:|---:|", *eng_rat]
+    if spread := spread_table(results):
+        lines += ["", spread]
     return "\n".join(lines)
 
 
@@ -377,7 +333,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default="bf16,qlora,nvfp4", help="comma list of " + ",".join(ARMS))
     ap.add_argument("--compact-min-batch", type=int, default=None,
                     help="graph_generate's compact_min_batch (default: its own, COMPACT_MIN_BATCH)")  # fmt: skip
-    ap.add_argument("--engine", default="generate", choices=DECODERS, help="model.generate or qerl_trl graph_generate")
+    ap.add_argument("--engine", default="graph", choices=["graph"], help="graph_generate (generate: rollout.py@e48270c)")
     ap.add_argument("--no-compile", action="store_true", help="eager generate (CPU validation)")
     ap.add_argument("--in-process", action="store_true", help="run arms in this process (debugging)")
     ap.add_argument("--plot", help="also write a PNG of tok/s and NVFP4's ratios against batch size (matplotlib)")
@@ -399,22 +355,19 @@ def main(argv=None) -> None:
         meta, results = merge_results(args.merge)
         write_result(args.out, meta, results)
         print(table(results))
-        print(spread_table(results))
         if args.plot:
             print(f"wrote {plot(results, args.plot, 'merged runs')}")
         return
 
     models, arms = models_and_arms(ap, args, ARMS)
-    if args.eos_mean_tokens and not DECODERS[args.engine].compacts:
-        ap.error("--eos-mean-tokens needs --engine graph (compaction is graph_generate's)")
     meta = {
-        "benchmark": f"rollout tokens/s, {DECODERS[args.engine].description}"
-        + ("" if args.no_compile else DECODERS[args.engine].compiled),
+        "benchmark": "rollout tokens/s, qerl_trl graph_generate, static cache"
+        + ("" if args.no_compile else " + one compiled graph per decode step incl. sampling"),
         "date": now(),
-        "device": device_name() if not args.cpu else "cpu (forced)",
+        "device": device_name(),
         "versions": versions(),
         "settings": {
-            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "verbose", "plot_only")
+            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "plot_only")
         },
         "configs": {m: MODELS[m] for m in models},
         "tok_s_definition": "batch * new_tokens / wall time of one generate (prefill included), after warm-up; "
@@ -434,9 +387,6 @@ def main(argv=None) -> None:
                            lambda a: dict(batches=[], engine=args.engine))  # fmt: skip
     print()
     print(table(results))
-    if args.eos_mean_tokens:
-        print()
-        print(spread_table(results))
     if args.profile:
         print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
     print(f"\nwrote {args.out}")

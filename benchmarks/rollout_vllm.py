@@ -1,12 +1,12 @@
 """Rollout throughput in vLLM (issue #39): bf16 + LoRA, NVFP4 + LoRA through stock vLLM (Marlin), NVFP4 + LoRA
 through our plugin's kernels — beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
 
-Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=``--lora-r`` on q/k/v/o/gate/up/down as a vLLM
+Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=32 on q/k/v/o/gate/up/down as a vLLM
 adapter, never merged): ``vllm-bf16`` (stock vLLM); ``vllm-nvfp4-marlin`` (the NVFP4 checkpoint, RTN of the same
 weights, with ``QERL_VLLM_NVFP4_BACKEND=native``: vLLM's compressed-tensors NVFP4A16, Marlin on Hopper; CUDA only);
 ``vllm-nvfp4`` (``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (the Marlin
-arm with ``LLM(linear_backend="humming")``: vLLM 0.26's Humming W4A16 kernel; skipped without ``humming``); ``*-base``
-without the adapter. Every arm records ``linear_methods``, ``linear_kernels`` and ``kernel_ok`` (the kernel it is
+arm with ``LLM(linear_backend="humming")``: vLLM 0.26's Humming W4A16 kernel; skipped without ``humming``);
+``vllm-nvfp4-fp8`` / ``-auto`` (ours with ``rollout_precision`` fp8 / auto, issue #51). Every arm records ``linear_methods``, ``linear_kernels`` and ``kernel_ok`` (the kernel it is
 meant to measure ran).
 
 Models: :func:`common.models.build_model`'s random Qwen2.5 weights, saved once per machine under ``--ckpt-root`` as a
@@ -47,8 +47,8 @@ from common.workers import add_run_arguments, run_arm_grid, run_worker_subproces
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
 
-# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, label); each + LoRA, and those of _BASE also without it
-_LORA_ARMS: dict[str, tuple[str, str | None, str]] = {
+# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, label); each + LoRA
+ARMS: dict[str, tuple[str, str | None, str]] = {
     "vllm-bf16": ("bf16", None, "vLLM bf16 + LoRA"),
     "vllm-nvfp4-marlin": ("nvfp4", "native", "vLLM NVFP4 + LoRA (stock: Marlin)"),
     "vllm-nvfp4": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours)"),
@@ -57,22 +57,7 @@ _LORA_ARMS: dict[str, tuple[str, str | None, str]] = {
     "vllm-nvfp4-fp8": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=fp8)"),
     "vllm-nvfp4-auto": ("nvfp4", "qerl", "vLLM NVFP4 + LoRA (ours, rollout_precision=auto)"),
 }
-_BASE = ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4", "vllm-nvfp4-humming")  # the "-base" arms: LoRA's cost
-
-
-def _no_lora(label: str) -> str:
-    """``vLLM NVFP4 + LoRA (ours)`` -> ``vLLM NVFP4 (ours, no LoRA)``; ``vLLM bf16 + LoRA`` -> ``vLLM bf16 (no LoRA)``."""
-    label = label.replace(" + LoRA", "")
-    return label[:-1] + ", no LoRA)" if label.endswith(")") else label + " (no LoRA)"
-
-
-# arm -> (checkpoint, QERL_VLLM_NVFP4_BACKEND or None, LoRA adapter?)
-ARMS: dict[str, tuple[str, str | None, bool]] = {a: (c, b, True) for a, (c, b, _) in _LORA_ARMS.items()} | {
-    f"{a}-base": (*_LORA_ARMS[a][:2], False) for a in _BASE
-}
-ARM_LABEL = {a: label for a, (_, _, label) in _LORA_ARMS.items()} | {
-    f"{a}-base": _no_lora(_LORA_ARMS[a][2]) for a in _BASE
-}
+ARM_LABEL = {a: label for a, (_, _, label) in ARMS.items()}
 # arm -> extra LLM(...) arguments: linear_backend="humming" picks HummingNvFp4LinearKernel (with "auto": Marlin)
 _ENGINE_KW: dict[str, dict] = {
     "vllm-nvfp4-humming": {"linear_backend": "humming"},
@@ -174,8 +159,8 @@ def _write_adapter(model, folder: Path, r: int) -> None:
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_arm(args) -> dict:
     """One arm in this process: its ``LLM``, then per batch the warm-ups, the prefill and the timed rollouts."""
-    ckpt_kind, backend, with_lora = ARMS[args.arm]
-    engine_kw = _ENGINE_KW.get(args.arm.removesuffix("-base"), {})
+    ckpt_kind, backend, _ = ARMS[args.arm]
+    engine_kw = _ENGINE_KW.get(args.arm, {})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine, as the trainer runs it
     if backend:
         os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
@@ -204,9 +189,8 @@ def run_arm(args) -> dict:
     register()  # also the entry point's job; explicit where the plugin is on PYTHONPATH only
     kw: dict = dict(model=str(paths[ckpt_kind]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                     max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.batch),
-                    enable_prefix_caching=False, **engine_kw)  # fmt: skip
-    if with_lora:
-        kw.update(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1)
+                    enable_prefix_caching=False, enable_lora=True, max_lora_rank=args.lora_r, max_loras=1,
+                    **engine_kw)  # fmt: skip
     if cuda:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     else:
@@ -215,9 +199,9 @@ def run_arm(args) -> dict:
     llm = LLM(**kw)
     res["init_s"] = round(time.perf_counter() - t0, 2)
     res.update(llm.apply_model(_linear_quant)[0])
-    if kernel := _KERNEL.get(args.arm.removesuffix("-base")):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
+    if kernel := _KERNEL.get(args.arm):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
         res["kernel_ok"] = any(k.endswith(":" + kernel) for k in res["linear_kernels"])
-    lora = LoRARequest("bench-adapter", 1, str(paths["adapter"])) if with_lora else None
+    lora = LoRARequest("bench-adapter", 1, str(paths["adapter"]))
     vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
 
@@ -372,8 +356,8 @@ def table(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "lora_r", "eos_mean_tokens", "min_new_tokens",
-         "spread_warmups", "ckpt_root", "gpu_memory_utilization")  # fmt: skip
+_PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "eos_mean_tokens", "min_new_tokens",
+         "spread_warmups", "ckpt_root")  # fmt: skip
 _FLAGS = ("enforce_eager", "profile")
 
 
@@ -383,8 +367,7 @@ def main(argv=None) -> None:
     add_rollout_arguments(ap, models="7b", batch="8,32,64,128", new_tokens=256, repeats=2, spread_warmups=1)
     ap.add_argument("--arms", default="vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming",
                     help="comma list of " + ",".join(ARMS))  # fmt: skip
-    ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.set_defaults(lora_r=32, gpu_memory_utilization=0.85)  # every committed run's (options no run set left, #48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
@@ -410,8 +393,8 @@ def main(argv=None) -> None:
     t_start, checkpoint_s = time.perf_counter(), {}
     for m in models:  # the checkpoints first, in a process of their own (the arms' GPU memory stays vLLM's)
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--model", m, "--lora-r",
-                            str(args.lora_r), "--ckpt-root", args.ckpt_root, *["--nvfp4-only"] * args.nvfp4_only])  # fmt: skip
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_build", "--model", m, "--ckpt-root",
+                            args.ckpt_root, *["--nvfp4-only"] * args.nvfp4_only])  # fmt: skip
         if p.returncode:
             sys.exit(f"building the {m} checkpoints failed (rc={p.returncode})")
         checkpoint_s[m] = round(time.perf_counter() - t0, 1)

@@ -6,7 +6,9 @@ Arms (LoRA r=32 on q/k/v/o/gate/up/down in every arm, adapters in the caller's `
 * ``bf16``   bf16 base (``none``) + PEFT LoRA
 * ``qlora``  bitsandbytes NF4 (``nf4``: ``bnb.nn.Linear4bit``, compute bf16, double quant as in QLoRA) + PEFT LoRA
 * ``nvfp4``  ``NVFP4Linear`` (``nvfp4-rtn`` or ``nvfp4-mse``, Triton W4A16 kernels) + ``nvfp4.peft.get_peft_model``
-* ``bf16-base`` / ``qlora-base`` / ``nvfp4-base``: the same without LoRA (diagnostics: LoRA's cost).
+
+:func:`build_model` also builds ``bf16-base`` / ``qlora-base`` / ``nvfp4-base``, the same without LoRA
+(``rollout_vllm.py``'s bf16 checkpoint; the ``-base`` arms of the finished decode profile).
 
 The model is built on the meta device and materialised decoder layer by decoder layer on the target device, each layer
 converted to its arm's format before the next one exists, so a 32B model never exists in bf16 in full (embeddings and
@@ -22,10 +24,10 @@ from typing import Any
 from .env import gb, sync
 from .shapes import LINEARS, meta_model, qwen2_config
 
-__all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "build_model", "compile_config",
-           "graph_compile_options", "init_", "materialize"]  # fmt: skip
+__all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "build_model", "graph_compile_options",
+           "init_", "materialize", "spread_eos_ids", "spread_lengths"]  # fmt: skip
 
-ARMS = ("bf16", "qlora", "nvfp4", "bf16-base", "qlora-base", "nvfp4-base")
+ARMS = ("bf16", "qlora", "nvfp4")
 #: the arm the others are compared with (ratios: ours / other)
 OURS = "nvfp4"
 ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)",
@@ -150,19 +152,9 @@ def build_arm(args, device, dtype, res: dict):
     return model
 
 
-def compile_config(args, cuda: bool):
-    """transformers ``CompileConfig`` from the benchmark's knobs (``--compile-backend``, ``--compile-mode``,
-    ``--fullgraph``); static shapes, so each batch size gets its own graph."""
-    from transformers.generation.configuration_utils import CompileConfig
-
-    cc = CompileConfig(**graph_compile_options(args))
-    if not cuda:
-        cc._compile_all_devices = True  # CPU validation: let generate compile anyway
-    return cc
-
-
 def graph_compile_options(args) -> dict:
-    """``torch.compile`` keyword arguments (of ``graph_generate``'s decode step, and of :func:`compile_config`)."""
+    """``torch.compile`` keyword arguments of ``graph_generate``'s decode step from the benchmark's knobs; static
+    shapes, so each batch size gets its own graph."""
     return dict(fullgraph=args.fullgraph, dynamic=False, backend=args.compile_backend,
                 mode=args.compile_mode if args.compile_backend == "inductor" else None)  # fmt: skip
 

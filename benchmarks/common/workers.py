@@ -18,9 +18,9 @@ from typing import Any
 
 from .env import write_result
 
-__all__ = ["DYN_KEYS", "LogCatcher", "add_arm_arguments", "add_run_arguments", "add_worker_arguments", "check_names",
-           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process",
-           "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
+__all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments",
+           "add_worker_arguments", "check_names", "counter_diff", "dynamo_counters", "exception_result", "failed",
+           "run_arm_grid", "run_in_process", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
 
 
 class LogCatcher(logging.Handler):
@@ -104,30 +104,29 @@ def add_worker_arguments(ap: Any) -> None:
     ap.add_argument("--arm", help=argparse.SUPPRESS)
 
 
+#: the arms' adapter, quantization, compile mode and device in every committed run: options no run set left (#48);
+#: the settings of the result JSONs keep them
+FIXED_ARM_SETTINGS = {"lora_r": 32, "lora_dtype": "bfloat16", "nvfp4_method": "rtn", "no_double_quant": False,
+                      "compile_mode": "reduce-overhead", "fullgraph": False, "cpu": False}  # fmt: skip
+
+
 def add_arm_arguments(ap: Any, out: str, arm_timeout: float) -> None:
-    """The options of the scripts that build :mod:`common.models`' arms and run each in a subprocess: the arms'
-    adapter and quantization, the compile knobs, :func:`add_run_arguments` and merging runs."""
-    ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--nvfp4-method", default="rtn", choices=["rtn", "mse"])
-    ap.add_argument("--no-double-quant", action="store_true", help="bnb NF4 without double quantization")
+    """The options of the scripts that build :mod:`common.models`' arms and run each in a subprocess: the compile
+    backend, :func:`add_run_arguments` and merging runs (:data:`FIXED_ARM_SETTINGS` as settings)."""
+    ap.set_defaults(**FIXED_ARM_SETTINGS)
     ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "cudagraphs", "eager", "aot_eager"],
                     help="cudagraphs = dynamo + CUDA graphs without inductor (much faster to compile)")  # fmt: skip
-    ap.add_argument("--compile-mode", default="reduce-overhead")
-    ap.add_argument("--fullgraph", action="store_true", help="CompileConfig(fullgraph=True): a graph break errors")
-    ap.add_argument("--cpu", action="store_true", help="force CPU")
     add_run_arguments(ap, out, arm_timeout)
     ap.add_argument("--merge", nargs="+", help="merge these result JSONs into --out and print the table")
 
 
 def add_run_arguments(ap: Any, out: str, arm_timeout: float) -> None:
-    """A run of (model, arm) subprocesses: each one's timeout, the run's deadline, the result file, the workers'
-    output (plus :func:`add_worker_arguments`)."""
+    """A run of (model, arm) subprocesses: each one's timeout, the run's deadline, the result file (plus
+    :func:`add_worker_arguments`)."""
     ap.add_argument("--arm-timeout", type=float, default=arm_timeout, help="seconds per (model, arm) subprocess")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)")  # fmt: skip
     ap.add_argument("--out", default=out)
-    ap.add_argument("--verbose", action="store_true", help="print worker output")
     add_worker_arguments(ap)
 
 
@@ -144,7 +143,7 @@ def worker_cmd(script: str, args: Any, model: str, arm: str, result_path: str, o
 
 def run_in_process(run_worker: Callable[[Any], dict], args: Any, model: str, arm: str, label: str | None = None,
                    **kw: Any) -> dict:  # fmt: skip
-    """One (model, arm) in this process (debugging, DDP): its result or its failure row; then the compiled graphs and
+    """One (model, arm) in this process (debugging): its result or its failure row; then the compiled graphs and
     the allocator's cached blocks are dropped, so the next arm starts clean."""
     import argparse
     import gc
@@ -164,10 +163,10 @@ def run_in_process(run_worker: Callable[[Any], dict], args: Any, model: str, arm
 
 def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_one: Callable[[str, str], dict],
                  labels: dict[str, str], brief: Callable[[dict], str], defaults: Callable[[str], dict] = dict,
-                 report: bool = True, t_start: float | None = None) -> list[dict]:  # fmt: skip
+                 t_start: float | None = None) -> list[dict]:  # fmt: skip
     """Every (model, arm) through ``run_one(model, arm)``, none started after ``args.deadline_s`` from ``t_start`` (a
     "not run" row); each row gets its wall time, ``defaults(arm)`` and a line (``brief(row)``), and ``args.out`` is
-    rewritten after every arm. ``report=False`` (a DDP rank other than the first) neither prints nor writes."""
+    rewritten after every arm."""
     results: list[dict] = []
     t_start = time.perf_counter() if t_start is None else t_start
     for m in models:
@@ -176,16 +175,14 @@ def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_
             if args.deadline_s and t0 - t_start > args.deadline_s:
                 res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", labels[a], wall_s=0.0)
             else:
-                if report:
-                    print(f"[{m}/{a}] running ...", flush=True)
+                print(f"[{m}/{a}] running ...", flush=True)
                 res = run_one(m, a)
                 res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
             for k, v in defaults(a).items():
                 res.setdefault(k, v)
             results.append(res)
-            if report:
-                print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief(res)}", flush=True)
-                write_result(args.out, meta, results)
+            print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief(res)}", flush=True)
+            write_result(args.out, meta, results)
     return results
 
 
@@ -224,8 +221,6 @@ def run_worker_subprocess(script: str, args: Any, model: str, arm: str, options:
             out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             rc = "timeout"
         wall = round(time.perf_counter() - t0, 1)
-        if args.verbose:
-            print(out)
         if os.path.exists(result_path):
             with open(result_path) as f:
                 res = json.load(f)

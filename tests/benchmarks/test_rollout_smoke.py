@@ -79,10 +79,14 @@ def test_rollout_tiny_length_spread(tmp_path):
     assert_fields_of("rollout_spread_7b_b128.json", data, skip=("$.configs.",))
 
 
-def test_rollout_spread_needs_graph_engine():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--eos-mean-tokens", "6"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert p.returncode == 2 and "--engine graph" in p.stderr
+def test_rollout_refuses_the_engine_that_left_and_bad_lengths():
+    """The transformers ``generate`` engine left in issue #48 (``rollout.py@e48270c``; spread lengths needed the graph
+    engine's compaction anyway): ``--engine generate`` is a usage error, as a negative ``--eos-mean-tokens`` is."""
+    for extra, message in ((["--engine", "generate"], "invalid choice: 'generate'"),
+                           (["--eos-mean-tokens", "-1"], "--eos-mean-tokens must be >= 0")):  # fmt: skip
+        p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", *extra], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert p.returncode == 2 and message in p.stderr, p.stderr
 
 
 def test_rollout_plot_only(tmp_path):

@@ -89,8 +89,12 @@ GPU_ARMS = {
     "NF4+LoRA+AQN": {"tag": "nf4-aqn", "quantization": "nf4", "aqn": "true", "aqn_schedule": "exponential"},
 }  # fmt: skip
 # the FP8-rollout parity study (issue #51): the NVFP4 + AQN arm with rollouts on vLLM, whose sampling logprobs feed
-# TRL's correction (on by default with FP8; off under AQN at W4A16); a small engine each, so that the runs share the card
-_VLLM = GPU_ARMS["NVFP4+LoRA+AQN"] | {"rollout_engine": "vllm", "vllm": '{"gpu_memory_utilization": 0.06}'}
+# TRL's correction (on by default with FP8; off under AQN at W4A16); a small engine each, so that the runs share the card.
+# A fixed KV cache (1 GiB: 46,603 positions at SmolLM2-135M's 22.5 KiB) skips vLLM's memory profiling, which charges
+# to an engine whatever the runs starting beside it allocate meanwhile, and aborts when one of them frees memory
+# (vLLM issues 55827, 56830); gpu_memory_utilization is then only the start check's free-memory floor
+_VLLM = GPU_ARMS["NVFP4+LoRA+AQN"] | {
+    "rollout_engine": "vllm", "vllm": '{"gpu_memory_utilization": 0.06, "kv_cache_memory_bytes": 1073741824}'}
 GPU_ARMS["NVFP4+LoRA+AQN vLLM"] = _VLLM | {"tag": "nvfp4-aqn-vllm"}
 GPU_ARMS["NVFP4+LoRA+AQN vLLM FP8"] = _VLLM | {"tag": "nvfp4-aqn-vllm-fp8", "rollout_precision": "fp8"}
 # (the NVFP4 arms keep the alias "rtn" = "nvfp4-rtn": their base-model evals live in base-rtn/ folders)

@@ -8,6 +8,7 @@ import os
 import platform
 import resource
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ def versions(*more: str) -> dict[str, str]:
             out[name] = getattr(__import__(name), "__version__", "?")
         except Exception as e:  # noqa: BLE001
             out[name] = f"not installed ({type(e).__name__})"
+    try:  # the peer kernel vLLM's Humming arm and gemm.py --peer-humming run: 0.1.10 (vLLM 0.26's pin) or 0.1.19
+        out["humming-kernels"] = metadata.version("humming-kernels")
+    except metadata.PackageNotFoundError:
+        out["humming-kernels"] = "not installed"
     return out
 
 

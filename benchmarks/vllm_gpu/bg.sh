@@ -15,10 +15,10 @@ case "${1:-}" in
     tree=/tmp/qerl-tree-$name
     rm -rf "$tree" "$BG/$name" "$BG/$name.rc" && mkdir -p "$tree" "$BG/$name"
     tar --exclude=./.carry --exclude=./.git -cf - . | tar -xf - -C "$tree"
-    # the copy has no .git: the JSONs name their commit through $QERL_COMMIT (benchmarks/common/env.py), "-dirty" when
+    # the copy has no .git: the JSONs name their commit through $QERL_COMMIT (benchmarks/common/env.py), "+dirty" when
     # the tree differs from it
     commit=$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
-    [ -n "$(git status --porcelain 2>/dev/null)" ] && commit="$commit-dirty"
+    [ -n "$(git status --porcelain 2>/dev/null)" ] && commit="$commit+dirty"
     QERL_COMMIT=${QERL_COMMIT:-$commit} JOB_OUT="$BG/$name" setsid nohup bash -c "cd '$tree' && ( $cmd ); echo \$? > '$BG/$name.rc'" \
       > "$BG/$name.log" 2>&1 < /dev/null &
     echo "bg.sh: started $name (pid $!) in $tree at $commit; log $BG/$name.log"

@@ -1,6 +1,7 @@
 """Count the SASS instructions of the loops that contain HGMMA, per instruction class (round 15, issue #50).
 
     python docs/scripts/sass_loop_counts.py KERNEL.sass [--lines] [--show]
+    python docs/scripts/sass_loop_counts.py KERNEL.sass --groups WEIGHTS_PER_THREAD_PER_ITERATION
 
 KERNEL.sass: ``nvdisasm -c`` (or ``cuobjdump -sass``) output. A loop is a backward branch ``BRA `(.L_x_N)`` whose
 target label lies above it; the loops whose body (label .. branch, the out-of-line retry blocks of mbarrier waits not
@@ -53,7 +54,7 @@ def parse(path):
 
 def loops(insts, labels):
     out = []
-    for i, (_, op, rest, line, _src) in enumerate(insts):
+    for i, (_, _op, _rest, line, _src) in enumerate(insts):
         m = BRA.search(line)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             body = insts[labels[m.group(1)]: i + 1]
@@ -69,7 +70,7 @@ def count(body):
     return c, ops
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--groups" not in sys.argv:
     insts, labels = parse(sys.argv[1])
     for a, b, body in loops(insts, labels):
         c, ops = count(body)
@@ -128,7 +129,7 @@ def groups(body):
 if __name__ == "__main__" and "--groups" in sys.argv:
     w = int(sys.argv[sys.argv.index("--groups") + 1])  # decoded weights per thread per loop iteration
     insts, labels = parse(sys.argv[1])
-    for a, b, body in loops(insts, labels)[:1]:
+    for a, _b, body in loops(insts, labels)[:1]:
         print(f"groups of loop {hex(insts[a][0])}: per iteration | per weight (of {w} per thread)")
         tot = alu = fmah = 0
         for g, cc in sorted(groups(body).items()):

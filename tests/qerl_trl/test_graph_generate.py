@@ -255,14 +255,20 @@ def _reference_logprobs(model, out: torch.Tensor, mask: torch.Tensor, temperatur
     ``mask``'s length ``P``, left-padded), the trainer's ``log_softmax(logits / temperature)`` in float32 gathered at
     the generated tokens, ``[B, T]``; with ``eos_blocked_until``, the EOS logit at -inf for the first that many
     tokens (what ``min_new_tokens`` samples from)."""
+    gen, logits = _generated_logits(model, out, mask)
+    logits[:, :eos_blocked_until, EOS] = float("-inf")
+    return torch.log_softmax(logits / temperature, -1).gather(-1, gen[..., None]).squeeze(-1)
+
+
+def _generated_logits(model, out: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generated tokens of ``out`` (``[B, P + T]``, left-padded prompts of ``mask``'s length ``P``), ``[B, T]``,
+    and the float32 logits that predicted each, ``[B, T, V]``, from one uncompiled full-sequence forward."""
     p = mask.shape[1]
     gen = out[:, p:]
     full = torch.cat([mask, torch.ones_like(gen)], 1)
     pos = (full.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, p - 1 : -1].float()
-    logits[:, :eos_blocked_until, EOS] = float("-inf")
-    return torch.log_softmax(logits / temperature, -1).gather(-1, gen[..., None]).squeeze(-1)
+        return gen, model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, p - 1 : -1].float()
 
 
 def _ends(gen: torch.Tensor, eos: list[int]) -> torch.Tensor:
@@ -494,12 +500,7 @@ def _argmax_gap(model, out: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     the best one in an uncompiled full-sequence forward, and the tolerance for bf16 noise (0.05 of the logits' std:
     inductor and eager round differently, so a near-tie may go either way). Both ``[B, T]``; the logits must be
     finite."""
-    p = mask.shape[1]
-    gen = out[:, p:]
-    full = torch.cat([mask, torch.ones_like(gen)], 1)
-    pos = (full.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=out, attention_mask=full, position_ids=pos).logits[:, p - 1 : -1].float()
+    gen, logits = _generated_logits(model, out, mask)
     assert torch.isfinite(logits).all()
     return logits.amax(-1) - logits.gather(-1, gen[..., None]).squeeze(-1), 0.05 * logits.std(-1)
 

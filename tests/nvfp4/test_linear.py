@@ -136,6 +136,31 @@ def test_mma_layout_round_trip_and_errors():
         is_mma_layout(torch.zeros(10, 10, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.float8_e4m3fn))
 
 
+def test_scale_mma_layout_round_trip_and_the_bytes_a_thread_reads():
+    """Round 15 step A's scale layout: the inverse round-trips fresh random scales, and the 8 bytes that thread
+    ``lane`` of consumer warp ``w`` reads per 64-input stage ``j`` (at ``(8w + lane // 4)·8``, 2 per k16 step ``g``,
+    low byte first) are the scales of its wgmma A-fragment rows ``r = 16w + lane // 4`` and ``r + 8`` for inputs
+    ``64j + 16g …``: the expected values indexed here row by row, independently of the permutation."""
+    from nvfp4.layout import from_scale_mma_layout, to_scale_mma_layout
+
+    gen = torch.Generator().manual_seed(15)
+    for n, k in [(64, 64), (128, 512), (192, 3584)]:
+        scale = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+        lay = to_scale_mma_layout(scale)
+        assert lay.shape == (n // 64, k // 64 * 256) and lay.dtype == torch.float8_e4m3fn
+        assert torch.equal(from_scale_mma_layout(lay).view(torch.uint8), scale.view(torch.uint8))
+        s, b = scale.view(torch.uint8).tolist(), lay.view(torch.uint8).tolist()
+        for _ in range(64):
+            t, j, w, lane = (int(torch.randint(0, v, (1,), generator=gen)) for v in (n // 64, k // 64, 4, 32))
+            base = 256 * j + (8 * w + lane // 4) * 8
+            for g in range(4):
+                r = 64 * t + 16 * w + lane // 4
+                assert b[t][base + 2 * g] == s[r][(64 * j + 16 * g) // 16], (n, k, t, j, w, lane, g)
+                assert b[t][base + 2 * g + 1] == s[r + 8][(64 * j + 16 * g) // 16], (n, k, t, j, w, lane, g)
+    with pytest.raises(ValueError, match="to_scale_mma_layout"):
+        to_scale_mma_layout(torch.zeros(96, 16, dtype=torch.float8_e4m3fn))
+
+
 def _rotr(x: torch.Tensor, t: int) -> torch.Tensor:
     return ((x >> t) | (x << (32 - t))) & 0xFFFFFFFF
 

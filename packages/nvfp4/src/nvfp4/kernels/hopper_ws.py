@@ -4,6 +4,10 @@
 block scales by TMA into a ring of shared-memory stages guarded by mbarriers; the consumer warpgroups decode the
 weight tile from shared memory into the registers of ``wgmma``'s A operand and keep one ``wgmma`` group in flight
 while they decode the next stage.
+
+Round 15 step A (issue #50, docs/kernels.md; a spike, not in the dispatch table): ``launch(..., scale_pairs=True)``
+takes the scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order and decodes each k16 step's scale pair with the
+weight word in one ``inline_asm`` (``SCALE_PAIRS``; off, the shipped kernel compiles to the same SASS).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
 * GPU (``-m gpu``, the H100): every config the dispatch table uses against the float64 PyTorch reference on fresh
   random inputs (odd M, bias, NaN-poisoned outputs), bit-equal repeated calls (stream-K sums its split tiles in a
   fixed order), a LoRA adapter through ``nvfp4_lora_linear``, and CUDA-graph replays.
+* Round 15 step A (``scale_pairs=True``, a spike beside the shipped kernel; ``-k round15``): it compiles for sm_90a
+  without spills at the design's mainloop count while the shipped configs keep theirs (CPU), and it matches the
+  float64 reference on random shapes and the 7B gate/down at M = 64 and 128 (GPU).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def _compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool =
 
 
 _BIN = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
+ROOT = Path(__file__).resolve().parents[2]
 
 def _usage_and_sass(compiled) -> tuple[str, str]:
     """``cuobjdump``'s resource line(s) and the SASS of a kernel compiled for sm_90a."""
@@ -51,6 +55,50 @@ def _usage_and_sass(compiled) -> tuple[str, str]:
         sass = subprocess.run([_BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
     return usage, sass
+
+
+def _mainloop_instructions(compiled) -> int:
+    """Instructions per iteration of the consumer's mainloop (the innermost loop holding ``HGMMA``), counted as
+    docs/kernels.md round 15 does (``nvdisasm -c``, ``docs/scripts/sass_loop_counts.py``: label .. backward branch,
+    the out-of-line mbarrier retry blocks not included)."""
+    spec = importlib.util.spec_from_file_location("sass_loop_counts", ROOT / "docs" / "scripts" / "sass_loop_counts.py")
+    counts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cubin").write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([_BIN / "nvdisasm", "-c", Path(d) / "k.cubin"], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+        (Path(d) / "k.sass").write_text(sass)
+        insts, labels = counts.parse(Path(d) / "k.sass")
+    (_, _, body), *_ = counts.loops(insts, labels)
+    return len(body)
+
+
+# round 15 (docs/kernels.md): the shipped mainloop at the dispatched M = 64 / 128 configs and step A's, per unit of
+# SUB = 2 stages (64 decoded weights per thread); shared memory of step A's scale boxes (256 B per 64 rows and stage)
+ROUND15 = {(64, 2, 12, 2): (306, 218, 154008), (128, 2, 8, 2): (310, 218, 168280)}
+
+
+@pytest.mark.parametrize("config", list(ROUND15))
+def test_round15_step_a_compiles_without_spills_at_the_designs_count_and_the_shipped_sass_is_unchanged(config):
+    """Step A (``scale_pairs=True``) builds for sm_90a with no stack and no local memory, its mainloop within 5 % of
+    the design's 218 instructions; the default (``SCALE_PAIRS`` off) keeps the shipped mainloop's exact count (its
+    SASS was checked byte-identical to the kernel before the switch, docs/kernels.md round 15)."""
+    shipped, step_a, shared = ROUND15[config]
+    compiled = hopper_ws_compile(*config, scale_pairs=True)
+    usage, sass = _usage_and_sass(compiled)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "LDL" not in sass and "STL" not in sass
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass) and "UTMALDG" in sass
+    assert "F2FP.F16.E4M3.UNPACK_B" in sass and compiled.metadata.shared == shared
+    assert abs(_mainloop_instructions(compiled) - step_a) <= 0.05 * step_a
+    assert _mainloop_instructions(hopper_ws_compile(*config)) == shipped
+
+
+def hopper_ws_compile(*config, scale_pairs: bool = False):
+    from nvfp4.kernels import hopper_ws
+
+    return hopper_ws.compile_sm90(*config, scale_pairs=scale_pairs)
 
 
 @pytest.mark.parametrize("config", _table_configs()[:1])
@@ -224,23 +272,40 @@ def test_parallel_fixup_against_the_reference_and_the_serial_sum_gpu(config):
                   cfg, config)  # fmt: skip
 
 
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", [(64, 2, 12, 2), (128, 2, 8, 2), (64, 2, 12, 2, 1), (128, 2, 8, 2, 1)])
+def test_round15_step_a_random_shapes_and_7b_gate_down_against_the_reference_gpu(config):
+    """Round 15 step A (``scale_pairs=True``, scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order) on fresh
+    random shapes (odd M, bias, NaN-poisoned output, bit-equal repeats, flags left at zero) and on Qwen2.5-7B's
+    gate (18944 × 3584) and down (3584 × 18944) at M = 64 and 128, against the float64 reference."""
+    block_m, tiles, stages, sub, *fixup = config
+    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), scale_pairs=True)
+    gen = torch.Generator().manual_seed(sum(config))
+    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
+              for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip
+    _check_shapes(shapes + [(m, n, k) for m in (64, 128) for n, k in ((18944, 3584), (3584, 18944))], cfg, config)
+
+
 def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) -> None:
     """``ws_linear(**cfg)`` on fresh random (M, N, K) ``shapes`` against the float64 reference (bias, NaN-poisoned
-    output), bit-equal on a repeat, every launch leaving its flags at zero."""
+    output), bit-equal on a repeat, every launch leaving its flags at zero (``scale_pairs``: the scales in round 15
+    step A's layout)."""
     from nvfp4.kernels import hopper_ws
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     hopper_ws.POISON = True
     try:
         for m, n, k in shapes:
             q = quantize(torch.randn(n, k, device="cuda"))
             packed = to_mma_layout(q.packed)
+            scale = to_scale_mma_layout(q.scale) if cfg.get("scale_pairs") else q.scale
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
-            y = hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)
+            y = hopper_ws.ws_linear(x, packed, scale, q.global_scale, b, **cfg)
             assert _rel(y, ref) < 1e-2, (m, n, k, config)
-            assert torch.equal(y, hopper_ws.ws_linear(x, packed, q.scale, q.global_scale, b, **cfg)), "not deterministic"
+            assert torch.equal(y, hopper_ws.ws_linear(x, packed, scale, q.global_scale, b, **cfg)), "not deterministic"
             assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
     finally:
         hopper_ws.POISON = False

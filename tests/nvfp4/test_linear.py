@@ -136,6 +136,31 @@ def test_mma_layout_round_trip_and_errors():
         is_mma_layout(torch.zeros(10, 10, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.float8_e4m3fn))
 
 
+def test_scale_mma_layout_round_trip_and_the_bytes_a_thread_reads():
+    """Round 15 step A's scale layout: the inverse round-trips fresh random scales, and the 8 bytes that thread
+    ``lane`` of consumer warp ``w`` reads per 64-input stage ``j`` (at ``(8w + lane // 4)·8``, 2 per k16 step ``g``,
+    low byte first) are the scales of its wgmma A-fragment rows ``r = 16w + lane // 4`` and ``r + 8`` for inputs
+    ``64j + 16g …``: the expected values indexed here row by row, independently of the permutation."""
+    from nvfp4.layout import from_scale_mma_layout, to_scale_mma_layout
+
+    gen = torch.Generator().manual_seed(15)
+    for n, k in [(64, 64), (128, 512), (192, 3584)]:
+        scale = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+        lay = to_scale_mma_layout(scale)
+        assert lay.shape == (n // 64, k // 64 * 256) and lay.dtype == torch.float8_e4m3fn
+        assert torch.equal(from_scale_mma_layout(lay).view(torch.uint8), scale.view(torch.uint8))
+        s, b = scale.view(torch.uint8).tolist(), lay.view(torch.uint8).tolist()
+        for _ in range(64):
+            t, j, w, lane = (int(torch.randint(0, v, (1,), generator=gen)) for v in (n // 64, k // 64, 4, 32))
+            base = 256 * j + (8 * w + lane // 4) * 8
+            for g in range(4):
+                r = 64 * t + 16 * w + lane // 4
+                assert b[t][base + 2 * g] == s[r][(64 * j + 16 * g) // 16], (n, k, t, j, w, lane, g)
+                assert b[t][base + 2 * g + 1] == s[r + 8][(64 * j + 16 * g) // 16], (n, k, t, j, w, lane, g)
+    with pytest.raises(ValueError, match="to_scale_mma_layout"):
+        to_scale_mma_layout(torch.zeros(96, 16, dtype=torch.float8_e4m3fn))
+
+
 def _rotr(x: torch.Tensor, t: int) -> torch.Tensor:
     return ((x >> t) | (x << (32 - t))) & 0xFFFFFFFF
 
@@ -170,6 +195,53 @@ def test_mma_layout_decodes_with_the_kernels_register_recipe():
     prod = (w.to(torch.bfloat16) * s_bf16.to(torch.bfloat16).repeat_interleave(16, 1)).double()  # mul.rn.bf16x2
     assert torch.equal(prod, e2m1_to_float(unpack_e2m1(packed)).double() * scale.double().repeat_interleave(16, 1)
                        * 2.0**-14)  # fmt: skip
+
+
+def test_scale_mma_layout_with_step_a_asm_replayed_per_thread():
+    """Round 15 step A (``hopper_ws.E2M1_SCALED_ASM``) replayed per thread in PyTorch: thread ``lane`` of consumer
+    warp ``w`` at stage ``kk`` takes its 4 weight words from the MMA layout (row ``16t + 4·(kk % 4) + w``, bytes
+    ``512·(kk // 4) + 16·lane …``) and its 4 scale pairs from :func:`to_scale_mma_layout`'s 8 bytes; per word, the
+    rotate-and-mask registers ``$0 … $3``, the pair's low byte (``cvt`` → fp16 → ``>> 3``, re-biased) multiplying
+    ``$0``/``$2`` and its high byte ``$1``/``$3`` (``mul.rn.bf16x2``) give ``e2m1 · s · 2^-14`` of the A-fragment
+    elements those registers hold (register ``j``: row ``r + 8·(j % 2)``, byte ``32·kk + 8·g + 4·(j // 2) + lane % 4``)."""
+    from nvfp4.codec import e2m1_to_float, unpack_e2m1
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
+
+    gen = torch.Generator().manual_seed(16)
+    n, k = 128, 512
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    ref = e2m1_to_float(unpack_e2m1(packed)).double() * scale.double().repeat_interleave(16, 1) * 2.0**-14
+    words = (to_mma_layout(packed).view(torch.int32).to(torch.int64) & 0xFFFFFFFF).tolist()
+    pairs = to_scale_mma_layout(scale).view(torch.uint8).tolist()
+    f16 = (torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+           .view(torch.int16).to(torch.int64) & 0xFFFF).tolist()  # fmt: skip
+
+    def rotr(x: int, t: int) -> int:
+        return ((x >> t) | (x << (32 - t))) & 0xFFFFFFFF
+
+    p, wbits, sbits, where = 0x81C081C0, [], [], []
+    for _ in range(48):
+        t, kk, w, lane = (int(torch.randint(0, v, (1,), generator=gen)) for v in (n // 64, k // 64, 4, 32))
+        row, col = 16 * t + 4 * (kk % 4) + w, (512 * (kk // 4) + 16 * lane) // 4
+        sp = pairs[t][256 * kk + (8 * w + lane // 4) * 8:][:8]
+        for g in range(4):
+            x = words[row][col + g]
+            regs = [x & p, rotr(x, 4) & p, rotr(x, 10) & p, (rotr(x, 30) & 0x80C080C0) | (rotr(x, 6) & 0x01000100)]
+            pair = [((f16[sp[2 * g + h]] >> 3) & 0x0FFF) | 0x7000 for h in range(2)]  # cvt.rn.f16x2.e4m3x2, >> 3, lop3
+            for j, reg in enumerate(regs):
+                r, b = 64 * t + 16 * w + lane // 4 + 8 * (j % 2), 32 * kk + 8 * g + 4 * (j // 2) + lane % 4
+                for half in range(2):
+                    wbits.append((reg >> (16 * half)) & 0xFFFF)
+                    sbits.append(pair[j % 2])
+                    where.append((r, 2 * b + half))
+
+    def bf16(bits: list[int]) -> torch.Tensor:
+        return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    got = (bf16(wbits) * bf16(sbits)).double()  # mul.rn.bf16x2
+    rows, cols = zip(*where, strict=True)
+    assert torch.equal(got, ref[list(rows), list(cols)])
 
 
 def test_mma_scales_supported_and_the_layout_choice():

@@ -40,11 +40,13 @@ __all__ = [
     "MMA_TILE_K",
     "MMA_TILE_N",
     "from_mma_layout",
+    "from_scale_mma_layout",
     "is_mma_layout",
     "mma_layout_supported",
     "mma_scales_supported",
     "packed_in_ct_layout",
     "to_mma_layout",
+    "to_scale_mma_layout",
     "WORD_BIT_POSITIONS",
 ]
 
@@ -134,3 +136,27 @@ def mma_scales_supported(scale: torch.Tensor) -> bool:
         raise ValueError(f"weight_scale must be float8_e4m3fn, got {scale.dtype}")
     b = scale.view(torch.uint8)
     return bool(((b > 0) & (b < 0x7F)).all())
+
+
+def to_scale_mma_layout(scale: torch.Tensor) -> torch.Tensor:
+    """Round 15 step A's scale layout (a spike: made by the caller from the shipped ``[N, K/16]`` scales, not stored
+    in checkpoints): ``[N, K/16]`` → ``[N/64, K/64·256]`` (same dtype, same bytes). Per 64-row tile ``t`` and
+    64-input stage ``j``, the 256 bytes at ``[t, 256j:256j+256]`` are ordered (warp w: 4, quad q: 8, k16 step g: 4,
+    half h: 2) and hold ``s[64t + 16w + q + 8h, 4j + g]``: thread ``lane`` of consumer warp ``w`` reads the 8 bytes at
+    ``(8w + lane // 4)·8``, per k16 step the scales of its A-fragment rows ``r``/``r + 8`` as one 16-bit pair."""
+    n, g16 = scale.shape
+    if n % 64 or g16 % 4:
+        raise ValueError(f"to_scale_mma_layout: needs [N, K/16] with N % 64 == 0, K % 64 == 0; got {tuple(scale.shape)}")
+    t = scale.view(torch.uint8).reshape(n // 64, 4, 2, 8, g16 // 4, 4)  # t, w, h, q, j, g
+    t = t.permute(0, 4, 1, 3, 5, 2)  # t, j | w, q, g, h
+    return t.reshape(n // 64, 64 * g16).contiguous().view(scale.dtype)
+
+
+def from_scale_mma_layout(scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_scale_mma_layout`: ``[N/64, K/64·256]`` → ``[N, K/16]``."""
+    tiles, width = scale.shape
+    if width % 256:
+        raise ValueError(f"from_scale_mma_layout: needs [N/64, K/64·256]; got {tuple(scale.shape)}")
+    t = scale.view(torch.uint8).reshape(tiles, width // 256, 4, 8, 4, 2)  # t, j, w, q, g, h
+    t = t.permute(0, 2, 5, 3, 1, 4)  # t, w, h, q, j, g
+    return t.reshape(64 * tiles, width // 64).contiguous().view(scale.dtype)

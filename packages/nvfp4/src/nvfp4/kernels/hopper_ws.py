@@ -4,6 +4,10 @@
 block scales by TMA into a ring of shared-memory stages guarded by mbarriers; the consumer warpgroups decode the
 weight tile from shared memory into the registers of ``wgmma``'s A operand and keep one ``wgmma`` group in flight
 while they decode the next stage.
+
+Round 15 step A (issue #50, docs/kernels.md; a spike, not in the dispatch table): ``launch(..., scale_pairs=True)``
+takes the scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order and decodes each k16 step's scale pair with the
+weight word in one ``inline_asm`` (``SCALE_PAIRS``; off, the shipped kernel compiles to the same SASS).
 """
 
 from __future__ import annotations
@@ -24,6 +28,37 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .decode import E2M1_WORDS_BF16_ASM
+
+#: round 15 step A (``SCALE_PAIRS``): round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
+#: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias; exact for positive finite
+#: E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by row r + 8's
+E2M1_SCALED_ASM = gl.constexpr("""
+        {
+        .reg .b32 r, t, f, bl, bh;
+        .reg .b16 l, h, sl, sh;
+        and.b32 $0, $4, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 4;
+        and.b32 $1, r, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 10;
+        and.b32 $2, r, 0x81C081C0;
+        shf.r.wrap.b32 r, $4, $4, 30;
+        shf.r.wrap.b32 t, $4, $4, 6;
+        and.b32 r, r, 0x80C080C0;
+        and.b32 t, t, 0x01000100;
+        or.b32 $3, r, t;
+        mov.b32 {l, h}, $5;
+        cvt.rn.f16x2.e4m3x2 f, l;
+        shr.b32 f, f, 3;
+        lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xf8;
+        mov.b32 {sl, sh}, f;
+        mov.b32 bl, {sl, sl};
+        mov.b32 bh, {sh, sh};
+        mul.rn.bf16x2 $0, $0, bl;
+        mul.rn.bf16x2 $1, $1, bh;
+        mul.rn.bf16x2 $2, $2, bl;
+        mul.rn.bf16x2 $3, $3, bh;
+        }
+        """)
 
 POISON = False  # tests: outputs start as NaN, so an element the kernel never writes cannot pass
 
@@ -67,6 +102,19 @@ def _decode_tile(p, s, T: gl.constexpr, a_layout: gl.constexpr):
 
 
 @gluon.jit
+def _decode_tile_a(p, q, T: gl.constexpr, a_layout: gl.constexpr):
+    """Round 15 step A: ``p`` as :func:`_decode_tile`'s, ``q`` uint8 ``[4T, 512]`` (word ``w`` of a thread: the scale
+    pair (row r, row r + 8) of its k16 step ``w``, twice) → bf16 ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout``."""
+    a, b = gl.inline_asm_elementwise(E2M1_SCALED_ASM, "=r,=r,=r,=r,r,r", [p, q], dtype=(gl.bfloat16, gl.bfloat16),
+                                     is_pure=True, pack=4)  # fmt: skip
+    w = gl.reshape(gl.join(a, b), (4 * T, 128, 2, 2, 2))
+    w = gl.reshape(gl.permute(w, (0, 1, 4, 2, 3)), (4 * T, 512, 2))
+    w = gl.reshape(w, (T, 4, 8, 4, 8, 2, 2))
+    w = gl.permute(w, (0, 1, 5, 2, 4, 3, 6))
+    return gl.convert_layout(gl.reshape(w, (64 * T, 64)), a_layout, assert_trivial=True)
+
+
+@gluon.jit
 def _segment(u, u_end, KS):
     """The run of K stages a program does next from unit ``u`` (units are (tile, 64-input stage), tile-major):
     (tile, first stage, end stage)."""
@@ -77,7 +125,7 @@ def _segment(u, u_end, KS):
 
 @gluon.jit
 def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M: gl.constexpr,
-              T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+              T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
     i = 0
     u = u0
     while u < u1:
@@ -90,8 +138,11 @@ def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, 
             fence_async_shared()  # the consumers' shared-memory reads of this stage before the TMA overwrites it
             mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, kk * 64], ready.index(st), x_bufs.index(st))
-            # the scales of the stage's 256-input group (16 bytes a row: TMA's smallest row), 4x the bytes needed
-            tma.async_copy_global_to_shared(s_desc, [tile0 * 64, (kk // 4) * 4], ready.index(st), s_bufs.index(st))
+            if SCALE_PAIRS:  # round 15 step A: the stage's 256 bytes per 64-row tile (nvfp4.layout.to_scale_mma_layout)
+                tma.async_copy_global_to_shared(s_desc, [tile0, kk * 256], ready.index(st), s_bufs.index(st))
+            else:
+                # the scales of the stage's 256-input group (16 bytes a row: TMA's smallest row), 4x the bytes needed
+                tma.async_copy_global_to_shared(s_desc, [tile0 * 64, (kk // 4) * 4], ready.index(st), s_bufs.index(st))
             tma.async_copy_global_to_shared(w_desc, [tile0, 4 * (kk % 4), 2 * (kk // 4), 0], ready.index(st),
                                             w_bufs.index(st))  # fmt: skip
             i += 1
@@ -106,32 +157,48 @@ def _scale_bytes(words, cols):
 
 @gluon.jit
 def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.constexpr, STAGES: gl.constexpr,
-                   a_layout: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+                   a_layout: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr,
+                   SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
     """Wait for stage ``i`` (K step ``kk``) and decode this consumer's rows of its weight tile: the wgmma A operand."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     st = i % STAGES
     mbarrier.wait(ready.index(st), (i // STAGES) & 1)
     p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
-    # this stage's word of 4 scales per row: column kk % 4 of the group's [rows, 4] int32 words
-    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, s_layout))
-    sw = s_bufs.index(st).slice(64 * TC * WG, 64 * TC).load(s_layout)
-    sw = gl.sum(gl.where(s_cols[None, :] == kk % 4, sw, 0), axis=1)
-    return _decode_tile(p, _scale_bytes(sw, s_cols), TC, a_layout)
+    if SCALE_PAIRS:
+        # round 15 step A: the stage's scale pairs [4TC (tile, warp), 8 quads, 4 k16 steps, 2 rows], one 8-byte load
+        # per thread (a quad's 4 lanes read the same bytes), each pair widened to a word (the asm reads its low half)
+        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        q = s_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 8, 4, 2], plain4).load(
+            gl.SliceLayout(3, gl.SliceLayout(2, s_layout)))  # fmt: skip
+        q = gl.expand_dims(q, 3).broadcast_to((4 * TC, 8, 4, 2, 2))  # byte (copy, row) of the step's word
+        q = gl.reshape(gl.expand_dims(q, 2).broadcast_to((4 * TC, 8, 4, 4, 2, 2)), (4 * TC, 512))
+        a = _decode_tile_a(p, gl.convert_layout(q, p_layout, assert_trivial=True), TC, a_layout)
+    else:
+        # this stage's word of 4 scales per row: column kk % 4 of the group's [rows, 4] int32 words
+        s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, s_layout))
+        sw = s_bufs.index(st).slice(64 * TC * WG, 64 * TC).load(s_layout)
+        sw = gl.sum(gl.where(s_cols[None, :] == kk % 4, sw, 0), axis=1)
+        a = _decode_tile(p, _scale_bytes(sw, s_cols), TC, a_layout)
+    return a
 
 
 @gluon.jit
 def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
               N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
               T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
-              FIXUP: gl.constexpr):  # fmt: skip
+              FIXUP: gl.constexpr, SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     p_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
     # the scales' layout: one row of 4 block scales per A-operand row a thread holds (see _decode_tile)
-    s_layout: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([64 * TC, 64], gl.bfloat16, a_layout),
-                                                          (64 * TC, 4, 16)).type.layout)  # fmt: skip
+    if SCALE_PAIRS:  # round 15 step A: [4TC, 8 quads, 4 lanes, 4 k16 steps, 2 copies, 2 rows] bytes, p_layout's order
+        s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1, 1],
+                                                  [5, 4, 3, 2, 1, 0])  # fmt: skip
+    else:
+        s_layout: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([64 * TC, 64], gl.bfloat16, a_layout),
+                                                              (64 * TC, 4, 16)).type.layout)  # fmt: skip
     rows_c = gl.arange(0, 64 * TC, layout=gl.SliceLayout(1, acc_layout))
     cols_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     # a partial tile's fp32 slot in the workspace: one per (program, consumer), [64·TC, BLOCK_M] row-major
@@ -148,10 +215,11 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
             # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
             # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
             # decode; the other consumer partition decodes meanwhile.
-            a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout)
+            a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout,
+                                SCALE_PAIRS)  # fmt: skip
             if SUB == 2:
                 a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
-                                    s_layout)  # fmt: skip
+                                    s_layout, SCALE_PAIRS)  # fmt: skip
                 acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -306,7 +374,8 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
 @gluon.jit
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                      SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                      SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr,
+                      SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
     (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
     partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
@@ -320,7 +389,10 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
 
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 4, 2, 256], w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * T, 4], s_desc.layout)
+    if SCALE_PAIRS:  # round 15 step A: 256 bytes per 64-row tile and stage
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 256], s_desc.layout)
+    else:
+        s_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * T, 4], s_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -330,11 +402,13 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     gl.warp_specialize(
         [
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
-                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
+                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
+                         SCALE_PAIRS)),
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
-                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP)),
+                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
+                         SCALE_PAIRS)),
             (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
-                         STAGES, SUB)),
+                         STAGES, SUB, SCALE_PAIRS)),
         ],
         [num_warps, 1],
         [232, 40],
@@ -366,7 +440,8 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
-           stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False) -> torch.Tensor:  # fmt: skip
+           stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False,
+           scale_pairs: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
@@ -383,14 +458,20 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
         fixup: the programs that share a split tile each sum a share of it at the end (needs ``4·programs``
             flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
             sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
+        scale_pairs: round 15 step A (a spike, not in the dispatch table): ``scale`` is fp8 ``[N/64, K/64·256]``
+            in :func:`nvfp4.layout.to_scale_mma_layout`'s order (made once by the caller from the ``[N, K/16]``
+            scales), read as one 8-byte scale-pair load per thread and stage.
     """
     m, k = x.shape
-    n = scale.shape[0]
-    x_layout, w_layout, s_layout = _smem_layouts(block_m)
+    n = scale.shape[0] * (64 if scale_pairs else 1)
+    x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
                               w_layout)  # fmt: skip
-    s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
+    if scale_pairs:
+        s_desc = TensorDescriptor(scale.view(torch.uint8), [n // 64, 4 * k], [4 * k, 1], [tiles, 256], s_layout)
+    else:
+        s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
     units = triton.cdiv(m, block_m) * (n // (64 * tiles)) * (k // (64 * sub))
     g = min(programs or num_sms(x.device), units)
     slots = 4 * g if fixup else 2 * g  # (first/last segment ×) program × consumer
@@ -399,33 +480,36 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, FIXUP=fixup, num_warps=4, maxnreg=MAXNREG)  # fmt: skip
+                            SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, maxnreg=MAXNREG)  # fmt: skip
     return y
 
 
-def _smem_layouts(block_m: int):
+def _smem_layouts(block_m: int, scale_pairs: bool = False):
     """The TMA boxes' shared-memory layouts: x (128-byte swizzle, the wgmma B operand), packed weight and scales
-    (plain rows: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle)."""
+    (plain rows: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle; the scales
+    as int32 words, or bytes with ``scale_pairs``)."""
     return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))  # fmt: skip
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 if scale_pairs else 32, rank=2))  # fmt: skip
 
 
-def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True):
+def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True,
+                 scale_pairs: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
     ``benchmarks/kernel_sass.py@1486a77 --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    xl, wl, sl = _smem_layouts(block_m)
+    xl, wl, sl = _smem_layouts(block_m, scale_pairs)
+    s_type = f"u8[{tiles}, 256]" if scale_pairs else f"i32[{64 * tiles}, 4]"
     fn = _ws_linear_kernel
     sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
-           "s_desc": f"tensordesc<i32[{64 * tiles}, 4],{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "s_desc": f"tensordesc<{s_type},{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr", "SCALE_PAIRS": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
-              "num_warps": 4}  # fmt: skip
+              "num_warps": 4, "SCALE_PAIRS": scale_pairs}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -438,7 +522,7 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
               bias: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
     """:func:`launch` with its own output and flags (benchmarks, tests); ``config``: :func:`launch`'s tile arguments."""
-    m, n = x.shape[0], scale.shape[0]
+    m, n = x.shape[0], scale.shape[0] * (64 if config.get("scale_pairs") else 1)
     flags = _FLAGS.get(x.device)
     if flags is None:
         flags = _FLAGS[x.device] = torch.zeros(1024, dtype=torch.int32, device=x.device)

@@ -256,9 +256,8 @@ def _e2m1_bf16_bits(packed):
 
 # One bit-permuted MMA-layout word ($4: 8 codes) → four bf16x2 A-fragment registers ($0..$3) holding e2m1 · 2^-126
 # (:func:`_e2m1_words_bf16`; also the Gluon kernel's decoder, :mod:`nvfp4.kernels.hopper_ws`).
-E2M1_WORDS_BF16_ASM = tl.constexpr("""
-        {
-        .reg .b32 r, t;
+#: its PTX body, shared with the Gluon kernel's round-15 decode + scale (temporaries ``r``, ``t`` declared by the caller)
+E2M1_WORD_DECODE_PTX = """
         and.b32 $0, $4, 0x81C081C0;
         shf.r.wrap.b32 r, $4, $4, 4;
         and.b32 $1, r, 0x81C081C0;
@@ -268,9 +267,16 @@ E2M1_WORDS_BF16_ASM = tl.constexpr("""
         shf.r.wrap.b32 t, $4, $4, 6;
         and.b32 r, r, 0x80C080C0;
         and.b32 t, t, 0x01000100;
-        or.b32 $3, r, t;
+        or.b32 $3, r, t;"""
+E2M1_WORDS_BF16_ASM = tl.constexpr(
+    """
+        {
+        .reg .b32 r, t;"""
+    + E2M1_WORD_DECODE_PTX
+    + """
         }
-        """)
+        """
+)
 
 
 @triton.jit

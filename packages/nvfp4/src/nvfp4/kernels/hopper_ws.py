@@ -27,25 +27,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .decode import E2M1_WORDS_BF16_ASM
+from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
 #: round 15 step A (``SCALE_PAIRS``): round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
 #: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias; exact for positive finite
 #: E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by row r + 8's
-E2M1_SCALED_ASM = gl.constexpr("""
+E2M1_SCALED_ASM = gl.constexpr(
+    """
         {
         .reg .b32 r, t, f, bl, bh;
-        .reg .b16 l, h, sl, sh;
-        and.b32 $0, $4, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 4;
-        and.b32 $1, r, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 10;
-        and.b32 $2, r, 0x81C081C0;
-        shf.r.wrap.b32 r, $4, $4, 30;
-        shf.r.wrap.b32 t, $4, $4, 6;
-        and.b32 r, r, 0x80C080C0;
-        and.b32 t, t, 0x01000100;
-        or.b32 $3, r, t;
+        .reg .b16 l, h, sl, sh;"""
+    + E2M1_WORD_DECODE_PTX
+    + """
         mov.b32 {l, h}, $5;
         cvt.rn.f16x2.e4m3x2 f, l;
         shr.b32 f, f, 3;
@@ -58,7 +51,8 @@ E2M1_SCALED_ASM = gl.constexpr("""
         mul.rn.bf16x2 $2, $2, bl;
         mul.rn.bf16x2 $3, $3, bh;
         }
-        """)
+        """
+)
 
 POISON = False  # tests: outputs start as NaN, so an element the kernel never writes cannot pass
 

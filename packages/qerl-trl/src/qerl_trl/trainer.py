@@ -818,15 +818,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
         base = self.accelerator.process_index * n
         device = self.accelerator.device
         fork_devices = [device] if device.type == "cuda" else []
-        completion_ids: list = []
-        logprobs: list | None = []  # the engine's sampling logprobs (graph), None when it returns none
+        turns = []  # (completion ids, sampling logprobs or None) of each prompt group's call
         for start in range(0, n, g):
             with torch.random.fork_rng(devices=fork_devices):
                 torch.manual_seed(rollout_seed(self.args.seed, step, call, (base + start) // g))
-                ids, lps = self._generate_turn(prompt_ids[start : start + g], None, {}, num_generations, has_tool_images)
-            completion_ids.extend(ids)
-            logprobs = None if logprobs is None or lps is None else [*logprobs, *lps]
-        return completion_ids, logprobs
+                turns.append(self._generate_turn(prompt_ids[start : start + g], None, {}, num_generations,
+                                                 has_tool_images))  # fmt: skip
+        completion_ids = [c for ids, _ in turns for c in ids]
+        if any(lps is None for _, lps in turns):  # an engine without sampling logprobs (transformers)
+            return completion_ids, None
+        return completion_ids, [lp for _, lps in turns for lp in lps]
 
     def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """One generation call of the rollout engine, without this class's AQN / timing wrapper."""

@@ -457,7 +457,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
             scales), read as one 8-byte scale-pair load per thread and stage.
     """
     m, k = x.shape
-    n = scale.shape[0] * (64 if scale_pairs else 1)
+    n = _out_features(scale, scale_pairs)
     x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
@@ -476,6 +476,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
                             SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, maxnreg=MAXNREG)  # fmt: skip
     return y
+
+
+def _out_features(scale: torch.Tensor, scale_pairs: bool) -> int:
+    """``N`` from the scales: ``[N, K/16]``, or ``[N/64, K/64·256]`` in step A's layout."""
+    return scale.shape[0] * (64 if scale_pairs else 1)
 
 
 def _smem_layouts(block_m: int, scale_pairs: bool = False):
@@ -516,7 +521,7 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
               bias: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
     """:func:`launch` with its own output and flags (benchmarks, tests); ``config``: :func:`launch`'s tile arguments."""
-    m, n = x.shape[0], scale.shape[0] * (64 if config.get("scale_pairs") else 1)
+    m, n = x.shape[0], _out_features(scale, config.get("scale_pairs", False))
     flags = _FLAGS.get(x.device)
     if flags is None:
         flags = _FLAGS[x.device] = torch.zeros(1024, dtype=torch.int32, device=x.device)

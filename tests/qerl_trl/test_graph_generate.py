@@ -556,10 +556,26 @@ def test_cuda_graphs_compaction_gpu():
         release_graph_state(model)
 
 
+def _eos_boost(model, ids: torch.Tensor, mask: torch.Tensor, temperature: float, p_eos: float) -> float:
+    """The EOS logit boost under which the first sampled token is EOS with probability ``p_eos`` (mean over the
+    prompts): found by bisection on one forward's last-position logits, so that rows end at staggered steps whatever
+    the tiny model's logit scale (a fixed boost of 6 ended every row at its first token on the H200)."""
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+    lo, hi = -30.0, 30.0
+    for _ in range(40):
+        b = (lo + hi) / 2
+        boosted = logits.clone()
+        boosted[:, EOS] += b
+        lo, hi = (b, hi) if torch.softmax(boosted / temperature, -1)[:, EOS].mean() < p_eos else (lo, b)
+    return (lo + hi) / 2
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_sampling_logprobs_gpu():
     """The CUDA-graph form of the CPU logprob tests (inductor, ``mode="reduce-overhead"``), bf16 + LoRA and NVFP4 +
-    LoRA: 16 rows sampled at T = 0.7, finishing at different steps (EOS made likely) and compacted every 2nd step
+    LoRA: 16 rows sampled at T = 0.7, finishing at different steps (EOS boosted to ~8 % a step) and compacted every 2nd step
     down to 1 row. Each returned logprob is the trainer's float32 ``log_softmax(logits / T)`` of an uncompiled
     full-sequence forward at the sampled token (within bf16 noise: inductor and eager round the logits differently),
     0 after the row's EOS, and a second call from the same seed (replaying the recorded graphs) returns the same."""
@@ -570,7 +586,7 @@ def test_cuda_graphs_sampling_logprobs_gpu():
     for name, model in arms.items():
         model.eval()
         bias = torch.zeros(model.config.vocab_size, device="cuda", dtype=torch.bfloat16)
-        bias[EOS] = 6.0
+        bias[EOS] = _eos_boost(model, ids, mask, t, 0.08)
         hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out, b=bias: out + b)
         torch._dynamo.reset()
         kw = dict(max_new_tokens=48, temperature=t, eos_token_id=eos, pad_token_id=PAD, check_every=2,

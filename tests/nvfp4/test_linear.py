@@ -204,8 +204,19 @@ def test_scale_mma_layout_with_step_a_asm_replayed_per_thread():
     rotate-and-mask registers ``$0 … $3``, the pair's low byte (``cvt`` → fp16 → ``>> 3``, re-biased) multiplying
     ``$0``/``$2`` and its high byte ``$1``/``$3`` (``mul.rn.bf16x2``) give ``e2m1 · s · 2^-14`` of the A-fragment
     elements those registers hold (register ``j``: row ``r + 8·(j % 2)``, byte ``32·kk + 8·g + 4·(j // 2) + lane % 4``)."""
+    import re
+
     from nvfp4.codec import e2m1_to_float, unpack_e2m1
+    from nvfp4.kernels.hopper_ws import E2M1_SCALED_ASM
     from nvfp4.layout import to_mma_layout, to_scale_mma_layout
+
+    # the asm's own re-bias (its lop3 evaluated bit by bit from the LUT: bit a·4 + b·2 + c), not a restatement of it
+    b_imm, c_imm, lut = (int(v, 16) for v in re.search(r"lop3\.b32 f, f, (0x\w+), (0x\w+), (0x\w+);",
+                                                        E2M1_SCALED_ASM.value).groups())  # fmt: skip
+
+    def rebias(f: int) -> int:
+        return sum(((lut >> (4 * ((f >> i) & 1) + 2 * ((b_imm >> i) & 1) + ((c_imm >> i) & 1))) & 1) << i
+                   for i in range(16))  # fmt: skip
 
     gen = torch.Generator().manual_seed(16)
     n, k = 128, 512
@@ -228,7 +239,7 @@ def test_scale_mma_layout_with_step_a_asm_replayed_per_thread():
         for g in range(4):
             x = words[row][col + g]
             regs = [x & p, rotr(x, 4) & p, rotr(x, 10) & p, (rotr(x, 30) & 0x80C080C0) | (rotr(x, 6) & 0x01000100)]
-            pair = [((f16[sp[2 * g + h]] >> 3) & 0x0FFF) | 0x7000 for h in range(2)]  # cvt.rn.f16x2.e4m3x2, >> 3, lop3
+            pair = [rebias(f16[sp[2 * g + h]] >> 3) for h in range(2)]  # cvt.rn.f16x2.e4m3x2, >> 3, lop3
             for j, reg in enumerate(regs):
                 r, b = 64 * t + 16 * w + lane // 4 + 8 * (j % 2), 32 * kk + 8 * g + 4 * (j // 2) + lane % 4
                 for half in range(2):

@@ -30,8 +30,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
 #: round 15 step A (``SCALE_PAIRS``): round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
-#: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias; exact for positive finite
-#: E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by row r + 8's
+#: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias: ``lop3`` LUT 0xEA is
+#: ``(a & b) | c``; exact for positive finite E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by
+#: row r + 8's. (The first GPU run computed zeros: LUT 0xF8 is ``a | (b & c)``, and ``0x0FFF0FFF & 0x70007000 = 0``,
+#: so the re-bias was dropped, s·2^-112 instead of s·2^112, and every product underflowed bf16 to 0.)
 E2M1_SCALED_ASM = gl.constexpr(
     """
         {
@@ -42,7 +44,7 @@ E2M1_SCALED_ASM = gl.constexpr(
         mov.b32 {l, h}, $5;
         cvt.rn.f16x2.e4m3x2 f, l;
         shr.b32 f, f, 3;
-        lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xf8;
+        lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xea;
         mov.b32 {sl, sh}, f;
         mov.b32 bl, {sl, sl};
         mov.b32 bh, {sh, sh};

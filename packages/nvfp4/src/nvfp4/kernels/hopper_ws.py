@@ -29,6 +29,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
+#: a k16 step's scale pair (l: row r, h: row r + 8) → f, bf16x2 of s·2^112 (round 15 steps A and B)
+SCALE_PAIR_PTX = """
+        cvt.rn.f16x2.e4m3x2 f, l;
+        shr.b32 f, f, 3;
+        lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xea;"""
 #: round 15 step A (``SCALE_PAIRS``): round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
 #: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias: ``lop3`` LUT 0xEA is
 #: ``(a & b) | c``; exact for positive finite E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by
@@ -41,10 +46,9 @@ E2M1_SCALED_ASM = gl.constexpr(
         .reg .b16 l, h, sl, sh;"""
     + E2M1_WORD_DECODE_PTX
     + """
-        mov.b32 {l, h}, $5;
-        cvt.rn.f16x2.e4m3x2 f, l;
-        shr.b32 f, f, 3;
-        lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xea;
+        mov.b32 {l, h}, $5;"""
+    + SCALE_PAIR_PTX
+    + """
         mov.b32 {sl, sh}, f;
         mov.b32 bl, {sl, sl};
         mov.b32 bh, {sh, sh};
@@ -52,6 +56,37 @@ E2M1_SCALED_ASM = gl.constexpr(
         mul.rn.bf16x2 $1, $1, bh;
         mul.rn.bf16x2 $2, $2, bl;
         mul.rn.bf16x2 $3, $3, bh;
+        }
+        """
+)
+
+#: round 15 step B (``INFLIGHT``): step A's asm split at the wgmma wait. ``PAIR_ASM``: the scale pair ($1's low half)
+#: → bf16x2 of s·2^112 (no operand register written; runs while the previous k16 step's wgmma is in flight);
+#: ``MUL_ASM``: round 5's decoded words ($4..$7) times it ($0/$2 by row r's scale, $1/$3 by row r + 8's, as step A).
+PAIR_ASM = gl.constexpr(
+    """
+        {
+        .reg .b32 f;
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $1;"""
+    + SCALE_PAIR_PTX
+    + """
+        mov.b32 $0, f;
+        }
+        """
+)
+MUL_ASM = gl.constexpr(
+    """
+        {
+        .reg .b32 bl, bh;
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $8;
+        mov.b32 bl, {l, l};
+        mov.b32 bh, {h, h};
+        mul.rn.bf16x2 $0, $4, bl;
+        mul.rn.bf16x2 $1, $5, bh;
+        mul.rn.bf16x2 $2, $6, bl;
+        mul.rn.bf16x2 $3, $7, bh;
         }
         """
 )
@@ -108,6 +143,54 @@ def _decode_tile_a(p, q, T: gl.constexpr, a_layout: gl.constexpr):
     w = gl.reshape(w, (T, 4, 8, 4, 8, 2, 2))
     w = gl.permute(w, (0, 1, 5, 2, 4, 3, 6))
     return gl.convert_layout(gl.reshape(w, (64 * T, 64)), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _stage_k16(w_bufs, s_bufs, st, WG: gl.constexpr, TC: gl.constexpr, p_layout: gl.constexpr,
+               s_layout: gl.constexpr):  # fmt: skip
+    """Round 15 step B: stage ``st``'s loads as step A's (one ``LDS.128`` of weights, one ``LDS.64`` of scale pairs),
+    split into the 4 k16 steps (word ``j`` of a thread: step ``j``; ``gl.split`` renames registers): ``p0..p3`` weight
+    words, ``q0..q3`` scale-pair words, each uint8 ``[4TC, 32, 4]``."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
+    q = s_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 8, 4, 2], plain4).load(
+        gl.SliceLayout(3, gl.SliceLayout(2, s_layout)))  # fmt: skip
+    q = gl.expand_dims(q, 3).broadcast_to((4 * TC, 8, 4, 2, 2))
+    q = gl.reshape(gl.expand_dims(q, 2).broadcast_to((4 * TC, 8, 4, 4, 2, 2)), (4 * TC, 512))
+    q = gl.convert_layout(q, p_layout, assert_trivial=True)
+    # [4TC, 32 lanes, 2, 2 (word = k16 step), 4 bytes] → bytes first, the word's bits last; split twice
+    p01, p23 = gl.split(gl.permute(gl.reshape(p, (4 * TC, 32, 2, 2, 4)), (0, 1, 4, 3, 2)))
+    q01, q23 = gl.split(gl.permute(gl.reshape(q, (4 * TC, 32, 2, 2, 4)), (0, 1, 4, 3, 2)))
+    p0, p1 = gl.split(p01)
+    p2, p3 = gl.split(p23)
+    q0, q1 = gl.split(q01)
+    q2, q3 = gl.split(q23)
+    return p0, p1, p2, p3, q0, q1, q2, q3
+
+
+@gluon.jit
+def _k16_int(p, q, TC: gl.constexpr, WARPS: gl.constexpr):
+    """Round 15 step B: the half of a k16 step's decode that writes no wgmma operand (it runs while the previous
+    step's wgmma is in flight): round 5's E2M1 words (``a``, ``b``: bf16 ``e2m1 · 2^-126``) and the scale pair."""
+    p16_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    p = gl.convert_layout(gl.reshape(p, (4 * TC, 128)), p16_layout, assert_trivial=True)
+    q = gl.convert_layout(gl.reshape(q, (4 * TC, 128)), p16_layout, assert_trivial=True)
+    a, b = _e2m1_words_bf16(p)
+    pair = gl.inline_asm_elementwise(PAIR_ASM, "=r,r", [q], dtype=gl.uint8, is_pure=True, pack=4)
+    return a, b, pair
+
+
+@gluon.jit
+def _k16_mul(a, b, pair, TC: gl.constexpr, a_layout: gl.constexpr):
+    """Round 15 step B: the scale multiply (it writes the k16 step's A operand: after the wait), then the operand's
+    layout, bf16 ``[64TC, 16]`` in ``a_layout``."""
+    a, b = gl.inline_asm_elementwise(MUL_ASM, "=r,=r,=r,=r,r,r,r,r,r", [a, b, pair], dtype=(gl.bfloat16, gl.bfloat16),
+                                     is_pure=True, pack=4)  # fmt: skip
+    w = gl.reshape(gl.join(a, b), (4 * TC, 32, 2, 2, 2))
+    w = gl.reshape(gl.permute(w, (0, 1, 4, 2, 3)), (TC, 4, 8, 4, 2, 2, 2))  # t, n54 | n210, b10, k3, n3 | k0
+    w = gl.permute(w, (0, 1, 5, 2, 4, 3, 6))
+    return gl.convert_layout(gl.reshape(w, (64 * TC, 16)), a_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -182,7 +265,7 @@ def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.conste
 def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
               N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
               T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
-              FIXUP: gl.constexpr, SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
+              FIXUP: gl.constexpr, SCALE_PAIRS: gl.constexpr = False, INFLIGHT: gl.constexpr = False):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -208,23 +291,48 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
         n0 = (tile // num_m) * 64 * T
         acc = gl.zeros([64 * TC, BLOCK_M], gl.float32, acc_layout)
         for ku in range(kb, ke):
-            # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
-            # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
-            # decode; the other consumer partition decodes meanwhile.
-            a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout,
-                                SCALE_PAIRS)  # fmt: skip
-            if SUB == 2:
-                a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
-                                    s_layout, SCALE_PAIRS)  # fmt: skip
-                acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+            if INFLIGHT:
+                # round 15 step B (Humming's in-flight decode): per k16 step, issue its wgmma, decode the next step's
+                # E2M1 words and scale pair while it is in flight (no operand register written), wait, scale, issue
+                for sb in gl.static_range(SUB):
+                    st = (i + sb) % STAGES
+                    mbarrier.wait(ready.index(st), ((i + sb) // STAGES) & 1)
+                    p0, p1, p2, p3, q0, q1, q2, q3 = _stage_k16(w_bufs, s_bufs, st, WG, TC, p_layout, s_layout)
+                    ai, bi, pr = _k16_int(p0, q0, TC, WARPS)
+                    aop = _k16_mul(ai, bi, pr, TC, a_layout)
+                    acc = warpgroup_mma(aop, x_bufs.index(st).slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                    ai, bi, pr = _k16_int(p1, q1, TC, WARPS)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    aop = _k16_mul(ai, bi, pr, TC, a_layout)
+                    acc = warpgroup_mma(aop, x_bufs.index(st).slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                    ai, bi, pr = _k16_int(p2, q2, TC, WARPS)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    aop = _k16_mul(ai, bi, pr, TC, a_layout)
+                    acc = warpgroup_mma(aop, x_bufs.index(st).slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                    ai, bi, pr = _k16_int(p3, q3, TC, WARPS)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    aop = _k16_mul(ai, bi, pr, TC, a_layout)
+                    acc = warpgroup_mma(aop, x_bufs.index(st).slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(st), count=1)
             else:
-                acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
+                # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
+                # decode; the other consumer partition decodes meanwhile.
+                a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout,
+                                    SCALE_PAIRS)  # fmt: skip
+                if SUB == 2:
+                    a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
+                                        s_layout, SCALE_PAIRS)  # fmt: skip
+                    acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(i % STAGES), count=1)
+                    mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                else:
+                    acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(i % STAGES), count=1)
             i += SUB
         u += ke - kb
         if FIXUP:
@@ -371,7 +479,7 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
                       SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr,
-                      SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
+                      SCALE_PAIRS: gl.constexpr = False, INFLIGHT: gl.constexpr = False):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
     (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
     partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
@@ -399,10 +507,10 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
         [
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
                          num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
-                         SCALE_PAIRS)),
+                         SCALE_PAIRS, INFLIGHT)),
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
                          num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
-                         SCALE_PAIRS)),
+                         SCALE_PAIRS, INFLIGHT)),
             (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
                          STAGES, SUB, SCALE_PAIRS)),
         ],
@@ -437,7 +545,7 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
            stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False,
-           scale_pairs: bool = False) -> torch.Tensor:  # fmt: skip
+           scale_pairs: bool = False, inflight: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
@@ -457,7 +565,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
         scale_pairs: round 15 step A (a spike, not in the dispatch table): ``scale`` is fp8 ``[N/64, K/64·256]``
             in :func:`nvfp4.layout.to_scale_mma_layout`'s order (made once by the caller from the ``[N, K/16]``
             scales), read as one 8-byte scale-pair load per thread and stage.
+        inflight: round 15 step B on top of step A (needs ``scale_pairs``): one wgmma per k16 step, the next step's
+            decode while it is in flight.
     """
+    if inflight and not scale_pairs:
+        raise ValueError("hopper_ws.launch: inflight=True (round 15 step B) needs scale_pairs=True")
     m, k = x.shape
     n = _out_features(scale, scale_pairs)
     x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
@@ -476,7 +588,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, maxnreg=MAXNREG)  # fmt: skip
+                            SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, INFLIGHT=inflight,
+                            maxnreg=MAXNREG)  # fmt: skip
     return y
 
 
@@ -495,12 +608,14 @@ def _smem_layouts(block_m: int, scale_pairs: bool = False):
 
 
 def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True,
-                 scale_pairs: bool = False):
+                 scale_pairs: bool = False, inflight: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
     ``benchmarks/kernel_sass.py@1486a77 --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if inflight and not scale_pairs:
+        raise ValueError("hopper_ws.compile_sm90: inflight=True (round 15 step B) needs scale_pairs=True")
     xl, wl, sl = _smem_layouts(block_m, scale_pairs)
     s_type = f"u8[{tiles}, 256]" if scale_pairs else f"i32[{64 * tiles}, 4]"
     fn = _ws_linear_kernel
@@ -508,9 +623,10 @@ def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = 
            "s_desc": f"tensordesc<{s_type},{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr", "SCALE_PAIRS": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr", "SCALE_PAIRS": "constexpr",
+           "INFLIGHT": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
-              "num_warps": 4, "SCALE_PAIRS": scale_pairs}  # fmt: skip
+              "num_warps": 4, "SCALE_PAIRS": scale_pairs, "INFLIGHT": inflight}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

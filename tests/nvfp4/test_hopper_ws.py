@@ -9,6 +9,9 @@
 * Round 15 step A (``scale_pairs=True``, a spike beside the shipped kernel; ``-k round15``): it compiles for sm_90a
   without spills at the design's mainloop count while the shipped configs keep theirs (CPU), and it matches the
   float64 reference on random shapes and the 7B gate/down at M = 64 and 128 (GPU).
+* Round 15 step B (``inflight=True`` on top of step A; ``-k round15``, names ``step_b``): it compiles for sm_90a
+  without spills or C7515 at the spike's mainloop count, its asm is step A's split at the wgmma wait (CPU), and it
+  passes step A's GPU checks.
 """
 
 from __future__ import annotations
@@ -95,10 +98,52 @@ def test_round15_step_a_compiles_without_spills_at_the_designs_count_and_the_shi
     assert _mainloop_instructions(hopper_ws_compile(*config)) == shipped
 
 
-def hopper_ws_compile(*config, scale_pairs: bool = False):
+def hopper_ws_compile(*config, scale_pairs: bool = False, inflight: bool = False):
     from nvfp4.kernels import hopper_ws
 
-    return hopper_ws.compile_sm90(*config, scale_pairs=scale_pairs)
+    return hopper_ws.compile_sm90(*config, scale_pairs=scale_pairs, inflight=inflight)
+
+
+# round 15 step B's mainloop per unit (docs/kernels.md: step A's decode, 8 wgmma groups of one k16 step each)
+ROUND15_STEP_B = {(64, 2, 12, 2): 246, (128, 2, 8, 2): 247}
+
+
+@pytest.mark.parametrize("config", list(ROUND15_STEP_B))
+def test_round15_step_b_compiles_without_spills_or_c7515_at_the_spikes_count(config):
+    """Step B (``inflight=True``) builds for sm_90a with no stack and no local memory, 8 register-A ``HGMMA``s of
+    one k16 step per unit, ``ptxas`` on its PTX warns nothing (no C7515: no in-flight operand written), its mainloop
+    within 5 % of the spike's count; ``inflight`` without ``scale_pairs`` is refused."""
+    compiled = hopper_ws_compile(*config, scale_pairs=True, inflight=True)
+    usage, sass = _usage_and_sass(compiled)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "LDL" not in sass and "STL" not in sass
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass) and "UTMALDG" in sass
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(compiled.asm["ptx"])
+        r = subprocess.run([_BIN / "ptxas", "-arch=sm_90a", "--maxrregcount=168", Path(d) / "k.ptx", "-o",
+                            Path(d) / "k.cubin"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert "C7515" not in r.stdout + r.stderr, r.stderr
+    step_b = ROUND15_STEP_B[config]
+    assert abs(_mainloop_instructions(compiled) - step_b) <= 0.05 * step_b
+    with pytest.raises(ValueError):
+        hopper_ws_compile(*config, inflight=True)
+
+
+def test_round15_step_b_asm_is_step_a_split_at_the_wait():
+    """Step B's ``PAIR_ASM`` (before the wait) and ``MUL_ASM`` (after it) are step A's ``E2M1_SCALED_ASM`` cut in two:
+    the same scale-pair PTX (LUT 0xea) and the same multiplies, ``$0``/``$2`` by row r's scale and ``$1``/``$3`` by
+    row r + 8's (so the CPU replay of step A's asm covers step B's numerics but for the k16 split)."""
+    from nvfp4.kernels.hopper_ws import E2M1_SCALED_ASM, MUL_ASM, PAIR_ASM, SCALE_PAIR_PTX
+
+    assert "0xea;" in SCALE_PAIR_PTX and SCALE_PAIR_PTX in E2M1_SCALED_ASM.value and SCALE_PAIR_PTX in PAIR_ASM.value
+    step_b = MUL_ASM.value
+    for j in range(4):  # step B reads the decoded words from $4..$7, step A multiplies them in place
+        step_b = step_b.replace(f", ${j + 4},", f", ${j},")
+
+    def muls(asm: str) -> list[str]:
+        return [ln.strip() for ln in asm.splitlines() if ln.strip().startswith("mul.")]
+
+    assert muls(step_b) == muls(E2M1_SCALED_ASM.value) and len(muls(step_b)) == 4
 
 
 @pytest.mark.parametrize("config", _table_configs()[:1])
@@ -281,6 +326,20 @@ def test_round15_step_a_random_shapes_and_7b_gate_down_against_the_reference_gpu
     gate (18944 × 3584) and down (3584 × 18944) at M = 64 and 128, against the float64 reference."""
     block_m, tiles, stages, sub, *fixup = config
     cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), scale_pairs=True)
+    gen = torch.Generator().manual_seed(sum(config))
+    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
+              for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip
+    _check_shapes(shapes + [(m, n, k) for m in (64, 128) for n, k in ((18944, 3584), (3584, 18944))], cfg, config)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", [(64, 2, 12, 2), (128, 2, 8, 2), (64, 2, 12, 2, 1), (128, 2, 8, 2, 1)])
+def test_round15_step_b_random_shapes_and_7b_gate_down_against_the_reference_gpu(config):
+    """Round 15 step B (``inflight=True`` on step A's ``scale_pairs=True``): step A's checks (random shapes, odd M,
+    bias, NaN-poisoned output, bit-equal repeats, flags left at zero, the 7B gate and down at M = 64 and 128)."""
+    block_m, tiles, stages, sub, *fixup = config
+    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), scale_pairs=True, inflight=True)
     gen = torch.Generator().manual_seed(sum(config))
     shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
               for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip

@@ -254,7 +254,8 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
     ``to_scale_mma_layout``'s order, made once per weight copy) at the shipped dispatch's block config for each M,
     beside the shipped dispatch (``shipped_ms``), the same config through ``ws_linear`` (``ws_ms``: step A's call
     path), bf16 cuBLAS and Humming (``peer_humming``, if importable) on the 7B gate and down, in one process. Step A
-    is checked against the float64 reference first (``stepa_err``; a failing check leaves ``stepa_ms`` out)."""
+    is checked against the float64 reference first (``stepa_err``; a failing check leaves ``stepa_ms`` out); so is
+    step B (``inflight=True`` on step A: ``stepb_err``, ``stepb_ms``)."""
     from nvfp4.codec import dequantize
     from nvfp4.kernels import dispatch_table, hopper_ws
     from nvfp4.layout import from_mma_layout, to_scale_mma_layout
@@ -280,18 +281,20 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
                 ref = x.double() @ w64.T
                 hopper_ws.POISON = True
-                try:
-                    y = hopper_ws.ws_linear(x, *pairs[0], None, **cfg, scale_pairs=True).double()
-                    row["stepa_err"] = ((y - ref).norm() / ref.norm()).item()  # NaN where an element is left unwritten
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    row["stepa_err"], row["stepa_exception"] = float("nan"), repr(e)
-                finally:
-                    hopper_ws.POISON = False
+                for arm, inflight in (("stepa", False), ("stepb", True)):
+                    try:
+                        y = hopper_ws.ws_linear(x, *pairs[0], None, **cfg, scale_pairs=True, inflight=inflight).double()
+                        row[f"{arm}_err"] = ((y - ref).norm() / ref.norm()).item()  # NaN: an element left unwritten
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        row[f"{arm}_err"], row[f"{arm}_exception"] = float("nan"), repr(e)
+                hopper_ws.POISON = False
                 row["ws_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *wts.q[i % len(wts.q)], None, **cfg)
                                            for i in range(calls)])  # fmt: skip
-                if row["stepa_err"] < 1e-2:
-                    row["stepa_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *pairs[i % len(pairs)], None, **cfg,
-                                                          scale_pairs=True) for i in range(calls)])  # fmt: skip
+                for arm, inflight in (("stepa", False), ("stepb", True)):
+                    if row[f"{arm}_err"] < 1e-2:
+                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *pairs[i % len(pairs)], None,
+                                                               **cfg, scale_pairs=True, inflight=inflight)
+                                                       for i in range(calls)])  # fmt: skip
             if hum:
                 row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
             row.update({f"{a[:-3]}_x_bf16": row["bf16_ms"] / row[a] for a in list(row) if a.endswith("_ms")})
@@ -303,13 +306,15 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
         del wts, pairs, hum, w64
         torch.cuda.empty_cache()
     print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>8} {'shipped':>7} {'ws':>6} {'step A':>6} {'humming':>7} {'A/shipped':>9} "
-          f"{'A/ws':>6} {'A err':>8}  (x bf16; A/shipped >= 1.03 at M = 64 on both shapes: go)")  # fmt: skip
+          f"{'A/ws':>6} {'A err':>8} {'B/A':>6} {'B err':>8}  (x bf16; go: A/shipped >= 1.03, M=64, both)")  # fmt: skip
     for r in rows:
         cells = [f"{r[key]:.2f}" if key in r else "-" for key in ("shipped_x_bf16", "ws_x_bf16", "stepa_x_bf16",
                                                                   "humming_x_bf16")]  # fmt: skip
         vs = [f"{r[key] / r['stepa_ms']:.3f}" if "stepa_ms" in r else "-" for key in ("shipped_ms", "ws_ms")]
+        ba = f"{r['stepa_ms'] / r['stepb_ms']:.3f}" if "stepa_ms" in r and "stepb_ms" in r else "-"
         print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:8.4f} {cells[0]:>7} {cells[1]:>6} {cells[2]:>6} {cells[3]:>7} "
-              f"{vs[0]:>9} {vs[1]:>6} {r.get('stepa_err', float('nan')):8.2e}")  # fmt: skip
+              f"{vs[0]:>9} {vs[1]:>6} {r.get('stepa_err', float('nan')):8.2e} {ba:>6} "
+              f"{r.get('stepb_err', float('nan')):8.2e}")  # fmt: skip
     return {"round15": rows}
 
 

@@ -1,25 +1,18 @@
 """Rollout throughput (issue #7): ``qerl_trl.graph_generate``, a static cache and one compiled graph per decode step.
 
-Every arm runs :func:`qerl_trl.graph_generate.graph_generate` (sampling inside the compiled step; CUDA graphs on
-CUDA), whose ``max_cache_len`` lets a short warm-up record the graphs the timed call replays. Models and arms:
-:mod:`common.models` (random weights with the real Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each + LoRA r=32,
-and ``-base`` arms without it). The transformers ``generate`` engine (``--engine generate``, the default before issue
-#48) is at ``benchmarks/rollout.py@e48270c``; ``--engine graph`` stays so that recorded commands run.
-
-Fixed lengths: a random ``--prompt-len`` prompt, exactly ``--new-tokens`` greedy tokens. Per (model, arm, batch): a
-warm-up (``compile_s``), a second warm-up (must not recompile), three 1-token calls (the prefill: the fastest), then
-the timed rollout: ``tok/s`` end to end, ``decode tok/s`` without the prefill, dynamo counters per batch.
+Every arm (:mod:`common.models`: random weights with the real Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each
++ LoRA r=32) runs :func:`qerl_trl.graph_generate.graph_generate` (sampling in the compiled step; CUDA graphs on CUDA)
+in a fresh subprocess (OOM = "does not fit"; results appended to ``--out`` after every arm). The transformers
+``generate`` engine is at ``benchmarks/rollout.py@e48270c``; ``--engine graph`` stays so that recorded commands run.
+Fixed lengths: ``--new-tokens`` greedy tokens after a ``--prompt-len`` prompt; per batch a warm-up (``compile_s``), a
+second (must not recompile), three 1-token calls (prefill: the fastest), the timed rollout (``tok/s`` end to end,
+``decode tok/s`` without the prefill). ``--eos-mean-tokens M``: T = 1 with ``round(V / M)`` EOS ids, variants
+``fixed``, ``eos`` and ``eos+compact`` per round; ``tok/s`` of real tokens, median over ``--repeats``.
 ``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
-``--eos-mean-tokens M``: spread lengths, T = 1 with ``round(V / M)`` EOS ids, so past ``--min-new-tokens`` a row
-ends with probability ~1/M a step; per round three variants with one seed, ``fixed``, ``eos`` (``compact=False``)
-and ``eos+compact``; ``tok/s`` counts real tokens, median over ``--repeats`` rounds.
-Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results appended to ``--out`` after every arm.
 
 Usage::
 
     uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
-    python3 benchmarks/rollout.py --models 7b --arms nvfp4,bf16 --batch 64,128 --prompt-len 256 \
-        --new-tokens 512 --min-new-tokens 64 --eos-mean-tokens 128 --repeats 2   # H100, lengths spread
     python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
 """
 

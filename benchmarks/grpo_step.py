@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, csv_list, device_name, gb, merge_results, now, rss_peak_gb, versions, write_result
+from common.env import RESULTS, csv_list, gb, merge_results, rss_peak_gb, versions, write_result
 from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
@@ -41,8 +41,7 @@ from common.workers import (
     counter_diff,
     dynamo_counters,
     run_arm_grid,
-    run_in_process,
-    run_worker_subprocess,
+    run_meta,
     worker_exit,
 )
 
@@ -904,41 +903,26 @@ def main(argv=None) -> None:
     models, arms = csv_list(args.models), csv_list(args.arms)
     check_names(ap, models, MODELS, "model")
     check_names(ap, arms, ARMS, "arm")
-    meta = {
-        "benchmark": f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine="
-        f"{args.rollout_engine!r}; compiled or not: each row's generation_config) + scoring + loss forward + backward "
-        "+ AdamW step",
-        "date": now(),
-        "device": device_name(),
-        "world_size": 1,
-        "versions": versions("trl", "datasets"),
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "merge"},
-        "configs": {m: MODELS[m] for m in models},
-        "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
+    meta = run_meta(
+        f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine={args.rollout_engine!r}; "
+        "compiled or not: each row's generation_config) + scoring + loss forward + backward + AdamW step",
+        args, models, versions("trl", "datasets"), skip=("merge",), world_size=1,
+        definitions="per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
         "model._prefill, not hooked with rollout_engine graph: 0, counted in decode; aqn = applying/restoring the "
         "noise; decode = gen - prefill - aqn); score = rest of "
         "_prepare_inputs (rewards, advantages, no-grad logprob forwards = score_fwd); loss_fwd = compute_loss; "
         "backward = rest of training_step; clip = grad-norm clipping; optimizer = optimizer.step(); step = "
         "on_step_begin..on_step_end. Table values: median over measured steps; compile s = warm-up step(s) time. "
         "gen tok/s = completion tokens of this process / gen s.",
-    }
-    print(f"# grpo_step: {meta['device']} | {meta['versions']}", flush=True)
-
-    def run_one(m: str, a: str) -> dict:
-        if args.no_subprocess:
-            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+    )
 
     def brief(res: dict) -> str:
         s = res.get("summary") or {}
         return (f"{res['rollout_engine']}: s/step {s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} "
                 f"tok/s), peak {s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}")  # fmt: skip
 
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
-                           defaults=lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
-    print()
-    print(table(results))
-    print(f"\nwrote {args.out}")
+    run_arm_grid("grpo_step", args, models, arms, meta, ARM_LABEL, brief, table, __file__, run_worker, _PASS, _FLAGS,
+                 args.no_subprocess, lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
 
 
 if __name__ == "__main__":

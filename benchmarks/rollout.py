@@ -28,10 +28,8 @@ from pathlib import Path
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import (
     RESULTS,
-    device_name,
     gb,
     merge_results,
-    now,
     rss_peak_gb,
     run_title,
     sync,
@@ -40,7 +38,7 @@ from common.env import (
 )
 from common.models import ARM_LABEL, ARMS, OURS, build_arm, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
-from common.profiler import profile_decode, profile_table
+from common.profiler import profile_decode, with_profile
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import MODELS
 from common.tables import fmt
@@ -50,8 +48,7 @@ from common.workers import (
     counter_diff,
     dynamo_counters,
     run_arm_grid,
-    run_in_process,
-    run_worker_subprocess,
+    run_meta,
     save_partial,
     worker_exit,
 )
@@ -353,36 +350,20 @@ def main(argv=None) -> None:
         return
 
     models, arms = models_and_arms(ap, args, ARMS)
-    meta = {
-        "benchmark": "rollout tokens/s, qerl_trl graph_generate, static cache"
-        + ("" if args.no_compile else " + one compiled graph per decode step incl. sampling"),
-        "date": now(),
-        "device": device_name(),
-        "versions": versions(),
-        "settings": {
-            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "plot_only")
-        },
-        "configs": {m: MODELS[m] for m in models},
-        "tok_s_definition": "batch * new_tokens / wall time of one generate (prefill included), after warm-up; "
-        "decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, fastest of 3)",
-    }
-    print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
-    def run_one(m: str, a: str) -> dict:
-        if args.in_process:
-            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+    meta = run_meta("rollout tokens/s, qerl_trl graph_generate, static cache"
+                    + ("" if args.no_compile else " + one compiled graph per decode step incl. sampling"),
+                    args, models, versions(), skip=("merge", "plot_only"),
+                    tok_s_definition="batch * new_tokens / wall time of one generate (prefill included), after "
+                    "warm-up; decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, "
+                    "fastest of 3)")  # fmt: skip
 
     def brief(res: dict) -> str:
         return ", ".join(f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "
                          f"compiled ok={r.get('compiled_path_ok')})" for r in res.get("batches", []))  # fmt: skip
 
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
+    results = run_arm_grid("rollout", args, models, arms, meta, ARM_LABEL, brief, lambda rs: with_profile(table(rs), rs),
+                           __file__, run_worker, _PASS, _FLAGS, args.in_process,
                            lambda a: dict(batches=[], engine=args.engine))  # fmt: skip
-    print()
-    print(table(results))
-    if args.profile:
-        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
-    print(f"\nwrote {args.out}")
     if args.plot:
         print(f"wrote {plot(results, args.plot, run_title(meta))}")
 

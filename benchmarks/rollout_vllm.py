@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, ROOT, device_name, merge_results, now, versions
+from common.env import RESULTS, ROOT, merge_results, versions
 from common.models import build_model, materialize, spread_lengths
-from common.profiler import profile_decode, profile_table
+from common.profiler import profile_decode, with_profile
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
-from common.workers import add_run_arguments, run_arm_grid, run_worker_subprocess, save_partial, worker_exit
+from common.workers import add_run_arguments, run_arm_grid, run_meta, save_partial, worker_exit
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
@@ -376,7 +376,7 @@ def main(argv=None) -> None:
 
     if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
         rows = merge_results(args.table)[1]
-        print(table(rows) + (f"\n\nms per decode step (under torch.profiler)\n{pt}" if (pt := profile_table(rows)) else ""))
+        print(with_profile(table(rows), rows))
         return
 
     models, arms = models_and_arms(ap, args, ARMS)
@@ -393,32 +393,17 @@ def main(argv=None) -> None:
         return
     import vllm
 
-    meta = {
-        "benchmark": "rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter",
-        "date": now(),
-        "device": device_name(),
-        "versions": {**versions(), "vllm": vllm.__version__},
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "table"},
-        "configs": {m: MODELS[m] for m in models},
-        "checkpoint_s": checkpoint_s,
-    }
-    print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
+    meta = run_meta("rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter", args, models,
+                    {**versions(), "vllm": vllm.__version__}, skip=("table",), checkpoint_s=checkpoint_s)  # fmt: skip
 
     def brief(res: dict) -> str:
         tok_s = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
                           for r in res.get("batches", []))  # fmt: skip
         return f"init {res.get('init_s')} s, {res.get('linear_methods')}, {res.get('linear_kernels')}; {tok_s}"
 
-    def run_one(m: str, a: str) -> dict:
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
-
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
-                           lambda a: dict(engine="vllm", batches=[]), t_start=t_start)  # fmt: skip
-    print()
-    print(table(results))
-    if args.profile:
-        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
-    print(f"\nwrote {args.out}")
+    run_arm_grid("rollout_vllm", args, models, arms, meta, ARM_LABEL, brief, lambda rs: with_profile(table(rs), rs),
+                 __file__, run_arm, _PASS, _FLAGS, defaults=lambda a: dict(engine="vllm", batches=[]),
+                 t_start=t_start)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -102,11 +102,9 @@ def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_
 
 class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
-    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU), ``q_ct`` (only with ``need_ct``) in the
-    compressed-tensors layout."""
+    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU)."""
 
-    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False, need_int4: bool = False,
-                 need_mxfp4: bool = False):  # fmt: skip
+    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -115,7 +113,6 @@ class Weights:
         self.mma = mma_layout_supported(n, k)
         packed = to_mma_layout(q.packed) if self.mma else q.packed
         self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
-        self.q_ct = [(q.packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq if need_ct else 0)]
         # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
         # on the same GPU, timed on random codes (its speed does not depend on the values)
         self.int4 = []
@@ -136,10 +133,7 @@ class Weights:
             layer = self.mxfp4_layers[0]
             if not layer.uses_nvfp4_ops or layer.mma_layout != self.mma:
                 raise RuntimeError(f"MXFP4 {n}x{k}: not transcoded / not in the layout NVFP4 takes; timing would lie")
-        self.bf16 = []
-        if need_bf16:
-            nb = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
-            self.bf16 = [w.clone() for _ in range(nb)]
+        self.bf16 = [w.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
         del w
 
 

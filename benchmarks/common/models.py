@@ -23,9 +23,7 @@ __all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "
 ARMS = ("bf16", "qlora", "nvfp4")
 #: the arm the others are compared with (ratios: ours / other)
 OURS = "nvfp4"
-ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)",
-             "bf16-base": "bf16 (no LoRA)", "qlora-base": "bnb NF4 (no LoRA)",
-             "nvfp4-base": "NVFP4 (no LoRA)"}  # fmt: skip
+ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)"}
 _ARM_SCHEME = {"bf16": "none", "qlora": "nf4", "nvfp4": "nvfp4-{method}"}
 
 

@@ -1,32 +1,16 @@
 """NVFP4 W4A16 GEMM benchmark (H100): our Triton kernels vs torch bf16 matmul, per linear of one decoder layer.
 
-For every linear of one Qwen2.5-7B / 14B / 32B decoder layer (unfused q, k, v, o, gate, up, down, as the HF model
-runs them) and each M, times ``nvfp4_linear`` (forward, ``y = x · Wᵀ``) and ``torch.nn.functional.linear`` on the
-bf16 weight, in the same run, and reports our time, the achieved weight bandwidth (NVFP4 bytes: packed + fp8
-scales, over our time) and the speed-up over bf16. The backward product ``dx = dy · W`` is timed against
-``dy @ W_bf16`` at M ∈ {256, 1024, 4096}.
+For every linear of one Qwen2.5-7B / 14B / 32B decoder layer (unfused q, k, v, o, gate, up, down) and each M, times
+``nvfp4_linear`` (``y = x · Wᵀ``, weights in ``NVFP4Linear``'s MMA layout) and ``F.linear`` on the bf16 weight in the
+same run: our time, the achieved weight bandwidth (packed + fp8 scales) and the speed-up; the backward ``dx = dy · W``
+against ``dy @ W_bf16`` at M ∈ {256, 1024, 4096}. ``mxfp4_ms`` (issue #22, unless ``--no-mxfp4``): ``NVFP4Linear``
+with ``format="mxfp4"`` (E8M0 scales transcoded to NVFP4 at load, the same kernels; goal ≤ ours / 0.95).
+``--compare-lora``: ``nvfp4_lora_linear`` with a rank-32 adapter as dispatched (``lora_ms``) and with ``x·Aᵀ``
+beside every tile (``lora_pertile_ms``). Finished comparisons (``--compare-ct``, ``--compare-reduce``,
+``--fewer-stages``, ``--profile``, ``--fp8``) are at ``benchmarks/gemm.py@dce0c4f``.
 
-MXFP4 (issue #22), in the same run unless ``--no-mxfp4``: ``mxfp4_ms`` times the forward of ``NVFP4Linear``
-layers holding the same weight quantized to MXFP4 (``format="mxfp4"``: E8M0 scales transcoded exactly to NVFP4
-scales at load, MMA layout, the NVFP4 kernels; :func:`nvfp4.mxfp4.to_nvfp4`), rotated like ours. The goal is
-``mxfp4_ms ≤ ours_ms / 0.95`` at every M; by construction it runs the same kernels on the same bytes per weight
-(0.5625 B: the E8M0 scales are duplicated to the 16-input grid), so only noise should separate them.
-
-Weights are in the layout ``NVFP4Linear`` gives them on a GPU: the MMA layout (:mod:`nvfp4.layout`, read by
-``_linear_mma_kernel``). ``--compare-lora`` times ``nvfp4_lora_linear`` with a rank-32 adapter fused: as dispatched
-(``lora_ms``: with split-K summed in the kernel, ``x·Aᵀ`` computed once per K split and shared by the tiles) and
-with ``x·Aᵀ`` beside every tile (``lora_pertile_ms``, the previous way).
-
-Finished comparisons left after dce0c4f (git keeps them; their results stay in ``results/``, their write-ups in
-docs/benchmarks_history.md and docs/fp8_rollouts.md): ``--compare-ct`` (the compressed-tensors-layout kernels,
-``ct_ms``), ``--compare-reduce`` (split-K summed by a separate kernel, ``sep_reduce_ms``), ``--fewer-stages`` (sweep),
-``--profile`` (one plain launch per shape for ``ncu``) and ``--fp8`` (issue #51's FP8-rollout spike, decided "go":
-``results/gemm_fp8_spike.json``).
-
-Timing: each measurement captures a CUDA graph of ``calls`` launches that rotate through enough weight copies to
-exceed the 50 MB L2 (at least 200 MB of weights per graph, activations shared), replays it many times and takes the
-median per call (CUDA events). That is how rollouts run the kernels (static cache + CUDA graphs), and it keeps the
-Python launch overhead out of the numbers.
+Timing: a CUDA graph of launches rotating through >= 200 MB of weight copies (past the 50 MB L2), replayed; the
+median per call (CUDA events), as rollouts run the kernels (static cache + CUDA graphs), no Python overhead.
 
 Usage (on the GPU machine)::
 
@@ -118,11 +102,9 @@ def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_
 
 class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
-    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU), ``q_ct`` (only with ``need_ct``) in the
-    compressed-tensors layout."""
+    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU)."""
 
-    def __init__(self, n: int, k: int, need_bf16: bool = True, need_ct: bool = False, need_int4: bool = False,
-                 need_mxfp4: bool = False):  # fmt: skip
+    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -131,7 +113,6 @@ class Weights:
         self.mma = mma_layout_supported(n, k)
         packed = to_mma_layout(q.packed) if self.mma else q.packed
         self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
-        self.q_ct = [(q.packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq if need_ct else 0)]
         # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
         # on the same GPU, timed on random codes (its speed does not depend on the values)
         self.int4 = []
@@ -152,10 +133,7 @@ class Weights:
             layer = self.mxfp4_layers[0]
             if not layer.uses_nvfp4_ops or layer.mma_layout != self.mma:
                 raise RuntimeError(f"MXFP4 {n}x{k}: not transcoded / not in the layout NVFP4 takes; timing would lie")
-        self.bf16 = []
-        if need_bf16:
-            nb = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
-            self.bf16 = [w.clone() for _ in range(nb)]
+        self.bf16 = [w.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
         del w
 
 

@@ -1,44 +1,19 @@
 """One full GRPO step (issue #7): generation + scoring + loss + backward + optimizer, per arm, in the real trainer.
 
-Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` for ``--warmup-steps`` + ``--steps`` optimizer steps, on one
-group per step, or at a recipe's generation batch (``--per-device-batch`` × ``--grad-accum`` completions, trained in
-``--grad-accum`` micro-batches), and times every phase of every step, each boundary a device synchronize (the JSON's
-``definitions``): ``gen`` (``_generate_single_turn``: ``prefill``, ``aqn``, ``decode``), ``score`` (the rest of
-``_prepare_inputs``; its no-grad log-prob forwards ``score_fwd``), ``loss_fwd``, ``backward``, ``clip``,
-``optimizer``; with peak GPU memory, peak RSS and dynamo counters per step (a measured step that compiles or breaks
-again shows ``compiled path`` ≠ ok).
+Each (model, arm) runs ``qerl_trl.QeRLGRPOTrainer`` (``trl-vllm``: stock TRL with its colocated vLLM) for
+``--warmup-steps`` + ``--steps`` steps, one group per step or a recipe's generation batch (``--per-device-batch`` ×
+``--grad-accum``), in a fresh subprocess (OOM = "does not fit"; results appended to ``--out`` after every arm), and
+times every phase of every step at device-synchronized boundaries (the JSON's ``definitions``), with peak memory and
+dynamo counters per step. Models and arms: :mod:`common.models` (random weights, real Qwen2.5 shapes, LoRA r=32); a
+WordLevel tokenizer over the vocabulary (``--prompt-len`` words = tokens). Lengths fixed, or spread with
+``--eos-mean-tokens`` / ``--lengths`` (:data:`LENGTH_PRESETS`, as ``rollout.py``); T = 1; reward = mean token id /
+vocab; β = 0; AQN σ = 0.01; AdamW lr 1e-5. ``--recipe``: a shipped recipe's steps through ``qerl train`` itself
+(``run_recipe``). The DDP mode is at ``benchmarks/grpo_step.py@e48270c``; the runs' commands are BENCHMARKS.md's.
 
-Models and arms are :mod:`common.models`' (random weights with the real Qwen2.5 shapes, LoRA r=32 in every arm;
-``trl-vllm``: stock TRL with its colocated vLLM). The tokenizer is a WordLevel one over the model's vocabulary (a
-prompt of ``--prompt-len`` words is that many tokens; no Hub). Completions have a fixed length, or spread lengths
-with ``--eos-mean-tokens M`` / ``--lengths`` (:data:`LENGTH_PRESETS`; ``round(V / M)`` EOS ids, as ``rollout.py``).
-Sampling at T = 1; reward = mean token id / vocab (non-zero advantages); β = 0; AQN at σ = 0.01 on every step;
-AdamW, lr 1e-5. Generation is TRL's path with a static cache and the compiled decode (``--no-compile``: eager), or
-``--rollout-engine graph`` / ``vllm``. Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results
-appended to ``--out`` after every arm. One process: the DDP runs under ``accelerate launch`` (issue #7's, in
-docs/benchmarks_history.md) are at ``benchmarks/grpo_step.py@e48270c``.
-
-Usage (the fixed-length runs of issue #7: docs/benchmarks_history.md)::
+Usage::
 
     OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
-    OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms nvfp4 --rollout-engine graph \
-        --compile-backend eager --out /tmp/g_graph.json                                      # CPU smoke, graph engine
     python3 benchmarks/grpo_step.py --merge a.json b.json --out grpo_step.json   # combine runs, print the table
-
-Issue #40, the recipes' own settings at spread lengths (graph engine; on CUDA the memory plan picks the wave size,
-recorded as ``generation_wave_rows``; the warm-up at the full length compiles the compacted batch sizes too)::
-
-    python3 benchmarks/grpo_step.py --models 7b --arms nvfp4 --rollout-engine graph --group 8 --per-device-batch 16 \
-        --grad-accum 8 --prompt-len 256 --prompt-cache-len 1024 --completion-len 4096 --lengths gsm8k --steps 2 \
-        --arm-timeout 570 --out $OUT/grpo_7b_gsm8k_nvfp4.json   # GSM8K recipe; one arm per call (then bf16, qlora)
-    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine graph --group 8 --prompt-len 256 \
-        --completion-len 2048 --lengths bigmath --steps 2 --arm-timeout 570 --out $OUT/grpo_32b_g8_2048.json
-
-Issue #47 items 5 and 7, a shipped recipe's whole steps through ``qerl train`` itself with vLLM rollouts, or the graph
-engine's (``--rollout-engine graph``: no ``--vllm-kv-gb``; ``run_recipe``)::
-
-    python3 benchmarks/grpo_step.py --models 32b --arms nvfp4 --rollout-engine vllm --recipe bigmath-qwen2.5-32b-dapo \
-        --prompt-len 256 --lengths bigmath --warmup-steps 0 --steps 2 --vllm-kv-gb 14 --no-subprocess --out $OUT/d.json
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, csv_list, device_name, gb, merge_results, now, rss_peak_gb, versions, write_result
+from common.env import RESULTS, csv_list, gb, merge_results, rss_peak_gb, versions, write_result
 from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
@@ -66,8 +41,7 @@ from common.workers import (
     counter_diff,
     dynamo_counters,
     run_arm_grid,
-    run_in_process,
-    run_worker_subprocess,
+    run_meta,
     worker_exit,
 )
 
@@ -929,41 +903,26 @@ def main(argv=None) -> None:
     models, arms = csv_list(args.models), csv_list(args.arms)
     check_names(ap, models, MODELS, "model")
     check_names(ap, arms, ARMS, "arm")
-    meta = {
-        "benchmark": f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine="
-        f"{args.rollout_engine!r}; compiled or not: each row's generation_config) + scoring + loss forward + backward "
-        "+ AdamW step",
-        "date": now(),
-        "device": device_name(),
-        "world_size": 1,
-        "versions": versions("trl", "datasets"),
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "merge"},
-        "configs": {m: MODELS[m] for m in models},
-        "definitions": "per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
+    meta = run_meta(
+        f"one GRPO step in QeRLGRPOTrainer (TRL GRPOTrainer): generation (rollout_engine={args.rollout_engine!r}; "
+        "compiled or not: each row's generation_config) + scoring + loss forward + backward + AdamW step",
+        args, models, versions("trl", "datasets"), skip=("merge",), world_size=1,
+        definitions="per step, seconds, each boundary synchronized: gen = _generate_single_turn (prefill = "
         "model._prefill, not hooked with rollout_engine graph: 0, counted in decode; aqn = applying/restoring the "
         "noise; decode = gen - prefill - aqn); score = rest of "
         "_prepare_inputs (rewards, advantages, no-grad logprob forwards = score_fwd); loss_fwd = compute_loss; "
         "backward = rest of training_step; clip = grad-norm clipping; optimizer = optimizer.step(); step = "
         "on_step_begin..on_step_end. Table values: median over measured steps; compile s = warm-up step(s) time. "
         "gen tok/s = completion tokens of this process / gen s.",
-    }
-    print(f"# grpo_step: {meta['device']} | {meta['versions']}", flush=True)
-
-    def run_one(m: str, a: str) -> dict:
-        if args.no_subprocess:
-            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+    )
 
     def brief(res: dict) -> str:
         s = res.get("summary") or {}
         return (f"{res['rollout_engine']}: s/step {s.get('step_s')}, gen {s.get('gen_s')} s ({s.get('gen_tok_s')} "
                 f"tok/s), peak {s.get('peak_gpu_gb')} GB, compiled ok={s.get('compiled_path_ok')}")  # fmt: skip
 
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
-                           defaults=lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
-    print()
-    print(table(results))
-    print(f"\nwrote {args.out}")
+    run_arm_grid("grpo_step", args, models, arms, meta, ARM_LABEL, brief, table, __file__, run_worker, _PASS, _FLAGS,
+                 args.no_subprocess, lambda a: {"rollout_engine": "vllm" if a == TRL_VLLM else args.rollout_engine})  # fmt: skip
 
 
 if __name__ == "__main__":

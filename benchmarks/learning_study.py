@@ -1,31 +1,16 @@
-"""Learning studies on the GPU (issues #21, #22): bf16 + LoRA against NVFP4 + LoRA (± AQN) and other 4-bit formats.
+"""Learning studies on the GPU (issues #21, #22, #51): bf16 + LoRA against NVFP4 + LoRA (± AQN) and other formats.
 
-The GPU study (issue #21): arms (bf16 + LoRA, NVFP4 + LoRA, NVFP4 + LoRA + AQN with the paper's exponential σ
-schedule, and at a constant σ) × seeds × two tasks (arithmetic as a curriculum, one- then two-digit sums; GSM8K from
-``../shared/data/gsm8k``), each a ``qerl train`` run saving its adapter at every ``--eval-at`` step, then ``qerl
-eval`` (greedy pass@1, sampled pass@4) of every adapter and of the base models on held-out problems. Every arm of a
-seed sees the same prompts in the same order. Runs execute ``--parallel`` at a time on one GPU (``--mps``: under
-CUDA MPS), their evals ``--eval-parallel`` at a time. Writes ``benchmarks/results/learning_study_gpu.json`` and
-``docs/learning_study_gpu_<task>.png``::
+Each arm (:data:`GPU_ARMS`) × seed × task (arithmetic as a curriculum; GSM8K from ``../shared/data/gsm8k``) is a
+``qerl train`` run saving its adapter at every ``--eval-at`` step, then ``qerl eval`` (greedy pass@1, sampled pass@4)
+of every adapter and of the base models on held-out problems; every arm of a seed sees the same prompts in the same
+order. Runs execute ``--parallel`` at a time on one GPU (``--mps``: under CUDA MPS), evals ``--eval-parallel`` at a
+time. ``--gpu`` (issue #21): the bf16 / NVFP4 / AQN arms → ``results/learning_study_gpu.json``; ``--formats``
+(issue #22: NVFP4, MXFP4, NF4) and ``--fp8`` (issue #51: vLLM rollouts in W4A16 and FP8, needs vLLM) are
+:data:`PRESETS` → ``results/learning_study_<preset>.json``; figures in ``docs/``::
 
     python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
-    python3 benchmarks/learning_study.py --gpu --mps --tasks gsm8k  # 12 GSM8K runs sharing the SMs
-    python3 benchmarks/learning_study.py --gpu --plot-only          # re-read the run folders
+    python3 benchmarks/learning_study.py --formats --plot-only      # re-read the run folders
     uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
-
-The formats comparison (issue #22, ``--formats``): the same harness with NVFP4 + LoRA + AQN, MXFP4 + LoRA + AQN and
-NF4 (QLoRA: bitsandbytes NF4, fp32 LoRA like every arm's, no AQN) on the arithmetic curriculum unless ``--tasks``
-says otherwise; writes ``benchmarks/results/learning_study_formats.json`` and ``docs/learning_study_formats_*.png``::
-
-    python3 benchmarks/learning_study.py --formats                  # 3 arms x 3 seeds x 150 steps on one GPU
-    python3 benchmarks/learning_study.py --formats --arms "NVFP4+LoRA+AQN,MXFP4+LoRA+AQN,NF4 (QLoRA),bf16+LoRA"
-    python3 benchmarks/learning_study.py --formats --plot-only
-
-The FP8-rollout parity study (issue #51, ``--fp8``): NVFP4 + LoRA + AQN with rollouts on vLLM in W4A16 and in FP8
-(each with its default importance-sampling correction: off, on), arithmetic unless ``--tasks`` says otherwise; needs
-vLLM (``benchmarks/vllm_gpu``); writes ``benchmarks/results/learning_study_fp8.json`` and ``docs/learning_study_fp8_*.png``::
-
-    python3 benchmarks/learning_study.py --fp8 --parallel 6         # 2 arms x 3 seeds x 150 steps on one GPU
 
 The CPU study of issue #8 is ``benchmarks/learning_study.py@4f53c7b``; ``--gpu`` stays so that recorded commands run.
 """

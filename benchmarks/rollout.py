@@ -1,25 +1,18 @@
 """Rollout throughput (issue #7): ``qerl_trl.graph_generate``, a static cache and one compiled graph per decode step.
 
-Every arm runs :func:`qerl_trl.graph_generate.graph_generate` (sampling inside the compiled step; CUDA graphs on
-CUDA), whose ``max_cache_len`` lets a short warm-up record the graphs the timed call replays. Models and arms:
-:mod:`common.models` (random weights with the real Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each + LoRA r=32,
-and ``-base`` arms without it). The transformers ``generate`` engine (``--engine generate``, the default before issue
-#48) is at ``benchmarks/rollout.py@e48270c``; ``--engine graph`` stays so that recorded commands run.
-
-Fixed lengths: a random ``--prompt-len`` prompt, exactly ``--new-tokens`` greedy tokens. Per (model, arm, batch): a
-warm-up (``compile_s``), a second warm-up (must not recompile), three 1-token calls (the prefill: the fastest), then
-the timed rollout: ``tok/s`` end to end, ``decode tok/s`` without the prefill, dynamo counters per batch.
+Every arm (:mod:`common.models`: random weights with the real Qwen2.5 shapes; ``bf16``, ``qlora``, ``nvfp4``, each
++ LoRA r=32) runs :func:`qerl_trl.graph_generate.graph_generate` (sampling in the compiled step; CUDA graphs on CUDA)
+in a fresh subprocess (OOM = "does not fit"; results appended to ``--out`` after every arm). The transformers
+``generate`` engine is at ``benchmarks/rollout.py@e48270c``; ``--engine graph`` stays so that recorded commands run.
+Fixed lengths: ``--new-tokens`` greedy tokens after a ``--prompt-len`` prompt; per batch a warm-up (``compile_s``), a
+second (must not recompile), three 1-token calls (prefill: the fastest), the timed rollout (``tok/s`` end to end,
+``decode tok/s`` without the prefill). ``--eos-mean-tokens M``: T = 1 with ``round(V / M)`` EOS ids, variants
+``fixed``, ``eos`` and ``eos+compact`` per round; ``tok/s`` of real tokens, median over ``--repeats``.
 ``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
-``--eos-mean-tokens M``: spread lengths, T = 1 with ``round(V / M)`` EOS ids, so past ``--min-new-tokens`` a row
-ends with probability ~1/M a step; per round three variants with one seed, ``fixed``, ``eos`` (``compact=False``)
-and ``eos+compact``; ``tok/s`` counts real tokens, median over ``--repeats`` rounds.
-Each (model, arm) runs in a fresh subprocess (OOM = "does not fit"), results appended to ``--out`` after every arm.
 
 Usage::
 
     uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
-    python3 benchmarks/rollout.py --models 7b --arms nvfp4,bf16 --batch 64,128 --prompt-len 256 \
-        --new-tokens 512 --min-new-tokens 64 --eos-mean-tokens 128 --repeats 2   # H100, lengths spread
     python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
 """
 
@@ -35,10 +28,8 @@ from pathlib import Path
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import (
     RESULTS,
-    device_name,
     gb,
     merge_results,
-    now,
     rss_peak_gb,
     run_title,
     sync,
@@ -47,7 +38,7 @@ from common.env import (
 )
 from common.models import ARM_LABEL, ARMS, OURS, build_arm, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
-from common.profiler import profile_decode, profile_table
+from common.profiler import profile_decode, with_profile
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import MODELS
 from common.tables import fmt
@@ -57,8 +48,7 @@ from common.workers import (
     counter_diff,
     dynamo_counters,
     run_arm_grid,
-    run_in_process,
-    run_worker_subprocess,
+    run_meta,
     save_partial,
     worker_exit,
 )
@@ -360,36 +350,20 @@ def main(argv=None) -> None:
         return
 
     models, arms = models_and_arms(ap, args, ARMS)
-    meta = {
-        "benchmark": "rollout tokens/s, qerl_trl graph_generate, static cache"
-        + ("" if args.no_compile else " + one compiled graph per decode step incl. sampling"),
-        "date": now(),
-        "device": device_name(),
-        "versions": versions(),
-        "settings": {
-            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("merge", "plot_only")
-        },
-        "configs": {m: MODELS[m] for m in models},
-        "tok_s_definition": "batch * new_tokens / wall time of one generate (prefill included), after warm-up; "
-        "decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, fastest of 3)",
-    }
-    print(f"# rollout: {meta['device']} | {meta['versions']}", flush=True)
-    def run_one(m: str, a: str) -> dict:
-        if args.in_process:
-            return run_in_process(run_worker, args, m, a, ARM_LABEL[a])
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
+    meta = run_meta("rollout tokens/s, qerl_trl graph_generate, static cache"
+                    + ("" if args.no_compile else " + one compiled graph per decode step incl. sampling"),
+                    args, models, versions(), skip=("merge", "plot_only"),
+                    tok_s_definition="batch * new_tokens / wall time of one generate (prefill included), after "
+                    "warm-up; decode_tok_s = batch * (new_tokens-1) / (generate time - prefill+1-token generate time, "
+                    "fastest of 3)")  # fmt: skip
 
     def brief(res: dict) -> str:
         return ", ".join(f"B={r['batch']}: {r.get('tok_s')} tok/s (compile {r.get('compile_s')} s, "
                          f"compiled ok={r.get('compiled_path_ok')})" for r in res.get("batches", []))  # fmt: skip
 
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
+    results = run_arm_grid("rollout", args, models, arms, meta, ARM_LABEL, brief, lambda rs: with_profile(table(rs), rs),
+                           __file__, run_worker, _PASS, _FLAGS, args.in_process,
                            lambda a: dict(batches=[], engine=args.engine))  # fmt: skip
-    print()
-    print(table(results))
-    if args.profile:
-        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
-    print(f"\nwrote {args.out}")
     if args.plot:
         print(f"wrote {plot(results, args.plot, run_title(meta))}")
 

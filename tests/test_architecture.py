@@ -115,4 +115,8 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # +73 (→ 4,732, #50): gemm.py --round15, round 15 step A's timing beside the shipped kernel, bf16 and Humming
     # +5 (→ 4,737, #50): gemm.py --round15 times round 15 step B (inflight=True) too, after its float64 check
     # +2 (→ 4,739, #50): gemm.py --round15's ROUND15_ARMS=stepa (step A alone, should step B's kernel fault)
-    assert am.benchmark_lines(ROOT) <= 4739
+    # -115 (→ 4,624, #48): module docstrings say what each script measures once (commands and history in
+    # BENCHMARKS.md); rollout.py, rollout_vllm.py and grpo_step.py on one harness (common.workers.run_meta,
+    # run_arm_grid prints the header and table; common.profiler.with_profile); gemm.py's q_ct (--compare-ct's)
+    # and the -base arms' labels left; code at 89ad567
+    assert am.benchmark_lines(ROOT) <= 4624

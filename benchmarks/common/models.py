@@ -1,18 +1,11 @@
 """Random-weight models of :mod:`common.shapes`, built layer by layer in an arm's format, with the paper's LoRA.
 
-Arms (LoRA r=32 on q/k/v/o/gate/up/down in every arm, adapters in the caller's ``lora_dtype``), each a
-``qerl_trl.quantization`` scheme that converts the layers (``QuantScheme.quantize_``):
-
-* ``bf16``   bf16 base (``none``) + PEFT LoRA
-* ``qlora``  bitsandbytes NF4 (``nf4``: ``bnb.nn.Linear4bit``, compute bf16, double quant as in QLoRA) + PEFT LoRA
-* ``nvfp4``  ``NVFP4Linear`` (``nvfp4-rtn`` or ``nvfp4-mse``, Triton W4A16 kernels) + ``nvfp4.peft.get_peft_model``
-
-:func:`build_model` also builds ``bf16-base`` / ``qlora-base`` / ``nvfp4-base``, the same without LoRA
-(``rollout_vllm.py``'s bf16 checkpoint; the ``-base`` arms of the finished decode profile).
-
-The model is built on the meta device and materialised decoder layer by decoder layer on the target device, each layer
-converted to its arm's format before the next one exists, so a 32B model never exists in bf16 in full (embeddings and
-``lm_head`` stay bf16 in every arm).
+Arms (LoRA r=32 on q/k/v/o/gate/up/down in every arm, adapters in ``lora_dtype``), each a ``qerl_trl.quantization``
+scheme that converts the layers (``QuantScheme.quantize_``): ``bf16`` (``none``) + PEFT LoRA; ``qlora``
+(bitsandbytes NF4, compute bf16, double quant as in QLoRA) + PEFT LoRA; ``nvfp4`` (``NVFP4Linear``, Triton W4A16
+kernels) + ``nvfp4.peft.get_peft_model``. ``<arm>-base``: the same without LoRA (``rollout_vllm.py``'s bf16
+checkpoint). Built on the meta device and materialised decoder layer by decoder layer, each converted before the next
+exists, so a 32B model never exists in bf16 in full (embeddings and ``lm_head`` stay bf16 in every arm).
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ __all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "
 ARMS = ("bf16", "qlora", "nvfp4")
 #: the arm the others are compared with (ratios: ours / other)
 OURS = "nvfp4"
-ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)",
-             "bf16-base": "bf16 (no LoRA)", "qlora-base": "bnb NF4 (no LoRA)",
-             "nvfp4-base": "NVFP4 (no LoRA)"}  # fmt: skip
+ARM_LABEL = {"bf16": "bf16 + LoRA", "qlora": "QLoRA (bnb NF4 + LoRA)", "nvfp4": "NVFP4 + LoRA (ours)"}
 _ARM_SCHEME = {"bf16": "none", "qlora": "nf4", "nvfp4": "nvfp4-{method}"}
 
 

@@ -121,3 +121,9 @@ def profile_table(results: list[dict]) -> str:
                 lines.append(f"| {x['model']} | {x.get('engine')} | {x['arm']} | {r['batch']} | "
                              + " | ".join(f"{v:.2f}" for v in cells) + " |")  # fmt: skip
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def with_profile(text: str, results: list[dict]) -> str:
+    """``text``, then :func:`profile_table` of ``results`` under its title where a row holds a profile."""
+    pt = profile_table(results)
+    return f"{text}\n\nms per decode step (under torch.profiler)\n{pt}" if pt else text

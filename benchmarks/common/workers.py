@@ -16,11 +16,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .env import write_result
+from .env import device_name, now, write_result
+from .shapes import MODELS
 
 __all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments",
            "add_worker_arguments", "check_names", "counter_diff", "dynamo_counters", "exception_result", "failed",
-           "run_arm_grid", "run_in_process", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
+           "run_arm_grid", "run_in_process", "run_meta", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
 
 
 class LogCatcher(logging.Handler):
@@ -161,12 +162,24 @@ def run_in_process(run_worker: Callable[[Any], dict], args: Any, model: str, arm
     return res
 
 
-def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_one: Callable[[str, str], dict],
-                 labels: dict[str, str], brief: Callable[[dict], str], defaults: Callable[[str], dict] = dict,
+def run_meta(benchmark: str, args: Any, models: list[str], versions: dict, skip: Sequence[str] = (), **extra) -> dict:
+    """A run's ``meta``: what it measures, when, on which device, the versions, its settings (the options but the
+    hidden ones and ``skip``), the models' configs, then ``extra``."""
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
+    return {"benchmark": benchmark, "date": now(), "device": device_name(), "versions": versions, "settings": settings,
+            "configs": {m: MODELS[m] for m in models}, **extra}  # fmt: skip
+
+
+def run_arm_grid(name: str, args: Any, models: list[str], arms: list[str], meta: dict, labels: dict[str, str],
+                 brief: Callable[[dict], str], table: Callable[[list[dict]], str], script: str,
+                 run_worker: Callable[[Any], dict], options: Sequence[str], flags: Sequence[str] = (),
+                 in_process: bool = False, defaults: Callable[[str], dict] = dict,
                  t_start: float | None = None) -> list[dict]:  # fmt: skip
-    """Every (model, arm) through ``run_one(model, arm)``, none started after ``args.deadline_s`` from ``t_start`` (a
-    "not run" row); each row gets its wall time, ``defaults(arm)`` and a line (``brief(row)``), and ``args.out`` is
-    rewritten after every arm."""
+    """Every (model, arm) in a ``script`` worker subprocess (:func:`run_worker_subprocess`: ``options``, ``flags``)
+    or, ``in_process``, through ``run_worker`` here (:func:`run_in_process`), none started after ``args.deadline_s``
+    from ``t_start`` (a "not run" row); each row gets its wall time, ``defaults(arm)`` and a line (``brief(row)``),
+    ``args.out`` is rewritten after every arm; then ``table(rows)`` is printed."""
+    print(f"# {name}: {meta['device']} | {meta['versions']}", flush=True)
     results: list[dict] = []
     t_start = time.perf_counter() if t_start is None else t_start
     for m in models:
@@ -176,13 +189,17 @@ def run_arm_grid(args: Any, models: list[str], arms: list[str], meta: dict, run_
                 res = failed(m, a, f"not run: --deadline-s {args.deadline_s:g} passed", labels[a], wall_s=0.0)
             else:
                 print(f"[{m}/{a}] running ...", flush=True)
-                res = run_one(m, a)
+                if in_process:
+                    res = run_in_process(run_worker, args, m, a, labels[a])
+                else:
+                    res = run_worker_subprocess(script, args, m, a, options, flags, labels[a])
                 res.setdefault("wall_s", round(time.perf_counter() - t0, 1))
             for k, v in defaults(a).items():
                 res.setdefault(k, v)
             results.append(res)
             print(f"[{m}/{a}] {res.get('status')} in {res['wall_s']} s; {brief(res)}", flush=True)
             write_result(args.out, meta, results)
+    print(f"\n{table(results)}\n\nwrote {args.out}")
     return results
 
 

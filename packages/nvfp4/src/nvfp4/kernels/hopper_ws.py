@@ -146,19 +146,29 @@ def _decode_tile_a(p, q, T: gl.constexpr, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _stage_k16(w_bufs, s_bufs, st, WG: gl.constexpr, TC: gl.constexpr, p_layout: gl.constexpr,
-               s_layout: gl.constexpr):  # fmt: skip
-    """Round 15 step B: stage ``st``'s loads as step A's (one ``LDS.128`` of weights, one ``LDS.64`` of scale pairs),
-    split into the 4 k16 steps (word ``j`` of a thread: step ``j``; ``gl.split`` renames registers): ``p0..p3`` weight
-    words, ``q0..q3`` scale-pair words, each uint8 ``[4TC, 32, 4]``."""
+def _stage_words(w_bufs, s_bufs, st, WG: gl.constexpr, TC: gl.constexpr, p_layout: gl.constexpr,
+                 s_layout: gl.constexpr):  # fmt: skip
+    """Round 15 steps A and B: this consumer's words of stage ``st``, both uint8 ``[4TC, 512]`` in ``p_layout``: the
+    weights (one ``LDS.128`` per thread) and the scale pairs ``[4TC (tile, warp), 8 quads, 4 k16 steps, 2 rows]``
+    (one 8-byte load per thread: a quad's 4 lanes read the same bytes), each pair widened to a word (the asm reads
+    its low half)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
     p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
     q = s_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 8, 4, 2], plain4).load(
         gl.SliceLayout(3, gl.SliceLayout(2, s_layout)))  # fmt: skip
-    q = gl.expand_dims(q, 3).broadcast_to((4 * TC, 8, 4, 2, 2))
+    q = gl.expand_dims(q, 3).broadcast_to((4 * TC, 8, 4, 2, 2))  # byte (copy, row) of the step's word
     q = gl.reshape(gl.expand_dims(q, 2).broadcast_to((4 * TC, 8, 4, 4, 2, 2)), (4 * TC, 512))
-    q = gl.convert_layout(q, p_layout, assert_trivial=True)
+    return p, gl.convert_layout(q, p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _stage_k16(w_bufs, s_bufs, st, WG: gl.constexpr, TC: gl.constexpr, p_layout: gl.constexpr,
+               s_layout: gl.constexpr):  # fmt: skip
+    """Round 15 step B: stage ``st``'s loads as step A's (:func:`_stage_words`), split into the 4 k16 steps (word
+    ``j`` of a thread: step ``j``; ``gl.split`` renames registers): ``p0..p3`` weight words, ``q0..q3`` scale-pair
+    words, each uint8 ``[4TC, 32, 4]``."""
+    p, q = _stage_words(w_bufs, s_bufs, st, WG, TC, p_layout, s_layout)
     # [4TC, 32 lanes, 2, 2 (word = k16 step), 4 bytes] → bytes first, the word's bits last; split twice
     p01, p23 = gl.split(gl.permute(gl.reshape(p, (4 * TC, 32, 2, 2, 4)), (0, 1, 4, 3, 2)))
     q01, q23 = gl.split(gl.permute(gl.reshape(q, (4 * TC, 32, 2, 2, 4)), (0, 1, 4, 3, 2)))
@@ -242,17 +252,11 @@ def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.conste
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     st = i % STAGES
     mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-    p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
-    if SCALE_PAIRS:
-        # round 15 step A: the stage's scale pairs [4TC (tile, warp), 8 quads, 4 k16 steps, 2 rows], one 8-byte load
-        # per thread (a quad's 4 lanes read the same bytes), each pair widened to a word (the asm reads its low half)
-        plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        q = s_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 8, 4, 2], plain4).load(
-            gl.SliceLayout(3, gl.SliceLayout(2, s_layout)))  # fmt: skip
-        q = gl.expand_dims(q, 3).broadcast_to((4 * TC, 8, 4, 2, 2))  # byte (copy, row) of the step's word
-        q = gl.reshape(gl.expand_dims(q, 2).broadcast_to((4 * TC, 8, 4, 4, 2, 2)), (4 * TC, 512))
-        a = _decode_tile_a(p, gl.convert_layout(q, p_layout, assert_trivial=True), TC, a_layout)
+    if SCALE_PAIRS:  # round 15 step A: the weight and scale-pair words, decoded and scaled in one asm
+        p, q = _stage_words(w_bufs, s_bufs, st, WG, TC, p_layout, s_layout)
+        a = _decode_tile_a(p, q, TC, a_layout)
     else:
+        p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
         # this stage's word of 4 scales per row: column kk % 4 of the group's [rows, 4] int32 words
         s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, s_layout))
         sw = s_bufs.index(st).slice(64 * TC * WG, 64 * TC).load(s_layout)

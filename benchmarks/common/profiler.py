@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profile_decode", "profile_table"]
+__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profile_decode", "profile_table", "with_profile"]
 
 # First match wins: LoRA before the GEMMs (punica's names hold "lora"), attention before FP8 (vLLM's KV-cache write
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).

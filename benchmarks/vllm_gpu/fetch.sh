@@ -12,6 +12,9 @@
 #   --full   the vllm wheel as published (304 MB: 3 more calls)
 #   --bench  only what the engine and the benchmarks need (no wheel of wheels.txt's "tests" section: no trl, no
 #            offline default model), into .carry/vllm-bench: fewer calls for a machine that only measures
+#   --kernels  no vLLM: Humming 0.1.19 (the newest; its only need the image lacks is pyelftools) and pytest's wheels,
+#            2.5 MB into .carry/kern, carried beside the tree in ONE call: kernel tests and gemm.py's peer column
+#            without the 5 install calls (THERE: `source benchmarks/vllm_gpu/kernels_env.sh`)
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 HERE=benchmarks/vllm_gpu
@@ -22,9 +25,17 @@ for arg in "$@"; do
   case "$arg" in
     --full) LEAN=0 ;;
     --bench) BENCH=1; OUT=.carry/vllm-bench ;;
-    *) echo "usage: bash $HERE/fetch.sh [--full] [--bench]" >&2; exit 2 ;;
+    --kernels) OUT=.carry/kern ;;
+    *) echo "usage: bash $HERE/fetch.sh [--full] [--bench] [--kernels]" >&2; exit 2 ;;
   esac
 done
+if [ "$OUT" = .carry/kern ]; then
+  rm -rf "$OUT" && mkdir -p "$OUT"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform any -d "$OUT" humming-kernels==0.1.19 \
+    pyelftools==0.33 pytest pluggy iniconfig pygments packaging 2> >(grep -v "is ignored: it is neither" >&2)
+  du -sh "$OUT" && exit 0
+fi
 git check-ignore -q "$OUT/x" || { echo "fetch.sh: $OUT is not gitignored; it must never be committed" >&2; exit 1; }
 
 # --- 1. download (one version of each; pip skips files already in dl/) ---------------------------------------------

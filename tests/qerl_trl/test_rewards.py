@@ -77,6 +77,16 @@ def test_parse_number(text, value):
     assert parse_number(text) == (None if value is None else Fraction(value))
 
 
+@pytest.mark.parametrize(
+    "text, value",
+    [(r"\boxed{1{,}000}", 1000), ("18{,}500", 18500), (r"\boxed{-\$5}", -5), (r"-\$5", -5), (r"\$1{,}200.50", 1200.5),
+     (r"\boxed{\$18}", 18)],
+)
+def test_parse_number_latex_spellings(text, value):
+    # LaTeX thousands separator {,} and escaped dollar \$: not 1 for 1{,}000, not +5 for -\$5
+    assert parse_number(text) == Fraction(str(value))
+
+
 def test_completion_text_accepts_both_shapes():
     assert completion_text("plain") == "plain"
     assert completion_text(_conv("chat")) == "chat"

@@ -154,6 +154,9 @@ def parse_number(text: str | None) -> Fraction | None:
     if boxed is not None:
         s = boxed
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    # LaTeX spellings: ``1{,}000`` groups thousands (else read as 1), ``\$`` is a dollar sign (else its backslash
+    # hides the number and the fallback drops the sign of ``-\$5``)
+    s = s.replace("{,}", ",").replace("\\$", "$")
     s = s.replace("$", "").replace("\\%", "").replace("%", "").replace("\\!", "").replace("\\,", "").strip()
     s = s.rstrip(".").strip()
     m = _FRAC.match(s.replace(" ", ""))

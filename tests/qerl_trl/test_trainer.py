@@ -331,6 +331,17 @@ def test_overlong_penalty_values():
         OverlongPenalty(10, 10)
 
 
+def test_informative_groups_ignore_rounding_of_equal_rewards():
+    # TRL's advantage of 8 equal rewards 0.2 (e.g. arithmetic_accuracy + answer_tag, all wrong but tagged) is not 0 in
+    # float32 (the mean rounds) but the same for every row: no learning signal, so DAPO must drop the group
+    rewards = torch.tensor([0.2] * 8 + [1.2] * 4 + [0.2] * 4)
+    grouped = rewards.view(-1, 8)
+    mean = grouped.mean(1, keepdim=True)
+    adv = ((grouped - mean) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    assert adv[:8].abs().max() > 0  # the rounding this test is about
+    assert informative_groups(adv, 8).tolist() == [False, True]
+
+
 def test_informative_groups_and_batch_concatenation():
     adv = torch.tensor([0.0, 0.0, 0.0, 1.0, -1.0, 0.0])
     assert informative_groups(adv, 3).tolist() == [False, True]

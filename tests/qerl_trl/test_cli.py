@@ -464,3 +464,25 @@ def test_vllm_on_the_command_line_updates_the_recipes_mapping(tmp_path):
     assert vllm["kv_cache_memory_bytes"] == 12 << 30 and vllm["max_model_len"] == 5120
     _, config = parse_train_args(["offline-default", *out, "--vllm", '{"gpu_memory_utilization": 0.3}'])
     assert config.vllm.gpu_memory_utilization == 0.3 and config.vllm.kv_cache_memory_bytes is None
+
+
+def test_a_failed_training_run_closes_the_rollout_engine(tmp_path, monkeypatch):
+    """``qerl_trl.cli.train``: when training raises (non-finite gradients, out of memory, Ctrl-C), the trainer's rollout
+    engine (vLLM: its engine, GPU memory and adapter folder) is closed before the error goes on, as on success."""
+    import qerl_trl.cli as cli
+    from qerl_trl.validation import TrainInputs
+
+    closed = []
+
+    class FailingTrainer:
+        def train(self, resume_from_checkpoint=None):
+            raise FloatingPointError("step 3: the gradient norm is nan")
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(cli, "build_trainer", lambda *args, **kwargs: FailingTrainer())
+    script_args, config = parse_train_args(["--output_dir", str(tmp_path / "run"), "--report_to", "none"])
+    with pytest.raises(FloatingPointError, match="gradient norm"):
+        cli.train(script_args, config, TrainInputs(dataset=None, resume=None))
+    assert closed == [True]

@@ -414,6 +414,10 @@ class ServerVLLMGeneration(_VLLMGeneration):
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise RuntimeError(f"vLLM server {method} {path}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out: urllib names no URL
+            why = e.reason if isinstance(e, urllib.error.URLError) else e
+            raise RuntimeError(f"vLLM server {method} {self.url}{path}: {why} (is the server at vllm.server_url "
+                               f"{self.url} running and reachable?)") from e  # fmt: skip
         if not body:
             return None
         try:

@@ -323,6 +323,31 @@ def test_dapo_adds_overlong_penalty_reward(tmp_path, tokenizer):
     assert "rewards/overlong_penalty/mean" in trainer.state.log_history[0]
 
 
+def test_rollout_seeds_of_a_training_step_do_not_depend_on_an_evaluation_before_it(tmp_path, tokenizer):
+    """``rollout_seed_per_prompt``: the seed of a training generation is (seed, step, call, group); an evaluation at
+    the same ``global_step`` (eval_strategy="steps" runs after step N, the next step generates at N too) must not
+    shift the training calls, or a run resumed from checkpoint-N (no evaluation replayed) samples other rollouts."""
+    from qerl_trl.trainer import rollout_seed
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward,
+                              args_for(tmp_path, rollout_seed_per_prompt=True, aqn=False), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    seeds = []
+
+    def turn(prompt_ids, *args):
+        seeds.append(torch.initial_seed())
+        return [[1] for _ in prompt_ids], None
+
+    trainer._generate_turn = turn
+    prompts = [[5, 6]] * 4 + [[7, 8]] * 4
+    trainer.model.eval()
+    trainer._generate_seeded(prompts, None, None, 4, False)  # the evaluation after step 0
+    seeds.clear()
+    trainer.model.train()
+    trainer._generate_seeded(prompts, None, None, 4, False)  # the next training generation, still at global_step 0
+    assert seeds == [rollout_seed(0, 0, 0, 0), rollout_seed(0, 0, 0, 1)]
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])

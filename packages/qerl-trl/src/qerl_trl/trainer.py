@@ -644,7 +644,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.add_callback(StopOnNonFiniteGradients())
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
-        self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
+        #: ((mode, global_step), generation calls made in that step): counted per mode, so that an evaluation at
+        #: step N does not shift the seeds of step N's training calls (a resumed run replays no evaluation)
+        self._rollout_calls: tuple[tuple[str, int], int] = (("", -1), 0)
         #: the deferred sampling correction: the micro-batch whose loss forward fills its ratio, and the statistics of
         #: the generation batch's micro-batches scored so far (:meth:`_deferred_correction`)
         self._pending_correction: dict[str, Any] | None = None
@@ -813,8 +815,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if g <= 1 or n % g or any(list(prompt_ids[i]) != list(prompt_ids[i - i % g]) for i in range(n)):
             g = 1
         step = int(self.state.global_step)
-        call = self._rollout_calls[1] if self._rollout_calls[0] == step else 0
-        self._rollout_calls = (step, call + 1)
+        key = ("train" if self.model.training else "eval", step)
+        call = self._rollout_calls[1] if self._rollout_calls[0] == key else 0
+        self._rollout_calls = (key, call + 1)
         base = self.accelerator.process_index * n
         device = self.accelerator.device
         fork_devices = [device] if device.type == "cuda" else []

@@ -697,6 +697,14 @@ def test_config_errors():
     assert QeRLConfig(output_dir="x", lora_r=16).lora_alpha == 16
 
 
+def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
+    """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
+    whole batch decoded at once, the memory it was meant to bound spent)."""
+    with pytest.raises(ValueError, match=r"generation_wave_rows=4 .* rollout_engine='transformers'"):
+        QeRLConfig(output_dir="x", generation_wave_rows=4)
+    assert QeRLConfig(output_dir="x", generation_wave_rows=4, rollout_engine="graph").generation_wave_rows == 4
+
+
 def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path):
     """TRL builds its generation config with disable_compile=True; on CUDA the trainer turns the compiled decode
     back on for a static cache, with a fixed cache length (no recompile per prompt length)."""

@@ -123,6 +123,12 @@ def test_gsm8k_reward_answer_sources_in_priority_order():
     assert gsm8k_accuracy_reward(completions, answer=gold) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
+def test_gsm8k_reward_markdown_headings_are_not_the_hash_answer():
+    # "#### Step 2: ..." is a level-4 Markdown heading (common in instruct models' reasoning), not GSM8K's "#### N"
+    text = "#### Step 1: apples\n3 * 2 = 6 dollars.\n#### Step 2: add the pears\n6 + 12 = 18 dollars.\n\nThe answer is 18."
+    assert gsm8k_accuracy_reward([text, text + "\n#### 18", "#### 18 dollars"], answer=["18"] * 3) == [1.0] * 3
+
+
 def test_gsm8k_reward_edge_cases():
     assert gsm8k_accuracy_reward(["<answer>-10</answer>", "<answer>18.0</answer>"], answer=["-10", "18"]) == [1.0, 1.0]
     assert gsm8k_accuracy_reward(["<answer>1</answer>"], answer=["not a number"]) == [None]

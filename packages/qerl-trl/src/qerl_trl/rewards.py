@@ -207,7 +207,9 @@ def _predicted_number(text: str, *, boxed: bool = True, hashes: bool = True) -> 
     if boxed:
         candidates.append(extract_boxed(text))
     if hashes:
-        candidates.append(extract_hash_answer(text))
+        hashed = extract_hash_answer(text)
+        # GSM8K's "#### 18" starts with the number; "#### Step 2: ..." is a Markdown heading, not an answer
+        candidates.append(hashed if parse_number(hashed) is not None else None)
     for cand in candidates:
         if cand is None:
             continue
@@ -236,8 +238,8 @@ def _golds(kwargs: dict[str, Any], n: int, fname: str) -> list[Any]:
 def gsm8k_accuracy_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
     """1.0 when the completion's numeric answer equals the gold answer, else 0.0 (GSM8K and other numeric tasks).
 
-    The completion's answer is the content of its last ``<answer>…</answer>``, else its last ``\\boxed{}``, else the text
-    after ``####``, else the last number it writes. The gold (``answer`` column) may be a bare number or a full GSM8K
+    The completion's answer is the content of its last ``<answer>…</answer>``, else its last ``\\boxed{}``, else the number
+    after its last ``####`` (not a ``#### heading``), else the last number it writes. The gold (``answer`` column) may be a bare number or a full GSM8K
     solution ending in ``#### N``. Numbers compare exactly (``18`` = ``18.00`` = ``$18``). A gold answer that is not a
     number gives ``None`` (TRL then ignores this function for that sample).
     """

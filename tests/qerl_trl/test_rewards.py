@@ -19,6 +19,7 @@ from qerl_trl.rewards import (
     get_reward_funcs,
     gsm8k_accuracy_reward,
     math_accuracy_reward,
+    numbers_equal,
     parse_number,
 )
 
@@ -136,6 +137,14 @@ def test_gsm8k_reward_edge_cases():
         gsm8k_accuracy_reward(["1"])
     with pytest.raises(ValueError, match="2 gold answers for 1"):
         gsm8k_accuracy_reward(["1"], answer=["1", "2"])
+
+
+def test_large_answers_compare_exactly():
+    # parsed answers are exact Fractions: 1000001 is not 1000000, nor 9999 * 9999 off by 50 the product
+    assert gsm8k_accuracy_reward(["<answer>1000001</answer>"], answer=["1000000"]) == [0.0]
+    assert arithmetic_accuracy_reward(["<answer>99980051</answer>"], answer=[str(9999 * 9999)]) == [0.0]
+    assert arithmetic_accuracy_reward(["<answer>99980001</answer>"], answer=[str(9999 * 9999)]) == [1.0]
+    assert numbers_equal(0.1 + 0.2, Fraction(3, 10))  # a float still compares with the tolerance
 
 
 def test_arithmetic_reward_is_lenient():

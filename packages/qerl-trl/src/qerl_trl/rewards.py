@@ -185,6 +185,8 @@ def numbers_equal(a: Fraction | float | None, b: Fraction | float | None, rel_to
         return False
     if a == b:
         return True
+    if isinstance(a, Fraction | int) and isinstance(b, Fraction | int):
+        return False  # exact numbers: a relative tolerance would take 1000001 for 1000000
     return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
 
 

@@ -125,7 +125,11 @@ def engine_checkpoint(
         cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
     ident = src or getattr(model.config, "_name_or_path", "") or "model"
     tag = scheme.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
-    key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
+    key_text = f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}"
+    calibration = getattr(model, "qerl_calibration_id", None)  # awq / gptq: the weights depend on the prompts too
+    if calibration:
+        key_text += f"|{calibration}"
+    key = hashlib.sha1(key_text.encode()).hexdigest()[:10]
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     import torch.distributed as dist
 

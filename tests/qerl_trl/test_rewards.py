@@ -147,6 +147,12 @@ def test_large_answers_compare_exactly():
     assert numbers_equal(0.1 + 0.2, Fraction(3, 10))  # a float still compares with the tolerance
 
 
+def test_float_gold_answers_mean_their_decimal_and_nan_is_no_gold():
+    # a numeric `answer` column: 0.1 is the decimal 1/10 (not the binary double), a missing value (NaN) is no gold
+    comps = ["<answer>0.1</answer>", "<answer>2.5</answer>", "<answer>3</answer>", "<answer>1</answer>"]
+    assert gsm8k_accuracy_reward(comps, answer=[0.1, 2.5, 3.0, float("nan")]) == [1.0, 1.0, 1.0, None]
+
+
 def test_arithmetic_reward_is_lenient():
     comps = ["<answer>8</answer>", "3 + 5 = 8", "8", "<answer>9</answer> 8", "eight", _conv("<answer> 8 </answer>")]
     assert arithmetic_accuracy_reward(comps, answer=["8"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]

@@ -193,7 +193,9 @@ def numbers_equal(a: Fraction | float | None, b: Fraction | float | None, rel_to
 def _gold_number(gold: Any) -> Fraction | None:
     if gold is None:
         return None
-    if isinstance(gold, int | float | Fraction):
+    if isinstance(gold, float):  # the decimal it prints as (0.1 → 1/10, not its binary value); NaN (missing) → None
+        return Fraction(repr(gold)) if math.isfinite(gold) else None
+    if isinstance(gold, int | Fraction):
         return Fraction(gold)
     text = str(gold)
     hashed = extract_hash_answer(text)  # a raw GSM8K solution as the gold column also works

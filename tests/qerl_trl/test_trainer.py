@@ -891,6 +891,13 @@ def test_importance_sampling_is_per_token_by_default():
     assert weight.min() > 0.8 and (weight - 1).abs().mean() < 0.1
 
 
+def test_an_unknown_importance_sampling_mode_is_refused_with_the_config():
+    """A misspelt vllm_importance_sampling_mode used to pass the config and stop the run at its first loss (graph and
+    vLLM engines: the correction and its metrics run even with the correction off), after the model had loaded."""
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode must be one of .*token_truncate.*got 'token'"):
+        QeRLConfig(output_dir="x", rollout_engine="graph", vllm_importance_sampling_mode="token")
+
+
 def test_sampling_correction_is_off_under_aqn_at_w4a16_unless_set():
     """AQN's noise lives in the engine's norms only, so TRL's correction would re-weight the exploration it adds: off by
     default while AQN is on with W4A16 rollouts (vLLM reached 0.856 / 0.838 without it on the offline default, 0.725 /

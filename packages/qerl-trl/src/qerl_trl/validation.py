@@ -71,6 +71,8 @@ def _at_least(low: float) -> Callable[[Any], bool]:
     return lambda v: v >= low
 
 
+_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
+
 #: (config field, accepted?, what is accepted). ``None`` (the library's default where a field allows it) is not
 #: checked; NaN fails every comparison, so it is refused.
 CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -96,6 +98,9 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("aqn_sigma_start", _at_least(0), ">= 0 (σ is a standard deviation)"),
     ("aqn_sigma_end", _at_least(0), ">= 0 (σ is a standard deviation)"),
+    # TRL reads it only inside a training step (the graph and vLLM engines' correction and its metrics): a typo
+    # would otherwise stop the run at its first loss, after the model has loaded
+    ("vllm_importance_sampling_mode", lambda v: v in _SAMPLING_MODES, f"one of {', '.join(map(repr, _SAMPLING_MODES))}"),
 ]
 
 

@@ -898,6 +898,17 @@ def test_an_unknown_importance_sampling_mode_is_refused_with_the_config():
         QeRLConfig(output_dir="x", rollout_engine="graph", vllm_importance_sampling_mode="token")
 
 
+@pytest.mark.parametrize("field, value", [("loss_type", "dapoo"), ("scale_rewards", "grop"),
+                                          ("multi_objective_aggregation", "sum")])  # fmt: skip
+def test_trl_names_it_reads_only_inside_a_step_are_checked_with_the_config(field, value):
+    """TRL 1.16 reads these only in the first step (advantages, loss), after the model has loaded and generated."""
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*got '{value}'"):
+        QeRLConfig(output_dir="x", **{field: value})
+    for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"):
+        QeRLConfig(output_dir="x", loss_type=loss)
+    assert QeRLConfig(output_dir="x", scale_rewards=False).scale_rewards == "none"  # TRL's bool spelling still works
+
+
 def test_sampling_correction_is_off_under_aqn_at_w4a16_unless_set():
     """AQN's noise lives in the engine's norms only, so TRL's correction would re-weight the exploration it adds: off by
     default while AQN is on with W4A16 rollouts (vLLM reached 0.856 / 0.838 without it on the offline default, 0.725 /

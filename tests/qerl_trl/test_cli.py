@@ -486,3 +486,21 @@ def test_a_failed_training_run_closes_the_rollout_engine(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="gradient norm"):
         cli.train(script_args, config, TrainInputs(dataset=None, resume=None))
     assert closed == [True]
+
+
+def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resumed_run(tmp_path):
+    """A crash (power cut, full disk) can leave metrics.jsonl ending in a partial line; the resumed run appends to it.
+    Its rows stay readable and the plot at each save works (it raised JSONDecodeError out of on_save, stopping the
+    resumed run at every checkpoint)."""
+    from types import SimpleNamespace
+
+    from qerl_trl.run import RunDirectoryCallback
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    callback = RunDirectoryCallback()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=2)
+    callback.on_log(args, state, None, logs={"reward": 0.7})
+    assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.5), (2, 0.7)]
+    callback.on_save(args, state, None)
+    assert (tmp_path / "plots.png").is_file()

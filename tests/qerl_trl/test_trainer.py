@@ -705,6 +705,14 @@ def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     assert QeRLConfig(output_dir="x", generation_wave_rows=4, rollout_engine="graph").generation_wave_rows == 4
 
 
+def test_a_constant_sigma_below_the_default_end_is_accepted():
+    """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
+    below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""
+    assert QeRLConfig(output_dir="x", aqn_schedule="constant", aqn_sigma_start=1e-4).aqn_sigma_start == 1e-4
+    with pytest.raises(ValueError, match="aqn_sigma_end <= aqn_sigma_start"):
+        QeRLConfig(output_dir="x", aqn_schedule="exponential", aqn_sigma_start=1e-4)
+
+
 def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path):
     """TRL builds its generation config with disable_compile=True; on CUDA the trainer turns the compiled decode
     back on for a static cache, with a fixed cache length (no recompile per prompt length)."""

@@ -370,7 +370,8 @@ class QeRLConfig(GRPOConfig):
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
         self.rollout_engine_class.check_config(self)  # the engine's own rules (sampling, AQN mode, checkpoints)
-        if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
+        constant = str(self.aqn_schedule).lower() in ("constant", "const")  # σ_start throughout: σ_end is ignored
+        if self.aqn and not constant and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
             raise ValueError(
                 f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
             )

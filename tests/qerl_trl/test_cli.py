@@ -504,3 +504,13 @@ def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resumed_run(tmp_p
     assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.5), (2, 0.7)]
     callback.on_save(args, state, None)
     assert (tmp_path / "plots.png").is_file()
+
+
+@pytest.mark.parametrize("setting, value", [("gpu_memory_utilization", 30), ("gpu_memory_utilization", 0),
+                                            ("kv_cache_memory_bytes", -1), ("max_model_len", 0),
+                                            ("server_timeout", 0)])  # fmt: skip
+def test_vllm_numbers_out_of_range_are_refused_with_the_config(tmp_path, setting, value):
+    """A vLLM number out of range (30 for 0.3) is refused in one line when the config is built, not by the engine
+    after the policy has loaded."""
+    with pytest.raises(ValueError, match=rf"vllm\.{setting} must be .*got {value}"):
+        QeRLConfig(output_dir=str(tmp_path), vllm={setting: value})

@@ -65,6 +65,14 @@ class VLLMRolloutConfig:
         tp = self.tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"vllm.tensor_parallel_size must be a whole number >= 1 (or None: automatic), got {tp!r}")
+        # checked here, not by vLLM once the policy has loaded and the engine starts (30 meant for 0.3, ...)
+        ranges = {"gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+                  "kv_cache_memory_bytes": (lambda v: v >= 1, ">= 1"), "max_model_len": (lambda v: v >= 1, ">= 1"),
+                  "server_timeout": (lambda v: v > 0, "> 0")}  # fmt: skip
+        for name, (ok, expected) in ranges.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not ok(value)):
+                raise ValueError(f"vllm.{name} must be {expected}, got {value!r}")
         if tp is not None and self.server_url:
             raise ValueError(
                 "vllm.tensor_parallel_size sets the colocated engine; a server's is its own --tensor-parallel-size "

@@ -396,6 +396,14 @@ def test_informative_groups_and_batch_concatenation():
     assert out["advantages"].tolist() == [0.5, -0.5]
     with pytest.raises(NotImplementedError, match="pixel_values"):
         concat_generation_batches([{**a, "pixel_values": torch.zeros(1)}] * 2, 0)
+    # a token-level importance ratio whose first batch's completions are one token long: padded like its tokens
+    # (torch.cat of [1, 1] and [1, 3] failed), while a sequence-level [b, 1] ratio is stacked as it is
+    token = concat_generation_batches([{**a, "importance_sampling_ratio": torch.tensor([[0.9]])},
+                                       {**b, "importance_sampling_ratio": torch.tensor([[1.0, 1.1, 1.2]])}], 0)  # fmt: skip
+    assert torch.allclose(token["importance_sampling_ratio"], torch.tensor([[0.9, 0, 0], [1.0, 1.1, 1.2]]))
+    seq = concat_generation_batches([{**a, "importance_sampling_ratio": torch.tensor([[0.9]])},
+                                     {**b, "importance_sampling_ratio": torch.tensor([[1.1]])}], 0)  # fmt: skip
+    assert torch.allclose(seq["importance_sampling_ratio"], torch.tensor([[0.9], [1.1]]))
 
 
 def assert_same_step(logs0: dict, lora0: dict, logs1: dict, lora1: dict) -> None:

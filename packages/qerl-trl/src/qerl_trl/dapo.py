@@ -96,7 +96,10 @@ def concat_generation_batches(batches: list[dict[str, Any]], pad_token_id: int) 
     out: dict[str, Any] = {}
     for key in keys - {"num_items_in_batch"}:
         tensors = [b[key] for b in batches]
-        if key in _PER_ROW or tensors[0].dim() == 1 or (key == "importance_sampling_ratio" and tensors[0].size(1) == 1):
+        # a sequence-level ratio is [b, 1] in every batch; a token-level one is [b, C] (C = 1 in a batch of one-token
+        # completions only): judged on all batches, not the first
+        per_sequence = key == "importance_sampling_ratio" and all(t.size(1) == 1 for t in tensors)
+        if key in _PER_ROW or tensors[0].dim() == 1 or per_sequence:
             out[key] = torch.cat(tensors, dim=0)
             continue
         length = max(t.size(1) for t in tensors)

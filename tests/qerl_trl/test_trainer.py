@@ -348,6 +348,27 @@ def test_rollout_seeds_of_a_training_step_do_not_depend_on_an_evaluation_before_
     assert seeds == [rollout_seed(0, 0, 0, 0), rollout_seed(0, 0, 0, 1)]
 
 
+def test_a_failed_lora_sync_is_retried_by_the_next_generation(tmp_path, tokenizer):
+    """If pushing the adapter to the engine fails (a vLLM server briefly down), the step is not marked as synced: the
+    next generation at that step (train() called again, resumed from the checkpoint of that step) pushes it again
+    instead of generating from the engine's stale adapter."""
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, aqn=False),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    calls = []
+
+    def sync_lora():
+        calls.append(trainer.state.global_step)
+        if len(calls) == 1:
+            raise ConnectionError("vLLM server down")
+
+    trainer.rollout.sync_lora = sync_lora
+    trainer._generate_turn = lambda prompt_ids, *args: ([[1] for _ in prompt_ids], None)
+    with pytest.raises(ConnectionError):
+        trainer._generate_single_turn([[5, 6]], None, None, 1)
+    trainer._generate_single_turn([[5, 6]], None, None, 1)
+    assert calls == [0, 0]
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])

@@ -781,8 +781,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         with self._rollout_noise():
             if self._lora_synced_step != self.state.global_step:  # the adapter changed at most once per step
-                self._lora_synced_step = self.state.global_step
                 self.rollout.sync_lora()
+                self._lora_synced_step = self.state.global_step  # only once it is there: a failed push is retried
             if self.args.rollout_seed_per_prompt:  # QeRLConfig allows it with the torch-RNG engines only
                 completion_ids, logprobs = self._generate_seeded(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images

@@ -369,6 +369,23 @@ def test_a_failed_lora_sync_is_retried_by_the_next_generation(tmp_path, tokenize
     assert calls == [0, 0]
 
 
+def test_train_again_starts_the_per_run_rollout_bookkeeping_afresh(tmp_path, tokenizer, monkeypatch):
+    """train() called again on the same trainer (resumed after an exception at step N): the generation calls of step
+    N count from 0 again (rollout_seed_per_prompt: the rollouts of a fresh process resumed from checkpoint-N), and the
+    adapter is pushed to the engine again (a restarted vLLM server holds none)."""
+    from trl import GRPOTrainer
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward,
+                              args_for(tmp_path, rollout_seed_per_prompt=True, aqn=False), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    trainer._rollout_calls, trainer._lora_synced_step = (("train", 3), 1), 3  # left by a run that failed in step 3
+    seen = []
+    monkeypatch.setattr(GRPOTrainer, "train", lambda self, *a, **k: seen.append((self._rollout_calls,
+                                                                                  self._lora_synced_step)))
+    trainer.train()
+    assert seen == [((("", -1), 0), -1)]
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])

@@ -742,6 +742,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         cannot send float8 tensors anyway. Only the LoRA gradients are all-reduced.
         """
         resume_from_checkpoint = self._checked_resume_checkpoint(resume_from_checkpoint)
+        # a new run of the loop (e.g. resumed after an exception): the generation calls of its first step count from 0
+        # (rollout_seed_per_prompt: as a fresh process resumed there) and the adapter is pushed to the engine again
+        self._rollout_calls, self._lora_synced_step = (("", -1), 0), -1
         model = self.accelerator.unwrap_model(self.model)
         if self.uses_fsdp2 and not any(m.fsdp_shardable for m in model.modules() if isinstance(m, NVFP4Linear)):
             # the 4-bit weights in their own no-cast FSDP groups, one per decoder layer (nvfp4.fsdp), before

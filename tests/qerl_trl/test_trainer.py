@@ -379,11 +379,13 @@ def test_train_again_starts_the_per_run_rollout_bookkeeping_afresh(tmp_path, tok
                               args_for(tmp_path, rollout_seed_per_prompt=True, aqn=False), train_dataset=arithmetic(),
                               processing_class=tokenizer)  # fmt: skip
     trainer._rollout_calls, trainer._lora_synced_step = (("train", 3), 1), 3  # left by a run that failed in step 3
+    trainer._correction_stats = [torch.zeros(7)]  # a generation batch's sampling statistics, half gathered
     seen = []
     monkeypatch.setattr(GRPOTrainer, "train", lambda self, *a, **k: seen.append((self._rollout_calls,
-                                                                                  self._lora_synced_step)))
+                                                                                  self._lora_synced_step,
+                                                                                  len(self._correction_stats))))
     trainer.train()
-    assert seen == [((("", -1), 0), -1)]
+    assert seen == [((("", -1), 0), -1, 0)]
 
 
 def test_overlong_penalty_values():

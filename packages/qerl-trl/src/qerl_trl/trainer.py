@@ -745,6 +745,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         # a new run of the loop (e.g. resumed after an exception): the generation calls of its first step count from 0
         # (rollout_seed_per_prompt: as a fresh process resumed there) and the adapter is pushed to the engine again
         self._rollout_calls, self._lora_synced_step = (("", -1), 0), -1
+        # a failed step's half-gathered sampling statistics would shift when each process gathers the next batch's
+        self._correction_stats, self._pending_correction = [], None
         model = self.accelerator.unwrap_model(self.model)
         if self.uses_fsdp2 and not any(m.fsdp_shardable for m in model.modules() if isinstance(m, NVFP4Linear)):
             # the 4-bit weights in their own no-cast FSDP groups, one per decoder layer (nvfp4.fsdp), before

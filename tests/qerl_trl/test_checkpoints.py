@@ -19,6 +19,7 @@ from qerl_trl.checkpoints import (
     checkpoint_folders,
     find_resume_checkpoint,
     publish_checkpoint,
+    required_checkpoint_files,
     rotate_checkpoints,
     write_manifest,
 )
@@ -105,6 +106,21 @@ def test_resume_picks_the_newest_complete_checkpoint_and_says_what_it_skipped(tm
     assert "; checkpoint-8 (no model weights" in line and line.endswith("; checkpoint-6 (optimizer.pt: missing)")
     none = find_resume_checkpoint(tmp_path / "nothing-here")
     assert none.path is None and none.skipped == []
+
+
+def test_fsdp_launch_checkpoints_resume_without_optimizer_pt(tmp_path, monkeypatch):
+    """`accelerate launch --config_file recipes/accelerate/fsdp2.yaml` sets FSDP through the environment (args.fsdp stays
+    unset); the trainer then saves the optimizer with accelerate's FSDP helpers (optimizer.bin), never optimizer.pt."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(save_only_model=False, deepspeed=None, fsdp=None, aqn=True)
+    assert required_checkpoint_files(args) == REQUIRED
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    ckpt = write_checkpoint(tmp_path, 2)
+    os.rename(ckpt / "optimizer.pt", ckpt / "optimizer.bin")  # what save_fsdp_optimizer writes (FULL_STATE_DICT)
+    write_manifest(ckpt, 2)
+    assert find_resume_checkpoint(tmp_path, required_checkpoint_files(args)).path == str(ckpt)
 
 
 def test_publish_replaces_an_existing_folder_and_rotation_keeps_the_new_one(tmp_path):

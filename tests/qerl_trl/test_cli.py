@@ -464,3 +464,53 @@ def test_vllm_on_the_command_line_updates_the_recipes_mapping(tmp_path):
     assert vllm["kv_cache_memory_bytes"] == 12 << 30 and vllm["max_model_len"] == 5120
     _, config = parse_train_args(["offline-default", *out, "--vllm", '{"gpu_memory_utilization": 0.3}'])
     assert config.vllm.gpu_memory_utilization == 0.3 and config.vllm.kv_cache_memory_bytes is None
+
+
+def test_a_failed_training_run_closes_the_rollout_engine(tmp_path, monkeypatch):
+    """``qerl_trl.cli.train``: when training raises (non-finite gradients, out of memory, Ctrl-C), the trainer's rollout
+    engine (vLLM: its engine, GPU memory and adapter folder) is closed before the error goes on, as on success."""
+    import qerl_trl.cli as cli
+    from qerl_trl.validation import TrainInputs
+
+    closed = []
+
+    class FailingTrainer:
+        def train(self, resume_from_checkpoint=None):
+            raise FloatingPointError("step 3: the gradient norm is nan")
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(cli, "build_trainer", lambda *args, **kwargs: FailingTrainer())
+    script_args, config = parse_train_args(["--output_dir", str(tmp_path / "run"), "--report_to", "none"])
+    with pytest.raises(FloatingPointError, match="gradient norm"):
+        cli.train(script_args, config, TrainInputs(dataset=None, resume=None))
+    assert closed == [True]
+
+
+def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resumed_run(tmp_path):
+    """A crash (power cut, full disk) can leave metrics.jsonl ending in a partial line; the resumed run appends to it.
+    Its rows stay readable and the plot at each save works (it raised JSONDecodeError out of on_save, stopping the
+    resumed run at every checkpoint)."""
+    from types import SimpleNamespace
+
+    from qerl_trl.run import RunDirectoryCallback
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    callback = RunDirectoryCallback()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=2)
+    callback.on_log(args, state, None, logs={"reward": 0.7})
+    assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.5), (2, 0.7)]
+    callback.on_save(args, state, None)
+    assert (tmp_path / "plots.png").is_file()
+
+
+@pytest.mark.parametrize("setting, value", [("gpu_memory_utilization", 30), ("gpu_memory_utilization", 0),
+                                            ("kv_cache_memory_bytes", -1), ("max_model_len", 0),
+                                            ("server_timeout", 0)])  # fmt: skip
+def test_vllm_numbers_out_of_range_are_refused_with_the_config(tmp_path, setting, value):
+    """A vLLM number out of range (30 for 0.3) is refused in one line when the config is built, not by the engine
+    after the policy has loaded."""
+    with pytest.raises(ValueError, match=rf"vllm\.{setting} must be .*got {value}"):
+        QeRLConfig(output_dir=str(tmp_path), vllm={setting: value})

@@ -268,3 +268,21 @@ def test_calibrated_policy_is_saved_once_per_machine(tmp_path, tiny_dir, monkeyp
     assert (saved / "config.json").read_text() != "{}"  # the first one kept
     fresh = tmp_path / "fresh"
     assert publish_checkpoint(fresh, write_stub) is True and (fresh / "config.json").read_text() == "{}"
+
+
+def test_the_vllm_engine_checkpoint_of_a_calibrated_policy_follows_its_calibration(tmp_path, tiny_dir):
+    """The colocated vLLM engine loads the policy saved once per (model, method, ...): two GPTQ calibrations of one
+    model on different prompts (another task, another calibration_samples) are two policies, so two engine
+    checkpoints; the second run must not load the first run's weights into the engine."""
+    from nvfp4 import NVFP4Linear
+    from qerl_trl.rollout.vllm import engine_checkpoint
+
+    scheme = get_scheme("nvfp4-gptq")
+    paths, packed = [], []
+    for ids in ([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [[40, 41, 42, 43, 44, 45, 46, 47]] * 2):
+        model = scheme.load(str(tiny_dir), dtype=torch.float32, calibration_data=ids, cache_dir=tmp_path / "calibrated")
+        packed.append(torch.cat([m.quantized_weight.packed.flatten() for m in model.modules()
+                                 if isinstance(m, NVFP4Linear)]))  # fmt: skip
+        paths.append(engine_checkpoint(str(tiny_dir), model, scheme, cache_dir=str(tmp_path / "engine")))
+    assert not torch.equal(packed[0], packed[1])  # the two calibrations quantized differently
+    assert paths[0] != paths[1]

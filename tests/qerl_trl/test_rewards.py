@@ -19,6 +19,7 @@ from qerl_trl.rewards import (
     get_reward_funcs,
     gsm8k_accuracy_reward,
     math_accuracy_reward,
+    numbers_equal,
     parse_number,
 )
 
@@ -77,6 +78,16 @@ def test_parse_number(text, value):
     assert parse_number(text) == (None if value is None else Fraction(value))
 
 
+@pytest.mark.parametrize(
+    "text, value",
+    [(r"\boxed{1{,}000}", 1000), ("18{,}500", 18500), (r"\boxed{-\$5}", -5), (r"-\$5", -5), (r"\$1{,}200.50", 1200.5),
+     (r"\boxed{\$18}", 18)],
+)
+def test_parse_number_latex_spellings(text, value):
+    # LaTeX thousands separator {,} and escaped dollar \$: not 1 for 1{,}000, not +5 for -\$5
+    assert parse_number(text) == Fraction(str(value))
+
+
 def test_completion_text_accepts_both_shapes():
     assert completion_text("plain") == "plain"
     assert completion_text(_conv("chat")) == "chat"
@@ -113,6 +124,12 @@ def test_gsm8k_reward_answer_sources_in_priority_order():
     assert gsm8k_accuracy_reward(completions, answer=gold) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
+def test_gsm8k_reward_markdown_headings_are_not_the_hash_answer():
+    # "#### Step 2: ..." is a level-4 Markdown heading (common in instruct models' reasoning), not GSM8K's "#### N"
+    text = "#### Step 1: apples\n3 * 2 = 6 dollars.\n#### Step 2: add the pears\n6 + 12 = 18 dollars.\n\nThe answer is 18."
+    assert gsm8k_accuracy_reward([text, text + "\n#### 18", "#### 18 dollars"], answer=["18"] * 3) == [1.0] * 3
+
+
 def test_gsm8k_reward_edge_cases():
     assert gsm8k_accuracy_reward(["<answer>-10</answer>", "<answer>18.0</answer>"], answer=["-10", "18"]) == [1.0, 1.0]
     assert gsm8k_accuracy_reward(["<answer>1</answer>"], answer=["not a number"]) == [None]
@@ -120,6 +137,20 @@ def test_gsm8k_reward_edge_cases():
         gsm8k_accuracy_reward(["1"])
     with pytest.raises(ValueError, match="2 gold answers for 1"):
         gsm8k_accuracy_reward(["1"], answer=["1", "2"])
+
+
+def test_large_answers_compare_exactly():
+    # parsed answers are exact Fractions: 1000001 is not 1000000, nor 9999 * 9999 off by 50 the product
+    assert gsm8k_accuracy_reward(["<answer>1000001</answer>"], answer=["1000000"]) == [0.0]
+    assert arithmetic_accuracy_reward(["<answer>99980051</answer>"], answer=[str(9999 * 9999)]) == [0.0]
+    assert arithmetic_accuracy_reward(["<answer>99980001</answer>"], answer=[str(9999 * 9999)]) == [1.0]
+    assert numbers_equal(0.1 + 0.2, Fraction(3, 10))  # a float still compares with the tolerance
+
+
+def test_float_gold_answers_mean_their_decimal_and_nan_is_no_gold():
+    # a numeric `answer` column: 0.1 is the decimal 1/10 (not the binary double), a missing value (NaN) is no gold
+    comps = ["<answer>0.1</answer>", "<answer>2.5</answer>", "<answer>3</answer>", "<answer>1</answer>"]
+    assert gsm8k_accuracy_reward(comps, answer=[0.1, 2.5, 3.0, float("nan")]) == [1.0, 1.0, 1.0, None]
 
 
 def test_arithmetic_reward_is_lenient():

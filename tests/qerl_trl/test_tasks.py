@@ -92,6 +92,19 @@ def test_errors_unknown_task_split_missing_files(tmp_path, gsm8k_dir):
         load_task("arithmetic", path=tmp_path)
 
 
+def test_a_row_of_the_wrong_type_is_named_with_its_file_and_row(tmp_path):
+    """A data file whose row has a field of another type (a number where GSM8K's solution text is meant): the error
+    names the data path and the row, not ``--task_options`` (which the user did not even give)."""
+    from qerl_trl.validation import UsageError, load_task_data
+
+    (tmp_path / "train.jsonl").write_text('{"question": "1+4?", "answer": "#### 5"}\n{"question": "1+1?", "answer": 2}\n')
+    with pytest.raises(TaskDataError, match=r"task 'gsm8k': .*: row 2: TypeError"):
+        load_task("gsm8k", path=tmp_path)
+    with pytest.raises(UsageError, match=r"^--data_path '.*': task 'gsm8k': .*row 2") as info:
+        load_task_data("gsm8k", "train", str(tmp_path), None, 0, None, ("--data_path", "--task_options"))
+    assert "--task_options" not in str(info.value)
+
+
 @pytest.mark.parametrize("task, split", [("gsm8k", "test"), ("math", "test"), ("math", "train"), ("bigmath", "train")])
 def test_hub_load_offline_tells_user_to_pass_path(task, split, monkeypatch):
     import datasets

@@ -158,3 +158,20 @@ def test_qerl_train_on_a_missing_vllm_stops_before_the_data_loads(tmp_path, caps
     assert err[0] == ("qerl train: error: rollout_engine='vllm' colocated (or set vllm.server_url for a server) needs "
                       "vLLM and qerl-vllm: pip install 'qerl-vllm[vllm]'")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_vllm_server_is_named_in_the_error(tmp_path):
+    """``vllm.server_url`` pointing where no server listens: the error names the URL and the request (urllib's own
+    says only ``<urlopen error [Errno 111] Connection refused>``)."""
+    import socket
+    from types import SimpleNamespace
+
+    from qerl_trl.rollout.vllm import ServerVLLMGeneration
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)))
+    with pytest.raises(RuntimeError, match=rf"vLLM server GET {url}/v1/models: .*[Cc]onnection refused.*vllm\.server_url"):
+        ServerVLLMGeneration(trainer, url, timeout=5)

@@ -323,12 +323,88 @@ def test_dapo_adds_overlong_penalty_reward(tmp_path, tokenizer):
     assert "rewards/overlong_penalty/mean" in trainer.state.log_history[0]
 
 
+def test_rollout_seeds_of_a_training_step_do_not_depend_on_an_evaluation_before_it(tmp_path, tokenizer):
+    """``rollout_seed_per_prompt``: the seed of a training generation is (seed, step, call, group); an evaluation at
+    the same ``global_step`` (eval_strategy="steps" runs after step N, the next step generates at N too) must not
+    shift the training calls, or a run resumed from checkpoint-N (no evaluation replayed) samples other rollouts."""
+    from qerl_trl.trainer import rollout_seed
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward,
+                              args_for(tmp_path, rollout_seed_per_prompt=True, aqn=False), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    seeds = []
+
+    def turn(prompt_ids, *args):
+        seeds.append(torch.initial_seed())
+        return [[1] for _ in prompt_ids], None
+
+    trainer._generate_turn = turn
+    prompts = [[5, 6]] * 4 + [[7, 8]] * 4
+    trainer.model.eval()
+    trainer._generate_seeded(prompts, None, None, 4, False)  # the evaluation after step 0
+    seeds.clear()
+    trainer.model.train()
+    trainer._generate_seeded(prompts, None, None, 4, False)  # the next training generation, still at global_step 0
+    assert seeds == [rollout_seed(0, 0, 0, 0), rollout_seed(0, 0, 0, 1)]
+
+
+def test_a_failed_lora_sync_is_retried_by_the_next_generation(tmp_path, tokenizer):
+    """If pushing the adapter to the engine fails (a vLLM server briefly down), the step is not marked as synced: the
+    next generation at that step (train() called again, resumed from the checkpoint of that step) pushes it again
+    instead of generating from the engine's stale adapter."""
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, aqn=False),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    calls = []
+
+    def sync_lora():
+        calls.append(trainer.state.global_step)
+        if len(calls) == 1:
+            raise ConnectionError("vLLM server down")
+
+    trainer.rollout.sync_lora = sync_lora
+    trainer._generate_turn = lambda prompt_ids, *args: ([[1] for _ in prompt_ids], None)
+    with pytest.raises(ConnectionError):
+        trainer._generate_single_turn([[5, 6]], None, None, 1)
+    trainer._generate_single_turn([[5, 6]], None, None, 1)
+    assert calls == [0, 0]
+
+
+def test_train_again_starts_the_per_run_rollout_bookkeeping_afresh(tmp_path, tokenizer, monkeypatch):
+    """train() called again on the same trainer (resumed after an exception at step N): the generation calls of step
+    N count from 0 again (rollout_seed_per_prompt: the rollouts of a fresh process resumed from checkpoint-N), and the
+    adapter is pushed to the engine again (a restarted vLLM server holds none)."""
+    from trl import GRPOTrainer
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward,
+                              args_for(tmp_path, rollout_seed_per_prompt=True, aqn=False), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    trainer._rollout_calls, trainer._lora_synced_step = (("train", 3), 1), 3  # left by a run that failed in step 3
+    trainer._correction_stats = [torch.zeros(7)]  # a generation batch's sampling statistics, half gathered
+    seen = []
+    monkeypatch.setattr(GRPOTrainer, "train", lambda self, *a, **k: seen.append((self._rollout_calls,
+                                                                                  self._lora_synced_step,
+                                                                                  len(self._correction_stats))))
+    trainer.train()
+    assert seen == [((("", -1), 0), -1, 0)]
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])
     assert got == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     with pytest.raises(ValueError, match="buffer_length"):
         OverlongPenalty(10, 10)
+
+
+def test_informative_groups_ignore_rounding_of_equal_rewards():
+    # TRL's advantage of 8 equal rewards 0.2 (e.g. arithmetic_accuracy + answer_tag, all wrong but tagged) is not 0 in
+    # float32 (the mean rounds) but the same for every row: no learning signal, so DAPO must drop the group
+    rewards = torch.tensor([0.2] * 8 + [1.2] * 4 + [0.2] * 4)
+    grouped = rewards.view(-1, 8)
+    mean = grouped.mean(1, keepdim=True)
+    adv = ((grouped - mean) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    assert adv[:8].abs().max() > 0  # the rounding this test is about
+    assert informative_groups(adv, 8).tolist() == [False, True]
 
 
 def test_informative_groups_and_batch_concatenation():
@@ -360,6 +436,14 @@ def test_informative_groups_and_batch_concatenation():
     assert out["advantages"].tolist() == [0.5, -0.5]
     with pytest.raises(NotImplementedError, match="pixel_values"):
         concat_generation_batches([{**a, "pixel_values": torch.zeros(1)}] * 2, 0)
+    # a token-level importance ratio whose first batch's completions are one token long: padded like its tokens
+    # (torch.cat of [1, 1] and [1, 3] failed), while a sequence-level [b, 1] ratio is stacked as it is
+    token = concat_generation_batches([{**a, "importance_sampling_ratio": torch.tensor([[0.9]])},
+                                       {**b, "importance_sampling_ratio": torch.tensor([[1.0, 1.1, 1.2]])}], 0)  # fmt: skip
+    assert torch.allclose(token["importance_sampling_ratio"], torch.tensor([[0.9, 0, 0], [1.0, 1.1, 1.2]]))
+    seq = concat_generation_batches([{**a, "importance_sampling_ratio": torch.tensor([[0.9]])},
+                                     {**b, "importance_sampling_ratio": torch.tensor([[1.1]])}], 0)  # fmt: skip
+    assert torch.allclose(seq["importance_sampling_ratio"], torch.tensor([[0.9], [1.1]]))
 
 
 def assert_same_step(logs0: dict, lora0: dict, logs1: dict, lora1: dict) -> None:
@@ -661,6 +745,22 @@ def test_config_errors():
     assert QeRLConfig(output_dir="x", lora_r=16).lora_alpha == 16
 
 
+def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
+    """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
+    whole batch decoded at once, the memory it was meant to bound spent)."""
+    with pytest.raises(ValueError, match=r"generation_wave_rows=4 .* rollout_engine='transformers'"):
+        QeRLConfig(output_dir="x", generation_wave_rows=4)
+    assert QeRLConfig(output_dir="x", generation_wave_rows=4, rollout_engine="graph").generation_wave_rows == 4
+
+
+def test_a_constant_sigma_below_the_default_end_is_accepted():
+    """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
+    below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""
+    assert QeRLConfig(output_dir="x", aqn_schedule="constant", aqn_sigma_start=1e-4).aqn_sigma_start == 1e-4
+    with pytest.raises(ValueError, match="aqn_sigma_end <= aqn_sigma_start"):
+        QeRLConfig(output_dir="x", aqn_schedule="exponential", aqn_sigma_start=1e-4)
+
+
 def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path):
     """TRL builds its generation config with disable_compile=True; on CUDA the trainer turns the compiled decode
     back on for a static cache, with a fixed cache length (no recompile per prompt length)."""
@@ -845,6 +945,24 @@ def test_importance_sampling_is_per_token_by_default():
     assert (per_sequence < 0.1).float().mean() > 0.3 and (per_sequence == 0).float().mean() > 0.3
     weight = (per_token * mask).sum(-1) / mask.sum(-1)  # what each completion's tokens carry on average
     assert weight.min() > 0.8 and (weight - 1).abs().mean() < 0.1
+
+
+def test_an_unknown_importance_sampling_mode_is_refused_with_the_config():
+    """A misspelt vllm_importance_sampling_mode used to pass the config and stop the run at its first loss (graph and
+    vLLM engines: the correction and its metrics run even with the correction off), after the model had loaded."""
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode must be one of .*token_truncate.*got 'token'"):
+        QeRLConfig(output_dir="x", rollout_engine="graph", vllm_importance_sampling_mode="token")
+
+
+@pytest.mark.parametrize("field, value", [("loss_type", "dapoo"), ("scale_rewards", "grop"),
+                                          ("multi_objective_aggregation", "sum")])  # fmt: skip
+def test_trl_names_it_reads_only_inside_a_step_are_checked_with_the_config(field, value):
+    """TRL 1.16 reads these only in the first step (advantages, loss), after the model has loaded and generated."""
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*got '{value}'"):
+        QeRLConfig(output_dir="x", **{field: value})
+    for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"):
+        QeRLConfig(output_dir="x", loss_type=loss)
+    assert QeRLConfig(output_dir="x", scale_rewards=False).scale_rewards == "none"  # TRL's bool spelling still works
 
 
 def test_sampling_correction_is_off_under_aqn_at_w4a16_unless_set():

@@ -123,11 +123,18 @@ def required_checkpoint_files(args: Any) -> list[str]:
     ``trainer_state.json``, to be resumed from: the optimizer and scheduler (unless ``save_only_model``, or DeepSpeed /
     FSDP, which save them their own way) and ``aqn_state.json`` with AQN on."""
     files = []
-    if not (args.save_only_model or args.deepspeed or args.fsdp):
+    if not (args.save_only_model or args.deepspeed or args.fsdp or _fsdp_launch()):
         files += [OPTIMIZER_NAME, SCHEDULER_NAME]
     if getattr(args, "aqn", False):
         files.append(AQN_STATE_NAME)
     return files
+
+
+def _fsdp_launch() -> bool:
+    """Whether ``accelerate launch`` set FSDP up through the environment (``recipes/accelerate/fsdp2.yaml``): then
+    ``args.fsdp`` stays unset, yet the trainer saves the optimizer through accelerate's FSDP helpers
+    (``optimizer.bin`` or ``optimizer_0/``), never ``optimizer.pt``."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").strip().lower() == "true"
 
 
 def check_checkpoint(path: str | Path, required: Iterable[str] = ()) -> None:

@@ -277,7 +277,7 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
     """Check the arguments (:func:`~qerl_trl.validation.validate_train_args`, unless ``inputs`` holds its result),
     build dataset, rewards and trainer, train (from the checkpoint ``--resume`` picked), save the adapter; returns the
     trainer."""
-    from .run import ReplacedRunCallback, discard_replaced_run, move_earlier_run_aside
+    from .run import move_earlier_run_aside
 
     if inputs is None:
         inputs = validate_train_args(script_args, config)
@@ -290,6 +290,20 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
         print(f"qerl train: --overwrite_output_dir: the earlier run in {config.output_dir} is kept in {aside} until "
               "this run writes its first checkpoint, then removed", file=sys.stderr)  # fmt: skip
     trainer = build_trainer(script_args, config, inputs.dataset)
+    try:
+        _train_and_save(trainer, config, resume, replacing, start_step)
+    except BaseException:
+        # the caller never gets the trainer to close: release its rollout engine (vLLM: the engine, its GPU memory
+        # and adapter folder) here, as main() does after a run that succeeded
+        trainer.close()
+        raise
+    return trainer
+
+
+def _train_and_save(trainer: Any, config: Any, resume: str | None, replacing: bool, start_step: int) -> None:
+    """:func:`train`'s run: train (from ``resume``), save the adapter to ``final/``, print the summary."""
+    from .run import ReplacedRunCallback, discard_replaced_run
+
     if replacing:
         trainer.add_callback(ReplacedRunCallback())
     start = time.perf_counter()
@@ -308,7 +322,6 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
         discard_replaced_run(config.output_dir)
     if trainer.accelerator.is_main_process:  # under `accelerate launch`, once
         _print_summary(trainer, seconds, final, trainer.state.global_step - start_step)
-    return trainer
 
 
 def _checkpoint_step(checkpoint: str) -> int:

@@ -65,6 +65,14 @@ class VLLMRolloutConfig:
         tp = self.tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"vllm.tensor_parallel_size must be a whole number >= 1 (or None: automatic), got {tp!r}")
+        # checked here, not by vLLM once the policy has loaded and the engine starts (30 meant for 0.3, ...)
+        ranges = {"gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+                  "kv_cache_memory_bytes": (lambda v: v >= 1, ">= 1"), "max_model_len": (lambda v: v >= 1, ">= 1"),
+                  "server_timeout": (lambda v: v > 0, "> 0")}  # fmt: skip
+        for name, (ok, expected) in ranges.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not ok(value)):
+                raise ValueError(f"vllm.{name} must be {expected}, got {value!r}")
         if tp is not None and self.server_url:
             raise ValueError(
                 "vllm.tensor_parallel_size sets the colocated engine; a server's is its own --tensor-parallel-size "
@@ -370,7 +378,8 @@ class QeRLConfig(GRPOConfig):
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
         self.rollout_engine_class.check_config(self)  # the engine's own rules (sampling, AQN mode, checkpoints)
-        if self.aqn and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
+        constant = str(self.aqn_schedule).lower() in ("constant", "const")  # σ_start throughout: σ_end is ignored
+        if self.aqn and not constant and not 0 <= self.aqn_sigma_end <= self.aqn_sigma_start:
             raise ValueError(
                 f"need 0 <= aqn_sigma_end <= aqn_sigma_start, got {self.aqn_sigma_end}, {self.aqn_sigma_start}"
             )

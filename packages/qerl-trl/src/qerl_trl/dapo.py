@@ -60,14 +60,17 @@ class OverlongPenalty:
 
 
 def informative_groups(advantages: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """``[num_groups]`` bool: True where a group's advantages are not all zero (its rewards did not all agree).
+    """``[num_groups]`` bool: True where a group's advantages are not all equal (its rewards did not all agree).
 
-    GRPO's advantage is ``(r − mean_group) / (std_group + ε)``, identically 0 exactly when all rewards of the group
-    are equal (or unscorable), so the advantages alone decide.
+    GRPO's advantage is ``(r − mean_group) / (std_group + ε)``: equal rewards give every row of the group the same
+    advantage, which is 0 in exact arithmetic but not in float32 (the mean of eight 0.2 rounds, and ``ε = 1e-4``
+    magnifies the residue to ~1e-4), nor under ``normalize_then_sum`` (a batch-level baseline); so the spread of the
+    advantages decides, not their size.
     """
     if advantages.numel() % num_generations:
         raise ValueError(f"{advantages.numel()} advantages do not split into groups of {num_generations}")
-    return advantages.view(-1, num_generations).abs().amax(dim=1) > 0
+    grouped = advantages.view(-1, num_generations)
+    return grouped.amax(dim=1) > grouped.amin(dim=1)
 
 
 def _pad_to(t: torch.Tensor, length: int, value: float | int, left: bool) -> torch.Tensor:
@@ -93,7 +96,10 @@ def concat_generation_batches(batches: list[dict[str, Any]], pad_token_id: int) 
     out: dict[str, Any] = {}
     for key in keys - {"num_items_in_batch"}:
         tensors = [b[key] for b in batches]
-        if key in _PER_ROW or tensors[0].dim() == 1 or (key == "importance_sampling_ratio" and tensors[0].size(1) == 1):
+        # a sequence-level ratio is [b, 1] in every batch; a token-level one is [b, C] (C = 1 in a batch of one-token
+        # completions only): judged on all batches, not the first
+        per_sequence = key == "importance_sampling_ratio" and all(t.size(1) == 1 for t in tensors)
+        if key in _PER_ROW or tensors[0].dim() == 1 or per_sequence:
             out[key] = torch.cat(tensors, dim=0)
             continue
         length = max(t.size(1) for t in tensors)

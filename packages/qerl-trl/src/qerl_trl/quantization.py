@@ -159,7 +159,16 @@ class _FP4Scheme(QuantScheme):
         return NVFP4Config(method=self.method, format=self.format, calibration_data=data)
 
     def load(self, path, *, dtype, device_map=None, calibration_data=None, cache_dir=None, double_quant=True):
-        if not self.calibrated or cache_dir is None:
+        if not self.calibrated:
+            return super().load(path, dtype=dtype, device_map=device_map, calibration_data=calibration_data)
+        model = self._load_calibrated(path, dtype, device_map, calibration_data, cache_dir)
+        # which calibration made these weights (model, method, prompts): the vLLM engine checkpoint saved from this
+        # policy is keyed by it (qerl_trl.rollout.vllm.engine_checkpoint), not by the model and method alone
+        model.qerl_calibration_id = calibrated_checkpoint_path(path, self.cache_tag, calibration_data or [], "").name
+        return model
+
+    def _load_calibrated(self, path, dtype, device_map, calibration_data, cache_dir) -> nn.Module:
+        if cache_dir is None:
             return super().load(path, dtype=dtype, device_map=device_map, calibration_data=calibration_data)
         if not calibration_data:
             raise ValueError(f"quantization={self.name!r} needs calibration_data (token ids of task prompts)")

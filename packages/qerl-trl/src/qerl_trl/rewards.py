@@ -154,6 +154,9 @@ def parse_number(text: str | None) -> Fraction | None:
     if boxed is not None:
         s = boxed
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    # LaTeX spellings: ``1{,}000`` groups thousands (else read as 1), ``\$`` is a dollar sign (else its backslash
+    # hides the number and the fallback drops the sign of ``-\$5``)
+    s = s.replace("{,}", ",").replace("\\$", "$")
     s = s.replace("$", "").replace("\\%", "").replace("%", "").replace("\\!", "").replace("\\,", "").strip()
     s = s.rstrip(".").strip()
     m = _FRAC.match(s.replace(" ", ""))
@@ -182,13 +185,17 @@ def numbers_equal(a: Fraction | float | None, b: Fraction | float | None, rel_to
         return False
     if a == b:
         return True
+    if isinstance(a, Fraction | int) and isinstance(b, Fraction | int):
+        return False  # exact numbers: a relative tolerance would take 1000001 for 1000000
     return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
 
 
 def _gold_number(gold: Any) -> Fraction | None:
     if gold is None:
         return None
-    if isinstance(gold, int | float | Fraction):
+    if isinstance(gold, float):  # the decimal it prints as (0.1 → 1/10, not its binary value); NaN (missing) → None
+        return Fraction(repr(gold)) if math.isfinite(gold) else None
+    if isinstance(gold, int | Fraction):
         return Fraction(gold)
     text = str(gold)
     hashed = extract_hash_answer(text)  # a raw GSM8K solution as the gold column also works
@@ -204,7 +211,9 @@ def _predicted_number(text: str, *, boxed: bool = True, hashes: bool = True) -> 
     if boxed:
         candidates.append(extract_boxed(text))
     if hashes:
-        candidates.append(extract_hash_answer(text))
+        hashed = extract_hash_answer(text)
+        # GSM8K's "#### 18" starts with the number; "#### Step 2: ..." is a Markdown heading, not an answer
+        candidates.append(hashed if parse_number(hashed) is not None else None)
     for cand in candidates:
         if cand is None:
             continue
@@ -233,8 +242,8 @@ def _golds(kwargs: dict[str, Any], n: int, fname: str) -> list[Any]:
 def gsm8k_accuracy_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
     """1.0 when the completion's numeric answer equals the gold answer, else 0.0 (GSM8K and other numeric tasks).
 
-    The completion's answer is the content of its last ``<answer>…</answer>``, else its last ``\\boxed{}``, else the text
-    after ``####``, else the last number it writes. The gold (``answer`` column) may be a bare number or a full GSM8K
+    The completion's answer is the content of its last ``<answer>…</answer>``, else its last ``\\boxed{}``, else the number
+    after its last ``####`` (not a ``#### heading``), else the last number it writes. The gold (``answer`` column) may be a bare number or a full GSM8K
     solution ending in ``#### N``. Numbers compare exactly (``18`` = ``18.00`` = ``$18``). A gold answer that is not a
     number gives ``None`` (TRL then ignores this function for that sample).
     """

@@ -44,14 +44,18 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl``, one per step; if a step was logged twice (a resumed run), the last line wins."""
+    """Rows of a ``metrics.jsonl``, one per step; if a step was logged twice (a resumed run), the last line wins. A line
+    that is not JSON (cut short by a crash mid-write) is skipped."""
     rows: dict[int, dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
             line = line.strip()
             if line:
-                row = json.loads(line)
-                if "step" in row and "reward" in row:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and "step" in row and "reward" in row:
                     rows[int(row["step"])] = row
     return [rows[k] for k in sorted(rows)]
 
@@ -90,6 +94,12 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str | No
     return out_path
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 class MallocTrimCallback(TrainerCallback):
     """:func:`qerl_trl.memory.trim_malloc` when training starts (the model loaded and quantized) and after every
     optimizer step, so that host memory freed in small blocks leaves the process. ``qerl train`` adds it."""
@@ -116,8 +126,11 @@ class RunDirectoryCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
-        with open(self._dir(args) / METRICS_NAME, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        path = self._dir(args) / METRICS_NAME
+        # after a crash mid-write the file may end in a partial line: start on a new one, so this row stays whole
+        cut = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+        with open(path, "a") as f:
+            f.write(("\n" if cut else "") + json.dumps(row) + "\n")
 
     def _plot(self, args, state) -> None:
         metrics = self._dir(args) / METRICS_NAME

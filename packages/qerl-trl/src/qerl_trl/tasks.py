@@ -173,14 +173,19 @@ def _require(row: dict[str, Any], keys: tuple[str, ...], task: str, where: str) 
         raise TaskDataError(f"task {task!r}: {where} rows lack field(s) {missing} (have {sorted(row)})")
 
 
-def _build(rows, convert: Callable[[dict[str, Any]], dict[str, Any]], limit: int | None) -> Dataset:
+def _build(rows, convert: Callable[[dict[str, Any]], dict[str, Any]], limit: int | None, what: str) -> Dataset:
+    """``convert`` of each row (the first ``limit``); ``what`` (``"task 'gsm8k': <source>"``) names the source when a
+    row's field has a type ``convert`` cannot read: a :class:`TaskDataError` naming the row, not a bare TypeError."""
     if isinstance(rows, Dataset) and limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     out = []
     for row in rows:
         if limit is not None and len(out) >= limit:
             break
-        out.append(convert(row))
+        try:
+            out.append(convert(row))
+        except (TypeError, ValueError, AttributeError) as e:  # e.g. a number where a text is meant
+            raise TaskDataError(f"{what}: row {len(out) + 1}: {type(e).__name__}: {e}") from e
     return Dataset.from_list(out)
 
 
@@ -211,7 +216,7 @@ def _gsm8k(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PRO
         return {"prompt": make_prompt(row["question"], system_prompt), "answer": gold, "question": row["question"],
                 "solution": row["answer"]}
 
-    return _build(rows, convert, limit)
+    return _build(rows, convert, limit, f"task 'gsm8k': {where}")
 
 
 def _math(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROMPT) -> Dataset:
@@ -239,7 +244,7 @@ def _math(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROM
         return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(gold), "question": row["problem"],
                 "solution": solution}
 
-    return _build(rows, convert, limit)
+    return _build(rows, convert, limit, f"task 'math': {where}")
 
 
 def _bigmath(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROMPT) -> Dataset:
@@ -257,7 +262,7 @@ def _bigmath(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_P
         return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(row["answer"]),
                 "question": row["problem"]}
 
-    return _build(rows, convert, limit)
+    return _build(rows, convert, limit, f"task 'bigmath': {where}")
 
 
 _OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

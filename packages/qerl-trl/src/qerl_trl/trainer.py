@@ -644,7 +644,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         self.add_callback(StopOnNonFiniteGradients())
         self.aqn: AQNController | None = aqn_controller
         self._generation_seconds = 0.0
-        self._rollout_calls: tuple[int, int] = (-1, 0)  # (global_step, generation calls made in that step)
+        #: ((mode, global_step), generation calls made in that step): counted per mode, so that an evaluation at
+        #: step N does not shift the seeds of step N's training calls (a resumed run replays no evaluation)
+        self._rollout_calls: tuple[tuple[str, int], int] = (("", -1), 0)
         #: the deferred sampling correction: the micro-batch whose loss forward fills its ratio, and the statistics of
         #: the generation batch's micro-batches scored so far (:meth:`_deferred_correction`)
         self._pending_correction: dict[str, Any] | None = None
@@ -740,6 +742,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
         cannot send float8 tensors anyway. Only the LoRA gradients are all-reduced.
         """
         resume_from_checkpoint = self._checked_resume_checkpoint(resume_from_checkpoint)
+        # a new run of the loop (e.g. resumed after an exception): the generation calls of its first step count from 0
+        # (rollout_seed_per_prompt: as a fresh process resumed there) and the adapter is pushed to the engine again
+        self._rollout_calls, self._lora_synced_step = (("", -1), 0), -1
+        # a failed step's half-gathered sampling statistics would shift when each process gathers the next batch's
+        self._correction_stats, self._pending_correction = [], None
         model = self.accelerator.unwrap_model(self.model)
         if self.uses_fsdp2 and not any(m.fsdp_shardable for m in model.modules() if isinstance(m, NVFP4Linear)):
             # the 4-bit weights in their own no-cast FSDP groups, one per decoder layer (nvfp4.fsdp), before
@@ -779,8 +786,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         with self._rollout_noise():
             if self._lora_synced_step != self.state.global_step:  # the adapter changed at most once per step
-                self._lora_synced_step = self.state.global_step
                 self.rollout.sync_lora()
+                self._lora_synced_step = self.state.global_step  # only once it is there: a failed push is retried
             if self.args.rollout_seed_per_prompt:  # QeRLConfig allows it with the torch-RNG engines only
                 completion_ids, logprobs = self._generate_seeded(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -813,8 +820,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if g <= 1 or n % g or any(list(prompt_ids[i]) != list(prompt_ids[i - i % g]) for i in range(n)):
             g = 1
         step = int(self.state.global_step)
-        call = self._rollout_calls[1] if self._rollout_calls[0] == step else 0
-        self._rollout_calls = (step, call + 1)
+        key = ("train" if self.model.training else "eval", step)
+        call = self._rollout_calls[1] if self._rollout_calls[0] == key else 0
+        self._rollout_calls = (key, call + 1)
         base = self.accelerator.process_index * n
         device = self.accelerator.device
         fork_devices = [device] if device.type == "cuda" else []

@@ -71,6 +71,11 @@ def _at_least(low: float) -> Callable[[Any], bool]:
     return lambda v: v >= low
 
 
+_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
+_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # GRPOTrainer._compute_loss
+_SCALE_REWARDS = ("group", "batch", "none")  # GRPOConfig turns true / false into "group" / "none"
+_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
 #: (config field, accepted?, what is accepted). ``None`` (the library's default where a field allows it) is not
 #: checked; NaN fails every comparison, so it is refused.
 CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -96,6 +101,13 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("aqn_sigma_start", _at_least(0), ">= 0 (σ is a standard deviation)"),
     ("aqn_sigma_end", _at_least(0), ">= 0 (σ is a standard deviation)"),
+    # TRL reads it only inside a training step (the graph and vLLM engines' correction and its metrics): a typo
+    # would otherwise stop the run at its first loss, after the model has loaded
+    ("vllm_importance_sampling_mode", lambda v: v in _SAMPLING_MODES, f"one of {', '.join(map(repr, _SAMPLING_MODES))}"),
+    # likewise read by TRL 1.16 only in the first step (advantages, loss): its names, as its trainer spells them
+    ("loss_type", lambda v: v in _LOSS_TYPES, f"one of {', '.join(map(repr, _LOSS_TYPES))}"),
+    ("scale_rewards", lambda v: v in _SCALE_REWARDS, f"one of {', '.join(map(repr, _SCALE_REWARDS))} (or true/false)"),
+    ("multi_objective_aggregation", lambda v: v in _AGGREGATIONS, f"one of {', '.join(map(repr, _AGGREGATIONS))}"),
 ]
 
 

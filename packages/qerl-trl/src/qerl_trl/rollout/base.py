@@ -89,6 +89,11 @@ class RolloutEngine:
                 "continuous-batching) rollouts sample with the engine's own seed: use rollout_engine='transformers' "
                 "or 'graph', or rollout_seed_per_prompt=False"
             )
+        if cfg.generation_wave_rows is not None and not cls.generates_in_waves:
+            # nothing else reads it (the memory plan ignores it here too): refused rather than silently unused
+            raise ValueError(f"generation_wave_rows={cfg.generation_wave_rows} splits the generation into waves, "
+                             f"which rollout_engine={cls.name!r} does not do: use rollout_engine='graph' or unset "
+                             "generation_wave_rows")  # fmt: skip
         precision = cfg.rollout_precision_spec
         if precision.name not in cls.rollout_precisions:
             raise ValueError(f"rollout_engine={cls.name!r} generates in {' or '.join(cls.rollout_precisions)} only, "

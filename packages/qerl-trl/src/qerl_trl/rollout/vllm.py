@@ -125,7 +125,11 @@ def engine_checkpoint(
         cache_dir = str(nvfp4_cache_dir() / "vllm-rollout")
     ident = src or getattr(model.config, "_name_or_path", "") or "model"
     tag = scheme.cache_tag  # "rtn" for nvfp4-rtn, as before formats existed: saved engine checkpoints stay valid
-    key = hashlib.sha1(f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}".encode()).hexdigest()[:10]
+    key_text = f"{os.path.abspath(ident) if os.path.exists(ident) else ident}|{tag}"
+    calibration = getattr(model, "qerl_calibration_id", None)  # awq / gptq: the weights depend on the prompts too
+    if calibration:
+        key_text += f"|{calibration}"
+    key = hashlib.sha1(key_text.encode()).hexdigest()[:10]
     target = Path(cache_dir) / f"{Path(ident).name or 'model'}-{tag}-{key}"
     import torch.distributed as dist
 
@@ -414,6 +418,10 @@ class ServerVLLMGeneration(_VLLMGeneration):
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise RuntimeError(f"vLLM server {method} {path}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out: urllib names no URL
+            why = e.reason if isinstance(e, urllib.error.URLError) else e
+            raise RuntimeError(f"vLLM server {method} {self.url}{path}: {why} (is the server at vllm.server_url "
+                               f"{self.url} running and reachable?)") from e  # fmt: skip
         if not body:
             return None
         try:

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..layout import weight_shape
 from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
 #: a k16 step's scale pair (l: row r, h: row r + 8) → f, bf16x2 of s·2^112 (round 15 steps A and B)
@@ -575,7 +576,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     if inflight and not scale_pairs:
         raise ValueError("hopper_ws.launch: inflight=True (round 15 step B) needs scale_pairs=True")
     m, k = x.shape
-    n = _out_features(scale, scale_pairs)
+    n = weight_shape(packed, scale)[0]
     x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
@@ -595,11 +596,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
                             SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, INFLIGHT=inflight,
                             maxnreg=MAXNREG)  # fmt: skip
     return y
-
-
-def _out_features(scale: torch.Tensor, scale_pairs: bool) -> int:
-    """``N`` from the scales: ``[N, K/16]``, or ``[N/64, K/64·256]`` in step A's layout."""
-    return scale.shape[0] * (64 if scale_pairs else 1)
 
 
 def _smem_layouts(block_m: int, scale_pairs: bool = False):
@@ -643,7 +639,7 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
               bias: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
     """:func:`launch` with its own output and flags (benchmarks, tests); ``config``: :func:`launch`'s tile arguments."""
-    m, n = x.shape[0], _out_features(scale, config.get("scale_pairs", False))
+    m, n = x.shape[0], weight_shape(packed, scale)[0]
     flags = _FLAGS.get(x.device)
     if flags is None:
         flags = _FLAGS[x.device] = torch.zeros(1024, dtype=torch.int32, device=x.device)

@@ -116,3 +116,57 @@ def test_torch_compile_fakes_take_the_shape_from_the_helper():
     assert tuple(ops._linear_fake(x, pm, sm).shape) == (3, 128)
     dy = torch.empty(3, 128, device="meta")
     assert tuple(torch.ops.nvfp4.linear_dgrad.default(dy, pm, sm, q.global_scale.to("meta")).shape) == (3, 256)
+
+
+def _mma_both(layer):
+    """``layer`` as CUDA holds it with the switch on: MMA packed and step A's scale order (set by hand on the CPU)."""
+    layer.weight_scale = to_scale_mma_layout(layer.weight_scale)  # before packed: the old pair gives the CT scale
+    layer.weight_packed = to_mma_layout(layer.weight_packed)
+    assert layer.mma_layout and scale_is_mma_layout(layer.weight_packed, layer.weight_scale)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_module_forward_state_dict_load_and_caches(fmt):
+    """An NVFP4Linear holding both MMA orders computes the CT layer's outputs (bias, odd M), saves and loads the
+    checkpoint layout (``[N, K/16]`` scales on disk), and its dequantized caches are the CT layer's."""
+    import nvfp4
+    from nvfp4 import NVFP4Linear
+    from torch import nn
+
+    torch.manual_seed(3)
+    lin = nn.Linear(512, 128, bias=True)
+    ref = NVFP4Linear.from_linear(lin, format=fmt)
+    mod = _mma_both(NVFP4Linear.from_linear(lin, format=fmt))
+    x = torch.randn(5, 512)
+    assert torch.equal(mod(x), ref(x)) and torch.equal(mod.dequantize(), ref.dequantize())
+    assert _same(mod.nvfp4_weight.scale, ref.weight_scale) and mod.nvfp4_weight.shape == (128, 512)
+    sd, sd_ref = mod.state_dict(), ref.state_dict()
+    assert sd.keys() == sd_ref.keys() and all(_same(sd[k], sd_ref[k]) for k in sd)
+    for compact in (False, True):
+        with nvfp4.cache_dequantized(mod, torch.float32, compact=compact):
+            assert torch.equal(mod(x), ref(x))
+    if fmt == "nvfp4":  # a checkpoint loads into a layer holding both MMA orders
+        other = _mma_both(NVFP4Linear(512, 128, bias=True))
+        other.load_state_dict(sd_ref)
+        assert _same(other.weight_scale, mod.weight_scale) and torch.equal(other.weight_packed, mod.weight_packed)
+        bad = {k: v.clone() for k, v in sd_ref.items()}  # a zero scale: back to the CT layout, both tensors
+        bad["weight_scale"].view(torch.uint8)[7, 3] = 0
+        with pytest.warns(UserWarning, match="compressed-tensors layout"):
+            other.load_state_dict(bad)
+        assert not other.mma_layout and _same(other.weight_scale, bad["weight_scale"])
+
+
+def test_fsdp_gather_of_an_unsharded_shardable_layer():
+    from nvfp4 import NVFP4Linear
+    from nvfp4.fsdp import gathered_quantized_weight, make_shardable
+    from torch import nn
+
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 192, bias=False)
+    ref = NVFP4Linear.from_linear(lin)
+    conv = make_shardable(_mma_both(NVFP4Linear.from_linear(lin)))
+    w = gathered_quantized_weight(conv)
+    assert torch.equal(w.packed, ref.weight_packed) and _same(w.scale, ref.weight_scale)
+    x = torch.randn(3, 256)
+    assert torch.equal(conv(x), ref(x))

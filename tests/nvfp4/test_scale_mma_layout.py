@@ -170,3 +170,132 @@ def test_fsdp_gather_of_an_unsharded_shardable_layer():
     assert torch.equal(w.packed, ref.weight_packed) and _same(w.scale, ref.weight_scale)
     x = torch.randn(3, 256)
     assert torch.equal(conv(x), ref(x))
+
+
+_INTERP_SCRIPT = """
+import json
+import torch
+from nvfp4.codec import quantize
+from nvfp4.kernels import LinearConfig, dequantize_triton, nvfp4_gemm, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
+from nvfp4.layout import to_mma_layout, to_scale_mma_layout
+
+nvfp4_gemm.POISON_OUTPUTS = True
+torch.manual_seed(97)
+out = []
+
+def same(a, b):
+    return bool(a.shape == b.shape and not torch.isnan(a).any() and torch.equal(a, b))
+
+def weights(n, k):
+    q = quantize(torch.randn(n, k))
+    packed = to_mma_layout(q.packed)
+    return (packed, q.scale, q.global_scale), (packed, to_scale_mma_layout(q.scale), q.global_scale)
+
+def mma(m, split):
+    return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=1, mma=True)
+
+def large(bm, tiles, quarters, split=1):
+    return LinearConfig(block_m=bm, block_n=64 * tiles, block_k=64 * quarters, split_k=split, num_warps=4,
+                        num_stages=1, group_m=2, mma=True, large_m=True)
+
+# decode kernel (split-K, row blocks), large-M (several tiles, tiles past N, K quarters, split-K): bias, odd M
+for m, n, k, cfg in [(3, 128, 512, mma(16, 2)), (20, 64, 512, mma(16, 1)), (37, 192, 512, large(32, 2, 2)),
+                     (5, 64, 768, large(16, 1, 4, 2))]:
+    ct, pairs = weights(n, k)
+    x = torch.randn(m, k, dtype=torch.float16)
+    b = torch.randn(n, dtype=torch.float16)
+    out.append(dict(kind="linear", m=m, cfg=str(cfg), same=same(nvfp4_linear(x, *pairs, b, config=cfg),
+                                                               nvfp4_linear(x, *ct, b, config=cfg))))
+# fused LoRA in the decode kernel (x·Aᵀ shared by the tiles of a split) and in the large-M epilogue
+for m, n, k, cfg in [(3, 128, 512, mma(16, 2)), (9, 128, 512, large(16, 2, 1))]:
+    ct, pairs = weights(n, k)
+    x = torch.randn(m, k, dtype=torch.float16)
+    a, bb = torch.randn(8, k) / k**0.5, torch.randn(n, 8)
+    y = [nvfp4_lora_linear(x, *w, None, a, bb, 0.5, config=cfg) for w in (ct, pairs)]
+    out.append(dict(kind="lora", m=m, cfg=str(cfg), same=same(y[1], y[0])))
+# dgrad (several 64-row tiles of W), dequantize (fp16, fp32)
+ct, pairs = weights(192, 512)
+dy = torch.randn(19, 192, dtype=torch.float16)
+out.append(dict(kind="dgrad", same=same(nvfp4_linear_dgrad(dy, *pairs), nvfp4_linear_dgrad(dy, *ct))))
+for dt in (torch.float16, torch.float32):
+    out.append(dict(kind="dequant", dtype=str(dt), same=same(dequantize_triton(*pairs, dt), dequantize_triton(*ct, dt))))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_mma_kernels_read_either_order_bit_identically_under_triton_interpreter():
+    """The decode kernel (split-K, row blocks, fused LoRA), large-M (tiles past N, K quarters, split-K, LoRA), dgrad
+    and dequantize: with the scales in step A's order, the same outputs bit for bit as with ``[N, K/16]`` scales."""
+    from pathlib import Path
+
+    from triton_interpreter import run_under_interpreter
+
+    src = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
+    results = run_under_interpreter(_INTERP_SCRIPT, timeout=900, extra_path=[src])
+    assert len(results) == 4 + 2 + 1 + 2
+    assert all(r["same"] for r in results), [r for r in results if not r["same"]]
+
+
+def test_ws_dispatch_passes_scale_pairs_from_the_scale_shape(monkeypatch):
+    """The dispatch gives hopper_ws ``scale_pairs=True`` exactly when the scales are in step A's order (the kernel
+    itself needs a Hopper GPU: its launch is recorded here); ``launch`` refuses a flag that contradicts the shape."""
+    pytest.importorskip("triton")
+    from nvfp4.kernels import LinearConfig, hopper_ws, nvfp4_gemm
+
+    calls = []
+    monkeypatch.setattr(hopper_ws, "launch", lambda *a, **kw: calls.append(kw["scale_pairs"]))
+    q = _weight(128, 512)
+    packed = to_mma_layout(q.packed)
+    cfg = LinearConfig(block_m=64, block_n=128, num_stages=4, mma=True, ws=True)
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    for scale in (q.scale, to_scale_mma_layout(q.scale)):
+        nvfp4_gemm._linear_ws(x, packed, scale, q.global_scale, None, None, cfg, None)
+    assert calls == [False, True]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="scale_pairs=True but weight_scale is"):
+        hopper_ws.launch(x, packed, q.scale, q.global_scale, None, x, None, scale_pairs=True)
+
+
+def _sm90_sass(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> tuple[str, str]:
+    """(cuobjdump resource line, SASS) of ``fn`` compiled for sm_90a on the CPU (benchmarks/kernel_sass.py's helper)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_sass.py"
+    spec = importlib.util.spec_from_file_location("kernel_sass", path)
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    compiled = ks.compile_sm90(fn, ks._COMMON | signature, constexprs, warps, stages)
+    line, _ = ks.sass_summary(compiled)
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([ks.BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    return line, sass
+
+
+@pytest.mark.parametrize("block_m, stages", [(16, 3), (64, 2)])
+def test_mma_decode_kernel_in_step_a_order_compiles_for_sm90_without_spills(block_m, stages):
+    """The decode kernel (FAST: the ``prmt`` PTX) with the scales in step A's order builds for sm_90a with no stack
+    and no local memory; its scale load stays ``cp.async``, 8 bytes a thread (``LDGSTS.E.64``, half as many as the
+    int32 words' ``LDGSTS.E``), and the kernel is within 1 % of the ``[N, K/16]`` build's instructions."""
+    pytest.importorskip("triton")
+    import re
+
+    from nvfp4.kernels import nvfp4_gemm
+
+    fn = nvfp4_gemm.JIT_KERNELS["linear_mma"]
+    const = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16, FUSED_REDUCE=False,
+                 SHARED_T=False, BLOCK_M=block_m)  # fmt: skip
+    counts = {}
+    for pairs in (False, True):
+        line, sass = _sm90_sass(fn, {}, const | dict(SCALE_PAIRS=pairs), 4, stages)
+        assert "STACK:0" in line and "LOCAL:0" in line, line
+        ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+        counts[pairs] = (sum(op != "NOP" for op in ops), ops.count("LDGSTS.E"), ops.count("LDGSTS.E.64"))
+    (ct, ct_words, _), (new, new_words, new_pairs) = counts[False], counts[True]
+    assert new_words == 0 and 2 * new_pairs == ct_words, counts
+    assert abs(new - ct) <= 0.01 * ct, counts

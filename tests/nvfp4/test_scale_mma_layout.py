@@ -299,3 +299,48 @@ def test_mma_decode_kernel_in_step_a_order_compiles_for_sm90_without_spills(bloc
     (ct, ct_words, _), (new, new_words, new_pairs) = counts[False], counts[True]
     assert new_words == 0 and 2 * new_pairs == ct_words, counts
     assert abs(new - ct) <= 0.01 * ct, counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 33, 64, 200, 512, 2000])
+def test_both_orders_on_the_gpu(m):
+    """bf16 on CUDA (the ``prmt`` fast path; on Hopper the ws kernel with ``scale_pairs`` at M = 64-512): forward and
+    input gradient with step A's scales equal the ``[N, K/16]`` ones on the same weights (bit for bit where the same
+    kernel reads both orders; the ws kernel's step A path within 1e-3 relative)."""
+    from nvfp4 import ops
+
+    torch.manual_seed(m)
+    n, k = 1024, 2048
+    q = quantize(torch.randn(n, k, device="cuda"))
+    packed = to_mma_layout(q.packed)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ct = (packed, q.scale, q.global_scale)
+    pairs = (packed, to_scale_mma_layout(q.scale), q.global_scale)
+    y_ct, y = ops.linear(x, *ct, bias), ops.linear(x, *pairs, bias)
+    ws = torch.cuda.get_device_capability() == (9, 0) and 64 <= m <= 512
+    if ws:
+        assert ((y.float() - y_ct.float()).norm() / y_ct.float().norm()).item() < 1e-3
+    else:
+        assert torch.equal(y, y_ct)
+    assert torch.equal(ops.linear_dgrad(dy, *pairs), ops.linear_dgrad(dy, *ct))
+
+
+@pytest.mark.gpu
+def test_nvfp4linear_takes_step_a_scales_on_cuda_with_the_switch(monkeypatch):
+    from nvfp4 import NVFP4Linear
+    from torch import nn
+
+    torch.manual_seed(5)
+    lin = nn.Linear(512, 256, bias=True)
+    monkeypatch.delenv("NVFP4_SCALE_MMA_LAYOUT", raising=False)
+    ref = NVFP4Linear.from_linear(lin).cuda()
+    monkeypatch.setenv("NVFP4_SCALE_MMA_LAYOUT", "1")
+    mod = NVFP4Linear.from_linear(lin).cuda()
+    assert ref.mma_layout and tuple(ref.weight_scale.shape) == (256, 32)
+    assert mod.mma_layout and tuple(mod.weight_scale.shape) == (4, 2048)
+    x = torch.randn(7, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(mod.to(torch.bfloat16)(x), ref.to(torch.bfloat16)(x))
+    sd, sd_ref = mod.state_dict(), ref.state_dict()
+    assert all(_same(sd[k], sd_ref[k]) for k in sd_ref)

@@ -28,8 +28,9 @@ bytes per thread (32 threads per row, one warp per row), thread ``lane`` of warp
 ``wgmma`` for all 16 K-steps of the tile. The decoded tile is relabelled to ``[64, 256]`` by a
 reshape/permute that Triton lowers to nothing (:func:`_mma_tile`), so ``_linear_mma_kernel`` feeds ``wgmma`` from
 registers with no shared-memory round trip. Scales stay in the compressed-tensors layout (or, with
-``NVFP4_SCALE_MMA_LAYOUT=1``, step A's order: :func:`_scale_words`) and are read as int32 words (4 scales each): loaded as fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``,
-so the scale load stayed synchronous in every K step. With ``num_stages`` 2-3, Triton pipelines the weight tile, its
+``NVFP4_SCALE_MMA_LAYOUT=1``, step A's order: :func:`_scale_words`) and are read as int32 words (4 scales each):
+loaded as fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``, so the scale load
+stayed synchronous in every K step. With ``num_stages`` 2-3, Triton pipelines the weight tile, its
 scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`` for all three).
 
 Dequantization in registers (never in HBM)

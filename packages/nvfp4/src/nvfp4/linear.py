@@ -180,8 +180,9 @@ class NVFP4Linear(nn.Linear):
         the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
         MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
         ``NVFP4_MMA_LAYOUT=0``; with ``NVFP4_SCALE_MMA_LAYOUT=1`` ``weight_scale`` then takes
-        :func:`~nvfp4.layout.to_scale_mma_layout`'s order (``[out/64, 4·in]``). An MXFP4 layer first transcodes its E8M0 scales to NVFP4 scales (on every device;
-        see the class docstring). Idempotent; returns :attr:`mma_layout`."""
+        :func:`~nvfp4.layout.to_scale_mma_layout`'s order (``[out/64, 4·in]``). An MXFP4 layer first transcodes its
+        E8M0 scales to NVFP4 scales (on every device; see the class docstring). Idempotent; returns
+        :attr:`mma_layout`."""
         packed = self.weight_packed
         if packed.is_meta:
             return self.mma_layout
@@ -423,13 +424,14 @@ class NVFP4Linear(nn.Linear):
         key = prefix + "weight_packed"
         if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
             scale_key = prefix + "weight_scale"
+            step_a = scale_key in state_dict and scale_is_mma_layout(self.weight_packed, self.weight_scale)
             if mma_scales_supported(state_dict.get(scale_key, self.weight_scale)):
-                if scale_key in state_dict and scale_is_mma_layout(self.weight_packed, self.weight_scale):
+                if step_a:
                     state_dict[scale_key] = to_scale_mma_layout(state_dict[scale_key])
                 state_dict[key] = to_mma_layout(state_dict[key])
             else:  # the MMA-layout kernels cannot decode these scales: back to the compressed-tensors layout
                 self.weight_packed = torch.empty_like(state_dict[key], device=self.weight_packed.device)
-                if scale_key in state_dict:
+                if step_a:
                     self.weight_scale = torch.empty_like(state_dict[scale_key], device=self.weight_scale.device)
                 self._warn_ct_layout_kept()
 

@@ -157,6 +157,57 @@ def test_module_forward_state_dict_load_and_caches(fmt):
         assert not other.mma_layout and _same(other.weight_scale, bad["weight_scale"])
 
 
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: a 192-output layer holding both MMA orders (3 scale rows: uneven 64-row-tile shards),
+    sharded by FSDP2; its gathered weight, output and input gradient against the unsharded CT layer."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from nvfp4 import NVFP4Linear
+    from nvfp4.fsdp import fully_shard_quantized, gathered_quantized_weight
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(6)
+        lin = nn.Linear(256, 192, bias=True)
+        ref = NVFP4Linear.from_linear(lin)
+        model = nn.Sequential(_mma_both(NVFP4Linear.from_linear(lin)))
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard_quantized(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        w = gathered_quantized_weight(model[0])
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        (g,) = torch.autograd.grad(model(x).square().sum(), x)
+        xr = x.detach().clone().requires_grad_(True)
+        (gr,) = torch.autograd.grad(ref(xr).square().sum(), xr)
+        result = {"weight": torch.equal(w.packed, ref.weight_packed) and _same(w.scale, ref.weight_scale),
+                  "grad": torch.equal(g, gr), "scale_rows": model[0].stored("weight_scale").to_local().shape[0]}  # fmt: skip
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_of_step_a_scales_gather_and_compute_as_the_ct_layer(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(out.read_text()) == {"weight": True, "grad": True, "scale_rows": 2}
+
+
 def test_fsdp_gather_of_an_unsharded_shardable_layer():
     from nvfp4 import NVFP4Linear
     from nvfp4.fsdp import gathered_quantized_weight, make_shardable
@@ -344,3 +395,15 @@ def test_nvfp4linear_takes_step_a_scales_on_cuda_with_the_switch(monkeypatch):
     assert torch.equal(mod.to(torch.bfloat16)(x), ref.to(torch.bfloat16)(x))
     sd, sd_ref = mod.state_dict(), ref.state_dict()
     assert all(_same(sd[k], sd_ref[k]) for k in sd_ref)
+
+
+if __name__ == "__main__":  # the FSDP2 test's 2 ranks
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ports import free_port
+
+    mp.spawn(_fsdp_worker, args=(free_port(), sys.argv[1]), nprocs=2)

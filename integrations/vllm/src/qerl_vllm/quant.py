@@ -54,7 +54,14 @@ import torch
 from nvfp4 import fp8, mxfp4, ops
 from nvfp4.codec import dequantize
 from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
-from nvfp4.layout import mma_layout_supported, mma_scales_supported, to_mma_layout
+from nvfp4.layout import (
+    mma_layout_supported,
+    mma_scales_supported,
+    scale_is_mma_layout,
+    scale_mma_layout_enabled,
+    to_mma_layout,
+    to_scale_mma_layout,
+)
 from nvfp4.rollout_precision import RolloutPrecision, get_rollout_precision, model_crossover_rows
 
 from . import vllm_missing
@@ -498,6 +505,8 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
             mma = False
         if mma:
             packed = to_mma_layout(packed)  # row-tile-wise: the members stay 64-row aligned, one after the other
+            if scale_mma_layout_enabled():  # step A's order, 64-row tiles too (docs/kernels.md, "Landing step A")
+                scale = to_scale_mma_layout(scale)
         for n in ("weight_packed", "weight_scale", "weight_global_scale"):
             delattr(layer, n)
         layer.register_parameter("weight_packed", torch.nn.Parameter(packed.contiguous(), requires_grad=False))
@@ -507,9 +516,11 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
         )
         # per member: (packed rows, scale rows) of its slice; None: one product
         rows_per_output = 0.25 if mma else 1
+        scale_outputs_per_row = 64 if scale_is_mma_layout(packed, scale) else 1  # [N/64, 4K]: a row per 64 outputs
         bounds, start = [], 0
         for w in widths:
-            bounds.append(((int(start * rows_per_output), int((start + w) * rows_per_output)), (start, start + w)))
+            bounds.append(((int(start * rows_per_output), int((start + w) * rows_per_output)),
+                           (start // scale_outputs_per_row, (start + w) // scale_outputs_per_row)))  # fmt: skip
             start += w
         layer.nvfp4_members = None if shared else bounds
         layer.nvfp4_mma_layout = mma

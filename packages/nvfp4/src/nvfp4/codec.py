@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import packed_in_ct_layout
+from .layout import packed_in_ct_layout, scale_in_ct_layout, weight_shape
 
 __all__ = [
     "BLOCK_SIZE",
@@ -221,7 +221,7 @@ class NVFP4Weight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.scale.shape[0], self.scale.shape[1] * BLOCK_SIZE))
+        return torch.Size(weight_shape(self.packed, self.scale))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Dense ``[out, in]`` weight in ``dtype``."""
@@ -288,10 +288,11 @@ def dequantize(
     """Reference dequantization: uint8 ``[out, in/2]`` + fp8 ``[out, in/16]`` + fp32 ``[1]`` → ``[out, in]`` ``dtype``.
 
     Computed in float32 and rounded once to ``dtype``. ``packed`` may also be in the kernels' MMA layout
-    (``[out/4, 2·in]``, :mod:`nvfp4.layout`), which is converted back first.
+    (``[out/4, 2·in]``, :mod:`nvfp4.layout`) and ``scale`` beside it in :func:`~nvfp4.layout.to_scale_mma_layout`'s
+    order (``[out/64, 4·in]``): both are converted back first.
     """
     if packed.dim() == 2 and scale.dim() == 2 and packed.shape[0] != scale.shape[0]:
-        packed = packed_in_ct_layout(packed, scale)
+        packed, scale = packed_in_ct_layout(packed, scale), scale_in_ct_layout(packed, scale)
     out, half = packed.shape
     if scale.shape != (out, half * 2 // BLOCK_SIZE):
         raise ValueError(

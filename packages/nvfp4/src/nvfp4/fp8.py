@@ -27,6 +27,7 @@ import torch
 
 from . import ops
 from .codec import dequantize
+from .layout import scale_is_mma_layout, weight_shape
 from .ops import _use_triton
 
 __all__ = [
@@ -59,23 +60,26 @@ def fp8_weight(
 
     Args:
         packed: uint8 ``[N, K/2]`` (compressed-tensors layout) or ``[N/4, 2K]`` (the MMA layout, :mod:`nvfp4.layout`);
-            scale: float8_e4m3fn ``[N, K/16]``; global_scale: float32 ``[1]``.
+            scale: float8_e4m3fn ``[N, K/16]`` (or ``[N/64, 4K]`` beside the MMA layout, :mod:`nvfp4.layout`);
+            global_scale: float32 ``[1]``.
         rows_per_chunk: output rows dequantised at a time (bounds the float32 temporary; a multiple of 64).
 
     Returns:
         ``(w8, w_scale)``: float8_e4m3fn ``[N, K]`` and float32 ``[N]`` with ``w8 · w_scale[:, None] ≈ dequant(W)``
         (per element within half an E4M3 step: 2⁻⁴ relative, 2⁻¹⁰·w_scale absolute below 2⁻⁶·w_scale).
     """
-    n = scale.shape[0]
+    n, k = weight_shape(packed, scale)
     mma = packed.shape[0] != n  # [N/4, 2K]: 64 outputs = 16 packed rows
+    rows_per_scale_row = 64 if scale_is_mma_layout(packed, scale) else 1  # [N/64, 4K]: one row per 64 outputs
     if rows_per_chunk % 64:
         raise ValueError(f"fp8_weight: rows_per_chunk must be a multiple of 64, got {rows_per_chunk}")
-    w8 = torch.empty(n, scale.shape[1] * 16, dtype=torch.float8_e4m3fn, device=packed.device)
+    w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=packed.device)
     w_scale = torch.empty(n, dtype=torch.float32, device=packed.device)
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         p = packed[r0 // 4 : -(-r1 // 4)] if mma else packed[r0:r1]
-        w = dequantize(p, scale[r0:r1], global_scale, torch.float32)
+        s = scale[r0 // rows_per_scale_row : -(-r1 // rows_per_scale_row)]
+        w = dequantize(p, s, global_scale, torch.float32)
         amax = w.abs().amax(dim=1).clamp_min(AMAX_FLOOR)
         w8[r0:r1] = round_e4m3_reference(w * (FP8_MAX / amax)[:, None])
         w_scale[r0:r1] = amax / FP8_MAX

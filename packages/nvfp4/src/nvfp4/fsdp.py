@@ -203,9 +203,9 @@ def gathered_quantized_weight(layer: NVFP4Linear) -> QuantizedWeight:
         tensors[name] = full.view(layer._storage_dtypes[name])
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     if layer._stored_mma_layout:
-        from .layout import from_mma_layout
+        from .layout import from_mma_layout, scale_in_ct_layout
 
-        packed = from_mma_layout(packed)
+        packed, scale = from_mma_layout(packed), scale_in_ct_layout(packed, scale)
     fmt = layer.weight_format
     if fmt.to_nvfp4_scales is None:
         return NVFP4Weight(packed, scale, layer.weight_global_scale)

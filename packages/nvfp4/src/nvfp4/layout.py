@@ -4,7 +4,8 @@ Checkpoints always hold the compressed-tensors layout: ``packed`` uint8 ``[N, K/
 in the low nibble and ``W[n, 2j+1]`` in the high nibble of byte ``j``. On CUDA, :class:`nvfp4.NVFP4Linear` keeps the
 same bytes permuted into ``[N/4, 2K]`` so that the Triton GEMM's 16-byte loads land directly in the registers
 Hopper's ``wgmma`` reads its A operand from (no shared-memory round trip per tile; see
-:mod:`nvfp4.kernels.nvfp4_gemm`). The scales and the global scale are unchanged. Serialization converts back.
+:mod:`nvfp4.kernels.nvfp4_gemm`). The scales stay ``[N, K/16]`` unless ``NVFP4_SCALE_MMA_LAYOUT=1``
+(:func:`to_scale_mma_layout`'s order beside the MMA layout); the global scale is unchanged. Serialization converts back.
 
 Within each 64 × 256 tile of W (64 outputs × 128 bytes), with ``n = n5..n0`` the row and ``b = b6..b0`` the byte
 (``b = k // 2``), the tile is stored as 16 rows of 512 bytes at ``[tile_n·16 + r, tile_k·512 + c]``, where
@@ -34,6 +35,8 @@ zero, negative or NaN scale: :func:`mma_scales_supported` says whether a weight'
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = [
@@ -45,8 +48,12 @@ __all__ = [
     "mma_layout_supported",
     "mma_scales_supported",
     "packed_in_ct_layout",
+    "scale_in_ct_layout",
+    "scale_is_mma_layout",
+    "scale_mma_layout_enabled",
     "to_mma_layout",
     "to_scale_mma_layout",
+    "weight_shape",
     "WORD_BIT_POSITIONS",
 ]
 
@@ -84,11 +91,32 @@ def mma_layout_supported(out_features: int, in_features: int) -> bool:
     return out_features % MMA_TILE_N == 0 and in_features % MMA_TILE_K == 0 and out_features > 0
 
 
+def scale_mma_layout_enabled() -> bool:
+    """Whether ``NVFP4_SCALE_MMA_LAYOUT=1``: where ``weight_packed`` takes the MMA layout, ``weight_scale`` takes
+    :func:`to_scale_mma_layout`'s order too (default off: ``[N, K/16]`` scales everywhere). Read only where the layout
+    is chosen."""
+    return os.environ.get("NVFP4_SCALE_MMA_LAYOUT", "0") == "1"
+
+
+def scale_is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``scale`` is in :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``) beside an MMA-layout ``packed``
+    (``[N/4, 2K]``): from the shapes only (no compressed-tensors pair has them; :func:`is_mma_layout` validates)."""
+    return packed.shape[0] == 16 * scale.shape[0] and scale.shape[1] == 2 * packed.shape[1]
+
+
+def weight_shape(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of the ``[N, K]`` weight, from ``scale`` in either order (``[N, K/16]`` or ``[N/64, 4K]``)."""
+    if scale_is_mma_layout(packed, scale):
+        return 64 * scale.shape[0], scale.shape[1] // 4
+    return scale.shape[0], scale.shape[1] * 16
+
+
 def is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
-    """True if ``packed`` is in the MMA layout (``[N/4, 2K]``) for the ``[N, K/16]`` ``scale``; False if it is in
-    the compressed-tensors layout (``[N, K/2]``); ``ValueError`` if it is neither."""
-    n, k = scale.shape[0], scale.shape[1] * 16
-    if tuple(packed.shape) == (n, k // 2):
+    """True if ``packed`` is in the MMA layout (``[N/4, 2K]``) for ``scale`` (``[N, K/16]``, or ``[N/64, 4K]`` in
+    :func:`to_scale_mma_layout`'s order); False if both are in the compressed-tensors layout (``[N, K/2]``,
+    ``[N, K/16]``); ``ValueError`` otherwise."""
+    n, k = weight_shape(packed, scale)
+    if tuple(packed.shape) == (n, k // 2) and not scale_is_mma_layout(packed, scale):
         return False
     if tuple(packed.shape) == (n // 4, 2 * k) and mma_layout_supported(n, k):
         return True
@@ -127,6 +155,12 @@ def from_mma_layout(packed: torch.Tensor) -> torch.Tensor:
 def packed_in_ct_layout(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``packed`` in the compressed-tensors layout (itself, or converted back from the MMA layout)."""
     return from_mma_layout(packed) if is_mma_layout(packed, scale) else packed
+
+
+def scale_in_ct_layout(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as ``[N, K/16]`` (itself, or converted back from :func:`to_scale_mma_layout`'s order)."""
+    mma = is_mma_layout(packed, scale) and scale_is_mma_layout(packed, scale)
+    return from_scale_mma_layout(scale) if mma else scale
 
 
 def mma_scales_supported(scale: torch.Tensor) -> bool:

@@ -19,11 +19,16 @@ from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, unpack_e2
 from .formats import Format, QuantizedWeight, format_of, get_format
 from .layout import (
     from_mma_layout,
+    from_scale_mma_layout,
     is_mma_layout,
     mma_layout_supported,
     mma_scales_supported,
     packed_in_ct_layout,
+    scale_in_ct_layout,
+    scale_is_mma_layout,
+    scale_mma_layout_enabled,
     to_mma_layout,
+    to_scale_mma_layout,
 )
 
 __all__ = [
@@ -174,8 +179,10 @@ class NVFP4Linear(nn.Linear):
         """Put ``weight_packed`` in the layout the kernels read fastest on its device: the MMA layout on CUDA when
         the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
         MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
-        ``NVFP4_MMA_LAYOUT=0``. An MXFP4 layer first transcodes its E8M0 scales to NVFP4 scales (on every device;
-        see the class docstring). Idempotent; returns :attr:`mma_layout`."""
+        ``NVFP4_MMA_LAYOUT=0``; with ``NVFP4_SCALE_MMA_LAYOUT=1`` ``weight_scale`` then takes
+        :func:`~nvfp4.layout.to_scale_mma_layout`'s order (``[out/64, 4·in]``). An MXFP4 layer first transcodes its
+        E8M0 scales to NVFP4 scales (on every device; see the class docstring). Idempotent; returns
+        :attr:`mma_layout`."""
         packed = self.weight_packed
         if packed.is_meta:
             return self.mma_layout
@@ -190,6 +197,8 @@ class NVFP4Linear(nn.Linear):
         ):
             if mma_scales_supported(self.weight_scale):
                 self.weight_packed = to_mma_layout(packed)
+                if scale_mma_layout_enabled():  # step A's order (docs/kernels.md, "Landing step A")
+                    self.weight_scale = to_scale_mma_layout(self.weight_scale)
             else:
                 self._warn_ct_layout_kept()
         return self.mma_layout
@@ -229,7 +238,11 @@ class NVFP4Linear(nn.Linear):
             return self.weight_scale
         if self.weight_scale_e8m0 is not None:
             return self.weight_scale_e8m0
-        return self.weight_format.from_nvfp4_scales(self.weight_scale, self.weight_global_scale)
+        return self.weight_format.from_nvfp4_scales(self._ct_scale(), self.weight_global_scale)
+
+    def _ct_scale(self) -> torch.Tensor:
+        """``weight_scale`` as ``[out, in/16]`` (converted back from step A's order where the layer holds it)."""
+        return scale_in_ct_layout(self.weight_packed, self.weight_scale)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -242,7 +255,7 @@ class NVFP4Linear(nn.Linear):
         if not self.uses_nvfp4_ops:
             raise ValueError(f"{self._label()}: MXFP4 tensors without an NVFP4 transcode; use quantized_weight")
         packed = from_mma_layout(self.weight_packed) if self.mma_layout else self.weight_packed
-        return NVFP4Weight(packed, self.weight_scale, self.weight_global_scale)
+        return NVFP4Weight(packed, self._ct_scale(), self.weight_global_scale)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
@@ -263,6 +276,9 @@ class NVFP4Linear(nn.Linear):
                     destination[prefix + name] = t.detach().view(dtype)
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
+            scale_key = prefix + "weight_scale"
+            if scale_key in destination and scale_is_mma_layout(destination[key], destination[scale_key]):
+                destination[scale_key] = from_scale_mma_layout(destination[scale_key].detach())
             destination[key] = from_mma_layout(destination[key].detach())
         if self.weight_format.from_nvfp4_scales is not None and prefix + "weight_scale" in destination:  # as stored
             destination[prefix + "weight_scale"] = self._e8m0_scale().detach()
@@ -407,10 +423,16 @@ class NVFP4Linear(nn.Linear):
             return
         key = prefix + "weight_packed"
         if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
-            if mma_scales_supported(state_dict.get(prefix + "weight_scale", self.weight_scale)):
+            scale_key = prefix + "weight_scale"
+            step_a = scale_key in state_dict and scale_is_mma_layout(self.weight_packed, self.weight_scale)
+            if mma_scales_supported(state_dict.get(scale_key, self.weight_scale)):
+                if step_a:
+                    state_dict[scale_key] = to_scale_mma_layout(state_dict[scale_key])
                 state_dict[key] = to_mma_layout(state_dict[key])
             else:  # the MMA-layout kernels cannot decode these scales: back to the compressed-tensors layout
                 self.weight_packed = torch.empty_like(state_dict[key], device=self.weight_packed.device)
+                if step_a:
+                    self.weight_scale = torch.empty_like(state_dict[scale_key], device=self.weight_scale.device)
                 self._warn_ct_layout_kept()
 
     def _check_loaded_mxfp4(self, state_dict, prefix: str) -> None:
@@ -501,7 +523,7 @@ def _codes_cache(layer: NVFP4Linear, scratch: dict) -> _CodesCache | None:
     packed = packed_in_ct_layout(layer.weight_packed, layer.weight_scale)
     out = packed.shape[0]
     values = e2m1_to_float(unpack_e2m1(packed)).reshape(out, -1, BLOCK_SIZE)
-    step = layer.weight_scale.float() / layer.weight_global_scale.float().reshape(1, 1)
+    step = layer._ct_scale().float() / layer.weight_global_scale.float().reshape(1, 1)
     cache = _CodesCache((values * 2).to(torch.int8), (step / 2).unsqueeze(-1), scratch)
     del values
     return cache if torch.equal(cache.fill(), layer.dequantize(torch.float32)) else None

@@ -23,7 +23,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .codec import BLOCK_SIZE, dequantize
+from .codec import dequantize
+from .layout import weight_shape
 
 __all__ = [
     "linear",
@@ -95,7 +96,7 @@ def _linear_op(
 
 def _linear_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *_: object) -> torch.Tensor:
     """Fake (meta) implementation of both forward ops: ``[..., in]`` → ``[..., out]`` in ``x.dtype``."""
-    return x.new_empty((*x.shape[:-1], scale.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight_shape(packed, scale)[0]))
 
 
 _linear_op.register_fake(_linear_fake)
@@ -114,7 +115,7 @@ def _linear_dgrad_op(
 
 @_linear_dgrad_op.register_fake
 def _(dy, packed, scale, global_scale):
-    return dy.new_empty((*dy.shape[:-1], scale.shape[1] * BLOCK_SIZE))
+    return dy.new_empty((*dy.shape[:-1], weight_shape(packed, scale)[1]))
 
 
 @torch.library.custom_op("nvfp4::lora_linear", mutates_args=())
@@ -158,8 +159,8 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_features(op: str, x: torch.Tensor, scale: torch.Tensor) -> None:
-    k = scale.shape[-1] * BLOCK_SIZE
+def _check_features(op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    k = weight_shape(packed, scale)[1]
     if x.shape[-1] != k:
         raise ValueError(f"{op}: x has {x.shape[-1]} input features, the weight expects {k}")
 
@@ -176,20 +177,21 @@ def linear(
     Args:
         x: ``[..., in]`` float32/float16/bfloat16 activations.
         packed: uint8 ``[out, in/2]`` (compressed-tensors layout) or ``[out/4, 2·in]`` (the kernels' MMA layout,
-            :mod:`nvfp4.layout`); scale: float8_e4m3fn ``[out, in/16]``; global_scale: float32 ``[1]``.
+            :mod:`nvfp4.layout`); scale: float8_e4m3fn ``[out, in/16]`` (or ``[out/64, 4·in]`` beside the MMA layout); global_scale: float32 ``[1]``.
         bias: optional ``[out]`` in ``x.dtype``.
 
     Returns:
         ``[..., out]`` in ``x.dtype`` (float32 accumulation).
     """
-    _check_features("nvfp4.linear", x, scale)
+    _check_features("nvfp4.linear", x, packed, scale)
     return _linear_op(x, packed, scale, global_scale, bias)
 
 
 def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``dx = dy · dequant(W)``: dy ``[..., out]`` → dx ``[..., in]`` in ``dy.dtype``."""
-    if dy.shape[-1] != scale.shape[0]:
-        raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {scale.shape[0]} outputs")
+    n = weight_shape(packed, scale)[0]
+    if dy.shape[-1] != n:
+        raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")
     return _linear_dgrad_op(dy, packed, scale, global_scale)
 
 
@@ -217,7 +219,7 @@ def lora_linear(
     Raises:
         RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
     """
-    _check_features("nvfp4.lora_linear", x, scale)
+    _check_features("nvfp4.lora_linear", x, packed, scale)
     if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
         raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")
     return _lora_linear_op(x, packed, scale, global_scale, bias, lora_a, lora_b, float(scaling))

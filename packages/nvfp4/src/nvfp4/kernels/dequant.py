@@ -12,18 +12,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dequant_tile, _mma_tile, _mma_tile_ptrs, _scale_fold
+from .decode import _dequant_tile, _mma_tile, _mma_tile_ptrs, _scale_fold, _scale_k_offset, _scale_words
 
 
 @triton.jit
-def _dequant_mma_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K):
-    """``out[N, K] = dequant(W)`` (out's dtype, contiguous) for W in the MMA layout; one 64 × 256 tile per program."""
+def _dequant_mma_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, SCALE_PAIRS: tl.constexpr = False):
+    """``out[N, K] = dequant(W)`` (out's dtype, contiguous) for W in the MMA layout; one 64 × 256 tile per program
+    (``SCALE_PAIRS``: the scales in step A's order)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     sfac, post = _scale_fold(g_ptr, False)
-    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K, SCALE_PAIRS)
     k0 = pid_k * 256
-    w = _mma_tile(tl.load(w_tile + 2 * k0), tl.load(s_tile + k0 // 64), sfac, False, out_ptr.dtype.element_ty)
+    s = _scale_words(tl.load(s_tile + _scale_k_offset(k0, SCALE_PAIRS)), SCALE_PAIRS, False)
+    w = _mma_tile(tl.load(w_tile + 2 * k0), s, sfac, False, out_ptr.dtype.element_ty)
     rows = pid_n * 64 + tl.arange(0, 64)
     cols = k0 + tl.arange(0, 256)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w)

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..layout import scale_is_mma_layout, weight_shape
 from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
 #: a k16 step's scale pair (l: row r, h: row r + 8) → f, bf16x2 of s·2^112 (round 15 steps A and B)
@@ -566,16 +567,18 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
         fixup: the programs that share a split tile each sum a share of it at the end (needs ``4·programs``
             flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
             sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
-        scale_pairs: round 15 step A (a spike, not in the dispatch table): ``scale`` is fp8 ``[N/64, K/64·256]``
-            in :func:`nvfp4.layout.to_scale_mma_layout`'s order (made once by the caller from the ``[N, K/16]``
-            scales), read as one 8-byte scale-pair load per thread and stage.
+        scale_pairs: round 15 step A: ``scale`` is fp8 ``[N/64, K/64·256]`` in
+            :func:`nvfp4.layout.to_scale_mma_layout`'s order (what ``NVFP4_SCALE_MMA_LAYOUT=1`` stores; the dispatch
+            passes it from the scale's shape), read as one 8-byte scale-pair load per thread and stage.
         inflight: round 15 step B on top of step A (needs ``scale_pairs``): one wgmma per k16 step, the next step's
             decode while it is in flight.
     """
     if inflight and not scale_pairs:
         raise ValueError("hopper_ws.launch: inflight=True (round 15 step B) needs scale_pairs=True")
+    if scale_pairs != scale_is_mma_layout(packed, scale):
+        raise ValueError(f"hopper_ws.launch: scale_pairs={scale_pairs} but weight_scale is {tuple(scale.shape)}")
     m, k = x.shape
-    n = _out_features(scale, scale_pairs)
+    n = weight_shape(packed, scale)[0]
     x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
@@ -595,11 +598,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
                             SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, INFLIGHT=inflight,
                             maxnreg=MAXNREG)  # fmt: skip
     return y
-
-
-def _out_features(scale: torch.Tensor, scale_pairs: bool) -> int:
-    """``N`` from the scales: ``[N, K/16]``, or ``[N/64, K/64·256]`` in step A's layout."""
-    return scale.shape[0] * (64 if scale_pairs else 1)
 
 
 def _smem_layouts(block_m: int, scale_pairs: bool = False):
@@ -643,7 +641,7 @@ _FLAGS: dict[torch.device, torch.Tensor] = {}
 def ws_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
               bias: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
     """:func:`launch` with its own output and flags (benchmarks, tests); ``config``: :func:`launch`'s tile arguments."""
-    m, n = x.shape[0], _out_features(scale, config.get("scale_pairs", False))
+    m, n = x.shape[0], weight_shape(packed, scale)[0]
     flags = _FLAGS.get(x.device)
     if flags is None:
         flags = _FLAGS[x.device] = torch.zeros(1024, dtype=torch.int32, device=x.device)

@@ -18,6 +18,7 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
     python benchmarks/gemm.py --round15 --ms 64,128,256 --peer-humming --out $OUT   # round 15 step A → gemm_round15.json
+    python benchmarks/gemm.py --scale-pairs --no-mxfp4 --out $OUT   # + every form with step A's scale order (pairs_ms)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 from nvfp4.kernels.large_m import LARGE_M_TILES  # noqa: E402
-from nvfp4.layout import mma_layout_supported, to_mma_layout  # noqa: E402
+from nvfp4.layout import mma_layout_supported, to_mma_layout, to_scale_mma_layout  # noqa: E402
 
 #: name → {linear: (N=out, K=in)} of one decoder layer (q, k, v, o, gate, up, down), from common.shapes
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -104,7 +105,7 @@ class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
     layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU)."""
 
-    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False):
+    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False, need_pairs: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -113,6 +114,8 @@ class Weights:
         self.mma = mma_layout_supported(n, k)
         packed = to_mma_layout(q.packed) if self.mma else q.packed
         self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
+        # the same copies with their scales in round 15 step A's order (stage 1 of its landing: every kernel takes both)
+        self.pairs = [(p, to_scale_mma_layout(s), g) for p, s, g in self.q] if need_pairs and self.mma else []
         # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
         # on the same GPU, timed on random codes (its speed does not depend on the values)
         self.int4 = []
@@ -142,9 +145,9 @@ def _n_calls(n_copies: int) -> int:
     return min(n_copies, 256)
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, q: list | None = None):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    q = wts.q
+    q = q or wts.q
     nq = _n_calls(len(q))
     ours = time_graph([partial(nvfp4_linear, x, *q[i % len(q)], None, config=config) for i in range(nq)])
     ref = None
@@ -308,10 +311,11 @@ def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int 
                        for i in range(nq)])  # fmt: skip
 
 
-def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
+def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, q: list | None = None):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    nq = _n_calls(len(wts.q))
-    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *wts.q[i % len(wts.q)], config=config) for i in range(nq)])
+    q = q or wts.q
+    nq = _n_calls(len(q))
+    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *q[i % len(q)], config=config) for i in range(nq)])
     ref = None
     if with_bf16:
         nb = _n_calls(len(wts.bf16))
@@ -332,17 +336,20 @@ def run_tables(
     with_mxfp4: bool = True,
     peer_humming: bool = False,
     with_ws: bool = False,
+    scale_pairs: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
     ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
-    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
+    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``scale_pairs``: ``pairs_ms``, the
+    same dispatch with the scales in round 15 step A's order (forward and backward; ``pairs_err``: its relative
+    difference from the ``[N, K/16]`` scales' output, which the landing needs at 0)."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4)
+            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4, need_pairs=scale_pairs)
             hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
@@ -361,6 +368,9 @@ def run_tables(
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
+                if wts.pairs:
+                    row["pairs_ms"] = bench_fwd(wts, m, with_bf16=False, q=wts.pairs)[0]
+                    row["pairs_err"] = pairs_err(nvfp4_linear, torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wts)
                 if wts.int4:
                     row["int4_ms"] = bench_int4(wts, m)
                 if wts.mxfp4_layers:
@@ -374,6 +384,10 @@ def run_tables(
                          weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
                          config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__)
                 )  # fmt: skip
+                if wts.pairs:
+                    dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+                    results["backward"][-1].update(pairs_ms=bench_bwd(wts, m, with_bf16=False, q=wts.pairs)[0],
+                                                   pairs_err=pairs_err(nvfp4_linear_dgrad, dy, wts))  # fmt: skip
             del wts, hum
             torch.cuda.empty_cache()
             print(f"  done {model} {name}", flush=True)
@@ -385,7 +399,13 @@ def run_tables(
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
                  "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming NVFP4",
-                 "prev": "previous dispatch (same run)"}  # fmt: skip
+                 "prev": "previous dispatch (same run)", "pairs": "scales in step A's order"}  # fmt: skip
+
+
+def pairs_err(op, x: torch.Tensor, wts: Weights) -> float:
+    """Relative difference of ``op`` with the scales in step A's order from ``op`` with ``[N, K/16]`` scales."""
+    ref = op(x, *wts.q[0]).float()
+    return ((op(x, *wts.pairs[0]).float() - ref).norm() / ref.norm()).item()
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -601,6 +621,8 @@ def main() -> None:
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
     ap.add_argument("--round15", action="store_true", help="round 15 step A (hopper_ws scale_pairs=True) beside the "
                     "shipped dispatch, bf16 and Humming (--peer-humming) on the 7B gate/down (--ms, default 64,128,256)")
+    ap.add_argument("--scale-pairs", action="store_true", help="also time every form with the scales in round 15 "
+                    "step A's order (pairs_ms; the landing's measurement: same weights, one process)")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
@@ -636,7 +658,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws, args.scale_pairs)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# THERE, with no vLLM install: one call carrying .carry/kern (HERE: `bash benchmarks/vllm_gpu/fetch.sh --kernels`),
+#     source benchmarks/vllm_gpu/kernels_env.sh && bash benchmarks/vllm_gpu/bg.sh start k \
+#       'KERNEL_STEPS="1 2 3" bash benchmarks/vllm_gpu/kernels_job.sh'        # ~12 min; then bg.sh wait
+# (kernels_env.sh installs from .carry/kern before the job starts: bg.sh's copy of the tree leaves .carry out.)
+# One step after another, each under a timeout, files under $JOB_OUT:
+# 1. issue #50 round 15: step A and step B's GPU tests, then `gemm.py --round15` with Humming 0.1.19 in the same
+#    process (step B left out of the timing, ROUND15_ARMS=stepa, if one of its tests failed: a fault ends the process);
+# 2. the scale order's landing (stage 1: NVFP4_SCALE_MMA_LAYOUT): its GPU tests, the kernel tests with the switch on,
+#    then `gemm.py --scale-pairs` on the 7B layer (every form, forward and dgrad, both scale orders on the same weights);
+# 3. issue #51: the graph engine's sampling-logprobs test, both arms.
+set -uo pipefail
+source benchmarks/vllm_gpu/kernels_env.sh
+O=${JOB_OUT:-/tmp/qerl-k-out}
+mkdir -p "$O"
+nvidia-smi -L > "$O/gpu.txt"
+step() { [[ " ${KERNEL_STEPS:-1 2 3} " == *" $1 "* ]]; }
+say() { echo "== $* ($(date -u +%T))"; }
+tests() {  # tests LOG SECONDS PYTEST_ARGS...: verbose, under SIGINT so that pytest prints its summary when time is up
+  local log=$1 s=$2
+  shift 2
+  timeout -s INT "$s" python3 -m pytest "$@" -m gpu -p no:cacheprovider -v -rA > "$O/$log.log" 2>&1
+  echo "rc $?"; tail -n 3 "$O/$log.log"
+}
+if step 1; then
+  say "1 round 15 tests"
+  tests round15_tests 240 tests/nvfp4/test_hopper_ws.py -k round15
+  arms=stepa,stepb
+  grep -E "^FAILED|^ERROR" "$O/round15_tests.log" | grep -qi "inflight\|step_b\|stepb" && arms=stepa
+  say "1 gemm.py --round15 (ROUND15_ARMS=$arms)"
+  ROUND15_ARMS=$arms timeout 300 python3 benchmarks/gemm.py --round15 --ms 64,128,256 --peer-humming --out "$O" \
+    > "$O/gemm_round15.log" 2>&1
+  echo "rc $?"; tail -n 8 "$O/gemm_round15.log"
+fi
+if step 2; then
+  say "2 scale order: tests with NVFP4_SCALE_MMA_LAYOUT=1"
+  NVFP4_SCALE_MMA_LAYOUT=1 tests scale_order_tests 420 tests/nvfp4/test_scale_mma_layout.py tests/nvfp4/test_kernels.py \
+    tests/nvfp4/test_hopper_ws.py tests/nvfp4/test_linear.py
+  say "2 gemm.py --scale-pairs, 7B"
+  timeout 480 python3 benchmarks/gemm.py --scale-pairs --no-mxfp4 --models Qwen2.5-7B --out "$O/scale_pairs" \
+    > "$O/gemm_scale_pairs.log" 2>&1
+  echo "rc $?"; grep -A12 "whole decoder layer" "$O/gemm_scale_pairs.log" | head -n 30
+fi
+if step 3; then
+  say "3 sampling logprobs"
+  tests logprobs_tests 240 tests/qerl_trl/test_graph_generate.py -k sampling_logprobs
+fi
+say done

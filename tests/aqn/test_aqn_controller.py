@@ -160,3 +160,23 @@ def test_rollout_on_an_external_engine_gives_it_the_models_noise():
     with ctl.rollout(model, 0, engine=engine) as handle:  # σ = 0: nothing loaded, nothing to restore
         assert handle is None
     assert engine.restores == 1
+
+
+def test_an_engine_that_fails_while_taking_the_noise_is_restored():
+    """An engine that raises part-way through ``set_norm_weights`` (vLLM server mode: norms set, then its prefix-cache
+    reset refused) gets its clean norms back before the error propagates: no noisy engine is left behind."""
+
+    class _FailingEngine(_ModelCopyEngine):
+        def set_norm_weights(self, named) -> None:
+            super().set_norm_weights(named)
+            raise ConnectionError("POST /reset_prefix_cache: refused")
+
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    engine = _FailingEngine(model)
+    ctl = controller()
+    with pytest.raises(ConnectionError, match="refused"):
+        ctl.begin_rollout(model, 33, engine=engine)
+    assert engine.restores == 1 and all(torch.equal(engine.params[k], snap[k]) for k in engine.clean)
+    assert ctl.begin_rollout(model, 33, engine=_ModelCopyEngine(model)) is not None  # not left "active"
+    ctl.end_rollout()

@@ -143,7 +143,14 @@ class AQNController:
         if engine is not None:
             if draw_mode == "per_forward":
                 raise ValueError("an external engine takes one draw per rollout: use mode='per_step'")
-            engine.set_norm_weights(dict(self.engine_weights(noise, step, dtype=torch.float32)))
+            try:
+                engine.set_norm_weights(dict(self.engine_weights(noise, step, dtype=torch.float32)))
+            except BaseException:
+                # it may have taken some noisy norms before failing (a server: the norms set, its cache reset
+                # refused): put the clean ones back, best effort, and raise the first error
+                with contextlib.suppress(Exception):
+                    engine.restore_norm_weights()
+                raise
             return _EngineNoise(engine)
         if draw_mode == "per_forward":
             return noise.apply_per_forward(sigma, seed=self.seed, step=step)

@@ -301,14 +301,14 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
     return {"round15": rows}
 
 
-def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
+def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32, q: list | None = None) -> float:
     """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
     a = torch.randn(r, wts.k, device=DEV, dtype=torch.bfloat16) / wts.k**0.5
     b = torch.randn(wts.n, r, device=DEV, dtype=torch.bfloat16)
-    nq = _n_calls(len(wts.q))
-    return time_graph([partial(nvfp4_lora_linear, x, *wts.q[i % len(wts.q)], None, a, b, 2.0, config=config)
-                       for i in range(nq)])  # fmt: skip
+    q = q or wts.q
+    return time_graph([partial(nvfp4_lora_linear, x, *q[i % len(q)], None, a, b, 2.0, config=config)
+                       for i in range(_n_calls(len(q)))])  # fmt: skip
 
 
 def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, q: list | None = None):
@@ -366,6 +366,8 @@ def run_tables(
                     row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
+                    if wts.pairs:
+                        row["lora_pairs_ms"] = bench_lora(wts, m, cfg if form == "ws" else None, q=wts.pairs)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
                 if wts.pairs:
@@ -399,7 +401,8 @@ def run_tables(
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
                  "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming NVFP4",
-                 "prev": "previous dispatch (same run)", "pairs": "scales in step A's order"}  # fmt: skip
+                 "prev": "previous dispatch (same run)", "pairs": "scales in step A's order",
+                 "lora_pairs": "+ LoRA, step A's scale order"}  # fmt: skip
 
 
 def pairs_err(op, x: torch.Tensor, wts: Weights) -> float:

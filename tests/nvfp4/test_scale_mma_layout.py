@@ -332,7 +332,7 @@ def _sm90_sass(fn, signature: dict, constexprs: dict, warps: int, stages: int) -
 def test_mma_decode_kernel_in_step_a_order_compiles_for_sm90_without_spills(block_m, stages):
     """The decode kernel (FAST: the ``prmt`` PTX) with the scales in step A's order builds for sm_90a with no stack
     and no local memory; its scale load stays ``cp.async``, 8 bytes a thread (``LDGSTS.E.64``, half as many as the
-    int32 words' ``LDGSTS.E``), and the kernel is within 1 % of the ``[N, K/16]`` build's instructions."""
+    int32 words' ``LDGSTS.E``), and the kernel has at most 1 % more instructions than the ``[N, K/16]`` build."""
     pytest.importorskip("triton")
     import re
 
@@ -349,7 +349,43 @@ def test_mma_decode_kernel_in_step_a_order_compiles_for_sm90_without_spills(bloc
         counts[pairs] = (sum(op != "NOP" for op in ops), ops.count("LDGSTS.E"), ops.count("LDGSTS.E.64"))
     (ct, ct_words, _), (new, new_words, new_pairs) = counts[False], counts[True]
     assert new_words == 0 and 2 * new_pairs == ct_words, counts
-    assert abs(new - ct) <= 0.01 * ct, counts
+    assert new <= 1.01 * ct, counts  # (fewer since its wgmmas stay in flight: no per-wgmma waits, see below)
+
+
+@pytest.mark.parametrize(
+    "label, extra",
+    [("M<=16", dict(BLOCK_M=16)), ("M<=64", dict(BLOCK_M=64)),
+     ("M<=16, fused LoRA, x.A^T once per split", dict(BLOCK_M=16, HAS_LORA=True, BLOCK_R=32, SHARED_T=True)),
+     ("M<=16, split-K summed in the kernel, fused LoRA", dict(BLOCK_M=16, USE_WS=True, FUSED_REDUCE=True,
+                                                              HAS_LORA=True, BLOCK_R=32, SHARED_T=True))],
+)  # fmt: skip
+def test_mma_decode_kernel_in_step_a_order_keeps_its_wgmmas_in_flight(label, extra):
+    """ptxas serialises every wgmma (C7515) when a non-wgmma instruction defines an accumulator register inside the
+    pipeline: the loop's zero-trip path (``acc = 0``) laid out after the loop did that in step A's order until the
+    kernel told LLVM that every split has work (``tl.assume``). Checked with ``ptxas -v`` on the sm_90a PTX."""
+    pytest.importorskip("triton")
+    import importlib.util
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from nvfp4.kernels import nvfp4_gemm
+
+    spec = importlib.util.spec_from_file_location("kernel_sass", Path(__file__).resolve().parents[2] / "benchmarks"
+                                                  / "kernel_sass.py")  # fmt: skip
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    const = dict(HAS_BIAS=False, USE_WS=False, FAST=True, HAS_LORA=False, BLOCK_R=16, FUSED_REDUCE=False,
+                 SHARED_T=False, SCALE_PAIRS=True) | extra  # fmt: skip
+    sig = ks._COMMON | ({"y_ptr": "*fp32"} if extra.get("USE_WS") else {})
+    compiled = ks.compile_sm90(nvfp4_gemm.JIT_KERNELS["linear_mma"], sig, const, 4, 3 if const["BLOCK_M"] == 16 else 2)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ks.BIN / "ptxas", "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                             text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "C7515" not in out.stdout + out.stderr, (label, out.stdout + out.stderr)
 
 
 @pytest.mark.gpu

@@ -123,6 +123,11 @@ def _linear_mma_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
+    if SCALE_PAIRS:
+        # every split has work (the launcher's split = cdiv(K, K_PER_SPLIT)): without it LLVM may lay the loop's
+        # zero-trip path (acc = 0) out after the loop, and ptxas serialises every wgmma (C7515, checked in SASS);
+        # the [N, K/16] branch keeps its shipped SASS until stage 2 measures both (docs/kernels.md)
+        tl.assume(k_hi > k_lo)
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     if HAS_LORA:
         offs_r, r_mask, a_rows, t_acc = _lora_init(a_ptr, K, R, BLOCK_R, BLOCK_M)

@@ -37,7 +37,7 @@ if step 2; then
   NVFP4_SCALE_MMA_LAYOUT=1 tests scale_order_tests 420 tests/nvfp4/test_scale_mma_layout.py tests/nvfp4/test_kernels.py \
     tests/nvfp4/test_hopper_ws.py tests/nvfp4/test_linear.py
   say "2 gemm.py --scale-pairs, 7B"
-  timeout 480 python3 benchmarks/gemm.py --scale-pairs --no-mxfp4 --models Qwen2.5-7B --out "$O/scale_pairs" \
+  timeout 480 python3 benchmarks/gemm.py --scale-pairs --compare-lora --no-mxfp4 --models Qwen2.5-7B --out "$O/scale_pairs" \
     > "$O/gemm_scale_pairs.log" 2>&1
   echo "rc $?"; grep -A12 "whole decoder layer" "$O/gemm_scale_pairs.log" | head -n 30
 fi

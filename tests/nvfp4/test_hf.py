@@ -277,3 +277,19 @@ def test_calibrated_method_on_load_saves_and_reloads(tiny_model_dir, tmp_path, m
     ids = torch.randint(0, 256, (2, 7), generator=gen)
     with torch.no_grad():
         assert torch.equal(m(ids).logits, m2(ids).logits)
+
+
+def test_llm_compressor_checkpoint_with_empty_ignore_loads_its_quantized_lm_head(tiny_model_dir, tmp_path):
+    """A compressed-tensors config with ``"ignore": []`` (llm-compressor quantized every Linear, lm_head included)
+    loads lm_head as NVFP4; it was kept dense, its weight missing, so it was initialised at random."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(modules_to_not_convert=[]))
+    assert isinstance(m.lm_head, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["ignore"] == []
+    del cfg["quantization_config"]["qerl"]  # as llm-compressor writes it
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    r = nvfp4.from_compressed_tensors(tmp_path / "q")
+    assert isinstance(r.lm_head, NVFP4Linear)
+    assert _state_equal(m, r)
+

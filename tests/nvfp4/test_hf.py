@@ -293,3 +293,9 @@ def test_llm_compressor_checkpoint_with_empty_ignore_loads_its_quantized_lm_head
     assert isinstance(r.lm_head, NVFP4Linear)
     assert _state_equal(m, r)
 
+
+def test_config_with_no_fused_groups_keeps_none():
+    """``NVFP4Config(fused_groups=[])`` (every linear its own global scale, as ``quantize_model(fused_groups=[])``)
+    was replaced by the default q/k/v and gate/up groups."""
+    assert NVFP4Config(fused_groups=[]).fused_groups == []
+    assert NVFP4Config(fused_groups=[]).to_dict()["qerl"]["fused_groups"] == []

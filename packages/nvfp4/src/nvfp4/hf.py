@@ -183,7 +183,8 @@ class NVFP4Config(QuantizationConfigMixin):
         self.modules_to_not_convert = (
             list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
         )
-        self.fused_groups = [list(g) for g in (fused_groups or DEFAULT_FUSED_GROUPS)]
+        # [] means no fused groups (as in quantize_model), so only None takes the default
+        self.fused_groups = [list(g) for g in (DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups)]
         self.format = fmt.ct_format  # what saved configs have always carried for NVFP4 (the serialized name)
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt

@@ -86,3 +86,16 @@ def test_overwrite_swaps_the_new_checkpoint_in_once_complete(offline_model_path,
     assert saved["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert (earlier / "model.safetensors").read_bytes() != b"earlier weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]  # no .out.new-* / .out.old-* left behind
+
+
+def test_missing_data_folder(tiny_model_dir, tmp_path, capsys):
+    """``--data`` without GSM8K's train.jsonl / test.jsonl: one line naming the file (it was a traceback, after the
+    tokenizer load)."""
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "o")],
+                           capsys)  # fmt: skip
+    assert "--data" in err and "test.jsonl" in err, err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "test.jsonl").write_text("")
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
+                            "--method", "gptq"], capsys)  # fmt: skip
+    assert "train.jsonl" in err, err

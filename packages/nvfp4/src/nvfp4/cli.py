@@ -168,13 +168,21 @@ def main(argv: list[str] | None = None) -> None:
         if args.debug:
             raise ValueError(problem)
         ap.exit(2, f"nvfp4-quantize: error: {problem}\n")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = Path(args.data) if args.data else None
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
+    data = Path(args.data).expanduser() if args.data else None
+    # checked before any loading, so a bad --data is one line (a missing file was a traceback after the tokenizer)
     if args.method in CALIBRATED_METHODS and data is None:
         ap.exit(2, f"nvfp4-quantize: error: --method {args.method} needs --data (calibration texts)\n")
     if args.calib_samples < 1:
         ap.exit(2, f"nvfp4-quantize: error: --calib-samples must be >= 1, got {args.calib_samples}\n")
+    if data is not None and args.n_eval < 1:
+        ap.exit(2, f"nvfp4-quantize: error: --n-eval must be >= 1, got {args.n_eval}\n")
+    needed = ["test.jsonl", "train.jsonl"] if data is not None else []
+    missing = [f for f in needed if not (data / f).is_file()]
+    if missing:
+        ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
+                   "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
     calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)

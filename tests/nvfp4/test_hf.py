@@ -299,3 +299,22 @@ def test_config_with_no_fused_groups_keeps_none():
     was replaced by the default q/k/v and gate/up groups."""
     assert NVFP4Config(fused_groups=[]).fused_groups == []
     assert NVFP4Config(fused_groups=[]).to_dict()["qerl"]["fused_groups"] == []
+
+
+def test_tied_lm_head_with_nothing_skipped_saves_a_config_that_reloads(tmp_path):
+    """``modules_to_not_convert=[]`` on a model with tied embeddings: lm_head's weight is the embedding's, never
+    quantized, yet the saved config said ``ignore: []``, so reloading it (ours, compressed-tensors) looked for
+    ``lm_head.weight_packed`` and failed; the config now names the linears left dense."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=NVFP4Config(modules_to_not_convert=[]))
+    assert not isinstance(m.lm_head, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(r(ids).logits, m(ids).logits)

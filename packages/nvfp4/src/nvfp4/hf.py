@@ -392,6 +392,11 @@ class NVFP4HfQuantizer(HfQuantizer):
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
+        # targets whose weight never reached the quantizer (a tied lm_head: its weight is the embedding's) stay dense;
+        # the saved config must name them, or every reader (ours, compressed-tensors, vLLM) looks for 4-bit tensors
+        left_dense = sorted(n for n in self._targets if not isinstance(model.get_submodule(n), NVFP4Linear))
+        if left_dense:
+            cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
         bad = [
             n
             for n, m in model.named_modules()

@@ -318,3 +318,22 @@ def test_tied_lm_head_with_nothing_skipped_saves_a_config_that_reloads(tmp_path)
     r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(r(ids).logits, m(ids).logits)
+
+
+def test_saved_ignore_lists_every_dense_linear_as_compressed_tensors_reads_it(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert`` holds suffixes and regexes (``o_proj``), which compressed-tensors' ``ignore``
+    matches only as exact names or ``re:`` regexes: the saved config made stock transformers / vLLM take every
+    ``o_proj`` as NVFP4 (its dense weight dropped, the layer initialised at random). The ignore list now names them."""
+    from compressed_tensors.utils.match import is_match
+
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj", r".*layers\.1\.mlp\.down_proj"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    m.save_pretrained(tmp_path / "q")
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    dense = [n for n, x in m.named_modules() if type(x) is torch.nn.Linear]
+    assert len(dense) == 4  # lm_head, 2 x o_proj, layers.1 down_proj
+    for n, x in m.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert _state_equal(m, r)

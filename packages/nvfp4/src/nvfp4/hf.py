@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -392,9 +393,10 @@ class NVFP4HfQuantizer(HfQuantizer):
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
-        # targets whose weight never reached the quantizer (a tied lm_head: its weight is the embedding's) stay dense;
-        # the saved config must name them, or every reader (ours, compressed-tensors, vLLM) looks for 4-bit tensors
-        left_dense = sorted(n for n in self._targets if not isinstance(model.get_submodule(n), NVFP4Linear))
+        # The saved config must name every linear left dense (a tied lm_head, whose weight never reached the
+        # quantizer; a suffix or regex of modules_to_not_convert, which compressed-tensors reads as an exact name),
+        # or every reader (ours, compressed-tensors, vLLM) looks for its 4-bit tensors.
+        left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
         if left_dense:
             cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
         bad = [
@@ -448,6 +450,20 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]:
+    """Names of the dense linears of ``model`` that compressed-tensors would take as quantized under ``ignore``: its
+    ``match_name`` skips a module only for an exact name or a ``re:`` regex, while ours also match suffixes and bare
+    regexes (:func:`nvfp4.linear._matches`)."""
+    exact = set(ignore)
+    regexes = [re.compile(p[3:]) for p in ignore if p.startswith("re:")]
+    return sorted(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, NVFP4Linear)
+        and n not in exact and not any(r.match(n) for r in regexes)
+    )  # fmt: skip
 
 
 #: The dtype compressed-tensors (0.20) decompresses FP4 weights to: a stock ``from_pretrained`` of one of our checkpoints

@@ -337,3 +337,19 @@ def test_saved_ignore_lists_every_dense_linear_as_compressed_tensors_reads_it(ti
             assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
     r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
     assert _state_equal(m, r)
+
+
+def test_llm_compressor_ignore_regex_matches_as_compressed_tensors_does(tiny_model_dir, tmp_path):
+    """compressed-tensors applies an ``re:`` ignore entry with ``re.match`` (a prefix: ``re:model.layers.1`` skips
+    every linear of layer 1); ours took it as a full match, so such a checkpoint failed to load (layer 1's 4-bit
+    tensors were expected)."""
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", r"model\.layers\.1\..*"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    m.save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    del config["quantization_config"]["qerl"]  # as llm-compressor writes it
+    config["quantization_config"]["ignore"] = ["lm_head", r"re:model\.layers\.1"]
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    r = nvfp4.from_compressed_tensors(tmp_path / "q")
+    assert type(r.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert _state_equal(m, r)

@@ -224,10 +224,11 @@ class NVFP4Config(QuantizationConfigMixin):
         ours.pop("quant_method", None)
         ours.pop("weight_block_size", None)
         if "modules_to_not_convert" not in ours:
-            # an empty ``ignore`` means every Linear is quantized (lm_head too); only a config without one keeps lm_head
+            # an empty ``ignore`` means every Linear is quantized (lm_head too); only a config without one keeps lm_head.
+            # compressed-tensors applies "re:" entries with re.match (a prefix), ours with re.fullmatch: add ".*"
             ignore = qc.get("ignore")
             ours["modules_to_not_convert"] = (
-                ["lm_head"] if ignore is None else [p[3:] if p.startswith("re:") else p for p in ignore]
+                ["lm_head"] if ignore is None else [f"(?:{p[3:]}).*" if p.startswith("re:") else p for p in ignore]
             )
         return cls(method=method, **ours)
 

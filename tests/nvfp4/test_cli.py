@@ -99,3 +99,16 @@ def test_missing_data_folder(tiny_model_dir, tmp_path, capsys):
     err = _one_line_exit_2([str(tiny_model_dir), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
                             "--method", "gptq"], capsys)  # fmt: skip
     assert "train.jsonl" in err, err
+
+
+def test_quantize_with_method_keeps_the_format_of_calibrated_methods(tiny_model_dir):
+    """``quantize_with_method(..., method="gptq", format="mxfp4")`` dropped the format and quantized to NVFP4; it now
+    stops as ``NVFP4Config(format="mxfp4", method="gptq")`` does."""
+    import torch
+    from nvfp4.cli import quantize_with_method
+
+    def tokenizer(text, **_):
+        return {"input_ids": torch.tensor([[1, 2, 3]])}
+
+    with pytest.raises(ValueError, match="MXFP4"):
+        quantize_with_method(tiny_model_dir, "gptq", tokenizer, ["some text"], format="mxfp4")

@@ -56,7 +56,8 @@ def quantize_with_method(
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
     if not calib_texts:
         raise ValueError(f"method {method!r} needs calibration texts (--data)")
-    cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts))
+    # the format too: a calibrated method MXFP4 lacks must stop here, not quantize to NVFP4
+    cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts), format=format)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
 
 

@@ -353,3 +353,27 @@ def test_llm_compressor_ignore_regex_matches_as_compressed_tensors_does(tiny_mod
     r = nvfp4.from_compressed_tensors(tmp_path / "q")
     assert type(r.model.layers[1].mlp.down_proj) is torch.nn.Linear
     assert _state_equal(m, r)
+
+
+def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
+    """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
+    names there), so stock readers took the dense ``o_proj`` as NVFP4."""
+    from compressed_tensors.utils.match import is_match
+    from tiny_models import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config())
+
+    def fill(m):
+        m.to_empty(device="cpu")
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+
+    blocks = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj"])
+    nvfp4.save_pretrained_by_blocks(model, tmp_path / "q", blocks, fill, cfg)
+    assert cfg.modules_to_not_convert == ["lm_head", "o_proj"]  # the caller's config is left as it was
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    for n, x in model.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)

@@ -26,6 +26,7 @@ transformers ≥5.2x already owns ``"nvfp4"`` (a Blackwell-only W4A4 path), henc
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -617,6 +618,10 @@ def save_pretrained_by_blocks(
         raise ValueError(f"save_pretrained_by_blocks: {len(missing)} tensors in no block, e.g. {missing[:3]}")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
+    if left_dense:  # as the quantizer after loading: the saved ignore list names every dense linear (caller's cfg kept)
+        cfg = copy.copy(cfg)
+        cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
     hf_config = model.config.__class__.from_dict(model.config.to_dict())
     hf_config.dtype = dtype
     hf_config.quantization_config = cfg

@@ -112,3 +112,13 @@ def test_quantize_with_method_keeps_the_format_of_calibrated_methods(tiny_model_
 
     with pytest.raises(ValueError, match="MXFP4"):
         quantize_with_method(tiny_model_dir, "gptq", tokenizer, ["some text"], format="mxfp4")
+
+
+def test_model_whose_tokenizer_cannot_load(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A checkpoint folder without tokenizer files, or a Hub id that cannot be reached: one line naming the model
+    (it was transformers' OSError traceback)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(tmp_path / "o")], capsys)
+    assert "cannot load its tokenizer" in err and str(tiny_model_dir) in err, err
+    err = _one_line_exit_2(["no-such-org/no-such-model", "--out", str(tmp_path / "o")], capsys)
+    assert "no-such-org/no-such-model" in err, err

@@ -328,6 +328,7 @@ def test_saved_ignore_lists_every_dense_linear_as_compressed_tensors_reads_it(ti
 
     cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj", r".*layers\.1\.mlp\.down_proj"])
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert cfg.modules_to_not_convert == ["lm_head", "o_proj", r".*layers\.1\.mlp\.down_proj"]  # the caller's, as given
     m.save_pretrained(tmp_path / "q")
     ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
     dense = [n for n, x in m.named_modules() if type(x) is torch.nn.Linear]

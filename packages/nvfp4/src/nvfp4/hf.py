@@ -399,8 +399,11 @@ class NVFP4HfQuantizer(HfQuantizer):
         # quantizer; a suffix or regex of modules_to_not_convert, which compressed-tensors reads as an exact name),
         # or every reader (ours, compressed-tensors, vLLM) looks for its 4-bit tensors.
         left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
-        if left_dense:
+        if left_dense:  # on a copy: the caller's NVFP4Config may serve another model next
+            cfg = copy.copy(cfg)
             cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
+            self.quantization_config = cfg
+            model.config.quantization_config = cfg
         bad = [
             n
             for n, m in model.named_modules()

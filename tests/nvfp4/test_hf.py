@@ -378,3 +378,22 @@ def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     for n, x in model.named_modules():
         if isinstance(x, torch.nn.Linear):
             assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+
+
+def test_calibrated_method_leaves_a_tied_lm_head_dense(tmp_path):
+    """``method="awq"`` with ``modules_to_not_convert=[]`` on a model with tied embeddings quantized lm_head (the
+    embedding's weight) and the load then failed in transformers' tying (``weight`` is not an nn.Parameter); a tied
+    linear now stays dense, as RTN on load leaves it, and the checkpoint reloads."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    ids = torch.randint(0, 256, (1, 8))
+    cfg = NVFP4Config(method="awq", modules_to_not_convert=[], calibration_data=[ids[0]])
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=cfg)
+    assert not isinstance(m.lm_head, NVFP4Linear) and isinstance(m.model.layers[0].mlp.down_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert torch.equal(r(ids).logits, m(ids).logits)

@@ -386,8 +386,11 @@ class NVFP4HfQuantizer(HfQuantizer):
         if not self.pre_quantized and cfg.method in CALIBRATED_METHODS:
             was_training = model.training
             model.eval()
+            # tied linears (lm_head sharing the embedding) stay dense, as quantize on load leaves them: an NVFP4
+            # lm_head has no weight parameter for transformers to tie, and the load failed after calibrating
+            skip = [*cfg.modules_to_not_convert, *_tied_linears(model)]
             calibrate_model(model, cfg.method, _calibration_batches(cfg.calibration_data, model),
-                            modules_to_not_convert=cfg.modules_to_not_convert, fused_groups=cfg.fused_groups)  # fmt: skip
+                            modules_to_not_convert=skip, fused_groups=cfg.fused_groups)  # fmt: skip
             model.train(was_training)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
@@ -455,6 +458,20 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+def _tied_linears(model: nn.Module) -> list[str]:
+    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules())
+    return sorted(
+        module
+        for names in names_of.values() if len(names) > 1
+        for name in names
+        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
+    )  # fmt: skip
 
 
 def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]:

@@ -122,3 +122,19 @@ def test_model_whose_tokenizer_cannot_load(tiny_model_dir, tmp_path, capsys, mon
     assert "cannot load its tokenizer" in err and str(tiny_model_dir) in err, err
     err = _one_line_exit_2(["no-such-org/no-such-model", "--out", str(tmp_path / "o")], capsys)
     assert "no-such-org/no-such-model" in err, err
+
+
+def test_sample_of_a_base_model_without_chat_template(offline_model_path):
+    """A base model's tokenizer has no chat template: the sample step raised ValueError after the checkpoint was
+    written, so the run ended in a traceback without its model card (and, with --overwrite, never swapped the new
+    checkpoint in). The prompt is now encoded as plain text."""
+    import torch
+    from nvfp4.cli import _sample
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_model_path)
+    tokenizer.chat_template = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer)))
+    assert isinstance(_sample(model, tokenizer, "What is 12 + 7?", 2), str)

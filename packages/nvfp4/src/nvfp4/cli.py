@@ -62,8 +62,11 @@ def quantize_with_method(
 
 
 def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    msgs = [{"role": "user", "content": prompt}]
-    enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": prompt}]
+        enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:  # a base model's tokenizer has no chat template (apply_chat_template raised after the checkpoint was saved)
+        enc = tokenizer(prompt, return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 

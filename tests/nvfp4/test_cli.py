@@ -138,3 +138,31 @@ def test_sample_of_a_base_model_without_chat_template(offline_model_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer)))
     assert isinstance(_sample(model, tokenizer, "What is 12 + 7?", 2), str)
+
+
+def test_overwrite_that_fails_leaves_the_earlier_checkpoint_and_no_partial_one(offline_model_path, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """``--overwrite`` whose run fails after the new checkpoint was written (here the sample): the earlier checkpoint
+    stays, and the new one's hidden ``.out.new-*`` folder (a whole checkpoint) was left behind; it is removed."""
+    import nvfp4.cli
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    earlier = tmp_path / "out"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"earlier weights")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("sample failed")
+
+    monkeypatch.setattr(nvfp4.cli, "_sample", fail)
+    with pytest.raises(RuntimeError, match="sample failed"):
+        main([str(model_dir), "--method", "rtn", "--out", str(earlier), "--overwrite", "--max-new-tokens", "2"])
+    assert (earlier / "model.safetensors").read_bytes() == b"earlier weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]

@@ -203,26 +203,31 @@ def main(argv: list[str] | None = None) -> None:
     final_out = out
     if out.is_dir() and any(out.iterdir()):  # --overwrite: written beside it, swapped in once complete (below)
         out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
-    quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
-    quant.to(dtype)
-    tokenizer.save_pretrained(out)
-    with tempfile.TemporaryDirectory() as tmp:
-        dense.to(torch.bfloat16).save_pretrained(tmp)
-        dense_bytes = dir_bytes(tmp)
-        dense.to(dtype)
-    err = weight_relative_error(dense, quant)["all"]
-    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{fmt.name.upper()}-{args.method}", dir_bytes(out), err, quant)]
-    header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
-    lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
-    for label, nbytes, e, model in rows:
-        ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""
-        lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
-    table = "\n".join(lines)
-    print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
-    print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    print(f"  {fmt.name.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
-                     error_table=table, format=args.format)
+    try:
+        quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
+        quant.to(dtype)
+        tokenizer.save_pretrained(out)
+        with tempfile.TemporaryDirectory() as tmp:
+            dense.to(torch.bfloat16).save_pretrained(tmp)
+            dense_bytes = dir_bytes(tmp)
+            dense.to(dtype)
+        err = weight_relative_error(dense, quant)["all"]
+        rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{fmt.name.upper()}-{args.method}", dir_bytes(out), err, quant)]
+        header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
+        lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
+        for label, nbytes, e, model in rows:
+            ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""
+            lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
+        table = "\n".join(lines)
+        print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
+        print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
+        print(f"  {fmt.name.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
+        write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
+                         error_table=table, format=args.format)
+    except BaseException:  # --overwrite: the earlier checkpoint stays; the incomplete new one must not linger
+        if out != final_out:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if out != final_out:
         _swap_in(out, final_out)
         out = final_out

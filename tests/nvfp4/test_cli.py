@@ -86,3 +86,83 @@ def test_overwrite_swaps_the_new_checkpoint_in_once_complete(offline_model_path,
     assert saved["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert (earlier / "model.safetensors").read_bytes() != b"earlier weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]  # no .out.new-* / .out.old-* left behind
+
+
+def test_missing_data_folder(tiny_model_dir, tmp_path, capsys):
+    """``--data`` without GSM8K's train.jsonl / test.jsonl: one line naming the file (it was a traceback, after the
+    tokenizer load)."""
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "o")],
+                           capsys)  # fmt: skip
+    assert "--data" in err and "test.jsonl" in err, err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "test.jsonl").write_text("")
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
+                            "--method", "gptq"], capsys)  # fmt: skip
+    assert "train.jsonl" in err, err
+
+
+def test_quantize_with_method_keeps_the_format_of_calibrated_methods(tiny_model_dir):
+    """``quantize_with_method(..., method="gptq", format="mxfp4")`` dropped the format and quantized to NVFP4; it now
+    stops as ``NVFP4Config(format="mxfp4", method="gptq")`` does."""
+    import torch
+    from nvfp4.cli import quantize_with_method
+
+    def tokenizer(text, **_):
+        return {"input_ids": torch.tensor([[1, 2, 3]])}
+
+    with pytest.raises(ValueError, match="MXFP4"):
+        quantize_with_method(tiny_model_dir, "gptq", tokenizer, ["some text"], format="mxfp4")
+
+
+def test_model_whose_tokenizer_cannot_load(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A checkpoint folder without tokenizer files, or a Hub id that cannot be reached: one line naming the model
+    (it was transformers' OSError traceback)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(tmp_path / "o")], capsys)
+    assert "cannot load its tokenizer" in err and str(tiny_model_dir) in err, err
+    err = _one_line_exit_2(["no-such-org/no-such-model", "--out", str(tmp_path / "o")], capsys)
+    assert "no-such-org/no-such-model" in err, err
+
+
+def test_sample_of_a_base_model_without_chat_template(offline_model_path):
+    """A base model's tokenizer has no chat template: the sample step raised ValueError after the checkpoint was
+    written, so the run ended in a traceback without its model card (and, with --overwrite, never swapped the new
+    checkpoint in). The prompt is now encoded as plain text."""
+    import torch
+    from nvfp4.cli import _sample
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_model_path)
+    tokenizer.chat_template = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer)))
+    assert isinstance(_sample(model, tokenizer, "What is 12 + 7?", 2), str)
+
+
+def test_overwrite_that_fails_leaves_the_earlier_checkpoint_and_no_partial_one(offline_model_path, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """``--overwrite`` whose run fails after the new checkpoint was written (here the sample): the earlier checkpoint
+    stays, and the new one's hidden ``.out.new-*`` folder (a whole checkpoint) was left behind; it is removed."""
+    import nvfp4.cli
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    earlier = tmp_path / "out"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"earlier weights")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("sample failed")
+
+    monkeypatch.setattr(nvfp4.cli, "_sample", fail)
+    with pytest.raises(RuntimeError, match="sample failed"):
+        main([str(model_dir), "--method", "rtn", "--out", str(earlier), "--overwrite", "--max-new-tokens", "2"])
+    assert (earlier / "model.safetensors").read_bytes() == b"earlier weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]

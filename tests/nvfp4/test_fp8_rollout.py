@@ -138,3 +138,19 @@ def test_model_copies_are_used_only_inside_fp8_rollouts():
     detach_fp8_copies(model)
     with fp8_rollouts(model) as n:
         assert n == 0 and torch.equal(model(x_small), w4_small)
+
+
+def test_fp8_copies_move_with_the_model_and_keep_their_dtypes():
+    """``model.to(device)`` / ``.half()`` after :func:`attach_fp8_copies`: the E4M3 copy (a plain attribute) stayed
+    where it was made, so FP8 rollouts of a model moved to its GPU met a CPU weight. It now moves with the layer and
+    is never cast (float8 weight, float32 scale)."""
+    model = _TwoLayers()
+    attach_fp8_copies(model, "fp8", crossover_rows=0)
+    w8, scale = model.up.fp8_copy.weight.clone(), model.up.fp8_copy.scale.clone()
+    model.half()
+    assert model.up.fp8_copy.weight.dtype == torch.float8_e4m3fn and model.up.fp8_copy.scale.dtype == torch.float32
+    assert torch.equal(model.up.fp8_copy.weight.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(model.up.fp8_copy.scale, scale)
+    model.to("meta")
+    copy = model.up.fp8_copy
+    assert copy.weight.is_meta and copy.scale.is_meta and copy.from_rows == 0

@@ -277,3 +277,123 @@ def test_calibrated_method_on_load_saves_and_reloads(tiny_model_dir, tmp_path, m
     ids = torch.randint(0, 256, (2, 7), generator=gen)
     with torch.no_grad():
         assert torch.equal(m(ids).logits, m2(ids).logits)
+
+
+def test_llm_compressor_checkpoint_with_empty_ignore_loads_its_quantized_lm_head(tiny_model_dir, tmp_path):
+    """A compressed-tensors config with ``"ignore": []`` (llm-compressor quantized every Linear, lm_head included)
+    loads lm_head as NVFP4; it was kept dense, its weight missing, so it was initialised at random."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(modules_to_not_convert=[]))
+    assert isinstance(m.lm_head, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["ignore"] == []
+    del cfg["quantization_config"]["qerl"]  # as llm-compressor writes it
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    r = nvfp4.from_compressed_tensors(tmp_path / "q")
+    assert isinstance(r.lm_head, NVFP4Linear)
+    assert _state_equal(m, r)
+
+
+def test_config_with_no_fused_groups_keeps_none():
+    """``NVFP4Config(fused_groups=[])`` (every linear its own global scale, as ``quantize_model(fused_groups=[])``)
+    was replaced by the default q/k/v and gate/up groups."""
+    assert NVFP4Config(fused_groups=[]).fused_groups == []
+    assert NVFP4Config(fused_groups=[]).to_dict()["qerl"]["fused_groups"] == []
+
+
+def test_tied_lm_head_with_nothing_skipped_saves_a_config_that_reloads(tmp_path):
+    """``modules_to_not_convert=[]`` on a model with tied embeddings: lm_head's weight is the embedding's, never
+    quantized, yet the saved config said ``ignore: []``, so reloading it (ours, compressed-tensors) looked for
+    ``lm_head.weight_packed`` and failed; the config now names the linears left dense."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=NVFP4Config(modules_to_not_convert=[]))
+    assert not isinstance(m.lm_head, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(r(ids).logits, m(ids).logits)
+
+
+def test_saved_ignore_lists_every_dense_linear_as_compressed_tensors_reads_it(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert`` holds suffixes and regexes (``o_proj``), which compressed-tensors' ``ignore``
+    matches only as exact names or ``re:`` regexes: the saved config made stock transformers / vLLM take every
+    ``o_proj`` as NVFP4 (its dense weight dropped, the layer initialised at random). The ignore list now names them."""
+    from compressed_tensors.utils.match import is_match
+
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj", r".*layers\.1\.mlp\.down_proj"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert cfg.modules_to_not_convert == ["lm_head", "o_proj", r".*layers\.1\.mlp\.down_proj"]  # the caller's, as given
+    m.save_pretrained(tmp_path / "q")
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    dense = [n for n, x in m.named_modules() if type(x) is torch.nn.Linear]
+    assert len(dense) == 4  # lm_head, 2 x o_proj, layers.1 down_proj
+    for n, x in m.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert _state_equal(m, r)
+
+
+def test_llm_compressor_ignore_regex_matches_as_compressed_tensors_does(tiny_model_dir, tmp_path):
+    """compressed-tensors applies an ``re:`` ignore entry with ``re.match`` (a prefix: ``re:model.layers.1`` skips
+    every linear of layer 1); ours took it as a full match, so such a checkpoint failed to load (layer 1's 4-bit
+    tensors were expected)."""
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", r"model\.layers\.1\..*"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    m.save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    del config["quantization_config"]["qerl"]  # as llm-compressor writes it
+    config["quantization_config"]["ignore"] = ["lm_head", r"re:model\.layers\.1"]
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    r = nvfp4.from_compressed_tensors(tmp_path / "q")
+    assert type(r.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert _state_equal(m, r)
+
+
+def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
+    """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
+    names there), so stock readers took the dense ``o_proj`` as NVFP4."""
+    from compressed_tensors.utils.match import is_match
+    from tiny_models import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config())
+
+    def fill(m):
+        m.to_empty(device="cpu")
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+
+    blocks = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj"])
+    nvfp4.save_pretrained_by_blocks(model, tmp_path / "q", blocks, fill, cfg)
+    assert cfg.modules_to_not_convert == ["lm_head", "o_proj"]  # the caller's config is left as it was
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    for n, x in model.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+
+
+def test_calibrated_method_leaves_a_tied_lm_head_dense(tmp_path):
+    """``method="awq"`` with ``modules_to_not_convert=[]`` on a model with tied embeddings quantized lm_head (the
+    embedding's weight) and the load then failed in transformers' tying (``weight`` is not an nn.Parameter); a tied
+    linear now stays dense, as RTN on load leaves it, and the checkpoint reloads."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    ids = torch.randint(0, 256, (1, 8))
+    cfg = NVFP4Config(method="awq", modules_to_not_convert=[], calibration_data=[ids[0]])
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=cfg)
+    assert not isinstance(m.lm_head, NVFP4Linear) and isinstance(m.model.layers[0].mlp.down_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert torch.equal(r(ids).logits, m(ids).logits)

@@ -191,3 +191,21 @@ def test_lora_on_an_mxfp4_layer_without_transcode_trains_and_merges():
     delta = wrapped.lora_B["default"].weight @ wrapped.lora_A["default"].weight * wrapped.scaling["default"]
     assert type(dense) is torch.nn.Linear
     assert torch.allclose(dense.weight, q.dequantize(torch.float32) + delta, atol=1e-6)
+
+
+def test_merge_after_a_dtype_cast_gives_one_dtype():
+    """A bf16 NVFP4 model cast with ``.float()`` (as for CPU training) merged to bf16 weights beside float32 norms,
+    embeddings and inputs, so the merged model failed at its first forward; the layer's export dtype follows casts."""
+    torch.manual_seed(0)
+    m = quantize_model(AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16), progress=False)
+    m.float()
+    assert m.model.layers[0].mlp.down_proj.dequantize().dtype == torch.float32
+    pm = get_peft_model(m, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        ref = pm(input_ids=ids).logits
+    merged = merge_and_unload(pm)
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    with torch.no_grad():
+        out = merged(input_ids=ids).logits
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5

@@ -56,13 +56,17 @@ def quantize_with_method(
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
     if not calib_texts:
         raise ValueError(f"method {method!r} needs calibration texts (--data)")
-    cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts))
+    # the format too: a calibrated method MXFP4 lacks must stop here, not quantize to NVFP4
+    cfg = NVFP4Config(method=method, calibration_data=calibration_ids(tokenizer, calib_texts), format=format)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=cfg)
 
 
 def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    msgs = [{"role": "user", "content": prompt}]
-    enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": prompt}]
+        enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:  # a base model's tokenizer has no chat template (apply_chat_template raised after the checkpoint was saved)
+        enc = tokenizer(prompt, return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
@@ -168,13 +172,26 @@ def main(argv: list[str] | None = None) -> None:
         if args.debug:
             raise ValueError(problem)
         ap.exit(2, f"nvfp4-quantize: error: {problem}\n")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = Path(args.data) if args.data else None
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
+    data = Path(args.data).expanduser() if args.data else None
+    # checked before any loading, so a bad --data is one line (a missing file was a traceback after the tokenizer)
     if args.method in CALIBRATED_METHODS and data is None:
         ap.exit(2, f"nvfp4-quantize: error: --method {args.method} needs --data (calibration texts)\n")
     if args.calib_samples < 1:
         ap.exit(2, f"nvfp4-quantize: error: --calib-samples must be >= 1, got {args.calib_samples}\n")
+    if data is not None and args.n_eval < 1:
+        ap.exit(2, f"nvfp4-quantize: error: --n-eval must be >= 1, got {args.n_eval}\n")
+    needed = ["test.jsonl", "train.jsonl"] if data is not None else []
+    missing = [f for f in needed if not (data / f).is_file()]
+    if missing:
+        ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
+                   "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:  # a Hub id not reachable or not found, a folder without tokenizer files
+        if args.debug:
+            raise
+        ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {' '.join(str(e).split())}\n")
+    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
     calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
@@ -186,26 +203,31 @@ def main(argv: list[str] | None = None) -> None:
     final_out = out
     if out.is_dir() and any(out.iterdir()):  # --overwrite: written beside it, swapped in once complete (below)
         out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
-    quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
-    quant.to(dtype)
-    tokenizer.save_pretrained(out)
-    with tempfile.TemporaryDirectory() as tmp:
-        dense.to(torch.bfloat16).save_pretrained(tmp)
-        dense_bytes = dir_bytes(tmp)
-        dense.to(dtype)
-    err = weight_relative_error(dense, quant)["all"]
-    rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{fmt.name.upper()}-{args.method}", dir_bytes(out), err, quant)]
-    header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
-    lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
-    for label, nbytes, e, model in rows:
-        ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""
-        lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
-    table = "\n".join(lines)
-    print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
-    print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    print(f"  {fmt.name.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
-    write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
-                     error_table=table, format=args.format)
+    try:
+        quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
+        quant.to(dtype)
+        tokenizer.save_pretrained(out)
+        with tempfile.TemporaryDirectory() as tmp:
+            dense.to(torch.bfloat16).save_pretrained(tmp)
+            dense_bytes = dir_bytes(tmp)
+            dense.to(dtype)
+        err = weight_relative_error(dense, quant)["all"]
+        rows = [(f"dense ({str(dtype).removeprefix('torch.')} compute)", dense_bytes, 0.0, dense), (f"{fmt.name.upper()}-{args.method}", dir_bytes(out), err, quant)]
+        header = "| model | bytes on disk (bf16 dense parts) | weight rel. error (linears) |" + (" GSM8K ppl |" if eval_texts else "")
+        lines = [header, "|---|---|---|" + ("---|" if eval_texts else "")]
+        for label, nbytes, e, model in rows:
+            ppl = f" {perplexity(model, tokenizer, eval_texts):.3f} |" if eval_texts else ""
+            lines.append(f"| {label} | {nbytes / 1e6:.1f} MB | {e:.4f} |{ppl}")
+        table = "\n".join(lines)
+        print(f"\n{name}: quantized with {args.method} in {t_quant:.1f} s\n\n{table}\n")
+        print(f"sample ({args.prompt!r}):\n  dense: {_sample(dense, tokenizer, args.prompt, args.max_new_tokens)!r}")
+        print(f"  {fmt.name.upper()}: {_sample(quant, tokenizer, args.prompt, args.max_new_tokens)!r}")
+        write_model_card(out, base_model=args.model if not os.path.isdir(args.model) else name, method=args.method,
+                         error_table=table, format=args.format)
+    except BaseException:  # --overwrite: the earlier checkpoint stays; the incomplete new one must not linger
+        if out != final_out:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if out != final_out:
         _swap_in(out, final_out)
         out = final_out

@@ -26,8 +26,10 @@ transformers ≥5.2x already owns ``"nvfp4"`` (a Blackwell-only W4A4 path), henc
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -183,7 +185,8 @@ class NVFP4Config(QuantizationConfigMixin):
         self.modules_to_not_convert = (
             list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
         )
-        self.fused_groups = [list(g) for g in (fused_groups or DEFAULT_FUSED_GROUPS)]
+        # [] means no fused groups (as in quantize_model), so only None takes the default
+        self.fused_groups = [list(g) for g in (DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups)]
         self.format = fmt.ct_format  # what saved configs have always carried for NVFP4 (the serialized name)
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt
@@ -222,9 +225,12 @@ class NVFP4Config(QuantizationConfigMixin):
         ours.pop("quant_method", None)
         ours.pop("weight_block_size", None)
         if "modules_to_not_convert" not in ours:
-            ours["modules_to_not_convert"] = [p[3:] if p.startswith("re:") else p for p in qc.get("ignore", [])] or [
-                "lm_head"
-            ]
+            # an empty ``ignore`` means every Linear is quantized (lm_head too); only a config without one keeps lm_head.
+            # compressed-tensors applies "re:" entries with re.match (a prefix), ours with re.fullmatch: add ".*"
+            ignore = qc.get("ignore")
+            ours["modules_to_not_convert"] = (
+                ["lm_head"] if ignore is None else [f"(?:{p[3:]}).*" if p.startswith("re:") else p for p in ignore]
+            )
         return cls(method=method, **ours)
 
 
@@ -380,8 +386,11 @@ class NVFP4HfQuantizer(HfQuantizer):
         if not self.pre_quantized and cfg.method in CALIBRATED_METHODS:
             was_training = model.training
             model.eval()
+            # tied linears (lm_head sharing the embedding) stay dense, as quantize on load leaves them: an NVFP4
+            # lm_head has no weight parameter for transformers to tie, and the load failed after calibrating
+            skip = [*cfg.modules_to_not_convert, *_tied_linears(model)]
             calibrate_model(model, cfg.method, _calibration_batches(cfg.calibration_data, model),
-                            modules_to_not_convert=cfg.modules_to_not_convert, fused_groups=cfg.fused_groups)  # fmt: skip
+                            modules_to_not_convert=skip, fused_groups=cfg.fused_groups)  # fmt: skip
             model.train(was_training)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
@@ -389,6 +398,15 @@ class NVFP4HfQuantizer(HfQuantizer):
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
+        # The saved config must name every linear left dense (a tied lm_head, whose weight never reached the
+        # quantizer; a suffix or regex of modules_to_not_convert, which compressed-tensors reads as an exact name),
+        # or every reader (ours, compressed-tensors, vLLM) looks for its 4-bit tensors.
+        left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
+        if left_dense:  # on a copy: the caller's NVFP4Config may serve another model next
+            cfg = copy.copy(cfg)
+            cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
+            self.quantization_config = cfg
+            model.config.quantization_config = cfg
         bad = [
             n
             for n, m in model.named_modules()
@@ -440,6 +458,34 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+def _tied_linears(model: nn.Module) -> list[str]:
+    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules())
+    return sorted(
+        module
+        for names in names_of.values() if len(names) > 1
+        for name in names
+        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
+    )  # fmt: skip
+
+
+def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]:
+    """Names of the dense linears of ``model`` that compressed-tensors would take as quantized under ``ignore``: its
+    ``match_name`` skips a module only for an exact name or a ``re:`` regex, while ours also match suffixes and bare
+    regexes (:func:`nvfp4.linear._matches`)."""
+    exact = set(ignore)
+    regexes = [re.compile(p[3:]) for p in ignore if p.startswith("re:")]
+    return sorted(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, NVFP4Linear)
+        and n not in exact and not any(r.match(n) for r in regexes)
+    )  # fmt: skip
 
 
 #: The dtype compressed-tensors (0.20) decompresses FP4 weights to: a stock ``from_pretrained`` of one of our checkpoints
@@ -592,6 +638,10 @@ def save_pretrained_by_blocks(
         raise ValueError(f"save_pretrained_by_blocks: {len(missing)} tensors in no block, e.g. {missing[:3]}")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
+    if left_dense:  # as the quantizer after loading: the saved ignore list names every dense linear (caller's cfg kept)
+        cfg = copy.copy(cfg)
+        cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
     hf_config = model.config.__class__.from_dict(model.config.to_dict())
     hf_config.dtype = dtype
     hf_config.quantization_config = cfg

@@ -152,9 +152,20 @@ class NVFP4Linear(nn.Linear):
         saved = {n: self._buffers[n] for n in self._QUANT_BUFFERS if n in self._buffers}
         # made frozen parameters for FSDP2 (nvfp4.fsdp): nn.Module may convert a parameter in place (`.data`)
         params = {n: (p, p.detach()) for n in self._QUANT_BUFFERS if (p := self._parameters.get(n)) is not None}
+        # a cast of the model (.float(), .to(torch.bfloat16)) casts the dense weight this layer stands for too:
+        # dequantize / to_dense / a PEFT merge then give the model's dtype (else a merged model mixes dtypes and fails)
+        probe = fn(torch.empty(0, dtype=self.orig_dtype, device=self.weight_packed.device))
+        if probe.is_floating_point():
+            self.orig_dtype = probe.dtype
         super()._apply(fn, recurse)
         if self.weight_scale_e8m0 is not None:  # uint8: moved, never cast
             self.weight_scale_e8m0 = fn(self.weight_scale_e8m0)
+        if self.fp8_copy is not None:  # a plain attribute: moved with the layer (else FP8 rollouts meet another
+            # device's weight after model.to(gpu)), never cast (float8 weight, float32 scale)
+            moved = [fn(t) for t in (self.fp8_copy.weight, self.fp8_copy.scale)]
+            w8, scale = (new if new.dtype == old.dtype else old.to(new.device)
+                         for new, old in zip(moved, (self.fp8_copy.weight, self.fp8_copy.scale)))  # fmt: skip
+            self.fp8_copy = self.fp8_copy._replace(weight=w8, scale=scale)
         for n, old in saved.items():
             new = self._buffers[n]
             if new is not None and old is not None and new.dtype != old.dtype:

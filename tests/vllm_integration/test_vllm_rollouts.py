@@ -455,6 +455,11 @@ def test_grpo_steps_through_a_vllm_server(server, ckpt, tmp_path):
     print(f"[server lora] server vs HF PeftModel: {cmp}")
     check_forced(cmp)
     json.dumps(steps)  # the logged metrics are plain numbers
+    # closing the trainer unloads its adapter from the server and deletes the files it passed (the server stays up)
+    trainer.close()
+    models = [m["id"] for m in rollout._request("GET", "/v1/models")["data"]]
+    assert "qerl-step2" not in models and rollout.base_model in models, models
+    assert not any((shared / "adapters").iterdir()), list((shared / "adapters").iterdir())
 
 
 # ------------------------------------------------------------------------------ server mode, 2 trainer processes

@@ -382,6 +382,9 @@ class ColocateVLLMGeneration(_VLLMGeneration):
         self.engine.close()
 
 
+NORMS_FILE = "aqn-norms.safetensors"  # server mode: the noisy norms, passed to the server as a file
+
+
 class ServerVLLMGeneration(_VLLMGeneration):
     """A vLLM OpenAI-compatible server started separately (see the README, "Rollouts with vLLM").
 
@@ -453,6 +456,17 @@ class ServerVLLMGeneration(_VLLMGeneration):
         self.lora_name = name
         self._barrier()
 
+    def close(self) -> None:
+        """Unload this run's adapter from the server and delete the files passed to it (the server stays up)."""
+        if self._is_main():
+            if self.lora_name is not None:
+                with contextlib.suppress(RuntimeError):  # a server already gone holds nothing any more
+                    self._request("POST", "/v1/unload_lora_adapter", {"lora_name": self.lora_name})
+            if self._lora_folder is not None:
+                shutil.rmtree(self._lora_folder, ignore_errors=True)
+            (self.root / NORMS_FILE).unlink(missing_ok=True)
+        self.lora_name, self._lora_folder = None, None
+
     def _rpc(self, method: str, *args: str) -> Any:
         try:
             return self._request("POST", "/collective_rpc", {"method": method, "args": list(args)})
@@ -474,7 +488,7 @@ class ServerVLLMGeneration(_VLLMGeneration):
         if self._is_main():
             from safetensors.torch import save_file
 
-            path = self.root / "aqn-norms.safetensors"
+            path = self.root / NORMS_FILE
             save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in named.items()}, str(path))
             self._rpc("qerl_set_norms_file", str(path))
             self._request("POST", "/reset_prefix_cache")

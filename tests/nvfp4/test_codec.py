@@ -150,6 +150,7 @@ def test_calibrated_methods_reduce_error():
         (torch.randn(4, 24), "multiple of the NVFP4 block size"),
         (torch.randn(4, 32).to(torch.int32), "unsupported dtype"),
         (torch.randn(2, 4, 32), "2-D"),
+        (torch.randn(0, 32), "empty weight"),
     ],
 )
 def test_bad_input_errors_name_the_tensor(w, match):

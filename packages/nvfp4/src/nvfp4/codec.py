@@ -91,6 +91,8 @@ def check_weight(
         )
     if w.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D [out_features, in_features] weight, got shape {tuple(w.shape)}")
+    if w.numel() == 0:  # (amax of an empty tensor is torch's own error, naming nothing)
+        raise ValueError(f"{name}: empty weight of shape {tuple(w.shape)}; nothing to quantize")
     if w.shape[1] % block_size != 0:
         raise ValueError(
             f"{name}: in_features={w.shape[1]} is not a multiple of the {format_name} block size {block_size}; "

@@ -57,8 +57,8 @@ from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get
 from nvfp4.layout import (
     mma_layout_supported,
     mma_scales_supported,
-    scale_is_mma_layout,
     scale_mma_layout_enabled,
+    scale_rows,
     to_mma_layout,
     to_scale_mma_layout,
 )
@@ -516,11 +516,10 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
         )
         # per member: (packed rows, scale rows) of its slice; None: one product
         rows_per_output = 0.25 if mma else 1
-        scale_outputs_per_row = 64 if scale_is_mma_layout(packed, scale) else 1  # [N/64, 4K]: a row per 64 outputs
         bounds, start = [], 0
         for w in widths:
-            bounds.append(((int(start * rows_per_output), int((start + w) * rows_per_output)),
-                           (start // scale_outputs_per_row, (start + w) // scale_outputs_per_row)))  # fmt: skip
+            rows = scale_rows(packed, scale, start, start + w)
+            bounds.append(((int(start * rows_per_output), int((start + w) * rows_per_output)), (rows.start, rows.stop)))
             start += w
         layer.nvfp4_members = None if shared else bounds
         layer.nvfp4_mma_layout = mma

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from nvfp4.layout import scale_is_mma_layout
+from nvfp4.layout import scale_rows
 
 __all__ = ["EngineWeights", "PackedViews", "engine_weight_views"]
 
@@ -82,12 +82,11 @@ def _packed_member_views(layer: torch.nn.Module) -> list[PackedViews]:
     global_scale = layer.weight_global_scale.detach().reshape(-1)
     mma = bool(layer.nvfp4_mma_layout)
     packed_rows_per_output = 4 if mma else 1  # the MMA layout holds 4 outputs per row
-    scale_div = 64 if scale_is_mma_layout(packed, scale) else 1  # step A's scale order: a row per 64 outputs
     views, start = [], 0
     for i, width in enumerate(int(w) for w in layer.logical_widths):
         p0, p1 = start // packed_rows_per_output, (start + width) // packed_rows_per_output
         gs = global_scale[:1] if global_scale.numel() == 1 else global_scale[i : i + 1]
-        views.append(PackedViews(packed[p0:p1], scale[start // scale_div : (start + width) // scale_div], gs, mma))
+        views.append(PackedViews(packed[p0:p1], scale[scale_rows(packed, scale, start, start + width)], gs, mma))
         start += width
     return views
 

@@ -27,7 +27,7 @@ import torch
 
 from . import ops
 from .codec import dequantize
-from .layout import scale_is_mma_layout, weight_shape
+from .layout import scale_rows, weight_shape
 from .ops import _use_triton
 
 __all__ = [
@@ -70,7 +70,6 @@ def fp8_weight(
     """
     n, k = weight_shape(packed, scale)
     mma = packed.shape[0] != n  # [N/4, 2K]: 64 outputs = 16 packed rows
-    rows_per_scale_row = 64 if scale_is_mma_layout(packed, scale) else 1  # [N/64, 4K]: one row per 64 outputs
     if rows_per_chunk % 64:
         raise ValueError(f"fp8_weight: rows_per_chunk must be a multiple of 64, got {rows_per_chunk}")
     w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=packed.device)
@@ -78,8 +77,7 @@ def fp8_weight(
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(n, r0 + rows_per_chunk)
         p = packed[r0 // 4 : -(-r1 // 4)] if mma else packed[r0:r1]
-        s = scale[r0 // rows_per_scale_row : -(-r1 // rows_per_scale_row)]
-        w = dequantize(p, s, global_scale, torch.float32)
+        w = dequantize(p, scale[scale_rows(packed, scale, r0, r1)], global_scale, torch.float32)
         amax = w.abs().amax(dim=1).clamp_min(AMAX_FLOOR)
         w8[r0:r1] = round_e4m3_reference(w * (FP8_MAX / amax)[:, None])
         w_scale[r0:r1] = amax / FP8_MAX

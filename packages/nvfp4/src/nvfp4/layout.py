@@ -51,6 +51,7 @@ __all__ = [
     "scale_in_ct_layout",
     "scale_is_mma_layout",
     "scale_mma_layout_enabled",
+    "scale_rows",
     "to_mma_layout",
     "to_scale_mma_layout",
     "weight_shape",
@@ -102,6 +103,13 @@ def scale_is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether ``scale`` is in :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``) beside an MMA-layout ``packed``
     (``[N/4, 2K]``): from the shapes only (no compressed-tensors pair has them; :func:`is_mma_layout` validates)."""
     return packed.shape[0] == 16 * scale.shape[0] and scale.shape[1] == 2 * packed.shape[1]
+
+
+def scale_rows(packed: torch.Tensor, scale: torch.Tensor, start: int, stop: int) -> slice:
+    """The rows of ``scale`` that hold outputs ``[start, stop)``: those rows for ``[N, K/16]``; in step A's order (a
+    row per 64 outputs) ``start // 64`` up to ``ceil(stop / 64)``."""
+    per_row = 64 if scale_is_mma_layout(packed, scale) else 1
+    return slice(start // per_row, -(-stop // per_row))
 
 
 def weight_shape(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:

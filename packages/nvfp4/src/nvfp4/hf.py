@@ -398,15 +398,9 @@ class NVFP4HfQuantizer(HfQuantizer):
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
-        # The saved config must name every linear left dense (a tied lm_head, whose weight never reached the
-        # quantizer; a suffix or regex of modules_to_not_convert, which compressed-tensors reads as an exact name),
-        # or every reader (ours, compressed-tensors, vLLM) looks for its 4-bit tensors.
-        left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
-        if left_dense:  # on a copy: the caller's NVFP4Config may serve another model next
-            cfg = copy.copy(cfg)
-            cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
-            self.quantization_config = cfg
-            model.config.quantization_config = cfg
+        named = _config_naming_dense_linears(cfg, model)
+        if named is not cfg:
+            self.quantization_config = model.config.quantization_config = named
         bad = [
             n
             for n, m in model.named_modules()
@@ -472,6 +466,20 @@ def _tied_linears(model: nn.Module) -> list[str]:
         for name in names
         if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
     )  # fmt: skip
+
+
+def _config_naming_dense_linears(cfg: NVFP4Config, model: nn.Module) -> NVFP4Config:
+    """``cfg``, or a copy whose ``modules_to_not_convert`` also names every linear of ``model`` left dense that
+    compressed-tensors would otherwise take as quantized (a tied lm_head, whose weight never reached the quantizer; a
+    suffix or regex of ours, which compressed-tensors reads as an exact name): a saved config must name them, or every
+    reader (ours, compressed-tensors, vLLM) looks for their 4-bit tensors. A copy: the caller's config may serve
+    another model next."""
+    left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
+    if not left_dense:
+        return cfg
+    named = copy.copy(cfg)
+    named.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
+    return named
 
 
 def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]:
@@ -638,13 +646,9 @@ def save_pretrained_by_blocks(
         raise ValueError(f"save_pretrained_by_blocks: {len(missing)} tensors in no block, e.g. {missing[:3]}")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
-    if left_dense:  # as the quantizer after loading: the saved ignore list names every dense linear (caller's cfg kept)
-        cfg = copy.copy(cfg)
-        cfg.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
     hf_config = model.config.__class__.from_dict(model.config.to_dict())
     hf_config.dtype = dtype
-    hf_config.quantization_config = cfg
+    hf_config.quantization_config = _config_naming_dense_linears(cfg, model)
     hf_config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     return folder

@@ -471,35 +471,29 @@ def _scale_words(v, SCALE_PAIRS: tl.constexpr, FAST: tl.constexpr):
     is ``prmt(lo, hi, 0x6420)``, row ``r + 8``'s ``prmt(lo, hi, 0x7531)`` (``FAST``: PTX; else shifts and masks),
     relabelled (t, w, h, q | j) → ``[64·TILES, QUARTERS]``."""
     if SCALE_PAIRS:
-        v = _scale_pair_words(v, FAST)
+        T: tl.constexpr = v.shape[0]
+        Q: tl.constexpr = v.shape[1]
+        if FAST:
+            r0, r8 = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 lo, hi;
+                mov.b64 {lo, hi}, $2;
+                prmt.b32 $0, lo, hi, 0x6420;
+                prmt.b32 $1, lo, hi, 0x7531;
+                }
+                """,
+                constraints="=r,=r,l",
+                args=[v],
+                dtype=(tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo = v & 0xFFFFFFFF
+            hi = (v >> 32) & 0xFFFFFFFF
+            r0 = ((lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | ((hi << 8) & 0xFF000000)).to(tl.int32)
+            r8 = (((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi & 0xFF00) << 8) | (hi & 0xFF000000)).to(tl.int32)
+        w = tl.permute(tl.join(r0, r8), (0, 2, 4, 3, 1))  # t, j, w, q, h → t, w, h, q, j
+        v = tl.reshape(w, (64 * T, Q))
     return v
-
-
-@triton.jit
-def _scale_pair_words(v, FAST: tl.constexpr):
-    """:func:`_scale_words` of int64 ``[TILES, QUARTERS, 4, 8]`` scale pairs → int32 ``[64·TILES, QUARTERS]``."""
-    T: tl.constexpr = v.shape[0]
-    Q: tl.constexpr = v.shape[1]
-    if FAST:
-        r0, r8 = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 lo, hi;
-            mov.b64 {lo, hi}, $2;
-            prmt.b32 $0, lo, hi, 0x6420;
-            prmt.b32 $1, lo, hi, 0x7531;
-            }
-            """,
-            constraints="=r,=r,l",
-            args=[v],
-            dtype=(tl.int32, tl.int32),
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        lo = v & 0xFFFFFFFF
-        hi = (v >> 32) & 0xFFFFFFFF
-        r0 = ((lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | ((hi << 8) & 0xFF000000)).to(tl.int32)
-        r8 = (((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi & 0xFF00) << 8) | (hi & 0xFF000000)).to(tl.int32)
-    w = tl.permute(tl.join(r0, r8), (0, 2, 4, 3, 1))  # t, j, w, q, h → t, w, h, q, j
-    return tl.reshape(w, (64 * T, Q))

@@ -185,6 +185,16 @@ def test_run_shape_from_config(tmp_path):
     assert run.lora_targets == ("q_proj", "v_proj") and run.activation_bytes == 2 and not run.gradient_checkpointing
 
 
+def test_run_shape_rows_per_process_do_not_shrink_with_a_planned_gpu_count(tmp_path):
+    """``qerl plan --gpus N`` parses the config in one process (TRL's generation batch then counts one process) and
+    plans N: each of the N processes still generates per_device_train_batch_size x steps_per_generation rows, as
+    ``qerl train`` under the launch plans them (TRL's batch of N processes, sharded over N)."""
+    args = _config(tmp_path)  # 16 x 8 = 128 completions per process
+    assert args.world_size == 1
+    for gpus in (1, 2, 4):
+        assert run_shape_from_config(args, world_size=gpus).generation_rows == 128
+
+
 def test_preflight(tmp_path):
     """Graph engine: waves set when the batch does not fit at once; a generation_wave_rows the user set that does not
     fit is one line; vLLM is not planned; the transformers engine must fit the whole batch."""

@@ -460,7 +460,9 @@ def run_shape_from_config(
 
     Generation rows per process: ``per_device_train_batch_size × steps_per_generation`` (TRL's generation batch is
     ``per_device_train_batch_size × num_processes × steps_per_generation``, sharded over the processes;
-    ``steps_per_generation`` defaults to ``gradient_accumulation_steps``). The prompt cap and the cache length are the
+    ``steps_per_generation`` defaults to ``gradient_accumulation_steps``), whatever ``world_size`` (the processes
+    planned: ``args.world_size``, the ones the config was parsed in, divides TRL's batch; ``world_size`` only when
+    ``args`` has none). The prompt cap and the cache length are the
     graph engine's (:func:`qerl_trl.trainer.generation_cache_len`). LoRA adapters in fp32 (the trainer's), AdamW-style
     optimizers with 2 states (``*8bit*``: 1-byte states; ``sgd``: none); activations in bf16 when ``bf16`` or
     ``fp16`` is on, else fp32 (a CPU run's; ``activation_bytes`` overrides, e.g. 2 to plan a CPU-parsed config for a
@@ -468,7 +470,10 @@ def run_shape_from_config(
     """
     steps = getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps
     gen_batch = getattr(args, "generation_batch_size", None)
-    rows = gen_batch // world_size if gen_batch else args.per_device_train_batch_size * steps
+    # TRL sized its generation batch for the processes the config was parsed in (``args.world_size``): one for
+    # ``qerl plan --gpus N``, which plans N; each process's share is the same whatever N (TRL's batch grows with it)
+    parsed_world = int(getattr(args, "world_size", None) or world_size)
+    rows = gen_batch // parsed_world if gen_batch else args.per_device_train_batch_size * steps
     kwargs: Mapping[str, Any] = getattr(args, "generation_kwargs", None) or {}
     prompt = int(args.generation_prompt_cache_len)
     completion = int(args.max_completion_length)

@@ -4,6 +4,8 @@ and AQN on every scheme (noise on, then restored bit for bit)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from aqn import AQNController, make_schedule
@@ -286,3 +288,22 @@ def test_the_vllm_engine_checkpoint_of_a_calibrated_policy_follows_its_calibrati
         paths.append(engine_checkpoint(str(tiny_dir), model, scheme, cache_dir=str(tmp_path / "engine")))
     assert not torch.equal(packed[0], packed[1])  # the two calibrations quantized differently
     assert paths[0] != paths[1]
+
+
+def test_the_vllm_engine_checkpoint_of_a_policy_carrying_an_adapter_is_its_base(tmp_path, tiny_dir):
+    """``qerl eval --engine vllm --quantization nvfp4-rtn --adapter A`` saves the evaluated model's base (the adapter
+    goes to the engine as a LoRA adapter): the checkpoint holds the base's names and tensors, never PEFT's
+    ``base_layer`` names or the adapter's ``lora_A`` / ``lora_B``, and the model keeps its LoRA layers."""
+    from nvfp4.peft import get_peft_model
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from qerl_trl.rollout.vllm import engine_checkpoint
+    from safetensors import safe_open
+
+    scheme = get_scheme("nvfp4-rtn")
+    model = get_peft_model(scheme.load(str(tiny_dir), dtype=torch.float32), LoraConfig(r=8, target_modules=["q_proj"]))
+    path = engine_checkpoint(str(tiny_dir), model.get_base_model(), scheme, cache_dir=str(tmp_path / "engine"))
+    keys = {k for f in sorted(Path(path).glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()}
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in keys
+    assert not [k for k in keys if "lora_" in k or "base_layer" in k], sorted(keys)
+    assert sum(isinstance(m, LoraLayer) for m in model.modules()) == 2  # the adapter is still in the model

@@ -150,10 +150,12 @@ def engine_checkpoint(
 
 
 def _save_engine_checkpoint(target: Path, model: Any, src: str | None) -> None:
-    """``model`` (with ``src``'s tokenizer and generation config) saved as ``target``, atomically (a rename)."""
+    """``model`` (with ``src``'s tokenizer and generation config) saved as ``target``, atomically (a rename); its
+    base only, where PEFT injected layers into it (:func:`_without_peft_layers`)."""
 
     def save(staged: Path) -> None:
-        model.save_pretrained(staged)
+        with _without_peft_layers(model):
+            model.save_pretrained(staged)
         if src is not None:
             with contextlib.suppress(Exception):
                 from transformers import AutoTokenizer
@@ -165,6 +167,29 @@ def _save_engine_checkpoint(target: Path, model: Any, src: str | None) -> None:
                         shutil.copy(Path(src) / f, staged / f)
 
     publish_checkpoint(target, save)
+
+
+@contextlib.contextmanager
+def _without_peft_layers(model: Any):
+    """``model`` with each layer PEFT injected into it (a LoRA layer around a linear: ``qerl eval``'s model carrying
+    its adapter, ``get_base_model()``) swapped for the layer it wraps, put back afterwards, also on failure: the engine
+    loads the base (the adapter reaches it as a LoRA adapter), not PEFT's ``base_layer`` names and ``lora_*`` tensors,
+    which vLLM cannot load and which would stay in the cached checkpoint."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    injected = [(name, m) for name, m in model.named_modules() if name and isinstance(m, BaseTunerLayer)]
+    swapped: list[tuple[Any, str, Any]] = []
+    try:
+        for name, layer in injected:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            if getattr(owner, child, None) is layer:  # not inside a layer swapped already
+                setattr(owner, child, layer.get_base_layer())
+                swapped.append((owner, child, layer))
+        yield model
+    finally:
+        for owner, child, layer in reversed(swapped):
+            setattr(owner, child, layer)
 
 
 # ---------------------------------------------------------------------------------------------- adapters

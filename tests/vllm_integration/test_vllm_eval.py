@@ -62,3 +62,25 @@ def test_vllm_eval_matches_transformers_and_the_adapter_changes_it(ckpt, adapter
     changed = sum(a["completions"] != b["completions"] for a, b in zip(ours["records"], tuned["records"]))
     assert changed >= 4, "the adapter did not reach the vLLM engine's generations"
     assert tuned["settings"]["adapter"]  # verified loaded into the HF copy as well
+
+
+def test_vllm_eval_engine_takes_an_adapter_of_rank_above_64(ckpt, tmp_path):
+    """``qerl eval --engine vllm --adapter A`` with A of rank 128 (``qerl train --lora_r 128`` syncs such adapters):
+    the engine is built for the adapter's rank (vLLM's bucket), not a fixed 64 that refused it after the engine had
+    started (and left that engine open)."""
+    import nvfp4
+    from nvfp4.peft import get_peft_model
+    from peft import LoraConfig
+    from qerl_trl.quantization import get_scheme
+    from qerl_trl.rollout.vllm import VLLMRollout
+
+    model = nvfp4.load_nvfp4_checkpoint(ckpt, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=128, lora_alpha=16, target_modules=["q_proj"]))
+    adapter = tmp_path / "rank-128"
+    peft.save_pretrained(adapter)
+    engine = VLLMRollout.evaluation_generator(str(ckpt), peft, get_scheme("none"), seed=0, dtype=ENGINE_DTYPE,
+                                              adapter=str(adapter))  # fmt: skip
+    try:
+        assert engine.max_lora_rank == 128 and engine.lora_request is not None
+    finally:
+        engine.close()

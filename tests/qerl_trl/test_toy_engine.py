@@ -175,3 +175,35 @@ def test_an_unreachable_vllm_server_is_named_in_the_error(tmp_path):
     trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)))
     with pytest.raises(RuntimeError, match=rf"vLLM server GET {url}/v1/models: .*[Cc]onnection refused.*vllm\.server_url"):
         ServerVLLMGeneration(trainer, url, timeout=5)
+
+
+def test_a_server_url_that_is_no_vllm_server_is_one_line_naming_it(tmp_path):
+    """``vllm.server_url`` pointing at another HTTP server (here a static-file server): the error is one line naming
+    the URL, whether it answers 404 with an HTML page (which went into the message, newlines and all) or 200 with
+    something that is no model list (a ``TypeError`` on a string before)."""
+    import functools
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    from qerl_trl.rollout.vllm import ServerVLLMGeneration
+
+    files = tmp_path / "www"
+    files.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(files))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path / "run")))
+    try:
+        with pytest.raises(RuntimeError, match=rf"^vLLM server GET {url}/v1/models: HTTP 404: ") as info:
+            ServerVLLMGeneration(trainer, url, timeout=5)
+        assert "\n" not in str(info.value)
+        (files / "v1").mkdir()
+        (files / "v1" / "models").write_text("<html>\n<body>not vLLM</body>\n</html>\n")
+        with pytest.raises(RuntimeError, match=rf"^vLLM server GET {url}/v1/models: no model list .*vllm\.server_url"):
+            ServerVLLMGeneration(trainer, url, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -429,8 +429,12 @@ class ServerVLLMGeneration(_VLLMGeneration):
         root = adapter_dir or os.path.join(trainer.args.output_dir, "vllm-adapters")
         self.root = Path(root).absolute()
         self.root.mkdir(parents=True, exist_ok=True)
-        models = self._request("GET", "/v1/models")["data"]
-        self.base_model = models[0]["id"]
+        models = self._request("GET", "/v1/models")
+        if not (isinstance(models, dict) and models.get("data") and isinstance(models["data"][0], dict)):
+            raise RuntimeError(f"vLLM server GET {self.url}/v1/models: no model list in the answer "
+                               f"{' '.join(str(models).split())[:200]!r} (is vllm.server_url {self.url} a vLLM "
+                               "OpenAI-compatible server?)")  # fmt: skip
+        self.base_model = models["data"][0]["id"]
         self.lora_name: str | None = None
         self._lora_folder: Path | None = None
 
@@ -444,8 +448,8 @@ class ServerVLLMGeneration(_VLLMGeneration):
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 body = r.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise RuntimeError(f"vLLM server {method} {path}: HTTP {e.code}: {detail}") from e
+            detail = " ".join(e.read().decode(errors="replace").split())[:2000]  # one line (an HTML page has many)
+            raise RuntimeError(f"vLLM server {method} {self.url}{path}: HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out: urllib names no URL
             why = e.reason if isinstance(e, urllib.error.URLError) else e
             raise RuntimeError(f"vLLM server {method} {self.url}{path}: {why} (is the server at vllm.server_url "

@@ -298,6 +298,21 @@ def test_cli_check_memory_prints_the_waves(tmp_path, capsys):
     assert len(out) == 1 and f"generated in {plan.waves} waves of <= {plan.rows_per_wave} rows" in out[0], out
 
 
+def test_fp8_copy_on_a_run_that_does_not_fit_in_w4a16_either_names_what_would(tmp_path):
+    """``rollout_precision='fp8'`` on a run whose w4a16 plan does not fit either (the 32B DAPO recipe on 20 GB: its
+    NVFP4 weights alone are 20.7 GB): the one line is the plan's own (what does not fit, what to change), not the FP8
+    copy's, whose advice ``use rollout_precision='w4a16'`` would not fit either."""
+    from qerl_trl.cli import parse_train_args
+
+    _, config = parse_train_args(["bigmath-qwen2.5-32b-dapo", "--output_dir", str(tmp_path), "--rollout_precision",
+                                  "fp8", "--rollout_engine", "graph"])  # fmt: skip
+    with pytest.raises(MemoryPlanError) as info:
+        preflight(config, qwen("32b"), 20 * 10**9)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("the run does not fit in 20.0 GB"), line
+    assert "the policy's weights alone do not fit" in line and "use rollout_precision='w4a16'" not in line, line
+
+
 def test_fp8_copy_is_counted_and_a_plan_it_does_not_fit_stops_in_one_line(tmp_path):
     """``rollout_precision`` fp8 / auto with the graph engine: the E4M3 copy of the projections (1 byte a weight + 4
     per output row) is added to the policy's weights; the 7B GSM8K recipe keeps its 2 waves of 64 on an H100, the 32B

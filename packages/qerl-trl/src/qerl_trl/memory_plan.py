@@ -551,10 +551,11 @@ def check_fp8_copy(plan: MemoryPlan) -> None:
     """Raise :class:`MemoryPlanError` (one line, naming the numbers) when the FP8 copy of ``rollout_precision`` fp8 /
     auto does not fit beside the run, or costs it generation waves: an extra wave decodes the whole batch once more,
     far more time than FP8's 1.2-1.45x on the linears saves (the H100 spike, ``gemm_fp8_spike.json``). The plan
-    without the copy is what ``w4a16`` would do."""
+    without the copy is what ``w4a16`` would do; when that does not fit either, nothing is raised here
+    (:func:`check_plan` says what does not fit and what to change: ``w4a16`` would not do)."""
     run = plan.run
     w4a16 = plan_memory(plan.model, replace(run, rollout_precision="w4a16"), plan.budget_bytes, plan.margin)
-    if plan.fits and plan.waves <= w4a16.waves:
+    if not w4a16.fits or (plan.fits and plan.waves <= w4a16.waves):
         return
     copy = plan.details["fp8_copy"]
     then = (f"then take {plan.waves} wave(s) of <= {plan.rows_per_wave} instead of {w4a16.waves} of <= "

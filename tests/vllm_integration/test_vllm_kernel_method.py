@@ -340,6 +340,21 @@ def test_auto_precision_is_w4a16_below_the_crossover_and_fp8_from_it(bias, vllm_
         _layer(NVFP4KernelLinearMethod(precision="auto", crossover_rows=16), [128, 64], own)
 
 
+def test_auto_precision_with_a_crossover_of_0_runs_fp8_on_its_own_copy(vllm_process_group):
+    """``NVFP4KernelLinearMethod(precision="auto")`` (``crossover_rows`` default 0: FP8 from 0 rows, every call) holds
+    the NVFP4 tensors and ``weight_fp8``, as auto does; ``apply`` took the ``fp8`` precision's branch, which reads
+    ``layer.weight`` (fp8 only): an ``AttributeError`` on the first call."""
+    from nvfp4 import fp8
+    from qerl_vllm.quant import NVFP4KernelLinearMethod
+
+    widths, members, b = _fused_qkv(bias=True)
+    auto = NVFP4KernelLinearMethod(precision="auto")
+    layer = _layer(auto, widths, members, b)
+    for rows in (1, 17):
+        x = torch.randn(rows, K).to(torch.bfloat16)
+        assert torch.equal(_out(auto, layer, x), fp8.fp8_linear(x, layer.weight_fp8, layer.weight_fp8_scale, b)), rows
+
+
 def test_rollout_precision_reaches_the_linear_method_through_additional_config(vllm_process_group, backend_env):
     from nvfp4.rollout_precision import UNMEASURED_CROSSOVER_ROWS
     from qerl_vllm.quant import ROLLOUT_PRECISION_KEY, NVFP4KernelLinearMethod, QeRLNVFP4Config

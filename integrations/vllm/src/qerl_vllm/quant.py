@@ -530,7 +530,7 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, in]`` → ``[M, out]`` in x's dtype: W4A16 (``nvfp4::linear``), FP8 (``fp8``: per-token E4M3 of x,
         ``nvfp4::fp8_scaled_linear``) or, for ``auto``, ``nvfp4::w4a16_or_fp8_linear`` (FP8 from the crossover)."""
-        if self.fp8_from_rows == 0:
+        if self.fp8_from_rows is not None and not self.precision.keeps_w4a16:  # fp8: the layer holds its copy only
             return fp8.fp8_linear(x, layer.weight, layer.weight_scale, bias)
         if self.fp8_from_rows is not None:
             return fp8.w4a16_or_fp8_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale,

@@ -185,6 +185,45 @@ def test_lora_sync_changes_outputs_like_hf(engine, hf_model, prompt_ids, base_ou
         peft_model.unload()  # give the HF model back without adapters
 
 
+def test_adapters_written_into_a_lora_dir_leave_when_refused_cleared_or_closed(ckpt, tmp_path):
+    """``lora_dir`` (the trainer's ``vllm.adapter_dir``) is the caller's folder: the adapter folders ``sync_lora``
+    writes there from tensors are the engine's, and go when refused (a rank above ``max_lora_rank``), cleared
+    (``clear_lora``) or when the engine closes, as the previous one goes at each sync; the folder itself stays."""
+    from peft import LoraConfig
+    from qerl_vllm.engine import VLLMEngine
+
+    config = json.loads((ckpt / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    out = heads * config.get("head_dim", hidden // heads)  # q_proj's output features
+
+    def adapter(rank: int) -> tuple[dict[str, torch.Tensor], LoraConfig]:
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+        state = {
+            f"{prefix}.lora_A.weight": torch.zeros(rank, hidden),
+            f"{prefix}.lora_B.weight": torch.zeros(out, rank),
+        }
+        return state, LoraConfig(r=rank, lora_alpha=16, target_modules=["q_proj"])
+
+    lora_dir = tmp_path / "adapters"
+    engine = VLLMEngine(ckpt, max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                        dtype=ENGINE_DTYPE, lora_dir=lora_dir)  # fmt: skip
+    try:
+        state, peft_config = adapter(LORA_RANK)
+        engine.sync_lora(state, version=1, peft_config=peft_config)
+        synced = sorted(p.name for p in lora_dir.iterdir())
+        assert len(synced) == 1
+        with pytest.raises(ValueError, match="exceeds the engine's max_lora_rank"):
+            big, big_config = adapter(2 * LORA_RANK)
+            engine.sync_lora(big, version=2, peft_config=big_config)
+        assert sorted(p.name for p in lora_dir.iterdir()) == synced and engine.lora_version == 1
+        engine.clear_lora()
+        assert list(lora_dir.iterdir()) == []
+        engine.sync_lora(state, version=3, peft_config=peft_config)
+    finally:
+        engine.close()
+    assert lora_dir.is_dir() and list(lora_dir.iterdir()) == []
+
+
 def test_aqn_noise_changes_engine_and_restores_bit_identically(engine, hf_model, prompt_ids, base_out):
     import aqn
 

@@ -397,6 +397,8 @@ class VLLMEngine:
                 raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter folder)")
         rank = _adapter_rank(Path(path))
         if rank is not None and rank > self.max_lora_rank:
+            if written is not None:  # refused: the folder written for it goes too
+                shutil.rmtree(written, ignore_errors=True)
             raise ValueError(f"adapter rank {rank} exceeds the engine's max_lora_rank={self.max_lora_rank}")
         old, old_dir = self._lora_request, getattr(self, "_lora_written", None)
         req = LoRARequest(f"qerl-lora-v{int(version)}", self._new_lora_id(), path)
@@ -420,13 +422,21 @@ class VLLMEngine:
         return self._lora_version
 
     def clear_lora(self) -> None:
-        """Forget the synced adapter (``generate`` then uses the base model by default)."""
+        """Forget the synced adapter (``generate`` then uses the base model by default) and delete the folder
+        :meth:`sync_lora` wrote for it, if any."""
         if self._lora_request is not None:
             try:
                 self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             except Exception:  # noqa: BLE001
                 pass
+        self._remove_written_adapter()
         self._lora_request, self._lora_version = None, None
+
+    def _remove_written_adapter(self) -> None:
+        """Delete the adapter folder the last :meth:`sync_lora` wrote from tensors (in ``lora_dir``), if any."""
+        written = self.__dict__.pop("_lora_written", None)
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
 
     # ------------------------------------------------------------------ AQN norm weights
     def norm_param_names(self) -> list[str]:
@@ -489,9 +499,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release the engine and the adapter temp folder."""
+        """Release the engine and the adapter temp folder (with a caller's ``lora_dir``: the adapter folder written
+        there, the folder itself stays)."""
         if self._own_lora_root:
             shutil.rmtree(self._lora_root, ignore_errors=True)
+        else:
+            self._remove_written_adapter()
         llm = self.__dict__.pop("llm", None)
         if llm is not None and self.external_launcher:
             # vLLM's shutdown ends by destroying the default process group, which belongs to the launch (the

@@ -246,3 +246,21 @@ def test_vllm_kv_cache_too_small_for_one_sequence_or_too_large_stops_in_one_line
         assert plan_fsdp2(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=kv,
                           vllm_max_model_len=4608) == before  # fmt: skip
     assert before.kv_cache_bytes == 0 and before.per_row == before.kv_per_row == 56 * 1024 * 5120
+
+
+def test_a_vllm_server_holds_the_generation_rows_on_its_own_gpus(capsys):
+    """``vllm.server_url``: the server generates on GPUs of its own, so the training GPUs hold the policy, its LoRA and
+    optimizer state and the training micro-batch only; the 32B DAPO recipe fits 1 GPU (``qerl plan`` counted the 128
+    rows' 309.7 GB of KV cache here: no count up to 8 GPUs fit, and ``qerl train`` under FSDP2 refused the run)."""
+    from qerl_trl.cli import main
+
+    server = '{"server_url": "http://127.0.0.1:8000", "kv_cache_memory_bytes": null}'
+    for gpus in ("1", "2"):
+        main(["plan", "bigmath-qwen2.5-32b-dapo", "--vllm", server, "--gpus", gpus])
+        line = capsys.readouterr().out.strip()
+        assert "\n" not in line and ": fits:" in line and "generation on the vLLM server" in line, line
+        assert line.endswith("smallest GPU count that fits: 1 (estimate)"), line
+    server_run = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    plan = plan_fsdp2(Q32, server_run, H100_80GB_BYTES, 2, vllm_server=True)
+    assert plan.per_row == plan.prefill_per_row == 0 and plan.wave_rows == 128
+    assert plan.peak(128) == plan.fixed + plan.training

@@ -446,6 +446,8 @@ def _fit_rows(plan: MemoryPlan) -> int:
     run = plan.run
     if plan.kv_cache_bytes:  # a fixed KV cache: the sequences it holds at once, when it fits beside the rest
         return plan.kv_cache_rows if plan.peak(0) <= plan.usable_bytes else 0
+    if plan.per_row + plan.prefill_per_row == 0:  # rows that hold nothing here (a vLLM server's): all, or none
+        return run.generation_rows if plan.peak(0) <= plan.usable_bytes else 0
     room = plan.usable_bytes - plan.fixed
     by_prefill = room // (plan.per_row + plan.prefill_per_row)
     by_train = (room - plan.training) // plan.per_row if run.held_generation else (room if room >= plan.training else -1)
@@ -643,11 +645,14 @@ FSDP_GATHERED_LAYERS = 2
 def plan_fsdp2(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, margin: float = DEFAULT_MARGIN, *,
     vllm_colocate: bool = False, vllm_tp: int | None = None, vllm_shares_weights: bool = False,
-    vllm_kv_cache_bytes: int | None = None, vllm_max_model_len: int | None = None,
+    vllm_kv_cache_bytes: int | None = None, vllm_max_model_len: int | None = None, vllm_server: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """The :class:`MemoryPlan` of one GPU when ``num_gpus`` processes train ``run`` under FSDP2 (``fully_shard``:
     :mod:`nvfp4.fsdp` for the 4-bit weights, accelerate's per-decoder-layer groups for the rest), within
     ``budget_bytes`` per GPU. ``num_gpus == 1`` is :func:`plan_memory` (nothing to shard).
+
+    ``vllm_server``: rollouts by a vLLM server on GPUs of its own (``vllm.server_url``): the generation rows hold
+    nothing on these GPUs (their KV cache, buffers and prefill are the server's).
 
     ``vllm_colocate``: rollouts by colocated vLLM engines of ``tensor_parallel_size = vllm_tp`` (default
     ``num_gpus``: one engine over all the GPUs) on the same GPUs, ``num_gpus / vllm_tp`` of them. Each holds its own
@@ -716,6 +721,8 @@ def plan_fsdp2(
         details.update(vllm_weights=engine_weights, vllm_tp=tp, vllm_fp8_copy=int(fp8_copy / tp))
         weights += engine_weights
         kv_per_row, buffers_per_row, prefill_per_row = math.ceil(base.kv_per_row / tp), 0, 0
+    elif vllm_server:  # the server's GPUs hold the rows
+        kv_per_row, buffers_per_row, prefill_per_row = 0, 0, 0
     kv_cache = int(vllm_kv_cache_bytes or 0) if vllm_colocate else 0
     if kv_cache:
         # vLLM pages its cache: a sequence holds the positions it has reached, at most the run's cache_len (prompt
@@ -741,6 +748,7 @@ def smallest_fsdp2_gpus(
     model: ModelShape, run: RunShape, budget_bytes: int, *, max_gpus: int = 8, margin: float = DEFAULT_MARGIN,
     waves_allowed: bool = True, vllm_colocate: bool = False, vllm_tp: int | None = None,
     vllm_shares_weights: bool = False, vllm_kv_cache_bytes: int | None = None, vllm_max_model_len: int | None = None,
+    vllm_server: bool = False,
 ) -> int | None:  # fmt: skip
     """The fewest GPUs (1 .. ``max_gpus``; multiples of ``vllm_tp`` when it is set) of ``budget_bytes`` each on which
     :func:`plan_fsdp2` fits ``run`` (at least one generation row per wave, or the whole batch without
@@ -748,7 +756,7 @@ def smallest_fsdp2_gpus(
     for n in range(vllm_tp or 1, max_gpus + 1, vllm_tp or 1):
         plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
                           vllm_shares_weights=vllm_shares_weights, vllm_kv_cache_bytes=vllm_kv_cache_bytes,
-                          vllm_max_model_len=vllm_max_model_len)  # fmt: skip
+                          vllm_max_model_len=vllm_max_model_len, vllm_server=vllm_server)  # fmt: skip
         if plan.wave_rows >= (1 if waves_allowed else run.generation_rows):
             return n
     return None
@@ -758,7 +766,7 @@ def fsdp2_answer(
     model: ModelShape, run: RunShape, budget_bytes: int, num_gpus: int, *, name: str = "the model",
     max_gpus: int = 8, margin: float = DEFAULT_MARGIN, waves_allowed: bool = True, vllm_colocate: bool = False,
     vllm_tp: int | None = None, vllm_shares_weights: bool = False, vllm_kv_cache_bytes: int | None = None,
-    vllm_max_model_len: int | None = None,
+    vllm_max_model_len: int | None = None, vllm_server: bool = False,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``run`` on ``model`` fits ``num_gpus`` GPUs of ``budget_bytes`` under FSDP2, and one line saying so:
     the planned peak per GPU against what is usable, and the smallest GPU count that would fit (``qerl plan``; an
@@ -766,7 +774,8 @@ def fsdp2_answer(
     says how many sequences it holds at once, and which value of ``vllm.kv_cache_memory_bytes`` would do when it
     cannot hold one sequence or does not fit beside the rest."""
     vllm = dict(vllm_colocate=vllm_colocate, vllm_tp=vllm_tp, vllm_shares_weights=vllm_shares_weights,
-                vllm_kv_cache_bytes=vllm_kv_cache_bytes, vllm_max_model_len=vllm_max_model_len)  # fmt: skip
+                vllm_kv_cache_bytes=vllm_kv_cache_bytes, vllm_max_model_len=vllm_max_model_len,
+                vllm_server=vllm_server)  # fmt: skip
     plan = plan_fsdp2(model, run, budget_bytes, num_gpus, margin, **vllm)
     need = 1 if waves_allowed else run.generation_rows
     fits = plan.wave_rows >= need
@@ -786,6 +795,8 @@ def fsdp2_answer(
     if kv:  # held whatever the rows; vLLM schedules the sequences it cannot hold at once
         gen = (f"{engine_kv} {kv / GB:.1f} GB fixed by vllm.kv_cache_memory_bytes, holding {plan.kv_cache_rows} of the "
                f"{run.generation_rows} sequences of {plan.details['vllm_seq_len']} positions at once")  # fmt: skip
+    elif vllm_server:
+        gen = f"generation on the vLLM server ({rows} completions, no KV cache here)"
     elif vllm_colocate:
         gen = (f"{engine_kv} for {rows} concurrent sequence(s) of {run.cache_len} positions "
                f"{rows * plan.per_row / GB:.1f} GB")  # fmt: skip
@@ -849,11 +860,13 @@ def fsdp2_preflight(
     (unset: ``num_gpus`` when several GPUs shard the policy, as the trainer resolves it; a ``ValueError`` when it does
     not divide ``num_gpus``; with ``vllm.share_weights`` on one GPU the weights are counted once; with
     ``vllm.kv_cache_memory_bytes`` its KV cache is that many bytes per GPU, sequences of at most ``vllm.max_model_len``
-    positions), a vLLM server on other GPUs nothing; the graph engine may generate in waves."""
+    positions), a vLLM server on other GPUs nothing (``vllm_server``: the rows hold nothing here); the graph engine
+    may generate in waves."""
     run = run_shape_from_config(args, world_size=num_gpus, activation_bytes=2)
     engine = args.rollout_engine_class  # what it holds and how it generates are its own rules
     colocate = engine.colocated_engine(args)
     waves = engine.generates_in_waves or colocate  # a colocated vLLM schedules what its KV cache cannot hold at once
+    server = not colocate and not engine.holds_generation_memory  # a vLLM server: its own GPUs hold the rows
     if colocate:
         args.vllm.tp_size(num_gpus, fsdp2=num_gpus > 1)  # ValueError when it does not divide the GPU count
     tp = args.vllm.tensor_parallel_size if colocate else None  # unset: each count's own (num_gpus)
@@ -861,5 +874,6 @@ def fsdp2_preflight(
                         vllm_colocate=colocate, vllm_tp=tp,
                         vllm_shares_weights=colocate and args.vllm.share_weights,
                         vllm_kv_cache_bytes=args.vllm.kv_cache_memory_bytes if colocate else None,
-                        vllm_max_model_len=args.vllm.max_model_len if colocate else None)  # fmt: skip
+                        vllm_max_model_len=args.vllm.max_model_len if colocate else None,
+                        vllm_server=server)  # fmt: skip
 

@@ -94,6 +94,21 @@ def test_evaluate_api_greedy_and_scoring(tiny_dir):
                  progress=False)
 
 
+def test_evaluate_puts_back_a_tokenizer_without_a_pad_token(tiny_dir):
+    """A tokenizer without a pad token: ``evaluate`` pads with EOS while it generates, and afterwards the caller's
+    tokenizer has no pad token again (it kept EOS as its pad token), as its padding side is put back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.pad_token = None
+    ds = load_task("arithmetic", "test", limit=2)
+    result = evaluate(model, tok, ds, reward_fn="arithmetic_accuracy", greedy=True, max_new_tokens=2, batch_size=2,
+                      progress=False)  # fmt: skip
+    assert result["metrics"]["n_examples"] == 2
+    assert tok.pad_token is None and tok.pad_token_id is None and tok.padding_side == "right"
+
+
 def test_adapter_that_changes_outputs_changes_records_and_score(tiny_dir, adapter_dir, tmp_path):
     """The reference implementation evaluated the base model while claiming the adapter: here the adapter must show."""
     base, _ = _run(tmp_path, "base", "--model", str(tiny_dir), "--greedy")

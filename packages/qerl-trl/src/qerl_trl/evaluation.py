@@ -162,6 +162,7 @@ def evaluate(
         sampling = dict(max_tokens=max_new_tokens, seed=seed, repetition_penalty=1.0, top_k=0)
         sampling.update(temperature=0.0, n=1) if greedy else sampling.update(temperature=temperature, top_p=top_p,
                                                                             n=n_samples)
+    old_pad = tokenizer.pad_token  # put back afterwards, as the padding side: the tokenizer is the caller's
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # only the settings named here apply: a checkpoint's generation_config may carry its own top-k or repetition
@@ -182,9 +183,9 @@ def evaluate(
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     held = contextlib.ExitStack()
-    if engine is None and device.type == "cpu":  # the CPU reference path would re-dequantize every weight per token
-        held.enter_context(cache_dequantized(model, model.get_input_embeddings().weight.dtype))
     try:
+        if engine is None and device.type == "cpu":  # the CPU reference path would re-dequantize every weight per token
+            held.enter_context(cache_dequantized(model, model.get_input_embeddings().weight.dtype))
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             rendered = [_render(tokenizer, row["prompt"]) for row in rows]
@@ -231,6 +232,7 @@ def evaluate(
     finally:
         held.close()
         tokenizer.padding_side = old_side
+        tokenizer.pad_token = old_pad
         bar.close()
     wall = time.perf_counter() - t0
 

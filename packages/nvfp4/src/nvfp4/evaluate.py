@@ -86,7 +86,8 @@ def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:
 
 @torch.no_grad()
 def perplexity(model: nn.Module, tokenizer, texts: list[str], max_length: int = 512, progress: bool = True) -> float:
-    """Token-level perplexity of ``model`` on ``texts`` (each text scored on its own, BOS kept, up to ``max_length``)."""
+    """Token-level perplexity of ``model`` on ``texts`` (each text scored on its own, BOS kept, up to ``max_length``).
+    ``ValueError`` when no text has a token to score (all of one token, or none)."""
     device = next(model.parameters()).device
     nll = 0.0
     count = 0
@@ -96,4 +97,6 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str], max_length: int = 
         target = ids[:, 1:]
         nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum").item()
         count += target.numel()
+    if count == 0:  # one-token texts have no next token to score
+        raise ValueError(f"perplexity: none of the {len(texts)} texts has 2 or more tokens, so nothing to score")
     return float(torch.exp(torch.tensor(nll / count)))

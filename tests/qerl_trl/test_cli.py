@@ -514,3 +514,23 @@ def test_vllm_numbers_out_of_range_are_refused_with_the_config(tmp_path, setting
     after the policy has loaded."""
     with pytest.raises(ValueError, match=rf"vllm\.{setting} must be .*got {value}"):
         QeRLConfig(output_dir=str(tmp_path), vllm={setting: value})
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_qerl_help_names_the_commands(flag, capsys):
+    """``qerl --help`` / ``qerl -h`` (what a new user types first) print the commands, as ``qerl help`` does, not
+    ``qerl train``'s hundred options under a usage line that names no command."""
+    main([flag])
+    out = capsys.readouterr().out
+    assert "usage: qerl {train,eval,plan}" in out and "qerl train --list-recipes" in out, out[:300]
+
+
+def test_qerl_train_help_names_the_command_and_the_recipe(capsys):
+    """``qerl train --help``'s usage says ``qerl train`` and that a recipe may come first (as ``qerl eval --help``
+    says ``qerl eval``)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert out.startswith("usage: qerl train [RECIPE]"), out[:200]
+    assert "--list-recipes" in out, out[:200]

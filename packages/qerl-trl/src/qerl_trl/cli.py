@@ -52,6 +52,11 @@ __all__ = [
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
+TRAIN_HELP = (
+    "RECIPE: a recipe .yaml file or the name of a shipped recipe (default: offline-default; qerl train "
+    "--list-recipes names them); the options below override the recipe's values. --memory-budget-gb GB: plan "
+    "against GB of GPU memory; --debug: tracebacks instead of one-line errors."
+)
 
 
 @dataclass
@@ -161,7 +166,8 @@ def _train_parser(dataclasses: tuple) -> Any:
     class Parser(UsageErrorParser, TrlParser):
         pass
 
-    return Parser(dataclasses)
+    # the usage line names the command and the recipe that may come first (argparse's default prog is "qerl")
+    return Parser(dataclasses, prog="qerl train [RECIPE]", description=TRAIN_HELP)
 
 
 def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -559,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
         "usage: qerl {train,eval,plan} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes; "
         "qerl plan [RECIPE] [--overrides] --gpus N)"
     )
-    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
+    # `qerl --help` is the commands' help, not `qerl train --help` (other options alone go to train, the default)
+    command = argv.pop(0) if argv and (not argv[0].startswith("-") or argv[0] in ("-h", "--help")) else "train"
     if command in ("-h", "--help", "help"):
         print(__doc__.strip() + "\n\n" + usage)
         return

@@ -166,3 +166,13 @@ def test_overwrite_that_fails_leaves_the_earlier_checkpoint_and_no_partial_one(o
         main([str(model_dir), "--method", "rtn", "--out", str(earlier), "--overwrite", "--max-new-tokens", "2"])
     assert (earlier / "model.safetensors").read_bytes() == b"earlier weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_new_tokens_below_1_is_one_line_before_anything_is_written(tiny_model_dir, tmp_path, capsys, value):
+    """``--max-new-tokens 0`` was a transformers traceback after quantizing and saving, which left a checkpoint
+    without its model card; now one line before anything loads, and no folder."""
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--max-new-tokens", value], capsys)
+    assert f"--max-new-tokens must be >= 1, got {value}" in err
+    assert not out.exists()

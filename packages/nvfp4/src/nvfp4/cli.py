@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.exit(2, f"nvfp4-quantize: error: --method {args.method} needs --data (calibration texts)\n")
     if args.calib_samples < 1:
         ap.exit(2, f"nvfp4-quantize: error: --calib-samples must be >= 1, got {args.calib_samples}\n")
+    if args.max_new_tokens < 1:  # generate's own error came as a traceback after the checkpoint was saved
+        ap.exit(2, f"nvfp4-quantize: error: --max-new-tokens must be >= 1, got {args.max_new_tokens}\n")
     if data is not None and args.n_eval < 1:
         ap.exit(2, f"nvfp4-quantize: error: --n-eval must be >= 1, got {args.n_eval}\n")
     needed = ["test.jsonl", "train.jsonl"] if data is not None else []

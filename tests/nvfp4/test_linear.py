@@ -365,3 +365,16 @@ def test_cached_forward_allocates_no_dequantized_weight(compact):
             assert first.fill().data_ptr() == first.fill().data_ptr() == third.fill().data_ptr()
             step()
             assert first.fill().data_ptr() == third.fill().data_ptr()
+
+
+def _two_linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+
+
+def test_quantize_model_skips_every_module_a_generator_names():
+    """``modules_to_not_convert`` is an ``Iterable``: a generator was used up by the first module's check, so the
+    modules it named after that were quantized."""
+    model = quantize_model(_two_linears(), modules_to_not_convert=(n for n in ["1", "0"]), progress=False)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+

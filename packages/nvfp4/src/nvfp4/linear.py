@@ -624,6 +624,8 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    # read once: every module is checked against it (a generator was used up by the first module's check)
+    modules_to_not_convert = tuple(modules_to_not_convert)
     groups = [tuple(g) for g in fused_groups] if fmt.has_global_scale else []  # members share a global scale
     named = [
         (n, m)

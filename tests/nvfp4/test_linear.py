@@ -378,3 +378,12 @@ def test_quantize_model_skips_every_module_a_generator_names():
     model = quantize_model(_two_linears(), modules_to_not_convert=(n for n in ["1", "0"]), progress=False)
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
 
+
+
+@pytest.mark.parametrize("keyword, value", [("modules_to_not_convert", "1"), ("fused_groups", ["0", "1"])])
+def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword, value):
+    """``modules_to_not_convert="lm_head"`` was read letter by letter (so lm_head was quantized), and
+    ``fused_groups=["q_proj", "k_proj"]`` fused nothing: both silently. Now one line naming the option."""
+    with pytest.raises(TypeError, match=rf"quantize_model: {keyword} .*got the string '[01]'") as info:
+        quantize_model(_two_linears(), progress=False, **{keyword: value})
+    assert len(str(info.value).splitlines()) == 1

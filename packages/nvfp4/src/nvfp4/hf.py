@@ -47,6 +47,8 @@ from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
+    _fused_group_names,
+    _module_names,
     _quantizable,
     fused_group_of,
 )
@@ -182,11 +184,14 @@ class NVFP4Config(QuantizationConfigMixin):
         except NotImplementedError as e:
             raise ValueError(str(e)) from None
         self.method = method
-        self.modules_to_not_convert = (
-            list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
+        self.modules_to_not_convert = list(
+            _module_names(modules_to_not_convert, "NVFP4Config: modules_to_not_convert")
+            if modules_to_not_convert is not None
+            else DEFAULT_MODULES_TO_NOT_CONVERT
         )
         # [] means no fused groups (as in quantize_model), so only None takes the default
-        self.fused_groups = [list(g) for g in (DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups)]
+        groups = DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups
+        self.fused_groups = [list(g) for g in _fused_group_names(groups, "NVFP4Config: fused_groups")]
         self.format = fmt.ct_format  # what saved configs have always carried for NVFP4 (the serialized name)
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt

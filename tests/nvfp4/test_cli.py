@@ -176,3 +176,13 @@ def test_max_new_tokens_below_1_is_one_line_before_anything_is_written(tiny_mode
     err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--max-new-tokens", value], capsys)
     assert f"--max-new-tokens must be >= 1, got {value}" in err
     assert not out.exists()
+
+
+def test_a_model_path_under_home_written_with_a_tilde_is_found(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``nvfp4-quantize '~/models/m'`` (quoted, or from Python) said "no such file or folder" for a folder that
+    exists: ``~`` counted as a local path but was never expanded (``--out`` and ``--data`` are). It now gets as far as
+    the folder allows (this one has no tokenizer)."""
+    monkeypatch.setenv("HOME", str(tiny_model_dir.parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([f"~/{tiny_model_dir.name}", "--out", str(tmp_path / "o")], capsys)
+    assert "no such file" not in err and "cannot load its tokenizer" in err, err

@@ -534,3 +534,16 @@ def test_qerl_train_help_names_the_command_and_the_recipe(capsys):
     assert exit_info.value.code == 0
     assert out.startswith("usage: qerl train [RECIPE]"), out[:200]
     assert "--list-recipes" in out, out[:200]
+
+
+def test_lora_target_modules_that_match_nothing_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``--lora_target_modules qproj`` (a typo) was PEFT's traceback once the model had loaded; now one line naming
+    the option, and nothing trained."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_name_or_path", str(tiny_dir), "--lora_target_modules", "qproj", "--max_steps", "1",
+              "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true"])  # fmt: skip
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not _progress_bar(line)]
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("qerl train: error: --lora_target_modules ['qproj']: ") and "qproj" in lines[0], lines
+    assert not (tmp_path / "run" / "final").exists()

@@ -601,11 +601,14 @@ def main(argv: list[str] | None = None) -> None:
         except MemoryPlanError as e:  # before the model loads: a run that cannot fit stops here, not in its first step
             _usage_error("qerl train", e, debug)
         from nvfp4.peft import AdapterMismatchError
+        from peft.utils.error import NoMatchingPeftModuleError
 
         try:
             trainer = train(script_args, config, inputs)
         except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
+        except NoMatchingPeftModuleError as e:  # names no module of the model: known once it has loaded
+            _usage_error("qerl train", ValueError(f"--lora_target_modules {config.lora_target_modules}: {e}"), debug)
         trainer.close()  # the rollout engine's processes and memory (vLLM)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)

@@ -547,3 +547,16 @@ def test_lora_target_modules_that_match_nothing_is_one_line(tiny_dir, tmp_path, 
     assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("qerl train: error: --lora_target_modules ['qproj']: ") and "qproj" in lines[0], lines
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("option", ["--steps_per_generation", "--generation_batch_size"])
+def test_a_generation_batch_of_no_rows_is_one_line_before_the_model_loads(option, tmp_path, capsys, monkeypatch):
+    """``--steps_per_generation 0`` (or ``--generation_batch_size 0``) passed every check (0 is divisible by
+    num_generations) and ended in torch's sampler traceback ("batch_size should be a positive integer value") once
+    the model had loaded; now one line naming the option."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "0", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option.removeprefix('--')} must be >= 1, got 0" in err, err

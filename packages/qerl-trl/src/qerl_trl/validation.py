@@ -84,6 +84,9 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("per_device_train_batch_size", _at_least(1), ">= 1"),
     ("gradient_accumulation_steps", _at_least(1), ">= 1"),
     ("num_iterations", _at_least(1), ">= 1"),
+    # 0 is divisible by num_generations, so TRL's checks passed it; torch's sampler refused it after the model loaded
+    ("steps_per_generation", _at_least(1), ">= 1"),
+    ("generation_batch_size", _at_least(1), ">= 1"),
     ("max_completion_length", _at_least(1), ">= 1"),
     ("generation_prompt_cache_len", _at_least(1), ">= 1"),
     ("learning_rate", _at_least(0), ">= 0"),

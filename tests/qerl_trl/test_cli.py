@@ -560,3 +560,14 @@ def test_a_generation_batch_of_no_rows_is_one_line_before_the_model_loads(option
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"{option.removeprefix('--')} must be >= 1, got 0" in err, err
+
+
+def test_negative_warmup_steps_says_what_is_wrong(tmp_path, capsys, monkeypatch):
+    """``--warmup_steps -1`` said "warmup_steps must be an integer or a float" (transformers' message) of an
+    integer; now the rule it broke, with the value."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--warmup_steps", "-1", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "warmup_steps must be >= 0" in err and "got -1" in err, err

@@ -93,6 +93,8 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("temperature", lambda v: v > 0, "> 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("max_grad_norm", _at_least(0), ">= 0 (0: no clipping)"),
+    # transformers' own message for a negative value, "must be an integer or a float", named neither
+    ("warmup_steps", _at_least(0), ">= 0 (a step count, or a fraction of the run below 1)"),
     ("save_steps", lambda v: v > 0, "> 0 (a step count, or a fraction of the run below 1)"),
     ("logging_steps", lambda v: v > 0, "> 0"),
     ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),

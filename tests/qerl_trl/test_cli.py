@@ -571,3 +571,15 @@ def test_negative_warmup_steps_says_what_is_wrong(tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "warmup_steps must be >= 0" in err and "got -1" in err, err
+
+
+@pytest.mark.parametrize("option", ["--learning_rate", "--temperature"])
+def test_an_infinite_learning_rate_or_temperature_is_refused(option, tmp_path, capsys, monkeypatch):
+    """``nan`` was refused but ``inf`` passed: an infinite learning rate makes the adapter inf/NaN at the first step,
+    an infinite temperature samples uniformly at random. Now one line before anything loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "inf", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option.removeprefix('--')} must be a finite number" in err and "got inf" in err, err

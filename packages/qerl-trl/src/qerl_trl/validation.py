@@ -89,8 +89,10 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("generation_batch_size", _at_least(1), ">= 1"),
     ("max_completion_length", _at_least(1), ">= 1"),
     ("generation_prompt_cache_len", _at_least(1), ">= 1"),
-    ("learning_rate", _at_least(0), ">= 0"),
-    ("temperature", lambda v: v > 0, "> 0"),
+    # finite too: an infinite rate makes the adapter inf/NaN at the first step, an infinite temperature samples
+    # uniformly at random
+    ("learning_rate", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("temperature", lambda v: 0 < v < math.inf, "a finite number > 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("max_grad_norm", _at_least(0), ">= 0 (0: no clipping)"),
     # transformers' own message for a negative value, "must be an integer or a float", named neither

@@ -583,3 +583,17 @@ def test_an_infinite_learning_rate_or_temperature_is_refused(option, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"{option.removeprefix('--')} must be a finite number" in err and "got inf" in err, err
+
+
+@pytest.mark.parametrize("option, value, rule", [("top_k", "-5", ">= 0 (0: no top-k)"), ("min_p", "1.5", "in [0, 1]"),
+                                                 ("repetition_penalty", "0", "> 0")])  # fmt: skip
+def test_sampling_values_generation_refuses_are_one_line_before_the_model_loads(option, value, rule, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--top_k -5``, ``--min_p 1.5``, ``--repetition_penalty 0`` passed every check and ended in transformers'
+    traceback at the first generation, after the model had loaded; now one line naming the rule."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", f"--{option}", value, "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option} must be {rule}, got {float(value) if option != 'top_k' else int(value)}" in err, err

@@ -597,3 +597,13 @@ def test_sampling_values_generation_refuses_are_one_line_before_the_model_loads(
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"{option} must be {rule}, got {float(value) if option != 'top_k' else int(value)}" in err, err
+
+
+@pytest.mark.parametrize("spelling", ["--algo", "--algor=dapo"])
+def test_an_abbreviated_algorithm_option_picks_the_dapo_config(spelling, tmp_path):
+    """``--algo dapo`` (argparse takes a unique prefix of an option) set ``algorithm: dapo`` but parsed the GRPO
+    config: a DAPO trainer without DAPO's settings (epsilon_high 0.28, dynamic sampling, no KL term), silently."""
+    argv = [spelling] if "=" in spelling else [spelling, "dapo"]
+    script, config = parse_train_args([*argv, "--output_dir", str(tmp_path / "run")])
+    assert script.algorithm == "dapo" and isinstance(config, QeRLDAPOConfig), type(config).__name__
+    assert (config.epsilon_high, config.beta, config.dynamic_sampling) == (0.28, 0.0, True)

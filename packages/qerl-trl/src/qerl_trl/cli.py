@@ -19,6 +19,7 @@ whether the run fits N GPUs under FSDP2 and the smallest GPU count that would (o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,13 +140,36 @@ def recipe_path(name_or_path: str) -> Path:
 
 
 def _option(argv: list[str], recipe: dict[str, Any], name: str, default: Any) -> Any:
-    """``--name VALUE`` / ``--name=VALUE`` from the command line, else the recipe's ``name``, else ``default``."""
+    """``--name VALUE`` / ``--name=VALUE`` from the command line (any spelling the parser takes: dashes, a unique
+    prefix), else the recipe's ``name``, else ``default``."""
     for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
+        spelling, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or _option_field(spelling) != name:
+            continue
+        if eq:
+            return value
+        if i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
     return recipe.get(name, default)
+
+
+@functools.cache
+def _train_options() -> Any:
+    """The option names ``qerl train`` takes (GRPO's and DAPO's config, the script arguments), from the snapshot."""
+    from .arguments import _dataclass_specs, _load_table, _Options
+
+    table = _load_table()
+    return _Options({**table["grpo"], **table["dapo"], **_dataclass_specs(ScriptArguments)})
+
+
+def _option_field(spelling: str) -> str | None:
+    """The field an option spelling sets, as argparse resolves it (``algo`` → ``algorithm``: the parser takes a unique
+    prefix, so reading only ``--algorithm`` parsed ``--algo dapo`` into the GRPO config); None for no field."""
+    try:
+        field_name, negated = _train_options().resolve(spelling)
+    except UsageError:  # not an option of ours, or ambiguous: the parser reports it
+        return None
+    return None if negated else field_name
 
 
 def _read_recipe(path: str) -> dict:

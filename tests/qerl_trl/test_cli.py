@@ -607,3 +607,13 @@ def test_an_abbreviated_algorithm_option_picks_the_dapo_config(spelling, tmp_pat
     script, config = parse_train_args([*argv, "--output_dir", str(tmp_path / "run")])
     assert script.algorithm == "dapo" and isinstance(config, QeRLDAPOConfig), type(config).__name__
     assert (config.epsilon_high, config.beta, config.dynamic_sampling) == (0.28, 0.0, True)
+
+
+def test_plan_and_memory_budget_take_the_equals_spelling(capsys):
+    """``--gpus=2`` and ``--memory-budget-gb=80`` (the spelling every other option takes) were refused as unknown
+    options (TRL's "not used by the HfArgumentParser", "unknown option --memory-budget-gb"); they now mean what
+    ``--gpus 2 --memory-budget-gb 80`` means."""
+    main(["plan", "offline-default", "--gpus", "2", "--memory-budget-gb", "80"])
+    spaced = capsys.readouterr().out
+    main(["plan", "offline-default", "--gpus=2", "--memory-budget-gb=80"])
+    assert capsys.readouterr().out == spaced and "2 GPUs" in spaced, spaced

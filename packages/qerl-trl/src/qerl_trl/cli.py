@@ -471,10 +471,8 @@ def plan_main(argv: list[str], debug: bool) -> None:
     from .memory_plan import H100_80GB_BYTES, MemoryPlanError, fsdp2_preflight, model_shape_for
 
     gpus = 1
-    if "--gpus" in argv:
-        i = argv.index("--gpus")
-        value = argv[i + 1] if i + 1 < len(argv) else ""
-        del argv[i : i + 2]
+    value = _pop_option(argv, "gpus")
+    if value is not None:
         if not value.isdigit() or int(value) < 1:
             _usage_error("qerl plan", ValueError(f"--gpus must be a whole number >= 1, got {value!r}"), debug)
         gpus = int(value)
@@ -564,14 +562,26 @@ def _import_quietly(debug: bool) -> None:
         probe.setLevel(level)
 
 
+def _pop_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (the spelling every other option takes), removed from
+    ``argv``; ``""`` when no value follows, None when the option is not given."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            del argv[i : i + 2]
+            return value
+        if arg.startswith(f"--{name}="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
 def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
     """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
     what the GPU has free; None when not given."""
-    if "--memory-budget-gb" not in argv:
+    value = _pop_option(argv, "memory-budget-gb")
+    if value is None:
         return None
-    i = argv.index("--memory-budget-gb")
-    value = argv[i + 1] if i + 1 < len(argv) else ""
-    del argv[i : i + 2]
     try:
         budget_gb = float(value)
     except ValueError:

@@ -209,3 +209,17 @@ def test_merge_after_a_dtype_cast_gives_one_dtype():
     with torch.no_grad():
         out = merged(input_ids=ids).logits
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_refused_merge_leaves_the_4bit_base_in_place():
+    """``merge(safe_merge=True)`` refusing a NaN adapter (or a merge naming no adapter) left the layer's base swapped
+    for its dense copy: 4x the memory and no longer 4-bit, silently, with nothing merged. The 4-bit base is back."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))
+    layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaNs detected"):
+        layer.merge(safe_merge=True)
+    assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)
+    layer.merge(adapter_names=[])
+    assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)

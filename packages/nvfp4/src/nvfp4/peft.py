@@ -112,10 +112,16 @@ class LoraNVFP4Linear(_LoraLinear):
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()
-        if isinstance(base, NVFP4Linear):
+        swapped = isinstance(base, NVFP4Linear)
+        if swapped:
             self._nvfp4_base = base
             self.base_layer = base.to_dense()
-        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        try:
+            super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        finally:
+            if swapped and not self.merged:  # nothing merged (refused, or no adapter named): the 4-bit base back
+                self.base_layer = base
+                self._nvfp4_base = None
 
     def unmerge(self) -> None:
         super().unmerge()

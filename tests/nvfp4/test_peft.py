@@ -223,3 +223,11 @@ def test_a_refused_merge_leaves_the_4bit_base_in_place():
     assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)
     layer.merge(adapter_names=[])
     assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)
+
+
+def test_the_lora_layer_prints_its_name_once():
+    """``print(model)`` showed ``lora.NVFP4LoraNVFP4Linear(`` (the prefix added to a name that already held it); PEFT
+    prints ``lora.Linear4bit(`` for its 4-bit layers, ours ``lora.NVFP4Linear(``."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"]))
+    text = repr(pm.base_model.model.model.layers[0].self_attn.q_proj)
+    assert text.startswith("lora.NVFP4Linear(\n  (base_layer): NVFP4Linear("), text[:80]

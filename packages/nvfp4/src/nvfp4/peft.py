@@ -130,7 +130,8 @@ class LoraNVFP4Linear(_LoraLinear):
             self._nvfp4_base = None
 
     def __repr__(self) -> str:
-        return "lora.NVFP4" + super().__repr__()[len("lora.") :]
+        # PEFT's is "lora." + this class's name ("LoraNVFP4Linear"); PEFT's 4-bit layers print as "lora.Linear4bit"
+        return "lora.NVFP4Linear" + super().__repr__().removeprefix(f"lora.{type(self).__name__}")
 
 
 class _CachedLoraLinear(torch.autograd.Function):

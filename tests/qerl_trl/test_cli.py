@@ -617,3 +617,16 @@ def test_plan_and_memory_budget_take_the_equals_spelling(capsys):
     spaced = capsys.readouterr().out
     main(["plan", "offline-default", "--gpus=2", "--memory-budget-gb=80"])
     assert capsys.readouterr().out == spaced and "2 GPUs" in spaced, spaced
+
+
+def test_a_shipped_recipe_named_by_its_file_name_says_to_drop_the_suffix(tmp_path, monkeypatch):
+    """``qerl train offline-default.yaml`` outside the recipes folder said only "no such file"; the shipped recipe of
+    that name is run as ``qerl train offline-default``, which the line now says."""
+    from qerl_trl.cli import recipe_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"recipe 'offline-default.yaml': no such file; the shipped recipe of that "
+                                         r"name is 'qerl train offline-default'"):  # fmt: skip
+        recipe_path("offline-default.yaml")
+    with pytest.raises(UsageError, match=r"recipe 'mine.yaml': no such file$"):
+        recipe_path("mine.yaml")

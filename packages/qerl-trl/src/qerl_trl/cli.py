@@ -130,7 +130,9 @@ def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise UsageError(f"recipe {name_or_path!r}: no such file")
+            shipped = RECIPES_DIR / path.with_suffix(".yaml").name
+            hint = f"; the shipped recipe of that name is 'qerl train {path.stem}'" if shipped.is_file() else ""
+            raise UsageError(f"recipe {name_or_path!r}: no such file{hint}")
         return path
     shipped = RECIPES_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():

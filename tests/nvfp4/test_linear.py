@@ -387,3 +387,19 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     with pytest.raises(TypeError, match=rf"quantize_model: {keyword} .*got the string '[01]'") as info:
         quantize_model(_two_linears(), progress=False, **{keyword: value})
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_nested_cache_gives_the_outer_one_back():
+    """``cache_dequantized`` inside another (an evaluation within a CPU training run, which holds the compact cache)
+    cleared every layer's cache on leaving, so the rest of the outer block dequantized every weight on every call
+    again; the outer block's caches are now restored."""
+    from nvfp4 import cache_dequantized
+
+    layer = NVFP4Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(2, 64)
+    with cache_dequantized(layer, torch.float32, compact=True):
+        outer = layer._codes_cache
+        with cache_dequantized(layer, torch.bfloat16):
+            assert layer.has_cached_weight(x.bfloat16())
+        assert layer._codes_cache is outer and layer._dense_cache is None and layer.has_cached_weight(x)
+    assert not layer.has_cached_weight(x)

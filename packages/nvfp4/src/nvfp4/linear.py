@@ -559,6 +559,8 @@ def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = F
     layers = [m for m in model.modules() if isinstance(m, NVFP4Linear) and not m.fsdp_shardable]
     held = 0
     scratch: dict = {}
+    # an enclosing block's caches (an evaluation inside a CPU training run), given back on leaving this one
+    enclosing = [(layer._dense_cache, layer._codes_cache) for layer in layers]
     try:
         for layer in layers:
             codes = _codes_cache(layer, scratch) if compact and dtype == torch.float32 else None
@@ -570,9 +572,9 @@ def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = F
                 held += layer._dense_cache.numel() * layer._dense_cache.element_size()
         yield held
     finally:
-        for layer in layers:
-            layer._dense_cache = None
-            layer._codes_cache = None
+        for layer, (dense, codes) in zip(layers, enclosing, strict=True):
+            layer._dense_cache = dense
+            layer._codes_cache = codes
         scratch.clear()
 
 

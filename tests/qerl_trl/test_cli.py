@@ -630,3 +630,17 @@ def test_a_shipped_recipe_named_by_its_file_name_says_to_drop_the_suffix(tmp_pat
         recipe_path("offline-default.yaml")
     with pytest.raises(UsageError, match=r"recipe 'mine.yaml': no such file$"):
         recipe_path("mine.yaml")
+
+
+def test_a_recipes_single_name_for_a_list_option_is_a_list_of_one(tmp_path):
+    """``rewards: format`` in a recipe was read letter by letter ("--rewards: unknown 'f', 'o', ..."), and
+    ``lora_target_modules: q_proj`` reached PEFT as a string, which PEFT takes as a regex of whole module names (so
+    it matched nothing); a YAML scalar for a list option now means a list of one, as ``--rewards format`` does."""
+    from qerl_trl.cli import precheck_train_args
+
+    recipe = tmp_path / "single.yaml"
+    recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text()
+                      + "rewards: format\nlora_target_modules: q_proj\n")  # fmt: skip
+    argv = [str(recipe), "--output_dir", str(tmp_path / "run")]
+    for script, config in (precheck_train_args(argv), parse_train_args(argv)):
+        assert (script.rewards, config.lora_target_modules) == (["format"], ["q_proj"])

@@ -190,7 +190,14 @@ def _train_parser(dataclasses: tuple) -> Any:
     from trl import TrlParser
 
     class Parser(UsageErrorParser, TrlParser):
-        pass
+        def set_defaults_with_config(self, **recipe: Any) -> list[str]:
+            # a recipe's single value of a list option is a list of one, as on the command line: a string was read
+            # letter by letter (rewards) or reached PEFT as a regex of whole module names (lora_target_modules)
+            for action in self._actions:
+                value = recipe.get(action.dest)
+                if action.nargs in ("+", "*") and value is not None and not isinstance(value, list):
+                    recipe[action.dest] = [value]
+            return super().set_defaults_with_config(**recipe)
 
     # the usage line names the command and the recipe that may come first (argparse's default prog is "qerl")
     return Parser(dataclasses, prog="qerl train [RECIPE]", description=TRAIN_HELP)

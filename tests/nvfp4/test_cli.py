@@ -186,3 +186,31 @@ def test_a_model_path_under_home_written_with_a_tilde_is_found(tiny_model_dir, t
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     err = _one_line_exit_2([f"~/{tiny_model_dir.name}", "--out", str(tmp_path / "o")], capsys)
     assert "no such file" not in err and "cannot load its tokenizer" in err, err
+
+
+def test_a_run_that_fails_after_saving_leaves_no_partial_checkpoint(offline_model_path, tmp_path, monkeypatch):
+    """A run into a new ``--out`` that fails (or is interrupted) after the checkpoint was written (here the sample)
+    left a checkpoint without its model card at ``--out``, which the next run then refused to replace without
+    ``--overwrite``; the checkpoint is now written beside ``--out`` and moved there once complete, as with
+    ``--overwrite``."""
+    import nvfp4.cli
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("sample failed")
+
+    monkeypatch.setattr(nvfp4.cli, "_sample", fail)
+    with pytest.raises(RuntimeError, match="sample failed"):
+        main([str(model_dir), "--method", "rtn", "--out", str(tmp_path / "new" / "out"), "--max-new-tokens", "2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "new"] and not any((tmp_path / "new").iterdir())
+    monkeypatch.undo()
+    main([str(model_dir), "--method", "rtn", "--out", str(tmp_path / "new" / "out"), "--max-new-tokens", "2"])
+    assert (tmp_path / "new" / "out" / "README.md").is_file() and len(list((tmp_path / "new").iterdir())) == 1

@@ -204,8 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype, format=args.format)
     t_quant = time.perf_counter() - t0
     final_out = out
-    if out.is_dir() and any(out.iterdir()):  # --overwrite: written beside it, swapped in once complete (below)
-        out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    # written beside --out and moved there once complete (below): a run that fails or is interrupted leaves no
+    # partial checkpoint there (nor, with --overwrite, in place of the earlier one)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
     try:
         quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
         quant.to(dtype)

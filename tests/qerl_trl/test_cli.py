@@ -644,3 +644,17 @@ def test_a_recipes_single_name_for_a_list_option_is_a_list_of_one(tmp_path):
     argv = [str(recipe), "--output_dir", str(tmp_path / "run")]
     for script, config in (precheck_train_args(argv), parse_train_args(argv)):
         assert (script.rewards, config.lora_target_modules) == (["format"], ["q_proj"])
+
+
+@pytest.mark.parametrize("argv", [["--limit", "3"], ["--task_options", '{"n_examples": 2}']])
+def test_a_training_set_smaller_than_one_generation_round_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """Fewer prompts than one generation round takes (generation_batch_size / num_generations: 32 / 8 = 4 in the
+    offline recipe) gave the sampler no batch: transformers logged "stopping training at step 0" and the run saved an
+    untrained adapter, exit 0. Now one line before the model loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv, "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "fewer than the 4 one generation round takes" in err and "nothing would be trained" in err, err
+    assert not (tmp_path / "run" / "final").exists()

@@ -410,7 +410,25 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
     from .tasks import TASKS
 
     resume = check_train_paths(script_args, config, TASKS)
-    return TrainInputs(dataset=load_train_data(script_args, config), resume=resume)
+    dataset = load_train_data(script_args, config)
+    check_enough_prompts(dataset, config)
+    return TrainInputs(dataset=dataset, resume=resume)
+
+
+def check_enough_prompts(dataset: Any, config: Any) -> None:
+    """The training set holds at least the prompts of one generation round (``generation_batch_size /
+    num_generations``): TRL's sampler yields only whole rounds, so with fewer the run trained nothing (transformers'
+    "stopping training at step 0") and saved an untrained adapter. Raises :class:`UsageError`."""
+    rows, per_round = getattr(config, "generation_batch_size", None), getattr(config, "num_generations", None)
+    if dataset is None or not hasattr(dataset, "__len__") or not rows or not per_round:
+        return
+    prompts = rows // per_round
+    if len(dataset) < prompts:
+        raise UsageError(
+            f"the training set has {len(dataset)} prompt(s), fewer than the {prompts} one generation round takes "
+            f"(generation_batch_size {rows} / num_generations {per_round}): nothing would be trained; give more "
+            "examples (--limit, task_options n_examples) or a smaller per_device_train_batch_size"
+        )
 
 
 def validate_eval_args(args: Any) -> None:

@@ -214,3 +214,14 @@ def test_a_run_that_fails_after_saving_leaves_no_partial_checkpoint(offline_mode
     monkeypatch.undo()
     main([str(model_dir), "--method", "rtn", "--out", str(tmp_path / "new" / "out"), "--max-new-tokens", "2"])
     assert (tmp_path / "new" / "out" / "README.md").is_file() and len(list((tmp_path / "new").iterdir())) == 1
+
+
+def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(tiny_model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--push-to-hub REPO`` with ``HF_HUB_OFFLINE=1`` quantized, measured and saved, then ended in huggingface_hub's
+    traceback at the push; now one line before anything loads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", "me/model"], capsys)
+    assert "--push-to-hub 'me/model'" in err and "HF_HUB_OFFLINE" in err, err
+    assert not out.exists()

@@ -405,3 +405,10 @@ def test_config_refuses_a_string_where_a_list_of_names_is_meant(keyword, value):
     lm_head; ``fused_groups=["q_proj", "k_proj"]`` fused nothing. Now one line naming the option."""
     with pytest.raises(TypeError, match=rf"NVFP4Config: {keyword} .*got the string '[a-z_]+'"):
         NVFP4Config(**{keyword: value})
+
+
+def test_calibration_texts_instead_of_token_ids_are_refused_by_the_config():
+    """``calibration_data=["some text", ...]`` (texts, not token ids) loaded the whole dense model and then failed in
+    torch with "new(): invalid data type 'str'"; the config now says what it needs, before anything loads."""
+    with pytest.raises(ValueError, match=r"calibration_data\[1\]: a string; expected token ids .*tokenizer"):
+        NVFP4Config(method="awq", calibration_data=[[1, 2, 3], "What is 2 + 3?"])

@@ -173,6 +173,12 @@ class NVFP4Config(QuantizationConfigMixin):
             raise ValueError(f"NVFP4Config(method={method!r}) takes no calibration_data (only {CALIBRATED_METHODS} do)")
         if calibration_data is not None and len(calibration_data) == 0:
             raise ValueError("NVFP4Config(calibration_data=[]): give at least one calibration sample")
+        # texts are the likely mistake: torch's own error ("new(): invalid data type 'str'") came after the dense load
+        text = next((i for i, item in enumerate(calibration_data or []) if isinstance(item, str)), None)
+        if text is not None:
+            raise ValueError(f"NVFP4Config: calibration_data[{text}]: a string; expected token ids (int tensors [T] or "
+                             "[B, T], or lists of ints): tokenize the texts first, e.g. tokenizer(text, "
+                             "return_tensors='pt')['input_ids']")  # fmt: skip
         self.calibration_data = calibration_data
         try:
             fmt = get_format(format)

@@ -225,3 +225,11 @@ def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(
     err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", "me/model"], capsys)
     assert "--push-to-hub 'me/model'" in err and "HF_HUB_OFFLINE" in err, err
     assert not out.exists()
+
+
+def test_a_config_json_that_is_not_json_is_one_line(tmp_path, capsys):
+    """A checkpoint folder whose config.json is cut short (or not JSON) was a JSONDecodeError traceback."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", ')
+    err = _one_line_exit_2([str(tmp_path / "m"), "--out", str(tmp_path / "o")], capsys)
+    assert "config.json" in err and "not readable JSON" in err, err

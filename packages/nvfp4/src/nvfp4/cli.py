@@ -82,7 +82,13 @@ def _input_problem(model: str) -> str | None:
         return f"model {model!r}: no such file or folder (give a local checkpoint folder or a Hub id)"
     if not (path / "config.json").is_file():
         return f"model {model!r}: not a transformers checkpoint (no config.json)"
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:  # cut short, not JSON: the decoder's traceback otherwise
+        return f"model {model!r}: config.json is not readable JSON ({e})"
+    if not isinstance(config, dict):
+        return f"model {model!r}: config.json holds a {type(config).__name__}, not a model config"
+    qc = config.get("quantization_config")
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         return (f"model {model!r} is already quantized (quant_method={method!r}); nvfp4-quantize takes a dense "

@@ -658,3 +658,22 @@ def test_a_training_set_smaller_than_one_generation_round_is_one_line(argv, tmp_
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "fewer than the 4 one generation round takes" in err and "nothing would be trained" in err, err
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_model_folder_whose_config_json_is_not_json_is_one_line(command, tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model folder whose config.json is cut short passed the checks: ``qerl eval`` then ended in transformers'
+    OSError traceback, ``qerl train`` the same once the run had started; now one line before anything loads."""
+    import shutil
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "config.json").write_text('{"model_type": "llama", ')
+    option = "--model_name_or_path" if command == "train" else "--model"
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, option, str(model), "--output_dir" if command == "train" else "--output", str(tmp_path / "o"),
+              "--task", "arithmetic"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option} {str(model)!r}: config.json is not readable JSON" in err, err

@@ -13,6 +13,7 @@ prints it as one line and exits with code 2 (``--debug``: the traceback). Three 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -228,6 +229,10 @@ def check_model_source(argument: str, value: str, *, tokenizer: bool = True, wei
     if weights:
         if not (path / "config.json").is_file():
             raise UsageError(f"{argument} {value!r}: not a model folder (no config.json)")
+        try:  # cut short or not JSON: transformers' OSError traceback once the model loads otherwise
+            json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{argument} {value!r}: config.json is not readable JSON ({e})") from e
         if not any((path / name).is_file() for name in _MODEL_WEIGHTS):
             raise UsageError(f"{argument} {value!r}: a model folder without weights (no {' / '.join(_MODEL_WEIGHTS)})")
         _check_safetensors_in(argument, value, path, "*.safetensors")

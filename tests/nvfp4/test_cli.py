@@ -233,3 +233,15 @@ def test_a_config_json_that_is_not_json_is_one_line(tmp_path, capsys):
     (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", ')
     err = _one_line_exit_2([str(tmp_path / "m"), "--out", str(tmp_path / "o")], capsys)
     assert "config.json" in err and "not readable JSON" in err, err
+
+
+@pytest.mark.parametrize("row", ['{"problem": "1+1?", "solution": "2"}', '{"question": "1+1?", "answer": "2"'])
+def test_data_rows_that_are_not_gsm8k_are_one_line_before_the_model_loads(row, tiny_model_dir, tmp_path, capsys):
+    """``--data`` whose jsonl rows are another dataset's (MATH's problem/solution) or not JSON ended in a KeyError or
+    JSONDecodeError traceback after the tokenizer had loaded; now one line naming the file and the line."""
+    data = tmp_path / "d"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(row + "\n")
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "o")], capsys)
+    assert "--data" in err and "test.jsonl: line 1: not a GSM8K row" in err, err

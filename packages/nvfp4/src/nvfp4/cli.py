@@ -206,14 +206,19 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
                    "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+    try:  # read before anything loads: rows of another dataset were a KeyError traceback after the tokenizer
+        eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
+        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
+    except ValueError as e:
+        if args.debug:
+            raise
+        ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: {' '.join(str(e).split())}\n")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as e:  # a Hub id not reachable or not found, a folder without tokenizer files
         if args.debug:
             raise
         ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {' '.join(str(e).split())}\n")
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
-    calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

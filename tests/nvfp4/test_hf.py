@@ -412,3 +412,22 @@ def test_calibration_texts_instead_of_token_ids_are_refused_by_the_config():
     torch with "new(): invalid data type 'str'"; the config now says what it needs, before anything loads."""
     with pytest.raises(ValueError, match=r"calibration_data\[1\]: a string; expected token ids .*tokenizer"):
         NVFP4Config(method="awq", calibration_data=[[1, 2, 3], "What is 2 + 3?"])
+
+
+def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, capsys):
+    """Saving a model too large to exist dense (a 32B: 64 decoder layers, each filled, quantized and written) showed
+    nothing until it ended; a progress bar over the blocks now (``progress=False`` turns it off)."""
+    from tiny_models import tiny_config
+
+    def fill(m):
+        m.to_empty(device="cpu")
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+
+    blocks = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
+    for progress in (True, False):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_config())
+        nvfp4.save_pretrained_by_blocks(model, tmp_path / f"q{progress}", blocks, fill, progress=progress)
+        err = capsys.readouterr().err
+        assert ("6/6" in err and "block" in err) == progress, err

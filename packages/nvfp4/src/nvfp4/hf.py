@@ -613,6 +613,7 @@ def save_pretrained_by_blocks(
     blocks: list[str],
     fill: Any,
     config: NVFP4Config | None = None,
+    progress: bool = True,
 ) -> Path:
     """``save_pretrained`` of ``model`` quantized as ``from_pretrained(..., quantization_config=config)`` would, for a
     model too large to exist dense: block by block, each dense only while it is quantized and written.
@@ -626,10 +627,12 @@ def save_pretrained_by_blocks(
         fill: ``fill(module)`` materialises one block in place (dense, on the device the quantization runs on); the
             dense dtype it leaves is the one RTN runs in, as on load.
         config: :class:`NVFP4Config` (default: NVFP4 RTN); calibrated methods are refused (they need the dense model).
+        progress: a progress bar over the blocks (each filled, quantized and written: minutes for a large model).
 
     Returns ``folder``. Raises ``ValueError`` when a tensor is in no block (or for a calibrated method).
     """
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     from .linear import quantize_model
 
@@ -640,7 +643,8 @@ def save_pretrained_by_blocks(
     folder.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total, dtype = 0, None
-    for i, name in enumerate(blocks):
+    bar = tqdm(blocks, desc=f"Saving {cfg.weight_format.name.upper()} by blocks", unit="block", disable=not progress)
+    for i, name in enumerate(bar):
         block = model.get_submodule(name)
         fill(block)
         dtype = dtype or next((p.dtype for p in block.parameters() if p.is_floating_point()), None)

@@ -585,7 +585,7 @@ def test_an_infinite_learning_rate_or_temperature_is_refused(option, tmp_path, c
     assert f"{option.removeprefix('--')} must be a finite number" in err and "got inf" in err, err
 
 
-@pytest.mark.parametrize("option, value, rule", [("top_k", "-5", ">= 0 (0: no top-k)"), ("min_p", "1.5", "in [0, 1]"),
+@pytest.mark.parametrize("option, value, rule", [("top_k", "-5", ">= -1 (0 or vLLM's -1: no top-k)"), ("min_p", "1.5", "in [0, 1]"),
                                                  ("repetition_penalty", "0", "> 0")])  # fmt: skip
 def test_sampling_values_generation_refuses_are_one_line_before_the_model_loads(option, value, rule, tmp_path, capsys,
                                                                                  monkeypatch):  # fmt: skip

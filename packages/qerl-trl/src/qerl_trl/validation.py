@@ -96,7 +96,7 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("temperature", lambda v: 0 < v < math.inf, "a finite number > 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     # transformers refuses these only when it builds the first generation's logits processors, after the model loaded
-    ("top_k", _at_least(0), ">= 0 (0: no top-k)"),
+    ("top_k", _at_least(-1), ">= -1 (0 or vLLM's -1: no top-k)"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("repetition_penalty", lambda v: v > 0, "> 0"),
     ("max_grad_norm", _at_least(0), ">= 0 (0: no clipping)"),

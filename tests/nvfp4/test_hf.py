@@ -399,7 +399,9 @@ def test_calibrated_method_leaves_a_tied_lm_head_dense(tmp_path):
     assert torch.equal(r(ids).logits, m(ids).logits)
 
 
-@pytest.mark.parametrize("keyword, value", [("modules_to_not_convert", "lm_head"), ("fused_groups", ["q_proj", "k_proj"])])
+@pytest.mark.parametrize(
+    "keyword, value", [("modules_to_not_convert", "lm_head"), ("fused_groups", ["q_proj", "k_proj"])]
+)
 def test_config_refuses_a_string_where_a_list_of_names_is_meant(keyword, value):
     """``NVFP4Config(modules_to_not_convert="lm_head")`` kept the letters ``l``, ``m``, ... dense and quantized
     lm_head; ``fused_groups=["q_proj", "k_proj"]`` fused nothing. Now one line naming the option."""

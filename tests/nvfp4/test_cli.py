@@ -166,3 +166,82 @@ def test_overwrite_that_fails_leaves_the_earlier_checkpoint_and_no_partial_one(o
         main([str(model_dir), "--method", "rtn", "--out", str(earlier), "--overwrite", "--max-new-tokens", "2"])
     assert (earlier / "model.safetensors").read_bytes() == b"earlier weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_new_tokens_below_1_is_one_line_before_anything_is_written(tiny_model_dir, tmp_path, capsys, value):
+    """``--max-new-tokens 0`` was a transformers traceback after quantizing and saving, which left a checkpoint
+    without its model card; now one line before anything loads, and no folder."""
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--max-new-tokens", value], capsys)
+    assert f"--max-new-tokens must be >= 1, got {value}" in err
+    assert not out.exists()
+
+
+def test_a_model_path_under_home_written_with_a_tilde_is_found(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``nvfp4-quantize '~/models/m'`` (quoted, or from Python) said "no such file or folder" for a folder that
+    exists: ``~`` counted as a local path but was never expanded (``--out`` and ``--data`` are). It now gets as far as
+    the folder allows (this one has no tokenizer)."""
+    monkeypatch.setenv("HOME", str(tiny_model_dir.parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([f"~/{tiny_model_dir.name}", "--out", str(tmp_path / "o")], capsys)
+    assert "no such file" not in err and "cannot load its tokenizer" in err, err
+
+
+def test_a_run_that_fails_after_saving_leaves_no_partial_checkpoint(offline_model_path, tmp_path, monkeypatch):
+    """A run into a new ``--out`` that fails (or is interrupted) after the checkpoint was written (here the sample)
+    left a checkpoint without its model card at ``--out``, which the next run then refused to replace without
+    ``--overwrite``; the checkpoint is now written beside ``--out`` and moved there once complete, as with
+    ``--overwrite``."""
+    import nvfp4.cli
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("sample failed")
+
+    monkeypatch.setattr(nvfp4.cli, "_sample", fail)
+    with pytest.raises(RuntimeError, match="sample failed"):
+        main([str(model_dir), "--method", "rtn", "--out", str(tmp_path / "new" / "out"), "--max-new-tokens", "2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "new"] and not any((tmp_path / "new").iterdir())
+    monkeypatch.undo()
+    main([str(model_dir), "--method", "rtn", "--out", str(tmp_path / "new" / "out"), "--max-new-tokens", "2"])
+    assert (tmp_path / "new" / "out" / "README.md").is_file() and len(list((tmp_path / "new").iterdir())) == 1
+
+
+def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(tiny_model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--push-to-hub REPO`` with ``HF_HUB_OFFLINE=1`` quantized, measured and saved, then ended in huggingface_hub's
+    traceback at the push; now one line before anything loads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", "me/model"], capsys)
+    assert "--push-to-hub 'me/model'" in err and "HF_HUB_OFFLINE" in err, err
+    assert not out.exists()
+
+
+def test_a_config_json_that_is_not_json_is_one_line(tmp_path, capsys):
+    """A checkpoint folder whose config.json is cut short (or not JSON) was a JSONDecodeError traceback."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", ')
+    err = _one_line_exit_2([str(tmp_path / "m"), "--out", str(tmp_path / "o")], capsys)
+    assert "config.json" in err and "not readable JSON" in err, err
+
+
+@pytest.mark.parametrize("row", ['{"problem": "1+1?", "solution": "2"}', '{"question": "1+1?", "answer": "2"'])
+def test_data_rows_that_are_not_gsm8k_are_one_line_before_the_model_loads(row, tiny_model_dir, tmp_path, capsys):
+    """``--data`` whose jsonl rows are another dataset's (MATH's problem/solution) or not JSON ended in a KeyError or
+    JSONDecodeError traceback after the tokenizer had loaded; now one line naming the file and the line."""
+    data = tmp_path / "d"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(row + "\n")
+    err = _one_line_exit_2([str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "o")], capsys)
+    assert "--data" in err and "test.jsonl: line 1: not a GSM8K row" in err, err

@@ -180,3 +180,14 @@ def test_weight_container():
     assert q.nbytes == 6 * 24 + 6 * 3 + 4
     assert isinstance(q.to("cpu"), NVFP4Weight)
     assert set(q.state_dict()) == {"weight_packed", "weight_scale", "weight_global_scale"}
+
+
+@pytest.mark.parametrize("method", ["rtn", "mse"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_given_global_scale_that_is_not_positive_and_finite_is_refused(method, bad):
+    """A fused group's ``global_scale`` of 0, a negative number, NaN or inf quantized "successfully" to tensors that
+    dequantize to NaN (or all zeros): the weight was lost, silently. Now one line naming the weight and the value."""
+    import nvfp4
+
+    with pytest.raises(ValueError, match=r"layer\.weight: global_scale must be a finite number > 0, got"):
+        nvfp4.quantize(torch.randn(8, 32), method=method, global_scale=torch.tensor([bad]), name="layer.weight")

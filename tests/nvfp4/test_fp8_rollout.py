@@ -154,3 +154,15 @@ def test_fp8_copies_move_with_the_model_and_keep_their_dtypes():
     model.to("meta")
     copy = model.up.fp8_copy
     assert copy.weight.is_meta and copy.scale.is_meta and copy.from_rows == 0
+
+
+def test_a_nested_fp8_block_leaves_the_outer_one_active():
+    """``fp8_rollouts`` inside another switched every layer's FP8 copy off on leaving, so the rest of the outer block
+    computed W4A16; each layer's flag as it was is now given back."""
+    layer = NVFP4Linear.from_linear(nn.Linear(64, 32))
+    attach_fp8_copies(layer, "fp8", 128)
+    with fp8_rollouts(layer):
+        with fp8_rollouts(layer):
+            assert layer.fp8_active
+        assert layer.fp8_active
+    assert not layer.fp8_active

@@ -397,3 +397,39 @@ def test_calibrated_method_leaves_a_tied_lm_head_dense(tmp_path):
     m.save_pretrained(tmp_path / "q")
     r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
     assert torch.equal(r(ids).logits, m(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "keyword, value", [("modules_to_not_convert", "lm_head"), ("fused_groups", ["q_proj", "k_proj"])]
+)
+def test_config_refuses_a_string_where_a_list_of_names_is_meant(keyword, value):
+    """``NVFP4Config(modules_to_not_convert="lm_head")`` kept the letters ``l``, ``m``, ... dense and quantized
+    lm_head; ``fused_groups=["q_proj", "k_proj"]`` fused nothing. Now one line naming the option."""
+    with pytest.raises(TypeError, match=rf"NVFP4Config: {keyword} .*got the string '[a-z_]+'"):
+        NVFP4Config(**{keyword: value})
+
+
+def test_calibration_texts_instead_of_token_ids_are_refused_by_the_config():
+    """``calibration_data=["some text", ...]`` (texts, not token ids) loaded the whole dense model and then failed in
+    torch with "new(): invalid data type 'str'"; the config now says what it needs, before anything loads."""
+    with pytest.raises(ValueError, match=r"calibration_data\[1\]: a string; expected token ids .*tokenizer"):
+        NVFP4Config(method="awq", calibration_data=[[1, 2, 3], "What is 2 + 3?"])
+
+
+def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, capsys):
+    """Saving a model too large to exist dense (a 32B: 64 decoder layers, each filled, quantized and written) showed
+    nothing until it ended; a progress bar over the blocks now (``progress=False`` turns it off)."""
+    from tiny_models import tiny_config
+
+    def fill(m):
+        m.to_empty(device="cpu")
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+
+    blocks = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
+    for progress in (True, False):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_config())
+        nvfp4.save_pretrained_by_blocks(model, tmp_path / f"q{progress}", blocks, fill, progress=progress)
+        err = capsys.readouterr().err
+        assert ("6/6" in err and "block" in err) == progress, err

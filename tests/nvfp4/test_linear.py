@@ -365,3 +365,41 @@ def test_cached_forward_allocates_no_dequantized_weight(compact):
             assert first.fill().data_ptr() == first.fill().data_ptr() == third.fill().data_ptr()
             step()
             assert first.fill().data_ptr() == third.fill().data_ptr()
+
+
+def _two_linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+
+
+def test_quantize_model_skips_every_module_a_generator_names():
+    """``modules_to_not_convert`` is an ``Iterable``: a generator was used up by the first module's check, so the
+    modules it named after that were quantized."""
+    model = quantize_model(_two_linears(), modules_to_not_convert=(n for n in ["1", "0"]), progress=False)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
+
+@pytest.mark.parametrize("keyword, value", [("modules_to_not_convert", "1"), ("fused_groups", ["0", "1"])])
+def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword, value):
+    """``modules_to_not_convert="lm_head"`` was read letter by letter (so lm_head was quantized), and
+    ``fused_groups=["q_proj", "k_proj"]`` fused nothing: both silently. Now one line naming the option."""
+    with pytest.raises(TypeError, match=rf"quantize_model: {keyword} .*got the string '[01]'") as info:
+        quantize_model(_two_linears(), progress=False, **{keyword: value})
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_nested_cache_gives_the_outer_one_back():
+    """``cache_dequantized`` inside another (an evaluation within a CPU training run, which holds the compact cache)
+    cleared every layer's cache on leaving, so the rest of the outer block dequantized every weight on every call
+    again; the outer block's caches are now restored."""
+    from nvfp4 import cache_dequantized
+
+    layer = NVFP4Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(2, 64)
+    with cache_dequantized(layer, torch.float32, compact=True):
+        outer = layer._codes_cache
+        with cache_dequantized(layer, torch.bfloat16):
+            assert layer.has_cached_weight(x.bfloat16())
+        assert layer._codes_cache is outer and layer._dense_cache is None and layer.has_cached_weight(x)
+    assert not layer.has_cached_weight(x)

@@ -209,3 +209,25 @@ def test_merge_after_a_dtype_cast_gives_one_dtype():
     with torch.no_grad():
         out = merged(input_ids=ids).logits
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_refused_merge_leaves_the_4bit_base_in_place():
+    """``merge(safe_merge=True)`` refusing a NaN adapter (or a merge naming no adapter) left the layer's base swapped
+    for its dense copy: 4x the memory and no longer 4-bit, silently, with nothing merged. The 4-bit base is back."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))
+    layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaNs detected"):
+        layer.merge(safe_merge=True)
+    assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)
+    layer.merge(adapter_names=[])
+    assert not layer.merged and isinstance(layer.get_base_layer(), NVFP4Linear)
+
+
+def test_the_lora_layer_prints_its_name_once():
+    """``print(model)`` showed ``lora.NVFP4LoraNVFP4Linear(`` (the prefix added to a name that already held it); PEFT
+    prints ``lora.Linear4bit(`` for its 4-bit layers, ours ``lora.NVFP4Linear(``."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"]))
+    text = repr(pm.base_model.model.model.layers[0].self_attn.q_proj)
+    assert text.startswith("lora.NVFP4Linear(\n  (base_layer): NVFP4Linear("), text[:80]

@@ -514,3 +514,166 @@ def test_vllm_numbers_out_of_range_are_refused_with_the_config(tmp_path, setting
     after the policy has loaded."""
     with pytest.raises(ValueError, match=rf"vllm\.{setting} must be .*got {value}"):
         QeRLConfig(output_dir=str(tmp_path), vllm={setting: value})
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_qerl_help_names_the_commands(flag, capsys):
+    """``qerl --help`` / ``qerl -h`` (what a new user types first) print the commands, as ``qerl help`` does, not
+    ``qerl train``'s hundred options under a usage line that names no command."""
+    main([flag])
+    out = capsys.readouterr().out
+    assert "usage: qerl {train,eval,plan}" in out and "qerl train --list-recipes" in out, out[:300]
+
+
+def test_qerl_train_help_names_the_command_and_the_recipe(capsys):
+    """``qerl train --help``'s usage says ``qerl train`` and that a recipe may come first (as ``qerl eval --help``
+    says ``qerl eval``)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert out.startswith("usage: qerl train [RECIPE]"), out[:200]
+    assert "--list-recipes" in out, out[:200]
+
+
+def test_lora_target_modules_that_match_nothing_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``--lora_target_modules qproj`` (a typo) was PEFT's traceback once the model had loaded; now one line naming
+    the option, and nothing trained."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_name_or_path", str(tiny_dir), "--lora_target_modules", "qproj", "--max_steps", "1",
+              "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true"])  # fmt: skip
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not _progress_bar(line)]
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("qerl train: error: --lora_target_modules ['qproj']: ") and "qproj" in lines[0], lines
+    assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("option", ["--steps_per_generation", "--generation_batch_size"])
+def test_a_generation_batch_of_no_rows_is_one_line_before_the_model_loads(option, tmp_path, capsys, monkeypatch):
+    """``--steps_per_generation 0`` (or ``--generation_batch_size 0``) passed every check (0 is divisible by
+    num_generations) and ended in torch's sampler traceback ("batch_size should be a positive integer value") once
+    the model had loaded; now one line naming the option."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "0", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option.removeprefix('--')} must be >= 1, got 0" in err, err
+
+
+def test_negative_warmup_steps_says_what_is_wrong(tmp_path, capsys, monkeypatch):
+    """``--warmup_steps -1`` said "warmup_steps must be an integer or a float" (transformers' message) of an
+    integer; now the rule it broke, with the value."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--warmup_steps", "-1", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "warmup_steps must be >= 0" in err and "got -1" in err, err
+
+
+@pytest.mark.parametrize("option", ["--learning_rate", "--temperature"])
+def test_an_infinite_learning_rate_or_temperature_is_refused(option, tmp_path, capsys, monkeypatch):
+    """``nan`` was refused but ``inf`` passed: an infinite learning rate makes the adapter inf/NaN at the first step,
+    an infinite temperature samples uniformly at random. Now one line before anything loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "inf", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option.removeprefix('--')} must be a finite number" in err and "got inf" in err, err
+
+
+@pytest.mark.parametrize("option, value, rule", [("top_k", "-5", ">= -1 (0 or vLLM's -1: no top-k)"), ("min_p", "1.5", "in [0, 1]"),
+                                                 ("repetition_penalty", "0", "> 0")])  # fmt: skip
+def test_sampling_values_generation_refuses_are_one_line_before_the_model_loads(option, value, rule, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--top_k -5``, ``--min_p 1.5``, ``--repetition_penalty 0`` passed every check and ended in transformers'
+    traceback at the first generation, after the model had loaded; now one line naming the rule."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", f"--{option}", value, "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option} must be {rule}, got {float(value) if option != 'top_k' else int(value)}" in err, err
+
+
+@pytest.mark.parametrize("spelling", ["--algo", "--algor=dapo"])
+def test_an_abbreviated_algorithm_option_picks_the_dapo_config(spelling, tmp_path):
+    """``--algo dapo`` (argparse takes a unique prefix of an option) set ``algorithm: dapo`` but parsed the GRPO
+    config: a DAPO trainer without DAPO's settings (epsilon_high 0.28, dynamic sampling, no KL term), silently."""
+    argv = [spelling] if "=" in spelling else [spelling, "dapo"]
+    script, config = parse_train_args([*argv, "--output_dir", str(tmp_path / "run")])
+    assert script.algorithm == "dapo" and isinstance(config, QeRLDAPOConfig), type(config).__name__
+    assert (config.epsilon_high, config.beta, config.dynamic_sampling) == (0.28, 0.0, True)
+
+
+def test_plan_and_memory_budget_take_the_equals_spelling(capsys):
+    """``--gpus=2`` and ``--memory-budget-gb=80`` (the spelling every other option takes) were refused as unknown
+    options (TRL's "not used by the HfArgumentParser", "unknown option --memory-budget-gb"); they now mean what
+    ``--gpus 2 --memory-budget-gb 80`` means."""
+    main(["plan", "offline-default", "--gpus", "2", "--memory-budget-gb", "80"])
+    spaced = capsys.readouterr().out
+    main(["plan", "offline-default", "--gpus=2", "--memory-budget-gb=80"])
+    assert capsys.readouterr().out == spaced and "2 GPUs" in spaced, spaced
+
+
+def test_a_shipped_recipe_named_by_its_file_name_says_to_drop_the_suffix(tmp_path, monkeypatch):
+    """``qerl train offline-default.yaml`` outside the recipes folder said only "no such file"; the shipped recipe of
+    that name is run as ``qerl train offline-default``, which the line now says."""
+    from qerl_trl.cli import recipe_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"recipe 'offline-default.yaml': no such file; the shipped recipe of that "
+                                         r"name is 'qerl train offline-default'"):  # fmt: skip
+        recipe_path("offline-default.yaml")
+    with pytest.raises(UsageError, match=r"recipe 'mine.yaml': no such file$"):
+        recipe_path("mine.yaml")
+
+
+def test_a_recipes_single_name_for_a_list_option_is_a_list_of_one(tmp_path):
+    """``rewards: format`` in a recipe was read letter by letter ("--rewards: unknown 'f', 'o', ..."), and
+    ``lora_target_modules: q_proj`` reached PEFT as a string, which PEFT takes as a regex of whole module names (so
+    it matched nothing); a YAML scalar for a list option now means a list of one, as ``--rewards format`` does."""
+    from qerl_trl.cli import precheck_train_args
+
+    recipe = tmp_path / "single.yaml"
+    recipe.write_text((RECIPES_DIR / "offline-default.yaml").read_text()
+                      + "rewards: format\nlora_target_modules: q_proj\n")  # fmt: skip
+    argv = [str(recipe), "--output_dir", str(tmp_path / "run")]
+    for script, config in (precheck_train_args(argv), parse_train_args(argv)):
+        assert (script.rewards, config.lora_target_modules) == (["format"], ["q_proj"])
+
+
+@pytest.mark.parametrize("argv", [["--limit", "3"], ["--task_options", '{"n_examples": 2}']])
+def test_a_training_set_smaller_than_one_generation_round_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """Fewer prompts than one generation round takes (generation_batch_size / num_generations: 32 / 8 = 4 in the
+    offline recipe) gave the sampler no batch: transformers logged "stopping training at step 0" and the run saved an
+    untrained adapter, exit 0. Now one line before the model loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv, "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "fewer than the 4 one generation round takes" in err and "nothing would be trained" in err, err
+    assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_model_folder_whose_config_json_is_not_json_is_one_line(command, tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model folder whose config.json is cut short passed the checks: ``qerl eval`` then ended in transformers'
+    OSError traceback, ``qerl train`` the same once the run had started; now one line before anything loads."""
+    import shutil
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "config.json").write_text('{"model_type": "llama", ')
+    option = "--model_name_or_path" if command == "train" else "--model"
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, option, str(model), "--output_dir" if command == "train" else "--output", str(tmp_path / "o"),
+              "--task", "arithmetic"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{option} {str(model)!r}: config.json is not readable JSON" in err, err

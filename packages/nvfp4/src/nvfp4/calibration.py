@@ -21,6 +21,8 @@ from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
+    _fused_group_names,
+    _module_names,
     _quantizable,
     fused_group_of,
     quantize_model,
@@ -99,8 +101,10 @@ def calibrate_model(
     batches = list(batches)
     if not batches:
         raise ValueError(f"calibrate_model(method={method!r}) needs at least one calibration batch")
-    skip = tuple(DEFAULT_MODULES_TO_NOT_CONVERT if modules_to_not_convert is None else modules_to_not_convert)
-    groups = [tuple(g) for g in (DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups)]
+    skip = _module_names(DEFAULT_MODULES_TO_NOT_CONVERT if modules_to_not_convert is None else modules_to_not_convert,
+                         "calibrate_model: modules_to_not_convert")  # fmt: skip
+    groups = _fused_group_names(DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups,
+                                "calibrate_model: fused_groups")  # fmt: skip
     names = [n for n, m in model.named_modules() if _quantizable(n, m, skip)]
     if not names:
         raise ValueError("calibrate_model: the model has no nn.Linear layers left to quantize")

@@ -82,7 +82,13 @@ def _input_problem(model: str) -> str | None:
         return f"model {model!r}: no such file or folder (give a local checkpoint folder or a Hub id)"
     if not (path / "config.json").is_file():
         return f"model {model!r}: not a transformers checkpoint (no config.json)"
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:  # cut short, not JSON: the decoder's traceback otherwise
+        return f"model {model!r}: config.json is not readable JSON ({e})"
+    if not isinstance(config, dict):
+        return f"model {model!r}: config.json holds a {type(config).__name__}, not a model config"
+    qc = config.get("quantization_config")
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         return (f"model {model!r} is already quantized (quant_method={method!r}); nvfp4-quantize takes a dense "
@@ -116,6 +122,15 @@ def _swap_in(new: Path, out: Path) -> None:
     os.rename(new, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set: as huggingface_hub reads it at import, or now."""
+    from huggingface_hub import constants
+
+    set_now = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+    return bool(constants.HF_HUB_OFFLINE) or set_now
 
 
 def _format_arg(text: str) -> Format:
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.debug:
                 raise
             ap.exit(2, f"nvfp4-quantize: error: {e}\n")
+    args.model = os.path.expanduser(args.model)  # "~/m" counts as a local path below (--out, --data are expanded too)
     name = Path(args.model.rstrip("/")).name
     out = Path(args.out or Path("runs") / f"{name}-{fmt.name}").expanduser()
     problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
@@ -178,21 +194,31 @@ def main(argv: list[str] | None = None) -> None:
         ap.exit(2, f"nvfp4-quantize: error: --method {args.method} needs --data (calibration texts)\n")
     if args.calib_samples < 1:
         ap.exit(2, f"nvfp4-quantize: error: --calib-samples must be >= 1, got {args.calib_samples}\n")
+    if args.max_new_tokens < 1:  # generate's own error came as a traceback after the checkpoint was saved
+        ap.exit(2, f"nvfp4-quantize: error: --max-new-tokens must be >= 1, got {args.max_new_tokens}\n")
     if data is not None and args.n_eval < 1:
         ap.exit(2, f"nvfp4-quantize: error: --n-eval must be >= 1, got {args.n_eval}\n")
+    if args.push_to_hub and _hub_offline():  # the push comes last: after quantizing, measuring and saving
+        ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: the Hugging Face Hub is offline "
+                   "(HF_HUB_OFFLINE); save only (drop --push-to-hub) or unset HF_HUB_OFFLINE\n")  # fmt: skip
     needed = ["test.jsonl", "train.jsonl"] if data is not None else []
     missing = [f for f in needed if not (data / f).is_file()]
     if missing:
         ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
                    "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+    try:  # read before anything loads: rows of another dataset were a KeyError traceback after the tokenizer
+        eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
+        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
+    except ValueError as e:
+        if args.debug:
+            raise
+        ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: {' '.join(str(e).split())}\n")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as e:  # a Hub id not reachable or not found, a folder without tokenizer files
         if args.debug:
             raise
         ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {' '.join(str(e).split())}\n")
-    eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
-    calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -201,8 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     quant = quantize_with_method(args.model, args.method, tokenizer, calib, dtype, format=args.format)
     t_quant = time.perf_counter() - t0
     final_out = out
-    if out.is_dir() and any(out.iterdir()):  # --overwrite: written beside it, swapped in once complete (below)
-        out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    # written beside --out and moved there once complete (below): a run that fails or is interrupted leaves no
+    # partial checkpoint there (nor, with --overwrite, in place of the earlier one)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
     try:
         quant.to(torch.bfloat16).save_pretrained(out)  # dense parts (embeddings, norms) stored in bf16
         quant.to(dtype)

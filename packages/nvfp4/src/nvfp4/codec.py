@@ -246,13 +246,18 @@ class NVFP4Weight:
 
 
 def prepare_global_scale(
-    w: torch.Tensor, global_scale: torch.Tensor | None, compute_dtype: torch.dtype | None = None
+    w: torch.Tensor, global_scale: torch.Tensor | None, compute_dtype: torch.dtype | None = None, name: str = "weight"
 ) -> torch.Tensor:
     """The float32 ``[1]`` global scale ``w`` is quantized with, on ``w``'s device and never shared with the caller's
-    tensor: ``global_scale`` (a fused group's) or, when None, ``448 * 6 / amax(w)`` (:func:`shared_global_scale`)."""
+    tensor: ``global_scale`` (a fused group's) or, when None, ``448 * 6 / amax(w)`` (:func:`shared_global_scale`).
+    A given one must be a finite number > 0 (ValueError naming ``name``): 0, NaN or inf quantized to tensors that
+    dequantize to NaN or zeros, silently."""
     if global_scale is None:
         global_scale = shared_global_scale([w], compute_dtype)
-    return global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()
+    g = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()
+    if not (torch.isfinite(g).all() and (g > 0).all()):
+        raise ValueError(f"{name}: global_scale must be a finite number > 0, got {g.item()!r}")
+    return g
 
 
 def quantize(
@@ -278,7 +283,7 @@ def quantize(
         :class:`NVFP4Weight` on ``w``'s device.
     """
     check_weight(w, name)
-    global_scale = prepare_global_scale(w, global_scale, compute_dtype)
+    global_scale = prepare_global_scale(w, global_scale, compute_dtype, name)
     scale = block_scales(w, global_scale, compute_dtype)
     codes = quantize_with_scales(w, scale, global_scale)
     return NVFP4Weight(pack_e2m1(codes), scale, global_scale)

@@ -77,8 +77,12 @@ def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:
                 continue
             if len(texts) == n:
                 break
-            row = json.loads(line)
-            texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+            try:
+                row = json.loads(line)
+                texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+            except (ValueError, KeyError, TypeError) as e:  # another dataset's fields, a line cut short
+                raise ValueError(f"{path}: line {i + 1}: not a GSM8K row (a JSON object with question and answer): "
+                                 f"{type(e).__name__}: {e}") from None  # fmt: skip
     if not texts:
         raise ValueError(f"{path}: no GSM8K rows read")
     return texts

@@ -78,10 +78,11 @@ def fp8_rollouts(model: nn.Module) -> Iterator[int]:
     """The block in which ``model``'s NVFP4 layers compute with their FP8 copies (from their ``from_rows``); yields
     how many layers have one (0: the block changes nothing). Restored on exit, also on an error."""
     layers = [m for m in _layers(model) if m.fp8_copy is not None]
+    enclosing = [layer.fp8_active for layer in layers]  # a block inside another gives the outer one's flags back
     for layer in layers:
         layer.fp8_active = True
     try:
         yield len(layers)
     finally:
-        for layer in layers:
-            layer.fp8_active = False
+        for layer, active in zip(layers, enclosing, strict=True):
+            layer.fp8_active = active

@@ -47,6 +47,8 @@ from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
+    _fused_group_names,
+    _module_names,
     _quantizable,
     fused_group_of,
 )
@@ -171,6 +173,12 @@ class NVFP4Config(QuantizationConfigMixin):
             raise ValueError(f"NVFP4Config(method={method!r}) takes no calibration_data (only {CALIBRATED_METHODS} do)")
         if calibration_data is not None and len(calibration_data) == 0:
             raise ValueError("NVFP4Config(calibration_data=[]): give at least one calibration sample")
+        # texts are the likely mistake: torch's own error ("new(): invalid data type 'str'") came after the dense load
+        text = next((i for i, item in enumerate(calibration_data or []) if isinstance(item, str)), None)
+        if text is not None:
+            raise ValueError(f"NVFP4Config: calibration_data[{text}]: a string; expected token ids (int tensors [T] or "
+                             "[B, T], or lists of ints): tokenize the texts first, e.g. tokenizer(text, "
+                             "return_tensors='pt')['input_ids']")  # fmt: skip
         self.calibration_data = calibration_data
         try:
             fmt = get_format(format)
@@ -182,11 +190,14 @@ class NVFP4Config(QuantizationConfigMixin):
         except NotImplementedError as e:
             raise ValueError(str(e)) from None
         self.method = method
-        self.modules_to_not_convert = (
-            list(modules_to_not_convert) if modules_to_not_convert is not None else list(DEFAULT_MODULES_TO_NOT_CONVERT)
+        self.modules_to_not_convert = list(
+            _module_names(modules_to_not_convert, "NVFP4Config: modules_to_not_convert")
+            if modules_to_not_convert is not None
+            else DEFAULT_MODULES_TO_NOT_CONVERT
         )
         # [] means no fused groups (as in quantize_model), so only None takes the default
-        self.fused_groups = [list(g) for g in (DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups)]
+        groups = DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups
+        self.fused_groups = [list(g) for g in _fused_group_names(groups, "NVFP4Config: fused_groups")]
         self.format = fmt.ct_format  # what saved configs have always carried for NVFP4 (the serialized name)
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt
@@ -602,6 +613,7 @@ def save_pretrained_by_blocks(
     blocks: list[str],
     fill: Any,
     config: NVFP4Config | None = None,
+    progress: bool = True,
 ) -> Path:
     """``save_pretrained`` of ``model`` quantized as ``from_pretrained(..., quantization_config=config)`` would, for a
     model too large to exist dense: block by block, each dense only while it is quantized and written.
@@ -615,10 +627,12 @@ def save_pretrained_by_blocks(
         fill: ``fill(module)`` materialises one block in place (dense, on the device the quantization runs on); the
             dense dtype it leaves is the one RTN runs in, as on load.
         config: :class:`NVFP4Config` (default: NVFP4 RTN); calibrated methods are refused (they need the dense model).
+        progress: a progress bar over the blocks (each filled, quantized and written: minutes for a large model).
 
     Returns ``folder``. Raises ``ValueError`` when a tensor is in no block (or for a calibrated method).
     """
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     from .linear import quantize_model
 
@@ -629,7 +643,8 @@ def save_pretrained_by_blocks(
     folder.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total, dtype = 0, None
-    for i, name in enumerate(blocks):
+    bar = tqdm(blocks, desc=f"Saving {cfg.weight_format.name.upper()} by blocks", unit="block", disable=not progress)
+    for i, name in enumerate(bar):
         block = model.get_submodule(name)
         fill(block)
         dtype = dtype or next((p.dtype for p in block.parameters() if p.is_floating_point()), None)

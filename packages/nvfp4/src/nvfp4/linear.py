@@ -559,6 +559,8 @@ def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = F
     layers = [m for m in model.modules() if isinstance(m, NVFP4Linear) and not m.fsdp_shardable]
     held = 0
     scratch: dict = {}
+    # an enclosing block's caches (an evaluation inside a CPU training run), given back on leaving this one
+    enclosing = [(layer._dense_cache, layer._codes_cache) for layer in layers]
     try:
         for layer in layers:
             codes = _codes_cache(layer, scratch) if compact and dtype == torch.float32 else None
@@ -570,9 +572,9 @@ def cache_dequantized(model: nn.Module, dtype: torch.dtype, *, compact: bool = F
                 held += layer._dense_cache.numel() * layer._dense_cache.element_size()
         yield held
     finally:
-        for layer in layers:
-            layer._dense_cache = None
-            layer._codes_cache = None
+        for layer, (dense, codes) in zip(layers, enclosing, strict=True):
+            layer._dense_cache = dense
+            layer._codes_cache = codes
         scratch.clear()
 
 
@@ -583,6 +585,26 @@ def fused_group_of(name: str, groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GR
         if leaf in group:
             return tuple(f"{parent}.{m}" if parent else m for m in group)
     return None
+
+
+def _module_names(value: Iterable[str], option: str) -> tuple[str, ...]:
+    """``value`` (module names, suffixes or regexes) as a tuple, read once; a bare string is refused (TypeError):
+    iterated, it gives its letters, and ``"lm_head"`` silently meant ``["l", "m", ...]``. ``option`` names the caller's
+    argument in the message."""
+    if isinstance(value, str):
+        raise TypeError(f"{option} takes a list of module names, got the string {value!r}: pass [{value!r}]")
+    return tuple(value)
+
+
+def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tuple[str, ...]]:
+    """``value`` (groups of sibling linear names) as a list of tuples, read once; a group given as one string is
+    refused (TypeError): ``["q_proj", "k_proj"]`` (one group written flat) silently fused nothing."""
+    groups = [value] if isinstance(value, str) else list(value)
+    flat = next((g for g in groups if isinstance(g, str)), None)
+    if flat is not None:
+        raise TypeError(f"{option} takes a list of groups, each a list of sibling names (e.g. [['q_proj', 'k_proj', "
+                        f"'v_proj']]), got the string {flat!r} as a group")  # fmt: skip
+    return [tuple(g) for g in groups]
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -624,7 +646,10 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
-    groups = [tuple(g) for g in fused_groups] if fmt.has_global_scale else []  # members share a global scale
+    # read once: every module is checked against it (a generator was used up by the first module's check)
+    modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
+    groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
+    groups = groups if fmt.has_global_scale else []  # members share a global scale
     named = [
         (n, m)
         for n, m in model.named_modules()

@@ -91,7 +91,7 @@ def quantize(
         raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'{hint}")
     if method == "awq" and act_sq is None:
         raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
-    g = prepare_global_scale(w, global_scale, compute_dtype)
+    g = prepare_global_scale(w, global_scale, compute_dtype, name)
     scale = search_block_scales(w, g, act_sq if method == "awq" else None, compute_dtype=compute_dtype)
     return NVFP4Weight(pack_e2m1(quantize_with_scales(w, scale, g)), scale, g)
 

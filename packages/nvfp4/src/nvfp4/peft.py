@@ -112,10 +112,16 @@ class LoraNVFP4Linear(_LoraLinear):
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()
-        if isinstance(base, NVFP4Linear):
+        swapped = isinstance(base, NVFP4Linear)
+        if swapped:
             self._nvfp4_base = base
             self.base_layer = base.to_dense()
-        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        try:
+            super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        finally:
+            if swapped and not self.merged:  # nothing merged (refused, or no adapter named): the 4-bit base back
+                self.base_layer = base
+                self._nvfp4_base = None
 
     def unmerge(self) -> None:
         super().unmerge()
@@ -124,7 +130,8 @@ class LoraNVFP4Linear(_LoraLinear):
             self._nvfp4_base = None
 
     def __repr__(self) -> str:
-        return "lora.NVFP4" + super().__repr__()[len("lora.") :]
+        # PEFT's is "lora." + this class's name ("LoraNVFP4Linear"); PEFT's 4-bit layers print as "lora.Linear4bit"
+        return "lora.NVFP4Linear" + super().__repr__().removeprefix(f"lora.{type(self).__name__}")
 
 
 class _CachedLoraLinear(torch.autograd.Function):

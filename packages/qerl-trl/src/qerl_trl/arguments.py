@@ -136,7 +136,10 @@ _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false"
 
 
 def _recipe_value(recipe: str, name: str, kind: str, value: Any) -> Any:
-    """A recipe's value for a field of ``kind``; strings are converted as argparse converts string defaults."""
+    """A recipe's value for a field of ``kind``; strings are converted as argparse converts string defaults, and a
+    single value of a list field is a list of one (as on the command line: ``--rewards format``)."""
+    if kind == "list" and value is not None and not isinstance(value, list):
+        return [value]
     if value is None or kind not in _KIND_WORDS:
         return value
     if isinstance(value, str):

@@ -19,6 +19,7 @@ whether the run fits N GPUs under FSDP2 and the smallest GPU count that would (o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -52,6 +53,11 @@ __all__ = [
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "offline-default"
+TRAIN_HELP = (
+    "RECIPE: a recipe .yaml file or the name of a shipped recipe (default: offline-default; qerl train "
+    "--list-recipes names them); the options below override the recipe's values. --memory-budget-gb GB: plan "
+    "against GB of GPU memory; --debug: tracebacks instead of one-line errors."
+)
 
 
 @dataclass
@@ -124,7 +130,9 @@ def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise UsageError(f"recipe {name_or_path!r}: no such file")
+            shipped = RECIPES_DIR / path.with_suffix(".yaml").name
+            hint = f"; the shipped recipe of that name is 'qerl train {path.stem}'" if shipped.is_file() else ""
+            raise UsageError(f"recipe {name_or_path!r}: no such file{hint}")
         return path
     shipped = RECIPES_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
@@ -134,13 +142,36 @@ def recipe_path(name_or_path: str) -> Path:
 
 
 def _option(argv: list[str], recipe: dict[str, Any], name: str, default: Any) -> Any:
-    """``--name VALUE`` / ``--name=VALUE`` from the command line, else the recipe's ``name``, else ``default``."""
+    """``--name VALUE`` / ``--name=VALUE`` from the command line (any spelling the parser takes: dashes, a unique
+    prefix), else the recipe's ``name``, else ``default``."""
     for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
+        spelling, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or _option_field(spelling) != name:
+            continue
+        if eq:
+            return value
+        if i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
     return recipe.get(name, default)
+
+
+@functools.cache
+def _train_options() -> Any:
+    """The option names ``qerl train`` takes (GRPO's and DAPO's config, the script arguments), from the snapshot."""
+    from .arguments import _dataclass_specs, _load_table, _Options
+
+    table = _load_table()
+    return _Options({**table["grpo"], **table["dapo"], **_dataclass_specs(ScriptArguments)})
+
+
+def _option_field(spelling: str) -> str | None:
+    """The field an option spelling sets, as argparse resolves it (``algo`` → ``algorithm``: the parser takes a unique
+    prefix, so reading only ``--algorithm`` parsed ``--algo dapo`` into the GRPO config); None for no field."""
+    try:
+        field_name, negated = _train_options().resolve(spelling)
+    except UsageError:  # not an option of ours, or ambiguous: the parser reports it
+        return None
+    return None if negated else field_name
 
 
 def _read_recipe(path: str) -> dict:
@@ -159,9 +190,17 @@ def _train_parser(dataclasses: tuple) -> Any:
     from trl import TrlParser
 
     class Parser(UsageErrorParser, TrlParser):
-        pass
+        def set_defaults_with_config(self, **recipe: Any) -> list[str]:
+            # a recipe's single value of a list option is a list of one, as on the command line: a string was read
+            # letter by letter (rewards) or reached PEFT as a regex of whole module names (lora_target_modules)
+            for action in self._actions:
+                value = recipe.get(action.dest)
+                if action.nargs in ("+", "*") and value is not None and not isinstance(value, list):
+                    recipe[action.dest] = [value]
+            return super().set_defaults_with_config(**recipe)
 
-    return Parser(dataclasses)
+    # the usage line names the command and the recipe that may come first (argparse's default prog is "qerl")
+    return Parser(dataclasses, prog="qerl train [RECIPE]", description=TRAIN_HELP)
 
 
 def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -441,10 +480,8 @@ def plan_main(argv: list[str], debug: bool) -> None:
     from .memory_plan import H100_80GB_BYTES, MemoryPlanError, fsdp2_preflight, model_shape_for
 
     gpus = 1
-    if "--gpus" in argv:
-        i = argv.index("--gpus")
-        value = argv[i + 1] if i + 1 < len(argv) else ""
-        del argv[i : i + 2]
+    value = _pop_option(argv, "gpus")
+    if value is not None:
         if not value.isdigit() or int(value) < 1:
             _usage_error("qerl plan", ValueError(f"--gpus must be a whole number >= 1, got {value!r}"), debug)
         gpus = int(value)
@@ -534,14 +571,26 @@ def _import_quietly(debug: bool) -> None:
         probe.setLevel(level)
 
 
+def _pop_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (the spelling every other option takes), removed from
+    ``argv``; ``""`` when no value follows, None when the option is not given."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            del argv[i : i + 2]
+            return value
+        if arg.startswith(f"--{name}="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
 def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
     """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
     what the GPU has free; None when not given."""
-    if "--memory-budget-gb" not in argv:
+    value = _pop_option(argv, "memory-budget-gb")
+    if value is None:
         return None
-    i = argv.index("--memory-budget-gb")
-    value = argv[i + 1] if i + 1 < len(argv) else ""
-    del argv[i : i + 2]
     try:
         budget_gb = float(value)
     except ValueError:
@@ -559,7 +608,8 @@ def main(argv: list[str] | None = None) -> None:
         "usage: qerl {train,eval,plan} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes; "
         "qerl plan [RECIPE] [--overrides] --gpus N)"
     )
-    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
+    # `qerl --help` is the commands' help, not `qerl train --help` (other options alone go to train, the default)
+    command = argv.pop(0) if argv and (not argv[0].startswith("-") or argv[0] in ("-h", "--help")) else "train"
     if command in ("-h", "--help", "help"):
         print(__doc__.strip() + "\n\n" + usage)
         return
@@ -594,11 +644,14 @@ def main(argv: list[str] | None = None) -> None:
         except MemoryPlanError as e:  # before the model loads: a run that cannot fit stops here, not in its first step
             _usage_error("qerl train", e, debug)
         from nvfp4.peft import AdapterMismatchError
+        from peft.utils.error import NoMatchingPeftModuleError
 
         try:
             trainer = train(script_args, config, inputs)
         except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
+        except NoMatchingPeftModuleError as e:  # names no module of the model: known once it has loaded
+            _usage_error("qerl train", ValueError(f"--lora_target_modules {config.lora_target_modules}: {e}"), debug)
         trainer.close()  # the rollout engine's processes and memory (vLLM)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
         # the process at exit now and then ("terminate called without an active exception", pytorch#190489)

@@ -13,6 +13,7 @@ prints it as one line and exits with code 2 (``--debug``: the traceback). Three 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -84,12 +85,23 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("per_device_train_batch_size", _at_least(1), ">= 1"),
     ("gradient_accumulation_steps", _at_least(1), ">= 1"),
     ("num_iterations", _at_least(1), ">= 1"),
+    # 0 is divisible by num_generations, so TRL's checks passed it; torch's sampler refused it after the model loaded
+    ("steps_per_generation", _at_least(1), ">= 1"),
+    ("generation_batch_size", _at_least(1), ">= 1"),
     ("max_completion_length", _at_least(1), ">= 1"),
     ("generation_prompt_cache_len", _at_least(1), ">= 1"),
-    ("learning_rate", _at_least(0), ">= 0"),
-    ("temperature", lambda v: v > 0, "> 0"),
+    # finite too: an infinite rate makes the adapter inf/NaN at the first step, an infinite temperature samples
+    # uniformly at random
+    ("learning_rate", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("temperature", lambda v: 0 < v < math.inf, "a finite number > 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    # transformers refuses these only when it builds the first generation's logits processors, after the model loaded
+    ("top_k", _at_least(-1), ">= -1 (0 or vLLM's -1: no top-k)"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("repetition_penalty", lambda v: v > 0, "> 0"),
     ("max_grad_norm", _at_least(0), ">= 0 (0: no clipping)"),
+    # transformers' own message for a negative value, "must be an integer or a float", named neither
+    ("warmup_steps", _at_least(0), ">= 0 (a step count, or a fraction of the run below 1)"),
     ("save_steps", lambda v: v > 0, "> 0 (a step count, or a fraction of the run below 1)"),
     ("logging_steps", lambda v: v > 0, "> 0"),
     ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
@@ -217,6 +229,10 @@ def check_model_source(argument: str, value: str, *, tokenizer: bool = True, wei
     if weights:
         if not (path / "config.json").is_file():
             raise UsageError(f"{argument} {value!r}: not a model folder (no config.json)")
+        try:  # cut short or not JSON: transformers' OSError traceback once the model loads otherwise
+            json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{argument} {value!r}: config.json is not readable JSON ({e})") from e
         if not any((path / name).is_file() for name in _MODEL_WEIGHTS):
             raise UsageError(f"{argument} {value!r}: a model folder without weights (no {' / '.join(_MODEL_WEIGHTS)})")
         _check_safetensors_in(argument, value, path, "*.safetensors")
@@ -399,7 +415,25 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
     from .tasks import TASKS
 
     resume = check_train_paths(script_args, config, TASKS)
-    return TrainInputs(dataset=load_train_data(script_args, config), resume=resume)
+    dataset = load_train_data(script_args, config)
+    check_enough_prompts(dataset, config)
+    return TrainInputs(dataset=dataset, resume=resume)
+
+
+def check_enough_prompts(dataset: Any, config: Any) -> None:
+    """The training set holds at least the prompts of one generation round (``generation_batch_size /
+    num_generations``): TRL's sampler yields only whole rounds, so with fewer the run trained nothing (transformers'
+    "stopping training at step 0") and saved an untrained adapter. Raises :class:`UsageError`."""
+    rows, per_round = getattr(config, "generation_batch_size", None), getattr(config, "num_generations", None)
+    if dataset is None or not hasattr(dataset, "__len__") or not rows or not per_round:
+        return
+    prompts = rows // per_round
+    if len(dataset) < prompts:
+        raise UsageError(
+            f"the training set has {len(dataset)} prompt(s), fewer than the {prompts} one generation round takes "
+            f"(generation_batch_size {rows} / num_generations {per_round}): nothing would be trained; give more "
+            "examples (--limit, task_options n_examples) or a smaller per_device_train_batch_size"
+        )
 
 
 def validate_eval_args(args: Any) -> None:

@@ -7,7 +7,8 @@
 # 1. issue #50 round 15: step A and step B's GPU tests, then `gemm.py --round15` with Humming 0.1.19 in the same
 #    process (step B left out of the timing, ROUND15_ARMS=stepa, if one of its tests failed: a fault ends the process);
 # 2. the scale order's landing (stage 1: NVFP4_SCALE_MMA_LAYOUT): its GPU tests, the kernel tests with the switch on,
-#    then `gemm.py --scale-pairs` on the 7B layer (every form, forward and dgrad, both scale orders on the same weights);
+#    then `gemm.py --scale-pairs --peer-humming` on the 7B layer (every form, forward and dgrad, both scale orders on
+#    the same weights, Humming 0.1.19 beside: step A dispatched against Humming on the whole layer);
 # 3. issue #51: the graph engine's sampling-logprobs test, both arms.
 set -uo pipefail
 source benchmarks/vllm_gpu/kernels_env.sh
@@ -39,7 +40,7 @@ if step 2; then
   NVFP4_SCALE_MMA_LAYOUT=1 tests scale_order_tests 420 ${SCALE_ORDER_TESTS:-tests/nvfp4/test_scale_mma_layout.py \
     tests/nvfp4/test_kernels.py tests/nvfp4/test_hopper_ws.py tests/nvfp4/test_linear.py}
   say "2 gemm.py --scale-pairs, 7B"
-  timeout 480 python3 benchmarks/gemm.py --scale-pairs --compare-lora --no-mxfp4 --models Qwen2.5-7B --out "$O/scale_pairs" \
+  timeout 480 python3 benchmarks/gemm.py --scale-pairs --compare-lora --no-mxfp4 --peer-humming --models Qwen2.5-7B --out "$O/scale_pairs" \
     > "$O/gemm_scale_pairs.log" 2>&1
   echo "rc $?"; grep -A12 "whole decoder layer" "$O/gemm_scale_pairs.log" | head -n 30
 fi

@@ -604,7 +604,12 @@ def test_cuda_graphs_sampling_logprobs_gpu():
         assert (logp[after] == 0).all(), name
         ref = _reference_logprobs(model, out, mask, t)
         err = (logp - ref)[~after].abs()
-        assert torch.isfinite(logp).all() and err.max() < 0.3 and err.mean() < 0.02, (name, err.max(), err.mean())
+        # where the largest errors sit (row, step; compaction every 2nd step), for a failure to be read without a rerun:
+        # the NVFP4 arm at f6961bd (H200) had 0.796 at most, 0.0142 on average, a handful of tokens above 0.15
+        full = (logp - ref).abs().masked_fill(after, 0)
+        top = [(divmod(i, full.shape[1]), round(v, 3)) for v, i in zip(*(t.tolist() for t in full.flatten().topk(8)))]
+        assert torch.isfinite(logp).all() and err.max() < 0.3 and err.mean() < 0.02, (
+            name, err.max().item(), err.mean().item(), top, ends[:, 0].tolist())
         hook.remove()
         release_graph_state(model)
 

@@ -536,6 +536,17 @@ def test_qerl_train_help_names_the_command_and_the_recipe(capsys):
     assert "--list-recipes" in out, out[:200]
 
 
+def test_qerl_plan_help_names_the_plan_command(capsys):
+    """``qerl plan --help`` said ``usage: qerl train [RECIPE]`` (the train parser's usage): it names ``qerl plan``
+    and its own options."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert out.startswith("usage: qerl plan [RECIPE]"), out[:200]
+    assert "--gpus N" in out, out[:400]
+
+
 def test_lora_target_modules_that_match_nothing_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """``--lora_target_modules qproj`` (a typo) was PEFT's traceback once the model had loaded; now one line naming
     the option, and nothing trained."""

@@ -59,6 +59,14 @@ TRAIN_HELP = (
     "against GB of GPU memory; --debug: tracebacks instead of one-line errors."
 )
 
+PLAN_HELP = (
+    "Whether a run fits N GPUs under FSDP2 (one line; exit 2 when not), nothing loaded. RECIPE and the options below "
+    "as for qerl train; --gpus N: the GPU count (default 1); --memory-budget-gb GB: GPU memory per GPU (default: an "
+    "H100 80GB)."
+)
+#: ``--help`` of the commands that parse a recipe and its overrides: (usage's program, description)
+_HELP = {"train": ("qerl train [RECIPE]", TRAIN_HELP), "plan": ("qerl plan [RECIPE] [--gpus N]", PLAN_HELP)}
+
 
 @dataclass
 class ScriptArguments:
@@ -185,7 +193,7 @@ def _read_recipe(path: str) -> dict:
     return recipe
 
 
-def _train_parser(dataclasses: tuple) -> Any:
+def _train_parser(dataclasses: tuple, prog: str = "qerl train [RECIPE]", description: str = TRAIN_HELP) -> Any:
     """TRL's ``TrlParser``, whose command-line errors raise :class:`UsageError` (:class:`UsageErrorParser`)."""
     from trl import TrlParser
 
@@ -200,7 +208,7 @@ def _train_parser(dataclasses: tuple) -> Any:
             return super().set_defaults_with_config(**recipe)
 
     # the usage line names the command and the recipe that may come first (argparse's default prog is "qerl")
-    return Parser(dataclasses, prog="qerl train [RECIPE]", description=TRAIN_HELP)
+    return Parser(dataclasses, prog=prog, description=description)
 
 
 def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -253,8 +261,9 @@ def precheck_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     return script_args, config
 
 
-def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
+def parse_train_args(argv: list[str], *, command: str = "train") -> tuple[ScriptArguments, Any]:
     """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config.
+    ``command``: whose ``--help`` this is (``train`` or ``plan``, which takes the same recipe and overrides).
 
     Raises :class:`~qerl_trl.validation.UsageError` (or the config's ``ValueError``) for an unknown recipe, an
     unknown option, or a value of the wrong type or outside its domain; paths are checked later, by
@@ -268,7 +277,7 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
     # warning on some CPUs): a bad name is reported alone. A check of the name, not a parse: the config parses the
     # value once into its QuantScheme (config.quant_scheme), which the trainer uses
     check_quantization(_option(argv, recipe, "quantization", "nvfp4-rtn"))
-    parser = _train_parser((ScriptArguments, _config_class(algorithm)))
+    parser = _train_parser((ScriptArguments, _config_class(algorithm)), *_HELP[command])
     script_args, config = parser.parse_args_and_config(argv)
     task = _option(argv, {}, "task", None)
     if task is not None and task != recipe.get("task") and _option(argv, {}, "task_options", None) is None:
@@ -488,7 +497,7 @@ def plan_main(argv: list[str], debug: bool) -> None:
     budget_gb = _pop_memory_budget(argv, debug)
     budget = int(budget_gb * 1e9) if budget_gb is not None else H100_80GB_BYTES
     try:
-        script_args, config = parse_train_args(argv)
+        script_args, config = parse_train_args(argv, command="plan")
         name = str(script_args.model_name_or_path)
         model_config = None
         try:

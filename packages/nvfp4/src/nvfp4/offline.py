@@ -34,8 +34,8 @@ def offline_default_gguf() -> Path:
 
 
 def cache_dir() -> Path:
-    """Where converted checkpoints live: ``$QERL_CACHE`` or ``~/.cache/qerl``."""
-    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl"))
+    """Where converted checkpoints live: ``$QERL_CACHE`` (``~`` expanded) or ``~/.cache/qerl``."""
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl")).expanduser()
 
 
 def publish_checkpoint(target: Path, save: Callable[[Path], None]) -> bool:

@@ -22,6 +22,7 @@ from .evaluate import gsm8k_texts, perplexity, weight_relative_error
 from .formats import FORMATS, NVFP4, Format, get_format
 from .hf import NVFP4Config
 from .methods import CALIBRATED_METHODS, METHODS
+from .offline import hub_offline
 
 __all__ = ["calibration_ids", "dir_bytes", "main", "quantize_with_method"]
 
@@ -124,15 +125,6 @@ def _swap_in(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _hub_offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set: as huggingface_hub reads it at import, or now."""
-    from huggingface_hub import constants
-
-    set_now = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
-    return bool(constants.HF_HUB_OFFLINE) or set_now
-
-
 def _format_arg(text: str) -> Format:
     """``--format``: the :class:`~nvfp4.formats.Format` it names."""
     try:
@@ -198,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.exit(2, f"nvfp4-quantize: error: --max-new-tokens must be >= 1, got {args.max_new_tokens}\n")
     if data is not None and args.n_eval < 1:
         ap.exit(2, f"nvfp4-quantize: error: --n-eval must be >= 1, got {args.n_eval}\n")
-    if args.push_to_hub and _hub_offline():  # the push comes last: after quantizing, measuring and saving
+    if args.push_to_hub and hub_offline():  # the push comes last: after quantizing, measuring and saving
         ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: the Hugging Face Hub is offline "
                    "(HF_HUB_OFFLINE); save only (drop --push-to-hub) or unset HF_HUB_OFFLINE\n")  # fmt: skip
     needed = ["test.jsonl", "train.jsonl"] if data is not None else []

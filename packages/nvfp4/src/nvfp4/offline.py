@@ -33,6 +33,16 @@ def offline_default_gguf() -> Path:
     return path
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is off: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set, as huggingface_hub
+    read it at import or as the environment holds it now (set later in the process)."""
+    from huggingface_hub import constants
+
+    now = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+              for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+    return bool(constants.HF_HUB_OFFLINE) or now
+
+
 def cache_dir() -> Path:
     """Where converted checkpoints live: ``$QERL_CACHE`` (``~`` expanded) or ``~/.cache/qerl``."""
     return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl")).expanduser()

@@ -150,16 +150,6 @@ def check_config_values(config: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------- paths
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
-
-
 def _is_hub_id(value: str) -> bool:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -177,11 +167,12 @@ def _check_hub_model(argument: str, repo_id: str) -> None:
     """A Hub id: fine if its ``config.json`` is in the local cache, or if the Hub is online and knows it."""
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import RepositoryNotFoundError
+    from nvfp4.offline import hub_offline
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
     expected = "give a local model folder (with config.json) or 'offline-default'"
-    if _hub_offline():
+    if hub_offline():
         raise UsageError(
             f"{argument} {repo_id!r}: no such local folder, and as a Hugging Face Hub id it is not in the local cache "
             f"while the Hub is offline (HF_HUB_OFFLINE): {expected}"

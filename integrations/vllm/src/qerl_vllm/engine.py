@@ -44,7 +44,7 @@ from nvfp4.peft import write_adapter
 from . import vllm_missing
 from .shared_weights import EngineWeights
 
-__all__ = ["Generation", "VLLMEngine", "WeightsNotShareable", "norm_param_names", "to_vllm_name"]
+__all__ = ["Generation", "VLLMEngine", "WeightsNotShareable", "adapter_rank", "norm_param_names", "to_vllm_name"]
 
 SYNCED = "synced"
 WORKER_EXTENSION = "qerl_vllm.worker.QeRLWorkerExtension"
@@ -395,7 +395,7 @@ class VLLMEngine:
             path = str(adapter)
             if not (Path(path) / "adapter_config.json").is_file():
                 raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter folder)")
-        rank = _adapter_rank(Path(path))
+        rank = adapter_rank(Path(path))
         if rank is not None and rank > self.max_lora_rank:
             if written is not None:  # refused: the folder written for it goes too
                 shutil.rmtree(written, ignore_errors=True)
@@ -546,7 +546,9 @@ def _release_engine_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _adapter_rank(folder: Path) -> int | None:
+def adapter_rank(folder: Path) -> int | None:
+    """The largest LoRA rank of the PEFT adapter in ``folder`` (``r`` and its ``rank_pattern``); None without a
+    readable ``adapter_config.json``."""
     try:
         cfg = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, ValueError):

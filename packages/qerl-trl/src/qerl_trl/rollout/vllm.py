@@ -610,16 +610,14 @@ class VLLMRollout(RolloutEngine):
     def evaluation_generator(cls, model_name, model, scheme, *, seed, dtype, adapter) -> Any:
         """``qerl eval --engine vllm``: a vLLM engine on the evaluated checkpoint (NVFP4 saved once if quantized on
         load), with ``adapter`` synced as a LoRA adapter (the engine's ``max_lora_rank`` holds its rank)."""
-        from peft import PeftConfig, PeftModel
-        from qerl_vllm.engine import VLLMEngine  # there: check_evaluation ran first
+        from peft import PeftModel
+        from qerl_vllm.engine import VLLMEngine, adapter_rank  # there: check_evaluation ran first
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         path = engine_checkpoint(model_name, base, scheme)
-        max_rank = 64
-        if adapter:  # vLLM preallocates its LoRA buffers for max_lora_rank and refuses a larger adapter
-            config = PeftConfig.from_pretrained(adapter)
-            ranks = [config.r, *(getattr(config, "rank_pattern", None) or {}).values()]
-            max_rank = max(max_rank, lora_rank_bucket(max(ranks)))
+        rank = adapter_rank(Path(adapter)) if adapter else None
+        # vLLM preallocates its LoRA buffers for max_lora_rank and refuses a larger adapter
+        max_rank = max(64, lora_rank_bucket(rank or 0))
         engine = VLLMEngine(path, seed=seed, max_lora_rank=max_rank, dtype=dtype)  # same compute dtype as HF
         if adapter:
             engine.sync_lora(adapter, version=1)

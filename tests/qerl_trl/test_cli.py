@@ -525,26 +525,20 @@ def test_qerl_help_names_the_commands(flag, capsys):
     assert "usage: qerl {train,eval,plan}" in out and "qerl train --list-recipes" in out, out[:300]
 
 
-def test_qerl_train_help_names_the_command_and_the_recipe(capsys):
+@pytest.mark.parametrize(
+    ("command", "usage", "option"),
+    [("train", "usage: qerl train [RECIPE]", "--list-recipes"), ("plan", "usage: qerl plan [RECIPE]", "--gpus N")],
+)
+def test_qerl_command_help_names_the_command_and_the_recipe(capsys, command, usage, option):
     """``qerl train --help``'s usage says ``qerl train`` and that a recipe may come first (as ``qerl eval --help``
-    says ``qerl eval``)."""
+    says ``qerl eval``); ``qerl plan --help`` said ``qerl train [RECIPE]`` (the train parser's usage): it names
+    ``qerl plan`` and its own options."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--help"])
+        main([command, "--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
-    assert out.startswith("usage: qerl train [RECIPE]"), out[:200]
-    assert "--list-recipes" in out, out[:200]
-
-
-def test_qerl_plan_help_names_the_plan_command(capsys):
-    """``qerl plan --help`` said ``usage: qerl train [RECIPE]`` (the train parser's usage): it names ``qerl plan``
-    and its own options."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--help"])
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0
-    assert out.startswith("usage: qerl plan [RECIPE]"), out[:200]
-    assert "--gpus N" in out, out[:400]
+    assert out.startswith(usage), out[:200]
+    assert option in out, out[:400]
 
 
 def test_lora_target_modules_that_match_nothing_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):

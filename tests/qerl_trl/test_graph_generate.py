@@ -32,12 +32,12 @@ def _model(arch: str = "llama"):
 
 
 def _prompts(batch: int = 3, length: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts: row i has ``length - 2*i`` real tokens (ids >= 6, so never PAD or EOS)."""
+    """Left-padded prompts: row i has ``max(length - 2*i, 1)`` real tokens (ids >= 6, so never PAD or EOS)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(6, 256, (batch, length), generator=g)
     mask = torch.ones_like(ids)
     for i in range(batch):
-        mask[i, : 2 * i] = 0
+        mask[i, : min(2 * i, length - 1)] = 0
     return ids.masked_fill(mask == 0, PAD), mask
 
 
@@ -442,6 +442,7 @@ def test_peft_model():
         ({"max_new_tokens": 4, "min_new_tokens": 5}, ValueError, "min_new_tokens"),
         ({"max_new_tokens": 4, "min_new_tokens": -1}, ValueError, "min_new_tokens"),
         ({"max_new_tokens": 4, "attention_mask": torch.ones(2, 6, dtype=torch.long)}, ValueError, "attention_mask"),
+        ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [0] * 5])}, ValueError, r"rows \[1\] have no token"),
         ({"max_new_tokens": 4, "input_ids": torch.ones(5, dtype=torch.long)}, ValueError, "input_ids"),
         ({"max_new_tokens": 4, "input_ids": torch.ones(2, 5)}, TypeError, "integer"),
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
@@ -604,8 +605,9 @@ def test_cuda_graphs_sampling_logprobs_gpu():
         assert (logp[after] == 0).all(), name
         ref = _reference_logprobs(model, out, mask, t)
         err = (logp - ref)[~after].abs()
-        # where the largest errors sit (row, step; compaction every 2nd step), for a failure to be read without a rerun:
-        # the NVFP4 arm at f6961bd (H200) had 0.796 at most, 0.0142 on average, a handful of tokens above 0.15
+        # where the largest errors sit (row, step; compaction every 2nd step), for a failure to be read without a rerun.
+        # The NVFP4 arm's 0.796 at f6961bd (H200) and 4e1d05a (H100) sat at step 0 of rows 9-15 alone: prompts with no
+        # token (18 - 2i < 1), whose first logits each kernel fills its own way; every row has a token since
         full = (logp - ref).abs().masked_fill(after, 0)
         top = [(divmod(i, full.shape[1]), round(v, 3)) for v, i in zip(*(t.tolist() for t in full.flatten().topk(8)))]
         assert torch.isfinite(logp).all() and err.max() < 0.3 and err.mean() < 0.02, (

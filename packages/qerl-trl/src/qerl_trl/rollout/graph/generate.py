@@ -421,6 +421,9 @@ def graph_generate(
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
     elif attention_mask.device != device:
         raise ValueError(f"attention_mask is on {attention_mask.device}, input_ids on {device}")
+    empty = (attention_mask == 0).all(1).nonzero().flatten().tolist()
+    if empty:  # attention over no key: the first token's logits depend on how each kernel fills a masked-out row
+        raise ValueError(f"prompt rows {empty} have no token (attention_mask all 0): every prompt needs at least one")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:

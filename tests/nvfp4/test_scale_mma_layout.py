@@ -388,6 +388,28 @@ def test_mma_decode_kernel_in_step_a_order_keeps_its_wgmmas_in_flight(label, ext
     assert "C7515" not in out.stdout + out.stderr, (label, out.stdout + out.stderr)
 
 
+@pytest.mark.parametrize("block_m, stages", [(16, 3), (32, 3), (64, 2)])
+def test_step_a_order_with_lora_beside_every_tile_keeps_the_registers_of_the_shipped_build(block_m, stages):
+    """x·Aᵀ accumulated beside every tile (``HAS_LORA`` without ``SHARED_T``: the 7B q/o/k/v at M <= 16) keeps
+    ptxas's serialised wgmmas in step A's order too: in flight they held both register-A operands live, 255
+    registers and spills from BLOCK_M = 32 (H100 at 4e1d05a: q/o 20-25 % slower at M <= 16, 2 CTAs per SM instead
+    of 3). No stack, and the registers of the ``[N, K/16]`` build within 4."""
+    pytest.importorskip("triton")
+    import re
+
+    from nvfp4.kernels import nvfp4_gemm
+
+    fn = nvfp4_gemm.JIT_KERNELS["linear_mma"]
+    const = dict(HAS_BIAS=False, USE_WS=True, FAST=True, HAS_LORA=True, BLOCK_R=32, FUSED_REDUCE=block_m <= 32,
+                 SHARED_T=False, BLOCK_M=block_m)  # fmt: skip
+    regs = {}
+    for pairs in (False, True):
+        line, _ = _sm90_sass(fn, {"y_ptr": "*fp32"}, const | dict(SCALE_PAIRS=pairs), 4, stages)
+        assert "STACK:0" in line and "LOCAL:0" in line, (pairs, line)
+        regs[pairs] = int(re.search(r"REG:(\d+)", line).group(1))
+    assert regs[True] <= regs[False] + 4, regs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 33, 64, 200, 512, 2000])
 def test_both_orders_on_the_gpu(m):

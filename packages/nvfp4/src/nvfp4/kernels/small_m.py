@@ -123,10 +123,13 @@ def _linear_mma_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
-    if SCALE_PAIRS:
+    if SCALE_PAIRS and not (HAS_LORA and not SHARED_T):
         # every split has work (the launcher's split = cdiv(K, K_PER_SPLIT)): without it LLVM may lay the loop's
         # zero-trip path (acc = 0) out after the loop, and ptxas serialises every wgmma (C7515, checked in SASS);
-        # the [N, K/16] branch keeps its shipped SASS until stage 2 measures both (docs/kernels.md)
+        # the [N, K/16] branch keeps its shipped SASS until stage 2 measures both (docs/kernels.md). Not with x·Aᵀ
+        # beside every tile: its wgmmas in flight keep both register-A operands live (255 registers, spills from
+        # BLOCK_M = 32 against 144-191 serialised), which cost the 7B q/o projections 20-25 % at M <= 16 (H100,
+        # 4e1d05a: 392 programs at 2 CTAs per SM instead of 3)
         tl.assume(k_hi > k_lo)
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     if HAS_LORA:

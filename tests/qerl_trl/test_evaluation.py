@@ -213,3 +213,20 @@ def test_cli_gsm8k_from_local_jsonl(tiny_dir, gsm8k_dir, tmp_path):
     assert [r["answer"] for r in result["records"]] == ["18", "3"]
     assert result["settings"]["reward"] == "gsm8k_accuracy_reward" and result["settings"]["split"] == "test"
     assert result["records"][0]["question"].startswith("Janet")
+
+
+def test_eval_calibrates_on_the_prompts_qerl_train_calibrates_on(tiny_dir):
+    """An adapter trained on an AWQ / GPTQ base is evaluated on that base: ``qerl eval --quantization nvfp4-awq``
+    calibrates on the token ids ``qerl train`` calibrated on (the first 32 training prompts as the rollouts see them:
+    chat template with the generation prompt, no answer, no special tokens added), not on prompt + answer texts."""
+    from qerl_trl.evaluation import calibration_data
+    from qerl_trl.policy import calibration_prompt_ids
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    options = {"n_examples": 40}
+    trained_on = calibration_prompt_ids(load_task("arithmetic", "train", seed=3, **options), tok, 32)
+    evaluated = load_task("arithmetic", "test", limit=3, seed=3, **options)
+    got = calibration_data("arithmetic", tok, evaluated, seed=3, options=options)
+    assert len(got) == len(trained_on) == 32
+    assert all(torch.equal(a, b) for a, b in zip(got, trained_on, strict=True))

@@ -33,19 +33,23 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from nvfp4 import cache_dequantized
 
-from .policy import OFFLINE_DEFAULT, load_policy, resolve_model_path
+from .policy import OFFLINE_DEFAULT, calibration_prompt_ids, load_policy, resolve_model_path
 from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .rollout import ENGINES, RolloutEngine, engine_class
-from .tasks import TASK_EVAL_REWARD, TASKS, load_task
+from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
 from .validation import UsageError, UsageErrorParser, load_task_data, validate_eval_args
 
-__all__ = ["AdapterNotLoadedError", "evaluate", "load_model", "main", "markdown_report", "pass_at_k", "verify_adapter"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["AdapterNotLoadedError", "calibration_data", "evaluate", "load_model", "main", "markdown_report", "pass_at_k",
+           "verify_adapter"]
 
 
 class AdapterNotLoadedError(RuntimeError):
@@ -328,6 +332,27 @@ def _is_prequantized(path: str) -> bool:
     return getattr(config, "quantization_config", None) is not None
 
 
+def calibration_data(
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    evaluated: Any,
+    *,
+    data_path: str | None = None,
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    n: int = 32,
+) -> list[torch.Tensor]:
+    """The token ids ``qerl train`` calibrates ``*-awq`` / ``*-gptq`` on for ``task`` (the first ``n`` prompts of its
+    training split, :func:`~qerl_trl.policy.calibration_prompt_ids`; ``n`` = ``calibration_samples``, default 32),
+    so that an adapter trained on a calibrated base is evaluated on that base: a list of ``[1, T]`` int64. A task
+    without a training split here calibrates on the first ``n`` of ``evaluated`` (the rows being evaluated)."""
+    try:
+        rows = load_task(task, "train", path=data_path, limit=n, seed=seed, **(options or {}))
+    except TaskDataError:  # no train split here: calibrate on the evaluated prompts (activations only)
+        rows = evaluated
+    return calibration_prompt_ids(rows, tokenizer, n)
+
+
 def load_model(
     model_path: str,
     *,
@@ -336,13 +361,14 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | None = None,
     tokenizer_path: str | None = None,
-    calib_texts: list[str] | None = None,
+    calibration_data: list[torch.Tensor] | None = None,
 ):
     """Load ``(model, tokenizer, info)`` for evaluation: bf16 or NVFP4 checkpoint, optional quantize-on-load, adapter.
 
     ``model_path`` ``offline-default`` is the offline default model. ``quantization`` is a
     :class:`~qerl_trl.quantization.QuantScheme` (``qerl eval`` passes the one its option parsed) or its name, parsed
-    here, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calib_texts``, ``nf4``
+    here, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calibration_data`` (token ids ``[1, T]`` int64, as
+    :func:`calibration_data` gives them), ``nf4``
     through bitsandbytes; the bare ``rtn``, ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. The model is the
     trainer's policy (:func:`~qerl_trl.policy.load_policy`) on ``device``; ``info["quantize"]`` holds the canonical
     name. The adapter, if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
@@ -359,14 +385,12 @@ def load_model(
     prequantized = _is_prequantized(model_path)
     if not scheme.is_dense and prequantized:
         raise ValueError(f"{model_path} is already quantized; drop --quantization {scheme.name}")
-    calibration = None
-    if scheme.calibrated:  # calibrated on the dense model's activations first
-        if not calib_texts:
-            raise ValueError(f"--quantization {scheme.name} calibrates: it needs calibration texts")
-        calibration = [tokenizer(t, return_tensors="pt", truncation=True, max_length=512)["input_ids"] for t in calib_texts]
+    if scheme.calibrated and not calibration_data:  # calibrated on the dense model's activations first
+        raise ValueError(f"--quantization {scheme.name} calibrates: it needs calibration_data (calibration_data())")
     # calibrated policies on CPU, as before: the dense model is calibrated where it loads, then moved
     device_map = None if scheme.calibrated else device
-    model = load_policy(model_path, quantization=scheme, dtype=dtype, device_map=device_map, calibration_data=calibration)
+    model = load_policy(model_path, quantization=scheme, dtype=dtype, device_map=device_map,
+                        calibration_data=calibration_data if scheme.calibrated else None)  # fmt: skip
     model.to(device)
     info: dict[str, Any] = {"model": model_path, "quantize": scheme.name, "prequantized": prequantized,
                             "dtype": str(dtype).removeprefix("torch."), "device": device, "adapter": None}
@@ -522,15 +546,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
-        try:
-            calib_rows = load_task(args.task, "train", path=args.data_path, limit=32, seed=args.seed, **options)
-        except Exception:  # noqa: BLE001 - no train split here: calibrate on the evaluated prompts (activations only)
-            calib_rows = dataset.select(range(min(32, len(dataset))))
-        calib = [_render(tok, r["prompt"])[0] + str(r["answer"]) for r in calib_rows]
+        calib = calibration_data(args.task, tok, dataset, data_path=args.data_path, seed=args.seed, options=options)
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer, info = load_model(args.model, quantization=scheme, adapter=args.adapter, dtype=dtype,
-                                        device=args.device, tokenizer_path=args.tokenizer, calib_texts=calib)
+                                        device=args.device, tokenizer_path=args.tokenizer, calibration_data=calib)
     reward_name = args.reward or TASK_EVAL_REWARD[args.task]
     engine = engine_cls.evaluation_generator(args.model, model, scheme, seed=args.seed, dtype=info["dtype"],
                                              adapter=args.adapter)  # fmt: skip

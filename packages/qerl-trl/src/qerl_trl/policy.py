@@ -4,13 +4,14 @@ is, or bf16 (baseline)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .quantization import QuantScheme, get_scheme
 
-__all__ = ["OFFLINE_DEFAULT", "load_policy", "load_tokenizer", "resolve_model_path"]
+__all__ = ["OFFLINE_DEFAULT", "calibration_prompt_ids", "load_policy", "load_tokenizer", "resolve_model_path"]
 
 OFFLINE_DEFAULT = "offline-default"
 
@@ -29,6 +30,22 @@ def _is_nvfp4_checkpoint(path: str) -> bool:
     import nvfp4.hf
 
     return nvfp4.hf.nvfp4_checkpoint_kind(path) is not None
+
+
+def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
+    """Token ids ``[1, T]`` of the first ``n`` prompts of ``dataset`` (its ``"prompt"`` column: chat messages get the
+    chat template with the generation prompt, as the rollouts see them; strings are tokenized as they are)."""
+    if dataset is None:
+        raise ValueError("quantization '*-awq' / '*-gptq' calibrates on the training prompts: pass train_dataset")
+    ids = []
+    for i in range(min(n, len(dataset))):
+        prompt = dataset[i]["prompt"]
+        if isinstance(prompt, list):
+            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        ids.append(tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ValueError("quantization '*-awq' / '*-gptq': the training set has no prompts to calibrate on")
+    return ids
 
 
 def load_policy(

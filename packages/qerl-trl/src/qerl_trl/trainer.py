@@ -76,7 +76,7 @@ from .checkpoints import (
 )
 from .config import QeRLConfig
 from .memory_plan import fsdp2_requested
-from .policy import load_policy, load_tokenizer
+from .policy import calibration_prompt_ids, load_policy, load_tokenizer
 from .rollout import RolloutEngine
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
@@ -550,22 +550,6 @@ def sampling_correction(
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: int) -> list[torch.Tensor]:
-    """Token ids ``[1, T]`` of the first ``n`` prompts of ``dataset`` (its ``"prompt"`` column: chat messages get the
-    chat template with the generation prompt, as the rollouts see them; strings are tokenized as they are)."""
-    if dataset is None:
-        raise ValueError("quantization '*-awq' / '*-gptq' calibrates on the training prompts: pass train_dataset")
-    ids = []
-    for i in range(min(n, len(dataset))):
-        prompt = dataset[i]["prompt"]
-        if isinstance(prompt, list):
-            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        ids.append(tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"])
-    if not ids:
-        raise ValueError("quantization '*-awq' / '*-gptq': the training set has no prompts to calibrate on")
-    return ids
 
 
 class QeRLGRPOTrainer(GRPOTrainer):

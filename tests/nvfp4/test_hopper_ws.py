@@ -98,6 +98,26 @@ def test_round15_step_a_compiles_without_spills_at_the_designs_count_and_the_shi
     assert _mainloop_instructions(hopper_ws_compile(*config)) == shipped
 
 
+def _dispatched_ws_configs() -> list[tuple]:
+    from nvfp4.kernels import dispatch_table
+
+    return sorted({tuple(e[1:]) for shapes in dispatch_table.FORWARD.values() for e in shapes.values()
+                   if isinstance(e, tuple) and e[0] == "ws"})  # fmt: skip
+
+
+@pytest.mark.parametrize("config", _dispatched_ws_configs())
+def test_every_dispatched_config_builds_in_step_a_order_without_spills(config):
+    """Landing step A (docs/kernels.md) switches every ws config the dispatch table names to ``scale_pairs``; the
+    GPU has run step A at a few of them only (the 32B down's ``(64, 4, 8, 2, 1)`` never): each builds for sm_90a with
+    no stack and no local memory, in no more shared memory than the ``[N, K/16]`` build. (The shipped
+    ``(256, 2, 3, 1, 1)`` keeps 8 bytes of stack that step A's does not.)"""
+    pairs, ct = hopper_ws_compile(*config, scale_pairs=True), hopper_ws_compile(*config)
+    usage, sass = _usage_and_sass(pairs)
+    assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+    assert "LDL" not in sass and "STL" not in sass
+    assert pairs.metadata.shared <= ct.metadata.shared, (pairs.metadata.shared, ct.metadata.shared)
+
+
 def hopper_ws_compile(*config, scale_pairs: bool = False, inflight: bool = False):
     from nvfp4.kernels import hopper_ws
 

@@ -367,9 +367,9 @@ def load_model(
 
     ``model_path`` ``offline-default`` is the offline default model. ``quantization`` is a
     :class:`~qerl_trl.quantization.QuantScheme` (``qerl eval`` passes the one its option parsed) or its name, parsed
-    here, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` / ``nvfp4-gptq`` calibrated on ``calibration_data`` (token ids ``[1, T]`` int64, as
-    :func:`calibration_data` gives them), ``nf4``
-    through bitsandbytes; the bare ``rtn``, ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. The model is the
+    here, as ``qerl train``'s: ``none``, ``nvfp4-rtn`` / ``nvfp4-mse`` / ``mxfp4-rtn`` on load, ``nvfp4-awq`` /
+    ``nvfp4-gptq`` calibrated on ``calibration_data`` (token ids ``[1, T]`` int64, as :func:`calibration_data` gives
+    them: the prompts ``qerl train`` calibrated on), ``nf4`` through bitsandbytes; the bare ``rtn``, ``mse``, ``awq``, ``gptq`` are aliases of ``nvfp4-*``. The model is the
     trainer's policy (:func:`~qerl_trl.policy.load_policy`) on ``device``; ``info["quantize"]`` holds the canonical
     name. The adapter, if any, is loaded with :func:`nvfp4.peft.load_adapter` and checked with :func:`verify_adapter`.
     """
@@ -386,7 +386,8 @@ def load_model(
     if not scheme.is_dense and prequantized:
         raise ValueError(f"{model_path} is already quantized; drop --quantization {scheme.name}")
     if scheme.calibrated and not calibration_data:  # calibrated on the dense model's activations first
-        raise ValueError(f"--quantization {scheme.name} calibrates: it needs calibration_data (calibration_data())")
+        raise ValueError(f"quantization {scheme.name} calibrates: pass calibration_data, the token ids qerl train "
+                         "calibrated on (qerl_trl.evaluation.calibration_data gives them)")
     # calibrated policies on CPU, as before: the dense model is calibrated where it loads, then moved
     device_map = None if scheme.calibrated else device
     model = load_policy(model_path, quantization=scheme, dtype=dtype, device_map=device_map,

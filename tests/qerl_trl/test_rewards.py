@@ -153,6 +153,17 @@ def test_float_gold_answers_mean_their_decimal_and_nan_is_no_gold():
     assert gsm8k_accuracy_reward(comps, answer=[0.1, 2.5, 3.0, float("nan")]) == [1.0, 1.0, 1.0, None]
 
 
+def test_an_expression_in_the_answer_tag_is_scored_by_its_result():
+    # "<answer>3 + 5 = 8</answer>" answers 8: the leading operand of an expression is no answer
+    assert parse_number("3 + 5 = 8") is None
+    assert parse_number(r"3 \times 4 = 12") is None
+    assert parse_number("3 x 4 = 12") is None and parse_number("5 x-rays") == 5
+    comps = ["<answer>3 + 5 = 8</answer>", "<answer>$10 + $8 = $18</answer>", "<answer>24 / 3 = 8</answer>",
+             "<answer>10 - 2 = 8</answer>", "<answer>8 dollars</answer>"]
+    assert gsm8k_accuracy_reward(comps, answer=["8", "18", "8", "8", "8"]) == [1.0] * 5
+    assert arithmetic_accuracy_reward(["<answer>3 + 5 = 8</answer>"], answer=["3"]) == [0.0]
+
+
 def test_arithmetic_reward_is_lenient():
     comps = ["<answer>8</answer>", "3 + 5 = 8", "8", "<answer>9</answer> 8", "eight", _conv("<answer> 8 </answer>")]
     assert arithmetic_accuracy_reward(comps, answer=["8"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]

@@ -138,6 +138,11 @@ def extract_last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
+# A number that opens the answer, followed by units or nothing, not by an operator: "3 + 5 = 8" is an expression
+# (its leading 3 is no answer).
+_LEADING_NUMBER = re.compile(
+    r"^(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)(?![\d,/^])(?!\s*(?:[-+*/×÷=^]|[xX]\s*\d|\\(?:times|cdot|div)\b))"
+)
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 
 
@@ -170,7 +175,7 @@ def parse_number(text: str | None) -> Fraction | None:
     if m:
         den = int(m.group(2))
         return Fraction(int(m.group(1)), den) if den else None
-    m = re.match(r"^(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)(?![\d,/^])", s)
+    m = _LEADING_NUMBER.match(s)
     if m:
         try:
             return Fraction(m.group(1).replace(",", ""))

@@ -164,6 +164,14 @@ def test_an_expression_in_the_answer_tag_is_scored_by_its_result():
     assert arithmetic_accuracy_reward(["<answer>3 + 5 = 8</answer>"], answer=["3"]) == [0.0]
 
 
+def test_unicode_minus_sign_is_a_minus():
+    # U+2212 (what LaTeX-trained models and typeset gold answers write) is a sign: "−5" is -5, never +5
+    assert parse_number("\u22125") == -5
+    assert extract_last_number("so x = \u22127") == "-7"
+    comps = ["<answer>\u22125</answer>", "<answer>\u22125</answer>", "the change is \u221212 degrees"]
+    assert gsm8k_accuracy_reward(comps, answer=["-5", "5", "-12"]) == [1.0, 0.0, 1.0]
+
+
 def test_arithmetic_reward_is_lenient():
     comps = ["<answer>8</answer>", "3 + 5 = 8", "8", "<answer>9</answer> 8", "eight", _conv("<answer> 8 </answer>")]
     assert arithmetic_accuracy_reward(comps, answer=["8"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]

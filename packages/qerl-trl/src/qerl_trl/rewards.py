@@ -132,9 +132,12 @@ def extract_answer_tag(text: str) -> str | None:
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\]}])-)?\.\d+")
 
 
+_UNICODE_MINUS = "\u2212"  # "−": the typeset minus sign; read as "-" (else "−5" reads as 5)
+
+
 def extract_last_number(text: str) -> str | None:
     """The last number written in ``text`` (``1,234.5`` style grouping understood), as written; ``None`` if none."""
-    found = _NUMBER.findall(text)
+    found = _NUMBER.findall(text.replace(_UNICODE_MINUS, "-"))
     return found[-1] if found else None
 
 
@@ -154,7 +157,7 @@ def parse_number(text: str | None) -> Fraction | None:
     """
     if text is None:
         return None
-    s = text.strip()
+    s = text.strip().replace(_UNICODE_MINUS, "-")
     boxed = extract_boxed(s)
     if boxed is not None:
         s = boxed

@@ -205,6 +205,25 @@ def test_misuse_errors():
         NormNoise([1, 2, 3])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("norm_dtype", [None, torch.float32])
+def test_a_second_noise_on_the_same_norms_is_refused(norm_dtype):
+    """Two NormNoise objects over one model (two controllers, or one per wrapper): the second apply while the first
+    is live would save the first's noisy weights as its originals, and restoring out of order left them noisy."""
+    model = tiny_model("llama", torch.bfloat16, seed=int(torch.randint(0, 1000, ())))
+    snap = snapshot(model)
+    first, second = NormNoise(model, norm_dtype=norm_dtype), NormNoise(model, norm_dtype=norm_dtype)
+    live = first.apply(1e-2, seed=0)
+    with pytest.raises(RuntimeError, match="already applied"):
+        second.apply(1e-2, seed=1)
+    with pytest.raises(RuntimeError, match="already applied"):
+        second.apply_per_forward(1e-2, seed=1)
+    live.restore()
+    assert_bit_identical(model, snap)
+    with second.apply(1e-2, seed=1):  # free again once the first is restored
+        pass
+    assert_bit_identical(model, snap)
+
+
 def test_inplace_noise_is_visible_to_autograd():
     """Noise is written with an autograd-tracked copy_: changing it between forward and backward fails loudly."""
     model = tiny_model("llama")

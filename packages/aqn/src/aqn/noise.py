@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -45,6 +46,18 @@ __all__ = [
 ]
 
 _MASK63 = (1 << 63) - 1
+
+# id(norm weight) -> (the weight, the live handle noising it), across NormNoise objects: two over one model must not
+# stack (the second would save the first's noisy weights as its originals). By id: tensors compare elementwise; weak
+# references: the registry keeps neither a weight nor a handle (and its model) alive.
+_LIVE: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[NoiseHandle]]] = {}
+
+
+def _live_handle(t: torch.Tensor) -> NoiseHandle | None:
+    """The live handle whose noise is on ``t``, if any."""
+    entry = _LIVE.get(id(t))
+    handle = entry[1]() if entry is not None and entry[0]() is t else None
+    return handle if handle is not None and handle.active else None
 
 
 def noise_seed(seed: int, step: int, name: str, draw: int = 0) -> int:
@@ -311,6 +324,8 @@ class NoiseHandle:
         o = self.owner
         self._originals = {n: p.detach().clone() for n, p in o.params.items()}
         self._active = True
+        for p in o.params.values():
+            _LIVE[id(p)] = (weakref.ref(p), weakref.ref(self))
         try:
             if o.norm_dtype is not None:
                 if o.norm_modules is None:
@@ -370,6 +385,10 @@ class NoiseHandle:
                     p.copy_(self._originals[n])
         self._originals = {}
         self._active = False
+        for p in o.params.values():
+            entry = _LIVE.get(id(p))
+            if entry is not None and entry[1]() is self:
+                del _LIVE[id(p)]
         if o._active is self:
             o._active = None
 
@@ -517,6 +536,9 @@ class NormNoise:
         if self._active is not None and self._active.active:
             raise RuntimeError("noise is already applied to these norms; restore() the live handle first")
         self._refresh_params()
+        for name, p in self.params.items():
+            if _live_handle(p) is not None:
+                raise RuntimeError(f"noise is already applied to {name} by another NormNoise; restore() its handle first")
         handle = NoiseHandle(self, sigma, seed=seed, step=step, generator=generator, per_forward=per_forward)
         self._active = handle
         handle._start()

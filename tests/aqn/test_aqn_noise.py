@@ -338,6 +338,30 @@ def test_fp32_noise_term_is_the_noisy_weight(arch):
                 torch.testing.assert_close(wrapper(x).double(), want_norm(x.double()), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sharing", ["module", "weight"])
+def test_wide_norm_noise_reaches_every_place_a_shared_norm_sits(sharing):
+    """A norm module placed twice, or two norms tied to one weight: ``w + Z`` is read at both places, so the wrapped
+    (``norm_dtype``) noise must be there too, not only at the first place (which left layer 1 noise-free)."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = tiny_model("llama", dtype=torch.float32, seed=seed)
+    first, second = model.model.layers
+    if sharing == "module":
+        second.input_layernorm = first.input_layernorm
+    else:
+        second.input_layernorm.weight = first.input_layernorm.weight
+    snap, norms = snapshot(model), [first.input_layernorm, second.input_layernorm]
+    ids = tokens(2, 6, seed=seed)
+    with NormNoise(model).apply(0.05, seed=seed):  # in place: the weight itself is w + Z everywhere
+        want = logits(model, ids)
+    assert_bit_identical(model, snap)
+    with NormNoise(model, norm_dtype=torch.float64).apply(0.05, seed=seed):  # float32 weights: wrapped
+        assert type(second.input_layernorm).__name__ == "_NoisyNorm"
+        got = logits(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [first.input_layernorm, second.input_layernorm] == norms
+    assert_bit_identical(model, snap)
+
+
 @pytest.mark.parametrize("eps", [None, 1e-6])
 def test_fp32_noise_on_torch_rmsnorm(eps):
     """``torch.nn.RMSNorm`` (eps None: finfo of the input dtype, float32 inside the wrapper) on a bf16 weight."""

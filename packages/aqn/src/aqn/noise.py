@@ -361,7 +361,7 @@ class NoiseHandle:
         with torch.no_grad():
             for n, p in o.params.items():
                 if self._wrapped:
-                    o._wrappers[n].noise.copy_(self.noise[n])
+                    o._noise_buffer(n).copy_(self.noise[n])
                 else:
                     p.copy_(_add_noise(self._originals[n], self.noise[n], p.dtype))
         self.draws += 1
@@ -403,7 +403,7 @@ class NoiseHandle:
             raise RuntimeError("no live noise to measure")
         o = self.owner
         if self._wrapped:  # the noise term is added in norm_dtype: what survives is the draw rounded to it
-            return _merge_survival([(self._originals[n], self._originals[n].to(o.norm_dtype) + o._wrappers[n].noise,
+            return _merge_survival([(self._originals[n], self._originals[n].to(o.norm_dtype) + o._noise_buffer(n),
                                      self.noise[n]) for n in o.params])  # fmt: skip
         return _merge_survival([(self._originals[n], p, self.noise[n]) for n, p in o.params.items()])
 
@@ -487,26 +487,45 @@ class NormNoise:
         self.warn_lossy = warn_lossy
         self._active: NoiseHandle | None = None
         self._warned: set[float] = set()
-        self._norm_slots: dict[str, tuple[nn.Module, str, nn.Module]] = {}  # weight name -> (parent, attribute, norm)
+        # weight name -> every (parent, attribute, norm) place of a norm reading that weight: a norm module placed
+        # twice, or two norms tied to one weight, read w + Z at each place, so each gets a wrapper (norm_dtype)
+        self._norm_slots: dict[str, list[tuple[nn.Module, str, nn.Module]]] = {}
         if self.model is not None:
-            for g in self.groups:
-                if g.norm is not None and g.weight_name in params and g.weight_name not in self._norm_slots:
-                    parent, _, attr = g.norm_name.rpartition(".")
-                    self._norm_slots[g.weight_name] = (self.model.get_submodule(parent), attr, g.norm)
-        # one wrapper per norm for this object's life: its noise buffer stays at one address (CUDA graphs)
-        self._wrappers: dict[str, _NoisyNorm] = {}
+            name_of = {id(p): n for n, p in params.items()}
+            norm_weight = {id(g.norm): name_of[id(g.weight)] for g in self.groups
+                           if g.norm is not None and id(g.weight) in name_of}  # fmt: skip
+            seen_slots: set[tuple[int, str]] = set()
+            for _, parent in self.model.named_modules(remove_duplicate=False):
+                for attr, child in parent._modules.items():
+                    if child is not None and id(child) in norm_weight and (id(parent), attr) not in seen_slots:
+                        seen_slots.add((id(parent), attr))
+                        self._norm_slots.setdefault(norm_weight[id(child)], []).append((parent, attr, child))
+        # one wrapper per norm for this object's life, and one noise buffer per weight shared by its norms' wrappers:
+        # it stays at one address (CUDA graphs)
+        self._wrappers: dict[str, dict[int, _NoisyNorm]] = {}  # weight name -> {id(norm): wrapper}
+
+    def _noise_buffer(self, name: str) -> torch.Tensor:
+        """The noise buffer the wrappers of weight ``name`` read."""
+        return next(iter(self._wrappers[name].values())).noise
 
     def _swap_wrappers(self, on: bool) -> None:
-        """Put each norm's :class:`_NoisyNorm` in its place in the model (``on``), or the norm back."""
+        """Put each norm's :class:`_NoisyNorm` in its places in the model (``on``), or the norm back."""
         if on:  # every wrapper built and checked before the model changes
-            for n, (_, _, norm) in self._norm_slots.items():
-                wrapper = self._wrappers.get(n)
-                if wrapper is None or wrapper.noise.device != norm.weight.device:
-                    wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
-                    _check_rmsnorm(n.removesuffix(".weight"), wrapper)
-                    self._wrappers[n] = wrapper
-        for n, (parent, attr, norm) in self._norm_slots.items():
-            setattr(parent, attr, self._wrappers[n] if on else norm)
+            for n, slots in self._norm_slots.items():
+                wrappers = self._wrappers.get(n)
+                if wrappers is None or self._noise_buffer(n).device != slots[0][2].weight.device:
+                    wrappers = {}
+                    for _, _, norm in slots:
+                        if id(norm) not in wrappers:
+                            wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
+                            _check_rmsnorm(n.removesuffix(".weight"), wrapper)
+                            if wrappers:  # a norm tied to the same weight: the same noise, the same buffer
+                                wrapper.noise = next(iter(wrappers.values())).noise
+                            wrappers[id(norm)] = wrapper
+                    self._wrappers[n] = wrappers
+        for n, slots in self._norm_slots.items():
+            for parent, attr, norm in slots:
+                setattr(parent, attr, self._wrappers[n][id(norm)] if on else norm)
 
     @property
     def weight_names(self) -> list[str]:
@@ -538,7 +557,9 @@ class NormNoise:
         self._refresh_params()
         for name, p in self.params.items():
             if _live_handle(p) is not None:
-                raise RuntimeError(f"noise is already applied to {name} by another NormNoise; restore() its handle first")
+                raise RuntimeError(
+                    f"noise is already applied to {name} by another NormNoise; restore() its handle first"
+                )
         handle = NoiseHandle(self, sigma, seed=seed, step=step, generator=generator, per_forward=per_forward)
         self._active = handle
         handle._start()

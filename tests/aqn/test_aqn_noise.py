@@ -319,10 +319,10 @@ def test_fp32_noise_buffers_are_reused_across_noises():
     assert seen[0] == seen[1] == seen[2]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text", "cohere"])
 def test_fp32_noise_term_is_the_noisy_weight(arch):
-    """The wrapper's ``norm(x) + Z ⊙ x/rms(x)`` equals the norm run in float32 with ``w + Z`` as its weight, for the
-    ``w ⊙ n(x)`` norms and Gemma's ``(1 + w) ⊙ n(x)``."""
+    """The wrapper's ``norm(x) + Z ⊙ n(x)`` equals the norm run in float32 with ``w + Z`` as its weight, for the
+    ``w ⊙ n(x)`` norms, Gemma's ``(1 + w) ⊙ n(x)`` and Cohere's bias-free LayerNorm (``n(x)`` mean-centred)."""
     from aqn.noise import _NoisyNorm
 
     model = tiny_model(arch, dtype=torch.float32)
@@ -378,6 +378,21 @@ def test_fp32_noise_on_torch_rmsnorm(eps):
     want = nn.functional.rms_norm(x.float(), (32,), norm.weight.float() + z, eps).to(torch.bfloat16)
     torch.testing.assert_close(wrapper(x), want, rtol=0, atol=1e-2)
     assert wrapper(x).dtype == torch.bfloat16
+
+
+def test_fp32_noise_on_the_bias_free_layernorms_of_a_bf16_cohere_model():
+    """Cohere's bias-free LayerNorm is noised as ``w + Z`` too (``n(x)`` mean-centred): the trainer keeps a bf16
+    policy's noise in float32, and such a norm stopped the run at the first noisy stage ("does not compute")."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = tiny_model("cohere", dtype=torch.bfloat16, seed=seed)
+    snap = snapshot(model)
+    ids = tokens(2, 6, seed=seed)
+    clean = logits(model, ids)
+    with NormNoise(model, norm_dtype=torch.float32).apply(1e-3, seed=seed):
+        assert type(model.model.layers[0].input_layernorm).__name__ == "_NoisyNorm"
+        noisy = logits(model, ids)
+    assert not torch.equal(noisy, clean)
+    assert_bit_identical(model, snap)
 
 
 def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():

@@ -237,8 +237,9 @@ class _NoisyNorm(nn.Module):
     ``noise`` (``[d]``) is one buffer for the wrapper's life: a CUDA graph captured on it reads each draw in place.
 
     ``n(x)`` is the RMSNorm normalisation, ``x · rsqrt(mean(x²) + eps)`` in float32, which gives the exact noise term
-    for both weight forms in use: ``w ⊙ n(x)`` (Llama, Qwen, Mistral) and ``(1 + w) ⊙ n(x)`` (Gemma).
-    :func:`_check_rmsnorm` verifies one of them on a probe before a norm is wrapped.
+    for both weight forms in use: ``w ⊙ n(x)`` (Llama, Qwen, Mistral) and ``(1 + w) ⊙ n(x)`` (Gemma); with
+    ``centered`` it is a bias-free LayerNorm's, ``x`` less its mean first (Cohere). :func:`_check_rmsnorm` finds which
+    one the norm computes on a probe before it is wrapped.
     """
 
     def __init__(self, norm: nn.Module, dtype: torch.dtype) -> None:
@@ -247,12 +248,15 @@ class _NoisyNorm(nn.Module):
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         # None: torch.nn.RMSNorm's default, finfo of its input's dtype, which is noise.dtype here
         self.eps = None if eps is None else float(eps)
+        self.centered = False  # a bias-free LayerNorm: n(x) of x less its mean (set by _check_rmsnorm)
         w = norm.weight
         self.register_buffer("noise", torch.zeros(w.shape, dtype=dtype, device=w.device), persistent=False)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
-        """``x / rms(x)`` over the last dim, in ``noise.dtype``."""
+        """``x / rms(x)`` over the last dim (``x`` less its mean first if ``centered``), in ``noise.dtype``."""
         xf = x.to(self.noise.dtype)
+        if self.centered:
+            xf = xf - xf.mean(-1, keepdim=True)
         eps = torch.finfo(xf.dtype).eps if self.eps is None else self.eps
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -265,17 +269,24 @@ class _NoisyNorm(nn.Module):
 
 def _check_rmsnorm(name: str, wrapper: _NoisyNorm) -> None:
     """Raise ``ValueError`` unless the wrapped norm, run as the wrapper runs it (float32 input, ``Z = 0``), computes
-    ``w ⊙ n(x)`` or ``(1 + w) ⊙ n(x)`` on a random probe."""
+    ``w ⊙ n(x)`` or ``(1 + w) ⊙ n(x)`` on a random probe, ``n(x)`` an RMSNorm's or else a bias-free LayerNorm's (then
+    ``wrapper.centered`` is set)."""
     norm, w = wrapper.norm, wrapper.norm.weight
-    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
-    why = "does not compute w * x/rms(x) nor (1 + w) * x/rms(x)"
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) + 1.0  # off-centre: the forms differ
+    x = x.to(device=w.device, dtype=w.dtype)
+    why = "does not compute w * x/rms(x) nor (1 + w) * x/rms(x) (nor with x less its mean)"
     try:
         with torch.no_grad():
             y = norm(x.to(wrapper.noise.dtype)).double()
-        n = wrapper.normalized(x).double()
         wd = w.detach().double()
-        err = min(float((y - wd * n).abs().max()), float((y - (1 + wd) * n).abs().max()))
-        ok = err <= 1e-4 * (float(y.abs().max()) + 1e-12)
+        ok = False
+        for centered in (False, True):
+            wrapper.centered = centered
+            n = wrapper.normalized(x).double()
+            err = min(float((y - wd * n).abs().max()), float((y - (1 + wd) * n).abs().max()))
+            if err <= 1e-4 * (float(y.abs().max()) + 1e-12):
+                ok = True
+                break
     except (RuntimeError, TypeError) as e:  # e.g. a fused norm that wants input and weight of one dtype
         ok, why = False, f"cannot run on a {wrapper.noise.dtype} input ({e})"
     if not ok:

@@ -32,6 +32,23 @@ def test_stage_zero_is_quantization_noise_only_but_discovery_still_runs():
         ctl.begin_rollout(nn.Sequential(nn.Linear(2, 2)), step=0)
 
 
+def test_a_norm_the_wide_noise_cannot_wrap_fails_in_stage_zero():
+    """``norm_dtype`` (the trainer's on bf16 policies) with a norm that is no RMSNorm: refused at the first rollout,
+    as discovery is, not at the first noisy stage (10% into a run with the default 10 stages)."""
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=int(torch.randint(0, 1000, ())))
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.forward = lambda x: norm.weight * x  # not normalised: Z ⊙ n(x) would not be the noise of w + Z
+    snap = snapshot(model)
+    ctl = controller(norm_dtype=torch.float32)
+    assert ctl.sigma(0) == 0
+    with pytest.raises(ValueError, match="does not compute"):
+        ctl.begin_rollout(model, step=0)
+    assert model.model.layers[1].post_attention_layernorm is norm
+    assert_bit_identical(model, snap)
+    with controller(norm_dtype=torch.float32).rollout(tiny_model("llama", dtype=torch.bfloat16), step=0) as h:
+        assert h is None  # an RMSNorm model passes the check in stage 0 and gets no noise there
+
+
 def test_rollout_applies_the_scheduled_sigma_and_restores_exactly():
     ctl = controller()
     model = tiny_model("qwen2")

@@ -138,6 +138,8 @@ class AQNController:
     ) -> NoiseHandle | _EngineNoise | None:
         sigma = self.sigma(step)
         noise = self.norm_noise(model)  # discover (and fail loudly) even in the noise-free stage 0
+        if engine is None:
+            noise.check_wrappers()  # likewise a norm the norm_dtype wrapper cannot take
         if sigma == 0.0:
             return None
         if engine is not None:

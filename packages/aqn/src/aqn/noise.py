@@ -519,21 +519,31 @@ class NormNoise:
         """The noise buffer the wrappers of weight ``name`` read."""
         return next(iter(self._wrappers[name].values())).noise
 
+    def check_wrappers(self) -> None:
+        """Build and check the ``norm_dtype`` wrappers now, without swapping them in: ``ValueError`` for a norm they
+        cannot take (see :func:`_check_rmsnorm`), so a caller whose first noise comes later learns of it at once."""
+        if self.norm_dtype is not None and any(p.dtype != self.norm_dtype for p in self.params.values()):
+            self._build_wrappers()
+
+    def _build_wrappers(self) -> None:
+        """Every norm's :class:`_NoisyNorm`, built and checked (kept for this object's life; rebuilt on a new device)."""
+        for n, slots in self._norm_slots.items():
+            wrappers = self._wrappers.get(n)
+            if wrappers is None or self._noise_buffer(n).device != slots[0][2].weight.device:
+                wrappers = {}
+                for _, _, norm in slots:
+                    if id(norm) not in wrappers:
+                        wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
+                        _check_rmsnorm(n.removesuffix(".weight"), wrapper)
+                        if wrappers:  # a norm tied to the same weight: the same noise, the same buffer
+                            wrapper.noise = next(iter(wrappers.values())).noise
+                        wrappers[id(norm)] = wrapper
+                self._wrappers[n] = wrappers
+
     def _swap_wrappers(self, on: bool) -> None:
         """Put each norm's :class:`_NoisyNorm` in its places in the model (``on``), or the norm back."""
         if on:  # every wrapper built and checked before the model changes
-            for n, slots in self._norm_slots.items():
-                wrappers = self._wrappers.get(n)
-                if wrappers is None or self._noise_buffer(n).device != slots[0][2].weight.device:
-                    wrappers = {}
-                    for _, _, norm in slots:
-                        if id(norm) not in wrappers:
-                            wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
-                            _check_rmsnorm(n.removesuffix(".weight"), wrapper)
-                            if wrappers:  # a norm tied to the same weight: the same noise, the same buffer
-                                wrapper.noise = next(iter(wrappers.values())).noise
-                            wrappers[id(norm)] = wrapper
-                    self._wrappers[n] = wrappers
+            self._build_wrappers()
         for n, slots in self._norm_slots.items():
             for parent, attr, norm in slots:
                 setattr(parent, attr, self._wrappers[n][id(norm)] if on else norm)

@@ -50,6 +50,23 @@ def test_equivalence_on_engine_style_fused_linears():
         torch.testing.assert_close(noisy, ref_model(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_wide_norm_noise_on_engine_style_fused_add_norms():
+    """``norm_dtype`` on an engine's model whose norms fuse the residual add (``norm(x, residual)`` returns
+    ``(out, residual)``, vLLM's): the noise term is taken on the summed input, as ``w + Z`` would be (the wrapper
+    failed on the tuple)."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = EngineModel()
+    args = (torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(seed)), torch.arange(6))
+    snap = snapshot(model)
+    with torch.no_grad():
+        with NormNoise(model, example_inputs=args).apply(5e-2, seed=seed):  # in place: the weights are w + Z
+            want = model(*args)
+        with NormNoise(model, example_inputs=args, norm_dtype=torch.float64).apply(5e-2, seed=seed):
+            got = model(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_bit_identical(model, snap)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_restore_is_bit_identical_after_thousands_of_steps(dtype):
     model = tiny_model("qwen2", dtype=dtype)

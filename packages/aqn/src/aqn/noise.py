@@ -263,8 +263,11 @@ class _NoisyNorm(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the norm on a float32 input computes w ⊙ n(x) in float32 (HF norms promote), unrounded: the noise term
         # then moves the value before its one rounding (added to an already rounded output, small σ would vanish)
-        y = self.norm(x.to(self.noise.dtype), *args, **kwargs)
-        return (y.to(self.noise.dtype) + self.noise * self.normalized(x)).to(x.dtype)
+        out = self.norm(x.to(self.noise.dtype), *args, **kwargs)
+        if isinstance(out, tuple):  # a fused add-norm (vLLM's): (norm(x + residual), x + residual), noised on the sum
+            y, normed_input = out[0], out[1]
+            return ((y.to(self.noise.dtype) + self.noise * self.normalized(normed_input)).to(x.dtype), *out[1:])
+        return (out.to(self.noise.dtype) + self.noise * self.normalized(x)).to(x.dtype)
 
 
 def _check_rmsnorm(name: str, wrapper: _NoisyNorm) -> None:

@@ -164,6 +164,14 @@ def test_an_expression_in_the_answer_tag_is_scored_by_its_result():
     assert arithmetic_accuracy_reward(["<answer>3 + 5 = 8</answer>"], answer=["3"]) == [0.0]
 
 
+def test_a_fraction_written_last_is_read_whole():
+    # without an explicit answer the last number decides: "1/2" is one half, not 2 (a gold of 2 scored it right)
+    assert extract_last_number("so she eats 1/2 of it.") == "1/2"
+    assert extract_last_number("on 12/25/2023 she paid 40") == "40"
+    comps = ["So the answer is 3/4.", "The probability is 1/2.", "Each gets -5/2 points", "60/3 = 20 apples"]
+    assert gsm8k_accuracy_reward(comps, answer=["0.75", "2", "-2.5", "20"]) == [1.0, 0.0, 1.0, 1.0]
+
+
 def test_unicode_minus_sign_is_a_minus():
     # U+2212 (what LaTeX-trained models and typeset gold answers write) is a sign: "−5" is -5, never +5
     assert parse_number("\u22125") == -5

@@ -127,9 +127,12 @@ def extract_answer_tag(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-# A number: thousands-grouped or plain digits, optional decimals; the minus sign only when it is not a binary minus
-# (``5-3`` yields 5 and 3, not 5 and -3).
-_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\]}])-)?\.\d+")
+# A number: a fraction of integers (``1/2``, not a date's ``12/25/2023``), thousands-grouped or plain digits with
+# optional decimals; the minus sign only when it is not a binary minus (``5-3`` yields 5 and 3, not 5 and -3).
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]}])-)?(?<![\d/])\d+/\d+(?![\d/]|\.\d)"
+    r"|(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\]}])-)?\.\d+"
+)
 
 
 _UNICODE_MINUS = "\u2212"  # "−": the typeset minus sign; read as "-" (else "−5" reads as 5)

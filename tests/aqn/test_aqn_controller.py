@@ -179,6 +179,20 @@ def test_rollout_on_an_external_engine_gives_it_the_models_noise():
     assert engine.restores == 1
 
 
+def test_per_forward_mode_with_an_external_engine_fails_in_stage_zero():
+    """An engine takes one draw per rollout: per_forward is refused at the first rollout, stage 0 included, not at the
+    first noisy stage (10% into a run with the default 10 stages)."""
+    model = tiny_model("llama")
+    engine = _ModelCopyEngine(model)
+    ctl = controller(mode="per_forward")
+    assert ctl.sigma(0) == 0
+    with pytest.raises(ValueError, match="per_step"):
+        ctl.begin_rollout(model, 0, engine=engine)
+    with pytest.raises(ValueError, match="per_step"):
+        ctl.begin_rollout(model, 33, engine=engine)
+    assert engine.restores == 0
+
+
 def test_an_engine_that_fails_while_taking_the_noise_is_restored():
     """An engine that raises part-way through ``set_norm_weights`` (vLLM server mode: norms set, then its prefix-cache
     reset refused) gets its clean norms back before the error propagates: no noisy engine is left behind."""

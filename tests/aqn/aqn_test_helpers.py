@@ -27,6 +27,7 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
         "gemma3_text": transformers.Gemma3TextConfig,  # (1 + w) ⊙ n(x) norms
+        "cohere": transformers.CohereConfig,  # bias-free LayerNorms: w ⊙ (x - mean)/std
     }[arch]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**TINY), dtype=torch.float32)

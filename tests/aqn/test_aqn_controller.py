@@ -32,6 +32,23 @@ def test_stage_zero_is_quantization_noise_only_but_discovery_still_runs():
         ctl.begin_rollout(nn.Sequential(nn.Linear(2, 2)), step=0)
 
 
+def test_a_norm_the_wide_noise_cannot_wrap_fails_in_stage_zero():
+    """``norm_dtype`` (the trainer's on bf16 policies) with a norm that is no RMSNorm: refused at the first rollout,
+    as discovery is, not at the first noisy stage (10% into a run with the default 10 stages)."""
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=int(torch.randint(0, 1000, ())))
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.forward = lambda x: norm.weight * x  # not normalised: Z ⊙ n(x) would not be the noise of w + Z
+    snap = snapshot(model)
+    ctl = controller(norm_dtype=torch.float32)
+    assert ctl.sigma(0) == 0
+    with pytest.raises(ValueError, match="does not compute"):
+        ctl.begin_rollout(model, step=0)
+    assert model.model.layers[1].post_attention_layernorm is norm
+    assert_bit_identical(model, snap)
+    with controller(norm_dtype=torch.float32).rollout(tiny_model("llama", dtype=torch.bfloat16), step=0) as h:
+        assert h is None  # an RMSNorm model passes the check in stage 0 and gets no noise there
+
+
 def test_rollout_applies_the_scheduled_sigma_and_restores_exactly():
     ctl = controller()
     model = tiny_model("qwen2")
@@ -160,6 +177,20 @@ def test_rollout_on_an_external_engine_gives_it_the_models_noise():
     with ctl.rollout(model, 0, engine=engine) as handle:  # σ = 0: nothing loaded, nothing to restore
         assert handle is None
     assert engine.restores == 1
+
+
+def test_per_forward_mode_with_an_external_engine_fails_in_stage_zero():
+    """An engine takes one draw per rollout: per_forward is refused at the first rollout, stage 0 included, not at the
+    first noisy stage (10% into a run with the default 10 stages)."""
+    model = tiny_model("llama")
+    engine = _ModelCopyEngine(model)
+    ctl = controller(mode="per_forward")
+    assert ctl.sigma(0) == 0
+    with pytest.raises(ValueError, match="per_step"):
+        ctl.begin_rollout(model, 0, engine=engine)
+    with pytest.raises(ValueError, match="per_step"):
+        ctl.begin_rollout(model, 33, engine=engine)
+    assert engine.restores == 0
 
 
 def test_an_engine_that_fails_while_taking_the_noise_is_restored():

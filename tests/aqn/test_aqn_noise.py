@@ -50,6 +50,23 @@ def test_equivalence_on_engine_style_fused_linears():
         torch.testing.assert_close(noisy, ref_model(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_wide_norm_noise_on_engine_style_fused_add_norms():
+    """``norm_dtype`` on an engine's model whose norms fuse the residual add (``norm(x, residual)`` returns
+    ``(out, residual)``, vLLM's): the noise term is taken on the summed input, as ``w + Z`` would be (the wrapper
+    failed on the tuple)."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = EngineModel()
+    args = (torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(seed)), torch.arange(6))
+    snap = snapshot(model)
+    with torch.no_grad():
+        with NormNoise(model, example_inputs=args).apply(5e-2, seed=seed):  # in place: the weights are w + Z
+            want = model(*args)
+        with NormNoise(model, example_inputs=args, norm_dtype=torch.float64).apply(5e-2, seed=seed):
+            got = model(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_bit_identical(model, snap)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_restore_is_bit_identical_after_thousands_of_steps(dtype):
     model = tiny_model("qwen2", dtype=dtype)
@@ -205,6 +222,25 @@ def test_misuse_errors():
         NormNoise([1, 2, 3])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("norm_dtype", [None, torch.float32])
+def test_a_second_noise_on_the_same_norms_is_refused(norm_dtype):
+    """Two NormNoise objects over one model (two controllers, or one per wrapper): the second apply while the first
+    is live would save the first's noisy weights as its originals, and restoring out of order left them noisy."""
+    model = tiny_model("llama", torch.bfloat16, seed=int(torch.randint(0, 1000, ())))
+    snap = snapshot(model)
+    first, second = NormNoise(model, norm_dtype=norm_dtype), NormNoise(model, norm_dtype=norm_dtype)
+    live = first.apply(1e-2, seed=0)
+    with pytest.raises(RuntimeError, match="already applied"):
+        second.apply(1e-2, seed=1)
+    with pytest.raises(RuntimeError, match="already applied"):
+        second.apply_per_forward(1e-2, seed=1)
+    live.restore()
+    assert_bit_identical(model, snap)
+    with second.apply(1e-2, seed=1):  # free again once the first is restored
+        pass
+    assert_bit_identical(model, snap)
+
+
 def test_inplace_noise_is_visible_to_autograd():
     """Noise is written with an autograd-tracked copy_: changing it between forward and backward fails loudly."""
     model = tiny_model("llama")
@@ -300,10 +336,10 @@ def test_fp32_noise_buffers_are_reused_across_noises():
     assert seen[0] == seen[1] == seen[2]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text", "cohere"])
 def test_fp32_noise_term_is_the_noisy_weight(arch):
-    """The wrapper's ``norm(x) + Z ⊙ x/rms(x)`` equals the norm run in float32 with ``w + Z`` as its weight, for the
-    ``w ⊙ n(x)`` norms and Gemma's ``(1 + w) ⊙ n(x)``."""
+    """The wrapper's ``norm(x) + Z ⊙ n(x)`` equals the norm run in float32 with ``w + Z`` as its weight, for the
+    ``w ⊙ n(x)`` norms, Gemma's ``(1 + w) ⊙ n(x)`` and Cohere's bias-free LayerNorm (``n(x)`` mean-centred)."""
     from aqn.noise import _NoisyNorm
 
     model = tiny_model(arch, dtype=torch.float32)
@@ -317,6 +353,30 @@ def test_fp32_noise_term_is_the_noisy_weight(arch):
             with torch.no_grad():
                 want_norm.weight += h.noise[n].double()
                 torch.testing.assert_close(wrapper(x).double(), want_norm(x.double()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharing", ["module", "weight"])
+def test_wide_norm_noise_reaches_every_place_a_shared_norm_sits(sharing):
+    """A norm module placed twice, or two norms tied to one weight: ``w + Z`` is read at both places, so the wrapped
+    (``norm_dtype``) noise must be there too, not only at the first place (which left layer 1 noise-free)."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = tiny_model("llama", dtype=torch.float32, seed=seed)
+    first, second = model.model.layers
+    if sharing == "module":
+        second.input_layernorm = first.input_layernorm
+    else:
+        second.input_layernorm.weight = first.input_layernorm.weight
+    snap, norms = snapshot(model), [first.input_layernorm, second.input_layernorm]
+    ids = tokens(2, 6, seed=seed)
+    with NormNoise(model).apply(0.05, seed=seed):  # in place: the weight itself is w + Z everywhere
+        want = logits(model, ids)
+    assert_bit_identical(model, snap)
+    with NormNoise(model, norm_dtype=torch.float64).apply(0.05, seed=seed):  # float32 weights: wrapped
+        assert type(second.input_layernorm).__name__ == "_NoisyNorm"
+        got = logits(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [first.input_layernorm, second.input_layernorm] == norms
+    assert_bit_identical(model, snap)
 
 
 @pytest.mark.parametrize("eps", [None, 1e-6])
@@ -335,6 +395,21 @@ def test_fp32_noise_on_torch_rmsnorm(eps):
     want = nn.functional.rms_norm(x.float(), (32,), norm.weight.float() + z, eps).to(torch.bfloat16)
     torch.testing.assert_close(wrapper(x), want, rtol=0, atol=1e-2)
     assert wrapper(x).dtype == torch.bfloat16
+
+
+def test_fp32_noise_on_the_bias_free_layernorms_of_a_bf16_cohere_model():
+    """Cohere's bias-free LayerNorm is noised as ``w + Z`` too (``n(x)`` mean-centred): the trainer keeps a bf16
+    policy's noise in float32, and such a norm stopped the run at the first noisy stage ("does not compute")."""
+    seed = int(torch.randint(0, 1000, ()))
+    model = tiny_model("cohere", dtype=torch.bfloat16, seed=seed)
+    snap = snapshot(model)
+    ids = tokens(2, 6, seed=seed)
+    clean = logits(model, ids)
+    with NormNoise(model, norm_dtype=torch.float32).apply(1e-3, seed=seed):
+        assert type(model.model.layers[0].input_layernorm).__name__ == "_NoisyNorm"
+        noisy = logits(model, ids)
+    assert not torch.equal(noisy, clean)
+    assert_bit_identical(model, snap)
 
 
 def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():

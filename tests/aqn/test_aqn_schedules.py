@@ -96,6 +96,19 @@ def test_steps_past_the_end_stay_in_the_last_stage_and_negative_steps_fail():
         s.sigma(-1)
 
 
+def test_numpy_integers_are_integers():
+    # step counts computed with numpy were refused: "total_steps must be an integer, got np.int64(100)"
+    import numpy as np
+
+    s = make_schedule(num_stages=np.int64(4), total_steps=np.int64(100))
+    assert (s.num_stages, s.total_steps) == (4, 100) and type(s.total_steps) is int
+    assert s.stage(np.int32(50)) == s.stage(50) == 2
+    assert json.loads(json.dumps(s.state_dict())) == s.state_dict()
+    for bad in (np.float32(5.5), True, np.bool_(True), "5"):
+        with pytest.raises(ValueError, match="step must be an integer"):
+            s.stage(bad)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -149,6 +149,37 @@ def test_rollout_seed_is_a_pure_function_and_vllm_is_refused():
         QeRLConfig(output_dir="x", rollout_seed_per_prompt=True, rollout_engine="vllm")
 
 
+_DAPO_CONFIG_WORKER = """
+import sys
+from accelerate import PartialState
+from qerl_trl import QeRLDAPOConfig
+
+try:
+    QeRLDAPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=2, num_generations=4, max_steps=1,
+                   max_completion_length=8, use_cpu=True, report_to="none")
+    print("CONFIG ACCEPTED")
+except ValueError as e:
+    print("CONFIG REFUSED:", e)
+PartialState().destroy_process_group()
+"""
+
+
+def test_dapo_dynamic_sampling_needs_whole_groups_on_each_process(tmp_path):
+    """2 processes x 2 rows with groups of 4: TRL accepts it (4 rows in all), but each process would hold half a
+    group, and dynamic sampling judges whole groups per process (it failed at the first step, after the model had
+    loaded and generated, with "2 advantages do not split into groups of 4"): refused with the config."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_DAPO_CONFIG_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG), "--num_processes",
+           "2", "--mixed_precision", "no", "--main_process_port", str(29500 + (os.getpid() + 1000) % 2000),
+           str(worker), str(tmp_path / "run")]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO).stdout
+    lines = [line for line in out.splitlines() if line.startswith("CONFIG ")]
+    assert len(lines) == 2, out[-3000:]
+    assert all("REFUSED" in line and "num_generations (4)" in line and "2 rows" in line for line in lines), lines
+
+
 def test_ddp_two_processes_match_one_process(tmp_path, tiny_dir):
     """2 gloo processes × B = 1 process × 2B: same rollouts, same AQN noise, same final LoRA weights."""
     from qerl_trl.policy import load_policy

@@ -153,6 +153,33 @@ def test_float_gold_answers_mean_their_decimal_and_nan_is_no_gold():
     assert gsm8k_accuracy_reward(comps, answer=[0.1, 2.5, 3.0, float("nan")]) == [1.0, 1.0, 1.0, None]
 
 
+def test_an_expression_in_the_answer_tag_is_scored_by_its_result():
+    # "<answer>3 + 5 = 8</answer>" answers 8: the leading operand of an expression is no answer
+    assert parse_number("3 + 5 = 8") is None
+    assert parse_number(r"3 \times 4 = 12") is None
+    assert parse_number("3 x 4 = 12") is None and parse_number("5 x-rays") == 5
+    comps = ["<answer>3 + 5 = 8</answer>", "<answer>$10 + $8 = $18</answer>", "<answer>24 / 3 = 8</answer>",
+             "<answer>10 - 2 = 8</answer>", "<answer>8 dollars</answer>"]
+    assert gsm8k_accuracy_reward(comps, answer=["8", "18", "8", "8", "8"]) == [1.0] * 5
+    assert arithmetic_accuracy_reward(["<answer>3 + 5 = 8</answer>"], answer=["3"]) == [0.0]
+
+
+def test_a_fraction_written_last_is_read_whole():
+    # without an explicit answer the last number decides: "1/2" is one half, not 2 (a gold of 2 scored it right)
+    assert extract_last_number("so she eats 1/2 of it.") == "1/2"
+    assert extract_last_number("on 12/25/2023 she paid 40") == "40"
+    comps = ["So the answer is 3/4.", "The probability is 1/2.", "Each gets -5/2 points", "60/3 = 20 apples"]
+    assert gsm8k_accuracy_reward(comps, answer=["0.75", "2", "-2.5", "20"]) == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_unicode_minus_sign_is_a_minus():
+    # U+2212 (what LaTeX-trained models and typeset gold answers write) is a sign: "−5" is -5, never +5
+    assert parse_number("\u22125") == -5
+    assert extract_last_number("so x = \u22127") == "-7"
+    comps = ["<answer>\u22125</answer>", "<answer>\u22125</answer>", "the change is \u221212 degrees"]
+    assert gsm8k_accuracy_reward(comps, answer=["-5", "5", "-12"]) == [1.0, 0.0, 1.0]
+
+
 def test_arithmetic_reward_is_lenient():
     comps = ["<answer>8</answer>", "3 + 5 = 8", "8", "<answer>9</answer> 8", "eight", _conv("<answer> 8 </answer>")]
     assert arithmetic_accuracy_reward(comps, answer=["8"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]

@@ -396,6 +396,16 @@ def test_overlong_penalty_values():
         OverlongPenalty(10, 10)
 
 
+@pytest.mark.parametrize("factor", [-1.0, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_overlong_penalty_factor_is_refused(factor):
+    # DAPO writes the penalty at the limit as -1: a factor of -1 would reward overlong completions, silently
+    with pytest.raises(ValueError, match="overlong_penalty_factor"):
+        QeRLDAPOConfig(output_dir="x", max_completion_length=16, overlong_penalty_factor=factor)
+    with pytest.raises(ValueError, match="penalty_factor"):
+        OverlongPenalty(10, 4, penalty_factor=factor)
+    assert OverlongPenalty(10, 4, penalty_factor=0.5)(None, completion_ids=[[0] * 10]) == [-0.5]
+
+
 def test_informative_groups_ignore_rounding_of_equal_rewards():
     # TRL's advantage of 8 equal rewards 0.2 (e.g. arithmetic_accuracy + answer_tag, all wrong but tagged) is not 0 in
     # float32 (the mean rounds) but the same for every row: no learning signal, so DAPO must drop the group

@@ -138,11 +138,13 @@ class AQNController:
     ) -> NoiseHandle | _EngineNoise | None:
         sigma = self.sigma(step)
         noise = self.norm_noise(model)  # discover (and fail loudly) even in the noise-free stage 0
+        if engine is None:
+            noise.check_wrappers()  # likewise a norm the norm_dtype wrapper cannot take
+        elif draw_mode == "per_forward":  # likewise a mode the engine cannot take
+            raise ValueError("an external engine takes one draw per rollout: use mode='per_step'")
         if sigma == 0.0:
             return None
         if engine is not None:
-            if draw_mode == "per_forward":
-                raise ValueError("an external engine takes one draw per rollout: use mode='per_step'")
             try:
                 engine.set_norm_weights(dict(self.engine_weights(noise, step, dtype=torch.float32)))
             except BaseException:

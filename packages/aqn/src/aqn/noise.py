@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -45,6 +46,18 @@ __all__ = [
 ]
 
 _MASK63 = (1 << 63) - 1
+
+# id(norm weight) -> (the weight, the live handle noising it), across NormNoise objects: two over one model must not
+# stack (the second would save the first's noisy weights as its originals). By id: tensors compare elementwise; weak
+# references: the registry keeps neither a weight nor a handle (and its model) alive.
+_LIVE: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[NoiseHandle]]] = {}
+
+
+def _live_handle(t: torch.Tensor) -> NoiseHandle | None:
+    """The live handle whose noise is on ``t``, if any."""
+    entry = _LIVE.get(id(t))
+    handle = entry[1]() if entry is not None and entry[0]() is t else None
+    return handle if handle is not None and handle.active else None
 
 
 def noise_seed(seed: int, step: int, name: str, draw: int = 0) -> int:
@@ -224,8 +237,9 @@ class _NoisyNorm(nn.Module):
     ``noise`` (``[d]``) is one buffer for the wrapper's life: a CUDA graph captured on it reads each draw in place.
 
     ``n(x)`` is the RMSNorm normalisation, ``x · rsqrt(mean(x²) + eps)`` in float32, which gives the exact noise term
-    for both weight forms in use: ``w ⊙ n(x)`` (Llama, Qwen, Mistral) and ``(1 + w) ⊙ n(x)`` (Gemma).
-    :func:`_check_rmsnorm` verifies one of them on a probe before a norm is wrapped.
+    for both weight forms in use: ``w ⊙ n(x)`` (Llama, Qwen, Mistral) and ``(1 + w) ⊙ n(x)`` (Gemma); with
+    ``centered`` it is a bias-free LayerNorm's, ``x`` less its mean first (Cohere). :func:`_check_rmsnorm` finds which
+    one the norm computes on a probe before it is wrapped.
     """
 
     def __init__(self, norm: nn.Module, dtype: torch.dtype) -> None:
@@ -234,35 +248,48 @@ class _NoisyNorm(nn.Module):
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         # None: torch.nn.RMSNorm's default, finfo of its input's dtype, which is noise.dtype here
         self.eps = None if eps is None else float(eps)
+        self.centered = False  # a bias-free LayerNorm: n(x) of x less its mean (set by _check_rmsnorm)
         w = norm.weight
         self.register_buffer("noise", torch.zeros(w.shape, dtype=dtype, device=w.device), persistent=False)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
-        """``x / rms(x)`` over the last dim, in ``noise.dtype``."""
+        """``x / rms(x)`` over the last dim (``x`` less its mean first if ``centered``), in ``noise.dtype``."""
         xf = x.to(self.noise.dtype)
+        if self.centered:
+            xf = xf - xf.mean(-1, keepdim=True)
         eps = torch.finfo(xf.dtype).eps if self.eps is None else self.eps
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the norm on a float32 input computes w ⊙ n(x) in float32 (HF norms promote), unrounded: the noise term
         # then moves the value before its one rounding (added to an already rounded output, small σ would vanish)
-        y = self.norm(x.to(self.noise.dtype), *args, **kwargs)
-        return (y.to(self.noise.dtype) + self.noise * self.normalized(x)).to(x.dtype)
+        out = self.norm(x.to(self.noise.dtype), *args, **kwargs)
+        if isinstance(out, tuple):  # a fused add-norm (vLLM's): (norm(x + residual), x + residual), noised on the sum
+            y, normed_input = out[0], out[1]
+            return ((y.to(self.noise.dtype) + self.noise * self.normalized(normed_input)).to(x.dtype), *out[1:])
+        return (out.to(self.noise.dtype) + self.noise * self.normalized(x)).to(x.dtype)
 
 
 def _check_rmsnorm(name: str, wrapper: _NoisyNorm) -> None:
     """Raise ``ValueError`` unless the wrapped norm, run as the wrapper runs it (float32 input, ``Z = 0``), computes
-    ``w ⊙ n(x)`` or ``(1 + w) ⊙ n(x)`` on a random probe."""
+    ``w ⊙ n(x)`` or ``(1 + w) ⊙ n(x)`` on a random probe, ``n(x)`` an RMSNorm's or else a bias-free LayerNorm's (then
+    ``wrapper.centered`` is set)."""
     norm, w = wrapper.norm, wrapper.norm.weight
-    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
-    why = "does not compute w * x/rms(x) nor (1 + w) * x/rms(x)"
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) + 1.0  # off-centre: the forms differ
+    x = x.to(device=w.device, dtype=w.dtype)
+    why = "does not compute w * x/rms(x) nor (1 + w) * x/rms(x) (nor with x less its mean)"
     try:
         with torch.no_grad():
             y = norm(x.to(wrapper.noise.dtype)).double()
-        n = wrapper.normalized(x).double()
         wd = w.detach().double()
-        err = min(float((y - wd * n).abs().max()), float((y - (1 + wd) * n).abs().max()))
-        ok = err <= 1e-4 * (float(y.abs().max()) + 1e-12)
+        ok = False
+        for centered in (False, True):
+            wrapper.centered = centered
+            n = wrapper.normalized(x).double()
+            err = min(float((y - wd * n).abs().max()), float((y - (1 + wd) * n).abs().max()))
+            if err <= 1e-4 * (float(y.abs().max()) + 1e-12):
+                ok = True
+                break
     except (RuntimeError, TypeError) as e:  # e.g. a fused norm that wants input and weight of one dtype
         ok, why = False, f"cannot run on a {wrapper.noise.dtype} input ({e})"
     if not ok:
@@ -311,6 +338,8 @@ class NoiseHandle:
         o = self.owner
         self._originals = {n: p.detach().clone() for n, p in o.params.items()}
         self._active = True
+        for p in o.params.values():
+            _LIVE[id(p)] = (weakref.ref(p), weakref.ref(self))
         try:
             if o.norm_dtype is not None:
                 if o.norm_modules is None:
@@ -346,7 +375,7 @@ class NoiseHandle:
         with torch.no_grad():
             for n, p in o.params.items():
                 if self._wrapped:
-                    o._wrappers[n].noise.copy_(self.noise[n])
+                    o._noise_buffer(n).copy_(self.noise[n])
                 else:
                     p.copy_(_add_noise(self._originals[n], self.noise[n], p.dtype))
         self.draws += 1
@@ -370,6 +399,10 @@ class NoiseHandle:
                     p.copy_(self._originals[n])
         self._originals = {}
         self._active = False
+        for p in o.params.values():
+            entry = _LIVE.get(id(p))
+            if entry is not None and entry[1]() is self:
+                del _LIVE[id(p)]
         if o._active is self:
             o._active = None
 
@@ -384,7 +417,7 @@ class NoiseHandle:
             raise RuntimeError("no live noise to measure")
         o = self.owner
         if self._wrapped:  # the noise term is added in norm_dtype: what survives is the draw rounded to it
-            return _merge_survival([(self._originals[n], self._originals[n].to(o.norm_dtype) + o._wrappers[n].noise,
+            return _merge_survival([(self._originals[n], self._originals[n].to(o.norm_dtype) + o._noise_buffer(n),
                                      self.noise[n]) for n in o.params])  # fmt: skip
         return _merge_survival([(self._originals[n], p, self.noise[n]) for n, p in o.params.items()])
 
@@ -468,26 +501,55 @@ class NormNoise:
         self.warn_lossy = warn_lossy
         self._active: NoiseHandle | None = None
         self._warned: set[float] = set()
-        self._norm_slots: dict[str, tuple[nn.Module, str, nn.Module]] = {}  # weight name -> (parent, attribute, norm)
+        # weight name -> every (parent, attribute, norm) place of a norm reading that weight: a norm module placed
+        # twice, or two norms tied to one weight, read w + Z at each place, so each gets a wrapper (norm_dtype)
+        self._norm_slots: dict[str, list[tuple[nn.Module, str, nn.Module]]] = {}
         if self.model is not None:
-            for g in self.groups:
-                if g.norm is not None and g.weight_name in params and g.weight_name not in self._norm_slots:
-                    parent, _, attr = g.norm_name.rpartition(".")
-                    self._norm_slots[g.weight_name] = (self.model.get_submodule(parent), attr, g.norm)
-        # one wrapper per norm for this object's life: its noise buffer stays at one address (CUDA graphs)
-        self._wrappers: dict[str, _NoisyNorm] = {}
+            name_of = {id(p): n for n, p in params.items()}
+            norm_weight = {id(g.norm): name_of[id(g.weight)] for g in self.groups
+                           if g.norm is not None and id(g.weight) in name_of}  # fmt: skip
+            seen_slots: set[tuple[int, str]] = set()
+            for _, parent in self.model.named_modules(remove_duplicate=False):
+                for attr, child in parent._modules.items():
+                    if child is not None and id(child) in norm_weight and (id(parent), attr) not in seen_slots:
+                        seen_slots.add((id(parent), attr))
+                        self._norm_slots.setdefault(norm_weight[id(child)], []).append((parent, attr, child))
+        # one wrapper per norm for this object's life, and one noise buffer per weight shared by its norms' wrappers:
+        # it stays at one address (CUDA graphs)
+        self._wrappers: dict[str, dict[int, _NoisyNorm]] = {}  # weight name -> {id(norm): wrapper}
+
+    def _noise_buffer(self, name: str) -> torch.Tensor:
+        """The noise buffer the wrappers of weight ``name`` read."""
+        return next(iter(self._wrappers[name].values())).noise
+
+    def check_wrappers(self) -> None:
+        """Build and check the ``norm_dtype`` wrappers now, without swapping them in: ``ValueError`` for a norm they
+        cannot take (see :func:`_check_rmsnorm`), so a caller whose first noise comes later learns of it at once."""
+        if self.norm_dtype is not None and any(p.dtype != self.norm_dtype for p in self.params.values()):
+            self._build_wrappers()
+
+    def _build_wrappers(self) -> None:
+        """Every norm's :class:`_NoisyNorm`, built and checked (kept for this object's life; rebuilt on a new device)."""
+        for n, slots in self._norm_slots.items():
+            wrappers = self._wrappers.get(n)
+            if wrappers is None or self._noise_buffer(n).device != slots[0][2].weight.device:
+                wrappers = {}
+                for _, _, norm in slots:
+                    if id(norm) not in wrappers:
+                        wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
+                        _check_rmsnorm(n.removesuffix(".weight"), wrapper)
+                        if wrappers:  # a norm tied to the same weight: the same noise, the same buffer
+                            wrapper.noise = next(iter(wrappers.values())).noise
+                        wrappers[id(norm)] = wrapper
+                self._wrappers[n] = wrappers
 
     def _swap_wrappers(self, on: bool) -> None:
-        """Put each norm's :class:`_NoisyNorm` in its place in the model (``on``), or the norm back."""
+        """Put each norm's :class:`_NoisyNorm` in its places in the model (``on``), or the norm back."""
         if on:  # every wrapper built and checked before the model changes
-            for n, (_, _, norm) in self._norm_slots.items():
-                wrapper = self._wrappers.get(n)
-                if wrapper is None or wrapper.noise.device != norm.weight.device:
-                    wrapper = _NoisyNorm(norm, self.norm_dtype)  # type: ignore[arg-type]
-                    _check_rmsnorm(n.removesuffix(".weight"), wrapper)
-                    self._wrappers[n] = wrapper
-        for n, (parent, attr, norm) in self._norm_slots.items():
-            setattr(parent, attr, self._wrappers[n] if on else norm)
+            self._build_wrappers()
+        for n, slots in self._norm_slots.items():
+            for parent, attr, norm in slots:
+                setattr(parent, attr, self._wrappers[n][id(norm)] if on else norm)
 
     @property
     def weight_names(self) -> list[str]:
@@ -517,6 +579,11 @@ class NormNoise:
         if self._active is not None and self._active.active:
             raise RuntimeError("noise is already applied to these norms; restore() the live handle first")
         self._refresh_params()
+        for name, p in self.params.items():
+            if _live_handle(p) is not None:
+                raise RuntimeError(
+                    f"noise is already applied to {name} by another NormNoise; restore() its handle first"
+                )
         handle = NoiseHandle(self, sigma, seed=seed, step=step, generator=generator, per_forward=per_forward)
         self._active = handle
         handle._start()

@@ -38,6 +38,7 @@ reloads it and resumes at the same step lands in the same stage with the same σ
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, ClassVar
 
 __all__ = [
@@ -73,6 +74,8 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)  # a numpy integer (a step count computed with numpy)
         else:
             raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:

@@ -415,7 +415,8 @@ class QeRLDAPOConfig(QeRLConfig):
 
     Extra fields:
         dynamic_sampling: drop groups whose rewards all agree (no learning signal) and refill the batch with groups
-            generated from fresh prompts.
+            generated from fresh prompts. Each process judges its own slice of the generation batch, so that slice
+            (``per_device_train_batch_size x steps_per_generation`` rows) must hold whole groups.
         max_resample_rounds: how many extra generation rounds one step may spend refilling; if the batch is still
             short, the remaining slots keep uninformative groups (zero advantage) and ``dapo/unfilled_groups`` says so.
         overlong_buffer_length: soft punishment over the last L tokens before ``max_completion_length``
@@ -443,3 +444,12 @@ class QeRLDAPOConfig(QeRLConfig):
             )
         if self.max_resample_rounds < 0:
             raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        # TRL needs whole groups in the global generation batch only; dynamic sampling keeps or drops the groups of
+        # each process's slice, so a group split between processes cannot be judged
+        rows_per_process = self.generation_batch_size // self.world_size
+        if self.dynamic_sampling and rows_per_process % self.num_generations:
+            raise ValueError(
+                f"dynamic_sampling needs whole prompt groups on each process: its {rows_per_process} rows per generation "
+                f"batch (per_device_train_batch_size x steps_per_generation) must be a multiple of num_generations "
+                f"({self.num_generations})"
+            )

@@ -12,6 +12,7 @@ completions; this module adds the two parts TRL lacks:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ class OverlongPenalty:
             raise ValueError(
                 f"need 0 < buffer_length ({buffer_length}) < max_completion_length ({max_completion_length})"
             )
+        if not 0 <= penalty_factor < math.inf:  # -1 would reward overlong completions
+            raise ValueError(f"penalty_factor must be a finite number >= 0 (the penalty's size), got {penalty_factor}")
         self.max_completion_length = max_completion_length
         self.buffer_length = buffer_length
         self.penalty_factor = penalty_factor

@@ -127,17 +127,28 @@ def extract_answer_tag(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-# A number: thousands-grouped or plain digits, optional decimals; the minus sign only when it is not a binary minus
-# (``5-3`` yields 5 and 3, not 5 and -3).
-_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\]}])-)?\.\d+")
+# A number: a fraction of integers (``1/2``, not a date's ``12/25/2023``), thousands-grouped or plain digits with
+# optional decimals; the minus sign only when it is not a binary minus (``5-3`` yields 5 and 3, not 5 and -3).
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]}])-)?(?<![\d/])\d+/\d+(?![\d/]|\.\d)"
+    r"|(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\]}])-)?\.\d+"
+)
+
+
+_UNICODE_MINUS = "\u2212"  # "−": the typeset minus sign; read as "-" (else "−5" reads as 5)
 
 
 def extract_last_number(text: str) -> str | None:
     """The last number written in ``text`` (``1,234.5`` style grouping understood), as written; ``None`` if none."""
-    found = _NUMBER.findall(text)
+    found = _NUMBER.findall(text.replace(_UNICODE_MINUS, "-"))
     return found[-1] if found else None
 
 
+# A number that opens the answer, followed by units or nothing, not by an operator: "3 + 5 = 8" is an expression
+# (its leading 3 is no answer).
+_LEADING_NUMBER = re.compile(
+    r"^(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)(?![\d,/^])(?!\s*(?:[-+*/×÷=^]|[xX]\s*\d|\\(?:times|cdot|div)\b))"
+)
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 
 
@@ -149,7 +160,7 @@ def parse_number(text: str | None) -> Fraction | None:
     """
     if text is None:
         return None
-    s = text.strip()
+    s = text.strip().replace(_UNICODE_MINUS, "-")
     boxed = extract_boxed(s)
     if boxed is not None:
         s = boxed
@@ -170,7 +181,7 @@ def parse_number(text: str | None) -> Fraction | None:
     if m:
         den = int(m.group(2))
         return Fraction(int(m.group(1)), den) if den else None
-    m = re.match(r"^(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+)(?![\d,/^])", s)
+    m = _LEADING_NUMBER.match(s)
     if m:
         try:
             return Fraction(m.group(1).replace(",", ""))

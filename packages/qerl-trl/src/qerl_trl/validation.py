@@ -111,6 +111,8 @@ CONFIG_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lora_r", _at_least(1), ">= 1"),
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    # DAPO writes the penalty at the limit as -1: a factor of -1 would reward overlong completions
+    ("overlong_penalty_factor", lambda v: 0 <= v < math.inf, "a finite number >= 0 (the penalty's size)"),
     ("aqn_sigma_start", _at_least(0), ">= 0 (σ is a standard deviation)"),
     ("aqn_sigma_end", _at_least(0), ">= 0 (σ is a standard deviation)"),
     # TRL reads it only inside a training step (the graph and vLLM engines' correction and its metrics): a typo

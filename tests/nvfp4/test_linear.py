@@ -69,6 +69,23 @@ def test_bad_inputs():
         NVFP4Linear(24, 8)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_integer_inputs_are_refused_not_computed_in_integers(format):
+    """An integer ``x`` (token ids passed to the wrong module) dequantized the weight to that integer dtype, which
+    truncates every 4-bit value below 1 to 0: the layer returned zeros (or truncated sums) instead of failing."""
+    torch.manual_seed(0)
+    q = NVFP4Linear.from_linear(nn.Linear(64, 8), format=format)
+    ids = torch.randint(0, 4, (2, 64))
+    with pytest.raises(ValueError, match="floating-point"):
+        q(ids)
+    with pytest.raises(ValueError, match="floating-point"):
+        nvfp4.linear(ids, q.weight_packed, q.weight_scale, q.weight_global_scale)
+    if format == "mxfp4":  # the plain reference an MXFP4 layer without an NVFP4 transcode computes with
+        w = q.quantized_weight
+        with pytest.raises(ValueError, match="floating-point"):
+            nvfp4.mxfp4.linear_reference(ids, w.packed, w.scale)
+
+
 def test_load_state_dict_checks_shapes():
     q = NVFP4Linear.from_linear(nn.Linear(32, 8))
     other = NVFP4Linear(64, 8)

@@ -406,6 +406,20 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     assert len(str(info.value).splitlines()) == 1
 
 
+def test_quantize_model_takes_none_as_the_default_names_and_groups():
+    """``modules_to_not_convert=None`` / ``fused_groups=None`` (the default of ``NVFP4Config`` and ``calibrate_model``,
+    which say they take these options "as quantize_model") ended in "'NoneType' object is not iterable"."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    quantize_model(model, modules_to_not_convert=None, fused_groups=None, progress=False)
+    attn = model.model.layers[0].self_attn
+    assert type(model.lm_head) is nn.Linear and isinstance(attn.q_proj, NVFP4Linear)
+    assert attn.q_proj.weight_global_scale.item() == attn.v_proj.weight_global_scale.item()
+
+
 def test_a_nested_cache_gives_the_outer_one_back():
     """``cache_dequantized`` inside another (an evaluation within a CPU training run, which holds the compact cache)
     cleared every layer's cache on leaving, so the rest of the outer block dequantized every weight on every call

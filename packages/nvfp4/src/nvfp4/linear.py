@@ -620,8 +620,8 @@ def quantize_model(
     model: nn.Module,
     *,
     method: str = "rtn",
-    modules_to_not_convert: Iterable[str] = DEFAULT_MODULES_TO_NOT_CONVERT,
-    fused_groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS,
+    modules_to_not_convert: Iterable[str] | None = DEFAULT_MODULES_TO_NOT_CONVERT,
+    fused_groups: Iterable[Iterable[str]] | None = DEFAULT_FUSED_GROUPS,
     act_sq: dict[str, torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     progress: bool = True,
@@ -632,10 +632,10 @@ def quantize_model(
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
     Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
-    (exact names, name suffixes, or regexes; ``lm_head`` by default; embeddings are never linears), and accepted by
-    ``filter_fn``. Members of a fused group present in the same parent share one global scale. Layers are quantized
-    one at a time (optionally moved to ``device`` first), so peak memory is the quantized model plus one group in
-    full precision.
+    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), and
+    accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
+    default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
+    first), so peak memory is the quantized model plus one group in full precision.
 
     RTN runs in each weight's dtype as the model holds it (``compute_dtype=None``), as llm-compressor does: a model
     loaded in bf16 gives llm-compressor's ``NVFP4A16`` bytes. ``compute_dtype=torch.float32`` computes the scale
@@ -646,6 +646,11 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    # None is the default, as in NVFP4Config and calibrate_model ([] / () means none)
+    if modules_to_not_convert is None:
+        modules_to_not_convert = DEFAULT_MODULES_TO_NOT_CONVERT
+    if fused_groups is None:
+        fused_groups = DEFAULT_FUSED_GROUPS
     # read once: every module is checked against it (a generator was used up by the first module's check)
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
     groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")

@@ -356,6 +356,25 @@ def test_llm_compressor_ignore_regex_matches_as_compressed_tensors_does(tiny_mod
     assert _state_equal(m, r)
 
 
+def test_compressed_tensors_re_entries_given_to_our_config_keep_those_linears_dense(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert=["re:..."]`` (llm-compressor's ``ignore`` syntax) matched no module (ours read it as a
+    regex for the whole name, ``re:`` included), so those linears were quantized, and the saved ``ignore`` (the entry
+    as given) made compressed-tensors readers take them as dense. Now an ``re:`` entry matches as compressed-tensors
+    matches it (``re.match``)."""
+    from compressed_tensors.utils.match import is_match
+
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", r"re:.*mlp\.down_proj"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert type(m.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(m.model.layers[0].mlp.up_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    for n, x in m.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+    assert _state_equal(m, nvfp4.load_nvfp4_checkpoint(tmp_path / "q"))
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""

@@ -142,8 +142,8 @@ class NVFP4Config(QuantizationConfigMixin):
         calibration_data: for ``"awq"`` / ``"gptq"``: token ids, each an int64 tensor ``[T]`` or ``[B, T]`` (or a list
             of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``). Not saved with the
             checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
-        modules_to_not_convert: names / suffixes / regexes kept in full precision (default ``["lm_head"]``;
-            embeddings are never converted).
+        modules_to_not_convert: names / suffixes / regexes (or compressed-tensors ``re:`` entries) kept in full
+            precision (default ``["lm_head"]``; embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
         format: the 4-bit format: ``"nvfp4"`` (default; compressed-tensors ``"nvfp4-pack-quantized"``) or
             ``"mxfp4"`` (``"mxfp4-pack-quantized"``: E8M0 scale per 32 inputs, no global scale, llm-compressor

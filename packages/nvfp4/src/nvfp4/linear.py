@@ -608,7 +608,13 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
+    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, a regex of the whole name, or an
+    ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied as
+    compressed-tensors applies it, with ``re.match``."""
+    return any(
+        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        for p in patterns
+    )
 
 
 def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: int = BLOCK_SIZE) -> bool:

@@ -375,6 +375,35 @@ def test_compressed_tensors_re_entries_given_to_our_config_keep_those_linears_de
     assert _state_equal(m, nvfp4.load_nvfp4_checkpoint(tmp_path / "q"))
 
 
+@pytest.mark.parametrize("how", ["quantize_model", "quantize_model-mxfp4", "quantize_model-in-parts", "calibrate_model-gptq"])
+def test_a_model_converted_in_memory_saves_a_checkpoint_that_reloads(tiny_model_dir, tmp_path, how):
+    """README's torchao-style calls (``nvfp4.quantize_model(model)``, ``calibrate_model(model, "gptq", batches)``) on a
+    model already held left its config without a ``quantization_config``: ``save_pretrained`` wrote the 4-bit tensors
+    under a dense config, so a plain ``from_pretrained`` initialised every quantized linear at random (a warning
+    table) and ``load_nvfp4_checkpoint`` said "not an NVFP4 checkpoint". The conversion now records its config."""
+    from nvfp4.calibration import calibrate_model
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(0, 256, (2, 7))
+    skip = ["lm_head", "o_proj"]
+    if how.startswith("calibrate_model"):
+        calibrate_model(m.eval(), "gptq", [ids], modules_to_not_convert=skip, progress=False)
+    elif how.endswith("in-parts"):  # the recorded config follows the second call too
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, filter_fn=lambda n, _: "mlp" in n, progress=False)
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, progress=False)
+    else:
+        fmt = how.partition("-")[2] or "nvfp4"  # "quantize_model" or "quantize_model-mxfp4"
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, format=fmt, progress=False)
+    m.save_pretrained(tmp_path / "q")
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert type(r.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert _state_equal(m, r)
+    with torch.no_grad():
+        assert torch.equal(r(ids).logits, m(ids).logits)
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""

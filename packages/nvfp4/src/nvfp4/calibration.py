@@ -17,7 +17,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .codec import shared_global_scale
+from .formats import NVFP4
 from .linear import (
+    CONVERTED_MODEL_HOOKS,
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
@@ -174,4 +176,6 @@ def calibrate_model(
                 else:
                     nxt.append(((), {**kwargs, "hidden_states": hidden}))
             cached = nxt
+    for hook in CONVERTED_MODEL_HOOKS:
+        hook(model, method, groups, NVFP4)
     return model

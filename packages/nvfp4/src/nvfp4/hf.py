@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -44,6 +44,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .calibration import calibrate_model
 from .formats import CT_METHOD, FORMATS, MXFP4, NVFP4, Format, compressed_tensors_format, get_format
 from .linear import (
+    CONVERTED_MODEL_HOOKS,
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
@@ -505,6 +506,32 @@ def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]
         if isinstance(m, nn.Linear) and not isinstance(m, NVFP4Linear)
         and n not in exact and not any(r.match(n) for r in regexes)
     )  # fmt: skip
+
+
+def _record_quantization_config(
+    model: nn.Module, method: str, fused_groups: list[tuple[str, ...]], fmt: Format
+) -> None:
+    """Give a transformers model converted in memory (:func:`nvfp4.quantize_model`,
+    :func:`nvfp4.calibration.calibrate_model`) the :class:`NVFP4Config` its ``save_pretrained`` writes and our loaders
+    read (:data:`nvfp4.linear.CONVERTED_MODEL_HOOKS`); a config it had before (quantized on load) is kept."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        return
+    earlier = getattr(config, "quantization_config", None)
+    if earlier is not None and not getattr(earlier, "_converted_in_memory", False):
+        return
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not any(isinstance(m, NVFP4Linear) for _, m in linears):
+        return
+    # the dense linears by exact name: true to the model whatever each call skipped (a model converted in parts)
+    dense = [n for n, m in linears if not isinstance(m, NVFP4Linear)]
+    cfg = NVFP4Config(method=method, modules_to_not_convert=dense, fused_groups=[list(g) for g in fused_groups],
+                      format=fmt.name)  # fmt: skip
+    cfg._converted_in_memory = True  # a later conversion of this model records the config again
+    config.quantization_config = cfg
+
+
+CONVERTED_MODEL_HOOKS.append(_record_quantization_config)
 
 
 #: The dtype compressed-tensors (0.20) decompresses FP4 weights to: a stock ``from_pretrained`` of one of our checkpoints

@@ -45,6 +45,11 @@ __all__ = [
 # require it for fused NVFP4 layers).
 DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_MODULES_TO_NOT_CONVERT: tuple[str, ...] = ("lm_head",)
+#: Called as ``hook(model, method, fused_groups, format)`` once :func:`quantize_model` or
+#: :func:`nvfp4.calibration.calibrate_model` has converted ``model`` in place. :mod:`nvfp4.hf` (which builds on this
+#: module, so this one cannot import it) records there the ``quantization_config`` that a transformers model's
+#: ``save_pretrained`` must write: without one the 4-bit tensors were saved under a dense config.
+CONVERTED_MODEL_HOOKS: list[Callable[[nn.Module, str, list[tuple[str, ...]], Format], None]] = []
 
 
 class FP8Copy(NamedTuple):
@@ -641,7 +646,9 @@ def quantize_model(
     (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), and
     accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
     default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
-    first), so peak memory is the quantized model plus one group in full precision.
+    first), so peak memory is the quantized model plus one group in full precision. A transformers model without a
+    ``quantization_config`` gets the :class:`nvfp4.NVFP4Config` of this conversion, so its ``save_pretrained`` writes
+    a checkpoint that reloads (:data:`CONVERTED_MODEL_HOOKS`).
 
     RTN runs in each weight's dtype as the model holds it (``compute_dtype=None``), as llm-compressor does: a model
     loaded in bf16 gives llm-compressor's ``NVFP4A16`` bytes. ``compute_dtype=torch.float32`` computes the scale
@@ -659,8 +666,8 @@ def quantize_model(
         fused_groups = DEFAULT_FUSED_GROUPS
     # read once: every module is checked against it (a generator was used up by the first module's check)
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
-    groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
-    groups = groups if fmt.has_global_scale else []  # members share a global scale
+    given_groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
+    groups = given_groups if fmt.has_global_scale else []  # members share a global scale
     named = [
         (n, m)
         for n, m in model.named_modules()
@@ -684,4 +691,6 @@ def quantize_model(
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
             done.add(n)
         del weights, quantized
+    for hook in CONVERTED_MODEL_HOOKS:
+        hook(model, method, given_groups, fmt)
     return model

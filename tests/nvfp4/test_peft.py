@@ -74,6 +74,18 @@ def test_adapter_save_load_and_merge(tmp_path, format):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_load_adapter_takes_peft_subfolder(tmp_path):
+    """``load_adapter(model, path, subfolder=...)`` (PEFT's own keyword, passed on) read ``path/adapter_config.json``
+    for its fit check and config, so an adapter saved in a subfolder (or named by a Hub id, which PEFT downloads)
+    ended in FileNotFoundError; the check reads the folder PEFT loads, and is left to PEFT for a Hub id."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 256, (1, 6))
+    pm.save_pretrained(tmp_path / "run" / "step-10")
+    reloaded = load_adapter(_model(), str(tmp_path / "run"), subfolder="step-10")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+
+
 def _adapted_model(device: str = "cpu", dtype: torch.dtype = torch.float32):
     pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     return pm.to(device=device, dtype=dtype).eval()

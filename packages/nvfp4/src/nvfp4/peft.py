@@ -233,11 +233,16 @@ def check_adapter_fits(model: nn.Module, path: str | os.PathLike, lora_r: int | 
 
 
 def load_adapter(model: nn.Module, path: str, **kwargs: Any) -> PeftModel:
-    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers); an
+    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers); ``path``
+    a local folder or a Hub id, ``kwargs`` PEFT's (``subfolder``, ``revision``, ``is_trainable``, ...). A local
     adapter of another model stops with :class:`AdapterMismatchError` (:func:`check_adapter_fits`) instead of PEFT's
     hundreds of size-mismatch lines."""
-    check_adapter_fits(model, path)
-    config = LoraConfig.from_pretrained(path)
+    folder = Path(path, kwargs.get("subfolder") or "")
+    if folder.is_dir():  # a Hub id is PEFT's to download (and to check)
+        check_adapter_fits(model, folder)
+    # the keywords PEFT itself reads the config with (PeftModel.from_pretrained's hf_kwargs)
+    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if kwargs.get(k) is not None}
+    config = LoraConfig.from_pretrained(path, **hub)
     return PeftModel.from_pretrained(model, path, config=register_nvfp4_lora(config), **kwargs)
 
 

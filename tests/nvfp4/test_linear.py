@@ -86,6 +86,24 @@ def test_integer_inputs_are_refused_not_computed_in_integers(format):
             nvfp4.mxfp4.linear_reference(ids, w.packed, w.scale)
 
 
+def test_from_weight_refuses_tensors_the_format_does_not_hold():
+    """``NVFP4Linear.from_weight`` took any tensors: a 0-dim or bf16 global scale computed, then was saved as such
+    (compressed-tensors and our loader read float32 ``[1]``), and float32 block scales made the layer say "MXFP4
+    tensors without an NVFP4 transcode" at its first forward. Now one line naming the tensor, at construction."""
+    torch.manual_seed(0)
+    w = nvfp4.quantize(torch.randn(20, 48))
+    bad = {
+        "weight_global_scale": nvfp4.NVFP4Weight(w.packed, w.scale, w.global_scale.reshape(())),
+        "weight_global_scale ": nvfp4.NVFP4Weight(w.packed, w.scale, w.global_scale.bfloat16()),
+        "weight_scale": nvfp4.NVFP4Weight(w.packed, w.scale.float(), w.global_scale),
+    }
+    for tensor, weight in bad.items():
+        with pytest.raises(ValueError, match=rf"NVFP4Linear.from_weight\(proj\): {tensor.strip()}: ") as info:
+            NVFP4Linear.from_weight(weight, name="proj")
+        assert len(str(info.value).splitlines()) == 1
+    assert NVFP4Linear.from_weight(w).weight_global_scale.shape == (1,)
+
+
 def test_load_state_dict_checks_shapes():
     q = NVFP4Linear.from_linear(nn.Linear(32, 8))
     other = NVFP4Linear(64, 8)

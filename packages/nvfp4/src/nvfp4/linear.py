@@ -336,6 +336,10 @@ class NVFP4Linear(nn.Linear):
         """The layer holding ``weight`` (its format follows the container: NVFP4 or MXFP4), ``bias`` ``[out]`` (cast
         to ``dtype``), ``dtype`` the dense dtype it replaces; ``name`` its module name, for messages."""
         fmt = format_of(weight)
+        try:  # the tensors are stored as given: a float32 [1] global scale, fp8 block scales, ... (tensor_specs)
+            fmt.weight_from_tensors(weight.state_dict())
+        except ValueError as e:
+            raise ValueError(f"NVFP4Linear.from_weight({name or fmt.name}): {e}") from None
         out, k = weight.shape
         mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta", format=fmt, name=name)
         mod.weight_packed = weight.packed

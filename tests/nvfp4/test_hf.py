@@ -404,6 +404,22 @@ def test_a_model_converted_in_memory_saves_a_checkpoint_that_reloads(tiny_model_
         assert torch.equal(r(ids).logits, m(ids).logits)
 
 
+def test_load_nvfp4_checkpoint_says_why_a_compressed_tensors_checkpoint_does_not_load(tiny_model_dir, tmp_path):
+    """llm-compressor's ``NVFP4`` scheme (W4A4: activations quantized too, the common NVFP4 checkpoint on the Hub) made
+    ``load_nvfp4_checkpoint`` say "not an NVFP4 checkpoint" and print the whole config; it now says what disagrees,
+    as ``from_compressed_tensors`` does."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
+    m.save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
+                                  "dynamic": "local"}  # fmt: skip
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NVFP4CheckpointError, match=r"quantizes activations \(W4A4\)") as info:
+        nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert "not an NVFP4 checkpoint" not in str(info.value) and len(str(info.value)) < 200
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""

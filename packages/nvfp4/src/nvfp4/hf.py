@@ -700,8 +700,11 @@ def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:
     """Load an NVFP4 checkpoint of either config (compressed-tensors, or the previous ``nvfp4_w4a16``) into
     ``NVFP4Linear``; ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``."""
     kind = nvfp4_checkpoint_kind(path)
-    if kind == CT_METHOD:
-        return from_compressed_tensors(path, **kwargs)
     if kind == QUANT_METHOD:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={_checkpoint_quantization_config(path)!r})")
+    qc = _checkpoint_quantization_config(path)
+    # every compressed-tensors config goes there: one that is not weight-only NVFP4/MXFP4 (llm-compressor's W4A4
+    # NVFP4, another format) is refused saying what disagrees, not as "not an NVFP4 checkpoint"
+    if kind == CT_METHOD or (qc or {}).get("quant_method") == CT_METHOD:
+        return from_compressed_tensors(path, **kwargs)
+    raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={qc!r})")

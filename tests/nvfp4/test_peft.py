@@ -86,6 +86,15 @@ def test_load_adapter_takes_peft_subfolder(tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, pm(input_ids=ids).logits)
 
 
+def test_dora_is_refused_in_one_line():
+    """``LoraConfig(use_dora=True)``: PEFT's DoRA reads ``base_layer.weight`` as the dense matrix, which is the packed
+    uint8 codes here, so attaching the adapter ended in "The size of tensor a (32) must match the size of tensor b
+    (64)"; now one line naming DoRA and the layer."""
+    with pytest.raises(ValueError, match=r"use_dora=True.*q_proj") as info:
+        get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    assert len(str(info.value).splitlines()) == 1
+
+
 def _adapted_model(device: str = "cpu", dtype: torch.dtype = torch.float32):
     pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     return pm.to(device=device, dtype=dtype).eval()

@@ -110,6 +110,15 @@ class LoraNVFP4Linear(_LoraLinear):
             return None
         return name
 
+    def resolve_lora_variant(self, *, config: LoraConfig, **kwargs: Any) -> Any:
+        # PEFT's DoRA reads base_layer.weight as the dense matrix: here the packed uint8 codes (a shape error deep in
+        # PEFT when the adapter is attached)
+        base = self.get_base_layer()
+        if getattr(config, "use_dora", False) and isinstance(base, NVFP4Linear):
+            raise ValueError(f"LoraConfig(use_dora=True): DoRA is not supported on 4-bit layers ({base._label()}); "
+                             "use plain LoRA (use_dora=False)")  # fmt: skip
+        return super().resolve_lora_variant(config=config, **kwargs)
+
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()
         swapped = isinstance(base, NVFP4Linear)

@@ -420,6 +420,26 @@ def test_load_nvfp4_checkpoint_says_why_a_compressed_tensors_checkpoint_does_not
     assert "not an NVFP4 checkpoint" not in str(info.value) and len(str(info.value)) < 200
 
 
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_model_dequantize_gives_the_dense_model_it_computes(tiny_model_dir, tmp_path, format):
+    """transformers' ``model.dequantize()`` (the quantizer's ``_dequantize``) raised NotImplementedError ("please raise
+    an issue on GitHub"); it now gives plain linears holding ``dequant(W)``: the same logits, a dense checkpoint."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(format=format))
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        ref = m(ids).logits
+    d = m.dequantize()
+    assert not any(isinstance(x, NVFP4Linear) for x in d.modules())
+    assert getattr(d.config, "quantization_config", None) is None
+    assert {p.dtype for p in d.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(d(ids).logits, ref)
+    d.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(ids).logits, ref)
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""

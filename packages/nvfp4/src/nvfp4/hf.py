@@ -447,6 +447,18 @@ class NVFP4HfQuantizer(HfQuantizer):
     def is_serializable(self, **kwargs: Any) -> bool:
         return True
 
+    def _dequantize(self, model, dtype: torch.dtype | None = None):
+        """``model.dequantize()``: every :class:`NVFP4Linear` becomes a plain ``nn.Linear`` holding ``dequant(W)`` in
+        ``dtype`` (transformers passes the model's), trainable as a loaded dense linear is; transformers then removes
+        the quantization config."""
+        if isinstance(dtype, str):  # a config's dtype may be its name
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+        for name, m in list(model.named_modules()):
+            if isinstance(m, NVFP4Linear):
+                dense = m.to_dense().to(dtype) if dtype is not None else m.to_dense()
+                _replace(model, name, dense.requires_grad_(True))
+        return model
+
     def get_state_dict_and_metadata(self, model):
         """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
         stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`)."""

@@ -440,6 +440,27 @@ def test_model_dequantize_gives_the_dense_model_it_computes(tiny_model_dir, tmp_
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(ids).logits, ref)
 
 
+def test_quantize_model_leaves_a_tied_lm_head_dense_as_quantize_on_load_does(tmp_path):
+    """``quantize_model(model, modules_to_not_convert=[])`` on a model with tied embeddings quantized lm_head (whose
+    weight is the embedding's): the tie was cut, and the saved checkpoint failed to reload ("`weight` is not an
+    nn.Parameter": transformers ties lm_head.weight to the embedding). A tied linear now stays dense, as quantize on
+    load and the calibrated methods leave it."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    nvfp4.quantize_model(m, modules_to_not_convert=[], progress=False)
+    assert type(m.lm_head) is torch.nn.Linear and m.lm_head.weight is m.model.embed_tokens.weight
+    assert isinstance(m.model.layers[0].mlp.down_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(nvfp4.load_nvfp4_checkpoint(tmp_path / "q")(ids).logits, m(ids).logits)
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""

@@ -51,6 +51,7 @@ from .linear import (
     _fused_group_names,
     _module_names,
     _quantizable,
+    _tied_linears,
     fused_group_of,
 )
 from .methods import CALIBRATED_METHODS, METHODS
@@ -476,20 +477,6 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
-
-
-def _tied_linears(model: nn.Module) -> list[str]:
-    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    modules = dict(model.named_modules())
-    return sorted(
-        module
-        for names in names_of.values() if len(names) > 1
-        for name in names
-        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
-    )  # fmt: skip
 
 
 def _config_naming_dense_linears(cfg: NVFP4Config, model: nn.Module) -> NVFP4Config:

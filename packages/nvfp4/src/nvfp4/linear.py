@@ -630,6 +630,20 @@ def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: 
     return type(module) is nn.Linear and module.in_features % group_size == 0 and not _matches(name, skip)
 
 
+def _tied_linears(model: nn.Module) -> list[str]:
+    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules())
+    return sorted(
+        module
+        for names in names_of.values() if len(names) > 1
+        for name in names
+        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -647,8 +661,8 @@ def quantize_model(
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
     Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
-    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), and
-    accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
+    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), not
+    tied to another parameter (a tied lm_head: the embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
     default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
     first), so peak memory is the quantized model plus one group in full precision. A transformers model without a
     ``quantization_config`` gets the :class:`nvfp4.NVFP4Config` of this conversion, so its ``save_pretrained`` writes
@@ -672,10 +686,12 @@ def quantize_model(
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
     given_groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
     groups = given_groups if fmt.has_global_scale else []  # members share a global scale
+    tied = set(_tied_linears(model))  # a tied lm_head's weight is the embedding's: it stays dense, as on load
     named = [
         (n, m)
         for n, m in model.named_modules()
         if _quantizable(n, m, modules_to_not_convert, fmt.group_size)
+        and n not in tied
         and not m.weight.is_meta
         and (filter_fn is None or filter_fn(n, m))
     ]

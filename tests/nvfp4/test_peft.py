@@ -95,6 +95,24 @@ def test_dora_is_refused_in_one_line():
     assert len(str(info.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("how", ["quantize_model", "calibrate_model"])
+def test_quantizing_a_model_that_carries_adapters_is_refused(how):
+    """``quantize_model`` / ``calibrate_model`` after ``get_peft_model`` (QLoRA's order reversed) quantized the
+    adapters' own ``lora_A`` / ``lora_B`` linears too: frozen 4-bit buffers, no trainable parameter left, silently.
+    Now one line saying to quantize first."""
+    from nvfp4.calibration import calibrate_model
+    from peft import get_peft_model as plain
+
+    torch.manual_seed(0)
+    pm = plain(AutoModelForCausalLM.from_config(tiny_config("llama")), LoraConfig(r=16, target_modules=["q_proj"]))
+    convert = {"quantize_model": lambda m: quantize_model(m, progress=False),
+               "calibrate_model": lambda m: calibrate_model(m, "awq", [torch.randint(0, 256, (1, 6))])}[how]  # fmt: skip
+    with pytest.raises(ValueError, match=r"PEFT adapters.*quantize the base model first") as info:
+        convert(pm)
+    assert len(str(info.value).splitlines()) == 1
+    assert not any(isinstance(m, NVFP4Linear) for m in pm.modules())
+
+
 def _adapted_model(device: str = "cpu", dtype: torch.dtype = torch.float32):
     pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     return pm.to(device=device, dtype=dtype).eval()

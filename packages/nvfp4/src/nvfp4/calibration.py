@@ -23,6 +23,7 @@ from .linear import (
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
+    _check_no_adapters,
     _fused_group_names,
     _module_names,
     _quantizable,
@@ -100,6 +101,7 @@ def calibrate_model(
     """
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"calibrate_model: method must be one of {CALIBRATED_METHODS}, got {method!r}")
+    _check_no_adapters(model, "calibrate_model")
     batches = list(batches)
     if not batches:
         raise ValueError(f"calibrate_model(method={method!r}) needs at least one calibration batch")

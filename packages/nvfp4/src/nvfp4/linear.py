@@ -630,6 +630,16 @@ def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: 
     return type(module) is nn.Linear and module.in_features % group_size == 0 and not _matches(name, skip)
 
 
+def _check_no_adapters(model: nn.Module, where: str) -> None:
+    """Refuse a model that carries PEFT adapters (ValueError): their own ``lora_A`` / ``lora_B`` are plain linears
+    and were quantized with the rest (frozen 4-bit buffers, nothing left to train)."""
+    # PEFT's tuner layers name their adapter modules in `adapter_layer_names` (duck-typed: peft is an extra)
+    layer = next((n for n, m in model.named_modules() if getattr(type(m), "adapter_layer_names", None)), None)
+    if layer is not None:
+        raise ValueError(f"{where}: the model carries PEFT adapters ({layer}), whose own linears would be quantized "
+                         "too: quantize the base model first, then attach them (nvfp4.peft.get_peft_model)")  # fmt: skip
+
+
 def _tied_linears(model: nn.Module) -> list[str]:
     """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
     names_of: dict[int, list[str]] = {}
@@ -677,6 +687,7 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    _check_no_adapters(model, "quantize_model")
     # None is the default, as in NVFP4Config and calibrate_model ([] / () means none)
     if modules_to_not_convert is None:
         modules_to_not_convert = DEFAULT_MODULES_TO_NOT_CONVERT

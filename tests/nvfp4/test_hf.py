@@ -521,6 +521,26 @@ def test_calibration_texts_instead_of_token_ids_are_refused_by_the_config():
         NVFP4Config(method="awq", calibration_data=[[1, 2, 3], "What is 2 + 3?"])
 
 
+def test_calibration_data_as_one_tokenizer_batch_is_one_batch(tiny_model_dir):
+    """``calibration_data=tokenizer(texts, padding=True, return_tensors="pt")`` (a BatchEncoding) or its
+    ``input_ids`` (an int tensor [B, T]), HF's usual calibration batch: the first was refused as "a string ... tokenize
+    the texts first" (its keys were read as the samples), the second failed with "Boolean value of Tensor with more
+    than one value is ambiguous". Either is now one batch, as ``[batch]`` is."""
+    from transformers import BatchEncoding
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (3, 9), generator=gen)
+    batch = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    ref = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=NVFP4Config(method="awq", calibration_data=[ids])
+    )
+    for data in (ids, batch):
+        cfg = NVFP4Config(method="awq", calibration_data=data)
+        assert cfg.extra["calibration_samples"] == 1
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+        assert _state_equal(m, ref)
+
+
 def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, capsys):
     """Saving a model too large to exist dense (a 32B: 64 decoder layers, each filled, quantized and written) showed
     nothing until it ended; a progress bar over the blocks now (``progress=False`` turns it off)."""

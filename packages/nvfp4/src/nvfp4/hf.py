@@ -31,6 +31,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,8 @@ class NVFP4Config(QuantizationConfigMixin):
             calibrated methods load the model dense first, run it on the data, then quantize
             (:func:`nvfp4.calibration.calibrate_model`), so they need the dense model's memory once.
         calibration_data: for ``"awq"`` / ``"gptq"``: token ids, each an int64 tensor ``[T]`` or ``[B, T]`` (or a list
-            of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``). Not saved with the
+            of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``); one tensor or dict
+            (a tokenizer's batch) is one batch. Not saved with the
             checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
         modules_to_not_convert: names / suffixes / regexes (or compressed-tensors ``re:`` entries) kept in full
             precision (default ``["lm_head"]``; embeddings are never converted).
@@ -171,6 +173,10 @@ class NVFP4Config(QuantizationConfigMixin):
         self.serialization = serialization
         if method not in METHODS:
             raise ValueError(f"NVFP4Config(method={method!r}): choose one of {METHODS}")
+        # one tokenizer batch (an int tensor [B, T], or a BatchEncoding / dict of model inputs) is one batch: iterated,
+        # a dict gave its keys (read as texts) and a tensor its rows, after `bool(tensor)` had failed
+        if isinstance(calibration_data, (torch.Tensor, Mapping)):
+            calibration_data = [calibration_data]
         if calibration_data is not None and method not in CALIBRATED_METHODS:
             raise ValueError(f"NVFP4Config(method={method!r}) takes no calibration_data (only {CALIBRATED_METHODS} do)")
         if calibration_data is not None and len(calibration_data) == 0:
@@ -557,7 +563,7 @@ def _calibration_batches(data: list[Any], model: nn.Module) -> list[Any]:
     device = next(p.device for p in model.parameters() if not p.is_meta)
     batches = []
     for i, item in enumerate(data):
-        if isinstance(item, dict):
+        if isinstance(item, Mapping):  # a BatchEncoding is a Mapping, not a dict
             batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in item.items()})
             continue
         ids = item if isinstance(item, torch.Tensor) else torch.tensor(item)

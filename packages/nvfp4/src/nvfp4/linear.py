@@ -305,7 +305,7 @@ class NVFP4Linear(nn.Linear):
         cls,
         linear: nn.Linear,
         *,
-        global_scale: torch.Tensor | None = None,
+        global_scale: torch.Tensor | float | None = None,
         method: str = "rtn",
         act_sq: torch.Tensor | None = None,
         name: str = "weight",

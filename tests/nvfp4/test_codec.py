@@ -191,3 +191,19 @@ def test_a_given_global_scale_that_is_not_positive_and_finite_is_refused(method,
 
     with pytest.raises(ValueError, match=r"layer\.weight: global_scale must be a finite number > 0, got"):
         nvfp4.quantize(torch.randn(8, 32), method=method, global_scale=torch.tensor([bad]), name="layer.weight")
+
+
+@pytest.mark.parametrize("method", ["rtn", "mse"])
+def test_a_global_scale_given_as_a_number_is_that_scale(method):
+    """``global_scale=100.0`` (a Python number, as one writes ``448 * 6 / amax``) ended in "'float' object has no
+    attribute 'to'"; it is now the float32 ``[1]`` tensor of that value (the same bytes as ``torch.tensor([100.0])``)."""
+    import nvfp4
+
+    w = torch.randn(8, 32)
+    given = nvfp4.quantize(w, method=method, global_scale=torch.tensor([100.0]))
+    for number in (100.0, 100):
+        q = nvfp4.quantize(w, method=method, global_scale=number)
+        assert q.global_scale.dtype == torch.float32 and q.global_scale.shape == (1,)
+        assert torch.equal(q.packed, given.packed) and torch.equal(q.scale.view(torch.uint8), given.scale.view(torch.uint8))
+    layer = nvfp4.NVFP4Linear.from_linear(torch.nn.Linear(32, 8), global_scale=50.0)
+    assert layer.weight_global_scale.item() == 50.0

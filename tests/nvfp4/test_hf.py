@@ -356,6 +356,111 @@ def test_llm_compressor_ignore_regex_matches_as_compressed_tensors_does(tiny_mod
     assert _state_equal(m, r)
 
 
+def test_compressed_tensors_re_entries_given_to_our_config_keep_those_linears_dense(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert=["re:..."]`` (llm-compressor's ``ignore`` syntax) matched no module (ours read it as a
+    regex for the whole name, ``re:`` included), so those linears were quantized, and the saved ``ignore`` (the entry
+    as given) made compressed-tensors readers take them as dense. Now an ``re:`` entry matches as compressed-tensors
+    matches it (``re.match``)."""
+    from compressed_tensors.utils.match import is_match
+
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", r"re:.*mlp\.down_proj"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert type(m.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(m.model.layers[0].mlp.up_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    for n, x in m.named_modules():
+        if isinstance(x, torch.nn.Linear):
+            assert is_match(n, x, ["Linear"], ignore) == isinstance(x, NVFP4Linear), (n, ignore)
+    assert _state_equal(m, nvfp4.load_nvfp4_checkpoint(tmp_path / "q"))
+
+
+@pytest.mark.parametrize("how", ["quantize_model", "quantize_model-mxfp4", "quantize_model-in-parts", "calibrate_model-gptq"])
+def test_a_model_converted_in_memory_saves_a_checkpoint_that_reloads(tiny_model_dir, tmp_path, how):
+    """README's torchao-style calls (``nvfp4.quantize_model(model)``, ``calibrate_model(model, "gptq", batches)``) on a
+    model already held left its config without a ``quantization_config``: ``save_pretrained`` wrote the 4-bit tensors
+    under a dense config, so a plain ``from_pretrained`` initialised every quantized linear at random (a warning
+    table) and ``load_nvfp4_checkpoint`` said "not an NVFP4 checkpoint". The conversion now records its config."""
+    from nvfp4.calibration import calibrate_model
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(0, 256, (2, 7))
+    skip = ["lm_head", "o_proj"]
+    if how.startswith("calibrate_model"):
+        calibrate_model(m.eval(), "gptq", [ids], modules_to_not_convert=skip, progress=False)
+    elif how.endswith("in-parts"):  # the recorded config follows the second call too
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, filter_fn=lambda n, _: "mlp" in n, progress=False)
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, progress=False)
+    else:
+        fmt = how.partition("-")[2] or "nvfp4"  # "quantize_model" or "quantize_model-mxfp4"
+        nvfp4.quantize_model(m, modules_to_not_convert=skip, format=fmt, progress=False)
+    m.save_pretrained(tmp_path / "q")
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    r = nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert type(r.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert _state_equal(m, r)
+    with torch.no_grad():
+        assert torch.equal(r(ids).logits, m(ids).logits)
+
+
+def test_load_nvfp4_checkpoint_says_why_a_compressed_tensors_checkpoint_does_not_load(tiny_model_dir, tmp_path):
+    """llm-compressor's ``NVFP4`` scheme (W4A4: activations quantized too, the common NVFP4 checkpoint on the Hub) made
+    ``load_nvfp4_checkpoint`` say "not an NVFP4 checkpoint" and print the whole config; it now says what disagrees,
+    as ``from_compressed_tensors`` does."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
+    m.save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
+                                  "dynamic": "local"}  # fmt: skip
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NVFP4CheckpointError, match=r"quantizes activations \(W4A4\)") as info:
+        nvfp4.load_nvfp4_checkpoint(tmp_path / "q")
+    assert "not an NVFP4 checkpoint" not in str(info.value) and len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_model_dequantize_gives_the_dense_model_it_computes(tiny_model_dir, tmp_path, format):
+    """transformers' ``model.dequantize()`` (the quantizer's ``_dequantize``) raised NotImplementedError ("please raise
+    an issue on GitHub"); it now gives plain linears holding ``dequant(W)``: the same logits, a dense checkpoint."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(format=format))
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        ref = m(ids).logits
+    d = m.dequantize()
+    assert not any(isinstance(x, NVFP4Linear) for x in d.modules())
+    assert getattr(d.config, "quantization_config", None) is None
+    assert {p.dtype for p in d.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(d(ids).logits, ref)
+    d.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(ids).logits, ref)
+
+
+def test_quantize_model_leaves_a_tied_lm_head_dense_as_quantize_on_load_does(tmp_path):
+    """``quantize_model(model, modules_to_not_convert=[])`` on a model with tied embeddings quantized lm_head (whose
+    weight is the embedding's): the tie was cut, and the saved checkpoint failed to reload ("`weight` is not an
+    nn.Parameter": transformers ties lm_head.weight to the embedding). A tied linear now stays dense, as quantize on
+    load and the calibrated methods leave it."""
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "dense"
+    )
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    nvfp4.quantize_model(m, modules_to_not_convert=[], progress=False)
+    assert type(m.lm_head) is torch.nn.Linear and m.lm_head.weight is m.model.embed_tokens.weight
+    assert isinstance(m.model.layers[0].mlp.down_proj, NVFP4Linear)
+    m.save_pretrained(tmp_path / "q")
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(nvfp4.load_nvfp4_checkpoint(tmp_path / "q")(ids).logits, m(ids).logits)
+
+
 def test_save_pretrained_by_blocks_ignore_lists_every_dense_linear(tmp_path):
     """``save_pretrained_by_blocks`` wrote ``modules_to_not_convert``'s suffixes as compressed-tensors' ignore (exact
     names there), so stock readers took the dense ``o_proj`` as NVFP4."""
@@ -414,6 +519,26 @@ def test_calibration_texts_instead_of_token_ids_are_refused_by_the_config():
     torch with "new(): invalid data type 'str'"; the config now says what it needs, before anything loads."""
     with pytest.raises(ValueError, match=r"calibration_data\[1\]: a string; expected token ids .*tokenizer"):
         NVFP4Config(method="awq", calibration_data=[[1, 2, 3], "What is 2 + 3?"])
+
+
+def test_calibration_data_as_one_tokenizer_batch_is_one_batch(tiny_model_dir):
+    """``calibration_data=tokenizer(texts, padding=True, return_tensors="pt")`` (a BatchEncoding) or its
+    ``input_ids`` (an int tensor [B, T]), HF's usual calibration batch: the first was refused as "a string ... tokenize
+    the texts first" (its keys were read as the samples), the second failed with "Boolean value of Tensor with more
+    than one value is ambiguous". Either is now one batch, as ``[batch]`` is."""
+    from transformers import BatchEncoding
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (3, 9), generator=gen)
+    batch = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    ref = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=NVFP4Config(method="awq", calibration_data=[ids])
+    )
+    for data in (ids, batch):
+        cfg = NVFP4Config(method="awq", calibration_data=data)
+        assert cfg.extra["calibration_samples"] == 1
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+        assert _state_equal(m, ref)
 
 
 def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, capsys):

@@ -69,6 +69,41 @@ def test_bad_inputs():
         NVFP4Linear(24, 8)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_integer_inputs_are_refused_not_computed_in_integers(format):
+    """An integer ``x`` (token ids passed to the wrong module) dequantized the weight to that integer dtype, which
+    truncates every 4-bit value below 1 to 0: the layer returned zeros (or truncated sums) instead of failing."""
+    torch.manual_seed(0)
+    q = NVFP4Linear.from_linear(nn.Linear(64, 8), format=format)
+    ids = torch.randint(0, 4, (2, 64))
+    with pytest.raises(ValueError, match="floating-point"):
+        q(ids)
+    with pytest.raises(ValueError, match="floating-point"):
+        nvfp4.linear(ids, q.weight_packed, q.weight_scale, q.weight_global_scale)
+    if format == "mxfp4":  # the plain reference an MXFP4 layer without an NVFP4 transcode computes with
+        w = q.quantized_weight
+        with pytest.raises(ValueError, match="floating-point"):
+            nvfp4.mxfp4.linear_reference(ids, w.packed, w.scale)
+
+
+def test_from_weight_refuses_tensors_the_format_does_not_hold():
+    """``NVFP4Linear.from_weight`` took any tensors: a 0-dim or bf16 global scale computed, then was saved as such
+    (compressed-tensors and our loader read float32 ``[1]``), and float32 block scales made the layer say "MXFP4
+    tensors without an NVFP4 transcode" at its first forward. Now one line naming the tensor, at construction."""
+    torch.manual_seed(0)
+    w = nvfp4.quantize(torch.randn(20, 48))
+    bad = {
+        "weight_global_scale": nvfp4.NVFP4Weight(w.packed, w.scale, w.global_scale.reshape(())),
+        "weight_global_scale ": nvfp4.NVFP4Weight(w.packed, w.scale, w.global_scale.bfloat16()),
+        "weight_scale": nvfp4.NVFP4Weight(w.packed, w.scale.float(), w.global_scale),
+    }
+    for tensor, weight in bad.items():
+        with pytest.raises(ValueError, match=rf"NVFP4Linear.from_weight\(proj\): {tensor.strip()}: ") as info:
+            NVFP4Linear.from_weight(weight, name="proj")
+        assert len(str(info.value).splitlines()) == 1
+    assert NVFP4Linear.from_weight(w).weight_global_scale.shape == (1,)
+
+
 def test_load_state_dict_checks_shapes():
     q = NVFP4Linear.from_linear(nn.Linear(32, 8))
     other = NVFP4Linear(64, 8)
@@ -387,6 +422,20 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     with pytest.raises(TypeError, match=rf"quantize_model: {keyword} .*got the string '[01]'") as info:
         quantize_model(_two_linears(), progress=False, **{keyword: value})
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_quantize_model_takes_none_as_the_default_names_and_groups():
+    """``modules_to_not_convert=None`` / ``fused_groups=None`` (the default of ``NVFP4Config`` and ``calibrate_model``,
+    which say they take these options "as quantize_model") ended in "'NoneType' object is not iterable"."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    quantize_model(model, modules_to_not_convert=None, fused_groups=None, progress=False)
+    attn = model.model.layers[0].self_attn
+    assert type(model.lm_head) is nn.Linear and isinstance(attn.q_proj, NVFP4Linear)
+    assert attn.q_proj.weight_global_scale.item() == attn.v_proj.weight_global_scale.item()
 
 
 def test_a_nested_cache_gives_the_outer_one_back():

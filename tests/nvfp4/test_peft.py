@@ -74,6 +74,45 @@ def test_adapter_save_load_and_merge(tmp_path, format):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_load_adapter_takes_peft_subfolder(tmp_path):
+    """``load_adapter(model, path, subfolder=...)`` (PEFT's own keyword, passed on) read ``path/adapter_config.json``
+    for its fit check and config, so an adapter saved in a subfolder (or named by a Hub id, which PEFT downloads)
+    ended in FileNotFoundError; the check reads the folder PEFT loads, and is left to PEFT for a Hub id."""
+    pm = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 256, (1, 6))
+    pm.save_pretrained(tmp_path / "run" / "step-10")
+    reloaded = load_adapter(_model(), str(tmp_path / "run"), subfolder="step-10")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+
+
+def test_dora_is_refused_in_one_line():
+    """``LoraConfig(use_dora=True)``: PEFT's DoRA reads ``base_layer.weight`` as the dense matrix, which is the packed
+    uint8 codes here, so attaching the adapter ended in "The size of tensor a (32) must match the size of tensor b
+    (64)"; now one line naming DoRA and the layer."""
+    with pytest.raises(ValueError, match=r"use_dora=True.*q_proj") as info:
+        get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("how", ["quantize_model", "calibrate_model"])
+def test_quantizing_a_model_that_carries_adapters_is_refused(how):
+    """``quantize_model`` / ``calibrate_model`` after ``get_peft_model`` (QLoRA's order reversed) quantized the
+    adapters' own ``lora_A`` / ``lora_B`` linears too: frozen 4-bit buffers, no trainable parameter left, silently.
+    Now one line saying to quantize first."""
+    from nvfp4.calibration import calibrate_model
+    from peft import get_peft_model as plain
+
+    torch.manual_seed(0)
+    pm = plain(AutoModelForCausalLM.from_config(tiny_config("llama")), LoraConfig(r=16, target_modules=["q_proj"]))
+    convert = {"quantize_model": lambda m: quantize_model(m, progress=False),
+               "calibrate_model": lambda m: calibrate_model(m, "awq", [torch.randint(0, 256, (1, 6))])}[how]  # fmt: skip
+    with pytest.raises(ValueError, match=r"PEFT adapters.*quantize the base model first") as info:
+        convert(pm)
+    assert len(str(info.value).splitlines()) == 1
+    assert not any(isinstance(m, NVFP4Linear) for m in pm.modules())
+
+
 def _adapted_model(device: str = "cpu", dtype: torch.dtype = torch.float32):
     pm = get_peft_model(_model(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     return pm.to(device=device, dtype=dtype).eval()

@@ -17,10 +17,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .codec import shared_global_scale
+from .formats import NVFP4
 from .linear import (
+    CONVERTED_MODEL_HOOKS,
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
+    _check_no_adapters,
     _fused_group_names,
     _module_names,
     _quantizable,
@@ -98,6 +101,7 @@ def calibrate_model(
     """
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"calibrate_model: method must be one of {CALIBRATED_METHODS}, got {method!r}")
+    _check_no_adapters(model, "calibrate_model")
     batches = list(batches)
     if not batches:
         raise ValueError(f"calibrate_model(method={method!r}) needs at least one calibration batch")
@@ -174,4 +178,6 @@ def calibrate_model(
                 else:
                     nxt.append(((), {**kwargs, "hidden_states": hidden}))
             cached = nxt
+    for hook in CONVERTED_MODEL_HOOKS:
+        hook(model, method, groups, NVFP4)
     return model

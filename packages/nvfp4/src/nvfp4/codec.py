@@ -246,15 +246,18 @@ class NVFP4Weight:
 
 
 def prepare_global_scale(
-    w: torch.Tensor, global_scale: torch.Tensor | None, compute_dtype: torch.dtype | None = None, name: str = "weight"
+    w: torch.Tensor,
+    global_scale: torch.Tensor | float | None,
+    compute_dtype: torch.dtype | None = None,
+    name: str = "weight",
 ) -> torch.Tensor:
     """The float32 ``[1]`` global scale ``w`` is quantized with, on ``w``'s device and never shared with the caller's
-    tensor: ``global_scale`` (a fused group's) or, when None, ``448 * 6 / amax(w)`` (:func:`shared_global_scale`).
-    A given one must be a finite number > 0 (ValueError naming ``name``): 0, NaN or inf quantized to tensors that
-    dequantize to NaN or zeros, silently."""
+    tensor: ``global_scale`` (a fused group's; a tensor of one value or a Python number) or, when None,
+    ``448 * 6 / amax(w)`` (:func:`shared_global_scale`). A given one must be a finite number > 0 (ValueError naming
+    ``name``): 0, NaN or inf quantized to tensors that dequantize to NaN or zeros, silently."""
     if global_scale is None:
         global_scale = shared_global_scale([w], compute_dtype)
-    g = global_scale.to(device=w.device, dtype=torch.float32).reshape(1).clone()
+    g = torch.as_tensor(global_scale).to(device=w.device, dtype=torch.float32).reshape(1).clone()
     if not (torch.isfinite(g).all() and (g > 0).all()):
         raise ValueError(f"{name}: global_scale must be a finite number > 0, got {g.item()!r}")
     return g
@@ -263,7 +266,7 @@ def prepare_global_scale(
 def quantize(
     w: torch.Tensor,
     *,
-    global_scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | float | None = None,
     name: str = "weight",
     compute_dtype: torch.dtype | None = None,
 ) -> NVFP4Weight:
@@ -273,7 +276,8 @@ def quantize(
 
     Args:
         w: ``[out, in]`` float32/float16/bfloat16 weight; ``in`` must be a multiple of 16.
-        global_scale: float32 ``[1]`` to use (shared by a fused q/k/v or gate/up group); default from ``amax(w)``.
+        global_scale: float32 ``[1]`` (or a number) to use (shared by a fused q/k/v or gate/up group); default from
+            ``amax(w)``.
         name: tensor name used in error messages.
         compute_dtype: dtype of the scale quotients ``448 * 6 / amax`` and ``amax_block / 6``. Default ``None``: ``w``'s
             own dtype, as llm-compressor (byte-identical checkpoints). ``torch.float32``: float32 quotients, the

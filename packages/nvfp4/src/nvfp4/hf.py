@@ -31,12 +31,13 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -44,12 +45,14 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .calibration import calibrate_model
 from .formats import CT_METHOD, FORMATS, MXFP4, NVFP4, Format, compressed_tensors_format, get_format
 from .linear import (
+    CONVERTED_MODEL_HOOKS,
     DEFAULT_FUSED_GROUPS,
     DEFAULT_MODULES_TO_NOT_CONVERT,
     NVFP4Linear,
     _fused_group_names,
     _module_names,
     _quantizable,
+    _tied_linears,
     fused_group_of,
 )
 from .methods import CALIBRATED_METHODS, METHODS
@@ -140,10 +143,11 @@ class NVFP4Config(QuantizationConfigMixin):
             calibrated methods load the model dense first, run it on the data, then quantize
             (:func:`nvfp4.calibration.calibrate_model`), so they need the dense model's memory once.
         calibration_data: for ``"awq"`` / ``"gptq"``: token ids, each an int64 tensor ``[T]`` or ``[B, T]`` (or a list
-            of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``). Not saved with the
+            of ints), or a dict of model keyword arguments (``input_ids``, ``attention_mask``); one tensor or dict
+            (a tokenizer's batch) is one batch. Not saved with the
             checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
-        modules_to_not_convert: names / suffixes / regexes kept in full precision (default ``["lm_head"]``;
-            embeddings are never converted).
+        modules_to_not_convert: names / suffixes / regexes (or compressed-tensors ``re:`` entries) kept in full
+            precision (default ``["lm_head"]``; embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
         format: the 4-bit format: ``"nvfp4"`` (default; compressed-tensors ``"nvfp4-pack-quantized"``) or
             ``"mxfp4"`` (``"mxfp4-pack-quantized"``: E8M0 scale per 32 inputs, no global scale, llm-compressor
@@ -169,6 +173,10 @@ class NVFP4Config(QuantizationConfigMixin):
         self.serialization = serialization
         if method not in METHODS:
             raise ValueError(f"NVFP4Config(method={method!r}): choose one of {METHODS}")
+        # one tokenizer batch (an int tensor [B, T], or a BatchEncoding / dict of model inputs) is one batch: iterated,
+        # a dict gave its keys (read as texts) and a tensor its rows, after `bool(tensor)` had failed
+        if isinstance(calibration_data, (torch.Tensor, Mapping)):
+            calibration_data = [calibration_data]
         if calibration_data is not None and method not in CALIBRATED_METHODS:
             raise ValueError(f"NVFP4Config(method={method!r}) takes no calibration_data (only {CALIBRATED_METHODS} do)")
         if calibration_data is not None and len(calibration_data) == 0:
@@ -446,6 +454,18 @@ class NVFP4HfQuantizer(HfQuantizer):
     def is_serializable(self, **kwargs: Any) -> bool:
         return True
 
+    def _dequantize(self, model, dtype: torch.dtype | None = None):
+        """``model.dequantize()``: every :class:`NVFP4Linear` becomes a plain ``nn.Linear`` holding ``dequant(W)`` in
+        ``dtype`` (transformers passes the model's), trainable as a loaded dense linear is; transformers then removes
+        the quantization config."""
+        if isinstance(dtype, str):  # a config's dtype may be its name
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+        for name, m in list(model.named_modules()):
+            if isinstance(m, NVFP4Linear):
+                dense = m.to_dense().to(dtype) if dtype is not None else m.to_dense()
+                _replace(model, name, dense.requires_grad_(True))
+        return model
+
     def get_state_dict_and_metadata(self, model):
         """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
         stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`)."""
@@ -463,20 +483,6 @@ class NVFP4HfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
-
-
-def _tied_linears(model: nn.Module) -> list[str]:
-    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    modules = dict(model.named_modules())
-    return sorted(
-        module
-        for names in names_of.values() if len(names) > 1
-        for name in names
-        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
-    )  # fmt: skip
 
 
 def _config_naming_dense_linears(cfg: NVFP4Config, model: nn.Module) -> NVFP4Config:
@@ -507,6 +513,32 @@ def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]
     )  # fmt: skip
 
 
+def _record_quantization_config(
+    model: nn.Module, method: str, fused_groups: list[tuple[str, ...]], fmt: Format
+) -> None:
+    """Give a transformers model converted in memory (:func:`nvfp4.quantize_model`,
+    :func:`nvfp4.calibration.calibrate_model`) the :class:`NVFP4Config` its ``save_pretrained`` writes and our loaders
+    read (:data:`nvfp4.linear.CONVERTED_MODEL_HOOKS`); a config it had before (quantized on load) is kept."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        return
+    earlier = getattr(config, "quantization_config", None)
+    if earlier is not None and not getattr(earlier, "_converted_in_memory", False):
+        return
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not any(isinstance(m, NVFP4Linear) for _, m in linears):
+        return
+    # the dense linears by exact name: true to the model whatever each call skipped (a model converted in parts)
+    dense = [n for n, m in linears if not isinstance(m, NVFP4Linear)]
+    cfg = NVFP4Config(method=method, modules_to_not_convert=dense, fused_groups=[list(g) for g in fused_groups],
+                      format=fmt.name)  # fmt: skip
+    cfg._converted_in_memory = True  # a later conversion of this model records the config again
+    config.quantization_config = cfg
+
+
+CONVERTED_MODEL_HOOKS.append(_record_quantization_config)
+
+
 #: The dtype compressed-tensors (0.20) decompresses FP4 weights to: a stock ``from_pretrained`` of one of our checkpoints
 #: runs only when the checkpoint's dense tensors have this dtype (or the load passes ``dtype=torch.bfloat16``); an
 #: fp16/fp32 checkpoint otherwise fails at the first forward (a bf16 linear meets fp16/fp32 activations).
@@ -531,7 +563,7 @@ def _calibration_batches(data: list[Any], model: nn.Module) -> list[Any]:
     device = next(p.device for p in model.parameters() if not p.is_meta)
     batches = []
     for i, item in enumerate(data):
-        if isinstance(item, dict):
+        if isinstance(item, Mapping):  # a BatchEncoding is a Mapping, not a dict
             batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in item.items()})
             continue
         ids = item if isinstance(item, torch.Tensor) else torch.tensor(item)
@@ -673,8 +705,11 @@ def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:
     """Load an NVFP4 checkpoint of either config (compressed-tensors, or the previous ``nvfp4_w4a16``) into
     ``NVFP4Linear``; ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``."""
     kind = nvfp4_checkpoint_kind(path)
-    if kind == CT_METHOD:
-        return from_compressed_tensors(path, **kwargs)
     if kind == QUANT_METHOD:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={_checkpoint_quantization_config(path)!r})")
+    qc = _checkpoint_quantization_config(path)
+    # every compressed-tensors config goes there: one that is not weight-only NVFP4/MXFP4 (llm-compressor's W4A4
+    # NVFP4, another format) is refused saying what disagrees, not as "not an NVFP4 checkpoint"
+    if kind == CT_METHOD or (qc or {}).get("quant_method") == CT_METHOD:
+        return from_compressed_tensors(path, **kwargs)
+    raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={qc!r})")

@@ -45,6 +45,11 @@ __all__ = [
 # require it for fused NVFP4 layers).
 DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_MODULES_TO_NOT_CONVERT: tuple[str, ...] = ("lm_head",)
+#: Called as ``hook(model, method, fused_groups, format)`` once :func:`quantize_model` or
+#: :func:`nvfp4.calibration.calibrate_model` has converted ``model`` in place. :mod:`nvfp4.hf` (which builds on this
+#: module, so this one cannot import it) records there the ``quantization_config`` that a transformers model's
+#: ``save_pretrained`` must write: without one the 4-bit tensors were saved under a dense config.
+CONVERTED_MODEL_HOOKS: list[Callable[[nn.Module, str, list[tuple[str, ...]], Format], None]] = []
 
 
 class FP8Copy(NamedTuple):
@@ -300,7 +305,7 @@ class NVFP4Linear(nn.Linear):
         cls,
         linear: nn.Linear,
         *,
-        global_scale: torch.Tensor | None = None,
+        global_scale: torch.Tensor | float | None = None,
         method: str = "rtn",
         act_sq: torch.Tensor | None = None,
         name: str = "weight",
@@ -331,6 +336,10 @@ class NVFP4Linear(nn.Linear):
         """The layer holding ``weight`` (its format follows the container: NVFP4 or MXFP4), ``bias`` ``[out]`` (cast
         to ``dtype``), ``dtype`` the dense dtype it replaces; ``name`` its module name, for messages."""
         fmt = format_of(weight)
+        try:  # the tensors are stored as given: a float32 [1] global scale, fp8 block scales, ... (tensor_specs)
+            fmt.weight_from_tensors(weight.state_dict())
+        except ValueError as e:
+            raise ValueError(f"NVFP4Linear.from_weight({name or fmt.name}): {e}") from None
         out, k = weight.shape
         mod = cls(k, out, bias=bias is not None, dtype=dtype, device="meta", format=fmt, name=name)
         mod.weight_packed = weight.packed
@@ -608,11 +617,41 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns)
+    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, a regex of the whole name, or an
+    ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied as
+    compressed-tensors applies it, with ``re.match``."""
+    return any(
+        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        for p in patterns
+    )
 
 
 def _quantizable(name: str, module: nn.Module, skip: Iterable[str], group_size: int = BLOCK_SIZE) -> bool:
     return type(module) is nn.Linear and module.in_features % group_size == 0 and not _matches(name, skip)
+
+
+def _check_no_adapters(model: nn.Module, where: str) -> None:
+    """Refuse a model that carries PEFT adapters (ValueError): their own ``lora_A`` / ``lora_B`` are plain linears
+    and were quantized with the rest (frozen 4-bit buffers, nothing left to train)."""
+    # PEFT's tuner layers name their adapter modules in `adapter_layer_names` (duck-typed: peft is an extra)
+    layer = next((n for n, m in model.named_modules() if getattr(type(m), "adapter_layer_names", None)), None)
+    if layer is not None:
+        raise ValueError(f"{where}: the model carries PEFT adapters ({layer}), whose own linears would be quantized "
+                         "too: quantize the base model first, then attach them (nvfp4.peft.get_peft_model)")  # fmt: skip
+
+
+def _tied_linears(model: nn.Module) -> list[str]:
+    """Names of the linears whose weight is also another parameter of ``model`` (a tied lm_head: the embedding)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules())
+    return sorted(
+        module
+        for names in names_of.values() if len(names) > 1
+        for name in names
+        if (module := name.removesuffix(".weight")) != name and isinstance(modules.get(module), nn.Linear)
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -620,8 +659,8 @@ def quantize_model(
     model: nn.Module,
     *,
     method: str = "rtn",
-    modules_to_not_convert: Iterable[str] = DEFAULT_MODULES_TO_NOT_CONVERT,
-    fused_groups: Iterable[Iterable[str]] = DEFAULT_FUSED_GROUPS,
+    modules_to_not_convert: Iterable[str] | None = DEFAULT_MODULES_TO_NOT_CONVERT,
+    fused_groups: Iterable[Iterable[str]] | None = DEFAULT_FUSED_GROUPS,
     act_sq: dict[str, torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     progress: bool = True,
@@ -632,10 +671,12 @@ def quantize_model(
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
     Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
-    (exact names, name suffixes, or regexes; ``lm_head`` by default; embeddings are never linears), and accepted by
-    ``filter_fn``. Members of a fused group present in the same parent share one global scale. Layers are quantized
-    one at a time (optionally moved to ``device`` first), so peak memory is the quantized model plus one group in
-    full precision.
+    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), not
+    tied to another parameter (a tied lm_head: the embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
+    default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
+    first), so peak memory is the quantized model plus one group in full precision. A transformers model without a
+    ``quantization_config`` gets the :class:`nvfp4.NVFP4Config` of this conversion, so its ``save_pretrained`` writes
+    a checkpoint that reloads (:data:`CONVERTED_MODEL_HOOKS`).
 
     RTN runs in each weight's dtype as the model holds it (``compute_dtype=None``), as llm-compressor does: a model
     loaded in bf16 gives llm-compressor's ``NVFP4A16`` bytes. ``compute_dtype=torch.float32`` computes the scale
@@ -646,14 +687,22 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    _check_no_adapters(model, "quantize_model")
+    # None is the default, as in NVFP4Config and calibrate_model ([] / () means none)
+    if modules_to_not_convert is None:
+        modules_to_not_convert = DEFAULT_MODULES_TO_NOT_CONVERT
+    if fused_groups is None:
+        fused_groups = DEFAULT_FUSED_GROUPS
     # read once: every module is checked against it (a generator was used up by the first module's check)
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
-    groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
-    groups = groups if fmt.has_global_scale else []  # members share a global scale
+    given_groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
+    groups = given_groups if fmt.has_global_scale else []  # members share a global scale
+    tied = set(_tied_linears(model))  # a tied lm_head's weight is the embedding's: it stays dense, as on load
     named = [
         (n, m)
         for n, m in model.named_modules()
         if _quantizable(n, m, modules_to_not_convert, fmt.group_size)
+        and n not in tied
         and not m.weight.is_meta
         and (filter_fn is None or filter_fn(n, m))
     ]
@@ -673,4 +722,6 @@ def quantize_model(
             setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
             done.add(n)
         del weights, quantized
+    for hook in CONVERTED_MODEL_HOOKS:
+        hook(model, method, given_groups, fmt)
     return model

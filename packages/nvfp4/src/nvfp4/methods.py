@@ -61,7 +61,7 @@ DEFAULT_ALPHAS = tuple(round(1.0 - 0.02 * i, 2) for i in range(21)) + (1.04, 1.0
 def quantize(
     w: torch.Tensor,
     *,
-    global_scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | float | None = None,
     method: str = "rtn",
     act_sq: torch.Tensor | None = None,
     name: str = "weight",
@@ -71,7 +71,8 @@ def quantize(
 
     Args:
         w: ``[out, in]`` float32/float16/bfloat16 weight; ``in`` must be a multiple of 16.
-        global_scale: float32 ``[1]`` to use (shared by a fused q/k/v or gate/up group); default from ``amax(w)``.
+        global_scale: float32 ``[1]`` (or a number) to use (shared by a fused q/k/v or gate/up group); default from
+            ``amax(w)``.
         method: ``"rtn"`` (round to nearest, :func:`nvfp4.codec.quantize`: byte-identical to llm-compressor's
             ``NVFP4A16`` on a weight of the same dtype), ``"mse"`` (per-block scale search minimising the block's
             squared error) or ``"awq"`` (the same search weighting each input channel by its mean squared

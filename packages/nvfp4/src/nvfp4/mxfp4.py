@@ -236,6 +236,8 @@ def linear_reference(
         ``[..., out]`` in ``x.dtype``: ``W`` is dequantized to ``x.dtype`` (exact for bf16/fp32 within its range),
         then ``F.linear``.
     """
+    if not x.is_floating_point():  # W dequantized to an integer dtype truncates (zeros for every value below 1)
+        raise ValueError(f"mxfp4.linear_reference: x must be floating-point (float32/float16/bfloat16), got {x.dtype}")
     return F.linear(x, dequantize(packed, scale, x.dtype), None if bias is None else bias.to(x.dtype))
 
 

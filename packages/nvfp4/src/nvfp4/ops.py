@@ -160,6 +160,9 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_features(op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    # the weight is dequantized to x.dtype: integer inputs would truncate it (zeros for every value below 1)
+    if not x.is_floating_point():
+        raise ValueError(f"{op}: x must be floating-point (float32/float16/bfloat16), got {x.dtype}")
     k = weight_shape(packed, scale)[1]
     if x.shape[-1] != k:
         raise ValueError(f"{op}: x has {x.shape[-1]} input features, the weight expects {k}")

@@ -110,6 +110,15 @@ class LoraNVFP4Linear(_LoraLinear):
             return None
         return name
 
+    def resolve_lora_variant(self, *, config: LoraConfig, **kwargs: Any) -> Any:
+        # PEFT's DoRA reads base_layer.weight as the dense matrix: here the packed uint8 codes (a shape error deep in
+        # PEFT when the adapter is attached)
+        base = self.get_base_layer()
+        if getattr(config, "use_dora", False) and isinstance(base, NVFP4Linear):
+            raise ValueError(f"LoraConfig(use_dora=True): DoRA is not supported on 4-bit layers ({base._label()}); "
+                             "use plain LoRA (use_dora=False)")  # fmt: skip
+        return super().resolve_lora_variant(config=config, **kwargs)
+
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         base = self.get_base_layer()
         swapped = isinstance(base, NVFP4Linear)
@@ -233,11 +242,16 @@ def check_adapter_fits(model: nn.Module, path: str | os.PathLike, lora_r: int | 
 
 
 def load_adapter(model: nn.Module, path: str, **kwargs: Any) -> PeftModel:
-    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers); an
+    """``PeftModel.from_pretrained`` for an NVFP4 base (the saved config is re-registered for NVFP4 layers); ``path``
+    a local folder or a Hub id, ``kwargs`` PEFT's (``subfolder``, ``revision``, ``is_trainable``, ...). A local
     adapter of another model stops with :class:`AdapterMismatchError` (:func:`check_adapter_fits`) instead of PEFT's
     hundreds of size-mismatch lines."""
-    check_adapter_fits(model, path)
-    config = LoraConfig.from_pretrained(path)
+    folder = Path(path, kwargs.get("subfolder") or "")
+    if folder.is_dir():  # a Hub id is PEFT's to download (and to check)
+        check_adapter_fits(model, folder)
+    # the keywords PEFT itself reads the config with (PeftModel.from_pretrained's hf_kwargs)
+    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if kwargs.get(k) is not None}
+    config = LoraConfig.from_pretrained(path, **hub)
     return PeftModel.from_pretrained(model, path, config=register_nvfp4_lora(config), **kwargs)
 
 

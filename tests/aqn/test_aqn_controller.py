@@ -115,6 +115,23 @@ def test_state_dict_resume_gives_the_same_stage_sigma_and_noise():
         assert all(torch.equal(before[k], h.noise[k]) for k in before)
 
 
+def test_an_incomplete_state_is_refused_naming_the_key_and_changes_nothing():
+    ctl = AQNController(make_schedule("cosine", 2e-2, 5e-4, 8, total_steps=240), seed=9)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    other = AQNController(make_schedule("linear", total_steps=1), seed=0)
+    before = other.state_dict()
+    for cut, said in [({k: v for k, v in state.items() if k != "schedule"}, "AQN controller state has no 'schedule'"),
+                      ({k: v for k, v in state.items() if k != "seed"}, "AQN controller state has no 'seed'"),
+                      ({**state, "schedule": {k: v for k, v in state["schedule"].items() if k != "num_stages"}},
+                       "schedule state has no 'num_stages'")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{said}$"):
+            other.load_state_dict(cut)
+        with pytest.raises(ValueError, match=f"^{said}$"):
+            AQNController.from_state_dict(cut)
+    assert other.state_dict() == before
+    assert AQNController.from_state_dict(state).state_dict() == ctl.state_dict()
+
+
 def test_per_forward_mode_through_the_controller():
     model = tiny_model("qwen3")
     snap = snapshot(model)

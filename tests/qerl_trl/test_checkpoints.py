@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from aqn import AQNController, make_schedule
 from qerl_trl.checkpoints import (
     MANIFEST_NAME,
     STAGING_DIR,
@@ -39,7 +40,8 @@ def write_checkpoint(run: Path, step: int, manifest: bool = True) -> Path:
     torch.save({"last_epoch": step}, staged / "scheduler.pt")
     torch.save({"cpu": torch.random.get_rng_state()}, staged / "rng_state.pth")
     TrainerState(global_step=step).save_to_json(str(staged / "trainer_state.json"))
-    (staged / "aqn_state.json").write_text(json.dumps({"seed": 0}))
+    aqn = AQNController(make_schedule("exponential", 1e-2, 5e-4, 4, total_steps=10), seed=0)
+    (staged / "aqn_state.json").write_text(json.dumps(aqn.state_dict()))
     if manifest:
         write_manifest(staged, step)
     publish_checkpoint(staged, run / f"checkpoint-{step}")
@@ -74,6 +76,29 @@ def test_complete_checkpoint_passes_and_each_kind_of_damage_names_its_file(tmp_p
     assert damaged("bad-state", lambda c: (c / "trainer_state.json").write_text("{")).startswith(
         "trainer_state.json: ")
     assert damaged("no-folder", lambda c: os.rename(c, c.with_name("elsewhere"))) == "no such checkpoint folder"
+
+
+def test_an_incomplete_aqn_state_fails_the_check_naming_the_missing_key(tmp_path):
+    """Valid JSON that is not a whole AQN state (edited by hand, written by another tool) is refused by the check,
+    before a resume loads anything, naming the file and the key: not a KeyError from deep inside the resume."""
+    ckpt = write_checkpoint(tmp_path, 2, manifest=False)
+    state = json.loads((ckpt / "aqn_state.json").read_text())
+
+    def check_with(aqn_state: dict) -> str:
+        (ckpt / "aqn_state.json").write_text(json.dumps(aqn_state))
+        with pytest.raises(CheckpointError) as info:
+            check_checkpoint(ckpt, REQUIRED)
+        return info.value.relative_to(ckpt)
+
+    no_schedule = {k: v for k, v in state.items() if k != "schedule"}
+    assert check_with(no_schedule) == "aqn_state.json: AQN controller state has no 'schedule'"
+    no_seed = {k: v for k, v in state.items() if k != "seed"}
+    assert check_with(no_seed) == "aqn_state.json: AQN controller state has no 'seed'"
+    schedule = {k: v for k, v in state["schedule"].items() if k != "total_steps"}
+    assert check_with({**state, "schedule": schedule}) == "aqn_state.json: schedule state has no 'total_steps'"
+    assert check_with({**state, "schedule": 3}) == "aqn_state.json: schedule state must be a mapping, got int"
+    (ckpt / "aqn_state.json").write_text(json.dumps(state))
+    check_checkpoint(ckpt, REQUIRED)
 
 
 def test_checkpoint_without_manifest_needs_state_weights_and_required_files(tmp_path):

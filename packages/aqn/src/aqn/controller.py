@@ -252,16 +252,41 @@ class AQNController:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (the schedule object is replaced by the saved one)."""
-        if state.get("version", _STATE_VERSION) > _STATE_VERSION:
-            raise ValueError(f"controller state version {state['version']} is newer than this aqn")
-        mode, apply_to = state.get("mode", self.mode), state.get("apply_to", self.apply_to)
-        if mode not in ("per_step", "per_forward") or apply_to not in ("rollout", "rollout_and_train"):
-            raise ValueError(f"bad controller state: mode={mode!r}, apply_to={apply_to!r}")
-        self.schedule = schedule_from_state_dict(dict(state["schedule"]))
-        self.seed = int(state["seed"])
-        self.step = None if state.get("step") is None else int(state["step"])
-        self.mode, self.apply_to = mode, apply_to
+        """Restore from :meth:`state_dict` (the schedule object is replaced by the saved one).
+
+        Raises ``ValueError`` naming what is wrong (a missing key, a bad mode) and leaves the controller unchanged.
+        """
+        schedule, seed, step, mode, apply_to = _parse_state(state, self.mode, self.apply_to)
+        self.schedule, self.seed, self.step, self.mode, self.apply_to = schedule, seed, step, mode, apply_to
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], **kwargs: Any) -> AQNController:
+        """A controller restored from :meth:`state_dict`; ``kwargs``: the constructor's keyword-only options, which
+        the state does not hold. Raises ``ValueError`` as :meth:`load_state_dict` does."""
+        schedule, seed, step, mode, apply_to = _parse_state(state, "per_step", "rollout")
+        controller = cls(schedule, seed, mode, apply_to, **kwargs)
+        controller.step = step
+        return controller
 
     def __repr__(self) -> str:
         return f"AQNController({self.schedule!r}, seed={self.seed}, mode={self.mode!r}, apply_to={self.apply_to!r})"
+
+
+def _parse_state(
+    state: Mapping[str, Any], mode: Mode, apply_to: ApplyTo
+) -> tuple[SigmaSchedule, int, int | None, Mode, ApplyTo]:
+    """(schedule, seed, step, mode, apply_to) of a :meth:`AQNController.state_dict`; ``mode`` / ``apply_to`` where it
+    has none. A state edited by hand or cut short raises ``ValueError`` naming the key, not a bare ``KeyError``."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"AQN controller state must be a mapping, got {type(state).__name__}")
+    if state.get("version", _STATE_VERSION) > _STATE_VERSION:
+        raise ValueError(f"controller state version {state['version']} is newer than this aqn")
+    for key in ("schedule", "seed"):
+        if key not in state:
+            raise ValueError(f"AQN controller state has no {key!r}")
+    mode, apply_to = state.get("mode", mode), state.get("apply_to", apply_to)
+    if mode not in ("per_step", "per_forward") or apply_to not in ("rollout", "rollout_and_train"):
+        raise ValueError(f"bad controller state: mode={mode!r}, apply_to={apply_to!r}")
+    schedule = schedule_from_state_dict(state["schedule"])
+    step = None if state.get("step") is None else int(state["step"])
+    return schedule, int(state["seed"]), step, mode, apply_to

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 __all__ = [
@@ -211,6 +212,9 @@ class SigmaSchedule:
         version = state.get("version", _STATE_VERSION)
         if version > _STATE_VERSION:
             raise ValueError(f"state_dict version {version} is newer than this aqn ({_STATE_VERSION})")
+        missing = [k for k in ("sigma_start", "sigma_end", "num_stages", "total_steps") if k not in state]
+        if missing:  # a state edited by hand or cut down: say which key, not a bare KeyError
+            raise ValueError(f"schedule state has no {missing[0]!r}")
         self._configure(
             state["sigma_start"],
             state["sigma_end"],
@@ -320,6 +324,8 @@ def make_schedule(
 
 def schedule_from_state_dict(state: dict[str, Any]) -> SigmaSchedule:
     """Rebuild any schedule from its :meth:`SigmaSchedule.state_dict`."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"schedule state must be a mapping, got {type(state).__name__}")
     kind = state.get("kind")
     if kind not in _KINDS:
         raise ValueError(f"state_dict has unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")

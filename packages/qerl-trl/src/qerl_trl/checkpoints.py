@@ -145,7 +145,7 @@ def check_checkpoint(path: str | Path, required: Iterable[str] = ()) -> None:
     from before manifests, or from another tool, must hold ``trainer_state.json`` and model weights instead); every
     file of ``required`` is there (e.g. ``aqn_state.json`` when the run has AQN on); every ``*.safetensors`` header
     parses and covers its file; ``trainer_state.json`` loads as transformers' ``TrainerState``; ``aqn_state.json``,
-    if present, is a JSON object. Reads headers and small JSON files only.
+    if present, loads as an AQN controller state. Reads headers and small JSON files only.
     """
     from transformers import TrainerState
 
@@ -178,7 +178,19 @@ def check_checkpoint(path: str | Path, required: Iterable[str] = ()) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(folder / TRAINER_STATE_NAME, f"not a trainer state ({e})") from e
     if (folder / AQN_STATE_NAME).exists():
-        _check_json(folder / AQN_STATE_NAME)
+        _check_aqn_state(folder / AQN_STATE_NAME)
+
+
+def _check_aqn_state(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` holds a whole AQN controller state (what the resume loads)."""
+    from aqn import AQNController
+
+    try:
+        AQNController.from_state_dict(_check_json(path))
+    except (TypeError, ValueError) as e:  # CheckpointError is a ValueError: it passes through as it is
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(path, str(e)) from e
 
 
 def find_resume_checkpoint(output_dir: str | Path, required: Iterable[str] = ()) -> ResumePoint:

@@ -1038,6 +1038,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if self._ensure_aqn() is None:
                 raise ValueError(f"{checkpoint} was trained with AQN but args.aqn is False")
             with open(path) as f:
-                self.aqn.load_state_dict(json.load(f))
+                state = json.load(f)
+            try:
+                self.aqn.load_state_dict(state)
+            except ValueError as e:  # the file and the key, in one line (train() checked it; a direct call may not)
+                raise CheckpointError(path, str(e)) from e
         elif self.args.aqn:
             raise FileNotFoundError(f"{path} is missing: cannot resume the AQN schedule of {checkpoint}")

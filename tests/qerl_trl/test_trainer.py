@@ -406,6 +406,16 @@ def test_a_negative_or_non_finite_overlong_penalty_factor_is_refused(factor):
     assert OverlongPenalty(10, 4, penalty_factor=0.5)(None, completion_ids=[[0] * 10]) == [-0.5]
 
 
+def test_default_overlong_buffer_with_a_one_token_limit_names_what_the_user_set():
+    """max_completion_length 1 with the default buffer: the error is about the limit the user set and the default
+    buffer, not about a "buffer_length 1" the user never gave; turning the shaping off still works."""
+    with pytest.raises(ValueError) as info:
+        QeRLDAPOConfig(output_dir="x", max_completion_length=1)
+    said = str(info.value)
+    assert "max_completion_length >= 2, got 1" in said and "overlong_buffer_length 0" in said and ", got 1)" not in said
+    assert QeRLDAPOConfig(output_dir="x", max_completion_length=1, overlong_buffer_length=0).overlong_buffer_length == 0
+
+
 def test_informative_groups_ignore_rounding_of_equal_rewards():
     # TRL's advantage of 8 equal rewards 0.2 (e.g. arithmetic_accuracy + answer_tag, all wrong but tagged) is not 0 in
     # float32 (the mean rounds) but the same for every row: no learning signal, so DAPO must drop the group

@@ -437,6 +437,11 @@ class QeRLDAPOConfig(QeRLConfig):
         super().__post_init__()
         limit = self.max_completion_length
         if self.overlong_buffer_length == -1:
+            if limit < 2:  # the default buffer (a quarter, at least 1 token) needs a token before it
+                raise ValueError(
+                    f"the default overlong_buffer_length (a quarter of max_completion_length, at least 1 token) needs "
+                    f"max_completion_length >= 2, got {limit}; set overlong_buffer_length 0 to turn overlong shaping off"
+                )
             self.overlong_buffer_length = max(1, limit // 4)
         if self.overlong_buffer_length < 0 or self.overlong_buffer_length >= limit:
             raise ValueError(

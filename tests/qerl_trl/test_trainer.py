@@ -229,6 +229,37 @@ def test_resume_without_aqn_state_fails_clearly(tmp_path, tokenizer):
         trainer.train(resume_from_checkpoint=True)
 
 
+def test_resume_with_other_aqn_settings_keeps_the_checkpoints_schedule_and_says_so(tmp_path, tokenizer, caplog):
+    """A run resumed with a longer max_steps or other aqn_* values continues the checkpoint's σ schedule (σ goes on
+    where it was, no jump back to an earlier stage), and one warning says so, naming each setting that differs and
+    both values; an unchanged resume says nothing."""
+    import logging
+
+    kw = dict(max_steps=2, save_steps=2, aqn_num_stages=2)
+    QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, **kw),
+                    train_dataset=arithmetic(), processing_class=tokenizer).train()  # fmt: skip
+    ckpt = tmp_path / "run" / "checkpoint-2"
+
+    def resume(**changes) -> tuple[QeRLGRPOTrainer, list[str]]:
+        trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward,
+                                  args_for(tmp_path, **{**kw, **changes}), train_dataset=arithmetic(),
+                                  processing_class=tokenizer)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer"):
+            trainer.train(resume_from_checkpoint=str(ckpt))
+        return trainer, [r.getMessage() for r in caplog.records if "AQN" in r.getMessage()]
+
+    _, said = resume()  # already at max_steps: nothing trains, and nothing differs
+    assert said == []
+    trainer, said = resume(max_steps=3, aqn_sigma_start=2e-2)
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"{ckpt}" in said[0]
+    assert "total_steps 2 (the arguments give 3)" in said[0] and "sigma_start 0.01 (the arguments give 0.02)" in said[0]
+    assert trainer.aqn.schedule.total_steps == 2 and trainer.aqn.schedule.sigma_start == 1e-2
+    step3 = [h for h in trainer.state.log_history if h.get("step") == 3 and "aqn/sigma" in h]
+    assert step3 and step3[0]["aqn/stage"] == 1.0 and step3[0]["aqn/sigma"] == pytest.approx(1e-2)
+
+
 def step_numbers(trainer, after: int = 0) -> dict[int, dict]:
     """Every logged number of each step after ``after``, except timings (tokens/s), which no two runs share."""
     return {h["step"]: {k: v for k, v in h.items() if "per_second" not in k and "time" not in k}

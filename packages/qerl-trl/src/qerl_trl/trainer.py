@@ -1039,9 +1039,29 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"{checkpoint} was trained with AQN but args.aqn is False")
             with open(path) as f:
                 state = json.load(f)
+            described = self.aqn.state_dict()  # what this run would use: args over this run's max_steps
             try:
                 self.aqn.load_state_dict(state)
             except ValueError as e:  # the file and the key, in one line (train() checked it; a direct call may not)
                 raise CheckpointError(path, str(e)) from e
+            if changed := _aqn_changes(self.aqn.state_dict(), described):
+                # the saved schedule wins, so that σ goes on from the stage the run was in; say so, it is not what
+                # the new arguments describe
+                logger.warning("resuming the AQN schedule of %s as saved: %s; to use the new one, start a fresh run",
+                               checkpoint, changed)  # fmt: skip
         elif self.args.aqn:
             raise FileNotFoundError(f"{path} is missing: cannot resume the AQN schedule of {checkpoint}")
+
+
+def _aqn_changes(saved: dict[str, Any], described: dict[str, Any]) -> str:
+    """``"total_steps 100 (the arguments give 200), sigma_start 0.01 (the arguments give 0.02)"``: the settings in
+    which a checkpoint's AQN controller state (:meth:`aqn.AQNController.state_dict`) differs from the one the run's
+    arguments describe; ``""`` if none. The last step and the format versions are not settings."""
+
+    def settings(state: dict[str, Any]) -> dict[str, Any]:
+        top = {k: v for k, v in state.items() if k not in ("schedule", "step", "version")}
+        return {**{k: v for k, v in state["schedule"].items() if k != "version"}, **top}
+
+    old, new = settings(saved), settings(described)
+    return ", ".join(f"{key} {old.get(key)} (the arguments give {new.get(key)})"
+                     for key in dict.fromkeys([*new, *old]) if old.get(key) != new.get(key))  # fmt: skip

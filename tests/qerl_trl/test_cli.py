@@ -506,6 +506,23 @@ def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resumed_run(tmp_p
     assert (tmp_path / "plots.png").is_file()
 
 
+def test_metrics_of_a_run_resumed_from_an_earlier_checkpoint_replace_the_abandoned_later_steps(tmp_path):
+    """A run that reached step 6 (checkpoints at 2, 4, 6) resumed from checkpoint-2 and stopped at step 4 (max_steps 4,
+    or a second crash): metrics.jsonl holds both runs' lines; the rows, and the plot, are the resumed run's steps
+    1-4, not its steps 1-4 followed by the abandoned run's steps 5-6."""
+    from types import SimpleNamespace
+
+    from qerl_trl.run import RunDirectoryCallback
+
+    callback = RunDirectoryCallback()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5), (6, 0.6), (3, 0.9), (4, 0.8)]:
+        callback.on_log(args, SimpleNamespace(is_world_process_zero=True, global_step=step), None,
+                        logs={"reward": reward})  # fmt: skip
+    assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, 0.1), (2, 0.2), (3, 0.9), (4, 0.8)]  # fmt: skip
+
+
 @pytest.mark.parametrize("setting, value", [("gpu_memory_utilization", 30), ("gpu_memory_utilization", 0),
                                             ("kv_cache_memory_bytes", -1), ("max_model_len", 0),
                                             ("server_timeout", 0)])  # fmt: skip

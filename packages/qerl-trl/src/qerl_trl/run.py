@@ -44,8 +44,9 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl``, one per step; if a step was logged twice (a resumed run), the last line wins. A line
-    that is not JSON (cut short by a crash mid-write) is skipped."""
+    """Rows of a ``metrics.jsonl``, one per step, of the run as it went on last: a step logged again (a resumed run)
+    replaces that step's line and every later step's (the abandoned run's, past the checkpoint it was resumed from),
+    until logged again in turn. A line that is not JSON (cut short by a crash mid-write) is skipped."""
     rows: dict[int, dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
@@ -56,7 +57,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(row, dict) and "step" in row and "reward" in row:
-                    rows[int(row["step"])] = row
+                    step = int(row["step"])
+                    for later in [k for k in rows if k > step]:  # a step again: a resume, the later steps abandoned
+                        del rows[later]
+                    rows[step] = row
     return [rows[k] for k in sorted(rows)]
 
 

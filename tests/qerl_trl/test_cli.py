@@ -148,6 +148,20 @@ def bad_inputs(tmp_path_factory) -> Path:
         (ckpt / name).write_text(text)
     _cut_safetensors(root / "adapter" / "adapter_model.safetensors")
     (root / "adapter" / "adapter_config.json").write_text("{}")
+    # complete checkpoints of an AQN run: one whose aqn_state.json lost its schedule (valid JSON), one that is whole
+    from aqn import AQNController, make_schedule
+    from safetensors.torch import save_file
+    from transformers import TrainerState
+
+    aqn_state = AQNController(make_schedule("exponential", 1e-2, 5e-4, 2, total_steps=4)).state_dict()
+    for run, state in [("half-aqn", {k: v for k, v in aqn_state.items() if k != "schedule"}), ("aqn-run", aqn_state)]:
+        ckpt = root / run / "checkpoint-2"
+        ckpt.mkdir(parents=True)
+        save_file({"lora_A": torch.ones(4, 8)}, ckpt / "adapter_model.safetensors")
+        TrainerState(global_step=2, train_batch_size=8).save_to_json(str(ckpt / "trainer_state.json"))
+        torch.save({}, ckpt / "optimizer.pt")
+        torch.save({}, ckpt / "scheduler.pt")
+        (ckpt / "aqn_state.json").write_text(json.dumps(state))
     return root
 
 
@@ -185,6 +199,10 @@ BAD_INPUTS = [
     (["train", "--resume", "{bad}/run/checkpoint-2"],
      ["--resume", "checkpoint-2", "adapter_model.safetensors: not a complete safetensors file", "not fully covered"]),
     (["train", "--resume", "{bad}/run/checkpoint-9"], ["--resume", "checkpoint-9", "no such checkpoint folder"]),
+    (["train", "--resume", "{bad}/half-aqn/checkpoint-2"],
+     ["--resume", "checkpoint-2", "aqn_state.json: AQN controller state has no 'schedule'"]),
+    (["train", "--aqn", "false", "--resume", "{bad}/aqn-run/checkpoint-2"],
+     ["--resume", "checkpoint-2", "trained with AQN", "aqn_state.json", "--aqn false", "--aqn true"]),
     (["eval", "--model", "offline-default", "--adapter", "/nonexistent", "--task", "arithmetic"],
      ["--adapter", "'/nonexistent'", "no such folder", "LoRA adapter"]),
     (["eval", "--adapter", "{bad}/not-a-model", "--task", "arithmetic"], ["--adapter", "not a LoRA adapter folder"]),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import (
+    AQN_STATE_NAME,
     WEIGHT_NAMES,
     CheckpointError,
     ResumePoint,
@@ -396,6 +397,12 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
         _check_resume_rank(resume.path, getattr(config, "lora_r", None), script_args.model_name_or_path)
+        if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():
+            # the trainer refuses it too, but only once the policy has loaded
+            raise UsageError(
+                f"--resume {resume.path!r}: it was trained with AQN (its {AQN_STATE_NAME} holds the noise schedule) "
+                "and this run has --aqn false: pass --aqn true to continue it"
+            )
     if config.output_dir is not None:
         check_no_earlier_run(config.output_dir, script_args.resume, getattr(script_args, "overwrite_output_dir", False))
     return resume

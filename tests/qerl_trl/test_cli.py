@@ -524,6 +524,25 @@ def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resumed_run(tmp_p
     assert (tmp_path / "plots.png").is_file()
 
 
+def test_resuming_from_an_earlier_checkpoint_names_the_later_ones_resume_true_would_pick(tmp_path):
+    """--resume run/checkpoint-2 where the run went on to checkpoint-4 and -6: the resume line says those are of the
+    run past this step, replaced as this one saves those steps, and that --resume true picks them until then (after a
+    crash of this run it would silently continue the abandoned one). Resuming from the newest names none."""
+    from qerl_trl.checkpoints import ResumePoint
+    from qerl_trl.cli import _resume_line
+
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    line = _resume_line(str(run), ResumePoint(str(run / "checkpoint-2")), 2)
+    assert line.startswith(f"qerl train: resuming from {run / 'checkpoint-2'} (step 2); ")
+    assert "checkpoint-4, checkpoint-6" in line and "--resume true" in line and "\n" not in line, line
+    assert _resume_line(str(run), ResumePoint(str(run / "checkpoint-6")), 6) == (
+        f"qerl train: resuming from {run / 'checkpoint-6'} (step 6)")  # fmt: skip
+    elsewhere = tmp_path / "new-run"  # resumed into another output_dir: the old run's folders are not in its way
+    assert _resume_line(str(elsewhere), ResumePoint(str(run / "checkpoint-2")), 2).endswith("(step 2)")
+
+
 def test_metrics_of_a_run_resumed_from_an_earlier_checkpoint_replace_the_abandoned_later_steps(tmp_path):
     """A run that reached step 6 (checkpoints at 2, 4, 6) resumed from checkpoint-2 and stopped at step 4 (max_steps 4,
     or a second crash): metrics.jsonl holds both runs' lines; the rows, and the plot, are the resumed run's steps

@@ -381,13 +381,20 @@ def _checkpoint_step(checkpoint: str) -> int:
 
 
 def _resume_line(output_dir: str, resume: Any, step: int) -> str:
-    """``qerl train: resuming from <checkpoint> (step N)``, with the newer checkpoints skipped and a save cut short
-    (a leftover staging folder, cleared at the next save)."""
-    from .checkpoints import STAGING_DIR
+    """``qerl train: resuming from <checkpoint> (step N)``, with the newer checkpoints skipped, the later ones of the
+    run left behind (``--resume PATH`` to an earlier checkpoint) and a save cut short (a leftover staging folder,
+    cleared at the next save)."""
+    from .checkpoints import STAGING_DIR, checkpoint_folders
 
     line = f"qerl train: resuming from {resume.path} (step {step})"
     if resume.skipped:
         line += f"; skipped {resume.skipped_line()}"
+    skipped = {os.path.realpath(p) for p, _ in resume.skipped}
+    later = [p.name for p in checkpoint_folders(output_dir)
+             if int(p.name.rsplit("-", 1)[1]) > step and os.path.realpath(p) not in skipped]  # fmt: skip
+    if later:  # --resume PATH to an earlier checkpoint: the folders past it are of the run it leaves behind
+        line += (f"; {', '.join(later)} are of the earlier run past this step: each is replaced when this run saves "
+                 "that step, and --resume true picks the newest of them until then")  # fmt: skip
     staging = Path(output_dir) / STAGING_DIR
     leftovers = sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
     if leftovers:

@@ -101,6 +101,18 @@ def test_an_incomplete_aqn_state_fails_the_check_naming_the_missing_key(tmp_path
     check_checkpoint(ckpt, REQUIRED)
 
 
+def test_a_checkpoint_of_a_run_without_aqn_says_so_when_aqn_is_on(tmp_path):
+    """A run trained with AQN off never writes aqn_state.json (its manifest lists none); resumed with AQN on (the
+    default, the flag forgotten), the error says that run had AQN off, not just "missing" as if a file were lost."""
+    ckpt = write_checkpoint(tmp_path, 2, manifest=False)
+    (ckpt / "aqn_state.json").unlink()
+    write_manifest(ckpt, 2)
+    with pytest.raises(CheckpointError) as info:
+        check_checkpoint(ckpt, REQUIRED)
+    assert info.value.relative_to(ckpt) == "aqn_state.json: missing: the run that saved it had AQN off (aqn false)"
+    check_checkpoint(ckpt, REQUIRED[:2])
+
+
 def test_checkpoint_without_manifest_needs_state_weights_and_required_files(tmp_path):
     """Checkpoints from before the manifest (or from plain transformers) are checked by their expected files."""
     ckpt = write_checkpoint(tmp_path, 3, manifest=False)

@@ -52,6 +52,8 @@ SCHEDULER_NAME = "scheduler.pt"
 #: Model weights a checkpoint holds, one of these (PEFT adapter or full model, safetensors or pickle, one file or shards).
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
+#: Why a required file that a checkpoint's manifest does not list was never written.
+_NOT_WRITTEN = {AQN_STATE_NAME: "the run that saved it had AQN off (aqn false)"}
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils._re_checkpoint
 
 
@@ -155,6 +157,7 @@ def check_checkpoint(path: str | Path, required: Iterable[str] = ()) -> None:
             folder, "a file, not a checkpoint folder" if folder.exists() else "no such checkpoint folder"
         )
     manifest = folder / MANIFEST_NAME
+    files: dict = {}
     if manifest.exists():
         files = _check_json(manifest).get("files")
         if not isinstance(files, dict):
@@ -169,7 +172,9 @@ def check_checkpoint(path: str | Path, required: Iterable[str] = ()) -> None:
         raise CheckpointError(folder, f"no model weights (none of {', '.join(WEIGHT_NAMES[:3])}, ...)")
     for name in (TRAINER_STATE_NAME, *required):
         if not (folder / name).is_file():
-            raise CheckpointError(folder / name, "missing")
+            # a manifest without it: never written, so the run that saved it was set up otherwise (not a lost file)
+            why = _NOT_WRITTEN.get(name) if manifest.exists() and name not in files else None
+            raise CheckpointError(folder / name, f"missing: {why}" if why else "missing")
     for file in sorted(folder.rglob("*.safetensors")):
         check_safetensors(file)
     _check_json(folder / TRAINER_STATE_NAME)  # a clear message for bad JSON; TrainerState's own errors below

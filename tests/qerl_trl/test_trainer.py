@@ -445,6 +445,12 @@ def test_default_overlong_buffer_with_a_one_token_limit_names_what_the_user_set(
     said = str(info.value)
     assert "max_completion_length >= 2, got 1" in said and "overlong_buffer_length 0" in said and ", got 1)" not in said
     assert QeRLDAPOConfig(output_dir="x", max_completion_length=1, overlong_buffer_length=0).overlong_buffer_length == 0
+    # TRL's max_completion_length None (no limit): a TypeError about None and int before; now what to set
+    no_limit = r"needs a max_completion_length \(got None, no limit\).*overlong_buffer_length 0"
+    with pytest.raises(ValueError, match=no_limit):
+        QeRLDAPOConfig(output_dir="x", max_completion_length=None)
+    unlimited = QeRLDAPOConfig(output_dir="x", max_completion_length=None, overlong_buffer_length=0)
+    assert unlimited.max_completion_length is None
 
 
 def test_informative_groups_ignore_rounding_of_equal_rewards():

@@ -436,14 +436,20 @@ class QeRLDAPOConfig(QeRLConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         limit = self.max_completion_length
-        if self.overlong_buffer_length == -1:
+        if limit is None:  # TRL's "no limit": no end for a buffer to precede
+            if self.overlong_buffer_length != 0:
+                raise ValueError(
+                    "overlong shaping needs a max_completion_length (got None, no limit): set one, or set "
+                    "overlong_buffer_length 0 to turn overlong shaping off"
+                )
+        elif self.overlong_buffer_length == -1:
             if limit < 2:  # the default buffer (a quarter, at least 1 token) needs a token before it
                 raise ValueError(
                     f"the default overlong_buffer_length (a quarter of max_completion_length, at least 1 token) needs "
                     f"max_completion_length >= 2, got {limit}; set overlong_buffer_length 0 to turn overlong shaping off"
                 )
             self.overlong_buffer_length = max(1, limit // 4)
-        if self.overlong_buffer_length < 0 or self.overlong_buffer_length >= limit:
+        if limit is not None and not 0 <= self.overlong_buffer_length < limit:
             raise ValueError(
                 f"overlong_buffer_length must be in [0, max_completion_length={limit}), got {self.overlong_buffer_length}"
             )

@@ -375,3 +375,30 @@ def test_rollout_precision_reaches_the_linear_method_through_additional_config(v
     with set_current_vllm_config(VllmConfig(additional_config={ROLLOUT_PRECISION_KEY: "fp4"})):
         with pytest.raises(ValueError, match="rollout_precision must be one of 'w4a16', 'fp8', 'auto', got 'fp4'"):
             QeRLNVFP4Config().get_quant_method(layer, "model.layers.0.mlp.down_proj")
+
+
+# ---------------------------------------------------------------------------------------- which layers are quantized
+def _ct_config(ignore: list[str], targets: list[str] | None = None) -> dict:
+    weights = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ignore,
+            "config_groups": {"group_0": {"targets": targets or ["Linear"], "weights": weights}}}  # fmt: skip
+
+
+def test_ignore_regexes_are_read_as_compressed_tensors_and_vllm_read_them(vllm_process_group):
+    """A checkpoint's ``re:`` ignore entries are applied with ``re.match`` (a prefix) by compressed-tensors and stock
+    vLLM; the plugin applied them with ``re.fullmatch``, so a prefix regex such as ``re:model\\.layers\\.1\\.`` kept
+    nothing dense and vLLM quantized (or looked for the 4-bit tensors of) layers transformers keeps dense."""
+    from compressed_tensors.utils.match import match_name
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    ignore = ["lm_head", r"re:model\.layers\.1\.", r"re:.*self_attn\.o_proj$"]
+    config = QeRLNVFP4Config.from_config(_ct_config(ignore))
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj",
+                 "model.layers.10.mlp.down_proj", "model.layers.1.self_attn.q_proj"):  # fmt: skip
+        dense = any(match_name(name, p) for p in ignore)
+        assert config.is_quantized(layer, name) is not dense, name
+    assert not config.is_quantized(layer, "model.layers.1.self_attn.qkv_proj")
+    assert config.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")

@@ -125,12 +125,12 @@ def resolve_backend(fmt: Format = NVFP4) -> str:
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
-    # same rule as nvfp4.linear: exact name, dotted suffix, or regex (an llm-compressor style "re:" prefix is accepted)
-    for p in patterns:
-        p = p[3:] if p.startswith("re:") else p
-        if name == p or name.endswith("." + p) or re.fullmatch(p, name):
-            return True
-    return False
+    # same rule as nvfp4.linear: exact name, dotted suffix or regex of the whole name; an "re:" entry (compressed-tensors'
+    # ignore syntax) with re.match, a prefix, as compressed-tensors and stock vLLM apply it
+    return any(
+        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        for p in patterns
+    )
 
 
 def _compressed_tensors_format(cfg: dict[str, Any]) -> Format | None:
@@ -218,7 +218,7 @@ class QeRLNVFP4Config(QuantizationConfig):
             if fmt is None:
                 raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
-            ignore = [p[3:] if p.startswith("re:") else p for p in config.get("ignore", [])]
+            ignore = list(config.get("ignore", []))  # "re:" entries kept: _matches applies them as compressed-tensors
             return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt)
         try:  # the serialized config names its format: looked up once, here
             fmt = get_format(config.get("format", FORMAT))

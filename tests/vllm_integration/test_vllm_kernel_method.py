@@ -402,3 +402,26 @@ def test_ignore_regexes_are_read_as_compressed_tensors_and_vllm_read_them(vllm_p
         assert config.is_quantized(layer, name) is not dense, name
     assert not config.is_quantized(layer, "model.layers.1.self_attn.qkv_proj")
     assert config.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")
+
+
+def test_linears_no_config_group_targets_stay_dense(vllm_process_group):
+    """llm-compressor quantizes only the linears its config groups target (``re:`` with ``re.match``, or exact
+    names) and saves the others dense; where the checkpoint's tensors are not read (a Hub id), the plugin took every
+    linear as NVFP4 and looked for the 4-bit tensors of the dense ones."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+    for targets in ([r"re:.*mlp.*"], names):
+        config = QeRLNVFP4Config.from_config(_ct_config(["lm_head"], targets))
+        config.packed_modules_mapping = fused
+        assert config.is_quantized(layer, "model.layers.0.mlp.down_proj"), targets
+        assert config.is_quantized(layer, "model.layers.0.mlp.gate_up_proj"), targets
+        assert not config.is_quantized(layer, "model.layers.0.self_attn.o_proj"), targets
+        assert not config.is_quantized(layer, "model.layers.0.self_attn.qkv_proj"), targets
+    assert not QeRLNVFP4Config.from_config(_ct_config(["lm_head"], names)).is_quantized(
+        layer, "model.layers.1.mlp.down_proj"
+    )
+    assert QeRLNVFP4Config.from_config(_ct_config(["lm_head"])).is_quantized(layer, "model.layers.0.self_attn.o_proj")

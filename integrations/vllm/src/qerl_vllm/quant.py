@@ -53,7 +53,14 @@ from typing import Any
 import torch
 from nvfp4 import fp8, mxfp4, ops
 from nvfp4.codec import dequantize
-from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
+from nvfp4.formats import (
+    FORMATS,
+    NVFP4,
+    Format,
+    compressed_tensors_format,
+    compressed_tensors_untargeted,
+    get_format,
+)
 from nvfp4.layout import (
     mma_layout_supported,
     mma_scales_supported,
@@ -219,7 +226,9 @@ class QeRLNVFP4Config(QuantizationConfig):
                 raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
             ignore = list(config.get("ignore", []))  # "re:" entries kept: _matches applies them as compressed-tensors
-            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt)
+            dense = list(ours.get("modules_to_not_convert", ignore or ["lm_head"]))
+            untargeted = compressed_tensors_untargeted(config)  # linears no config group targets were saved dense
+            return cls(dense if untargeted is None else [*dense, untargeted], raw=config, format=fmt)
         try:  # the serialized config names its format: looked up once, here
             fmt = get_format(config.get("format", FORMAT))
         except ValueError:

@@ -425,3 +425,34 @@ def test_linears_no_config_group_targets_stay_dense(vllm_process_group):
         layer, "model.layers.1.mlp.down_proj"
     )
     assert QeRLNVFP4Config.from_config(_ct_config(["lm_head"])).is_quantized(layer, "model.layers.0.self_attn.o_proj")
+
+
+def test_checkpoint_names_follow_the_models_hf_to_vllm_mapper(vllm_process_group, tmp_path):
+    """Where vLLM names a model's modules otherwise than its checkpoint (a multimodal model's language model:
+    ``model.language_model.layers.0`` in the checkpoint, ``language_model.model.layers.0`` in vLLM), vLLM hands the
+    model's mapper to the quantization config (``apply_vllm_mapper``); the plugin ignored it, so no layer was found
+    NVFP4 in the checkpoint and every linear was built dense beside its 4-bit tensors."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from safetensors.torch import save_file
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    # Gemma3ForConditionalGeneration's (its module imports torchvision)
+    mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
+                                               "lm_head.": "language_model.lm_head."})  # fmt: skip
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    hf = [f"model.language_model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "mlp.down_proj")]  # fmt: skip
+    save_file({f"{n}.weight_packed": torch.zeros(1, 1, dtype=torch.uint8) for n in hf}, tmp_path / "model.safetensors")
+    read = QeRLNVFP4Config.from_config(_ct_config(["lm_head"]))
+    read.maybe_update_config(str(tmp_path))  # the checkpoint's tensors decide
+    dense = "model.language_model.layers.0.mlp.down_proj"
+    patterns = QeRLNVFP4Config.from_config(_ct_config(["lm_head", dense]))  # the config's names decide
+    for config in (read, patterns):
+        config.packed_modules_mapping = fused
+        config.apply_vllm_mapper(mapper)
+        assert config.is_quantized(layer, "language_model.model.layers.0.self_attn.qkv_proj")
+    assert read.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")
+    assert not read.is_quantized(layer, "language_model.model.layers.0.mlp.gate_up_proj")  # dense in the checkpoint
+    assert not patterns.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")

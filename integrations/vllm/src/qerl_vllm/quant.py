@@ -249,6 +249,21 @@ class QeRLNVFP4Config(QuantizationConfig):
         except (OSError, ValueError) as e:  # unreadable header: fall back to the config's patterns
             logger.warning("%s: could not read safetensors headers of %s (%s)", QUANT_METHOD, model_name, e)
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        """Rename the checkpoint's module names to the model's vLLM names (vLLM calls this with the model's
+        ``hf_to_vllm_mapper`` renames before building its layers: a multimodal model's ``model.language_model.*``
+        is ``language_model.model.*`` there). As compressed-tensors' config does, only dotted names are mapped;
+        ``re:`` entries and bare names (``lm_head``, suffixes) are kept as they are."""
+
+        def vllm_name(name: str) -> str | None:
+            return hf_to_vllm_mapper._map_name(name) if "." in name and not name.startswith("re:") else name
+
+        if self.quantized_modules is not None:
+            self.quantized_modules = {m for n in self.quantized_modules if (m := vllm_name(n)) is not None}
+        # the originals stay: a dotted entry may be a suffix, which the mapper's renames leave alone or misread
+        mapped = [m for n in self.modules_to_not_convert if (m := vllm_name(n)) not in (None, n)]
+        self.modules_to_not_convert = [*self.modules_to_not_convert, *mapped]
+
     # ------------------------------------------------------------------ per layer
     def _hf_names(self, prefix: str) -> list[str]:
         """HF module names behind a vLLM layer prefix (a fused qkv_proj / gate_up_proj expands to its members)."""

@@ -456,3 +456,40 @@ def test_checkpoint_names_follow_the_models_hf_to_vllm_mapper(vllm_process_group
     assert read.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")
     assert not read.is_quantized(layer, "language_model.model.layers.0.mlp.gate_up_proj")  # dense in the checkpoint
     assert not patterns.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("backend", ["dequant", "qerl"])
+def test_an_lm_head_quantized_in_the_checkpoint_loads_and_computes_its_logits(vllm_process_group, backend_env,
+                                                                               tmp_path, backend):  # fmt: skip
+    """An untied lm_head quantized in the checkpoint (``NVFP4Config(modules_to_not_convert=[])``, or an llm-compressor
+    ``ignore`` without it) is NVFP4 there; vLLM builds it as a ``ParallelLMHead`` (not a ``LinearBase``), to which the
+    plugin gave no method: a dense weight was created and the checkpoint's 4-bit tensors had nowhere to go."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from qerl_vllm.shared_weights import engine_weight_views
+    from safetensors.torch import save_file
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    backend_env(backend)
+    vocab = 250  # vLLM pads the rows to 256
+    q = _quantized_member(vocab, 3)
+    tensors = {"lm_head.weight_packed": q.packed, "lm_head.weight_scale": q.scale,
+               "lm_head.weight_global_scale": q.global_scale}  # fmt: skip
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = QeRLNVFP4Config.from_config(_ct_config([]))
+    config.maybe_update_config(str(tmp_path))
+    head = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=config, prefix="lm_head")
+    for name, t in tensors.items():
+        param = getattr(head, name.removeprefix("lm_head."))
+        param.weight_loader(param, t)
+    head.quant_method.process_weights_after_loading(head)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    logits = head.quant_method.apply(head, x, None)
+    want = (x.double() @ q.dequantize(torch.float64).T).float()
+    assert logits.shape == (3, 256) and not logits[:, vocab:].any()
+    assert torch.allclose(logits[:, :vocab].float(), want, rtol=2e-2, atol=2e-2)
+    model = torch.nn.Module()
+    model.lm_head = head
+    views = engine_weight_views(model)  # not a dense lm_head (the dequantized or FP8 copy): the trainer's is NVFP4
+    assert "lm_head.weight" not in views.dense and "lm_head" in views.not_offered
+    dense = QeRLNVFP4Config.from_config(_ct_config(["lm_head"]))  # kept dense: vLLM's own embedding method
+    assert dense.get_quant_method(ParallelLMHead(vocab, K, params_dtype=torch.bfloat16), "lm_head") is None

@@ -83,6 +83,7 @@ try:
     )
     from vllm.model_executor.layers.quantization import register_quantization_config
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
     from vllm.platforms import current_platform
 except ImportError as err:  # the extra is not installed
@@ -349,9 +350,14 @@ class QeRLNVFP4Config(QuantizationConfig):
         return self._rollout
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if not isinstance(layer, LinearBase):
-            return None  # embeddings, lm_head (ParallelLMHead), attention: unquantized
-        if not self.is_quantized(layer, prefix):
+        if isinstance(layer, ParallelLMHead):
+            # an untied lm_head quantized in the checkpoint (NVFP4Config(modules_to_not_convert=[]), an llm-compressor
+            # ignore without it) runs as the linears do: vLLM computes the logits with the method's apply
+            if not self.is_quantized(layer, prefix):
+                return None  # vLLM's own (embedding) method
+        elif not isinstance(layer, LinearBase):
+            return None  # embeddings, attention: unquantized
+        elif not self.is_quantized(layer, prefix):
             return UnquantizedLinearMethod()
         precision, crossover_rows = self.rollout_setting()
         if precision.fp8_copy:

@@ -493,3 +493,24 @@ def test_an_lm_head_quantized_in_the_checkpoint_loads_and_computes_its_logits(vl
     assert "lm_head.weight" not in views.dense and "lm_head" in views.not_offered
     dense = QeRLNVFP4Config.from_config(_ct_config(["lm_head"]))  # kept dense: vLLM's own embedding method
     assert dense.get_quant_method(ParallelLMHead(vocab, K, params_dtype=torch.bfloat16), "lm_head") is None
+
+
+def test_a_config_keeping_only_some_members_of_a_fused_layer_dense_is_refused(vllm_process_group):
+    """Where the checkpoint's tensors are not read, a config that keeps some members of a layer vLLM fuses dense and
+    quantizes the others (``ignore: [...q_proj]``, or targets naming gate_proj but not up_proj) made the whole fused
+    layer dense, and the load failed later on the members' 4-bit tensors ("no module or parameter named
+    ...weight_packed"); it is refused in one line, as the tensors' check and stock vLLM's compressed-tensors refuse
+    it."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    some = QeRLNVFP4Config.from_config(_ct_config(["lm_head", "model.layers.0.self_attn.q_proj"]))
+    some.packed_modules_mapping = fused
+    with pytest.raises(ValueError, match=r"fuses .* into model.layers.0.self_attn.qkv_proj, but the config keeps"):
+        some.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")
+    assert some.is_quantized(layer, "model.layers.1.self_attn.qkv_proj")
+    all_dense = QeRLNVFP4Config.from_config(_ct_config([r"re:model\.layers\.0\.self_attn\.[qkv]_proj"]))
+    all_dense.packed_modules_mapping = fused
+    assert not all_dense.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")

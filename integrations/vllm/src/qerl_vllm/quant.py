@@ -287,7 +287,13 @@ class QeRLNVFP4Config(QuantizationConfig):
         in_features = getattr(layer, "input_size", None)
         if in_features is not None and in_features % self.weight_format.group_size:
             return False
-        return not any(_matches(n, self.modules_to_not_convert) for n in names)
+        dense = [_matches(n, self.modules_to_not_convert) for n in names]
+        if any(dense) and not all(dense):  # the fused layer is one method: neither choice loads the checkpoint
+            raise ValueError(
+                f"{QUANT_METHOD}: vLLM fuses {names} into {prefix}, but the config keeps only "
+                f"{[n for n, d in zip(names, dense) if d]} dense; quantize all members of a fused group or none"
+            )
+        return not any(dense)
 
     def native_config(self) -> QuantizationConfig:
         """The equivalent compressed-tensors NVFP4A16 / MXFP4A16 config (vLLM's native kernels), built once."""

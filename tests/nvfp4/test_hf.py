@@ -96,6 +96,58 @@ def test_llm_compressor_checkpoint_loads(tiny_model_dir, tmp_path):
     assert torch.isfinite(m(input_ids=torch.randint(0, 256, (1, 5))).logits).all()
 
 
+@pytest.mark.parametrize(
+    "targets", [[r"re:.*mlp.*"], [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]]
+)
+def test_llm_compressor_checkpoint_targeting_some_linears_loads_the_others_dense(tiny_model_dir, tmp_path, targets):
+    """llm-compressor quantizes only the linears its config group ``targets`` (a ``re:`` regex, applied with
+    ``re.match``, or exact names); the others are saved dense. Loading read every linear as NVFP4 ("their tensors are
+    absent")."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from safetensors.torch import load_file, save_file
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    dense = load_file(tiny_model_dir / "model.safetensors")
+    out = {}
+    for k, w in dense.items():
+        if ".mlp." in k and k.endswith("_proj.weight"):
+            base = k[: -len(".weight")]
+            gs = generate_gparam(w.float().amin(), w.float().amax())
+            blk = w.reshape(w.shape[0], -1, 16)
+            s, _ = calculate_qparams(blk.amin(-1), blk.amax(-1), scheme.weights, global_scale=gs)
+            c = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": s, "weight_global_scale": gs}, scheme)
+            out.update({f"{base}.{n}": t for n, t in c.items()})
+        else:
+            out[k] = w
+    ct_dir = tmp_path / "ct"
+    shutil.copytree(tiny_model_dir, ct_dir)
+    save_file(out, ct_dir / "model.safetensors")
+    cfg = json.loads((ct_dir / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": targets, "weights": {
+            "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group"}}},
+    }  # fmt: skip
+    (ct_dir / "config.json").write_text(json.dumps(cfg))
+    m = nvfp4.from_compressed_tensors(ct_dir)
+    layers = m.model.layers
+    assert {type(layers[1].mlp.down_proj), type(layers[0].mlp.gate_proj)} == {NVFP4Linear}
+    assert torch.equal(layers[1].mlp.down_proj.weight_packed, out["model.layers.1.mlp.down_proj.weight_packed"])
+    q = layers[1].self_attn.q_proj
+    assert type(q) is torch.nn.Linear and torch.equal(q.weight, out["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.isfinite(m(input_ids=torch.randint(0, 256, (1, 5))).logits).all()
+    m.save_pretrained(tmp_path / "again")  # the saved config keeps the dense linears dense for every reader
+    ignore = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["ignore"]
+    # by exact name: a regex naming the untargeted linears also matches the fused names vLLM checks first
+    # (model.layers.0.mlp.gate_up_proj, which is no target), and stock vLLM kept the quantized gate/up dense
+    assert "model.layers.1.self_attn.q_proj" in ignore and not any(p.startswith("re:(?!") for p in ignore)
+    again = nvfp4.from_compressed_tensors(tmp_path / "again")
+    assert type(again.model.layers[1].self_attn.q_proj) is torch.nn.Linear
+    assert type(again.model.layers[1].mlp.down_proj) is NVFP4Linear
+
+
 def test_truncated_safetensors_fails_clearly(tiny_model_dir, tmp_path):
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
     m.save_pretrained(tmp_path / "q")

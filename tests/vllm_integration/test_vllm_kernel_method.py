@@ -375,3 +375,142 @@ def test_rollout_precision_reaches_the_linear_method_through_additional_config(v
     with set_current_vllm_config(VllmConfig(additional_config={ROLLOUT_PRECISION_KEY: "fp4"})):
         with pytest.raises(ValueError, match="rollout_precision must be one of 'w4a16', 'fp8', 'auto', got 'fp4'"):
             QeRLNVFP4Config().get_quant_method(layer, "model.layers.0.mlp.down_proj")
+
+
+# ---------------------------------------------------------------------------------------- which layers are quantized
+def _ct_config(ignore: list[str], targets: list[str] | None = None) -> dict:
+    weights = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ignore,
+            "config_groups": {"group_0": {"targets": targets or ["Linear"], "weights": weights}}}  # fmt: skip
+
+
+def test_ignore_regexes_are_read_as_compressed_tensors_and_vllm_read_them(vllm_process_group):
+    """A checkpoint's ``re:`` ignore entries are applied with ``re.match`` (a prefix) by compressed-tensors and stock
+    vLLM; the plugin applied them with ``re.fullmatch``, so a prefix regex such as ``re:model\\.layers\\.1\\.`` kept
+    nothing dense and vLLM quantized (or looked for the 4-bit tensors of) layers transformers keeps dense."""
+    from compressed_tensors.utils.match import match_name
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    ignore = ["lm_head", r"re:model\.layers\.1\.", r"re:.*self_attn\.o_proj$"]
+    config = QeRLNVFP4Config.from_config(_ct_config(ignore))
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj",
+                 "model.layers.10.mlp.down_proj", "model.layers.1.self_attn.q_proj"):  # fmt: skip
+        dense = any(match_name(name, p) for p in ignore)
+        assert config.is_quantized(layer, name) is not dense, name
+    assert not config.is_quantized(layer, "model.layers.1.self_attn.qkv_proj")
+    assert config.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")
+
+
+def test_linears_no_config_group_targets_stay_dense(vllm_process_group):
+    """llm-compressor quantizes only the linears its config groups target (``re:`` with ``re.match``, or exact
+    names) and saves the others dense; where the checkpoint's tensors are not read (a Hub id), the plugin took every
+    linear as NVFP4 and looked for the 4-bit tensors of the dense ones."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+    for targets in ([r"re:.*mlp.*"], names):
+        config = QeRLNVFP4Config.from_config(_ct_config(["lm_head"], targets))
+        config.packed_modules_mapping = fused
+        assert config.is_quantized(layer, "model.layers.0.mlp.down_proj"), targets
+        assert config.is_quantized(layer, "model.layers.0.mlp.gate_up_proj"), targets
+        assert not config.is_quantized(layer, "model.layers.0.self_attn.o_proj"), targets
+        assert not config.is_quantized(layer, "model.layers.0.self_attn.qkv_proj"), targets
+    assert not QeRLNVFP4Config.from_config(_ct_config(["lm_head"], names)).is_quantized(
+        layer, "model.layers.1.mlp.down_proj"
+    )
+    assert QeRLNVFP4Config.from_config(_ct_config(["lm_head"])).is_quantized(layer, "model.layers.0.self_attn.o_proj")
+
+
+def test_checkpoint_names_follow_the_models_hf_to_vllm_mapper(vllm_process_group, tmp_path):
+    """Where vLLM names a model's modules otherwise than its checkpoint (a multimodal model's language model:
+    ``model.language_model.layers.0`` in the checkpoint, ``language_model.model.layers.0`` in vLLM), vLLM hands the
+    model's mapper to the quantization config (``apply_vllm_mapper``); the plugin ignored it, so no layer was found
+    NVFP4 in the checkpoint and every linear was built dense beside its 4-bit tensors."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from safetensors.torch import save_file
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    # Gemma3ForConditionalGeneration's (its module imports torchvision)
+    mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
+                                               "lm_head.": "language_model.lm_head."})  # fmt: skip
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    hf = [f"model.language_model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "mlp.down_proj")]  # fmt: skip
+    save_file({f"{n}.weight_packed": torch.zeros(1, 1, dtype=torch.uint8) for n in hf}, tmp_path / "model.safetensors")
+    read = QeRLNVFP4Config.from_config(_ct_config(["lm_head"]))
+    read.maybe_update_config(str(tmp_path))  # the checkpoint's tensors decide
+    dense = "model.language_model.layers.0.mlp.down_proj"
+    patterns = QeRLNVFP4Config.from_config(_ct_config(["lm_head", dense]))  # the config's names decide
+    for config in (read, patterns):
+        config.packed_modules_mapping = fused
+        config.apply_vllm_mapper(mapper)
+        assert config.is_quantized(layer, "language_model.model.layers.0.self_attn.qkv_proj")
+    assert read.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")
+    assert not read.is_quantized(layer, "language_model.model.layers.0.mlp.gate_up_proj")  # dense in the checkpoint
+    assert not patterns.is_quantized(layer, "language_model.model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("backend", ["dequant", "qerl"])
+def test_an_lm_head_quantized_in_the_checkpoint_loads_and_computes_its_logits(vllm_process_group, backend_env,
+                                                                               tmp_path, backend):  # fmt: skip
+    """An untied lm_head quantized in the checkpoint (``NVFP4Config(modules_to_not_convert=[])``, or an llm-compressor
+    ``ignore`` without it) is NVFP4 there; vLLM builds it as a ``ParallelLMHead`` (not a ``LinearBase``), to which the
+    plugin gave no method: a dense weight was created and the checkpoint's 4-bit tensors had nowhere to go."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from qerl_vllm.shared_weights import engine_weight_views
+    from safetensors.torch import save_file
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    backend_env(backend)
+    vocab = 250  # vLLM pads the rows to 256
+    q = _quantized_member(vocab, 3)
+    tensors = {"lm_head.weight_packed": q.packed, "lm_head.weight_scale": q.scale,
+               "lm_head.weight_global_scale": q.global_scale}  # fmt: skip
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = QeRLNVFP4Config.from_config(_ct_config([]))
+    config.maybe_update_config(str(tmp_path))
+    head = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=config, prefix="lm_head")
+    for name, t in tensors.items():
+        param = getattr(head, name.removeprefix("lm_head."))
+        param.weight_loader(param, t)
+    head.quant_method.process_weights_after_loading(head)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    logits = head.quant_method.apply(head, x, None)
+    want = (x.double() @ q.dequantize(torch.float64).T).float()
+    assert logits.shape == (3, 256) and not logits[:, vocab:].any()
+    assert torch.allclose(logits[:, :vocab].float(), want, rtol=2e-2, atol=2e-2)
+    model = torch.nn.Module()
+    model.lm_head = head
+    views = engine_weight_views(model)  # not a dense lm_head (the dequantized or FP8 copy): the trainer's is NVFP4
+    assert "lm_head.weight" not in views.dense and "lm_head" in views.not_offered
+    dense = QeRLNVFP4Config.from_config(_ct_config(["lm_head"]))  # kept dense: vLLM's own embedding method
+    assert dense.get_quant_method(ParallelLMHead(vocab, K, params_dtype=torch.bfloat16), "lm_head") is None
+
+
+def test_a_config_keeping_only_some_members_of_a_fused_layer_dense_is_refused(vllm_process_group):
+    """Where the checkpoint's tensors are not read, a config that keeps some members of a layer vLLM fuses dense and
+    quantizes the others (``ignore: [...q_proj]``, or targets naming gate_proj but not up_proj) made the whole fused
+    layer dense, and the load failed later on the members' 4-bit tensors ("no module or parameter named
+    ...weight_packed"); it is refused in one line, as the tensors' check and stock vLLM's compressed-tensors refuse
+    it."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(K, 64, bias=False, params_dtype=torch.bfloat16)
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    some = QeRLNVFP4Config.from_config(_ct_config(["lm_head", "model.layers.0.self_attn.q_proj"]))
+    some.packed_modules_mapping = fused
+    with pytest.raises(ValueError, match=r"fuses .* into model.layers.0.self_attn.qkv_proj, but the config keeps"):
+        some.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")
+    assert some.is_quantized(layer, "model.layers.1.self_attn.qkv_proj")
+    all_dense = QeRLNVFP4Config.from_config(_ct_config([r"re:model\.layers\.0\.self_attn\.[qkv]_proj"]))
+    all_dense.packed_modules_mapping = fused
+    assert not all_dense.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")

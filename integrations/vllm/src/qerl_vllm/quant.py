@@ -53,7 +53,14 @@ from typing import Any
 import torch
 from nvfp4 import fp8, mxfp4, ops
 from nvfp4.codec import dequantize
-from nvfp4.formats import FORMATS, NVFP4, Format, compressed_tensors_format, get_format
+from nvfp4.formats import (
+    FORMATS,
+    NVFP4,
+    Format,
+    compressed_tensors_format,
+    compressed_tensors_untargeted,
+    get_format,
+)
 from nvfp4.layout import (
     mma_layout_supported,
     mma_scales_supported,
@@ -76,6 +83,7 @@ try:
     )
     from vllm.model_executor.layers.quantization import register_quantization_config
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
     from vllm.platforms import current_platform
 except ImportError as err:  # the extra is not installed
@@ -125,12 +133,12 @@ def resolve_backend(fmt: Format = NVFP4) -> str:
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
-    # same rule as nvfp4.linear: exact name, dotted suffix, or regex (an llm-compressor style "re:" prefix is accepted)
-    for p in patterns:
-        p = p[3:] if p.startswith("re:") else p
-        if name == p or name.endswith("." + p) or re.fullmatch(p, name):
-            return True
-    return False
+    # same rule as nvfp4.linear: exact name, dotted suffix or regex of the whole name; an "re:" entry (compressed-tensors'
+    # ignore syntax) with re.match, a prefix, as compressed-tensors and stock vLLM apply it
+    return any(
+        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        for p in patterns
+    )
 
 
 def _compressed_tensors_format(cfg: dict[str, Any]) -> Format | None:
@@ -218,8 +226,10 @@ class QeRLNVFP4Config(QuantizationConfig):
             if fmt is None:
                 raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
-            ignore = [p[3:] if p.startswith("re:") else p for p in config.get("ignore", [])]
-            return cls(ours.get("modules_to_not_convert", ignore or ["lm_head"]), raw=config, format=fmt)
+            ignore = list(config.get("ignore", []))  # "re:" entries kept: _matches applies them as compressed-tensors
+            dense = list(ours.get("modules_to_not_convert", ignore or ["lm_head"]))
+            untargeted = compressed_tensors_untargeted(config)  # linears no config group targets were saved dense
+            return cls(dense if untargeted is None else [*dense, untargeted], raw=config, format=fmt)
         try:  # the serialized config names its format: looked up once, here
             fmt = get_format(config.get("format", FORMAT))
         except ValueError:
@@ -239,6 +249,21 @@ class QeRLNVFP4Config(QuantizationConfig):
             self.quantized_modules = _quantized_modules_in(model_name)
         except (OSError, ValueError) as e:  # unreadable header: fall back to the config's patterns
             logger.warning("%s: could not read safetensors headers of %s (%s)", QUANT_METHOD, model_name, e)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        """Rename the checkpoint's module names to the model's vLLM names (vLLM calls this with the model's
+        ``hf_to_vllm_mapper`` renames before building its layers: a multimodal model's ``model.language_model.*``
+        is ``language_model.model.*`` there). As compressed-tensors' config does, only dotted names are mapped;
+        ``re:`` entries and bare names (``lm_head``, suffixes) are kept as they are."""
+
+        def vllm_name(name: str) -> str | None:
+            return hf_to_vllm_mapper._map_name(name) if "." in name and not name.startswith("re:") else name
+
+        if self.quantized_modules is not None:
+            self.quantized_modules = {m for n in self.quantized_modules if (m := vllm_name(n)) is not None}
+        # the originals stay: a dotted entry may be a suffix, which the mapper's renames leave alone or misread
+        mapped = [m for n in self.modules_to_not_convert if (m := vllm_name(n)) not in (None, n)]
+        self.modules_to_not_convert = [*self.modules_to_not_convert, *mapped]
 
     # ------------------------------------------------------------------ per layer
     def _hf_names(self, prefix: str) -> list[str]:
@@ -262,7 +287,13 @@ class QeRLNVFP4Config(QuantizationConfig):
         in_features = getattr(layer, "input_size", None)
         if in_features is not None and in_features % self.weight_format.group_size:
             return False
-        return not any(_matches(n, self.modules_to_not_convert) for n in names)
+        dense = [_matches(n, self.modules_to_not_convert) for n in names]
+        if any(dense) and not all(dense):  # the fused layer is one method: neither choice loads the checkpoint
+            raise ValueError(
+                f"{QUANT_METHOD}: vLLM fuses {names} into {prefix}, but the config keeps only "
+                f"{[n for n, d in zip(names, dense) if d]} dense; quantize all members of a fused group or none"
+            )
+        return not any(dense)
 
     def native_config(self) -> QuantizationConfig:
         """The equivalent compressed-tensors NVFP4A16 / MXFP4A16 config (vLLM's native kernels), built once."""
@@ -325,9 +356,14 @@ class QeRLNVFP4Config(QuantizationConfig):
         return self._rollout
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if not isinstance(layer, LinearBase):
-            return None  # embeddings, lm_head (ParallelLMHead), attention: unquantized
-        if not self.is_quantized(layer, prefix):
+        if isinstance(layer, ParallelLMHead):
+            # an untied lm_head quantized in the checkpoint (NVFP4Config(modules_to_not_convert=[]), an llm-compressor
+            # ignore without it) runs as the linears do: vLLM computes the logits with the method's apply
+            if not self.is_quantized(layer, prefix):
+                return None  # vLLM's own (embedding) method
+        elif not isinstance(layer, LinearBase):
+            return None  # embeddings, attention: unquantized
+        elif not self.is_quantized(layer, prefix):
             return UnquantizedLinearMethod()
         precision, crossover_rows = self.rollout_setting()
         if precision.fp8_copy:

@@ -97,7 +97,7 @@ def engine_weight_views(model: torch.nn.Module) -> EngineWeights:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from .quant import NVFP4KernelLinearMethod
+    from .quant import NVFP4KernelLinearMethod, _PackedLinearMethod
 
     model = getattr(model, "_orig_mod", model)
     packed_modules = dict(getattr(model, "packed_modules_mapping", None) or {})
@@ -118,6 +118,10 @@ def engine_weight_views(model: torch.nn.Module) -> EngineWeights:
                 out.not_offered.update(dict.fromkeys(members, "the engine holds its FP8 copy only"))
             else:
                 out.linears.update(zip(members, _packed_member_views(module)))
+        elif isinstance(module, VocabParallelEmbedding) and isinstance(getattr(module, "quant_method", None),
+                                                                       _PackedLinearMethod):  # fmt: skip
+            # an lm_head quantized in the checkpoint: its `weight`, if any, is the engine's dequantized or FP8 copy
+            out.not_offered[name] = f"the engine holds it through {type(module.quant_method).__name__}"
         elif isinstance(module, VocabParallelEmbedding) and isinstance(getattr(module, "weight", None), torch.Tensor):
             out.dense[f"{name}.weight"] = module.weight.detach()  # embed_tokens, and lm_head unless tied
     return out

@@ -20,6 +20,7 @@ names. Look one up with :func:`get_format` (``"nvfp4"``, ``"mxfp4"`` or a compre
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,3 +343,20 @@ def compressed_tensors_format(qc: Mapping[str, Any]) -> Format:
         if group.get("input_activations"):
             raise ValueError("config group quantizes activations (W4A4); only W4A16 loads here")
     return fmt
+
+
+#: how the ``modules_to_not_convert`` entry of :func:`compressed_tensors_untargeted` begins (a negative lookahead)
+UNTARGETED_PREFIX = "re:(?!"
+
+
+def compressed_tensors_untargeted(qc: Mapping[str, Any]) -> str | None:
+    """One ``re:`` entry (applied with ``re.match``, as compressed-tensors applies ``ignore``) matching every module
+    that no config group of ``qc`` targets, or None when a group names a class (a bare word: ``"Linear"``, every
+    linear, what ours and llm-compressor's presets write; which linears another class covers is the model's to say).
+    compressed-tensors quantizes only the targeted linears (a ``re:`` target with ``re.match``, a dotted module name
+    exactly) and saves the others dense, so loaders add this to what they keep dense."""
+    targets = [t for group in (qc.get("config_groups") or {}).values() for t in (group.get("targets") or [])]
+    if not targets or any(not t.startswith("re:") and "." not in t for t in targets):
+        return None
+    targeted = "|".join(f"(?:{t[3:]})" if t.startswith("re:") else f"(?:{re.escape(t)}$)" for t in targets)
+    return f"{UNTARGETED_PREFIX}{targeted})"

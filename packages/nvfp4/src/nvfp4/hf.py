@@ -43,7 +43,17 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .calibration import calibrate_model
-from .formats import CT_METHOD, FORMATS, MXFP4, NVFP4, Format, compressed_tensors_format, get_format
+from .formats import (
+    CT_METHOD,
+    FORMATS,
+    MXFP4,
+    NVFP4,
+    UNTARGETED_PREFIX,
+    Format,
+    compressed_tensors_format,
+    compressed_tensors_untargeted,
+    get_format,
+)
 from .linear import (
     CONVERTED_MODEL_HOOKS,
     DEFAULT_FUSED_GROUPS,
@@ -250,6 +260,9 @@ class NVFP4Config(QuantizationConfigMixin):
             ours["modules_to_not_convert"] = (
                 ["lm_head"] if ignore is None else [f"(?:{p[3:]}).*" if p.startswith("re:") else p for p in ignore]
             )
+        untargeted = compressed_tensors_untargeted(qc)  # linears no config group targets were saved dense
+        if untargeted is not None and untargeted not in ours["modules_to_not_convert"]:
+            ours["modules_to_not_convert"] = [*ours["modules_to_not_convert"], untargeted]
         return cls(method=method, **ours)
 
 
@@ -490,12 +503,16 @@ def _config_naming_dense_linears(cfg: NVFP4Config, model: nn.Module) -> NVFP4Con
     compressed-tensors would otherwise take as quantized (a tied lm_head, whose weight never reached the quantizer; a
     suffix or regex of ours, which compressed-tensors reads as an exact name): a saved config must name them, or every
     reader (ours, compressed-tensors, vLLM) looks for their 4-bit tensors. A copy: the caller's config may serve
-    another model next."""
-    left_dense = _linears_ct_would_quantize(model, cfg.modules_to_not_convert)
-    if not left_dense:
+    another model next. The entry naming the linears a loaded checkpoint's config groups did not target
+    (:func:`nvfp4.formats.compressed_tensors_untargeted`) is replaced by their names: stock vLLM matches ``ignore``
+    against a fused layer's own name first (``gate_up_proj``, no target), so the lookahead kept fused quantized
+    layers dense there."""
+    kept = [p for p in cfg.modules_to_not_convert if not p.startswith(UNTARGETED_PREFIX)]
+    left_dense = _linears_ct_would_quantize(model, kept)
+    if not left_dense and len(kept) == len(cfg.modules_to_not_convert):
         return cfg
     named = copy.copy(cfg)
-    named.modules_to_not_convert = [*cfg.modules_to_not_convert, *left_dense]
+    named.modules_to_not_convert = [*kept, *left_dense]
     return named
 
 

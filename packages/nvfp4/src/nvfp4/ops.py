@@ -44,6 +44,8 @@ def linear_reference(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference of ``nvfp4::linear`` (dequantize to ``x.dtype``, then ``F.linear``)."""
+    if bias is not None:  # in x's dtype, as the CUDA launcher takes it (F.linear refuses mixed dtypes)
+        bias = bias.to(x.dtype)
     return F.linear(x, dequantize(packed, scale, global_scale, x.dtype), bias)
 
 
@@ -181,7 +183,7 @@ def linear(
         x: ``[..., in]`` float32/float16/bfloat16 activations.
         packed: uint8 ``[out, in/2]`` (compressed-tensors layout) or ``[out/4, 2·in]`` (the kernels' MMA layout,
             :mod:`nvfp4.layout`); scale: float8_e4m3fn ``[out, in/16]`` (or ``[out/64, 4·in]`` beside the MMA layout); global_scale: float32 ``[1]``.
-        bias: optional ``[out]`` in ``x.dtype``.
+        bias: optional ``[out]``, cast to ``x.dtype``.
 
     Returns:
         ``[..., out]`` in ``x.dtype`` (float32 accumulation).

@@ -1,0 +1,34 @@
+"""What the public ops (:mod:`nvfp4.ops`) do with inputs a user or a framework hands them, on the CPU reference
+path (the CUDA launchers are checked against the same expectations in ``test_kernels.py``)."""
+
+from __future__ import annotations
+
+import nvfp4
+import pytest
+import torch
+from nvfp4.codec import dequantize, quantize
+
+
+def _weight(n: int = 32, k: int = 64):
+    torch.manual_seed(0)
+    return quantize(torch.randn(n, k))
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16])
+def test_bias_of_another_dtype_is_cast_to_x_dtype_as_the_kernels_do(bias_dtype):
+    """The CUDA launcher casts the bias to x's dtype; the reference (CPU, NVFP4_DISABLE_TRITON) failed with
+    'self and mat2 must have the same dtype', so the same call worked on a GPU and failed elsewhere."""
+    q = _weight()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    bias = torch.randn(32, dtype=bias_dtype)
+    ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16).double().T
+    ref += bias.to(torch.bfloat16).double()
+    y = nvfp4.linear(x, q.packed, q.scale, q.global_scale, bias)
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+    bias.requires_grad_()
+    nvfp4.linear(x, q.packed, q.scale, q.global_scale, bias).sum().backward()
+    assert bias.grad.dtype == bias_dtype and torch.allclose(bias.grad, torch.full((32,), 3.0, dtype=bias_dtype))
+    bias = bias.detach()
+    a, b = torch.randn(4, 64), torch.randn(32, 4)
+    y = nvfp4.ops.lora_linear(x, q.packed, q.scale, q.global_scale, bias, a, b, 0.5)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 32)

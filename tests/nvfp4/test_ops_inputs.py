@@ -32,3 +32,22 @@ def test_bias_of_another_dtype_is_cast_to_x_dtype_as_the_kernels_do(bias_dtype):
     a, b = torch.randn(4, 64), torch.randn(32, 4)
     y = nvfp4.ops.lora_linear(x, q.packed, q.scale, q.global_scale, bias, a, b, 0.5)
     assert y.dtype == torch.bfloat16 and y.shape == (3, 32)
+
+
+@pytest.mark.parametrize("shape", [(1,), (32, 1), (33,), (16,)])
+def test_bias_not_of_out_features_is_refused(shape):
+    """A bias of another shape than [out] broadcast in the reference ([1]) while the kernels read [out] elements
+    from it (past its end on CUDA): the op now refuses it in one line."""
+    q = _weight()
+    x = torch.randn(3, 64)
+    bias = torch.randn(shape)
+    with pytest.raises(ValueError, match=r"bias .* \[32\]"):
+        nvfp4.linear(x, q.packed, q.scale, q.global_scale, bias)
+    with pytest.raises(ValueError, match=r"bias .* \[32\]"):
+        nvfp4.ops.lora_linear(x, q.packed, q.scale, q.global_scale, bias, torch.randn(4, 64), torch.randn(32, 4), 1.0)
+
+
+def test_zero_dim_input_is_refused_in_one_line():
+    q = _weight()
+    with pytest.raises(ValueError, match="at least one dimension"):
+        nvfp4.linear(torch.tensor(1.0), q.packed, q.scale, q.global_scale)

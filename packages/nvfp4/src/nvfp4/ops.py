@@ -161,13 +161,21 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_features(op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+def _check_features(
+    op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
     # the weight is dequantized to x.dtype: integer inputs would truncate it (zeros for every value below 1)
     if not x.is_floating_point():
         raise ValueError(f"{op}: x must be floating-point (float32/float16/bfloat16), got {x.dtype}")
-    k = weight_shape(packed, scale)[1]
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension ([..., in]), got a 0-dim tensor")
+    n, k = weight_shape(packed, scale)
     if x.shape[-1] != k:
         raise ValueError(f"{op}: x has {x.shape[-1]} input features, the weight expects {k}")
+    # the kernels read [out] elements of the bias (a [1] bias would broadcast in the reference, and be read past
+    # its end on CUDA)
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{op}: bias has shape {list(bias.shape)}, the weight's outputs need [{n}]")
 
 
 def linear(
@@ -188,7 +196,7 @@ def linear(
     Returns:
         ``[..., out]`` in ``x.dtype`` (float32 accumulation).
     """
-    _check_features("nvfp4.linear", x, packed, scale)
+    _check_features("nvfp4.linear", x, packed, scale, bias)
     return _linear_op(x, packed, scale, global_scale, bias)
 
 
@@ -224,7 +232,7 @@ def lora_linear(
     Raises:
         RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
     """
-    _check_features("nvfp4.lora_linear", x, packed, scale)
+    _check_features("nvfp4.lora_linear", x, packed, scale, bias)
     if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
         raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")
     return _lora_linear_op(x, packed, scale, global_scale, bias, lora_a, lora_b, float(scaling))

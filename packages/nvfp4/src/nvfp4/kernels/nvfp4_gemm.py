@@ -478,6 +478,8 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         x2 = x2.contiguous()
     m = x2.shape[0]
     if bias is not None:
+        if tuple(bias.shape) != (n,):  # the kernels read n elements of it
+            raise ValueError(f"nvfp4_linear: bias has shape {list(bias.shape)}, the weight's outputs need [{n}]")
         bias = bias.to(x.dtype).contiguous()
     if m == 0:
         return x.new_empty((*lead, n))

@@ -51,3 +51,13 @@ def test_zero_dim_input_is_refused_in_one_line():
     q = _weight()
     with pytest.raises(ValueError, match="at least one dimension"):
         nvfp4.linear(torch.tensor(1.0), q.packed, q.scale, q.global_scale)
+
+
+def test_dgrad_refuses_integer_dy_instead_of_computing_in_integers():
+    """linear_dgrad dequantized the weight to dy's dtype: an integer dy truncated every 4-bit value below 1 to 0 and
+    returned an integer 'gradient'; linear refuses integer x, and now so does linear_dgrad."""
+    q = _weight()
+    with pytest.raises(ValueError, match="floating-point"):
+        nvfp4.linear_dgrad(torch.ones(2, 32, dtype=torch.int32), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        nvfp4.linear_dgrad(torch.tensor(1.0), q.packed, q.scale, q.global_scale)

@@ -202,6 +202,11 @@ def linear(
 
 def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``dx = dy · dequant(W)``: dy ``[..., out]`` → dx ``[..., in]`` in ``dy.dtype``."""
+    # the weight is dequantized to dy.dtype, as in linear: an integer dy would truncate it
+    if not dy.is_floating_point():
+        raise ValueError(f"nvfp4.linear_dgrad: dy must be floating-point (float32/float16/bfloat16), got {dy.dtype}")
+    if dy.dim() == 0:
+        raise ValueError("nvfp4.linear_dgrad: dy must have at least one dimension ([..., out]), got a 0-dim tensor")
     n = weight_shape(packed, scale)[0]
     if dy.shape[-1] != n:
         raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")

@@ -61,3 +61,16 @@ def test_dgrad_refuses_integer_dy_instead_of_computing_in_integers():
         nvfp4.linear_dgrad(torch.ones(2, 32, dtype=torch.int32), q.packed, q.scale, q.global_scale)
     with pytest.raises(ValueError, match="at least one dimension"):
         nvfp4.linear_dgrad(torch.tensor(1.0), q.packed, q.scale, q.global_scale)
+
+
+def test_lora_linear_refuses_a_bias_that_needs_a_gradient_up_front():
+    """lora_linear has no backward and says so when x or the adapter needs a gradient; a trainable bias (PEFT's
+    bias="all") passed, and the call failed only at backward, far from it ('no autograd formula was registered')."""
+    q = _weight()
+    bias = torch.randn(32, requires_grad=True)
+    a, b = torch.randn(4, 64), torch.randn(32, 4)
+    with pytest.raises(RuntimeError, match="no backward"):
+        nvfp4.ops.lora_linear(torch.randn(3, 64), q.packed, q.scale, q.global_scale, bias, a, b, 0.5)
+    with torch.no_grad():
+        y = nvfp4.ops.lora_linear(torch.randn(3, 64), q.packed, q.scale, q.global_scale, bias, a, b, 0.5)
+    assert y.shape == (3, 32) and not y.requires_grad

@@ -238,6 +238,7 @@ def lora_linear(
         RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
     """
     _check_features("nvfp4.lora_linear", x, packed, scale, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
+    needs_grad = (t is not None and t.requires_grad for t in (x, bias, lora_a, lora_b))
+    if torch.is_grad_enabled() and any(needs_grad):
         raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")
     return _lora_linear_op(x, packed, scale, global_scale, bias, lora_a, lora_b, float(scaling))

@@ -3,10 +3,16 @@ path (the CUDA launchers are checked against the same expectations in ``test_ker
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import nvfp4
 import pytest
 import torch
 from nvfp4.codec import dequantize, quantize
+from triton_interpreter import run_under_interpreter
+
+SRC = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
 
 
 def _weight(n: int = 32, k: int = 64):
@@ -74,3 +80,42 @@ def test_lora_linear_refuses_a_bias_that_needs_a_gradient_up_front():
     with torch.no_grad():
         y = nvfp4.ops.lora_linear(torch.randn(3, 64), q.packed, q.scale, q.global_scale, bias, a, b, 0.5)
     assert y.shape == (3, 32) and not y.requires_grad
+
+
+_FLOAT64_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from nvfp4.codec import dequantize, quantize
+    from nvfp4.layout import to_mma_layout
+    from nvfp4.kernels import nvfp4_gemm, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
+
+    nvfp4_gemm.POISON_OUTPUTS = True
+    torch.manual_seed(0)
+    n, k = 64, 256
+    q = quantize(torch.randn(n, k))
+    wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
+    x, dy = torch.randn(3, k, dtype=torch.float64), torch.randn(3, n, dtype=torch.float64)
+    a, b = torch.randn(4, k, dtype=torch.float64), torch.randn(n, 4, dtype=torch.float64)
+
+    def rel(y, ref):
+        return [str(y.dtype), float("nan") if torch.isnan(y).any() else ((y - ref).norm() / ref.norm()).item()]
+
+    out = {}
+    for name, packed in (("ct", q.packed), ("mma", to_mma_layout(q.packed))):
+        out["linear_" + name] = rel(nvfp4_linear(x, packed, q.scale, q.global_scale), x @ wd.T)
+        out["dgrad_" + name] = rel(nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale), dy @ wd)
+        y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, None, a, b, 0.5)
+        out["lora_" + name] = rel(y, x @ wd.T + 0.5 * (x @ a.T) @ b.T)
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_float64_activations_take_the_full_precision_path_under_triton_interpreter():
+    """The ops accept any floating x (the reference computes float64 exactly), but the CUDA launchers sent only
+    float32 to dequantize + matmul: float64 went into the fp16/bf16 kernels and came back NaN (outputs never written
+    under the interpreter). float64 now takes the dequantize path as float32 does."""
+    results = run_under_interpreter(_FLOAT64_SCRIPT, timeout=600, extra_path=[SRC])
+    for name, (dtype, err) in results.items():
+        assert dtype == "torch.float64" and err < 1e-12, (name, dtype, err)

@@ -66,6 +66,11 @@ def _fast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+#: activation dtypes the fused kernels compute in; any other (float32, float64) takes dequantize + matmul, a full
+#: precision product in that dtype (the reference's numbers)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -404,7 +409,7 @@ def nvfp4_linear(
     """``y = x · dequant(W)ᵀ + bias`` on CUDA (or the Triton interpreter).
 
     Args:
-        x: ``[..., K]`` float16/bfloat16 (float32 goes through the dequantize path, full fp32 product).
+        x: ``[..., K]`` float16/bfloat16 (float32/float64 go through the dequantize path, a full precision product).
         packed: uint8 ``[N, K/2]``; scale: float8_e4m3fn ``[N, K/16]``; global_scale: float32 ``[1]``.
         bias: optional ``[N]``.
         config: override the tuned :func:`linear_config` (benchmarks, tests).
@@ -493,7 +498,7 @@ def _linear(x, packed, scale, global_scale, bias, config, lora):
         # fp16, the interpreter, another GPU, or a first call inside a graph capture (no flags yet): the form the
         # table's rule takes without this kernel
         cfg = _without_ws(m, n, k, x.dtype)
-    if cfg.dequant or x.dtype == torch.float32:
+    if cfg.dequant or x.dtype not in _KERNEL_DTYPES:
         w = dequantize_triton(packed, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
         if lora is not None:
@@ -596,7 +601,7 @@ def nvfp4_linear_dgrad(
     if m == 0:
         return dy.new_empty((*lead, k))
     cfg = config or dgrad_config(m, n, k, mma=mma)
-    if cfg.dequant or dy.dtype == torch.float32:
+    if cfg.dequant or dy.dtype not in _KERNEL_DTYPES:
         w = dequantize_triton(packed, scale, global_scale, dy.dtype)
         return (g2 @ w).reshape(*lead, k)
     if cfg.mma != mma:

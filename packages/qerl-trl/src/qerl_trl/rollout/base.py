@@ -81,6 +81,10 @@ class RolloutEngine:
         engine cannot honour; ``QeRLConfig`` calls it once, after parsing. Subclasses call ``super().check_config``."""
         if not isinstance(getattr(cls, "holds_generation_memory", None), bool):
             raise TypeError(f"rollout engine {cls.__name__} must set holds_generation_memory (True or False)")
+        # TRL's vLLM branch would generate instead of the engine, syncing by merging the adapter into the base
+        if cfg.use_vllm:
+            raise ValueError(f"rollout_engine={cls.name!r}: keep use_vllm=False (TRL's vLLM path merges the LoRA "
+                             "adapter into the 4-bit base weights); for vLLM rollouts use rollout_engine='vllm'")  # fmt: skip
         if cfg.rollout_seed_per_prompt and (
             not cls.seeds_per_prompt or cfg.use_vllm or cfg.use_transformers_continuous_batching
         ):

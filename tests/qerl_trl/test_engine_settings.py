@@ -1,0 +1,17 @@
+"""Generation settings every rollout engine must either honour or refuse when the config is built (``QeRLConfig``
+calls the engine's ``check_config``): a TRL setting that one engine applies and another silently drops makes the run
+differ from what its config says."""
+
+from __future__ import annotations
+
+import pytest
+from qerl_trl.config import QeRLConfig
+
+ENGINES = ["transformers", "graph", "vllm"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_use_vllm_is_refused_by_every_engine(engine):
+    # TRL's own vLLM path merges the LoRA adapter into the 4-bit base; the transformers engine would enter it
+    with pytest.raises(ValueError, match="use_vllm"):
+        QeRLConfig(output_dir="x", rollout_engine=engine, use_vllm=True)

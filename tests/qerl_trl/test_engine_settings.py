@@ -15,3 +15,16 @@ def test_use_vllm_is_refused_by_every_engine(engine):
     # TRL's own vLLM path merges the LoRA adapter into the 4-bit base; the transformers engine would enter it
     with pytest.raises(ValueError, match="use_vllm"):
         QeRLConfig(output_dir="x", rollout_engine=engine, use_vllm=True)
+
+
+@pytest.mark.parametrize("engine", ["graph", "vllm"])
+def test_vespo_with_sequence_level_correction_is_refused(engine):
+    # TRL refuses it under its use_vllm flag, which the trainer sets only after TRL's __init__ checked: refused here
+    for mode in ("sequence_mask", "sequence_truncate"):
+        with pytest.raises(ValueError, match="vespo"):
+            QeRLConfig(output_dir="x", rollout_engine=engine, loss_type="vespo",
+                       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode)  # fmt: skip
+    QeRLConfig(output_dir="x", rollout_engine=engine, loss_type="vespo", vllm_importance_sampling_correction=True,
+               vllm_importance_sampling_mode="token_mask")  # fmt: skip
+    QeRLConfig(output_dir="x", rollout_engine=engine, loss_type="vespo", vllm_importance_sampling_correction=False,
+               vllm_importance_sampling_mode="sequence_mask")  # fmt: skip

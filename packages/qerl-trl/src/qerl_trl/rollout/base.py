@@ -108,6 +108,17 @@ class RolloutEngine:
             raise ValueError(f"rollout_precision={precision.name!r} makes its FP8 copy from NVFP4 weights; "
                              f"quantization={cfg.quantization!r} has none: use an nvfp4-* quantization or "
                              "rollout_precision='w4a16'")  # fmt: skip
+        if (
+            cls.sampling_logprobs
+            and cfg.loss_type == "vespo"
+            and cfg.vllm_importance_sampling_correction
+            and cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            # TRL's own check runs under its use_vllm flag, which the trainer sets for these engines after TRL's
+            # __init__: without this, VESPO would take a per-sequence ratio TRL refuses
+            raise ValueError(f"loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
+                             f"with the importance-sampling correction of rollout_engine={cls.name!r}, got "
+                             f"{cfg.vllm_importance_sampling_mode!r}")  # fmt: skip
         if precision.fp8_copy and cfg.vllm_importance_sampling_correction and not cls.sampling_logprobs:
             # TRL's correction reads the engine's sampling logprobs; without them the FP8-vs-trainer gap (a numeric one,
             # unlike AQN's noise) goes into the loss as it is: said once here instead of a True setting doing nothing

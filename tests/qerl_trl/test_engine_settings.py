@@ -28,3 +28,14 @@ def test_vespo_with_sequence_level_correction_is_refused(engine):
                vllm_importance_sampling_mode="token_mask")  # fmt: skip
     QeRLConfig(output_dir="x", rollout_engine=engine, loss_type="vespo", vllm_importance_sampling_correction=False,
                vllm_importance_sampling_mode="sequence_mask")  # fmt: skip
+
+
+def test_transformers_refuses_generation_kwargs_generate_ignores():
+    # GenerationConfig keeps any key as an attribute and generate() never reads it: vLLM's spelling of a setting
+    # (min_tokens, stop) would be dropped without a word, while the vLLM engine applies it
+    for bad in ({"min_tokens": 4}, {"stop": ["\n\n"]}, {"min_new_tokens": 2, "ignore_eos": True}):
+        with pytest.raises(ValueError, match=next(k for k in bad if k != "min_new_tokens")):
+            QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs=bad)
+    QeRLConfig(output_dir="x", rollout_engine="transformers",
+               generation_kwargs={"min_new_tokens": 4, "stop_strings": ["\n\n"], "max_cache_len": 64,
+                                  "no_repeat_ngram_size": 3, "suppress_tokens": [3]})  # fmt: skip

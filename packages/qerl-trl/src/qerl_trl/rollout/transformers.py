@@ -26,6 +26,19 @@ class TransformersRollout(RolloutEngine):
     holds_generation_memory = True  # the policy's own KV cache, on the training GPU: the whole batch must fit
 
     @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Refuse ``generation_kwargs`` keys that are no ``GenerationConfig`` setting: TRL passes them to
+        ``GenerationConfig(**...)``, which keeps any key as an attribute that ``generate`` never reads (vLLM's
+        ``min_tokens``, ``stop``, ... would be dropped silently, while the vLLM engine applies them)."""
+        super().check_config(cfg)
+        known = GenerationConfig().to_dict()
+        unknown = sorted(k for k in (cfg.generation_kwargs or {}) if k not in known)
+        if unknown:
+            raise ValueError(f"rollout_engine='transformers' ignores generation_kwargs {unknown}: they are no "
+                             "transformers GenerationConfig settings (vLLM SamplingParams names?); use GenerationConfig "
+                             "names (e.g. min_new_tokens, stop_strings) or rollout_engine='vllm'")  # fmt: skip
+
+    @classmethod
     def check_evaluation(cls, scheme) -> None:
         """Every ``quantization`` evaluates through the model's own ``generate``."""
 

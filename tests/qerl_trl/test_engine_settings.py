@@ -39,3 +39,24 @@ def test_transformers_refuses_generation_kwargs_generate_ignores():
     QeRLConfig(output_dir="x", rollout_engine="transformers",
                generation_kwargs={"min_new_tokens": 4, "stop_strings": ["\n\n"], "max_cache_len": 64,
                                   "no_repeat_ngram_size": 3, "suppress_tokens": [3]})  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", ["transformers", "graph"])
+def test_structured_outputs_regex_is_refused_where_not_applied(engine):
+    # TRL's vllm_structured_outputs_regex constrains vLLM's sampling; these engines have nothing that applies it
+    with pytest.raises(ValueError, match="vllm_structured_outputs_regex"):
+        QeRLConfig(output_dir="x", rollout_engine=engine, vllm_structured_outputs_regex=r"\d+")
+
+
+def test_vllm_engine_applies_structured_outputs_regex():
+    from types import SimpleNamespace
+
+    from qerl_trl.rollout.vllm import sampling_kwargs
+
+    cfg = QeRLConfig(output_dir="x", rollout_engine="vllm", vllm_structured_outputs_regex=r"\d+",
+                     generation_kwargs={"structured_outputs": {"choice": ["a"]}, "min_tokens": 2})  # fmt: skip
+    trainer = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=None, min_p=None, repetition_penalty=1.0,
+                              max_completion_length=8, args=cfg)  # fmt: skip
+    sp = sampling_kwargs(trainer, 4)
+    assert sp["structured_outputs"] == {"regex": r"\d+"} and sp["min_tokens"] == 2  # the regex wins, as in TRL
+    assert cfg.generation_kwargs["structured_outputs"] == {"choice": ["a"]}  # the config is left as given

@@ -55,6 +55,8 @@ class RolloutEngine:
         generates_from_copy: whether it generates from a copy of the policy in an engine of its own, loaded from a
             saved checkpoint (vLLM): the LoRA adapter goes there every step and the sampling settings are that
             engine's; ``False``: the trainer's policy module generates itself.
+        structured_outputs: whether it constrains sampling to TRL's ``vllm_structured_outputs_regex`` (vLLM's
+            structured outputs); the base class refuses the setting for the others in :meth:`check_config`.
     """
 
     name: ClassVar[str]
@@ -64,6 +66,7 @@ class RolloutEngine:
     sampling_logprobs: ClassVar[bool] = False
     rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
     generates_from_copy: ClassVar[bool] = False
+    structured_outputs: ClassVar[bool] = False
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -85,6 +88,9 @@ class RolloutEngine:
         if cfg.use_vllm:
             raise ValueError(f"rollout_engine={cls.name!r}: keep use_vllm=False (TRL's vLLM path merges the LoRA "
                              "adapter into the 4-bit base weights); for vLLM rollouts use rollout_engine='vllm'")  # fmt: skip
+        if cfg.vllm_structured_outputs_regex is not None and not cls.structured_outputs:
+            raise ValueError(f"rollout_engine={cls.name!r} cannot constrain sampling to vllm_structured_outputs_regex: "
+                             "use rollout_engine='vllm' or unset it")  # fmt: skip
         if cfg.rollout_seed_per_prompt and (
             not cls.seeds_per_prompt or cfg.use_vllm or cfg.use_transformers_continuous_batching
         ):

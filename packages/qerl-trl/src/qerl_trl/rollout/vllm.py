@@ -242,6 +242,9 @@ def sampling_kwargs(trainer: Any, n: int) -> dict[str, Any]:
         "max_tokens": trainer.max_completion_length,
     }
     sp.update(trainer.args.generation_kwargs or {})
+    regex = getattr(trainer.args, "vllm_structured_outputs_regex", None)
+    if regex is not None:  # TRL's setting; it takes precedence over generation_kwargs' structured_outputs, as in TRL
+        sp["structured_outputs"] = {"regex": regex}
     if sp.get("logit_bias"):  # from YAML / a JSON command line its token ids are strings; vLLM compares them as ints
         sp["logit_bias"] = {int(t): float(b) for t, b in sp["logit_bias"].items()}
     return sp
@@ -400,6 +403,10 @@ class ColocateVLLMGeneration(_VLLMGeneration):
     def _generate(self, prompts, sampling):
         if self.tp_group is not None:
             self.trainer.accelerator.wait_for_everyone()  # TRL's drain of the training collectives before vLLM's TP ones
+        if isinstance(sampling.get("structured_outputs"), Mapping):  # SamplingParams takes the object, not a dict
+            from vllm.sampling_params import StructuredOutputsParams
+
+            sampling = {**sampling, "structured_outputs": StructuredOutputsParams(**sampling["structured_outputs"])}
         gens = self.engine.generate(prompts, sampling)
         return [g.token_ids for g in gens], [g.logprobs for g in gens]
 
@@ -556,6 +563,7 @@ class VLLMRollout(RolloutEngine):
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
     sampling_logprobs = True  # vLLM's processed logprobs: TRL's importance-sampling correction applies
     generates_from_copy = True  # its engine loads the policy's checkpoint; the adapter is synced to it every step
+    structured_outputs = True  # vllm_structured_outputs_regex goes into the sampling settings (sampling_kwargs)
     rollout_precisions = ("w4a16", "fp8", "auto")  # colocate; a server's is its own --additional-config
 
     @classmethod

@@ -60,3 +60,13 @@ def test_vllm_engine_applies_structured_outputs_regex():
     sp = sampling_kwargs(trainer, 4)
     assert sp["structured_outputs"] == {"regex": r"\d+"} and sp["min_tokens"] == 2  # the regex wins, as in TRL
     assert cfg.generation_kwargs["structured_outputs"] == {"choice": ["a"]}  # the config is left as given
+
+
+@pytest.mark.parametrize("server_url", [None, "http://127.0.0.1:8000"])
+def test_vllm_refuses_transformers_generation_kwargs(server_url):
+    # transformers' names for what the other engines apply: a vLLM server drops unknown request fields silently
+    for bad in ({"max_new_tokens": 8}, {"min_new_tokens": 4}, {"do_sample": False}, {"no_repeat_ngram_size": 3}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            QeRLConfig(output_dir="x", rollout_engine="vllm", vllm={"server_url": server_url}, generation_kwargs=bad)
+    QeRLConfig(output_dir="x", rollout_engine="vllm", vllm={"server_url": server_url},
+               generation_kwargs={"min_tokens": 2, "stop_token_ids": [3], "top_p": 0.9, "seed": 1})  # fmt: skip

@@ -79,6 +79,8 @@ __all__ = [
 ]
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the settings vLLM's SamplingParams and transformers' GenerationConfig both name (the same way)
+_SHARED_SAMPLING_NAMES = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 #: what needs vLLM in a missing-package error (with the other way: a server, which brings its own)
 _COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"
 
@@ -581,6 +583,14 @@ class VLLMRollout(RolloutEngine):
             )
         if cfg.aqn and cfg.aqn_mode != "per_step":
             raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        from transformers import GenerationConfig
+
+        hf_names = GenerationConfig().to_dict().keys() - _SHARED_SAMPLING_NAMES
+        hf_only = sorted(k for k in (cfg.generation_kwargs or {}) if k in hf_names)
+        if hf_only:  # colocated: SamplingParams raises at the first generation; a server drops unknown fields silently
+            raise ValueError(f"rollout_engine='vllm' takes vLLM SamplingParams names in generation_kwargs, not "
+                             f"transformers' {hf_only} (max_completion_length sets max_tokens; e.g. min_tokens, "
+                             "stop_token_ids, stop)")  # fmt: skip
         if cfg.rollout_precision_spec.fp8_copy and cfg.vllm.server_url:
             raise ValueError("rollout_precision is a vLLM server's own setting: start it with --additional-config "
                              "'{\"qerl_rollout_precision\": \"fp8\"}' and keep rollout_precision='w4a16' here")

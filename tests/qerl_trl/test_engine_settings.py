@@ -37,8 +37,14 @@ def test_transformers_refuses_generation_kwargs_generate_ignores():
         with pytest.raises(ValueError, match=next(k for k in bad if k != "min_new_tokens")):
             QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs=bad)
     QeRLConfig(output_dir="x", rollout_engine="transformers",
-               generation_kwargs={"min_new_tokens": 4, "stop_strings": ["\n\n"], "max_cache_len": 64,
-                                  "no_repeat_ngram_size": 3, "suppress_tokens": [3]})  # fmt: skip
+               generation_kwargs={"min_new_tokens": 4, "max_cache_len": 64, "no_repeat_ngram_size": 3,
+                                  "suppress_tokens": [3]})  # fmt: skip
+
+
+def test_transformers_refuses_stop_strings_up_front():
+    # generate() needs a tokenizer for stop strings, which TRL's call does not pass: it raised at the first step
+    with pytest.raises(ValueError, match="stop_strings"):
+        QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs={"stop_strings": ["\n\n"]})
 
 
 @pytest.mark.parametrize("engine", ["transformers", "graph"])

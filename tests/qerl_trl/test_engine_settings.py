@@ -76,3 +76,9 @@ def test_vllm_refuses_transformers_generation_kwargs(server_url):
             QeRLConfig(output_dir="x", rollout_engine="vllm", vllm={"server_url": server_url}, generation_kwargs=bad)
     QeRLConfig(output_dir="x", rollout_engine="vllm", vllm={"server_url": server_url},
                generation_kwargs={"min_tokens": 2, "stop_token_ids": [3], "top_p": 0.9, "seed": 1})  # fmt: skip
+
+
+def test_vllm_refuses_transformers_continuous_batching():
+    # continuous batching is the transformers engine's way to generate; the vLLM engine would ignore the switch
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
+        QeRLConfig(output_dir="x", rollout_engine="vllm", use_transformers_continuous_batching=True)

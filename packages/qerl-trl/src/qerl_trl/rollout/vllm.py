@@ -598,6 +598,9 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
+        if cfg.use_transformers_continuous_batching:  # the transformers engine's generation; nothing here reads it
+            raise ValueError("rollout_engine='vllm' generates with vLLM: keep use_transformers_continuous_batching=False "
+                             "(or use rollout_engine='transformers')")  # fmt: skip
 
     @classmethod
     def check_environment(cls, cfg: Any) -> None:

@@ -82,3 +82,9 @@ def test_vllm_refuses_transformers_continuous_batching():
     # continuous batching is the transformers engine's way to generate; the vLLM engine would ignore the switch
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         QeRLConfig(output_dir="x", rollout_engine="vllm", use_transformers_continuous_batching=True)
+
+
+def test_vllm_refuses_n_in_generation_kwargs():
+    # the engine sends each group of num_generations rows once with n=num_generations: another n breaks the row count
+    with pytest.raises(ValueError, match="num_generations"):
+        QeRLConfig(output_dir="x", rollout_engine="vllm", generation_kwargs={"n": 2})

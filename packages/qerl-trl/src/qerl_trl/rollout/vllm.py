@@ -598,6 +598,9 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
+        if "n" in (cfg.generation_kwargs or {}):  # sampling_kwargs sets n per call: one group of rows, once
+            raise ValueError("rollout_engine='vllm' samples num_generations completions per prompt: set "
+                             "num_generations, not generation_kwargs['n']")  # fmt: skip
         if cfg.use_transformers_continuous_batching:  # the transformers engine's generation; nothing here reads it
             raise ValueError("rollout_engine='vllm' generates with vLLM: keep use_transformers_continuous_batching=False "
                              "(or use rollout_engine='transformers')")  # fmt: skip

@@ -88,3 +88,10 @@ def test_vllm_refuses_n_in_generation_kwargs():
     # the engine sends each group of num_generations rows once with n=num_generations: another n breaks the row count
     with pytest.raises(ValueError, match="num_generations"):
         QeRLConfig(output_dir="x", rollout_engine="vllm", generation_kwargs={"n": 2})
+
+
+def test_transformers_refuses_num_return_sequences():
+    # generate() would return k rows per prompt row: the completions no longer line up with TRL's prompts
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs={"num_return_sequences": 2})
+    QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs={"num_return_sequences": 1})

@@ -38,6 +38,10 @@ class TransformersRollout(RolloutEngine):
             raise ValueError(f"rollout_engine='transformers' ignores generation_kwargs {unknown}: they are no "
                              "transformers GenerationConfig settings (vLLM SamplingParams names?); use GenerationConfig "
                              "names (e.g. min_new_tokens, eos_token_id) or rollout_engine='vllm'")  # fmt: skip
+        if (cfg.generation_kwargs or {}).get("num_return_sequences", 1) != 1:  # k rows per prompt row
+            raise ValueError("rollout_engine='transformers' generates one completion per prompt row (TRL repeats each "
+                             "prompt num_generations times): set num_generations, not "
+                             "generation_kwargs['num_return_sequences']")  # fmt: skip
         if (cfg.generation_kwargs or {}).get("stop_strings"):  # generate() raises without one, at the first step
             raise ValueError("rollout_engine='transformers' cannot stop on generation_kwargs['stop_strings']: TRL's "
                              "generate call passes no tokenizer; use eos_token_id, or rollout_engine='vllm' with "

@@ -95,3 +95,12 @@ def test_transformers_refuses_num_return_sequences():
     with pytest.raises(ValueError, match="num_return_sequences"):
         QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs={"num_return_sequences": 2})
     QeRLConfig(output_dir="x", rollout_engine="transformers", generation_kwargs={"num_return_sequences": 1})
+
+
+def test_transformers_refuses_vllms_no_top_k_up_front():
+    # top_k=-1 is "no top-k" for vLLM and the graph engine; transformers' generate raised on it at the first step
+    for kw in ({"top_k": -1}, {"generation_kwargs": {"top_k": -1}}):
+        with pytest.raises(ValueError, match="top_k=0"):
+            QeRLConfig(output_dir="x", rollout_engine="transformers", **kw)
+    QeRLConfig(output_dir="x", rollout_engine="transformers", top_k=0)
+    QeRLConfig(output_dir="x", rollout_engine="transformers", top_k=20)

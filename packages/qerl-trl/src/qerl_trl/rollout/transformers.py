@@ -38,6 +38,10 @@ class TransformersRollout(RolloutEngine):
             raise ValueError(f"rollout_engine='transformers' ignores generation_kwargs {unknown}: they are no "
                              "transformers GenerationConfig settings (vLLM SamplingParams names?); use GenerationConfig "
                              "names (e.g. min_new_tokens, eos_token_id) or rollout_engine='vllm'")  # fmt: skip
+        top_k = (cfg.generation_kwargs or {}).get("top_k", cfg.top_k)
+        if top_k is not None and top_k < 0:  # generate's top-k warper raises on it, at the first step
+            raise ValueError(f"rollout_engine='transformers' takes top_k=0 (or None) for no top-k, not {top_k} "
+                             "(vLLM's spelling)")  # fmt: skip
         if (cfg.generation_kwargs or {}).get("num_return_sequences", 1) != 1:  # k rows per prompt row
             raise ValueError("rollout_engine='transformers' generates one completion per prompt row (TRL repeats each "
                              "prompt num_generations times): set num_generations, not "

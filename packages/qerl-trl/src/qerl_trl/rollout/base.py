@@ -55,6 +55,8 @@ class RolloutEngine:
         generates_from_copy: whether it generates from a copy of the policy in an engine of its own, loaded from a
             saved checkpoint (vLLM): the LoRA adapter goes there every step and the sampling settings are that
             engine's; ``False``: the trainer's policy module generates itself.
+        structured_outputs: whether it constrains sampling to TRL's ``vllm_structured_outputs_regex`` (vLLM's
+            structured outputs); the base class refuses the setting for the others in :meth:`check_config`.
     """
 
     name: ClassVar[str]
@@ -64,6 +66,7 @@ class RolloutEngine:
     sampling_logprobs: ClassVar[bool] = False
     rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
     generates_from_copy: ClassVar[bool] = False
+    structured_outputs: ClassVar[bool] = False
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:
@@ -81,6 +84,13 @@ class RolloutEngine:
         engine cannot honour; ``QeRLConfig`` calls it once, after parsing. Subclasses call ``super().check_config``."""
         if not isinstance(getattr(cls, "holds_generation_memory", None), bool):
             raise TypeError(f"rollout engine {cls.__name__} must set holds_generation_memory (True or False)")
+        # TRL's vLLM branch would generate instead of the engine, syncing by merging the adapter into the base
+        if cfg.use_vllm:
+            raise ValueError(f"rollout_engine={cls.name!r}: keep use_vllm=False (TRL's vLLM path merges the LoRA "
+                             "adapter into the 4-bit base weights); for vLLM rollouts use rollout_engine='vllm'")  # fmt: skip
+        if cfg.vllm_structured_outputs_regex is not None and not cls.structured_outputs:
+            raise ValueError(f"rollout_engine={cls.name!r} cannot constrain sampling to vllm_structured_outputs_regex: "
+                             "use rollout_engine='vllm' or unset it")  # fmt: skip
         if cfg.rollout_seed_per_prompt and (
             not cls.seeds_per_prompt or cfg.use_vllm or cfg.use_transformers_continuous_batching
         ):
@@ -104,6 +114,17 @@ class RolloutEngine:
             raise ValueError(f"rollout_precision={precision.name!r} makes its FP8 copy from NVFP4 weights; "
                              f"quantization={cfg.quantization!r} has none: use an nvfp4-* quantization or "
                              "rollout_precision='w4a16'")  # fmt: skip
+        if (
+            cls.sampling_logprobs
+            and cfg.loss_type == "vespo"
+            and cfg.vllm_importance_sampling_correction
+            and cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            # TRL's own check runs under its use_vllm flag, which the trainer sets for these engines after TRL's
+            # __init__: without this, VESPO would take a per-sequence ratio TRL refuses
+            raise ValueError(f"loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
+                             f"with the importance-sampling correction of rollout_engine={cls.name!r}, got "
+                             f"{cfg.vllm_importance_sampling_mode!r}")  # fmt: skip
         if precision.fp8_copy and cfg.vllm_importance_sampling_correction and not cls.sampling_logprobs:
             # TRL's correction reads the engine's sampling logprobs; without them the FP8-vs-trainer gap (a numeric one,
             # unlike AQN's noise) goes into the loss as it is: said once here instead of a True setting doing nothing

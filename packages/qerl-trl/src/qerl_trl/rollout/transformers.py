@@ -26,6 +26,32 @@ class TransformersRollout(RolloutEngine):
     holds_generation_memory = True  # the policy's own KV cache, on the training GPU: the whole batch must fit
 
     @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Refuse ``generation_kwargs`` keys that are no ``GenerationConfig`` setting: TRL passes them to
+        ``GenerationConfig(**...)``, which keeps any key as an attribute that ``generate`` never reads (vLLM's
+        ``min_tokens``, ``stop``, ... would be dropped silently, while the vLLM engine applies them). And
+        ``stop_strings``, which ``generate`` takes only with a tokenizer that TRL's call does not pass."""
+        super().check_config(cfg)
+        known = GenerationConfig().to_dict()
+        unknown = sorted(k for k in (cfg.generation_kwargs or {}) if k not in known)
+        if unknown:
+            raise ValueError(f"rollout_engine='transformers' ignores generation_kwargs {unknown}: they are no "
+                             "transformers GenerationConfig settings (vLLM SamplingParams names?); use GenerationConfig "
+                             "names (e.g. min_new_tokens, eos_token_id) or rollout_engine='vllm'")  # fmt: skip
+        top_k = (cfg.generation_kwargs or {}).get("top_k", cfg.top_k)
+        if top_k is not None and top_k < 0:  # generate's top-k warper raises on it, at the first step
+            raise ValueError(f"rollout_engine='transformers' takes top_k=0 (or None) for no top-k, not {top_k} "
+                             "(vLLM's spelling)")  # fmt: skip
+        if (cfg.generation_kwargs or {}).get("num_return_sequences", 1) != 1:  # k rows per prompt row
+            raise ValueError("rollout_engine='transformers' generates one completion per prompt row (TRL repeats each "
+                             "prompt num_generations times): set num_generations, not "
+                             "generation_kwargs['num_return_sequences']")  # fmt: skip
+        if (cfg.generation_kwargs or {}).get("stop_strings"):  # generate() raises without one, at the first step
+            raise ValueError("rollout_engine='transformers' cannot stop on generation_kwargs['stop_strings']: TRL's "
+                             "generate call passes no tokenizer; use eos_token_id, or rollout_engine='vllm' with "
+                             "stop")  # fmt: skip
+
+    @classmethod
     def check_evaluation(cls, scheme) -> None:
         """Every ``quantization`` evaluates through the model's own ``generate``."""
 

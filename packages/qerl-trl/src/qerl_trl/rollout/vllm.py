@@ -79,6 +79,8 @@ __all__ = [
 ]
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the settings vLLM's SamplingParams and transformers' GenerationConfig both name (the same way)
+_SHARED_SAMPLING_NAMES = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 #: what needs vLLM in a missing-package error (with the other way: a server, which brings its own)
 _COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"
 
@@ -242,6 +244,9 @@ def sampling_kwargs(trainer: Any, n: int) -> dict[str, Any]:
         "max_tokens": trainer.max_completion_length,
     }
     sp.update(trainer.args.generation_kwargs or {})
+    regex = getattr(trainer.args, "vllm_structured_outputs_regex", None)
+    if regex is not None:  # TRL's setting; it takes precedence over generation_kwargs' structured_outputs, as in TRL
+        sp["structured_outputs"] = {"regex": regex}
     if sp.get("logit_bias"):  # from YAML / a JSON command line its token ids are strings; vLLM compares them as ints
         sp["logit_bias"] = {int(t): float(b) for t, b in sp["logit_bias"].items()}
     return sp
@@ -400,6 +405,10 @@ class ColocateVLLMGeneration(_VLLMGeneration):
     def _generate(self, prompts, sampling):
         if self.tp_group is not None:
             self.trainer.accelerator.wait_for_everyone()  # TRL's drain of the training collectives before vLLM's TP ones
+        if isinstance(sampling.get("structured_outputs"), Mapping):  # SamplingParams takes the object, not a dict
+            from vllm.sampling_params import StructuredOutputsParams
+
+            sampling = {**sampling, "structured_outputs": StructuredOutputsParams(**sampling["structured_outputs"])}
         gens = self.engine.generate(prompts, sampling)
         return [g.token_ids for g in gens], [g.logprobs for g in gens]
 
@@ -556,6 +565,7 @@ class VLLMRollout(RolloutEngine):
     holds_generation_memory = False  # the engine sizes its own KV cache (vllm.gpu_memory_utilization)
     sampling_logprobs = True  # vLLM's processed logprobs: TRL's importance-sampling correction applies
     generates_from_copy = True  # its engine loads the policy's checkpoint; the adapter is synced to it every step
+    structured_outputs = True  # vllm_structured_outputs_regex goes into the sampling settings (sampling_kwargs)
     rollout_precisions = ("w4a16", "fp8", "auto")  # colocate; a server's is its own --additional-config
 
     @classmethod
@@ -573,6 +583,14 @@ class VLLMRollout(RolloutEngine):
             )
         if cfg.aqn and cfg.aqn_mode != "per_step":
             raise ValueError("rollout_engine='vllm' applies AQN once per generation step: use aqn_mode='per_step'")
+        from transformers import GenerationConfig
+
+        hf_names = GenerationConfig().to_dict().keys() - _SHARED_SAMPLING_NAMES
+        hf_only = sorted(k for k in (cfg.generation_kwargs or {}) if k in hf_names)
+        if hf_only:  # colocated: SamplingParams raises at the first generation; a server drops unknown fields silently
+            raise ValueError(f"rollout_engine='vllm' takes vLLM SamplingParams names in generation_kwargs, not "
+                             f"transformers' {hf_only} (max_completion_length sets max_tokens; e.g. min_tokens, "
+                             "stop_token_ids, stop)")  # fmt: skip
         if cfg.rollout_precision_spec.fp8_copy and cfg.vllm.server_url:
             raise ValueError("rollout_precision is a vLLM server's own setting: start it with --additional-config "
                              "'{\"qerl_rollout_precision\": \"fp8\"}' and keep rollout_precision='w4a16' here")
@@ -580,6 +598,12 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"
             )
+        if "n" in (cfg.generation_kwargs or {}):  # sampling_kwargs sets n per call: one group of rows, once
+            raise ValueError("rollout_engine='vllm' samples num_generations completions per prompt: set "
+                             "num_generations, not generation_kwargs['n']")  # fmt: skip
+        if cfg.use_transformers_continuous_batching:  # the transformers engine's generation; nothing here reads it
+            raise ValueError("rollout_engine='vllm' generates with vLLM: keep use_transformers_continuous_batching=False "
+                             "(or use rollout_engine='transformers')")  # fmt: skip
 
     @classmethod
     def check_environment(cls, cfg: Any) -> None:

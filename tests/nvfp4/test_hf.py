@@ -59,8 +59,10 @@ def test_offline_default_round_trip(offline_model_path, tmp_path):
     assert size_q < 0.5 * size_d
 
 
-def test_llm_compressor_checkpoint_loads(tiny_model_dir, tmp_path):
-    """A folder laid out as llm-compressor's NVFP4A16 writes it (compressed-tensors config + same tensors)."""
+def _llm_compressor_checkpoint(tiny_model_dir, ct_dir, quantized, targets) -> dict:
+    """``tiny_model_dir`` laid out in ``ct_dir`` as llm-compressor's NVFP4A16 writes it (compressed-tensors config and
+    tensors), the ``*_proj.weight`` tensors that ``quantized(name)`` accepts compressed, the config group's
+    ``targets`` as given; returns the saved tensors."""
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
@@ -70,7 +72,7 @@ def test_llm_compressor_checkpoint_loads(tiny_model_dir, tmp_path):
     dense = load_file(tiny_model_dir / "model.safetensors")
     out = {}
     for k, w in dense.items():
-        if k.endswith("_proj.weight"):
+        if k.endswith("_proj.weight") and quantized(k):
             base = k[: -len(".weight")]
             gs = generate_gparam(w.float().amin(), w.float().amax())
             blk = w.reshape(w.shape[0], -1, 16)
@@ -79,16 +81,22 @@ def test_llm_compressor_checkpoint_loads(tiny_model_dir, tmp_path):
             out.update({f"{base}.{n}": t for n, t in c.items()})
         else:
             out[k] = w
-    ct_dir = tmp_path / "ct"
     shutil.copytree(tiny_model_dir, ct_dir)
     save_file(out, ct_dir / "model.safetensors")
     cfg = json.loads((ct_dir / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "config_groups": {"group_0": {"targets": targets, "weights": {
             "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group"}}},
-    }
+    }  # fmt: skip
     (ct_dir / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_llm_compressor_checkpoint_loads(tiny_model_dir, tmp_path):
+    """A folder laid out as llm-compressor's NVFP4A16 writes it (compressed-tensors config + same tensors)."""
+    ct_dir = tmp_path / "ct"
+    out = _llm_compressor_checkpoint(tiny_model_dir, ct_dir, lambda name: True, ["Linear"])
     m = nvfp4.from_compressed_tensors(ct_dir)
     q = m.model.layers[1].mlp.down_proj
     assert isinstance(q, NVFP4Linear)
@@ -103,34 +111,8 @@ def test_llm_compressor_checkpoint_targeting_some_linears_loads_the_others_dense
     """llm-compressor quantizes only the linears its config group ``targets`` (a ``re:`` regex, applied with
     ``re.match``, or exact names); the others are saved dense. Loading read every linear as NVFP4 ("their tensors are
     absent")."""
-    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
-    from safetensors.torch import load_file, save_file
-
-    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
-    dense = load_file(tiny_model_dir / "model.safetensors")
-    out = {}
-    for k, w in dense.items():
-        if ".mlp." in k and k.endswith("_proj.weight"):
-            base = k[: -len(".weight")]
-            gs = generate_gparam(w.float().amin(), w.float().amax())
-            blk = w.reshape(w.shape[0], -1, 16)
-            s, _ = calculate_qparams(blk.amin(-1), blk.amax(-1), scheme.weights, global_scale=gs)
-            c = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": s, "weight_global_scale": gs}, scheme)
-            out.update({f"{base}.{n}": t for n, t in c.items()})
-        else:
-            out[k] = w
     ct_dir = tmp_path / "ct"
-    shutil.copytree(tiny_model_dir, ct_dir)
-    save_file(out, ct_dir / "model.safetensors")
-    cfg = json.loads((ct_dir / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": targets, "weights": {
-            "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group"}}},
-    }  # fmt: skip
-    (ct_dir / "config.json").write_text(json.dumps(cfg))
+    out = _llm_compressor_checkpoint(tiny_model_dir, ct_dir, lambda name: ".mlp." in name, targets)
     m = nvfp4.from_compressed_tensors(ct_dir)
     layers = m.model.layers
     assert {type(layers[1].mlp.down_proj), type(layers[0].mlp.gate_proj)} == {NVFP4Linear}

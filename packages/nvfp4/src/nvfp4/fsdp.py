@@ -216,6 +216,32 @@ def gathered_quantized_weight(layer: NVFP4Linear) -> QuantizedWeight:
     return fmt.weight_type(packed, scale)
 
 
+def view_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stored floating view of 1-byte tensors (plain, or a row-sharded ``DTensor``) read as ``dtype``: the same
+    bytes, the last dimension rescaled. A ``DTensor`` stays one (each rank views its own rows)."""
+    if not _is_dtensor(t):
+        return t.view(dtype)
+    from torch.distributed.tensor import DTensor
+
+    shape = (*t.shape[:-1], t.shape[-1] * t.element_size() // dtype.itemsize)
+    stride = torch.empty(shape, device="meta").stride()
+    local = t.to_local().contiguous().view(dtype)
+    return DTensor.from_local(local, t.device_mesh, t.placements, shape=shape, stride=stride)
+
+
+def map_rows(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` (a map of each row on its own, e.g. FP8 → E8M0 block scales) applied to ``t``; to each rank's rows of a
+    row-sharded ``DTensor``, which stays one (no collective)."""
+    if not _is_dtensor(t):
+        return fn(t)
+    from torch.distributed.tensor import DTensor
+
+    local = fn(t.to_local())
+    shape = (t.shape[0], *local.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, t.device_mesh, t.placements, shape=shape, stride=stride)
+
+
 def _gather_bytes(t) -> torch.Tensor:
     """The whole tensor of a row-sharded ``DTensor``, all-gathered as bytes (uint8 ``[..., last · itemsize]``): gloo
     has no float8 collectives, and bytes are what the layer's tensors are."""

@@ -286,10 +286,12 @@ class NVFP4Linear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.fsdp_shardable:  # the stored floating views of integer bytes (nvfp4.fsdp) → the tensors' own dtypes
+            from .fsdp import view_stored
+
             for name, dtype in self._storage_dtypes.items():
                 t = destination.get(prefix + name)
-                if t is not None and t.dtype != dtype and type(t) in (torch.Tensor, nn.Parameter):
-                    destination[prefix + name] = t.detach().view(dtype)
+                if t is not None and t.dtype != dtype:  # a DTensor too: full state dicts gather it in its own dtype
+                    destination[prefix + name] = view_stored(t.detach(), dtype)
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
             scale_key = prefix + "weight_scale"
@@ -297,7 +299,14 @@ class NVFP4Linear(nn.Linear):
                 destination[scale_key] = from_scale_mma_layout(destination[scale_key].detach())
             destination[key] = from_mma_layout(destination[key].detach())
         if self.weight_format.from_nvfp4_scales is not None and prefix + "weight_scale" in destination:  # as stored
-            destination[prefix + "weight_scale"] = self._e8m0_scale().detach()
+            scale = destination[prefix + "weight_scale"]
+            if self.weight_scale_e8m0 is None and type(scale) not in (torch.Tensor, nn.Parameter):
+                from .fsdp import map_rows  # sharded FP8 rows (DTensor) → their E8M0 rows, each rank its own
+
+                to_e8m0 = self.weight_format.from_nvfp4_scales
+                destination[prefix + "weight_scale"] = map_rows(scale, lambda s: to_e8m0(s, self.weight_global_scale))
+            else:
+                destination[prefix + "weight_scale"] = self._e8m0_scale().detach()
             destination.pop(prefix + "weight_global_scale", None)
 
     @classmethod

@@ -36,7 +36,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, port: int, fmt: str, out: str) -> None:
     import torch.distributed as dist
-    from nvfp4.fsdp import _gather_bytes, fully_shard_quantized, gathered_quantized_weight
+    from nvfp4.fsdp import fully_shard_quantized, gathered_quantized_weight
+    from nvfp4.sharded import gather_bytes
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,7 +63,7 @@ def _worker(rank: int, port: int, fmt: str, out: str) -> None:
         for k, v in want.items():
             t = sharded[k]
             assert t.dtype == v.dtype and t.shape == v.shape, (k, t.dtype, v.dtype, t.shape, v.shape)
-            whole = _gather_bytes(t).view(v.dtype) if hasattr(t, "full_tensor") else t  # gloo: no FP8 all-gather
+            whole = gather_bytes(t).view(v.dtype) if hasattr(t, "full_tensor") else t  # gloo: no FP8 all-gather
             assert torch.equal(_bytes(whole), _bytes(v)), k
         checked.append("sharded_state_dict")
 

@@ -46,6 +46,7 @@ from torch import nn
 from .codec import NVFP4Weight
 from .formats import QuantizedWeight
 from .linear import NVFP4Linear
+from .sharded import gather_bytes, is_dtensor
 
 __all__ = [
     "ShardableNVFP4Linear",
@@ -84,7 +85,7 @@ class ShardableNVFP4Linear(NVFP4Linear):
     def __getattr__(self, name: str):
         t = super().__getattr__(name)
         dtype = self.__dict__["_storage_dtypes"].get(name)
-        if dtype is not None and t is not None and t.dtype != dtype and not _is_dtensor(t):
+        if dtype is not None and t is not None and t.dtype != dtype and not is_dtensor(t):
             return t.view(dtype)
         return t
 
@@ -104,12 +105,6 @@ class ShardableNVFP4Linear(NVFP4Linear):
     def stored(self, name: str) -> torch.Tensor:
         """The tensor FSDP2 manages for ``name`` (a floating view of integer bytes, a DTensor while sharded)."""
         return self._parameters[name]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -199,7 +194,7 @@ def gathered_quantized_weight(layer: NVFP4Linear) -> QuantizedWeight:
     tensors = {}
     for name in SHARDED_TENSORS:
         t = layer.stored(name)
-        full = _gather_bytes(t) if _is_dtensor(t) else t.detach()
+        full = gather_bytes(t) if is_dtensor(t) else t.detach()
         tensors[name] = full.view(layer._storage_dtypes[name])
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     if layer._stored_mma_layout:
@@ -214,43 +209,6 @@ def gathered_quantized_weight(layer: NVFP4Linear) -> QuantizedWeight:
         scale = layer.weight_scale_e8m0 if layer.weight_scale_e8m0 is not None else fmt.from_nvfp4_scales(
             scale, layer.weight_global_scale)  # fmt: skip
     return fmt.weight_type(packed, scale)
-
-
-def view_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A stored floating view of 1-byte tensors (plain, or a row-sharded ``DTensor``) read as ``dtype``: the same
-    bytes, the last dimension rescaled. A ``DTensor`` stays one (each rank views its own rows)."""
-    if not _is_dtensor(t):
-        return t.view(dtype)
-    from torch.distributed.tensor import DTensor
-
-    shape = (*t.shape[:-1], t.shape[-1] * t.element_size() // dtype.itemsize)
-    stride = torch.empty(shape, device="meta").stride()
-    local = t.to_local().contiguous().view(dtype)
-    return DTensor.from_local(local, t.device_mesh, t.placements, shape=shape, stride=stride)
-
-
-def map_rows(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fn`` (a map of each row on its own, e.g. FP8 → E8M0 block scales) applied to ``t``; to each rank's rows of a
-    row-sharded ``DTensor``, which stays one (no collective)."""
-    if not _is_dtensor(t):
-        return fn(t)
-    from torch.distributed.tensor import DTensor
-
-    local = fn(t.to_local())
-    shape = (t.shape[0], *local.shape[1:])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, t.device_mesh, t.placements, shape=shape, stride=stride)
-
-
-def _gather_bytes(t) -> torch.Tensor:
-    """The whole tensor of a row-sharded ``DTensor``, all-gathered as bytes (uint8 ``[..., last · itemsize]``): gloo
-    has no float8 collectives, and bytes are what the layer's tensors are."""
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local().contiguous().view(torch.uint8)
-    shape = (*t.shape[:-1], t.shape[-1] * t.element_size())
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, t.device_mesh, t.placements, shape=shape, stride=stride).full_tensor()
 
 
 def shardable_layers(model: nn.Module) -> Iterable[ShardableNVFP4Linear]:

@@ -286,7 +286,7 @@ class NVFP4Linear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.fsdp_shardable:  # the stored floating views of integer bytes (nvfp4.fsdp) → the tensors' own dtypes
-            from .fsdp import view_stored
+            from .sharded import view_stored
 
             for name, dtype in self._storage_dtypes.items():
                 t = destination.get(prefix + name)
@@ -301,7 +301,7 @@ class NVFP4Linear(nn.Linear):
         if self.weight_format.from_nvfp4_scales is not None and prefix + "weight_scale" in destination:  # as stored
             scale = destination[prefix + "weight_scale"]
             if self.weight_scale_e8m0 is None and type(scale) not in (torch.Tensor, nn.Parameter):
-                from .fsdp import map_rows  # sharded FP8 rows (DTensor) → their E8M0 rows, each rank its own
+                from .sharded import map_rows  # sharded FP8 rows (DTensor) → their E8M0 rows, each rank its own
 
                 to_e8m0 = self.weight_format.from_nvfp4_scales
                 destination[prefix + "weight_scale"] = map_rows(scale, lambda s: to_e8m0(s, self.weight_global_scale))

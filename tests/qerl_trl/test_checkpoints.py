@@ -19,6 +19,7 @@ from qerl_trl.checkpoints import (
     check_checkpoint,
     checkpoint_folders,
     find_resume_checkpoint,
+    later_checkpoints,
     publish_checkpoint,
     required_checkpoint_files,
     rotate_checkpoints,
@@ -175,3 +176,23 @@ def test_publish_replaces_an_existing_folder_and_rotation_keeps_the_new_one(tmp_
     assert [p.name for p in checkpoint_folders(tmp_path)] == ["checkpoint-3"]
     assert [p.name for p in deleted] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert rotate_checkpoints(tmp_path, None, keep=[]) == [] and rotate_checkpoints(tmp_path, 0, keep=[]) == []
+
+
+def test_rotation_after_a_rollback_deletes_the_abandoned_runs_checkpoints_first(tmp_path):
+    """Resumed from checkpoint-2 with 4 and 6 left from the run after it (a rollback), the run saves step 3: with a
+    limit of 2, the abandoned run's 4 and 6 go first (left, ``resume_from_checkpoint=True`` would take that run
+    back up after a crash before step 6), and 2, the run's own previous checkpoint, stays."""
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step)
+    new = write_checkpoint(tmp_path, 3)
+    deleted = rotate_checkpoints(tmp_path, 2, keep=[str(new)], step=3)
+    assert [p.name for p in deleted] == ["checkpoint-4", "checkpoint-6"]
+    assert [p.name for p in checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_checkpoints_after_the_one_resumed_from_are_named(tmp_path):
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step)
+    assert [p.name for p in later_checkpoints(tmp_path / "checkpoint-2", tmp_path)] == ["checkpoint-4", "checkpoint-6"]
+    assert later_checkpoints(tmp_path / "checkpoint-6", tmp_path) == []
+    assert later_checkpoints(tmp_path / "elsewhere", tmp_path) == []  # not a checkpoint-N folder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -170,7 +171,7 @@ def test_learning_reward_rises_on_a_learnable_task(tmp_path, tokenizer):
     assert last > first + 0.15, rewards
 
 
-def test_resume_lands_in_the_same_sigma_stage_with_the_same_data(tmp_path, tokenizer):
+def test_resume_lands_in_the_same_sigma_stage_with_the_same_data(tmp_path, tokenizer, caplog):
     seen: dict[str, list] = {"full": [], "resumed": []}
 
     def recorder(tag):
@@ -197,7 +198,10 @@ def test_resume_lands_in_the_same_sigma_stage_with_the_same_data(tmp_path, token
         train_dataset=arithmetic(),
         processing_class=tokenizer,
     )
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"))
+    with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"))
+    # a rollback: checkpoint-4 of the first run is named before this run replaces it
+    assert any("checkpoint-4 are of the run it rolls back" in r.getMessage() for r in caplog.records), caplog.text
 
     def sigmas(trainer):
         return {h["step"]: (h["aqn/stage"], h["aqn/sigma"]) for h in trainer.state.log_history if "aqn/sigma" in h}
@@ -233,7 +237,6 @@ def test_resume_with_other_aqn_settings_keeps_the_checkpoints_schedule_and_says_
     """A run resumed with a longer max_steps or other aqn_* values continues the checkpoint's σ schedule (σ goes on
     where it was, no jump back to an earlier stage), and one warning says so, naming each setting that differs and
     both values; an unchanged resume says nothing."""
-    import logging
 
     kw = dict(max_steps=2, save_steps=2, aqn_num_stages=2)
     QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, **kw),
@@ -271,7 +274,6 @@ def test_resume_skips_damaged_checkpoints_and_continues_to_the_same_numbers(tmp_
     with checkpoint-3's optimizer missing too, from checkpoint-2. Each time the steps after it log the numbers of an
     uninterrupted run (reward, loss, grad norm, entropy, σ, ...), the damaged folders are replaced by complete ones,
     and what was skipped is said in one warning."""
-    import logging
     import shutil
 
     from qerl_trl.checkpoints import check_checkpoint
@@ -841,7 +843,6 @@ def test_compiled_generation_config_turns_on_the_compiled_static_decode(tmp_path
 def test_calibrated_policy_is_cached_and_reused_on_resume(tmp_path, tokenizer, tiny_dir, caplog):
     """``quantization="gptq"``: calibrated on the first training prompts, saved under ``<output_dir>/calibrated``; a
     second trainer on the same run (a resume) loads that checkpoint instead of calibrating again."""
-    import logging
 
     args = args_for(tmp_path, quantization="gptq", calibration_samples=4, max_steps=1)
     first = QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic(),

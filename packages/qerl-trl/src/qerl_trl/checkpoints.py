@@ -36,6 +36,7 @@ __all__ = [
     "find_resume_checkpoint",
     "publish_checkpoint",
     "required_checkpoint_files",
+    "later_checkpoints",
     "rotate_checkpoints",
     "write_manifest",
 ]
@@ -213,6 +214,15 @@ def find_resume_checkpoint(output_dir: str | Path, required: Iterable[str] = ())
     return ResumePoint(None, skipped)
 
 
+def later_checkpoints(resumed: str | Path, output_dir: str | Path) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``output_dir`` with a larger N than ``resumed``'s (a run resumed from an earlier
+    checkpoint than its last: the run it rolls back), oldest first; none if ``resumed`` is no ``checkpoint-N``."""
+    m = _CHECKPOINT_RE.match(Path(resumed).name)
+    if m is None:
+        return []
+    return [f for f in checkpoint_folders(output_dir) if int(_CHECKPOINT_RE.match(f.name).group(1)) > int(m.group(1))]
+
+
 def _fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -257,9 +267,13 @@ def publish_checkpoint(staged: str | Path, final: str | Path) -> None:
         shutil.rmtree(old)
 
 
-def rotate_checkpoints(output_dir: str | Path, save_total_limit: int | None, keep: Iterable[str | None]) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: str | Path, save_total_limit: int | None, keep: Iterable[str | None], step: int | None = None
+) -> list[Path]:
     """Delete the oldest ``checkpoint-N`` folders until ``save_total_limit`` remain, never one of ``keep`` (the
-    checkpoint just written, the best one); returns the deleted folders.
+    checkpoint just written, the best one); returns the deleted folders. With ``step`` (the run's global step), the
+    folders of N > ``step`` are the oldest: a run resumed from an earlier checkpoint (rolled back) left them, and
+    ``resume_from_checkpoint=True`` would otherwise take the abandoned run back up after a crash.
 
     transformers' ``rotate_checkpoints`` keeps the folders with the largest N, which after a resume past damaged
     checkpoints can be those damaged ones and not the one just written; here the one just written always stays, so
@@ -269,6 +283,8 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: int | None, kee
         return []
     protected = {os.path.realpath(k) for k in keep if k}
     folders = checkpoint_folders(output_dir)
+    if step is not None:  # stable sort: the abandoned run's folders first, each part oldest first
+        folders.sort(key=lambda f: int(_CHECKPOINT_RE.match(f.name).group(1)) <= step)
     excess = len(folders) - save_total_limit
     deleted = []
     for folder in folders:

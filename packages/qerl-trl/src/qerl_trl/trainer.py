@@ -69,6 +69,7 @@ from .checkpoints import (
     CheckpointError,
     check_checkpoint,
     find_resume_checkpoint,
+    later_checkpoints,
     publish_checkpoint,
     required_checkpoint_files,
     rotate_checkpoints,
@@ -763,6 +764,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 logger.warning("resuming from %s; skipped %s", found.path, found.skipped_line())
             return found.path
         check_checkpoint(resume_from_checkpoint, required)
+        later = later_checkpoints(resume_from_checkpoint, self.args.output_dir)
+        if later:
+            logger.warning("resuming from %s; %s are of the run it rolls back: this run replaces each as it reaches "
+                           "its step, save_total_limit deletes them first, and until then resume_from_checkpoint=True "
+                           "would take that run back up", resume_from_checkpoint,
+                           ", ".join(f.name for f in later))  # fmt: skip
         return str(resume_from_checkpoint)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -1027,7 +1034,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
         write_manifest(staged, self.state.global_step)
         publish_checkpoint(staged, final)
         shutil.rmtree(staging)
-        rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(final, self.state.best_model_checkpoint))
+        rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(final, self.state.best_model_checkpoint),
+                           step=self.state.global_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -264,3 +264,29 @@ def test_a_vllm_server_holds_the_generation_rows_on_its_own_gpus(capsys):
     plan = plan_fsdp2(Q32, server_run, H100_80GB_BYTES, 2, vllm_server=True)
     assert plan.per_row == plan.prefill_per_row == 0 and plan.wave_rows == 128
     assert plan.peak(128) == plan.fixed + plan.training
+
+
+def test_a_vllm_tensor_parallel_size_that_does_not_split_the_heads_is_refused(capsys):
+    """vLLM splits the attention heads over its TP workers and refuses at start a size that does not divide them
+    (Qwen2.5-7B: 28 heads, 4 KV heads: TP 3 or 8 cannot run). The plan says so before anything loads, names the sizes
+    that would, and the smallest GPU count skips such sizes instead of answering one vLLM would refuse."""
+    from qerl_trl.cli import main
+    from qerl_trl.memory_plan import MemoryPlanError
+
+    assert Q7.tensor_parallel_problem(1) is None and Q7.tensor_parallel_problem(4) is None
+    assert "28 attention heads" in Q7.tensor_parallel_problem(3)
+    assert "28 attention heads" in Q7.tensor_parallel_problem(8)
+    assert Q72.tensor_parallel_problem(8) is None  # 64 heads, 8 KV heads
+    vllm = RunShape(**{**DAPO.__dict__, "held_generation": False})
+    with pytest.raises(MemoryPlanError, match=r"tensor_parallel_size=3 .*28 attention heads.*: use 1"):
+        plan_fsdp2(Q7, vllm, H100_80GB_BYTES, 3, vllm_colocate=True)
+    with pytest.raises(MemoryPlanError, match=r"tensor_parallel_size=8 .*28 attention heads.*: use 1, 2 or 4"):
+        plan_fsdp2(Q7, vllm, H100_80GB_BYTES, 8, vllm_colocate=True)
+    assert plan_fsdp2(Q7, vllm, H100_80GB_BYTES, 3, vllm_colocate=True, vllm_tp=1).details["vllm_tp"] == 1
+    assert plan_fsdp2(Q7, vllm, H100_80GB_BYTES, 3).details["num_gpus"] == 3  # no vLLM engine: no head rule
+    # GPUs of 19 GB with a 4 GB KV cache each: 1 and 2 do not fit, 3 would (TP 3: 18-20 GB) but vLLM refuses it
+    assert smallest_fsdp2_gpus(Q7, vllm, 19 * 10**9, vllm_colocate=True, vllm_kv_cache_bytes=4 * 10**9) == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "28 attention heads" in err[0], err

@@ -186,6 +186,16 @@ class ModelShape:
             "down_proj": (i, h),
         }
 
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """Why vLLM cannot split this model over ``tp`` tensor-parallel workers (it refuses at start), or ``None``: the
+        attention heads must divide evenly, and the KV heads too, or be replicated whole (``tp`` a multiple of them)."""
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        if heads % tp:
+            return f"does not divide the model's {heads} attention heads"
+        if kv % tp and tp % kv:
+            return f"neither divides nor is a multiple of the model's {kv} KV heads"
+        return None
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV-cache bytes per cached position of one row: ``2 (K, V) · n_L · n_kv · d · dtype_bytes``."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -686,6 +696,11 @@ def plan_fsdp2(
     tp = num_gpus if vllm_tp is None else vllm_tp
     if vllm_colocate and (tp < 1 or num_gpus % tp):
         raise MemoryPlanError(f"vllm.tensor_parallel_size={tp} must divide the GPU count ({num_gpus})")
+    if vllm_colocate and (why := model.tensor_parallel_problem(tp)):  # vLLM's own start check, before any load
+        ok = [t for t in range(1, num_gpus + 1) if num_gpus % t == 0 and model.tensor_parallel_problem(t) is None]
+        use = ", ".join(map(str, ok[:-1])) + f" or {ok[-1]}" if len(ok) > 1 else str(ok[0])
+        raise MemoryPlanError(f"vllm.tensor_parallel_size={tp} {why}, so vLLM would refuse to start: use {use} "
+                              f"(vllm.tensor_parallel_size, dividing the {num_gpus} GPUs)")  # fmt: skip
     if vllm_colocate:  # an engine generates its tp processes' rows; its KV cache stays allocated while they train
         run = replace(run, held_generation=True, generation_rows=run.generation_rows * tp)
     precision = run.rollout_precision
@@ -754,6 +769,8 @@ def smallest_fsdp2_gpus(
     :func:`plan_fsdp2` fits ``run`` (at least one generation row per wave, or the whole batch without
     ``waves_allowed``); None when none does."""
     for n in range(vllm_tp or 1, max_gpus + 1, vllm_tp or 1):
+        if vllm_colocate and model.tensor_parallel_problem(vllm_tp or n):
+            continue  # vLLM would refuse this count's engines
         plan = plan_fsdp2(model, run, budget_bytes, n, margin, vllm_colocate=vllm_colocate, vllm_tp=vllm_tp,
                           vllm_shares_weights=vllm_shares_weights, vllm_kv_cache_bytes=vllm_kv_cache_bytes,
                           vllm_max_model_len=vllm_max_model_len, vllm_server=vllm_server)  # fmt: skip

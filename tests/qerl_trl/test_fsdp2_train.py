@@ -46,7 +46,7 @@ def run(model_dir: str, out_dir: str) -> None:
     argv = ["offline-default", "--model_name_or_path", model_dir, "--output_dir", out_dir,
             "--per_device_train_batch_size", "4", "--num_generations", "4", "--gradient_accumulation_steps", "1",
             "--lora_r", "8", "--lora_alpha", "8", "--max_completion_length", "6", "--max_steps", "2",
-            "--save_steps", "1000", "--aqn_num_stages", "2", "--learning_rate", "1e-3", "--disable_tqdm", "true",
+            "--save_steps", "1", "--aqn_num_stages", "2", "--learning_rate", "1e-3", "--disable_tqdm", "true",
             "--dataloader_num_workers", "0", "--rollout_engine", "transformers",
             "--task_options", json.dumps({"n_examples": 16, "digits": 1, "ops": "+"})]  # fmt: skip
     script_args, config = parse_train_args(argv)
@@ -98,6 +98,10 @@ def test_qerl_train_two_processes_under_fsdp2(tmp_path, tiny_dir):
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) and math.isfinite(h["reward"]) for h in logs)
     assert all(h["reward_std"] > 0 for h in logs)  # advantages not all 0: the adapter gets a gradient
     assert ranks[0]["sigma"] > 0  # AQN on at step 2
+    # every step saved a checkpoint (save_steps 1): the adapter only is gathered, never the 4-bit base (gloo cannot
+    # all-gather its FP8 scales; at 72B it would be ~41 GB a save)
+    saved = [load_file(out / d / "adapter_model.safetensors") for d in ("checkpoint-2", "final")]
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
     lora = load_file(out / "final" / "adapter_model.safetensors")
     assert lora and all(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k), "a lora_B is still 0"
 

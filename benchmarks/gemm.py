@@ -639,6 +639,7 @@ def main() -> None:
     if args.apply_table:
         apply_table([json.loads(Path(f).read_text()) for f in args.apply_table])
         return
+    Path(args.out or ".").mkdir(parents=True, exist_ok=True)  # before the first partial JSON (tables, sweep)
     models = args.models.split(",")
     fwd_ms = [int(v) for v in args.ms.split(",")] if args.ms else FWD_MS
     bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v.strip()] if args.bwd_ms is not None else BWD_MS
@@ -674,7 +675,6 @@ def main() -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(json.dumps(res, indent=1))
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / name).write_text(json.dumps(res, indent=1))
 
 

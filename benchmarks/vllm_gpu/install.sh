@@ -6,7 +6,8 @@
 # there it reassembles the split wheels, checks every sha256 against the manifest, installs all wheels with
 # `pip install --no-index --no-deps --target /tmp/vllm_site`, registers qerl-vllm's vLLM plugin entry point (the
 # package itself is imported from the working tree), and smoke-tests `import vllm` / `from vllm import LLM`.
-# Idempotent: a finished install is kept (/tmp/vllm_site/.qerl-install-ok holds the manifest's hash).
+# Idempotent: a finished install is kept (/tmp/vllm_site/.qerl-install-ok holds the manifest's hash). Exit code 0
+# only once installed; 3 while parts of other calls are still to come (calls 1 to N-1: expected).
 # Then: `source benchmarks/vllm_gpu/env.sh` in each later call on the same warm machine.
 #
 # Off the device (to check the script): INSTALL_PIP_ARGS adds pip arguments (e.g. --python-version 3.12 --platform
@@ -43,7 +44,8 @@ if [ -f "$SITE/.qerl-install-ok" ] && [ "$(cat "$SITE/.qerl-install-ok")" = "$MA
 fi
 
 # Which parts are still missing? (a fresh machine has lost the parts of earlier calls: start again from call 1)
-"$PY" - "$PARTS" <<'PY' || exit 0
+# rc 3 until installed: the last call's `install.sh && ... bg.sh start ... && sleep N` stops where a part is missing
+"$PY" - "$PARTS" <<'PY' || exit 3
 import os, sys
 parts = sys.argv[1]
 rows = [l.rstrip("\n").split("\t") for l in open(os.path.join(parts, "manifest.tsv")) if not l.startswith("#")]

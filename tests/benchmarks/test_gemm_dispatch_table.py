@@ -50,3 +50,29 @@ def test_ws_candidates_only_where_the_kernel_applies():
     assert gemm.ws_candidate(128, 18944 + 64, 3584) is None  # N not a multiple of 128
     cfg = gemm.ws_candidate(128, 18944, 3584)
     assert cfg.ws and cfg.block_m == 128 and cfg.block_n == 128
+
+
+def test_out_folder_is_made_before_the_first_partial_json(tmp_path, monkeypatch):
+    """``--out`` a folder nobody made (a bg.sh job's ``$JOB_OUT/h19``): the tables and the sweep write their partial
+    JSON there after the first linear, so ``main`` makes it before timing anything (it ended the 4e1d05a run's
+    ``--scale-pairs`` first try after minutes of measurements)."""
+    gemm = _gemm_module()
+    out = tmp_path / "job" / "h19"
+
+    def tables(models, fwd_ms, bwd_ms, partial, *rest):
+        partial.write_text("{}")  # as run_tables after its first linear
+        return {"forward": [], "backward": []}
+
+    def sweep(models, fwd_ms, bwd_ms, deadline, partial):
+        partial.write_text("{}")
+        return {"forward": [], "backward": []}
+
+    monkeypatch.setattr(gemm, "run_tables", tables)
+    monkeypatch.setattr(gemm, "run_sweep", sweep)
+    monkeypatch.setattr(gemm, "env_info", dict)  # no GPU here
+    monkeypatch.setattr(gemm, "print_tables", lambda res: None)
+    monkeypatch.setattr(gemm, "__file__", str(tmp_path / "bench" / "gemm.py"))  # its results/ copy: not the repo's
+    for argv, name in (([], "gemm.json"), (["--sweep"], "gemm_sweep.json")):
+        monkeypatch.setattr(sys, "argv", ["gemm.py", "--models", "Qwen2.5-7B", "--out", str(out / name), *argv])
+        gemm.main()
+        assert (out / name / name).is_file()

@@ -105,6 +105,36 @@ def test_a_row_of_the_wrong_type_is_named_with_its_file_and_row(tmp_path):
     assert "--task_options" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "task, row, field",
+    [
+        ("gsm8k", {"question": "", "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": None, "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": 7, "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": "1+4?", "answer": None}, "answer"),
+        ("math", {"problem": "  ", "answer": "3"}, "problem"),
+        ("math", {"problem": "1+2?", "answer": "3", "solution": 3}, "solution"),
+        ("bigmath", {"problem": "2+2?", "answer": None}, "answer"),
+        ("bigmath", {"problem": "2+2?", "answer": ""}, "answer"),
+        ("bigmath", {"problem": None, "answer": "4"}, "problem"),
+    ],
+)
+def test_a_row_with_an_empty_or_non_text_field_is_refused(tmp_path, task, row, field):
+    """A question that is empty or not a text, or a gold answer that is null or empty: one error naming the file, the
+    row and the field. Before, bigmath took a null answer as the gold "None" (every completion scored against it), an
+    empty question made an empty prompt, and a numeric question failed in pyarrow, reported by qerl train as a bad
+    ``--task_options`` the user never gave."""
+    from qerl_trl.validation import UsageError, load_task_data
+
+    good = {"gsm8k": {"question": "1+1?", "answer": "#### 2"}}.get(task, {"problem": "1+1?", "answer": "2"})
+    (tmp_path / "train.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskDataError, match=rf"task '{task}': .*: row 2: \w+Error: field '{field}'"):
+        load_task(task, path=tmp_path)
+    with pytest.raises(UsageError, match=r"^--data_path .*row 2") as info:
+        load_task_data(task, "train", str(tmp_path), None, 0, None, ("--data_path", "--task_options"))
+    assert "--task_options" not in str(info.value)
+
+
 @pytest.mark.parametrize("task, split", [("gsm8k", "test"), ("math", "test"), ("math", "train"), ("bigmath", "train")])
 def test_hub_load_offline_tells_user_to_pass_path(task, split, monkeypatch):
     import datasets

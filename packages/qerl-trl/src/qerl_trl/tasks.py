@@ -173,6 +173,27 @@ def _require(row: dict[str, Any], keys: tuple[str, ...], task: str, where: str) 
         raise TaskDataError(f"task {task!r}: {where} rows lack field(s) {missing} (have {sorted(row)})")
 
 
+def _text(row: dict[str, Any], key: str) -> str:
+    """``row[key]``, which must be a non-empty text: a question, problem or solution that is null, empty or a number
+    would make an empty prompt or fail in pyarrow. Else a TypeError / ValueError naming the field (:func:`_build`
+    puts it on the row)."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise TypeError(f"field {key!r} must be a text, got {type(value).__name__} {value!r:.80}")
+    if not value.strip():
+        raise ValueError(f"field {key!r} is empty ({value!r:.80})")
+    return value
+
+
+def _gold(row: dict[str, Any], key: str) -> str | None:
+    """``row[key]``, a gold answer, as a string; None when it is missing, null, empty or NaN (``str()`` of those, the
+    gold "None" or "", would be scored against every completion)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and value != value) or not str(value).strip():
+        return None
+    return str(value)
+
+
 def _build(rows, convert: Callable[[dict[str, Any]], dict[str, Any]], limit: int | None, what: str) -> Dataset:
     """``convert`` of each row (the first ``limit``); ``what`` (``"task 'gsm8k': <source>"``) names the source when a
     row's field has a type ``convert`` cannot read: a :class:`TaskDataError` naming the row, not a bare TypeError."""
@@ -210,11 +231,12 @@ def _gsm8k(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PRO
 
     def convert(row):
         _require(row, ("question", "answer"), "gsm8k", where)
-        gold = extract_hash_answer(row["answer"])
+        question, solution = _text(row, "question"), _text(row, "answer")
+        gold = extract_hash_answer(solution)
         if gold is None:
             raise TaskDataError(f"task 'gsm8k': {where}: an answer without '####': {row['answer'][:80]!r}")
-        return {"prompt": make_prompt(row["question"], system_prompt), "answer": gold, "question": row["question"],
-                "solution": row["answer"]}
+        return {"prompt": make_prompt(question, system_prompt), "answer": gold, "question": question,
+                "solution": solution}
 
     return _build(rows, convert, limit, f"task 'gsm8k': {where}")
 
@@ -234,14 +256,15 @@ def _math(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROM
 
     def convert(row):
         _require(row, ("problem",), "math", where)
-        gold = row.get("answer")
-        solution = row.get("solution") or ""
-        if gold in (None, ""):
+        problem = _text(row, "problem")
+        solution = _text(row, "solution") if row.get("solution") not in (None, "") else ""
+        gold = _gold(row, "answer")
+        if gold is None:
             gold = extract_boxed(solution)
         if gold in (None, ""):
             raise TaskDataError(f"task 'math': {where}: a row with neither 'answer' nor a \\boxed{{}} solution: "
-                                f"{row['problem'][:80]!r}")
-        return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(gold), "question": row["problem"],
+                                f"{problem[:80]!r}")
+        return {"prompt": make_prompt(problem, system_prompt), "answer": gold, "question": problem,
                 "solution": solution}
 
     return _build(rows, convert, limit, f"task 'math': {where}")
@@ -259,8 +282,10 @@ def _bigmath(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_P
 
     def convert(row):
         _require(row, ("problem", "answer"), "bigmath", where)
-        return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(row["answer"]),
-                "question": row["problem"]}
+        problem, gold = _text(row, "problem"), _gold(row, "answer")
+        if gold is None:
+            raise ValueError(f"field 'answer' (the gold answer) is empty: {row['answer']!r}")
+        return {"prompt": make_prompt(problem, system_prompt), "answer": gold, "question": problem}
 
     return _build(rows, convert, limit, f"task 'bigmath': {where}")
 

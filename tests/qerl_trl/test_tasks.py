@@ -105,6 +105,23 @@ def test_a_row_of_the_wrong_type_is_named_with_its_file_and_row(tmp_path):
     assert "--task_options" not in str(info.value)
 
 
+def test_a_json_array_file_is_named_as_such(tmp_path):
+    """A ``train.json`` holding a JSON array (the folder lookup takes ``<split>.json``) or a line that is not an object:
+    one error saying the file must be JSON Lines, not "rows lack field(s) ... (have [{...whole row...}])" or a bare
+    "Expecting value"."""
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?", "answer": "#### 4"}]
+    (tmp_path / "train.json").write_text(json.dumps(rows) + "\n")
+    with pytest.raises(TaskDataError, match=r"train.json:1: a JSON array, not an object.*JSON Lines") as info:
+        load_task("gsm8k", path=tmp_path)
+    assert "lack field" not in str(info.value)
+    (tmp_path / "train.json").write_text(json.dumps(rows, indent=2) + "\n")  # pretty-printed: line 1 is "["
+    with pytest.raises(TaskDataError, match=r"train.json:1: not valid JSON .*JSON Lines"):
+        load_task("gsm8k", path=tmp_path)
+    (tmp_path / "train.json").write_text(json.dumps(rows[0]) + '\n"2+2?"\n')
+    with pytest.raises(TaskDataError, match=r"train.json:2: a JSON string, not an object"):
+        load_task("gsm8k", path=tmp_path)
+
+
 @pytest.mark.parametrize(
     "task, row, field",
     [

@@ -102,7 +102,12 @@ def make_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> lis
 # loading helpers
 
 
+_JSONL = "the file must be JSON Lines: one JSON object (one row) per line"
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file; a line that is no JSON object (a JSON array file, say) is named as such."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -110,9 +115,14 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not line:
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                hint = f"; {_JSONL}" if line.startswith("[") else ""
+                raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from e
+            if not isinstance(row, dict):
+                kind = _JSON_KINDS.get(type(row), type(row).__name__)
+                raise TaskDataError(f"{path}:{lineno}: a JSON {kind}, not an object: {_JSONL}")
+            rows.append(row)
     if not rows:
         raise TaskDataError(f"{path}: no rows")
     return rows

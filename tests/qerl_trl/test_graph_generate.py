@@ -446,6 +446,10 @@ def test_peft_model():
         ({"max_new_tokens": 4, "input_ids": torch.ones(5, dtype=torch.long)}, ValueError, "input_ids"),
         ({"max_new_tokens": 4, "input_ids": torch.ones(2, 5)}, TypeError, "integer"),
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
+        # right padding: the first token was drawn from the logits of a pad position, silently other tokens
+        ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])}, ValueError,
+         r"rows \[1\] end in padding .*left"),
+        ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [0, 2, 2, 2, 2]])}, ValueError, "0/1"),
         ({"max_new_tokens": 4, "check_every": 0}, ValueError, "check_every"),
         ({"max_new_tokens": 4, "compact_min_batch": 0}, ValueError, "compact_min_batch"),
         ({"max_new_tokens": 4, "max_rows": 0}, ValueError, "max_rows"),

@@ -421,9 +421,16 @@ def graph_generate(
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
     elif attention_mask.device != device:
         raise ValueError(f"attention_mask is on {attention_mask.device}, input_ids on {device}")
+    if ((attention_mask != 0) & (attention_mask != 1)).any():  # positions are the mask's cumulative sum
+        raise ValueError("attention_mask must hold 0/1 (or bool) values, got "
+                         f"{sorted(set(attention_mask.unique().tolist()))[:8]}")  # fmt: skip
     empty = (attention_mask == 0).all(1).nonzero().flatten().tolist()
     if empty:  # attention over no key: the first token's logits depend on how each kernel fills a masked-out row
         raise ValueError(f"prompt rows {empty} have no token (attention_mask all 0): every prompt needs at least one")
+    right = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if right:  # the first new token would be drawn from the logits of a pad position, and follow the padding
+        raise ValueError(f"prompt rows {right[:8]} end in padding (attention_mask 0 in the last column): pad the "
+                         "prompts on the left (tokenizer.padding_side = 'left'), as generate expects")  # fmt: skip
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:

@@ -446,6 +446,9 @@ def test_peft_model():
         ({"max_new_tokens": 4, "input_ids": torch.ones(5, dtype=torch.long)}, ValueError, "input_ids"),
         ({"max_new_tokens": 4, "input_ids": torch.ones(2, 5)}, TypeError, "integer"),
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
+        # an infinite temperature samples uniformly at random (QeRLConfig refuses it too); a string failed in a comparison
+        ({"max_new_tokens": 4, "temperature": float("inf")}, ValueError, "temperature must be a finite number > 0"),
+        ({"max_new_tokens": 4, "temperature": "0.7"}, ValueError, "temperature must be a finite number > 0"),
         # right padding: the first token was drawn from the logits of a pad position, silently other tokens
         ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])}, ValueError,
          r"rows \[1\] end in padding .*left"),

@@ -437,8 +437,12 @@ def graph_generate(
         raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
     if min_new_tokens > max_new_tokens:
         raise ValueError(f"min_new_tokens ({min_new_tokens}) > max_new_tokens ({max_new_tokens})")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
+    try:  # a number (a 0-d tensor too); inf would sample uniformly at random
+        temp = math.nan if isinstance(temperature, str | bytes | bool) else float(temperature)
+    except (TypeError, ValueError):
+        temp = math.nan
+    if do_sample and not 0 < temp < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0 when sampling, got {temperature!r}")
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
     if isinstance(compact_min_batch, bool) or not isinstance(compact_min_batch, int) or compact_min_batch < 1:
@@ -472,7 +476,7 @@ def graph_generate(
                 )
         run = _Wave(
             model=model, st=st, prompt_len=prompt_len, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-            temperature=float(temperature), do_sample=do_sample, eos=eos, pad_token_id=pad_token_id,
+            temperature=temp, do_sample=do_sample, eos=eos, pad_token_id=pad_token_id,
             compile=compile, options=DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
             check_every=check_every, generator=generator, compact=compact, compact_min_batch=compact_min_batch,
             keep_last=_accepts_logits_to_keep(model),

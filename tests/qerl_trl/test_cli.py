@@ -777,3 +777,22 @@ def test_graph_engine_prompts_longer_than_its_cache_are_one_line_before_the_mode
     config.generation_prompt_cache_len = 61
     with pytest.raises(UsageError, match="raise it to >= 62"):
         check_prompt_lengths(script, config, load_train_data(script, config))
+
+
+def test_a_model_without_a_chat_template_is_one_line_before_it_loads(base_dir, tmp_path, capsys, monkeypatch):
+    """Every task's prompts are chat messages: a model whose tokenizer has no chat template (a base model) loaded,
+    started training and stopped at the first generation in transformers' "Cannot use chat template functions"
+    traceback. Now one line naming the model, before it loads."""
+    import qerl_trl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    base = base_dir
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setattr(qerl_trl.trainer.QeRLGRPOTrainer, "__init__", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_name_or_path", str(base), "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"qerl train: error: --model_name_or_path '{base}': ") and "no chat template" in err, err

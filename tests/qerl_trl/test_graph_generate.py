@@ -458,6 +458,9 @@ def test_peft_model():
         ({"max_new_tokens": 4, "max_rows": 0}, ValueError, "max_rows"),
         ({"max_new_tokens": 4, "max_rows": 2.0}, ValueError, "max_rows"),
         ({"max_new_tokens": 4, "max_cache_len": 8}, ValueError, "max_cache_len"),
+        # a float length failed deep in torch.zeros ("type must be tuple of ints, but got float")
+        ({"max_new_tokens": 4, "max_cache_len": 20.0}, ValueError, "max_cache_len must be an int"),
+        ({"max_new_tokens": 4, "max_cache_len": True}, ValueError, "max_cache_len must be an int"),
         ({"max_new_tokens": 4, "eos_token_id": -2}, ValueError, "eos_token_id"),
         ({"max_new_tokens": 4, "eos_token_id": 10_000}, ValueError, "vocabulary"),
         ({"max_new_tokens": 4, "pad_token_id": -1}, ValueError, "pad_token_id"),

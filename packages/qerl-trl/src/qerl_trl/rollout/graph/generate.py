@@ -449,6 +449,8 @@ def graph_generate(
         raise ValueError(f"compact_min_batch must be an int >= 1, got {compact_min_batch!r}")
     if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be an int >= 1 or None, got {max_rows!r}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)):
+        raise ValueError(f"max_cache_len must be an int or None, got {max_cache_len!r}")
     cache_len = prompt_len + max_new_tokens if max_cache_len is None else max_cache_len
     if cache_len < prompt_len + max_new_tokens:
         raise ValueError(f"max_cache_len ({cache_len}) < prompt_len + max_new_tokens ({prompt_len} + {max_new_tokens})")

@@ -122,6 +122,22 @@ def test_a_json_array_file_is_named_as_such(tmp_path):
         load_task("gsm8k", path=tmp_path)
 
 
+def test_a_binary_data_file_is_named_as_not_json_lines(tmp_path):
+    """A Parquet file as the data path (the Hub's own format) failed in a bare UnicodeDecodeError, which qerl train
+    reported as "--task_options None: 'utf-8' codec can't decode byte ..." (options the user never gave); now one
+    error naming the file and that it must be JSON Lines, attributed to --data_path."""
+    from datasets import Dataset
+    from qerl_trl.validation import UsageError, load_task_data
+
+    data = tmp_path / "train.parquet"
+    Dataset.from_list([{"question": "1+1?", "answer": "#### 2"}] * 4).to_parquet(data)
+    with pytest.raises(TaskDataError, match=r"train.parquet: not a UTF-8 text file .*JSON Lines"):
+        load_task("gsm8k", path=data)
+    with pytest.raises(UsageError, match=r"^--data_path .*train.parquet.*not a UTF-8 text file") as info:
+        load_task_data("gsm8k", "train", str(data), None, 0, None, ("--data_path", "--task_options"))
+    assert "--task_options" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "task, row, field",
     [

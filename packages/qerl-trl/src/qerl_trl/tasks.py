@@ -107,22 +107,26 @@ _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON Lines file; a line that is no JSON object (a JSON array file, say) is named as such."""
+    """The rows of a JSON Lines file; a line that is no JSON object (a JSON array file, say) or a file that is not
+    text (Parquet, say) is named as such."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                hint = f"; {_JSONL}" if line.startswith("[") else ""
-                raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from e
-            if not isinstance(row, dict):
-                kind = _JSON_KINDS.get(type(row), type(row).__name__)
-                raise TaskDataError(f"{path}:{lineno}: a JSON {kind}, not an object: {_JSONL}")
-            rows.append(row)
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    hint = f"; {_JSONL}" if line.startswith("[") else ""
+                    raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from e
+                if not isinstance(row, dict):
+                    kind = _JSON_KINDS.get(type(row), type(row).__name__)
+                    raise TaskDataError(f"{path}:{lineno}: a JSON {kind}, not an object: {_JSONL}")
+                rows.append(row)
+    except UnicodeDecodeError as e:  # a ValueError, which the CLI would have pinned on --task_options
+        raise TaskDataError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}): {_JSONL}") from e
     if not rows:
         raise TaskDataError(f"{path}: no rows")
     return rows

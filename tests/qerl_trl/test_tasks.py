@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from qerl_trl.rewards import arithmetic_accuracy_reward, format_reward, get_reward_funcs, gsm8k_accuracy_reward
@@ -237,6 +238,24 @@ def test_arithmetic_options_and_prompt():
     for bad in (dict(digits=0), dict(ops="/"), dict(n_examples=0)):
         with pytest.raises(ValueError):
             load_task("arithmetic", **bad)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"n_examples": "500"}, "n_examples must be an int >= 1, got '500'"),
+        ({"n_examples": True}, "n_examples must be an int >= 1, got True"),
+        ({"digits": 1.5}, "digits must be an int or a non-empty list of ints, got 1.5"),
+        ({"digits": True}, "digits must be an int or a non-empty list of ints, got True"),
+        ({"ops": 5}, "ops must be a string of"),
+    ],
+)
+def test_arithmetic_options_of_the_wrong_type_say_which(options, message):
+    """``task_options`` of the wrong type (a quoted number in YAML, a float) failed in Python's own words ("'<' not
+    supported between instances of 'str' and 'int'", "'float' object is not iterable") or were taken silently
+    (``digits: true`` as 1, ``n_examples: true`` as one problem); now the option, the value and what it takes."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_task("arithmetic", **options)
 
 
 def test_arithmetic_curriculum_is_ordered_blocks():

@@ -332,8 +332,10 @@ def arithmetic_dataset(
     (``shuffle_dataset: false``).
     """
     _check_split("arithmetic", split, ("train", "test"))
-    if n_examples < 1:
-        raise ValueError(f"n_examples must be >= 1, got {n_examples}")
+    if isinstance(n_examples, bool) or not isinstance(n_examples, int) or n_examples < 1:
+        raise ValueError(f"n_examples must be an int >= 1, got {n_examples!r}")
+    if isinstance(digits, bool | str) or not isinstance(digits, int | Sequence):
+        raise ValueError(f"digits must be an int or a non-empty list of ints, got {digits!r}")
     if not isinstance(digits, int):
         stages = list(digits)
         if not stages or not all(isinstance(d, int) and not isinstance(d, bool) for d in stages):
@@ -346,7 +348,7 @@ def arithmetic_dataset(
         return concatenate_datasets(parts)
     if not 1 <= digits <= 9:
         raise ValueError(f"digits must be in 1..9, got {digits}")
-    bad = [op for op in ops if op not in _OPS]
+    bad = [op for op in ops if op not in _OPS] if isinstance(ops, str) else [ops]
     if bad or not ops:
         raise ValueError(f"ops must be a string of {''.join(_OPS)} characters, got {ops!r}")
     rng = random.Random(f"qerl-arithmetic/{seed}/{split}/{digits}/{ops}")  # str seeds are stable across processes

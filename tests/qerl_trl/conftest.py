@@ -30,3 +30,18 @@ def tiny_dir(tmp_path_factory, offline_model_path):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_dir, tmp_path_factory):
+    """``tiny_dir`` whose tokenizer has no chat template, as a base (not instruct) model's."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("base") / "tiny-base"
+    shutil.copytree(tiny_dir, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

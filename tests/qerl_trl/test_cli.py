@@ -736,3 +736,63 @@ def test_a_model_folder_whose_config_json_is_not_json_is_one_line(command, tiny_
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"{option} {str(model)!r}: config.json is not readable JSON" in err, err
+
+
+def test_graph_engine_prompts_longer_than_its_cache_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """``rollout_engine: graph`` decodes into a KV cache of fixed length (generation_prompt_cache_len +
+    max_completion_length): a training prompt longer than generation_prompt_cache_len stopped the run with a traceback
+    at the step whose batch drew it, after the model had loaded (a minute on this CPU; on a GPU run perhaps hours of
+    training in). Now one line before the model loads, naming the longest prompt and the setting to raise."""
+    import time
+
+    import qerl_trl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setattr(qerl_trl.trainer.QeRLGRPOTrainer, "__init__", no_model)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--rollout_engine", "graph", "--generation_prompt_cache_len", "16", "--output_dir",
+              str(tmp_path / "run")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "generation_prompt_cache_len 16" in err and "longest training prompt is 62 tokens" in err, err
+    assert time.perf_counter() - start < 10
+    assert not (tmp_path / "run").exists()
+    # a generation_kwargs max_cache_len fixes the cache instead: 62 + 12 new tokens do not fit 70 either
+    with pytest.raises(SystemExit):
+        main(["train", "--rollout_engine", "graph", "--generation_kwargs", '{"max_cache_len": 70}', "--output_dir",
+              str(tmp_path / "run")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert "max_cache_len" in err and "62 tokens" in err, err
+    # the boundary: a cache that holds the longest prompt exactly passes
+    from qerl_trl.cli import check_prompt_lengths
+    from qerl_trl.validation import load_train_data
+
+    script, config = parse_train_args(["--rollout_engine", "graph", "--generation_prompt_cache_len", "62",
+                                       "--output_dir", str(tmp_path / "run")])  # fmt: skip
+    check_prompt_lengths(script, config, load_train_data(script, config))
+    config.generation_prompt_cache_len = 61
+    with pytest.raises(UsageError, match="raise it to >= 62"):
+        check_prompt_lengths(script, config, load_train_data(script, config))
+
+
+def test_a_model_without_a_chat_template_is_one_line_before_it_loads(base_dir, tmp_path, capsys, monkeypatch):
+    """Every task's prompts are chat messages: a model whose tokenizer has no chat template (a base model) loaded,
+    started training and stopped at the first generation in transformers' "Cannot use chat template functions"
+    traceback. Now one line naming the model, before it loads."""
+    import qerl_trl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    base = base_dir
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setattr(qerl_trl.trainer.QeRLGRPOTrainer, "__init__", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model_name_or_path", str(base), "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"qerl train: error: --model_name_or_path '{base}': ") and "no chat template" in err, err

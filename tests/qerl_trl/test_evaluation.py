@@ -205,6 +205,24 @@ def test_cli_errors(tiny_dir, tmp_path):
                        tmp_path)
 
 
+def test_a_model_without_a_chat_template_is_refused_before_it_loads(tiny_dir, base_dir, tmp_path, monkeypatch):
+    """The tasks' prompts are chat messages: ``qerl eval`` of a model whose tokenizer has no chat template (a base
+    model) loaded it and stopped in transformers' "Cannot use chat template functions" traceback; now a UsageError
+    (one line) naming the model, or ``--tokenizer`` when that gives the tokenizer, before anything loads."""
+    import qerl_trl.evaluation
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    base = base_dir
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", no_model)
+    with pytest.raises(UsageError, match=rf"^--model '{base}': .*no chat template"):
+        main(["--model", str(base), "--task", "arithmetic", "--limit", "2", "--output", str(tmp_path / "out")])
+    with pytest.raises(UsageError, match=rf"^--tokenizer '{base}': .*no chat template"):
+        main(["--model", str(tiny_dir), "--tokenizer", str(base), "--task", "arithmetic", "--limit", "2",
+              "--output", str(tmp_path / "out")])  # fmt: skip
+
+
 def test_cli_gsm8k_from_local_jsonl(tiny_dir, gsm8k_dir, tmp_path):
     out = tmp_path / "gsm8k"
     main(["--model", str(tiny_dir), "--task", "gsm8k", "--data-path", str(gsm8k_dir), "--limit", "2",

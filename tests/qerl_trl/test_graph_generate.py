@@ -446,11 +446,21 @@ def test_peft_model():
         ({"max_new_tokens": 4, "input_ids": torch.ones(5, dtype=torch.long)}, ValueError, "input_ids"),
         ({"max_new_tokens": 4, "input_ids": torch.ones(2, 5)}, TypeError, "integer"),
         ({"max_new_tokens": 4, "temperature": 0.0}, ValueError, "temperature"),
+        # an infinite temperature samples uniformly at random (QeRLConfig refuses it too); a string failed in a comparison
+        ({"max_new_tokens": 4, "temperature": float("inf")}, ValueError, "temperature must be a finite number > 0"),
+        ({"max_new_tokens": 4, "temperature": "0.7"}, ValueError, "temperature must be a finite number > 0"),
+        # right padding: the first token was drawn from the logits of a pad position, silently other tokens
+        ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])}, ValueError,
+         r"rows \[1\] end in padding .*left"),
+        ({"max_new_tokens": 4, "attention_mask": torch.tensor([[1] * 5, [0, 2, 2, 2, 2]])}, ValueError, "0/1"),
         ({"max_new_tokens": 4, "check_every": 0}, ValueError, "check_every"),
         ({"max_new_tokens": 4, "compact_min_batch": 0}, ValueError, "compact_min_batch"),
         ({"max_new_tokens": 4, "max_rows": 0}, ValueError, "max_rows"),
         ({"max_new_tokens": 4, "max_rows": 2.0}, ValueError, "max_rows"),
         ({"max_new_tokens": 4, "max_cache_len": 8}, ValueError, "max_cache_len"),
+        # a float length failed deep in torch.zeros ("type must be tuple of ints, but got float")
+        ({"max_new_tokens": 4, "max_cache_len": 20.0}, ValueError, "max_cache_len must be an int"),
+        ({"max_new_tokens": 4, "max_cache_len": True}, ValueError, "max_cache_len must be an int"),
         ({"max_new_tokens": 4, "eos_token_id": -2}, ValueError, "eos_token_id"),
         ({"max_new_tokens": 4, "eos_token_id": 10_000}, ValueError, "vocabulary"),
         ({"max_new_tokens": 4, "pad_token_id": -1}, ValueError, "pad_token_id"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from qerl_trl.rewards import arithmetic_accuracy_reward, format_reward, get_reward_funcs, gsm8k_accuracy_reward
@@ -105,6 +106,69 @@ def test_a_row_of_the_wrong_type_is_named_with_its_file_and_row(tmp_path):
     assert "--task_options" not in str(info.value)
 
 
+def test_a_json_array_file_is_named_as_such(tmp_path):
+    """A ``train.json`` holding a JSON array (the folder lookup takes ``<split>.json``) or a line that is not an object:
+    one error saying the file must be JSON Lines, not "rows lack field(s) ... (have [{...whole row...}])" or a bare
+    "Expecting value"."""
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?", "answer": "#### 4"}]
+    (tmp_path / "train.json").write_text(json.dumps(rows) + "\n")
+    with pytest.raises(TaskDataError, match=r"train.json:1: a JSON array, not an object.*JSON Lines") as info:
+        load_task("gsm8k", path=tmp_path)
+    assert "lack field" not in str(info.value)
+    (tmp_path / "train.json").write_text(json.dumps(rows, indent=2) + "\n")  # pretty-printed: line 1 is "["
+    with pytest.raises(TaskDataError, match=r"train.json:1: not valid JSON .*JSON Lines"):
+        load_task("gsm8k", path=tmp_path)
+    (tmp_path / "train.json").write_text(json.dumps(rows[0]) + '\n"2+2?"\n')
+    with pytest.raises(TaskDataError, match=r"train.json:2: a JSON string, not an object"):
+        load_task("gsm8k", path=tmp_path)
+
+
+def test_a_binary_data_file_is_named_as_not_json_lines(tmp_path):
+    """A Parquet file as the data path (the Hub's own format) failed in a bare UnicodeDecodeError, which qerl train
+    reported as "--task_options None: 'utf-8' codec can't decode byte ..." (options the user never gave); now one
+    error naming the file and that it must be JSON Lines, attributed to --data_path."""
+    from datasets import Dataset
+    from qerl_trl.validation import UsageError, load_task_data
+
+    data = tmp_path / "train.parquet"
+    Dataset.from_list([{"question": "1+1?", "answer": "#### 2"}] * 4).to_parquet(data)
+    with pytest.raises(TaskDataError, match=r"train.parquet: not a UTF-8 text file .*JSON Lines"):
+        load_task("gsm8k", path=data)
+    with pytest.raises(UsageError, match=r"^--data_path .*train.parquet.*not a UTF-8 text file") as info:
+        load_task_data("gsm8k", "train", str(data), None, 0, None, ("--data_path", "--task_options"))
+    assert "--task_options" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "task, row, field",
+    [
+        ("gsm8k", {"question": "", "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": None, "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": 7, "answer": "#### 5"}, "question"),
+        ("gsm8k", {"question": "1+4?", "answer": None}, "answer"),
+        ("math", {"problem": "  ", "answer": "3"}, "problem"),
+        ("math", {"problem": "1+2?", "answer": "3", "solution": 3}, "solution"),
+        ("bigmath", {"problem": "2+2?", "answer": None}, "answer"),
+        ("bigmath", {"problem": "2+2?", "answer": ""}, "answer"),
+        ("bigmath", {"problem": None, "answer": "4"}, "problem"),
+    ],
+)
+def test_a_row_with_an_empty_or_non_text_field_is_refused(tmp_path, task, row, field):
+    """A question that is empty or not a text, or a gold answer that is null or empty: one error naming the file, the
+    row and the field. Before, bigmath took a null answer as the gold "None" (every completion scored against it), an
+    empty question made an empty prompt, and a numeric question failed in pyarrow, reported by qerl train as a bad
+    ``--task_options`` the user never gave."""
+    from qerl_trl.validation import UsageError, load_task_data
+
+    good = {"gsm8k": {"question": "1+1?", "answer": "#### 2"}}.get(task, {"problem": "1+1?", "answer": "2"})
+    (tmp_path / "train.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskDataError, match=rf"task '{task}': .*: row 2: \w+Error: field '{field}'"):
+        load_task(task, path=tmp_path)
+    with pytest.raises(UsageError, match=r"^--data_path .*row 2") as info:
+        load_task_data(task, "train", str(tmp_path), None, 0, None, ("--data_path", "--task_options"))
+    assert "--task_options" not in str(info.value)
+
+
 @pytest.mark.parametrize("task, split", [("gsm8k", "test"), ("math", "test"), ("math", "train"), ("bigmath", "train")])
 def test_hub_load_offline_tells_user_to_pass_path(task, split, monkeypatch):
     import datasets
@@ -174,6 +238,24 @@ def test_arithmetic_options_and_prompt():
     for bad in (dict(digits=0), dict(ops="/"), dict(n_examples=0)):
         with pytest.raises(ValueError):
             load_task("arithmetic", **bad)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"n_examples": "500"}, "n_examples must be an int >= 1, got '500'"),
+        ({"n_examples": True}, "n_examples must be an int >= 1, got True"),
+        ({"digits": 1.5}, "digits must be an int or a non-empty list of ints, got 1.5"),
+        ({"digits": True}, "digits must be an int or a non-empty list of ints, got True"),
+        ({"ops": 5}, "ops must be a string of"),
+    ],
+)
+def test_arithmetic_options_of_the_wrong_type_say_which(options, message):
+    """``task_options`` of the wrong type (a quoted number in YAML, a float) failed in Python's own words ("'<' not
+    supported between instances of 'str' and 'int'", "'float' object is not iterable") or were taken silently
+    (``digits: true`` as 1, ``n_examples: true`` as one problem); now the option, the value and what it takes."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_task("arithmetic", **options)
 
 
 def test_arithmetic_curriculum_is_ordered_blocks():

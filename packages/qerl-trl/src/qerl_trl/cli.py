@@ -45,6 +45,7 @@ __all__ = [
     "ScriptArguments",
     "build_trainer",
     "check_memory",
+    "check_prompt_lengths",
     "main",
     "parse_train_args",
     "precheck_train_args",
@@ -403,10 +404,18 @@ def _resume_line(output_dir: str, resume: Any, step: int) -> str:
     return line
 
 
+#: (model, dataset fingerprint) -> its longest prompt's tokens, for the last dataset measured: qerl train's prompt-length
+#: check (graph engine) and its memory plan (CUDA) both ask, and a large training set takes a while to tokenize
+_LONGEST_PROMPT: dict[tuple[str, str], int | None] = {}
+
+
 def _longest_prompt_tokens(model: str, dataset: Any) -> int | None:
     """Tokens of the training set's longest prompt (chat template applied), or None when it cannot be told."""
     if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
         return None
+    key = (str(model), getattr(dataset, "_fingerprint", None))
+    if key[1] is not None and key in _LONGEST_PROMPT:
+        return _LONGEST_PROMPT[key]
     from .policy import load_tokenizer
 
     try:
@@ -416,9 +425,47 @@ def _longest_prompt_tokens(model: str, dataset: Any) -> int | None:
             if isinstance(p, list) else len(tokenizer(p)["input_ids"])
             for p in dataset["prompt"]
         )  # fmt: skip
-        return max(lengths, default=None)
+        longest = max(lengths, default=None)
     except Exception:  # noqa: BLE001 - an estimate only: the plan falls back to the engine's prompt cap
         return None
+    if key[1] is not None:
+        _LONGEST_PROMPT.clear()
+        _LONGEST_PROMPT[key] = longest
+    return longest
+
+
+def check_prompt_lengths(script_args: ScriptArguments, config: Any, dataset: Any) -> None:
+    """``rollout_engine: graph`` decodes into a KV cache of one length for the whole run
+    (:func:`~qerl_trl.rollout.transformers.generation_cache_len`: ``generation_prompt_cache_len +
+    max_completion_length``, or ``generation_kwargs['max_cache_len']``): a training prompt longer than the cache holds
+    beside the new tokens stopped the run at the step whose batch drew it, after the model had loaded. Raises
+    :class:`~qerl_trl.validation.UsageError` (one line: the longest prompt, chat template applied and padded as TRL
+    pads it, and the setting to raise) before the model loads. Nothing is checked when the prompts cannot be
+    tokenized here (the engine's own check then stops the step)."""
+    if getattr(config, "rollout_engine", None) != "graph":
+        return
+    kwargs = dict(config.generation_kwargs or {})
+    new = kwargs.get("max_new_tokens") or config.max_completion_length
+    fixed = kwargs.get("max_cache_len")
+    cache = fixed if fixed is not None else config.generation_prompt_cache_len + config.max_completion_length
+    longest = _longest_prompt_tokens(script_args.model_name_or_path, dataset)
+    if longest is None:
+        return
+    multiple = getattr(config, "pad_to_multiple_of", None)
+    padded = -(-longest // multiple) * multiple if isinstance(multiple, int) and multiple > 1 else longest
+    if padded + new <= cache:
+        return
+    tokens = f"{longest} tokens" + (f" ({padded} padded to a multiple of {multiple})" if padded != longest else "")
+    if fixed is not None:
+        setting, fix = f"generation_kwargs['max_cache_len'] {fixed}", f"raise it to >= {padded + new}"
+    else:
+        setting = f"generation_prompt_cache_len {config.generation_prompt_cache_len}"
+        fix = f"raise it to >= {padded}"
+    raise UsageError(
+        f"rollout_engine 'graph': the longest training prompt is {tokens} with the chat template, and with "
+        f"{new} new tokens it does not fit the run's fixed KV cache of {cache} positions ({setting}): {fix}, or "
+        "leave the long prompts out of the data"
+    )
 
 
 def check_memory(
@@ -650,6 +697,7 @@ def main(argv: list[str] | None = None) -> None:
             # what the engine needs in this process (vLLM colocated), before the data loads; the trainer checks again
             config.rollout_engine_class.check_environment(config)
             inputs = validate_train_args(script_args, config)
+            check_prompt_lengths(script_args, config, inputs.dataset)
         except (ValueError, TypeError, MissingExtraError) as e:
             _usage_error("qerl train", e, debug)
 

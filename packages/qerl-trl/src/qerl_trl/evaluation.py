@@ -43,7 +43,7 @@ from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .rollout import ENGINES, RolloutEngine, engine_class
 from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
-from .validation import UsageError, UsageErrorParser, load_task_data, validate_eval_args
+from .validation import UsageError, UsageErrorParser, check_chat_template, load_task_data, validate_eval_args
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -541,6 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options = dict(args.task_option)
     dataset = load_task_data(args.task, args.split, args.data_path, args.limit, args.seed, options,
                              ("--data-path", "--task-option"))  # fmt: skip
+    check_chat_template(*(("--tokenizer", args.tokenizer) if args.tokenizer else ("--model", args.model)), dataset)
 
     calib = None
     if scheme.calibrated:

@@ -102,17 +102,31 @@ def make_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> lis
 # loading helpers
 
 
+_JSONL = "the file must be JSON Lines: one JSON object (one row) per line"
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file; a line that is no JSON object (a JSON array file, say) or a file that is not
+    text (Parquet, say) is named as such."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    hint = f"; {_JSONL}" if line.startswith("[") else ""
+                    raise TaskDataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from e
+                if not isinstance(row, dict):
+                    kind = _JSON_KINDS.get(type(row), type(row).__name__)
+                    raise TaskDataError(f"{path}:{lineno}: a JSON {kind}, not an object: {_JSONL}")
+                rows.append(row)
+    except UnicodeDecodeError as e:  # a ValueError, which the CLI would have pinned on --task_options
+        raise TaskDataError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}): {_JSONL}") from e
     if not rows:
         raise TaskDataError(f"{path}: no rows")
     return rows
@@ -173,6 +187,27 @@ def _require(row: dict[str, Any], keys: tuple[str, ...], task: str, where: str) 
         raise TaskDataError(f"task {task!r}: {where} rows lack field(s) {missing} (have {sorted(row)})")
 
 
+def _text(row: dict[str, Any], key: str) -> str:
+    """``row[key]``, which must be a non-empty text: a question, problem or solution that is null, empty or a number
+    would make an empty prompt or fail in pyarrow. Else a TypeError / ValueError naming the field (:func:`_build`
+    puts it on the row)."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise TypeError(f"field {key!r} must be a text, got {type(value).__name__} {value!r:.80}")
+    if not value.strip():
+        raise ValueError(f"field {key!r} is empty ({value!r:.80})")
+    return value
+
+
+def _gold(row: dict[str, Any], key: str) -> str | None:
+    """``row[key]``, a gold answer, as a string; None when it is missing, null, empty or NaN (``str()`` of those, the
+    gold "None" or "", would be scored against every completion)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and value != value) or not str(value).strip():
+        return None
+    return str(value)
+
+
 def _build(rows, convert: Callable[[dict[str, Any]], dict[str, Any]], limit: int | None, what: str) -> Dataset:
     """``convert`` of each row (the first ``limit``); ``what`` (``"task 'gsm8k': <source>"``) names the source when a
     row's field has a type ``convert`` cannot read: a :class:`TaskDataError` naming the row, not a bare TypeError."""
@@ -210,11 +245,12 @@ def _gsm8k(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PRO
 
     def convert(row):
         _require(row, ("question", "answer"), "gsm8k", where)
-        gold = extract_hash_answer(row["answer"])
+        question, solution = _text(row, "question"), _text(row, "answer")
+        gold = extract_hash_answer(solution)
         if gold is None:
             raise TaskDataError(f"task 'gsm8k': {where}: an answer without '####': {row['answer'][:80]!r}")
-        return {"prompt": make_prompt(row["question"], system_prompt), "answer": gold, "question": row["question"],
-                "solution": row["answer"]}
+        return {"prompt": make_prompt(question, system_prompt), "answer": gold, "question": question,
+                "solution": solution}
 
     return _build(rows, convert, limit, f"task 'gsm8k': {where}")
 
@@ -234,14 +270,15 @@ def _math(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROM
 
     def convert(row):
         _require(row, ("problem",), "math", where)
-        gold = row.get("answer")
-        solution = row.get("solution") or ""
-        if gold in (None, ""):
+        problem = _text(row, "problem")
+        solution = _text(row, "solution") if row.get("solution") not in (None, "") else ""
+        gold = _gold(row, "answer")
+        if gold is None:
             gold = extract_boxed(solution)
         if gold in (None, ""):
             raise TaskDataError(f"task 'math': {where}: a row with neither 'answer' nor a \\boxed{{}} solution: "
-                                f"{row['problem'][:80]!r}")
-        return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(gold), "question": row["problem"],
+                                f"{problem[:80]!r}")
+        return {"prompt": make_prompt(problem, system_prompt), "answer": gold, "question": problem,
                 "solution": solution}
 
     return _build(rows, convert, limit, f"task 'math': {where}")
@@ -259,8 +296,10 @@ def _bigmath(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_P
 
     def convert(row):
         _require(row, ("problem", "answer"), "bigmath", where)
-        return {"prompt": make_prompt(row["problem"], system_prompt), "answer": str(row["answer"]),
-                "question": row["problem"]}
+        problem, gold = _text(row, "problem"), _gold(row, "answer")
+        if gold is None:
+            raise ValueError(f"field 'answer' (the gold answer) is empty: {row['answer']!r}")
+        return {"prompt": make_prompt(problem, system_prompt), "answer": gold, "question": problem}
 
     return _build(rows, convert, limit, f"task 'bigmath': {where}")
 
@@ -293,8 +332,10 @@ def arithmetic_dataset(
     (``shuffle_dataset: false``).
     """
     _check_split("arithmetic", split, ("train", "test"))
-    if n_examples < 1:
-        raise ValueError(f"n_examples must be >= 1, got {n_examples}")
+    if isinstance(n_examples, bool) or not isinstance(n_examples, int) or n_examples < 1:
+        raise ValueError(f"n_examples must be an int >= 1, got {n_examples!r}")
+    if isinstance(digits, bool | str) or not isinstance(digits, int | Sequence):
+        raise ValueError(f"digits must be an int or a non-empty list of ints, got {digits!r}")
     if not isinstance(digits, int):
         stages = list(digits)
         if not stages or not all(isinstance(d, int) and not isinstance(d, bool) for d in stages):
@@ -307,7 +348,7 @@ def arithmetic_dataset(
         return concatenate_datasets(parts)
     if not 1 <= digits <= 9:
         raise ValueError(f"digits must be in 1..9, got {digits}")
-    bad = [op for op in ops if op not in _OPS]
+    bad = [op for op in ops if op not in _OPS] if isinstance(ops, str) else [ops]
     if bad or not ops:
         raise ValueError(f"ops must be a string of {''.join(_OPS)} characters, got {ops!r}")
     rng = random.Random(f"qerl-arithmetic/{seed}/{split}/{digits}/{ops}")  # str seeds are stable across processes

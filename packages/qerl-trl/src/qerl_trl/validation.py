@@ -37,6 +37,7 @@ __all__ = [
     "UsageError",
     "UsageErrorParser",
     "check_adapter_dir",
+    "check_chat_template",
     "check_config_values",
     "check_data_path",
     "check_model_source",
@@ -278,6 +279,30 @@ def check_data_path(argument: str, value: str | None, split: str) -> None:
         raise UsageError(f"{argument} {value!r}: the folder has no {split}.jsonl (found: {have})")
 
 
+def check_chat_template(argument: str, value: str, dataset: Any) -> None:
+    """A dataset of chat-message prompts (every task's) needs a tokenizer with a chat template: one without (a base
+    model's) loaded the model and then stopped in transformers' "Cannot use chat template functions" at the first
+    prompt. ``value``: the model or tokenizer the prompts are rendered with (``argument`` names it). Nothing is
+    checked when the tokenizer cannot be loaded here (loading the model says why). Raises :class:`UsageError`."""
+    if dataset is None or "prompt" not in getattr(dataset, "column_names", ()) or len(dataset) == 0:
+        return
+    if not isinstance(dataset[0]["prompt"], list):  # plain-text prompts are tokenized as they are
+        return
+    from transformers import AutoTokenizer
+
+    from .policy import resolve_model_path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(value))
+    except (OSError, ValueError):
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(
+            f"{argument} {value!r}: its tokenizer has no chat template, and the task's prompts are chat messages "
+            "(system and user turns): use an instruct/chat model, or a tokenizer with a chat template"
+        )
+
+
 def _check_positive(argument: str, value: Any) -> None:
     if value is not None and not value >= 1:
         raise UsageError(f"{argument} must be >= 1, got {value!r}")
@@ -417,6 +442,7 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
     resume = check_train_paths(script_args, config, TASKS)
     dataset = load_train_data(script_args, config)
     check_enough_prompts(dataset, config)
+    check_chat_template("--model_name_or_path", str(script_args.model_name_or_path), dataset)
     return TrainInputs(dataset=dataset, resume=resume)
 
 

@@ -421,23 +421,36 @@ def graph_generate(
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
     elif attention_mask.device != device:
         raise ValueError(f"attention_mask is on {attention_mask.device}, input_ids on {device}")
+    if ((attention_mask != 0) & (attention_mask != 1)).any():  # positions are the mask's cumulative sum
+        raise ValueError("attention_mask must hold 0/1 (or bool) values, got "
+                         f"{sorted(set(attention_mask.unique().tolist()))[:8]}")  # fmt: skip
     empty = (attention_mask == 0).all(1).nonzero().flatten().tolist()
     if empty:  # attention over no key: the first token's logits depend on how each kernel fills a masked-out row
         raise ValueError(f"prompt rows {empty} have no token (attention_mask all 0): every prompt needs at least one")
+    right = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if right:  # the first new token would be drawn from the logits of a pad position, and follow the padding
+        raise ValueError(f"prompt rows {right[:8]} end in padding (attention_mask 0 in the last column): pad the "
+                         "prompts on the left (tokenizer.padding_side = 'left'), as generate expects")  # fmt: skip
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
     if min_new_tokens > max_new_tokens:
         raise ValueError(f"min_new_tokens ({min_new_tokens}) > max_new_tokens ({max_new_tokens})")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
+    try:  # a number (a 0-d tensor too); inf would sample uniformly at random
+        temp = math.nan if isinstance(temperature, str | bytes | bool) else float(temperature)
+    except (TypeError, ValueError):
+        temp = math.nan
+    if do_sample and not 0 < temp < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0 when sampling, got {temperature!r}")
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
     if isinstance(compact_min_batch, bool) or not isinstance(compact_min_batch, int) or compact_min_batch < 1:
         raise ValueError(f"compact_min_batch must be an int >= 1, got {compact_min_batch!r}")
     if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be an int >= 1 or None, got {max_rows!r}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)):
+        raise ValueError(f"max_cache_len must be an int or None, got {max_cache_len!r}")
     cache_len = prompt_len + max_new_tokens if max_cache_len is None else max_cache_len
     if cache_len < prompt_len + max_new_tokens:
         raise ValueError(f"max_cache_len ({cache_len}) < prompt_len + max_new_tokens ({prompt_len} + {max_new_tokens})")
@@ -465,7 +478,7 @@ def graph_generate(
                 )
         run = _Wave(
             model=model, st=st, prompt_len=prompt_len, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-            temperature=float(temperature), do_sample=do_sample, eos=eos, pad_token_id=pad_token_id,
+            temperature=temp, do_sample=do_sample, eos=eos, pad_token_id=pad_token_id,
             compile=compile, options=DEFAULT_COMPILE_OPTIONS if compile_options is None else compile_options,
             check_every=check_every, generator=generator, compact=compact, compact_min_batch=compact_min_batch,
             keep_last=_accepts_logits_to_keep(model),

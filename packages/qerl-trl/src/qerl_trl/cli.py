@@ -435,14 +435,15 @@ def _longest_prompt_tokens(model: str, dataset: Any) -> int | None:
 
 
 def check_prompt_lengths(script_args: ScriptArguments, config: Any, dataset: Any) -> None:
-    """``rollout_engine: graph`` decodes into a KV cache of one length for the whole run
+    """An engine with a ``fixed_cache`` (``rollout_engine: graph``) decodes into a KV cache of one length for the run
     (:func:`~qerl_trl.rollout.transformers.generation_cache_len`: ``generation_prompt_cache_len +
     max_completion_length``, or ``generation_kwargs['max_cache_len']``): a training prompt longer than the cache holds
     beside the new tokens stopped the run at the step whose batch drew it, after the model had loaded. Raises
     :class:`~qerl_trl.validation.UsageError` (one line: the longest prompt, chat template applied and padded as TRL
     pads it, and the setting to raise) before the model loads. Nothing is checked when the prompts cannot be
     tokenized here (the engine's own check then stops the step)."""
-    if getattr(config, "rollout_engine", None) != "graph":
+    engine = config.rollout_engine_class
+    if not engine.fixed_cache:
         return
     kwargs = dict(config.generation_kwargs or {})
     new = kwargs.get("max_new_tokens") or config.max_completion_length
@@ -462,7 +463,7 @@ def check_prompt_lengths(script_args: ScriptArguments, config: Any, dataset: Any
         setting = f"generation_prompt_cache_len {config.generation_prompt_cache_len}"
         fix = f"raise it to >= {padded}"
     raise UsageError(
-        f"rollout_engine 'graph': the longest training prompt is {tokens} with the chat template, and with "
+        f"rollout_engine {engine.name!r}: the longest training prompt is {tokens} with the chat template, and with "
         f"{new} new tokens it does not fit the run's fixed KV cache of {cache} positions ({setting}): {fix}, or "
         "leave the long prompts out of the data"
     )

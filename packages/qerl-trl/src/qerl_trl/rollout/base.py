@@ -57,6 +57,10 @@ class RolloutEngine:
             engine's; ``False``: the trainer's policy module generates itself.
         structured_outputs: whether it constrains sampling to TRL's ``vllm_structured_outputs_regex`` (vLLM's
             structured outputs); the base class refuses the setting for the others in :meth:`check_config`.
+        fixed_cache: whether it decodes into a KV cache of one length for the whole run
+            (:func:`~qerl_trl.rollout.transformers.generation_cache_len`): ``qerl train`` then refuses a training
+            prompt longer than that cache holds beside the new tokens before the model loads
+            (:func:`qerl_trl.cli.check_prompt_lengths`).
     """
 
     name: ClassVar[str]
@@ -67,6 +71,7 @@ class RolloutEngine:
     rollout_precisions: ClassVar[tuple[str, ...]] = ("w4a16",)
     generates_from_copy: ClassVar[bool] = False
     structured_outputs: ClassVar[bool] = False
+    fixed_cache: ClassVar[bool] = False
 
     @classmethod
     def colocated_engine(cls, args: Any) -> bool:

@@ -389,9 +389,13 @@ class ColocateVLLMGeneration(_VLLMGeneration):
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
             **extra,
         )
-        if self.tp_size > 1:
-            acc.wait_for_everyone()  # every worker of every group is up before the first collective
-        self.shared_weights = share_engine_weights(trainer, self.engine, settings.share_weights)  # one copy
+        try:
+            if self.tp_size > 1:
+                acc.wait_for_everyone()  # every worker of every group is up before the first collective
+            self.shared_weights = share_engine_weights(trainer, self.engine, settings.share_weights)  # one copy
+        except BaseException:  # a refused weight share: the engine (its KV cache, its weights) goes, not leaks
+            self.engine.close()
+            raise
 
     def _sync_lora(self, state, peft_config, step):
         self.engine.sync_lora(state, version=step, peft_config=peft_config)

@@ -52,6 +52,7 @@ class GraphRollout(RolloutEngine):
     # graph_generate records each sampled token's logprob (float32 log_softmax(logits / temperature), as vLLM's
     # processed_logprobs): TRL's importance-sampling correction then covers the FP8 rollouts' gap to the trainer
     sampling_logprobs = True
+    fixed_cache = True  # one KV-cache length for the run: CUDA graphs recorded once, replayed every step
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:

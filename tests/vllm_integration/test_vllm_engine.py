@@ -138,6 +138,22 @@ def test_greedy_matches_hf(base_out, hf_model, prompt_ids):
     assert all(len(g.token_ids) == N_TOKENS == len(g.logprobs) for g in ours)
 
 
+def test_one_prompt_is_one_prompt(engine, prompt_ids, base_out):
+    """A single string or token-id list is one prompt (it was iterated: a prompt per character, or a crash)."""
+    sp = {"temperature": 0.0, "max_tokens": N_TOKENS, "min_tokens": N_TOKENS}
+
+    def same(a, b):  # the tokens, and logprobs to float noise (a batch of one is not base_out's batch of three)
+        return len(a) == len(b) and all(
+            x.token_ids == y.token_ids and torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+            for x, y in zip(a, b)
+        )
+
+    text = engine.generate(PROMPTS[0], sp, lora=None)
+    assert len(text) == 1 and same(text, engine.generate([PROMPTS[0]], sp, lora=None))
+    assert same(engine.generate(prompt_ids[0], sp, lora=None), base_out[:1])
+    assert same(engine.generate(torch.tensor(prompt_ids[0]), sp, lora=None), base_out[:1])
+
+
 def test_lora_sync_changes_outputs_like_hf(engine, hf_model, prompt_ids, base_out, tmp_path_factory):
     from nvfp4.peft import get_peft_model
     from peft import LoraConfig

@@ -326,6 +326,31 @@ def _storage_spans(module: torch.nn.Module) -> dict[int, int]:
     }
 
 
+def test_an_engine_whose_setup_fails_after_its_start_is_closed(ckpt, tmp_path, monkeypatch):
+    """An error after the colocated engine started (here the weight share) closes the engine before it propagates:
+    its weights and KV cache are not left behind in a process that goes on (a notebook, a retry)."""
+    import qerl_trl.rollout.vllm as rollout_vllm
+    from qerl_vllm.engine import VLLMEngine
+
+    closed = []
+    real_close = VLLMEngine.close
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+
+    def refuse(*a, **k):
+        raise RuntimeError("weight share refused")
+
+    monkeypatch.setattr(VLLMEngine, "close", close)
+    monkeypatch.setattr(rollout_vllm, "share_engine_weights", refuse)
+    from qerl_trl.trainer import QeRLGRPOTrainer
+
+    with pytest.raises(RuntimeError, match="weight share refused"):
+        QeRLGRPOTrainer(str(ckpt), even_token_reward, _args(tmp_path, max_steps=1, aqn=False), train_dataset=_dataset())
+    assert len(closed) == 1
+
+
 def test_colocated_trainer_and_engine_hold_the_weights_once(ckpt, tmp_path, qerl_backend):
     """Sharing on the real engine (``share_weights_with`` on ``VLLMEngine.shareable_weights``), before and after: every
     frozen NVFP4 tensor and the embedding of the trainer lie inside the engine's parameter storages; the unique bytes of

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -44,7 +45,15 @@ from nvfp4.peft import write_adapter
 from . import vllm_missing
 from .shared_weights import EngineWeights
 
-__all__ = ["Generation", "VLLMEngine", "WeightsNotShareable", "adapter_rank", "norm_param_names", "to_vllm_name"]
+__all__ = [
+    "Generation",
+    "VLLMEngine",
+    "WeightsNotShareable",
+    "adapter_rank",
+    "norm_param_names",
+    "prompt_list",
+    "to_vllm_name",
+]
 
 SYNCED = "synced"
 WORKER_EXTENSION = "qerl_vllm.worker.QeRLWorkerExtension"
@@ -54,6 +63,23 @@ _PEFT_PREFIXES = ("base_model.model.",)
 class WeightsNotShareable(RuntimeError):
     """The engine's tensors cannot be viewed by the caller (:meth:`VLLMEngine.shareable_weights`); the message says
     why."""
+
+
+def prompt_list(prompts: Any) -> list:
+    """``prompts`` as a list of prompts: one string or one token-id sequence (a list of ints, a 1-D tensor) becomes a
+    list of one, a 2-D tensor its rows (as int lists), anything else a list of its items (iterating one string would
+    make a prompt of each character)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2) or prompts.is_floating_point():
+            raise ValueError(f"prompts as a tensor are token ids [T] or [B, T] (integer), got {prompts.dtype} "
+                             f"{list(prompts.shape)}")  # fmt: skip
+        return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        return [prompts]
+    return prompts
 
 
 class Generation(NamedTuple):
@@ -288,10 +314,13 @@ class VLLMEngine:
                 model), a ``LoRARequest``, an adapter folder, or ``(name, folder)``.
 
         Returns:
-            ``len(prompts) * n`` :class:`Generation` s, prompt-major (all samples of prompt 0 first).
+            ``len(prompts) * n`` :class:`Generation` s, prompt-major (all samples of prompt 0 first). One string or
+            one token-id list is one prompt.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        prompts = prompt_list(prompts)
 
         if isinstance(sampling, SamplingParams):
             params = sampling.clone()

@@ -123,6 +123,17 @@ def test_a_json_array_file_is_named_as_such(tmp_path):
         load_task("gsm8k", path=tmp_path)
 
 
+def test_a_json_lines_file_with_a_byte_order_mark_reads(tmp_path):
+    """Windows editors (Notepad, Excel's "CSV UTF-8" kin) write UTF-8 with a byte-order mark: its rows read as without
+    one (it was refused: "line 1: not valid JSON (Unexpected UTF-8 BOM ...)")."""
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?", "answer": "#### 4"}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "train.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "train.jsonl").write_text(text)
+    assert load_task("gsm8k", path=tmp_path)[0] == load_task("gsm8k", path=tmp_path / "plain")[0]
+
+
 def test_a_binary_data_file_is_named_as_not_json_lines(tmp_path):
     """A Parquet file as the data path (the Hub's own format) failed in a bare UnicodeDecodeError, which qerl train
     reported as "--task_options None: 'utf-8' codec can't decode byte ..." (options the user never gave); now one

@@ -111,7 +111,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     text (Parquet, say) is named as such."""
     rows = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is read past
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:

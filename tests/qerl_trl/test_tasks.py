@@ -295,3 +295,14 @@ def test_arithmetic_default_rewards():
     assert total(untagged) == [1.0] * 4  # the lenient accuracy pays without tags
     assert total(wrong) == [0.0] * 4  # a wrong answer earns nothing, tagged or not (no format bonus to farm)
     assert gsm8k_accuracy_reward(tagged, answer=gold) == [1.0] * 4
+
+
+def test_an_error_without_task_options_is_not_pinned_on_them():
+    """``load_task_data`` named ``--task_options None`` for any ValueError, options given or not."""
+    from qerl_trl.validation import UsageError, load_task_data
+
+    with pytest.raises(UsageError, match=r"^--task arithmetic: limit must be >= 1") as info:
+        load_task_data("arithmetic", "train", None, 0, 0, None, ("--data_path", "--task_options"))
+    assert "task_options" not in str(info.value)
+    with pytest.raises(UsageError, match=r"^--task_options \{'digits': 1\}: limit must be >= 1"):
+        load_task_data("arithmetic", "train", None, 0, 0, {"digits": 1}, ("--data_path", "--task_options"))

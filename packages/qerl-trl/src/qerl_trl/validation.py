@@ -330,8 +330,8 @@ def load_task_data(task: str, split: str, path: str | None, limit: int | None, s
         return load_task(task, split, path=path, limit=limit, seed=seed, **(options or {}))
     except TaskDataError as e:
         raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from e
-    except (TypeError, ValueError) as e:  # the task's options (n_examples, digits, ops, ...)
-        raise UsageError(f"{options_arg} {options}: {e}") from e
+    except (TypeError, ValueError) as e:  # the task's options (n_examples, digits, ops, ...) when there are some
+        raise UsageError(f"{options_arg} {options}: {e}" if options else f"--task {task}: {e}") from e
 
 
 def load_train_data(script_args: Any, config: Any) -> Any:

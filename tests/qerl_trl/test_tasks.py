@@ -306,3 +306,16 @@ def test_an_error_without_task_options_is_not_pinned_on_them():
     assert "task_options" not in str(info.value)
     with pytest.raises(UsageError, match=r"^--task_options \{'digits': 1\}: limit must be >= 1"):
         load_task_data("arithmetic", "train", None, 0, 0, {"digits": 1}, ("--data_path", "--task_options"))
+
+
+def test_gsm8k_gold_answers_that_are_no_number(tmp_path):
+    """gsm8k_accuracy_reward scores a row whose gold is no number as None: with none numeric the run trained on the
+    format reward alone without a word; now refused (all) or warned (some)."""
+    rows = [{"question": "Capital of France?", "answer": "It is Paris.\n#### Paris"},
+            {"question": "2+2?", "answer": "#### 4"}]  # fmt: skip
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(TaskDataError, match=r"no gold answer .* is a number \(row 1: 'Paris'\).*task 'math'"):
+        load_task("gsm8k", path=tmp_path)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=r"1 of 2 gold answers are no number \(row 1: 'Paris'\)"):
+        assert len(load_task("gsm8k", path=tmp_path)) == 2

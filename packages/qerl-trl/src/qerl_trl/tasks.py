@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, concatenate_datasets
 
-from .rewards import extract_boxed, extract_hash_answer
+from .rewards import extract_boxed, extract_hash_answer, parse_number
 
 __all__ = [
     "ARITHMETIC_DEMO",
@@ -252,7 +253,23 @@ def _gsm8k(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PRO
         return {"prompt": make_prompt(question, system_prompt), "answer": gold, "question": question,
                 "solution": solution}
 
-    return _build(rows, convert, limit, f"task 'gsm8k': {where}")
+    data = _build(rows, convert, limit, f"task 'gsm8k': {where}")
+    _check_numeric_golds(data["answer"], f"task 'gsm8k': {where}")
+    return data
+
+
+def _check_numeric_golds(golds: Sequence[str], what: str) -> None:
+    """gsm8k_accuracy_reward compares numbers and scores a row whose gold is none as ``None`` (TRL leaves it out): with
+    no numeric gold at all the run would train on the format reward alone, said nowhere. Refuse that; warn on some."""
+    bad = [(i, g) for i, g in enumerate(golds, 1) if parse_number(g) is None]
+    if not bad:
+        return
+    first = f"row {bad[0][0]}: {bad[0][1][:60]!r}"
+    if len(bad) == len(golds):
+        raise TaskDataError(f"{what}: no gold answer (the text after '####') is a number ({first}), so "
+                            "gsm8k_accuracy_reward can score none: use task 'math' (math-verify) for such answers")  # fmt: skip
+    warnings.warn(f"{what}: {len(bad)} of {len(golds)} gold answers are no number ({first}); gsm8k_accuracy_reward "
+                  "leaves those rows out", stacklevel=3)  # fmt: skip
 
 
 def _math(split: str, path, limit, seed, system_prompt: str | None = SYSTEM_PROMPT) -> Dataset:

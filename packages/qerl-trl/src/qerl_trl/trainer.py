@@ -138,6 +138,14 @@ class StopOnNonFiniteGradients(TrainerCallback):
         )
 
 
+def _is_quantized(model: torch.nn.Module) -> bool:
+    """Whether a loaded model's base weights are 4-bit: NVFP4 / MXFP4 (``NVFP4Linear``) or quantized by transformers
+    (bitsandbytes NF4 and the like)."""
+    if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")):
+        return True
+    return any(isinstance(m, NVFP4Linear) for m in model.modules())
+
+
 def lora_config_from_args(args: QeRLConfig) -> LoraConfig:
     """The paper's LoRA: rank ``lora_r``, α = ``lora_alpha`` (= r by default), every attention and MLP projection."""
     return LoraConfig(
@@ -558,7 +566,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     Args:
         model: a model id / local path / ``"offline-default"`` (loaded with ``args.quantization``), or a loaded
-            ``PreTrainedModel`` (NVFP4 or dense) or ``PeftModel``.
+            ``PreTrainedModel`` (4-bit, or dense with ``quantization="none"``) or ``PeftModel``.
         reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`).
         args: :class:`~qerl_trl.QeRLConfig`.
         train_dataset: rows with a ``prompt`` column (see :mod:`qerl_trl.tasks`).
@@ -600,6 +608,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
             model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
                                 cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
+        elif not args.quant_scheme.is_dense and not _is_quantized(model):
+            # a loaded dense model is not quantized here: it would train as the bf16 baseline under a 4-bit config
+            raise ValueError(
+                f"model is a dense {type(model).__name__} but quantization={args.quantization!r}: pass its path to "
+                f"quantize it on load, convert it first (qerl_trl.quantization.SCHEMES[{args.quantization!r}]"
+                ".quantize_(model)), or set quantization='none' for the bf16 LoRA baseline"
+            )
         engine_cls = args.rollout_engine_class
         prepared = engine_cls.prepare(model_name, model, args.quant_scheme, args)  # before PEFT wraps the model
         if isinstance(model, PeftModel):

@@ -820,6 +820,19 @@ def test_a_loaded_dense_model_under_a_4bit_quantization_is_refused(tmp_path, tok
     assert not any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
 
 
+def test_a_data_set_without_a_prompt_column_is_refused_before_the_model_loads(tmp_path):
+    """TRL reads the 'prompt' column only in the first step: a data set without one loaded the policy, built the
+    trainer and failed with KeyError: 'prompt' deep in its data collation. Refused first, with the columns named (the
+    model path here does not exist: nothing was loaded)."""
+    no_prompt = Dataset.from_dict({"question": ["1+1="] * 4, "answer": ["2"] * 4})
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"^train_dataset has no 'prompt' column \(columns: question, answer\)"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=no_prompt)
+    with pytest.raises(ValueError, match=r"^eval_dataset\['held'\] has no 'prompt' column"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        eval_dataset={"held": no_prompt})  # fmt: skip
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

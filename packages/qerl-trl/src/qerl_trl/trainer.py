@@ -138,6 +138,16 @@ class StopOnNonFiniteGradients(TrainerCallback):
         )
 
 
+def _check_prompt_column(dataset: Any, what: str) -> None:
+    """Raise ``ValueError`` when ``dataset`` (a ``datasets`` data set whose columns are known) has no ``prompt``
+    column, the one column TRL's GRPO reads."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"{what} has no 'prompt' column (columns: {', '.join(columns) or 'none'}); GRPO generates "
+                         "from it: rename the column holding the prompts, e.g. dataset.rename_column('question', "
+                         "'prompt')")  # fmt: skip
+
+
 def _is_quantized(model: torch.nn.Module) -> bool:
     """Whether a loaded model's base weights are 4-bit: NVFP4 / MXFP4 (``NVFP4Linear``) or quantized by transformers
     (bitsandbytes NF4 and the like)."""
@@ -598,6 +608,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}"
             )
         args.rollout_engine_class.check_environment(args)  # a missing vLLM stops here, before the policy loads
+        _check_prompt_column(train_dataset, "train_dataset")  # TRL reads it only in the first step: KeyError 'prompt'
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]):
+            _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
         model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:

@@ -833,6 +833,17 @@ def test_a_data_set_without_a_prompt_column_is_refused_before_the_model_loads(tm
                         eval_dataset={"held": no_prompt})  # fmt: skip
 
 
+def test_fewer_prompts_than_one_generation_round_are_refused_before_the_model_loads(tmp_path):
+    """TRL's sampler yields whole generation rounds only: with fewer prompts than one round takes (here 1 < 8 / 4),
+    train() ran 0 steps with transformers' warning and returned as if done. The CLI refused it
+    (validation.check_enough_prompts); the Python API now does too, before anything loads."""
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"the training set has 1 prompt\(s\), fewer than the 2 one generation round"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(1))
+    with pytest.raises(ValueError, match=r"the training set has 0 prompt\(s\)"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

@@ -79,6 +79,7 @@ from .config import QeRLConfig
 from .memory_plan import fsdp2_requested
 from .policy import calibration_prompt_ids, load_policy, load_tokenizer
 from .rollout import RolloutEngine
+from .validation import check_enough_prompts
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
 #: a sequence length % 128 == 64 and a row whose logsumexp is below -88.7, e.g. a left-padded prompt position
@@ -611,6 +612,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         _check_prompt_column(train_dataset, "train_dataset")  # TRL reads it only in the first step: KeyError 'prompt'
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]):
             _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+        check_enough_prompts(train_dataset, args)  # else TRL's sampler yields no batch: 0 steps, an untrained adapter
         model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:

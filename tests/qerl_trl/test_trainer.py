@@ -844,6 +844,18 @@ def test_fewer_prompts_than_one_generation_round_are_refused_before_the_model_lo
         QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
 
 
+def test_a_reward_named_as_on_the_command_line_is_that_reward(tmp_path, tokenizer):
+    """reward_funcs="arithmetic_accuracy" (a name --reward_funcs and the recipes take) went to TRL, which reads a string
+    as a reward model id: after the policy loaded, an OSError about reaching huggingface.co. A QeRL reward's name is
+    its function; any other string is still TRL's reward model."""
+    from qerl_trl.rewards import REWARD_FUNCS
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), ["arithmetic_accuracy", "format"], args_for(tmp_path),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    assert trainer.reward_funcs == [REWARD_FUNCS["arithmetic_accuracy"], REWARD_FUNCS["format"]]
+    assert trainer.reward_func_names == ["arithmetic_accuracy_reward", "format_reward"]
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

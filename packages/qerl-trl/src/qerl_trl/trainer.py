@@ -139,6 +139,18 @@ class StopOnNonFiniteGradients(TrainerCallback):
         )
 
 
+def _named_rewards(reward_funcs: Any) -> Any:
+    """``reward_funcs`` with each string that names a QeRL reward (:data:`qerl_trl.rewards.REWARD_FUNCS`, the names
+    ``--reward_funcs`` and the recipes take) and is no local path replaced by its function; TRL reads any other string
+    as a reward model's id or path."""
+    from .rewards import REWARD_FUNCS
+
+    if reward_funcs is None:
+        return None
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    return [REWARD_FUNCS[f] if isinstance(f, str) and f in REWARD_FUNCS and not os.path.exists(f) else f for f in funcs]
+
+
 def _check_prompt_column(dataset: Any, what: str) -> None:
     """Raise ``ValueError`` when ``dataset`` (a ``datasets`` data set whose columns are known) has no ``prompt``
     column, the one column TRL's GRPO reads."""
@@ -578,7 +590,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
     Args:
         model: a model id / local path / ``"offline-default"`` (loaded with ``args.quantization``), or a loaded
             ``PreTrainedModel`` (4-bit, or dense with ``quantization="none"``) or ``PeftModel``.
-        reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`).
+        reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`; a name of its ``REWARD_FUNCS`` is that
+            function, any other string a reward model's id or path, as in TRL).
         args: :class:`~qerl_trl.QeRLConfig`.
         train_dataset: rows with a ``prompt`` column (see :mod:`qerl_trl.tasks`).
         peft_config: default :func:`lora_config_from_args`; ignored if ``model`` already is a ``PeftModel``.
@@ -609,6 +622,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}"
             )
         args.rollout_engine_class.check_environment(args)  # a missing vLLM stops here, before the policy loads
+        reward_funcs = _named_rewards(reward_funcs)
         _check_prompt_column(train_dataset, "train_dataset")  # TRL reads it only in the first step: KeyError 'prompt'
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]):
             _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")

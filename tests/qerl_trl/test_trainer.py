@@ -421,6 +421,23 @@ def test_train_again_starts_the_per_run_rollout_bookkeeping_afresh(tmp_path, tok
     assert seen == [((("", -1), 0), -1, 0)]
 
 
+def test_dapo_dynamic_sampling_on_an_iterable_data_set_is_refused_before_the_model_loads(tmp_path, tokenizer):
+    """Dynamic sampling refills from random rows (QeRLDAPOTrainer._refill_inputs: len(dataset), dataset[i]): with an
+    IterableDataset it failed in the first step that had an uninformative group, TypeError "object of type
+    'IterableDataset' has no len()". Refused up front (the path does not exist: nothing loaded); without refills the
+    stream trains."""
+    streamed = arithmetic().to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"^dynamic_sampling refills from random rows of train_dataset, and a "
+                                         r"IterableDataset has no rows by index"):  # fmt: skip
+        QeRLDAPOTrainer(str(tmp_path / "no-such-model"), even_token_reward, args_for(tmp_path, cls=QeRLDAPOConfig),
+                        train_dataset=streamed)  # fmt: skip
+    args = args_for(tmp_path, cls=QeRLDAPOConfig, max_resample_rounds=0, max_steps=1)
+    trainer = QeRLDAPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=streamed,
+                              processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])

@@ -873,6 +873,26 @@ def test_a_reward_named_as_on_the_command_line_is_that_reward(tmp_path, tokenize
     assert trainer.reward_func_names == ["arithmetic_accuracy_reward", "format_reward"]
 
 
+def test_a_peft_model_with_a_peft_config_too_is_refused(tmp_path, tokenizer):
+    """A PeftModel and a peft_config: the trainer dropped the peft_config without a word and trained the model's own
+    adapter (here rank 4 on q_proj instead of the asked rank 16 on v_proj); TRL refuses the pair. Refused in one line;
+    the PeftModel alone trains its adapter."""
+    from nvfp4.peft import register_nvfp4_lora
+    from peft import LoraConfig, get_peft_model
+
+    own = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    register_nvfp4_lora(own)
+    peft_model = get_peft_model(tiny_nvfp4_policy(tokenizer), own)
+    asked = LoraConfig(r=16, target_modules=["v_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"^model is a PeftModel and peft_config was given too"):
+        QeRLGRPOTrainer(peft_model, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        processing_class=tokenizer, peft_config=asked)  # fmt: skip
+    trainer = QeRLGRPOTrainer(peft_model, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("q_proj.lora_" in n for n in trained)
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

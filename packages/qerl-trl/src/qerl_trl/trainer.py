@@ -594,7 +594,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             function, any other string a reward model's id or path, as in TRL).
         args: :class:`~qerl_trl.QeRLConfig`.
         train_dataset: rows with a ``prompt`` column (see :mod:`qerl_trl.tasks`).
-        peft_config: default :func:`lora_config_from_args`; ignored if ``model`` already is a ``PeftModel``.
+        peft_config: default :func:`lora_config_from_args`; not with a ``model`` that already is a ``PeftModel``.
         aqn_controller: an :class:`aqn.AQNController` to use instead of the one built from ``args`` (e.g. shared with
             an external engine); ``None`` and ``args.aqn`` builds one over ``max_steps`` when training starts.
         Other arguments go to ``trl.GRPOTrainer``.
@@ -643,6 +643,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"model is a dense {type(model).__name__} but quantization={args.quantization!r}: pass its path to "
                 f"quantize it on load, convert it first (qerl_trl.quantization.SCHEMES[{args.quantization!r}]"
                 ".quantize_(model)), or set quantization='none' for the bf16 LoRA baseline"
+            )
+        if isinstance(model, PeftModel) and peft_config is not None:  # TRL refuses it too; the config was dropped
+            raise ValueError(
+                "model is a PeftModel and peft_config was given too: the model's own adapter would train and "
+                "peft_config be ignored; pass the base model with peft_config, or the PeftModel without it"
             )
         engine_cls = args.rollout_engine_class
         prepared = engine_cls.prepare(model_name, model, args.quant_scheme, args)  # before PEFT wraps the model

@@ -893,6 +893,27 @@ def test_a_peft_model_with_a_peft_config_too_is_refused(tmp_path, tokenizer):
     assert trained and all("q_proj.lora_" in n for n in trained)
 
 
+def test_chat_prompts_with_a_tokenizer_without_a_chat_template_are_refused_before_the_model_loads(
+    tmp_path, base_dir, tokenizer
+):
+    """Chat-message prompts (every task's) and a base model's tokenizer: the Python API loaded and quantized the
+    policy, then transformers refused at the first prompt ("Cannot use chat template functions"); the CLI checks it
+    first (validation.check_chat_template). Refused before load_policy now, for a path and for a held model with its
+    processing_class; plain-text prompts still go."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=r"^train_dataset's prompts are chat messages and the tokenizer has no chat "
+                                         r"template"):  # fmt: skip
+        QeRLGRPOTrainer(str(base_dir), even_token_reward, args_for(tmp_path), train_dataset=arithmetic())
+    base_tok = AutoTokenizer.from_pretrained(base_dir)
+    with pytest.raises(ValueError, match="no chat template"):
+        QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path),
+                        train_dataset=arithmetic(), processing_class=base_tok)  # fmt: skip
+    plain = Dataset.from_dict({"prompt": ["1+1=", "2+2="]})
+    QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path), train_dataset=plain,
+                    processing_class=base_tok)  # fmt: skip
+
+
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     """Only the graph engine generates in waves; elsewhere generation_wave_rows would be ignored without a word (the
     whole batch decoded at once, the memory it was meant to bound spent)."""

@@ -161,6 +161,21 @@ def _check_prompt_column(dataset: Any, what: str) -> None:
                          "'prompt')")  # fmt: skip
 
 
+def _check_chat_template(processing_class: Any, dataset: Any) -> None:
+    """Raise ``ValueError`` when the prompts of ``dataset`` (its first row) are chat messages and ``processing_class``
+    has no chat template: transformers refuses it at the first prompt, after the policy loaded and quantized."""
+    if processing_class is None or getattr(processing_class, "chat_template", None):
+        return
+    try:
+        first = next(iter(dataset))["prompt"] if dataset is not None else None
+    except (StopIteration, KeyError, TypeError):
+        return
+    if isinstance(first, list):
+        raise ValueError("train_dataset's prompts are chat messages and the tokenizer has no chat template (a base "
+                         "model's): use an instruct/chat model, a processing_class with a chat template, or "
+                         "plain-text prompts")  # fmt: skip
+
+
 def _is_quantized(model: torch.nn.Module) -> bool:
     """Whether a loaded model's base weights are 4-bit: NVFP4 / MXFP4 (``NVFP4Linear``) or quantized by transformers
     (bitsandbytes NF4 and the like)."""
@@ -631,6 +646,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if isinstance(model, str):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
+            _check_chat_template(processing_class, train_dataset)  # else transformers says so after the load
             calibration = None
             if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
@@ -644,6 +660,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"quantize it on load, convert it first (qerl_trl.quantization.SCHEMES[{args.quantization!r}]"
                 ".quantize_(model)), or set quantization='none' for the bf16 LoRA baseline"
             )
+        if model_name is None:
+            _check_chat_template(processing_class, train_dataset)
         if isinstance(model, PeftModel) and peft_config is not None:  # TRL refuses it too; the config was dropped
             raise ValueError(
                 "model is a PeftModel and peft_config was given too: the model's own adapter would train and "

@@ -85,6 +85,20 @@ def test_calibrated_scheme_converts_a_held_model(tiny_dir):
     assert sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 14
 
 
+def test_calibration_prompts_come_from_an_iterable_data_set_too(tiny_dir):
+    """quantization='nvfp4-awq' / 'nvfp4-gptq' with a streamed (IterableDataset) train_dataset, which TRL trains on:
+    calibration_prompt_ids took len(dataset) and failed with "object of type 'IterableDataset' has no len()". The
+    first n prompts are read by iterating, the same ids as from the map-style data set."""
+    from qerl_trl.policy import calibration_prompt_ids, load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    rows = load_task("arithmetic", n_examples=6)
+    streamed = rows.to_iterable_dataset()
+    for n in (4, 10):
+        got, want = calibration_prompt_ids(streamed, tok, n), calibration_prompt_ids(rows, tok, n)
+        assert len(got) == min(n, 6) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_optional_backends_load_only_for_their_scheme():
     """``qerl train --quantization foo`` stops with one line before TRL (hence PEFT, hence bitsandbytes) is imported;
     bitsandbytes' import logs a warning on AVX512-BF16 CPUs (kernels-community), which must not precede our error.

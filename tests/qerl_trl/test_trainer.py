@@ -421,6 +421,23 @@ def test_train_again_starts_the_per_run_rollout_bookkeeping_afresh(tmp_path, tok
     assert seen == [((("", -1), 0), -1, 0)]
 
 
+def test_dapo_dynamic_sampling_on_an_iterable_data_set_is_refused_before_the_model_loads(tmp_path, tokenizer):
+    """Dynamic sampling refills from random rows (QeRLDAPOTrainer._refill_inputs: len(dataset), dataset[i]): with an
+    IterableDataset it failed in the first step that had an uninformative group, TypeError "object of type
+    'IterableDataset' has no len()". Refused up front (the path does not exist: nothing loaded); without refills the
+    stream trains."""
+    streamed = arithmetic().to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"^dynamic_sampling refills from random rows of train_dataset, and a "
+                                         r"IterableDataset has no rows by index"):  # fmt: skip
+        QeRLDAPOTrainer(str(tmp_path / "no-such-model"), even_token_reward, args_for(tmp_path, cls=QeRLDAPOConfig),
+                        train_dataset=streamed)  # fmt: skip
+    args = args_for(tmp_path, cls=QeRLDAPOConfig, max_resample_rounds=0, max_steps=1)
+    trainer = QeRLDAPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=streamed,
+                              processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_overlong_penalty_values():
     pen = OverlongPenalty(max_completion_length=10, buffer_length=4, penalty_factor=1.0)
     got = pen(None, completion_ids=[[0] * n for n in (0, 6, 7, 8, 10, 12)])
@@ -802,6 +819,99 @@ def test_config_errors():
     with pytest.raises(TypeError, match="QeRLDAPOConfig"):
         QeRLDAPOTrainer("offline-default", even_token_reward, QeRLConfig(output_dir="x"))
     assert QeRLConfig(output_dir="x", lora_r=16).lora_alpha == 16
+
+
+def test_a_loaded_dense_model_under_a_4bit_quantization_is_refused(tmp_path, tokenizer):
+    """A loaded dense model is not quantized by the trainer: under quantization='nvfp4-rtn' (the default) it trained
+    as the bf16 baseline without a word. It is refused before TRL wraps it; quantization='none' takes it."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    dense = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"dense LlamaForCausalLM but quantization='nvfp4-rtn'.*quantize_\(model\)"):
+        QeRLGRPOTrainer(dense, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        processing_class=tokenizer)  # fmt: skip
+    trainer = QeRLGRPOTrainer(dense, even_token_reward, args_for(tmp_path, quantization="none"),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    assert not any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
+
+
+def test_a_data_set_without_a_prompt_column_is_refused_before_the_model_loads(tmp_path):
+    """TRL reads the 'prompt' column only in the first step: a data set without one loaded the policy, built the
+    trainer and failed with KeyError: 'prompt' deep in its data collation. Refused first, with the columns named (the
+    model path here does not exist: nothing was loaded)."""
+    no_prompt = Dataset.from_dict({"question": ["1+1="] * 4, "answer": ["2"] * 4})
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"^train_dataset has no 'prompt' column \(columns: question, answer\)"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=no_prompt)
+    with pytest.raises(ValueError, match=r"^eval_dataset\['held'\] has no 'prompt' column"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        eval_dataset={"held": no_prompt})  # fmt: skip
+
+
+def test_fewer_prompts_than_one_generation_round_are_refused_before_the_model_loads(tmp_path):
+    """TRL's sampler yields whole generation rounds only: with fewer prompts than one round takes (here 1 < 8 / 4),
+    train() ran 0 steps with transformers' warning and returned as if done. The CLI refused it
+    (validation.check_enough_prompts); the Python API now does too, before anything loads."""
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"the training set has 1 prompt\(s\), fewer than the 2 one generation round"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(1))
+    with pytest.raises(ValueError, match=r"the training set has 0 prompt\(s\)"):
+        QeRLGRPOTrainer(missing, even_token_reward, args_for(tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
+
+
+def test_a_reward_named_as_on_the_command_line_is_that_reward(tmp_path, tokenizer):
+    """reward_funcs="arithmetic_accuracy" (a name --reward_funcs and the recipes take) went to TRL, which reads a string
+    as a reward model id: after the policy loaded, an OSError about reaching huggingface.co. A QeRL reward's name is
+    its function; any other string is still TRL's reward model."""
+    from qerl_trl.rewards import REWARD_FUNCS
+
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), ["arithmetic_accuracy", "format"], args_for(tmp_path),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+    assert trainer.reward_funcs == [REWARD_FUNCS["arithmetic_accuracy"], REWARD_FUNCS["format"]]
+    assert trainer.reward_func_names == ["arithmetic_accuracy_reward", "format_reward"]
+
+
+def test_a_peft_model_with_a_peft_config_too_is_refused(tmp_path, tokenizer):
+    """A PeftModel and a peft_config: the trainer dropped the peft_config without a word and trained the model's own
+    adapter (here rank 4 on q_proj instead of the asked rank 16 on v_proj); TRL refuses the pair. Refused in one line;
+    the PeftModel alone trains its adapter."""
+    from nvfp4.peft import register_nvfp4_lora
+    from peft import LoraConfig, get_peft_model
+
+    own = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    register_nvfp4_lora(own)
+    peft_model = get_peft_model(tiny_nvfp4_policy(tokenizer), own)
+    asked = LoraConfig(r=16, target_modules=["v_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"^model is a PeftModel and peft_config was given too"):
+        QeRLGRPOTrainer(peft_model, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                        processing_class=tokenizer, peft_config=asked)  # fmt: skip
+    trainer = QeRLGRPOTrainer(peft_model, even_token_reward, args_for(tmp_path), train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("q_proj.lora_" in n for n in trained)
+
+
+def test_chat_prompts_with_a_tokenizer_without_a_chat_template_are_refused_before_the_model_loads(
+    tmp_path, base_dir, tokenizer
+):
+    """Chat-message prompts (every task's) and a base model's tokenizer: the Python API loaded and quantized the
+    policy, then transformers refused at the first prompt ("Cannot use chat template functions"); the CLI checks it
+    first (validation.check_chat_template). Refused before load_policy now, for a path and for a held model with its
+    processing_class; plain-text prompts still go."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=r"^train_dataset's prompts are chat messages and the tokenizer has no chat "
+                                         r"template"):  # fmt: skip
+        QeRLGRPOTrainer(str(base_dir), even_token_reward, args_for(tmp_path), train_dataset=arithmetic())
+    base_tok = AutoTokenizer.from_pretrained(base_dir)
+    with pytest.raises(ValueError, match="no chat template"):
+        QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path),
+                        train_dataset=arithmetic(), processing_class=base_tok)  # fmt: skip
+    plain = Dataset.from_dict({"prompt": ["1+1=", "2+2="]})
+    QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path), train_dataset=plain,
+                    processing_class=base_tok)  # fmt: skip
 
 
 def test_generation_wave_rows_on_an_engine_without_waves_is_refused():

@@ -138,6 +138,14 @@ class QeRLDAPOTrainer(QeRLGRPOTrainer):
             args = QeRLDAPOConfig(output_dir="runs/qerl-dapo")
         if not isinstance(args, QeRLDAPOConfig):
             raise TypeError(f"QeRLDAPOTrainer needs a QeRLDAPOConfig, got {type(args).__name__}")
+        dataset = kwargs.get("train_dataset")
+        if args.dynamic_sampling and args.max_resample_rounds > 0 and dataset is not None and not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):  # _refill_inputs draws random rows: it would fail at the first step that refills
+            raise ValueError(
+                f"dynamic_sampling refills from random rows of train_dataset, and a {type(dataset).__name__} has no "
+                "rows by index: pass a map-style Dataset, or set dynamic_sampling=False or max_resample_rounds=0"
+            )
         funcs = (
             list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else ([reward_funcs] if reward_funcs else [])
         )

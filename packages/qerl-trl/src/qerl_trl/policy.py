@@ -3,6 +3,7 @@ is, or bf16 (baseline)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ def calibration_prompt_ids(dataset: Any, tokenizer: PreTrainedTokenizerBase, n: 
     if dataset is None:
         raise ValueError("quantization '*-awq' / '*-gptq' calibrates on the training prompts: pass train_dataset")
     ids = []
-    for i in range(min(n, len(dataset))):
-        prompt = dataset[i]["prompt"]
+    for row in itertools.islice(dataset, n):  # iterated: an IterableDataset has no len() and no rows by index
+        prompt = row["prompt"]
         if isinstance(prompt, list):
             prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         ids.append(tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"])

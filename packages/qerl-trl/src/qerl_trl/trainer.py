@@ -79,6 +79,7 @@ from .config import QeRLConfig
 from .memory_plan import fsdp2_requested
 from .policy import calibration_prompt_ids, load_policy, load_tokenizer
 from .rollout import RolloutEngine
+from .validation import check_enough_prompts
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
 #: a sequence length % 128 == 64 and a row whose logsumexp is below -88.7, e.g. a left-padded prompt position
@@ -136,6 +137,51 @@ class StopOnNonFiniteGradients(TrainerCallback):
             "QeRLGRPOTrainer.training_step on CUDA, turn cuDNN SDPA off there too "
             "(qerl_trl.trainer.TRAINING_SDPA_BACKENDS, pytorch/pytorch#196678)"
         )
+
+
+def _named_rewards(reward_funcs: Any) -> Any:
+    """``reward_funcs`` with each string that names a QeRL reward (:data:`qerl_trl.rewards.REWARD_FUNCS`, the names
+    ``--reward_funcs`` and the recipes take) and is no local path replaced by its function; TRL reads any other string
+    as a reward model's id or path."""
+    from .rewards import REWARD_FUNCS
+
+    if reward_funcs is None:
+        return None
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    return [REWARD_FUNCS[f] if isinstance(f, str) and f in REWARD_FUNCS and not os.path.exists(f) else f for f in funcs]
+
+
+def _check_prompt_column(dataset: Any, what: str) -> None:
+    """Raise ``ValueError`` when ``dataset`` (a ``datasets`` data set whose columns are known) has no ``prompt``
+    column, the one column TRL's GRPO reads."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"{what} has no 'prompt' column (columns: {', '.join(columns) or 'none'}); GRPO generates "
+                         "from it: rename the column holding the prompts, e.g. dataset.rename_column('question', "
+                         "'prompt')")  # fmt: skip
+
+
+def _check_chat_template(processing_class: Any, dataset: Any) -> None:
+    """Raise ``ValueError`` when the prompts of ``dataset`` (its first row) are chat messages and ``processing_class``
+    has no chat template: transformers refuses it at the first prompt, after the policy loaded and quantized."""
+    if processing_class is None or getattr(processing_class, "chat_template", None):
+        return
+    try:
+        first = next(iter(dataset))["prompt"] if dataset is not None else None
+    except (StopIteration, KeyError, TypeError):
+        return
+    if isinstance(first, list):
+        raise ValueError("train_dataset's prompts are chat messages and the tokenizer has no chat template (a base "
+                         "model's): use an instruct/chat model, a processing_class with a chat template, or "
+                         "plain-text prompts")  # fmt: skip
+
+
+def _is_quantized(model: torch.nn.Module) -> bool:
+    """Whether a loaded model's base weights are 4-bit: NVFP4 / MXFP4 (``NVFP4Linear``) or quantized by transformers
+    (bitsandbytes NF4 and the like)."""
+    if any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized")):
+        return True
+    return any(isinstance(m, NVFP4Linear) for m in model.modules())
 
 
 def lora_config_from_args(args: QeRLConfig) -> LoraConfig:
@@ -558,11 +604,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     Args:
         model: a model id / local path / ``"offline-default"`` (loaded with ``args.quantization``), or a loaded
-            ``PreTrainedModel`` (NVFP4 or dense) or ``PeftModel``.
-        reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`).
+            ``PreTrainedModel`` (4-bit, or dense with ``quantization="none"``) or ``PeftModel``.
+        reward_funcs: TRL reward functions (see :mod:`qerl_trl.rewards`; a name of its ``REWARD_FUNCS`` is that
+            function, any other string a reward model's id or path, as in TRL).
         args: :class:`~qerl_trl.QeRLConfig`.
         train_dataset: rows with a ``prompt`` column (see :mod:`qerl_trl.tasks`).
-        peft_config: default :func:`lora_config_from_args`; ignored if ``model`` already is a ``PeftModel``.
+        peft_config: default :func:`lora_config_from_args`; not with a ``model`` that already is a ``PeftModel``.
         aqn_controller: an :class:`aqn.AQNController` to use instead of the one built from ``args`` (e.g. shared with
             an external engine); ``None`` and ``args.aqn`` builds one over ``max_steps`` when training starts.
         Other arguments go to ``trl.GRPOTrainer``.
@@ -590,16 +637,36 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"args must be a qerl_trl.QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}"
             )
         args.rollout_engine_class.check_environment(args)  # a missing vLLM stops here, before the policy loads
+        reward_funcs = _named_rewards(reward_funcs)
+        _check_prompt_column(train_dataset, "train_dataset")  # TRL reads it only in the first step: KeyError 'prompt'
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]):
+            _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+        check_enough_prompts(train_dataset, args)  # else TRL's sampler yields no batch: 0 steps, an untrained adapter
         model_name = model if isinstance(model, str) else None
         if isinstance(model, str):
             if processing_class is None:
                 processing_class = load_tokenizer(model)
+            _check_chat_template(processing_class, train_dataset)  # else transformers says so after the load
             calibration = None
             if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
             model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
                                 cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
+        elif not args.quant_scheme.is_dense and not _is_quantized(model):
+            # a loaded dense model is not quantized here: it would train as the bf16 baseline under a 4-bit config
+            raise ValueError(
+                f"model is a dense {type(model).__name__} but quantization={args.quantization!r}: pass its path to "
+                f"quantize it on load, convert it first (qerl_trl.quantization.SCHEMES[{args.quantization!r}]"
+                ".quantize_(model)), or set quantization='none' for the bf16 LoRA baseline"
+            )
+        if model_name is None:
+            _check_chat_template(processing_class, train_dataset)
+        if isinstance(model, PeftModel) and peft_config is not None:  # TRL refuses it too; the config was dropped
+            raise ValueError(
+                "model is a PeftModel and peft_config was given too: the model's own adapter would train and "
+                "peft_config be ignored; pass the base model with peft_config, or the PeftModel without it"
+            )
         engine_cls = args.rollout_engine_class
         prepared = engine_cls.prepare(model_name, model, args.quant_scheme, args)  # before PEFT wraps the model
         if isinstance(model, PeftModel):

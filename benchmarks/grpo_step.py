@@ -30,7 +30,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
 from common.env import RESULTS, csv_list, gb, merge_results, rss_peak_gb, versions, write_result
-from common.models import ARM_LABEL, OURS, add_lora, build_arm, graph_compile_options, spread_eos_ids
+from common.models import ARM_LABEL, OURS, add_lora, arm_scheme, build_arm, graph_compile_options, spread_eos_ids
 from common.shapes import MODELS
 from common.tables import fmt
 from common.workers import (
@@ -530,6 +530,7 @@ def run_worker(args) -> dict:
     else:
         qerl = dict(rollout_engine=engine.name, aqn=True, aqn_schedule="constant", aqn_sigma_start=args.aqn_sigma,
                     aqn_sigma_end=args.aqn_sigma)  # fmt: skip
+        qerl |= {"quantization": "none"} if arm_scheme(args.arm).is_dense else {}  # dense: refused under 4-bit
         if on_vllm:
             # the KV cache by size; the fraction only gates vLLM's free-memory check at start-up (TRL's arm's value)
             qerl["vllm"] = {"model_path": str(ckpt.pop("path"))} | ckpt

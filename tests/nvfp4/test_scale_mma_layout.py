@@ -192,6 +192,10 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
             with open(out, "w") as f:
                 json.dump(result, f)
     finally:
+        try:  # every rank done before any tears down: gloo's threads can abort an exit mid-collective
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the other rank failed: its own error is the one to read
+            pass
         dist.destroy_process_group()
 
 

@@ -160,6 +160,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         }
         Path(out).with_name(f"rank{rank}.json").write_text(json.dumps(record))
     finally:
+        try:  # every rank done before any tears down: gloo's threads can abort an exit mid-collective
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the other rank failed: its own error is the one to read
+            pass
         dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""A free local TCP port, for the tests that launch several processes (gloo rendezvous, accelerate, a vLLM server)."""
+"""For the tests that launch several processes (gloo rendezvous, accelerate, a vLLM server): a free local TCP port, and
+the end of a gloo worker's process group."""
 
 from __future__ import annotations
 
@@ -10,3 +11,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_process_group() -> None:
+    """``destroy_process_group`` once every rank got here: a rank tearing down while another is still in a collective
+    can abort the process at exit ("terminate called without an active exception": gloo's threads). A failed rank
+    never arrives; its own error is the one to read."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001
+        pass
+    dist.destroy_process_group()

@@ -643,10 +643,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
             _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
         check_enough_prompts(train_dataset, args)  # else TRL's sampler yields no batch: 0 steps, an untrained adapter
         model_name = model if isinstance(model, str) else None
+        if model_name is not None and processing_class is None:
+            processing_class = load_tokenizer(model_name)
+        _check_chat_template(processing_class, train_dataset)  # else transformers says so after the load
         if isinstance(model, str):
-            if processing_class is None:
-                processing_class = load_tokenizer(model)
-            _check_chat_template(processing_class, train_dataset)  # else transformers says so after the load
             calibration = None
             if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
@@ -660,8 +660,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"quantize it on load, convert it first (qerl_trl.quantization.SCHEMES[{args.quantization!r}]"
                 ".quantize_(model)), or set quantization='none' for the bf16 LoRA baseline"
             )
-        if model_name is None:
-            _check_chat_template(processing_class, train_dataset)
         if isinstance(model, PeftModel) and peft_config is not None:  # TRL refuses it too; the config was dropped
             raise ValueError(
                 "model is a PeftModel and peft_config was given too: the model's own adapter would train and "

@@ -43,7 +43,8 @@ if step 2; then
   models=${SCALE_PAIRS_MODELS:-Qwen2.5-7B}  # 7B ran on the H100 at 4e1d05a; next: Qwen2.5-14B,Qwen2.5-32B
   say "2 gemm.py --scale-pairs, $models"
   mkdir -p "$O/scale_pairs"  # gemm.py writes its partial JSON there (a missing folder ended the 4e1d05a run's first try)
-  timeout 480 python3 benchmarks/gemm.py --scale-pairs --compare-lora --no-mxfp4 --peer-humming --models "$models" \
+  # SCALE_PAIRS_S: 480 s held the 7B (132 s at 4e1d05a); three models want more
+  timeout "${SCALE_PAIRS_S:-480}" python3 benchmarks/gemm.py --scale-pairs --compare-lora --no-mxfp4 --peer-humming --models "$models" \
     --out "$O/scale_pairs" > "$O/gemm_scale_pairs.log" 2>&1
   echo "rc $?"; grep -A12 "whole decoder layer" "$O/gemm_scale_pairs.log" | head -n 30
 fi

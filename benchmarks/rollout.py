@@ -150,7 +150,7 @@ def measure_fixed(args, generate: Callable, cuda: bool) -> dict:
     new = out.shape[1] - args.prompt_len
     row["new_tokens_generated"] = int(new)
     row["length_ok"] = bool(new == args.new_tokens)
-    row.update(fixed_length_row(times, len(out), args.new_tokens, row["prefill_s"]))
+    row.update(fixed_length_row(times, len(out), args.new_tokens, row["prefill_s"], out[:, args.prompt_len :].tolist()))
     row["warmup1_s"], row["warmup2_s"] = round(warmup1_s, 3), round(warmup2_s, 3)
     row["dynamo_compile"] = counter_diff(c0, c1)
     row["dynamo_warmup2"] = counter_diff(c1, c2)

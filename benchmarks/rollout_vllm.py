@@ -224,7 +224,7 @@ def run_arm(args) -> dict:
                     dt, toks = generate(prompts, fixed_params(n))
                     times.append(dt)
                     lengths = [len(t) for t in toks]
-                row.update(fixed_length_row(times, b, n, row["prefill_s"]), new_tokens_generated=max(lengths),
+                row.update(fixed_length_row(times, b, n, row["prefill_s"], toks), new_tokens_generated=max(lengths),
                            length_ok=all(x == n for x in lengths))  # fmt: skip
             if args.profile:
                 row["profile"] = profile_decode(lambda k, ps=prompts: generate(ps, fixed_params(k))[0], cuda, min(16, n - 1))

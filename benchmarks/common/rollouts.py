@@ -5,6 +5,7 @@ the spread-length rounds' summary), so the two engines' numbers are defined once
 from __future__ import annotations
 
 import statistics
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -53,15 +54,17 @@ def prefill_row(one_token_s: Callable[[], float]) -> dict:
     return {"prefill_s": round(min(times), 4), "prefill_s_all": [round(t, 4) for t in times]}
 
 
-def fixed_length_row(times: list[float], batch: int, new_tokens: int, prefill_s: float) -> dict:
+def fixed_length_row(times: list[float], batch: int, new_tokens: int, prefill_s: float, tokens=None) -> dict:
     """A fixed-length batch's timings from the timed generates' seconds: the fastest (``gen_s``), tokens/s end to end
-    (prefill included), tokens/s and ms per step of the decode (the prefill's 1-token generate taken off)."""
+    (prefill included), tokens/s and ms per step of the decode (the prefill's 1-token generate taken off). ``tokens``
+    (the greedy completions' ids): ``tokens_crc32``, equal between two runs that computed the same tokens."""
     gen_s = min(times)
     decode_s = gen_s - prefill_s
     return {"gen_s": round(gen_s, 4), "gen_s_all": [round(t, 4) for t in times],
             "tok_s": round(batch * new_tokens / gen_s, 2),
             "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
-            "ms_per_step": round(1000 * decode_s / max(new_tokens - 1, 1), 3)}  # fmt: skip
+            "ms_per_step": round(1000 * decode_s / max(new_tokens - 1, 1), 3),
+            **({"tokens_crc32": zlib.crc32(repr(tokens).encode())} if tokens is not None else {})}  # fmt: skip
 
 
 def spread_summary(rounds: dict[str, list[dict]]) -> dict[str, dict]:

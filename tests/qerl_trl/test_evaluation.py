@@ -248,3 +248,22 @@ def test_eval_calibrates_on_the_prompts_qerl_train_calibrates_on(tiny_dir):
     got = calibration_data("arithmetic", tok, evaluated, seed=3, options=options)
     assert len(got) == len(trained_on) == 32
     assert all(torch.equal(a, b) for a, b in zip(got, trained_on, strict=True))
+
+
+def test_paths_written_with_a_tilde_are_the_home_folder(tiny_dir, adapter_dir, gsm8k_dir, tmp_path, monkeypatch):
+    """``qerl eval --model '~/m' --output '~/out'`` (quoted, or ``--output=~/out``, which the shell leaves alone): the
+    checks expanded ``~`` and passed, then the model load failed in transformers' 'Repo id must use alphanumeric
+    chars' traceback, and --output wrote a folder named '~' in the working directory. Every path is the home's."""
+    import shutil
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    for name, src in (("tiny", tiny_dir), ("lora", adapter_dir), ("gsm8k", gsm8k_dir)):
+        shutil.copytree(src, home / name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    main(["--model", "~/tiny", "--tokenizer", "~/tiny", "--adapter", "~/lora", "--task", "gsm8k", "--data-path",
+          "~/gsm8k", "--limit", "1", "--max-new-tokens", "2", "--greedy", "--output", "~/out", "--no-progress"])
+    result = json.loads((home / "out" / "eval.json").read_text())
+    assert result["settings"]["model"] == str(home / "tiny") and result["settings"]["adapter"]["lora_layers"] == 14
+    assert not (cwd / "~").exists()

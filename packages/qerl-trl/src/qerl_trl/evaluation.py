@@ -530,6 +530,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Raises :class:`~qerl_trl.validation.UsageError` for a bad path or value (checked before the model loads:
     :func:`~qerl_trl.validation.validate_eval_args`, then the task's data); ``qerl eval`` prints it as one line."""
     args = build_parser().parse_args(argv)
+    # '~/m' (quoted, --output=~/out, or main() from Python): the checks expand it, so must every later use of a path
+    for dest in ("model", "tokenizer", "adapter", "data_path", "output"):
+        if getattr(args, dest) is not None:
+            setattr(args, dest, os.path.expanduser(getattr(args, dest)))
     scheme: QuantScheme = args.quantization
     engine_cls: type[RolloutEngine] = args.engine
     try:

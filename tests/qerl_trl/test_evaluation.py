@@ -267,3 +267,21 @@ def test_paths_written_with_a_tilde_are_the_home_folder(tiny_dir, adapter_dir, g
     result = json.loads((home / "out" / "eval.json").read_text())
     assert result["settings"]["model"] == str(home / "tiny") and result["settings"]["adapter"]["lora_layers"] == 14
     assert not (cwd / "~").exists()
+
+
+@pytest.mark.parametrize("device", [pytest.param("gpu", id="not-a-device-name"), "cuda:x", "meta", *([] if torch.cuda.is_available() else ["cuda"])])
+def test_a_device_that_is_not_here_is_one_line_before_the_model_loads(device, tiny_dir, tmp_path, monkeypatch):
+    """``--device gpu`` (not a device name) ended in transformers' multi-line device_map ValueError, ``--device cuda``
+    on a machine without CUDA in torch's 'Found no NVIDIA driver' traceback, both after the data loaded; now a
+    UsageError naming the value and what is accepted, before anything loads."""
+    import qerl_trl.evaluation
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", no_model)
+    with pytest.raises(UsageError, match=rf"^--device '{device}': (not a device name|no .* device on this machine)"
+                       r".*\bcpu\b") as info:
+        main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--device", device,
+              "--output", str(tmp_path / "out")])  # fmt: skip
+    assert "\n" not in str(info.value)

@@ -40,6 +40,7 @@ __all__ = [
     "check_chat_template",
     "check_config_values",
     "check_data_path",
+    "check_device",
     "check_model_source",
     "check_no_earlier_run",
     "check_output_dir",
@@ -303,6 +304,27 @@ def check_chat_template(argument: str, value: str, dataset: Any) -> None:
         )
 
 
+def check_device(argument: str, value: str) -> None:
+    """``value`` names a device torch can use here: ``cpu``, or ``cuda`` / ``cuda:N`` (another backend torch has,
+    e.g. ``mps``, when available); else :class:`UsageError` (the model load failed in a traceback otherwise)."""
+    import torch
+
+    expected = "expected cpu, cuda or cuda:N"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"{argument} {value!r}: not a device name; {expected}") from e
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        raise UsageError(f"{argument} {value!r}: no {device.type} device on this machine; use {argument} cpu")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"{argument} {value!r}: this machine has {count} {device.type} device(s) ({device.type}:0 to "
+                         f"{device.type}:{count - 1}), or use {argument} cpu")  # fmt: skip
+
+
 def _check_positive(argument: str, value: Any) -> None:
     if value is not None and not value >= 1:
         raise UsageError(f"{argument} must be >= 1, got {value!r}")
@@ -474,6 +496,8 @@ def validate_eval_args(args: Any) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p!r}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed!r}")
+    if args.device is not None:
+        check_device("--device", args.device)
     check_model_source("--model", args.model, tokenizer=args.tokenizer is None)
     if args.tokenizer is not None:
         check_model_source("--tokenizer", args.tokenizer, weights=False)

@@ -285,3 +285,21 @@ def test_a_device_that_is_not_here_is_one_line_before_the_model_loads(device, ti
         main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--device", device,
               "--output", str(tmp_path / "out")])  # fmt: skip
     assert "\n" not in str(info.value)
+
+
+def test_quantizing_an_already_quantized_checkpoint_is_one_line(tiny_dir, tmp_path):
+    """``qerl eval --model <an nvfp4-quantize checkpoint> --quantization nvfp4-mse`` ended in a ValueError traceback
+    (qerl eval prints UsageErrors as one line, exit 2); now a UsageError naming the model and the option to drop."""
+    import shutil
+
+    from nvfp4 import NVFP4Config
+    from transformers import AutoModelForCausalLM
+
+    q = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(method="rtn"))
+    q.save_pretrained(tmp_path / "q")
+    for f in tiny_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, tmp_path / "q")
+    with pytest.raises(UsageError, match=r"^--model '.*q' is already quantized .*drop --quantization nvfp4-mse"):
+        main(["--model", str(tmp_path / "q"), "--quantization", "nvfp4-mse", "--task", "arithmetic", "--limit", "1",
+              "--output", str(tmp_path / "out")])  # fmt: skip

@@ -541,6 +541,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from e
     validate_eval_args(args)
+    if not scheme.is_dense and _is_prequantized(resolve_model_path(args.model)):  # load_model's ValueError, earlier
+        raise UsageError(f"--model {args.model!r} is already quantized (its config.json holds a quantization_config); "
+                         f"drop --quantization {scheme.name}, which quantizes a dense model on load")  # fmt: skip
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
     dataset = load_task_data(args.task, args.split, args.data_path, args.limit, args.seed, options,

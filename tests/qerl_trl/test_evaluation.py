@@ -303,3 +303,12 @@ def test_quantizing_an_already_quantized_checkpoint_is_one_line(tiny_dir, tmp_pa
     with pytest.raises(UsageError, match=r"^--model '.*q' is already quantized .*drop --quantization nvfp4-mse"):
         main(["--model", str(tmp_path / "q"), "--quantization", "nvfp4-mse", "--task", "arithmetic", "--limit", "1",
               "--output", str(tmp_path / "out")])  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [2**32, 10**20])
+def test_a_seed_out_of_range_is_one_line(seed, tiny_dir, tmp_path):
+    """``--seed 100000000000000000000`` passed the check (>= 0 only) and ended in torch.manual_seed's 'Overflow when
+    unpacking long long' traceback; qerl train takes seeds in [0, 2**32), and so does qerl eval now."""
+    with pytest.raises(UsageError, match=rf"^--seed must be in \[0, 2\*\*32\), got {seed}$"):
+        main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--seed", str(seed),
+              "--output", str(tmp_path / "out")])  # fmt: skip

@@ -312,3 +312,27 @@ def test_a_seed_out_of_range_is_one_line(seed, tiny_dir, tmp_path):
     with pytest.raises(UsageError, match=rf"^--seed must be in \[0, 2\*\*32\), got {seed}$"):
         main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--seed", str(seed),
               "--output", str(tmp_path / "out")])  # fmt: skip
+
+
+def test_a_model_or_adapter_given_as_dot_is_named_in_the_output(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """``qerl eval --model .`` (run inside the model's folder) wrote runs/eval/-arithmetic-test, an empty model
+    column in eval.md and "model": "." in eval.json (which names nothing once read elsewhere); ``--adapter .``
+    likewise. A local folder is recorded and named by its absolute path."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_dir, work / "tiny-llama")
+    shutil.copytree(adapter_dir, work / "lora")
+    args = ["--task", "arithmetic", "--limit", "1", "--max-new-tokens", "2", "--greedy", "--no-progress"]
+    monkeypatch.chdir(work / "tiny-llama")
+    main(["--model", ".", *args])
+    out = work / "tiny-llama" / "runs" / "eval" / "tiny-llama-arithmetic-test"
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["model"] == str(work / "tiny-llama")
+    assert "| tiny-llama | — |" in (out / "eval.md").read_text()
+    monkeypatch.chdir(work / "lora")
+    main(["--model", "../tiny-llama", "--adapter", ".", *args])
+    out = work / "lora" / "runs" / "eval" / "tiny-llama-lora-arithmetic-test"
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["adapter"]["path"] == str(work / "lora")
+    assert "| tiny-llama | lora |" in (out / "eval.md").read_text()

@@ -534,6 +534,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dest in ("model", "tokenizer", "adapter", "data_path", "output"):
         if getattr(args, dest) is not None:
             setattr(args, dest, os.path.expanduser(getattr(args, dest)))
+    # a local model or adapter folder is recorded by its absolute path: '.' named nothing in eval.json / eval.md and
+    # gave the default output folder runs/eval/-<task>-<split>
+    for dest in ("model", "adapter"):
+        value = getattr(args, dest)
+        if value is not None and value != OFFLINE_DEFAULT and os.path.isdir(value):
+            setattr(args, dest, os.path.abspath(value))
     scheme: QuantScheme = args.quantization
     engine_cls: type[RolloutEngine] = args.engine
     try:

@@ -255,3 +255,21 @@ def test_version_names_the_package_and_what_it_runs_on(capsys):
         main(["--version"])
     out = capsys.readouterr().out.splitlines()
     assert exit_info.value.code == 0 and out[0] == f"nvfp4 {md.version('nvfp4')}" and out[1].startswith("torch ")
+
+
+def test_a_model_given_as_dot_is_named_by_its_folder(offline_model_path, tmp_path, monkeypatch):
+    """``nvfp4-quantize .`` (run inside the model's folder) saved to runs/-nvfp4 and wrote a model card titled
+    '#  — NVFP4' with an empty base_model; the folder's own name is used now."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    monkeypatch.chdir(model_dir)
+    main([".", "--method", "rtn", "--max-new-tokens", "1"])
+    card = (model_dir / "runs" / "llama-nvfp4" / "README.md").read_text()
+    assert "base_model: llama\n" in card and "# llama — NVFP4" in card

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             ap.exit(2, f"nvfp4-quantize: error: {e}\n")
     args.model = os.path.expanduser(args.model)  # "~/m" counts as a local path below (--out, --data are expanded too)
-    name = Path(args.model.rstrip("/")).name
+    name = Path(os.path.abspath(args.model)).name  # '.' or '../m' too (was '': runs/-nvfp4, a card for '')
     out = Path(args.out or Path("runs") / f"{name}-{fmt.name}").expanduser()
     problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
     if problem:

@@ -273,3 +273,21 @@ def test_a_model_given_as_dot_is_named_by_its_folder(offline_model_path, tmp_pat
     main([".", "--method", "rtn", "--max-new-tokens", "1"])
     card = (model_dir / "runs" / "llama-nvfp4" / "README.md").read_text()
     assert "base_model: llama\n" in card and "# llama — NVFP4" in card
+
+
+def test_a_folder_without_whole_weights_is_one_line(tiny_model_dir, tmp_path, capsys):
+    """A model folder without weights (a download that stopped after config.json) ended in transformers' 'no file
+    named model.safetensors' OSError traceback, one whose model.safetensors is cut short in safetensors' 'incomplete
+    metadata' traceback, both after the tokenizer loaded; now one line naming the folder and the file."""
+    none = tmp_path / "no-weights"
+    none.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", none)
+    err = _one_line_exit_2([str(none), "--out", str(tmp_path / "o")], capsys)
+    assert f"model {str(none)!r}: no weights" in err and "model.safetensors" in err, err
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _one_line_exit_2([str(cut), "--out", str(tmp_path / "o")], capsys)
+    assert f"model {str(cut)!r}: model.safetensors is not a complete safetensors file" in err, err
+    assert not (tmp_path / "o").exists()

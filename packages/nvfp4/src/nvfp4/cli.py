@@ -72,9 +72,13 @@ def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+#: What transformers loads a checkpoint's weights from (a sharded one names its shards in the index).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _input_problem(model: str) -> str | None:
-    """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config,
-    or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
+    """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config
+    or without whole weights, or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
     path = Path(model)
     local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if not local:
@@ -89,6 +93,17 @@ def _input_problem(model: str) -> str | None:
         return f"model {model!r}: config.json is not readable JSON ({e})"
     if not isinstance(config, dict):
         return f"model {model!r}: config.json holds a {type(config).__name__}, not a model config"
+    weights = [path / f for f in _WEIGHT_FILES if (path / f).is_file()]
+    if not weights:  # transformers' OSError traceback after the tokenizer loaded
+        return f"model {model!r}: no weights in the folder (none of {', '.join(_WEIGHT_FILES)})"
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):  # the header only: what a download or copy cut short breaks
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"model {model!r}: {file.name} is not a complete safetensors file ({e})"
     qc = config.get("quantization_config")
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc

@@ -291,3 +291,14 @@ def test_a_folder_without_whole_weights_is_one_line(tiny_model_dir, tmp_path, ca
     err = _one_line_exit_2([str(cut), "--out", str(tmp_path / "o")], capsys)
     assert f"model {str(cut)!r}: model.safetensors is not a complete safetensors file" in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("repo", ["my model", "me/my/model", "me/model-", "me/" + "m" * 100])
+def test_a_push_to_hub_repo_that_is_no_repo_id_is_one_line_before_anything_loads(repo, tiny_model_dir, tmp_path,
+                                                                                  capsys):  # fmt: skip
+    """``--push-to-hub 'my model'`` quantized, measured and saved, then ended in huggingface_hub's HFValidationError
+    traceback at the push; now one line naming the option, the value and the form a repo id takes."""
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", repo], capsys)
+    assert f"--push-to-hub {repo!r}: not a Hub repo id" in err, err
+    assert not out.exists()

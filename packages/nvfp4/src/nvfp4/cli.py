@@ -233,6 +233,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.push_to_hub and hub_offline():  # the push comes last: after quantizing, measuring and saving
         ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: the Hugging Face Hub is offline "
                    "(HF_HUB_OFFLINE); save only (drop --push-to-hub) or unset HF_HUB_OFFLINE\n")  # fmt: skip
+    if args.push_to_hub:  # else huggingface_hub's HFValidationError traceback at the push, after the save
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError as e:
+            ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: not a Hub repo id (NAME or "
+                       f"OWNER/NAME; {' '.join(str(e).split()).removesuffix(' Use `repo_type` argument if needed.')})\n")  # fmt: skip
     needed = ["test.jsonl", "train.jsonl"] if data is not None else []
     missing = [f for f in needed if not (data / f).is_file()]
     if missing:

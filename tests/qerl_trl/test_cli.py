@@ -809,3 +809,19 @@ def test_a_model_without_a_chat_template_is_one_line_before_it_loads(base_dir, t
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"qerl train: error: --model_name_or_path '{base}': ") and "no chat template" in err, err
+
+
+@pytest.mark.parametrize("option", ["--eval_strategy", "--eval-strategy"])
+def test_an_evaluation_strategy_is_one_line_before_anything_loads(option, tmp_path, capsys, monkeypatch):
+    """``qerl train --eval_strategy steps`` (an option its --help lists) loaded and quantized the policy, then
+    stopped in transformers' 'you didn't pass an eval_dataset' traceback: qerl train has no evaluation set. Now one
+    line before anything loads, pointing to qerl eval; 'no' (the default) still passes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "steps", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --eval_strategy 'steps': ") and "qerl eval" in err, err
+    script_args, config = parse_train_args(["--eval_strategy", "no", "--max_steps", "1"])
+    assert config.eval_strategy == "no"

@@ -825,3 +825,16 @@ def test_an_evaluation_strategy_is_one_line_before_anything_loads(option, tmp_pa
     assert err.startswith("qerl train: error: --eval_strategy 'steps': ") and "qerl eval" in err, err
     script_args, config = parse_train_args(["--eval_strategy", "no", "--max_steps", "1"])
     assert config.eval_strategy == "no"
+
+
+def test_transformers_resume_from_checkpoint_is_not_ignored(tmp_path, capsys, monkeypatch):
+    """``qerl train --resume_from_checkpoint runs/a/checkpoint-2 --output_dir runs/b`` (transformers' option, in
+    qerl train --help, which its example scripts read) was parsed and never read: the run started afresh without a
+    word. qerl train resumes with --resume; the transformers option is now one line naming it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--resume_from_checkpoint", "runs/a/checkpoint-2", "--output_dir", "runs/b", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --resume_from_checkpoint 'runs/a/checkpoint-2': ") and "--resume" in err

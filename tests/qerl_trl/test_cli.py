@@ -838,3 +838,29 @@ def test_transformers_resume_from_checkpoint_is_not_ignored(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("qerl train: error: --resume_from_checkpoint 'runs/a/checkpoint-2': ") and "--resume" in err
+
+
+@pytest.mark.parametrize("report_to, words", [
+    ("nonsense", ["nonsense is not supported", "wandb"]),
+    pytest.param("wandb", ["requires wandb to be installed", "pip install wandb"],
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None,
+                                          reason="wandb is installed here")),
+])  # fmt: skip
+def test_a_reporting_integration_that_cannot_run_is_one_line_before_the_model_loads(report_to, words, tmp_path,
+                                                                                    capsys, monkeypatch):  # fmt: skip
+    """``qerl train --report_to wandb`` without wandb installed (or a name transformers does not know) loaded and
+    quantized the policy, then stopped in transformers' RuntimeError / ValueError traceback as the trainer made its
+    callbacks; now one line naming --report_to before the model loads."""
+    import qerl_trl.cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.cli, "train", no_model)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--report_to", report_to, "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"qerl train: error: --report_to {report_to}: ") and all(w in err for w in words), err

@@ -44,6 +44,7 @@ __all__ = [
     "check_model_source",
     "check_no_earlier_run",
     "check_output_dir",
+    "check_report_to",
     "check_train_paths",
     "load_task_data",
     "load_train_data",
@@ -462,10 +463,29 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
     from .tasks import TASKS
 
     resume = check_train_paths(script_args, config, TASKS)
+    check_report_to(getattr(config, "report_to", None))
     dataset = load_train_data(script_args, config)
     check_enough_prompts(dataset, config)
     check_chat_template("--model_name_or_path", str(script_args.model_name_or_path), dataset)
     return TrainInputs(dataset=dataset, resume=resume)
+
+
+def check_report_to(report_to: Any) -> None:
+    """The reporting integrations of ``report_to`` (a trainer config's) are ones transformers knows and can run here:
+    the callbacks its Trainer makes are made once now, so an unknown name or a library that is not installed
+    (``--report_to wandb`` without wandb) is one line before the model loads, not a traceback after. Raises
+    :class:`UsageError`."""
+    # the config resolved 'none' (to []) and 'all' (to the installed integrations) when it was made
+    names = [report_to] if isinstance(report_to, str) else list(report_to or ())
+    if not names:
+        return
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        for callback in get_reporting_integration_callbacks(names):
+            callback()
+    except (ValueError, RuntimeError, ImportError) as e:
+        raise UsageError(f"--report_to {','.join(map(str, names))}: {e}") from e
 
 
 def check_enough_prompts(dataset: Any, config: Any) -> None:

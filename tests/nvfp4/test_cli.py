@@ -302,3 +302,28 @@ def test_a_push_to_hub_repo_that_is_no_repo_id_is_one_line_before_anything_loads
     err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", repo], capsys)
     assert f"--push-to-hub {repo!r}: not a Hub repo id" in err, err
     assert not out.exists()
+
+
+def test_perplexity_data_without_a_train_split_is_enough_for_uncalibrated_methods(offline_model_path, gsm8k_dir,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    """``--data`` with test.jsonl only (what perplexity reads) was refused for --method rtn / mse ('no train.jsonl
+    there'), though only awq / gptq calibrate on train.jsonl; it now measures perplexity, and a calibrated method
+    still asks for train.jsonl."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "gsm8k-test"
+    data.mkdir()
+    shutil.copy(gsm8k_dir / "test.jsonl", data)
+    main([str(model_dir), "--method", "rtn", "--data", str(data), "--n-eval", "2", "--out", str(tmp_path / "o"),
+          "--max-new-tokens", "1"])  # fmt: skip
+    assert "GSM8K ppl" in capsys.readouterr().out
+    err = _one_line_exit_2([str(model_dir), "--method", "awq", "--data", str(data), "--out", str(tmp_path / "o2")],
+                           capsys)  # fmt: skip
+    assert "no train.jsonl" in err, err

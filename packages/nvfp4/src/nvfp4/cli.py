@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--method", default=None, choices=list(METHODS),
                     help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts "
                          "(default: mse for nvfp4, rtn for mxfp4)")  # fmt: skip
-    ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
+    ap.add_argument("--data", help="GSM8K jsonl folder: test.jsonl for perplexity, train.jsonl for awq/gptq's "
+                    "calibration")  # fmt: skip
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
     ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4); a folder that holds "
@@ -242,14 +243,15 @@ def main(argv: list[str] | None = None) -> None:
         except HFValidationError as e:
             ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: not a Hub repo id (NAME or "
                        f"OWNER/NAME; {' '.join(str(e).split()).removesuffix(' Use `repo_type` argument if needed.')})\n")  # fmt: skip
-    needed = ["test.jsonl", "train.jsonl"] if data is not None else []
+    calibrated = args.method in CALIBRATED_METHODS  # only awq / gptq read train.jsonl; perplexity reads test.jsonl
+    needed = ["test.jsonl", *(["train.jsonl"] if calibrated else [])] if data is not None else []
     missing = [f for f in needed if not (data / f).is_file()]
     if missing:
         ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
-                   "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+                   "folder holds test.jsonl, and train.jsonl for --method awq / gptq)\n")  # fmt: skip
     try:  # read before anything loads: rows of another dataset were a KeyError traceback after the tokenizer
         eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
-        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
+        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data and calibrated else None
     except ValueError as e:
         if args.debug:
             raise

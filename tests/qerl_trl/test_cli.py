@@ -864,3 +864,17 @@ def test_a_reporting_integration_that_cannot_run_is_one_line_before_the_model_lo
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"qerl train: error: --report_to {report_to}: ") and all(w in err for w in words), err
+
+
+def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """``qerl train --push_to_hub true`` with HF_HUB_OFFLINE set loaded and quantized the policy, then stopped in
+    huggingface_hub's OfflineModeIsEnabled traceback as the trainer created the Hub repo (nvfp4-quantize
+    --push-to-hub says so in one line); now one line naming the option and HF_HUB_OFFLINE before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--push_to_hub", "true", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --push_to_hub: ") and "HF_HUB_OFFLINE" in err, err

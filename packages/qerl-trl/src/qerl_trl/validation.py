@@ -426,6 +426,12 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             f"--rewards: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(REWARD_FUNCS))}"
         )
     _check_positive("--limit", script_args.limit)
+    if getattr(config, "push_to_hub", False):  # the trainer creates the Hub repo once the policy has loaded
+        from nvfp4.offline import hub_offline
+
+        if hub_offline():
+            raise UsageError("--push_to_hub: the Hugging Face Hub is offline (HF_HUB_OFFLINE); drop --push_to_hub "
+                             "(the run saves to --output_dir) or unset HF_HUB_OFFLINE")  # fmt: skip
     check_model_source("--model_name_or_path", script_args.model_name_or_path)
     if config.output_dir is not None:
         check_output_dir("--output_dir", config.output_dir)

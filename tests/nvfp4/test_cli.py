@@ -255,3 +255,75 @@ def test_version_names_the_package_and_what_it_runs_on(capsys):
         main(["--version"])
     out = capsys.readouterr().out.splitlines()
     assert exit_info.value.code == 0 and out[0] == f"nvfp4 {md.version('nvfp4')}" and out[1].startswith("torch ")
+
+
+def test_a_model_given_as_dot_is_named_by_its_folder(offline_model_path, tmp_path, monkeypatch):
+    """``nvfp4-quantize .`` (run inside the model's folder) saved to runs/-nvfp4 and wrote a model card titled
+    '#  — NVFP4' with an empty base_model; the folder's own name is used now."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    monkeypatch.chdir(model_dir)
+    main([".", "--method", "rtn", "--max-new-tokens", "1"])
+    card = (model_dir / "runs" / "llama-nvfp4" / "README.md").read_text()
+    assert "base_model: llama\n" in card and "# llama — NVFP4" in card
+
+
+def test_a_folder_without_whole_weights_is_one_line(tiny_model_dir, tmp_path, capsys):
+    """A model folder without weights (a download that stopped after config.json) ended in transformers' 'no file
+    named model.safetensors' OSError traceback, one whose model.safetensors is cut short in safetensors' 'incomplete
+    metadata' traceback, both after the tokenizer loaded; now one line naming the folder and the file."""
+    none = tmp_path / "no-weights"
+    none.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", none)
+    err = _one_line_exit_2([str(none), "--out", str(tmp_path / "o")], capsys)
+    assert f"model {str(none)!r}: no weights" in err and "model.safetensors" in err, err
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _one_line_exit_2([str(cut), "--out", str(tmp_path / "o")], capsys)
+    assert f"model {str(cut)!r}: model.safetensors is not a complete safetensors file" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("repo", ["my model", "me/my/model", "me/model-", "me/" + "m" * 100])
+def test_a_push_to_hub_repo_that_is_no_repo_id_is_one_line_before_anything_loads(repo, tiny_model_dir, tmp_path,
+                                                                                  capsys):  # fmt: skip
+    """``--push-to-hub 'my model'`` quantized, measured and saved, then ended in huggingface_hub's HFValidationError
+    traceback at the push; now one line naming the option, the value and the form a repo id takes."""
+    out = tmp_path / "out"
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(out), "--push-to-hub", repo], capsys)
+    assert f"--push-to-hub {repo!r}: not a Hub repo id" in err, err
+    assert not out.exists()
+
+
+def test_perplexity_data_without_a_train_split_is_enough_for_uncalibrated_methods(offline_model_path, gsm8k_dir,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    """``--data`` with test.jsonl only (what perplexity reads) was refused for --method rtn / mse ('no train.jsonl
+    there'), though only awq / gptq calibrate on train.jsonl; it now measures perplexity, and a calibrated method
+    still asks for train.jsonl."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "gsm8k-test"
+    data.mkdir()
+    shutil.copy(gsm8k_dir / "test.jsonl", data)
+    main([str(model_dir), "--method", "rtn", "--data", str(data), "--n-eval", "2", "--out", str(tmp_path / "o"),
+          "--max-new-tokens", "1"])  # fmt: skip
+    assert "GSM8K ppl" in capsys.readouterr().out
+    err = _one_line_exit_2([str(model_dir), "--method", "awq", "--data", str(data), "--out", str(tmp_path / "o2")],
+                           capsys)  # fmt: skip
+    assert "no train.jsonl" in err, err

@@ -809,3 +809,72 @@ def test_a_model_without_a_chat_template_is_one_line_before_it_loads(base_dir, t
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"qerl train: error: --model_name_or_path '{base}': ") and "no chat template" in err, err
+
+
+@pytest.mark.parametrize("option", ["--eval_strategy", "--eval-strategy"])
+def test_an_evaluation_strategy_is_one_line_before_anything_loads(option, tmp_path, capsys, monkeypatch):
+    """``qerl train --eval_strategy steps`` (an option its --help lists) loaded and quantized the policy, then
+    stopped in transformers' 'you didn't pass an eval_dataset' traceback: qerl train has no evaluation set. Now one
+    line before anything loads, pointing to qerl eval; 'no' (the default) still passes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", option, "steps", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --eval_strategy 'steps': ") and "qerl eval" in err, err
+    script_args, config = parse_train_args(["--eval_strategy", "no", "--max_steps", "1"])
+    assert config.eval_strategy == "no"
+
+
+def test_transformers_resume_from_checkpoint_is_not_ignored(tmp_path, capsys, monkeypatch):
+    """``qerl train --resume_from_checkpoint runs/a/checkpoint-2 --output_dir runs/b`` (transformers' option, in
+    qerl train --help, which its example scripts read) was parsed and never read: the run started afresh without a
+    word. qerl train resumes with --resume; the transformers option is now one line naming it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--resume_from_checkpoint", "runs/a/checkpoint-2", "--output_dir", "runs/b", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --resume_from_checkpoint 'runs/a/checkpoint-2': ") and "--resume" in err
+
+
+@pytest.mark.parametrize("report_to, words", [
+    ("nonsense", ["nonsense is not supported", "wandb"]),
+    pytest.param("wandb", ["requires wandb to be installed", "pip install wandb"],
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None,
+                                          reason="wandb is installed here")),
+])  # fmt: skip
+def test_a_reporting_integration_that_cannot_run_is_one_line_before_the_model_loads(report_to, words, tmp_path,
+                                                                                    capsys, monkeypatch):  # fmt: skip
+    """``qerl train --report_to wandb`` without wandb installed (or a name transformers does not know) loaded and
+    quantized the policy, then stopped in transformers' RuntimeError / ValueError traceback as the trainer made its
+    callbacks; now one line naming --report_to before the model loads."""
+    import qerl_trl.cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.cli, "train", no_model)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--report_to", report_to, "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"qerl train: error: --report_to {report_to}: ") and all(w in err for w in words), err
+
+
+def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """``qerl train --push_to_hub true`` with HF_HUB_OFFLINE set loaded and quantized the policy, then stopped in
+    huggingface_hub's OfflineModeIsEnabled traceback as the trainer created the Hub repo (nvfp4-quantize
+    --push-to-hub says so in one line); now one line naming the option and HF_HUB_OFFLINE before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--push_to_hub", "true", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("qerl train: error: --push_to_hub: ") and "HF_HUB_OFFLINE" in err, err

@@ -248,3 +248,91 @@ def test_eval_calibrates_on_the_prompts_qerl_train_calibrates_on(tiny_dir):
     got = calibration_data("arithmetic", tok, evaluated, seed=3, options=options)
     assert len(got) == len(trained_on) == 32
     assert all(torch.equal(a, b) for a, b in zip(got, trained_on, strict=True))
+
+
+def test_paths_written_with_a_tilde_are_the_home_folder(tiny_dir, adapter_dir, gsm8k_dir, tmp_path, monkeypatch):
+    """``qerl eval --model '~/m' --output '~/out'`` (quoted, or ``--output=~/out``, which the shell leaves alone): the
+    checks expanded ``~`` and passed, then the model load failed in transformers' 'Repo id must use alphanumeric
+    chars' traceback, and --output wrote a folder named '~' in the working directory. Every path is the home's."""
+    import shutil
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    for name, src in (("tiny", tiny_dir), ("lora", adapter_dir), ("gsm8k", gsm8k_dir)):
+        shutil.copytree(src, home / name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    main(["--model", "~/tiny", "--tokenizer", "~/tiny", "--adapter", "~/lora", "--task", "gsm8k", "--data-path",
+          "~/gsm8k", "--limit", "1", "--max-new-tokens", "2", "--greedy", "--output", "~/out", "--no-progress"])
+    result = json.loads((home / "out" / "eval.json").read_text())
+    assert result["settings"]["model"] == str(home / "tiny") and result["settings"]["adapter"]["lora_layers"] == 14
+    assert not (cwd / "~").exists()
+
+
+@pytest.mark.parametrize("device", [pytest.param("gpu", id="not-a-device-name"), "cuda:x", "meta", *([] if torch.cuda.is_available() else ["cuda"])])
+def test_a_device_that_is_not_here_is_one_line_before_the_model_loads(device, tiny_dir, tmp_path, monkeypatch):
+    """``--device gpu`` (not a device name) ended in transformers' multi-line device_map ValueError, ``--device cuda``
+    on a machine without CUDA in torch's 'Found no NVIDIA driver' traceback, both after the data loaded; now a
+    UsageError naming the value and what is accepted, before anything loads."""
+    import qerl_trl.evaluation
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", no_model)
+    with pytest.raises(UsageError, match=rf"^--device '{device}': (not a device name|no .* device on this machine)"
+                       r".*\bcpu\b") as info:
+        main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--device", device,
+              "--output", str(tmp_path / "out")])  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+def test_quantizing_an_already_quantized_checkpoint_is_one_line(tiny_dir, tmp_path):
+    """``qerl eval --model <an nvfp4-quantize checkpoint> --quantization nvfp4-mse`` ended in a ValueError traceback
+    (qerl eval prints UsageErrors as one line, exit 2); now a UsageError naming the model and the option to drop."""
+    import shutil
+
+    from nvfp4 import NVFP4Config
+    from transformers import AutoModelForCausalLM
+
+    q = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(method="rtn"))
+    q.save_pretrained(tmp_path / "q")
+    for f in tiny_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, tmp_path / "q")
+    with pytest.raises(UsageError, match=r"^--model '.*q' is already quantized .*drop --quantization nvfp4-mse"):
+        main(["--model", str(tmp_path / "q"), "--quantization", "nvfp4-mse", "--task", "arithmetic", "--limit", "1",
+              "--output", str(tmp_path / "out")])  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [2**32, 10**20])
+def test_a_seed_out_of_range_is_one_line(seed, tiny_dir, tmp_path):
+    """``--seed 100000000000000000000`` passed the check (>= 0 only) and ended in torch.manual_seed's 'Overflow when
+    unpacking long long' traceback; qerl train takes seeds in [0, 2**32), and so does qerl eval now."""
+    with pytest.raises(UsageError, match=rf"^--seed must be in \[0, 2\*\*32\), got {seed}$"):
+        main(["--model", str(tiny_dir), "--task", "arithmetic", "--limit", "1", "--seed", str(seed),
+              "--output", str(tmp_path / "out")])  # fmt: skip
+
+
+def test_a_model_or_adapter_given_as_dot_is_named_in_the_output(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """``qerl eval --model .`` (run inside the model's folder) wrote runs/eval/-arithmetic-test, an empty model
+    column in eval.md and "model": "." in eval.json (which names nothing once read elsewhere); ``--adapter .``
+    likewise. A local folder is recorded and named by its absolute path."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_dir, work / "tiny-llama")
+    shutil.copytree(adapter_dir, work / "lora")
+    args = ["--task", "arithmetic", "--limit", "1", "--max-new-tokens", "2", "--greedy", "--no-progress"]
+    monkeypatch.chdir(work / "tiny-llama")
+    main(["--model", ".", *args])
+    out = work / "tiny-llama" / "runs" / "eval" / "tiny-llama-arithmetic-test"
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["model"] == str(work / "tiny-llama")
+    assert "| tiny-llama | — |" in (out / "eval.md").read_text()
+    monkeypatch.chdir(work / "lora")
+    main(["--model", "../tiny-llama", "--adapter", ".", *args])
+    out = work / "lora" / "runs" / "eval" / "tiny-llama-lora-arithmetic-test"
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["adapter"]["path"] == str(work / "lora")
+    assert "| tiny-llama | lora |" in (out / "eval.md").read_text()

@@ -269,6 +269,14 @@ def test_arithmetic_options_of_the_wrong_type_say_which(options, message):
         load_task("arithmetic", **options)
 
 
+@pytest.mark.parametrize("value", ["500", "5x", [5]])
+def test_an_n_examples_of_the_wrong_type_says_which_with_a_limit_too(value):
+    """With a limit (qerl eval --limit 2 --task-option n_examples=5x, qerl train --limit) the option was compared with
+    it first: "'<' not supported between instances of 'int' and 'str'", naming neither; now as without a limit."""
+    with pytest.raises(ValueError, match=re.escape(f"n_examples must be an int >= 1, got {value!r}")):
+        load_task("arithmetic", "test", limit=2, n_examples=value)
+
+
 def test_arithmetic_curriculum_is_ordered_blocks():
     ds = load_task("arithmetic", n_examples=301, digits=[1, 2], seed=5)
     assert len(ds) == 301

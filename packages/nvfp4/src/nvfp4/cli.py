@@ -72,9 +72,13 @@ def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+#: What transformers loads a checkpoint's weights from (a sharded one names its shards in the index).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _input_problem(model: str) -> str | None:
-    """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config,
-    or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
+    """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config
+    or without whole weights, or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
     path = Path(model)
     local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if not local:
@@ -89,6 +93,17 @@ def _input_problem(model: str) -> str | None:
         return f"model {model!r}: config.json is not readable JSON ({e})"
     if not isinstance(config, dict):
         return f"model {model!r}: config.json holds a {type(config).__name__}, not a model config"
+    weights = [path / f for f in _WEIGHT_FILES if (path / f).is_file()]
+    if not weights:  # transformers' OSError traceback after the tokenizer loaded
+        return f"model {model!r}: no weights in the folder (none of {', '.join(_WEIGHT_FILES)})"
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):  # the header only: what a download or copy cut short breaks
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"model {model!r}: {file.name} is not a complete safetensors file ({e})"
     qc = config.get("quantization_config")
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
@@ -166,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--method", default=None, choices=list(METHODS),
                     help="rtn/mse: from the weights; awq/gptq: calibrated on --data's train texts "
                          "(default: mse for nvfp4, rtn for mxfp4)")  # fmt: skip
-    ap.add_argument("--data", help="GSM8K jsonl folder (train.jsonl/test.jsonl) for calibration and perplexity")
+    ap.add_argument("--data", help="GSM8K jsonl folder: test.jsonl for perplexity, train.jsonl for awq/gptq's "
+                    "calibration")  # fmt: skip
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
     ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4); a folder that holds "
@@ -198,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             ap.exit(2, f"nvfp4-quantize: error: {e}\n")
     args.model = os.path.expanduser(args.model)  # "~/m" counts as a local path below (--out, --data are expanded too)
-    name = Path(args.model.rstrip("/")).name
+    name = Path(os.path.abspath(args.model)).name  # '.' or '../m' too (was '': runs/-nvfp4, a card for '')
     out = Path(args.out or Path("runs") / f"{name}-{fmt.name}").expanduser()
     problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
     if problem:
@@ -218,14 +234,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.push_to_hub and hub_offline():  # the push comes last: after quantizing, measuring and saving
         ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: the Hugging Face Hub is offline "
                    "(HF_HUB_OFFLINE); save only (drop --push-to-hub) or unset HF_HUB_OFFLINE\n")  # fmt: skip
-    needed = ["test.jsonl", "train.jsonl"] if data is not None else []
+    if args.push_to_hub:  # else huggingface_hub's HFValidationError traceback at the push, after the save
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError as e:
+            ap.exit(2, f"nvfp4-quantize: error: --push-to-hub {args.push_to_hub!r}: not a Hub repo id (NAME or "
+                       f"OWNER/NAME; {' '.join(str(e).split()).removesuffix(' Use `repo_type` argument if needed.')})\n")  # fmt: skip
+    calibrated = args.method in CALIBRATED_METHODS  # only awq / gptq read train.jsonl; perplexity reads test.jsonl
+    needed = ["test.jsonl", *(["train.jsonl"] if calibrated else [])] if data is not None else []
     missing = [f for f in needed if not (data / f).is_file()]
     if missing:
         ap.exit(2, f"nvfp4-quantize: error: --data {str(data)!r}: no {' or '.join(missing)} there (a GSM8K jsonl "
-                   "folder holds train.jsonl and test.jsonl)\n")  # fmt: skip
+                   "folder holds test.jsonl, and train.jsonl for --method awq / gptq)\n")  # fmt: skip
     try:  # read before anything loads: rows of another dataset were a KeyError traceback after the tokenizer
         eval_texts = gsm8k_texts(data / "test.jsonl", args.n_eval) if data else None
-        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data else None
+        calib = gsm8k_texts(data / "train.jsonl", args.calib_samples) if data and calibrated else None
     except ValueError as e:
         if args.debug:
             raise

@@ -285,6 +285,14 @@ def precheck_train(
         value = values.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not accepted(value):
             raise UsageError(f"{name} must be {expected}, got {value!r}")
+    if values.get("resume_from_checkpoint") is not None:  # transformers' field, which the trainer never reads
+        raise UsageError(f"--resume_from_checkpoint {values['resume_from_checkpoint']!r}: qerl train does not read "
+                         "this transformers option (the run would start afresh); continue a run with --resume PATH "
+                         "(a checkpoint-N folder) or --resume true (the newest one in --output_dir)")  # fmt: skip
+    strategy = values.get("eval_strategy")  # else transformers' "no eval_dataset" traceback once the policy loaded
+    if strategy is not None and str(getattr(strategy, "value", strategy)).lower() != "no":
+        raise UsageError(f"--eval_strategy {strategy!r}: qerl train has no evaluation set, so it takes 'no' only; "
+                         "evaluate the run's adapters with qerl eval --adapter <output_dir>/checkpoint-N")  # fmt: skip
     if "quantization" in values:
         check_quantization(values["quantization"])
     kind = str(values.get("aqn_schedule", "exponential")).lower()

@@ -530,6 +530,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Raises :class:`~qerl_trl.validation.UsageError` for a bad path or value (checked before the model loads:
     :func:`~qerl_trl.validation.validate_eval_args`, then the task's data); ``qerl eval`` prints it as one line."""
     args = build_parser().parse_args(argv)
+    # '~/m' (quoted, --output=~/out, or main() from Python): the checks expand it, so must every later use of a path
+    for dest in ("model", "tokenizer", "adapter", "data_path", "output"):
+        if getattr(args, dest) is not None:
+            setattr(args, dest, os.path.expanduser(getattr(args, dest)))
+    # a local model or adapter folder is recorded by its absolute path: '.' named nothing in eval.json / eval.md and
+    # gave the default output folder runs/eval/-<task>-<split>
+    for dest in ("model", "adapter"):
+        value = getattr(args, dest)
+        if value is not None and value != OFFLINE_DEFAULT and os.path.isdir(value):
+            setattr(args, dest, os.path.abspath(value))
     scheme: QuantScheme = args.quantization
     engine_cls: type[RolloutEngine] = args.engine
     try:
@@ -537,6 +547,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from e
     validate_eval_args(args)
+    if not scheme.is_dense and _is_prequantized(resolve_model_path(args.model)):  # load_model's ValueError, earlier
+        raise UsageError(f"--model {args.model!r} is already quantized (its config.json holds a quantization_config); "
+                         f"drop --quantization {scheme.name}, which quantizes a dense model on load")  # fmt: skip
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
     dataset = load_task_data(args.task, args.split, args.data_path, args.limit, args.seed, options,

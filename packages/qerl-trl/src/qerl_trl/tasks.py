@@ -388,7 +388,7 @@ def _arithmetic(split: str, path, limit, seed, **options: Any) -> Dataset:
     if path is not None:
         raise TaskDataError("task 'arithmetic' is synthetic: it takes no path (options: n_examples, digits, ops)")
     n = options.pop("n_examples", 1000 if split == "train" else 200)
-    if limit is not None:
+    if limit is not None and isinstance(n, int) and not isinstance(n, bool):  # else arithmetic_dataset names it
         n = min(n, limit)
     return arithmetic_dataset(n, seed=seed, split=split, **options)
 

@@ -40,9 +40,11 @@ __all__ = [
     "check_chat_template",
     "check_config_values",
     "check_data_path",
+    "check_device",
     "check_model_source",
     "check_no_earlier_run",
     "check_output_dir",
+    "check_report_to",
     "check_train_paths",
     "load_task_data",
     "load_train_data",
@@ -303,6 +305,27 @@ def check_chat_template(argument: str, value: str, dataset: Any) -> None:
         )
 
 
+def check_device(argument: str, value: str) -> None:
+    """``value`` names a device torch can use here: ``cpu``, or ``cuda`` / ``cuda:N`` (another backend torch has,
+    e.g. ``mps``, when available); else :class:`UsageError` (the model load failed in a traceback otherwise)."""
+    import torch
+
+    expected = "expected cpu, cuda or cuda:N"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"{argument} {value!r}: not a device name; {expected}") from e
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        raise UsageError(f"{argument} {value!r}: no {device.type} device on this machine; use {argument} cpu")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"{argument} {value!r}: this machine has {count} {device.type} device(s) ({device.type}:0 to "
+                         f"{device.type}:{count - 1}), or use {argument} cpu")  # fmt: skip
+
+
 def _check_positive(argument: str, value: Any) -> None:
     if value is not None and not value >= 1:
         raise UsageError(f"{argument} must be >= 1, got {value!r}")
@@ -403,6 +426,12 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             f"--rewards: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(REWARD_FUNCS))}"
         )
     _check_positive("--limit", script_args.limit)
+    if getattr(config, "push_to_hub", False):  # the trainer creates the Hub repo once the policy has loaded
+        from nvfp4.offline import hub_offline
+
+        if hub_offline():
+            raise UsageError("--push_to_hub: the Hugging Face Hub is offline (HF_HUB_OFFLINE); drop --push_to_hub "
+                             "(the run saves to --output_dir) or unset HF_HUB_OFFLINE")  # fmt: skip
     check_model_source("--model_name_or_path", script_args.model_name_or_path)
     if config.output_dir is not None:
         check_output_dir("--output_dir", config.output_dir)
@@ -440,10 +469,29 @@ def validate_train_args(script_args: Any, config: Any) -> TrainInputs:
     from .tasks import TASKS
 
     resume = check_train_paths(script_args, config, TASKS)
+    check_report_to(getattr(config, "report_to", None))
     dataset = load_train_data(script_args, config)
     check_enough_prompts(dataset, config)
     check_chat_template("--model_name_or_path", str(script_args.model_name_or_path), dataset)
     return TrainInputs(dataset=dataset, resume=resume)
+
+
+def check_report_to(report_to: Any) -> None:
+    """The reporting integrations of ``report_to`` (a trainer config's) are ones transformers knows and can run here:
+    the callbacks its Trainer makes are made once now, so an unknown name or a library that is not installed
+    (``--report_to wandb`` without wandb) is one line before the model loads, not a traceback after. Raises
+    :class:`UsageError`."""
+    # the config resolved 'none' (to []) and 'all' (to the installed integrations) when it was made
+    names = [report_to] if isinstance(report_to, str) else list(report_to or ())
+    if not names:
+        return
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        for callback in get_reporting_integration_callbacks(names):
+            callback()
+    except (ValueError, RuntimeError, ImportError) as e:
+        raise UsageError(f"--report_to {','.join(map(str, names))}: {e}") from e
 
 
 def check_enough_prompts(dataset: Any, config: Any) -> None:
@@ -472,8 +520,10 @@ def validate_eval_args(args: Any) -> None:
         raise UsageError(f"--temperature must be > 0 (or use --greedy), got {args.temperature!r}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p!r}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed!r}")
+    if not 0 <= args.seed < 2**32:  # qerl train's range (CONFIG_RULES); torch.manual_seed overflows past 2**64
+        raise UsageError(f"--seed must be in [0, 2**32), got {args.seed!r}")
+    if args.device is not None:
+        check_device("--device", args.device)
     check_model_source("--model", args.model, tokenizer=args.tokenizer is None)
     if args.tokenizer is not None:
         check_model_source("--tokenizer", args.tokenizer, weights=False)

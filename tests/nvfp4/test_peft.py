@@ -270,3 +270,29 @@ def test_the_lora_layer_prints_its_name_once():
     pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"]))
     text = repr(pm.base_model.model.model.layers[0].self_attn.q_proj)
     assert text.startswith("lora.NVFP4Linear(\n  (base_layer): NVFP4Linear("), text[:80]
+
+
+def test_peft_merge_and_unload_of_a_loaded_model_saves_a_checkpoint_that_reloads(tmp_path):
+    """PEFT's own ``model.merge_and_unload()`` on a model quantized on load swaps each adapted NVFP4 layer for a dense
+    ``nn.Linear`` (:meth:`LoraNVFP4Linear.merge`), but the model kept its quantization config: ``save_pretrained``
+    wrote the merged dense weights under a config saying they are 4-bit, and every reader (ours, compressed-tensors)
+    initialised those linears at random (NaN logits) beside 'UNEXPECTED' dense weights. The saved config now names
+    the linears left dense, so the checkpoint reloads as the merged model computes."""
+    import nvfp4
+    from nvfp4 import NVFP4Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=NVFP4Config())
+    pm = get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    merged = pm.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert isinstance(merged.model.layers[0].self_attn.k_proj, NVFP4Linear)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        ref = merged(ids).logits
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = nvfp4.load_nvfp4_checkpoint(tmp_path / "merged")
+    assert type(reloaded.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref)

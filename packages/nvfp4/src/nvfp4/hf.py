@@ -481,8 +481,13 @@ class NVFP4HfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
-        stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`)."""
+        stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`). Runs before transformers writes the
+        config: linears made dense since the load (PEFT's own ``merge_and_unload``, which swaps an adapted 4-bit layer
+        for ``nn.Linear(dequant(W) + ΔW)``) are named in it, or every reader looked for their 4-bit tensors."""
         warn_if_not_stock_loadable(model.dtype)
+        named = _config_naming_dense_linears(self.quantization_config, model)
+        if named is not self.quantization_config:
+            self.quantization_config = model.config.quantization_config = named
         return super().get_state_dict_and_metadata(model)
 
     @property

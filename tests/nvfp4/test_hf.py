@@ -182,6 +182,24 @@ def test_config_validation_and_serialisation(tiny_model_dir):
     assert QUANT_METHOD != "nvfp4"  # transformers owns that name
 
 
+@pytest.mark.parametrize("serialization", ["compressed-tensors", QUANT_METHOD])
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_config_from_dict_gives_back_the_config_to_dict_wrote(serialization, format):
+    """``NVFP4Config.from_dict(cfg.to_dict())`` (transformers' own pair) read the default, compressed-tensors dict as
+    keyword arguments: method, format and modules_to_not_convert fell back to their defaults ('mse' became 'rtn',
+    'mxfp4' 'nvfp4', the ignore list ['lm_head']) and the whole compressed-tensors dict was nested under "qerl" as
+    unknown options. It now reads that dict as :meth:`NVFP4Config.from_compressed_tensors_dict` does."""
+    method = "mse" if format == "nvfp4" else "rtn"
+    cfg = NVFP4Config(method=method, modules_to_not_convert=["lm_head", "re:.*mlp.down_proj"], fused_groups=[],
+                      format=format, serialization=serialization)  # fmt: skip
+    back = NVFP4Config.from_dict(cfg.to_dict())
+    assert (back.method, back.weight_format, back.modules_to_not_convert, back.fused_groups, back.extra) == (
+        method, cfg.weight_format, cfg.modules_to_not_convert, [], {}
+    )
+    if serialization == "compressed-tensors":
+        assert back.to_dict() == cfg.to_dict()
+
+
 def test_old_config_checkpoint_still_loads(tiny_model_dir, tmp_path):
     """Checkpoints written with the previous ``nvfp4_w4a16`` config load through ``from_pretrained`` (and
     :func:`nvfp4.load_nvfp4_checkpoint`), bit for bit what the new config loads."""

@@ -243,6 +243,17 @@ class NVFP4Config(QuantizationConfigMixin):
         )
 
     @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """transformers' reader of :meth:`to_dict`'s output; the compressed-tensors dict it writes by default is read
+        as :meth:`from_compressed_tensors_dict` reads it (as keyword arguments its method, format and ignore list
+        were lost and its fields taken as unknown options)."""
+        if config_dict.get("quant_method") == CT_METHOD:
+            ours = cls.from_compressed_tensors_dict(config_dict)
+            ours.serialization = QUANT_METHOD
+            config_dict = {**ours.to_dict(), "serialization": CT_METHOD}
+        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+
+    @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
         """The config of a compressed-tensors NVFP4A16 / MXFP4A16 checkpoint (ours: from its ``"qerl"`` fields;
         llm-compressor's: ``ignore`` as ``modules_to_not_convert``). Raises :class:`NVFP4CheckpointError` for any

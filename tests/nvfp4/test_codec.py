@@ -207,3 +207,18 @@ def test_a_global_scale_given_as_a_number_is_that_scale(method):
         assert torch.equal(q.packed, given.packed) and torch.equal(q.scale.view(torch.uint8), given.scale.view(torch.uint8))
     layer = nvfp4.NVFP4Linear.from_linear(torch.nn.Linear(32, 8), global_scale=50.0)
     assert layer.weight_global_scale.item() == 50.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_awq_statistics_that_are_no_mean_square_are_refused(bad):
+    """``method="awq"`` with ``act_sq`` holding NaN or inf (calibration activations that overflowed, e.g. in float16)
+    or a negative value (no mean of x**2 is) quantized without a word: one such channel made every block's weighted
+    error NaN (or zero), so the search kept the first candidate and the layer got RTN's bytes under the name awq.
+    Now one line naming the weight, how many values and what act_sq must be."""
+    import nvfp4
+
+    act_sq = torch.rand(32)
+    act_sq[3] = bad
+    with pytest.raises(ValueError, match=r"layer\.weight: act_sq holds 1 NaN, inf or negative value") as e:
+        nvfp4.quantize(torch.randn(8, 32), method="awq", act_sq=act_sq, name="layer.weight")
+    assert len(str(e.value).splitlines()) == 1

@@ -424,6 +424,19 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     assert len(str(info.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("entry", ["*.mlp.*", "re:*mlp", "layers[0"])
+def test_a_module_name_pattern_that_is_no_regex_is_named_in_one_line(entry):
+    """A ``modules_to_not_convert`` entry that is no regular expression (a glob such as ``*.mlp.*``) ended in Python's
+    bare ``re.error: nothing to repeat at position 0`` traceback, naming neither the option nor the entry; and
+    ``NVFP4Config`` took it, so ``from_pretrained`` failed only once the model was built. Now one ValueError naming
+    the option, the entry and what entries are, at the call / the config."""
+    with pytest.raises(ValueError, match=r"quantize_model: modules_to_not_convert: .* is not a valid regular") as info:
+        quantize_model(_two_linears(), modules_to_not_convert=[entry], progress=False)
+    assert entry in str(info.value) and len(str(info.value).splitlines()) == 1
+    with pytest.raises(ValueError, match=r"NVFP4Config: modules_to_not_convert: .* is not a valid regular"):
+        nvfp4.NVFP4Config(modules_to_not_convert=["lm_head", entry])
+
+
 def test_quantize_model_takes_none_as_the_default_names_and_groups():
     """``modules_to_not_convert=None`` / ``fused_groups=None`` (the default of ``NVFP4Config`` and ``calibrate_model``,
     which say they take these options "as quantize_model") ended in "'NoneType' object is not iterable"."""

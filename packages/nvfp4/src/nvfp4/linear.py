@@ -611,7 +611,15 @@ def _module_names(value: Iterable[str], option: str) -> tuple[str, ...]:
     argument in the message."""
     if isinstance(value, str):
         raise TypeError(f"{option} takes a list of module names, got the string {value!r}: pass [{value!r}]")
-    return tuple(value)
+    names = tuple(value)
+    for p in names:  # each is also matched as a regex (_matches): a glob such as "*.mlp.*" failed there in re's words
+        try:
+            re.compile(p.removeprefix("re:"))
+        except re.error as e:
+            raise ValueError(f"{option}: {p!r} is not a valid regular expression ({e}); entries are module names, "
+                             "name suffixes or regexes of the whole name (e.g. '.*mlp.*' or 're:.*mlp', not a glob "
+                             "'*.mlp.*')") from None  # fmt: skip
+    return names
 
 
 def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tuple[str, ...]]:

@@ -222,3 +222,13 @@ def test_awq_statistics_that_are_no_mean_square_are_refused(bad):
     with pytest.raises(ValueError, match=r"layer\.weight: act_sq holds 1 NaN, inf or negative value") as e:
         nvfp4.quantize(torch.randn(8, 32), method="awq", act_sq=act_sq, name="layer.weight")
     assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor([]), torch.ones(2, 2)])
+def test_a_given_global_scale_of_several_values_is_refused_in_one_line(bad):
+    """A ``global_scale`` of several values (per-row scales where the format has one per tensor) or of none ended in
+    torch's "shape '[1]' is invalid for input of size 2", naming neither the weight nor the option; now one line."""
+    import nvfp4
+
+    with pytest.raises(ValueError, match=r"layer\.weight: global_scale must be one number .*got a tensor of shape"):
+        nvfp4.quantize(torch.randn(8, 32), global_scale=bad, name="layer.weight")

@@ -257,7 +257,11 @@ def prepare_global_scale(
     ``name``): 0, NaN or inf quantized to tensors that dequantize to NaN or zeros, silently."""
     if global_scale is None:
         global_scale = shared_global_scale([w], compute_dtype)
-    g = torch.as_tensor(global_scale).to(device=w.device, dtype=torch.float32).reshape(1).clone()
+    g = torch.as_tensor(global_scale)
+    if g.numel() != 1:  # reshape(1) failed in torch's words ("shape '[1]' is invalid for input of size 2")
+        raise ValueError(f"{name}: global_scale must be one number (a float32 [1] tensor: one per tensor), got a "
+                         f"tensor of shape {tuple(g.shape)}")  # fmt: skip
+    g = g.to(device=w.device, dtype=torch.float32).reshape(1).clone()
     if not (torch.isfinite(g).all() and (g > 0).all()):
         raise ValueError(f"{name}: global_scale must be a finite number > 0, got {g.item()!r}")
     return g

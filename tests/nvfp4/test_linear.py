@@ -437,6 +437,28 @@ def test_a_module_name_pattern_that_is_no_regex_is_named_in_one_line(entry):
         nvfp4.NVFP4Config(modules_to_not_convert=["lm_head", entry])
 
 
+def test_a_parent_module_named_in_modules_to_not_convert_keeps_its_linears_dense(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert=["model.layers.0"]`` (a block, as transformers' quantizers take the option:
+    ``should_convert_module`` keeps everything under a named prefix) matched no linear, so block 0 was quantized
+    without a word, by ``quantize_model`` and by ``NVFP4Config`` on load. A named module now keeps every linear
+    under it dense; the saved config names them, so the checkpoint reloads the same."""
+    from transformers import AutoModelForCausalLM
+
+    def dense(model):
+        return sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
+
+    kept = ["lm_head"] + [f"model.layers.0.{m}" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                           "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj",
+                                                           "self_attn.v_proj")]  # fmt: skip
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert dense(quantize_model(m, modules_to_not_convert=["lm_head", "model.layers.0"], progress=False)) == kept
+    cfg = nvfp4.NVFP4Config(modules_to_not_convert=["lm_head", "model.layers.0"])
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert dense(loaded) == kept
+    loaded.save_pretrained(tmp_path / "q")
+    assert dense(nvfp4.load_nvfp4_checkpoint(tmp_path / "q")) == kept
+
+
 def test_quantize_model_takes_none_as_the_default_names_and_groups():
     """``modules_to_not_convert=None`` / ``fused_groups=None`` (the default of ``NVFP4Config`` and ``calibrate_model``,
     which say they take these options "as quantize_model") ended in "'NoneType' object is not iterable"."""

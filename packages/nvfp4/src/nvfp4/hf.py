@@ -157,7 +157,8 @@ class NVFP4Config(QuantizationConfigMixin):
             (a tokenizer's batch) is one batch. Not saved with the
             checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
         modules_to_not_convert: names / suffixes / regexes (or compressed-tensors ``re:`` entries) kept in full
-            precision (default ``["lm_head"]``; embeddings are never converted).
+            precision, a module's name keeping every linear under it (``"model.layers.0"``) (default ``["lm_head"]``;
+            embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
         format: the 4-bit format: ``"nvfp4"`` (default; compressed-tensors ``"nvfp4-pack-quantized"``) or
             ``"mxfp4"`` (``"mxfp4-pack-quantized"``: E8M0 scale per 32 inputs, no global scale, llm-compressor

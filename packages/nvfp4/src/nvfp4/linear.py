@@ -634,11 +634,14 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, a regex of the whole name, or an
-    ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied as
-    compressed-tensors applies it, with ``re.match``."""
+    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, the name of a module above it
+    (``model.layers.0`` keeps that block's linears, as transformers' quantizers read the option), a regex of the whole
+    name, or an ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied
+    as compressed-tensors applies it, with ``re.match``."""
     return any(
-        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        re.match(p[3:], name)
+        if p.startswith("re:")
+        else name == p or name.endswith("." + p) or name.startswith(p + ".") or re.fullmatch(p, name)
         for p in patterns
     )
 
@@ -688,9 +691,10 @@ def quantize_model(
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
     Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
-    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), not
-    tied to another parameter (a tied lm_head: the embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
-    default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
+    (exact names, name suffixes, the name of a module above it such as ``model.layers.0``, or regexes; ``lm_head`` by
+    default or for None; embeddings are never linears), not tied to another parameter (a tied lm_head: the
+    embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global
+    scale (the default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
     first), so peak memory is the quantized model plus one group in full precision. A transformers model without a
     ``quantization_config`` gets the :class:`nvfp4.NVFP4Config` of this conversion, so its ``save_pretrained`` writes
     a checkpoint that reloads (:data:`CONVERTED_MODEL_HOOKS`).

@@ -296,3 +296,14 @@ def test_peft_merge_and_unload_of_a_loaded_model_saves_a_checkpoint_that_reloads
     assert type(reloaded.model.layers[1].mlp.down_proj) is torch.nn.Linear
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, ref)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "mica", "orthogonal"])
+def test_an_initialisation_that_reads_the_dense_base_weight_is_refused_in_one_line(init):
+    """``LoraConfig(init_lora_weights=...)`` of the kinds that read (PiSSA, OLoRA, MiCA, rewriting it too) or take the
+    dtype of (orthogonal) ``base_layer.weight`` met the packed uint8 codes: 'Unsupported data type for the base layer.
+    Got torch.uint8' (OLoRA), 'Only Tensors of floating point and complex dtype can require gradients' (orthogonal),
+    or PEFT's float-dtype advice; now one line naming the initialisation, the 4-bit layer and what works."""
+    with pytest.raises(ValueError, match=rf"init_lora_weights={init!r}.*4-bit.*q_proj") as info:
+        get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+    assert len(str(info.value).splitlines()) == 1

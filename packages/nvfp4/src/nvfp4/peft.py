@@ -53,6 +53,12 @@ __all__ = [
 FUSED_LORA = os.environ.get("NVFP4_DISABLE_FUSED_LORA") != "1"
 
 
+#: PEFT's ``init_lora_weights`` values (prefixes) whose initialisation reads ``base_layer.weight`` as the dense matrix
+#: (PiSSA, CorDA, OLoRA, MiCA and LoftQ read, the first three rewrite it too; orthogonal takes its dtype): here the
+#: packed uint8 codes
+_DENSE_WEIGHT_INITS = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal")
+
+
 class LoraNVFP4Linear(_LoraLinear):
     """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``.
 
@@ -117,6 +123,12 @@ class LoraNVFP4Linear(_LoraLinear):
         if getattr(config, "use_dora", False) and isinstance(base, NVFP4Linear):
             raise ValueError(f"LoraConfig(use_dora=True): DoRA is not supported on 4-bit layers ({base._label()}); "
                              "use plain LoRA (use_dora=False)")  # fmt: skip
+        # (called by PEFT's update_layer before the adapter weights are initialised)
+        init = getattr(config, "init_lora_weights", True)
+        if isinstance(base, NVFP4Linear) and isinstance(init, str) and init.lower().startswith(_DENSE_WEIGHT_INITS):
+            raise ValueError(f"LoraConfig(init_lora_weights={init!r}) works on the base layer's dense weight (its "
+                             f"values, or its dtype), which is 4-bit here ({base._label()}); initialise it on the dense "
+                             "model, or use init_lora_weights=True or 'gaussian'")  # fmt: skip
         return super().resolve_lora_variant(config=config, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:

@@ -307,3 +307,28 @@ def test_an_initialisation_that_reads_the_dense_base_weight_is_refused_in_one_li
     with pytest.raises(ValueError, match=rf"init_lora_weights={init!r}.*4-bit.*q_proj") as info:
         get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_peft_merge_and_unload_of_a_model_converted_in_memory_saves_a_checkpoint_that_reloads(tmp_path):
+    """The same as above for a model converted in memory (``quantize_model``, README's torchao-style call), whose
+    config records the dense linears at conversion: after PEFT's own ``merge_and_unload()`` the merged linears were
+    dense but the saved config still called them 4-bit ('their tensors are absent' on reload). The recorded config
+    now names the linears the model holds dense when it is written; it still pickles and copies."""
+    import copy
+    import pickle
+
+    import nvfp4
+
+    model = _model()
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    merged = pm.merge_and_unload()
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        ref = merged(ids).logits
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = nvfp4.load_nvfp4_checkpoint(tmp_path / "merged", dtype=torch.float32)
+    assert type(reloaded.model.layers[1].self_attn.q_proj) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref)
+    for config in (pickle.loads(pickle.dumps(merged.config)), copy.deepcopy(merged.config)):
+        assert config.quantization_config.to_dict()["ignore"] == merged.config.quantization_config.to_dict()["ignore"]

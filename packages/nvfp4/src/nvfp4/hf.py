@@ -31,6 +31,7 @@ import json
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,23 @@ class NVFP4Config(QuantizationConfigMixin):
         if calibration_data is not None:
             self.extra["calibration_samples"] = len(calibration_data)
 
+    def _dense_names(self) -> list[str]:
+        """``modules_to_not_convert``; for a config recorded by a conversion in memory (:func:`_record_quantization_config`)
+        also every linear its model holds dense now (PEFT's ``merge_and_unload`` makes adapted 4-bit linears dense
+        after the conversion, and the saved config must say so)."""
+        ref = getattr(self, "_model_ref", None)
+        model = ref() if ref is not None else None
+        if model is None:
+            return self.modules_to_not_convert
+        return [*self.modules_to_not_convert, *_linears_ct_would_quantize(model, self.modules_to_not_convert)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle / deepcopy: no weakref to the model, the dense linears as it holds them now
+        state = dict(self.__dict__)
+        state.pop("_model_ref", None)
+        state["modules_to_not_convert"] = self._dense_names()
+        return state
+
     def to_dict(self) -> dict[str, Any]:
         """What ``save_pretrained`` writes as ``quantization_config`` (see ``serialization``)."""
         ours = {
@@ -232,13 +250,13 @@ class NVFP4Config(QuantizationConfigMixin):
             "format": self.format,
             "method": self.method,
             "weight_block_size": self.weight_block_size,
-            "modules_to_not_convert": self.modules_to_not_convert,
+            "modules_to_not_convert": self._dense_names(),
             "fused_groups": self.fused_groups,
             **self.extra,
         }
         if self.serialization == QUANT_METHOD:
             return ours
-        ignore = [m for m in self.modules_to_not_convert if m]  # names, suffixes and regexes, as compressed-tensors
+        ignore = [m for m in ours["modules_to_not_convert"] if m]  # names, suffixes and regexes, as compressed-tensors
         return compressed_tensors_config(
             ignore, qerl={k: v for k, v in ours.items() if k != "format"}, format=self.weight_format
         )
@@ -567,6 +585,7 @@ def _record_quantization_config(
     cfg = NVFP4Config(method=method, modules_to_not_convert=dense, fused_groups=[list(g) for g in fused_groups],
                       format=fmt.name)  # fmt: skip
     cfg._converted_in_memory = True  # a later conversion of this model records the config again
+    cfg._model_ref = weakref.ref(model)  # linears made dense later (a PEFT merge) are named when the config is written
     config.quantization_config = cfg
 
 

@@ -80,3 +80,23 @@ def test_calibrate_model_gptq_tiny_model_beats_rtn():
         calibrate_model(copy.deepcopy(dense), "gptq", [])
     with pytest.raises(ValueError, match="method"):
         calibrate_model(copy.deepcopy(dense), "rtn", calib)
+
+
+def test_calibrate_model_gptq_feeds_each_layer_the_model_s_own_inputs_whatever_its_kv_cache():
+    """GPTQ catches the first decoder layer's call and runs each layer again on it, twice (statistics, then its
+    outputs for the next layer). The caught call held the model's KV cache (transformers passes a DynamicCache with
+    the default use_cache=True), so each run added its keys and the next attended over them too: from layer 1 on the
+    Hessians came from inputs the model never computes, and the bytes differed from the same calibration with
+    use_cache=False. The cache is no part of calibration: the same bytes either way."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    ids = [torch.randint(0, 256, (2, 12)) for _ in range(3)]
+    default = calibrate_model(copy.deepcopy(base), "gptq", ids, progress=False).state_dict()
+    no_cache = calibrate_model(copy.deepcopy(base), "gptq", [{"input_ids": i, "use_cache": False} for i in ids],
+                               progress=False).state_dict()  # fmt: skip
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    assert [k for k in default if not torch.equal(as_bytes(default[k]), as_bytes(no_cache[k]))] == []

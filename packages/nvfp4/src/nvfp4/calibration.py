@@ -137,6 +137,13 @@ def calibrate_model(
     cached: list[tuple[tuple, dict]] = []
 
     def catch(module, args, kwargs):
+        # each layer runs on these again, twice: a KV cache in them (transformers passes one with use_cache=True)
+        # took every run's keys, and the next run attended over them too
+        for key in ("past_key_values", "past_key_value"):
+            if kwargs.get(key) is not None:
+                kwargs = {**kwargs, key: None}
+        if kwargs.get("use_cache"):
+            kwargs = {**kwargs, "use_cache": False}
         cached.append((args, kwargs))
         raise _StopForward
 

@@ -459,6 +459,16 @@ def test_a_parent_module_named_in_modules_to_not_convert_keeps_its_linears_dense
     assert dense(nvfp4.load_nvfp4_checkpoint(tmp_path / "q")) == kept
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_model_with_a_calibrated_method_and_no_statistics_points_to_calibrate_model(method):
+    """``quantize_model(model, method="gptq")`` (a method NVFP4Config takes) said "unknown method 'gptq'" and pointed
+    to the per-weight ``gptq_quantize``, and ``method="awq"`` without ``act_sq`` asked the first layer for its
+    statistics: at the model level both calibrate on data, which ``calibrate_model`` collects. One line naming it."""
+    with pytest.raises(ValueError, match=rf"quantize_model\(method={method!r}\).*calibrate_model\(model, {method!r}") as e:
+        quantize_model(_two_linears(), method=method, progress=False)
+    assert "unknown method" not in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
 def test_quantize_model_takes_none_as_the_default_names_and_groups():
     """``modules_to_not_convert=None`` / ``fused_groups=None`` (the default of ``NVFP4Config`` and ``calibrate_model``,
     which say they take these options "as quantize_model") ended in "'NoneType' object is not iterable"."""

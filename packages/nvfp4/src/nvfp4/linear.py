@@ -30,6 +30,7 @@ from .layout import (
     to_mma_layout,
     to_scale_mma_layout,
 )
+from .methods import CALIBRATED_METHODS
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -708,6 +709,10 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    if method in CALIBRATED_METHODS and (method != "awq" or act_sq is None):  # (gptq needs each layer's Hessian)
+        raise ValueError(f"quantize_model(method={method!r}) calibrates on data: use "
+                         f"nvfp4.calibration.calibrate_model(model, {method!r}, batches), or NVFP4Config(method="
+                         f"{method!r}, calibration_data=...) on load")  # fmt: skip
     _check_no_adapters(model, "quantize_model")
     # None is the default, as in NVFP4Config and calibrate_model ([] / () means none)
     if modules_to_not_convert is None:

@@ -610,3 +610,16 @@ def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, caps
         nvfp4.save_pretrained_by_blocks(model, tmp_path / f"q{progress}", blocks, fill, progress=progress)
         err = capsys.readouterr().err
         assert ("6/6" in err and "block" in err) == progress, err
+
+
+def test_a_model_without_a_linear_to_quantize_is_refused_on_load(tmp_path):
+    """``from_pretrained(gpt2_like, quantization_config=NVFP4Config())``: GPT-2's projections are transformers
+    ``Conv1D``, not ``nn.Linear``, and lm_head is kept dense, so nothing was quantized, without a word; the model
+    loaded dense and saved under a 4-bit config. Now one line naming the model and what is quantized."""
+    from transformers import GPT2Config
+
+    AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=32,
+                                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "g")  # fmt: skip
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no nn\.Linear .* to quantize") as info:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "g", quantization_config=NVFP4Config())
+    assert len(str(info.value).splitlines()) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import nvfp4
 import pytest
 import torch
@@ -467,6 +469,21 @@ def test_quantize_model_with_a_calibrated_method_and_no_statistics_points_to_cal
     with pytest.raises(ValueError, match=rf"quantize_model\(method={method!r}\).*calibrate_model\(model, {method!r}") as e:
         quantize_model(_two_linears(), method=method, progress=False)
     assert "unknown method" not in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_quantize_model_on_a_model_without_a_linear_to_quantize_says_so():
+    """``quantize_model`` on a model none of whose linears it takes (GPT-2's transformers ``Conv1D`` projections, a
+    lm_head kept dense) returned it unchanged without a word; now a warning says nothing was quantized and why. A
+    model already quantized (a second call) says nothing."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=32))
+    with pytest.warns(UserWarning, match=r"quantize_model: GPT2LMHeadModel has no nn\.Linear .* to quantize"):
+        quantize_model(gpt2, progress=False)
+    model = quantize_model(_two_linears(), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(model, progress=False)
 
 
 def test_quantize_model_takes_none_as_the_default_names_and_groups():

@@ -65,6 +65,7 @@ from .linear import (
     _quantizable,
     _tied_linears,
     fused_group_of,
+    nothing_to_quantize,
 )
 from .methods import CALIBRATED_METHODS, METHODS
 
@@ -388,6 +389,8 @@ class NVFP4HfQuantizer(HfQuantizer):
         eligible = [
             n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert, fmt.group_size)
         ]
+        if not eligible and not self.pre_quantized:  # nothing would be quantized: a dense model under a 4-bit config
+            raise ValueError(f"NVFP4Config: {nothing_to_quantize(model, fmt)}")
         if self.pre_quantized:
             for name in eligible:
                 lin = model.get_submodule(name)

@@ -675,6 +675,21 @@ def _tied_linears(model: nn.Module) -> list[str]:
     )  # fmt: skip
 
 
+def nothing_to_quantize(model: nn.Module, fmt: Format) -> str:
+    """The message for a model none of whose linears is quantized (what is quantized, and what is not a linear)."""
+    return (f"{type(model).__name__} has no nn.Linear layer to quantize (quantized: plain torch.nn.Linear with "
+            f"in_features % {fmt.group_size} == 0, outside modules_to_not_convert; other layer types, such as GPT-2's "
+            "transformers Conv1D, stay dense)")  # fmt: skip
+
+
+def _warn_if_nothing_quantized(model: nn.Module, fmt: Format) -> None:
+    """Warn when ``model`` holds no 4-bit layer after a conversion that took none (nor any linear still on the meta
+    device: :func:`nvfp4.hf.save_pretrained_by_blocks` fills a model block by block)."""
+    if any(isinstance(m, NVFP4Linear) or (isinstance(m, nn.Linear) and m.weight.is_meta) for m in model.modules()):
+        return
+    warnings.warn(f"quantize_model: {nothing_to_quantize(model, fmt)}; the model is returned unchanged", stacklevel=3)
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -732,6 +747,8 @@ def quantize_model(
         and not m.weight.is_meta
         and (filter_fn is None or filter_fn(n, m))
     ]
+    if not named:
+        _warn_if_nothing_quantized(model, fmt)
     chosen = dict(named)
     done: set[str] = set()
     for name, _ in tqdm(named, desc=f"Quantizing to {fmt.name.upper()}", disable=not progress, unit="layer"):

@@ -100,3 +100,16 @@ def test_calibrate_model_gptq_feeds_each_layer_the_model_s_own_inputs_whatever_i
                                progress=False).state_dict()  # fmt: skip
     as_bytes = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
     assert [k for k in default if not torch.equal(as_bytes(default[k]), as_bytes(no_cache[k]))] == []
+
+
+def test_layers_calibrated_with_gptq_are_named_in_messages_as_the_other_methods_name_them():
+    """``calibrate_model(method='gptq')`` built its layers without their names, so every message about one (a PEFT
+    refusal, a layout warning) said 'NVFP4Linear (nvfp4, 64x64)' where RTN / AWQ layers name themselves
+    ('model.layers.0.self_attn.q_proj (nvfp4, 64x64)')."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = calibrate_model(AutoModelForCausalLM.from_config(tiny_config("llama")).eval(), "gptq",
+                            [torch.randint(0, 256, (1, 8))], progress=False)  # fmt: skip
+    named = {n: m.layer_name for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert named and all(n == layer for n, layer in named.items())

@@ -172,7 +172,7 @@ def calibrate_model(
                 q = gptq_quantize(lin.weight, hess.hessian(n), global_scale=g, damp=damp, name=f"{n}.weight")
                 bias = lin.bias.detach() if lin.bias is not None else None
                 parent, _, child = n.rpartition(".")
-                setattr(model.get_submodule(parent), child, NVFP4Linear.from_weight(q, bias, lin.weight.dtype))
+                setattr(model.get_submodule(parent), child, NVFP4Linear.from_weight(q, bias, lin.weight.dtype, name=n))
                 done.add(n)
         del hess
         if i + 1 < len(layers):  # the quantized layer's outputs are the next layer's inputs

@@ -332,3 +332,20 @@ def test_peft_merge_and_unload_of_a_model_converted_in_memory_saves_a_checkpoint
         assert torch.equal(reloaded(ids).logits, ref)
     for config in (pickle.loads(pickle.dumps(merged.config)), copy.deepcopy(merged.config)):
         assert config.quantization_config.to_dict()["ignore"] == merged.config.quantization_config.to_dict()["ignore"]
+
+
+def test_write_adapter_of_a_raw_state_dict_writes_the_adapter_alone(tmp_path):
+    """``write_adapter(folder, model.state_dict(), config)`` (a raw state dict, which its docstring takes) wrote every
+    tensor of the PeftModel into adapter_model.safetensors: the embeddings, lm_head, norms and the 4-bit base tensors
+    beside the LoRA weights (an adapter file the size of the model, which vLLM's LoRA loader refuses). It now writes
+    the tensors PEFT's get_peft_model_state_dict gives, under the same names."""
+    from nvfp4.peft import write_adapter
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    pm = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    write_adapter(tmp_path / "raw", pm.state_dict(), pm.peft_config["default"])
+    written = load_file(tmp_path / "raw" / "adapter_model.safetensors")
+    expected = get_peft_model_state_dict(pm)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], expected[k]) for k in expected)

@@ -311,7 +311,8 @@ def _config_dict(peft_config: Any) -> dict[str, Any]:
 def write_adapter(folder: str | Path, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
     """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) atomically.
 
-    ``state``: PEFT key names (``get_peft_model_state_dict``) or a raw ``state_dict()`` (``.default.weight`` keys);
+    ``state``: PEFT key names (``get_peft_model_state_dict``) or a raw ``state_dict()`` of the ``PeftModel`` (its
+    ``.default.`` keys are the adapter's, written under PEFT's names; the base model's tensors are left out);
     ``peft_config``: a ``LoraConfig`` or its dict. Engines (vLLM) load the folder as a LoRA adapter. Returns ``folder``.
     """
     from safetensors.torch import save_file
@@ -320,9 +321,14 @@ def write_adapter(folder: str | Path, state: Mapping[str, torch.Tensor], peft_co
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # a raw model.state_dict() carries PEFT's adapter name in the adapter's keys, beside every tensor of the base
+    # model (embeddings, norms, the 4-bit base layers): only the adapter's are written, under PEFT's names
+    raw = any(".default." in k for k in state)
     tensors = {}
     for k, v in state.items():
-        k = k.replace(".default.weight", ".weight")  # a raw model.state_dict() carries PEFT's adapter name
+        if raw and ".default." not in k:
+            continue
+        k = k.replace(".modules_to_save.default.", ".").replace(".default.weight", ".weight")
         tensors[k] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))

@@ -623,3 +623,22 @@ def test_a_model_without_a_linear_to_quantize_is_refused_on_load(tmp_path):
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no nn\.Linear .* to quantize") as info:
         AutoModelForCausalLM.from_pretrained(tmp_path / "g", quantization_config=NVFP4Config())
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_loading_a_checkpoint_with_a_config_of_ones_own(tiny_model_dir, tmp_path):
+    """``load_nvfp4_checkpoint(path, config=cfg)`` / ``from_compressed_tensors(path, config=cfg)`` (transformers' way
+    to load with another attention implementation or fewer layers) failed with "from_pretrained() got multiple values
+    for keyword argument 'config'"; the given config is now the one loaded (with the checkpoint's quantization), and
+    the caller's object is left as it was."""
+    from transformers import AutoConfig
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
+    m.save_pretrained(tmp_path / "q")
+    cfg = AutoConfig.from_pretrained(tmp_path / "q")
+    cfg.num_hidden_layers = 1
+    before = cfg.to_dict()
+    for load in (nvfp4.load_nvfp4_checkpoint, nvfp4.from_compressed_tensors):
+        loaded = load(tmp_path / "q", config=cfg)
+        assert len(loaded.model.layers) == 1 and isinstance(loaded.model.layers[0].mlp.up_proj, NVFP4Linear)
+        assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight_packed, m.model.layers[0].mlp.up_proj.weight_packed)
+    assert cfg.to_dict() == before

@@ -677,7 +677,7 @@ def nvfp4_checkpoint_kind(path: str | Path) -> str | None:
     return CT_METHOD
 
 
-def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
+def from_compressed_tensors(path: str | Path, config: PretrainedConfig | None = None, **kwargs: Any) -> nn.Module:
     """Load a compressed-tensors ``NVFP4A16`` or ``MXFP4A16`` checkpoint (``nvfp4-pack-quantized`` /
     ``mxfp4-pack-quantized``: ours, or llm-compressor's) into ``NVFP4Linear`` layers on our kernels.
 
@@ -685,9 +685,10 @@ def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
     ``config_groups``), so transformers would route a plain ``from_pretrained`` to compressed-tensors. Modules in
     the checkpoint's ``ignore`` stay dense. Other ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``; the
     model's ``config.quantization_config`` is then ours, and ``save_pretrained`` writes the compressed-tensors config
-    again.
+    again. ``config``: the model config to load with (a copy of it: another attention implementation, fewer layers),
+    by default the checkpoint's; the quantization is always the checkpoint's.
     """
-    config = AutoConfig.from_pretrained(path)
+    config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path)
     ours = NVFP4Config.from_compressed_tensors_dict(_checkpoint_quantization_config(path) or {}, str(path))
     ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
     config.quantization_config = ours.to_dict()

@@ -145,3 +145,17 @@ def test_weight_tensors_that_disagree_are_named_not_blamed_on_x(op, case):
     with pytest.raises(ValueError, match="NVFP4 tensors disagree|global_scale") as info:
         call()
     assert "input features" not in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("tensor", ["packed", "scale", "global_scale"])
+def test_weight_tensors_of_another_dtype_are_refused_here_as_on_cuda(tensor):
+    """The CUDA launchers refuse weight tensors that are not uint8 / float8_e4m3fn / float32 (TypeError), while the
+    reference computed with any (float32 block scales, an int8 view of the codes, a bfloat16 global scale), so a call
+    that ran on the CPU failed on a GPU. Both refuse them now, here in one line naming the dtypes."""
+    q = _weight()
+    given = {"packed": q.packed, "scale": q.scale, "global_scale": q.global_scale}
+    given[tensor] = {"packed": q.packed.view(torch.int8), "scale": q.scale.float(),
+                     "global_scale": q.global_scale.bfloat16()}[tensor]  # fmt: skip
+    with pytest.raises(ValueError, match="uint8/float8_e4m3fn/float32") as info:
+        nvfp4.linear(torch.randn(3, 64), given["packed"], given["scale"], given["global_scale"])
+    assert len(str(info.value).splitlines()) == 1

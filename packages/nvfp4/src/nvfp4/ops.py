@@ -164,6 +164,10 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 def _check_weight(op: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> tuple[int, int]:
     """``(out, in)`` of the weight the three tensors hold; ValueError naming them where they disagree (the shape is
     read from ``scale``: a scale of another weight made the right ``x`` wrong, a swapped pair an IndexError)."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or global_scale.dtype != torch.float32:
+        # the CUDA launchers refuse these (TypeError); the reference computed with any, so CPU and GPU disagreed
+        raise ValueError(f"{op}: the weight tensors must be uint8/float8_e4m3fn/float32 (weight_packed / weight_scale / "
+                         f"weight_global_scale), got {packed.dtype}/{scale.dtype}/{global_scale.dtype}")  # fmt: skip
     if packed.dim() != 2 or scale.dim() != 2:
         raise ValueError(f"{op}: NVFP4 tensors disagree: weight_packed {tuple(packed.shape)} and weight_scale "
                          f"{tuple(scale.shape)} must both be 2-D")  # fmt: skip

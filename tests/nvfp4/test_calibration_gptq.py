@@ -80,3 +80,36 @@ def test_calibrate_model_gptq_tiny_model_beats_rtn():
         calibrate_model(copy.deepcopy(dense), "gptq", [])
     with pytest.raises(ValueError, match="method"):
         calibrate_model(copy.deepcopy(dense), "rtn", calib)
+
+
+def test_calibrate_model_gptq_feeds_each_layer_the_model_s_own_inputs_whatever_its_kv_cache():
+    """GPTQ catches the first decoder layer's call and runs each layer again on it, twice (statistics, then its
+    outputs for the next layer). The caught call held the model's KV cache (transformers passes a DynamicCache with
+    the default use_cache=True), so each run added its keys and the next attended over them too: from layer 1 on the
+    Hessians came from inputs the model never computes, and the bytes differed from the same calibration with
+    use_cache=False. The cache is no part of calibration: the same bytes either way."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    ids = [torch.randint(0, 256, (2, 12)) for _ in range(3)]
+    default = calibrate_model(copy.deepcopy(base), "gptq", ids, progress=False).state_dict()
+    no_cache = calibrate_model(copy.deepcopy(base), "gptq", [{"input_ids": i, "use_cache": False} for i in ids],
+                               progress=False).state_dict()  # fmt: skip
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    assert [k for k in default if not torch.equal(as_bytes(default[k]), as_bytes(no_cache[k]))] == []
+
+
+def test_layers_calibrated_with_gptq_are_named_in_messages_as_the_other_methods_name_them():
+    """``calibrate_model(method='gptq')`` built its layers without their names, so every message about one (a PEFT
+    refusal, a layout warning) said 'NVFP4Linear (nvfp4, 64x64)' where RTN / AWQ layers name themselves
+    ('model.layers.0.self_attn.q_proj (nvfp4, 64x64)')."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = calibrate_model(AutoModelForCausalLM.from_config(tiny_config("llama")).eval(), "gptq",
+                            [torch.randint(0, 256, (1, 8))], progress=False)  # fmt: skip
+    named = {n: m.layer_name for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert named and all(n == layer for n, layer in named.items())

@@ -207,3 +207,52 @@ def test_a_global_scale_given_as_a_number_is_that_scale(method):
         assert torch.equal(q.packed, given.packed) and torch.equal(q.scale.view(torch.uint8), given.scale.view(torch.uint8))
     layer = nvfp4.NVFP4Linear.from_linear(torch.nn.Linear(32, 8), global_scale=50.0)
     assert layer.weight_global_scale.item() == 50.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_awq_statistics_that_are_no_mean_square_are_refused(bad):
+    """``method="awq"`` with ``act_sq`` holding NaN or inf (calibration activations that overflowed, e.g. in float16)
+    or a negative value (no mean of x**2 is) quantized without a word: one such channel made every block's weighted
+    error NaN (or zero), so the search kept the first candidate and the layer got RTN's bytes under the name awq.
+    Now one line naming the weight, how many values and what act_sq must be."""
+    import nvfp4
+
+    act_sq = torch.rand(32)
+    act_sq[3] = bad
+    with pytest.raises(ValueError, match=r"layer\.weight: act_sq holds 1 NaN, inf or negative value") as e:
+        nvfp4.quantize(torch.randn(8, 32), method="awq", act_sq=act_sq, name="layer.weight")
+    assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor([]), torch.ones(2, 2)])
+def test_a_given_global_scale_of_several_values_is_refused_in_one_line(bad):
+    """A ``global_scale`` of several values (per-row scales where the format has one per tensor) or of none ended in
+    torch's "shape '[1]' is invalid for input of size 2", naming neither the weight nor the option; now one line."""
+    import nvfp4
+
+    with pytest.raises(ValueError, match=r"layer\.weight: global_scale must be one number .*got a tensor of shape"):
+        nvfp4.quantize(torch.randn(8, 32), global_scale=bad, name="layer.weight")
+
+
+def test_the_float16_global_scale_warning_says_what_is_lost_and_a_way_out_that_works():
+    """A float16 weight with amax < 2688/65504 quantizes with a global scale of 1.0 (as compressed-tensors does): every
+    block with amax below ~0.006 gets a zero FP8 scale and decodes to zeros. The warning said only that 'the block
+    scales lose precision' (here 95 % of the blocks were zeros, 96 % error) and advised loading the model in fp32,
+    which changes nothing on load (quantize on load computes in the checkpoint's float16). It now counts the blocks
+    that decode to zeros and names the ways out that work: compute_dtype=torch.float32 or a bfloat16 load."""
+    import warnings
+
+    import nvfp4
+
+    torch.manual_seed(0)
+    w = (torch.randn(64, 256) * 0.002).half()
+    with pytest.warns(UserWarning, match=r"global scale falls back to 1\.0") as record:
+        q = nvfp4.quantize(w)
+    zeros = int((q.dequantize(torch.float32).reshape(-1, 16) == 0).all(-1).sum())
+    message = str(record[0].message)
+    assert zeros > 900 and f"{zeros} of its 1024 blocks decode to zeros" in message
+    assert "compute_dtype=torch.float32" in message and "dtype=torch.bfloat16" in message and "fp32" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the ways out it names: no warning, the usual error
+        for fixed in (nvfp4.quantize(w, compute_dtype=torch.float32), nvfp4.quantize(w.bfloat16())):
+            assert (fixed.dequantize(torch.float32) - w.float()).norm() / w.float().norm() < 0.1

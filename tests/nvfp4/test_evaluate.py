@@ -33,3 +33,25 @@ def test_perplexity_of_texts_with_nothing_to_predict_is_one_line(model_and_token
         longer = "Hello there, how are you today?"
         ppl = perplexity(model, tok, [one_token, longer], progress=False)
         assert math.isfinite(ppl) and ppl == pytest.approx(perplexity(model, tok, [longer], progress=False))
+
+
+def test_errors_of_a_model_carrying_lora_adapters_are_those_of_its_4bit_base():
+    """``weight_relative_error`` / ``output_relative_error`` matched each 4-bit layer to the dense model by its name in
+    the quantized model: under PEFT ('base_model.model.….q_proj.base_layer') that name is in no dense model, a bare
+    KeyError. The layers are now matched by their name in the base model: the same errors as without the adapters."""
+    from nvfp4 import quantize_model
+    from nvfp4.evaluate import output_relative_error, weight_relative_error
+    from nvfp4.peft import get_peft_model
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(tiny_config("llama")).eval()
+    torch.manual_seed(0)
+    quantized = quantize_model(LlamaForCausalLM(tiny_config("llama")).eval(), progress=False)
+    batches = [torch.randint(0, 256, (1, 8))]
+    with torch.no_grad():
+        weights, outputs = weight_relative_error(dense, quantized), output_relative_error(dense, quantized, batches)
+        peft = get_peft_model(quantized, LoraConfig(r=4, target_modules=["q_proj"]))  # zero-initialised B: same outputs
+        assert weight_relative_error(dense, peft) == weights
+        assert output_relative_error(dense, peft, batches) == outputs

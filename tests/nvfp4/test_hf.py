@@ -182,6 +182,24 @@ def test_config_validation_and_serialisation(tiny_model_dir):
     assert QUANT_METHOD != "nvfp4"  # transformers owns that name
 
 
+@pytest.mark.parametrize("serialization", ["compressed-tensors", QUANT_METHOD])
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_config_from_dict_gives_back_the_config_to_dict_wrote(serialization, format):
+    """``NVFP4Config.from_dict(cfg.to_dict())`` (transformers' own pair) read the default, compressed-tensors dict as
+    keyword arguments: method, format and modules_to_not_convert fell back to their defaults ('mse' became 'rtn',
+    'mxfp4' 'nvfp4', the ignore list ['lm_head']) and the whole compressed-tensors dict was nested under "qerl" as
+    unknown options. It now reads that dict as :meth:`NVFP4Config.from_compressed_tensors_dict` does."""
+    method = "mse" if format == "nvfp4" else "rtn"
+    cfg = NVFP4Config(method=method, modules_to_not_convert=["lm_head", "re:.*mlp.down_proj"], fused_groups=[],
+                      format=format, serialization=serialization)  # fmt: skip
+    back = NVFP4Config.from_dict(cfg.to_dict())
+    assert (back.method, back.weight_format, back.modules_to_not_convert, back.fused_groups, back.extra) == (
+        method, cfg.weight_format, cfg.modules_to_not_convert, [], {}
+    )
+    if serialization == "compressed-tensors":
+        assert back.to_dict() == cfg.to_dict()
+
+
 def test_old_config_checkpoint_still_loads(tiny_model_dir, tmp_path):
     """Checkpoints written with the previous ``nvfp4_w4a16`` config load through ``from_pretrained`` (and
     :func:`nvfp4.load_nvfp4_checkpoint`), bit for bit what the new config loads."""
@@ -592,3 +610,35 @@ def test_save_pretrained_by_blocks_shows_progress_over_the_blocks(tmp_path, caps
         nvfp4.save_pretrained_by_blocks(model, tmp_path / f"q{progress}", blocks, fill, progress=progress)
         err = capsys.readouterr().err
         assert ("6/6" in err and "block" in err) == progress, err
+
+
+def test_a_model_without_a_linear_to_quantize_is_refused_on_load(tmp_path):
+    """``from_pretrained(gpt2_like, quantization_config=NVFP4Config())``: GPT-2's projections are transformers
+    ``Conv1D``, not ``nn.Linear``, and lm_head is kept dense, so nothing was quantized, without a word; the model
+    loaded dense and saved under a 4-bit config. Now one line naming the model and what is quantized."""
+    from transformers import GPT2Config
+
+    AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=32,
+                                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "g")  # fmt: skip
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no nn\.Linear .* to quantize") as info:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "g", quantization_config=NVFP4Config())
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_loading_a_checkpoint_with_a_config_of_ones_own(tiny_model_dir, tmp_path):
+    """``load_nvfp4_checkpoint(path, config=cfg)`` / ``from_compressed_tensors(path, config=cfg)`` (transformers' way
+    to load with another attention implementation or fewer layers) failed with "from_pretrained() got multiple values
+    for keyword argument 'config'"; the given config is now the one loaded (with the checkpoint's quantization), and
+    the caller's object is left as it was."""
+    from transformers import AutoConfig
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
+    m.save_pretrained(tmp_path / "q")
+    cfg = AutoConfig.from_pretrained(tmp_path / "q")
+    cfg.num_hidden_layers = 1
+    before = cfg.to_dict()
+    for load in (nvfp4.load_nvfp4_checkpoint, nvfp4.from_compressed_tensors):
+        loaded = load(tmp_path / "q", config=cfg)
+        assert len(loaded.model.layers) == 1 and isinstance(loaded.model.layers[0].mlp.up_proj, NVFP4Linear)
+        assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight_packed, m.model.layers[0].mlp.up_proj.weight_packed)
+    assert cfg.to_dict() == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import nvfp4
 import pytest
 import torch
@@ -422,6 +424,66 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     with pytest.raises(TypeError, match=rf"quantize_model: {keyword} .*got the string '[01]'") as info:
         quantize_model(_two_linears(), progress=False, **{keyword: value})
     assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("entry", ["*.mlp.*", "re:*mlp", "layers[0"])
+def test_a_module_name_pattern_that_is_no_regex_is_named_in_one_line(entry):
+    """A ``modules_to_not_convert`` entry that is no regular expression (a glob such as ``*.mlp.*``) ended in Python's
+    bare ``re.error: nothing to repeat at position 0`` traceback, naming neither the option nor the entry; and
+    ``NVFP4Config`` took it, so ``from_pretrained`` failed only once the model was built. Now one ValueError naming
+    the option, the entry and what entries are, at the call / the config."""
+    with pytest.raises(ValueError, match=r"quantize_model: modules_to_not_convert: .* is not a valid regular") as info:
+        quantize_model(_two_linears(), modules_to_not_convert=[entry], progress=False)
+    assert entry in str(info.value) and len(str(info.value).splitlines()) == 1
+    with pytest.raises(ValueError, match=r"NVFP4Config: modules_to_not_convert: .* is not a valid regular"):
+        nvfp4.NVFP4Config(modules_to_not_convert=["lm_head", entry])
+
+
+def test_a_parent_module_named_in_modules_to_not_convert_keeps_its_linears_dense(tiny_model_dir, tmp_path):
+    """``modules_to_not_convert=["model.layers.0"]`` (a block, as transformers' quantizers take the option:
+    ``should_convert_module`` keeps everything under a named prefix) matched no linear, so block 0 was quantized
+    without a word, by ``quantize_model`` and by ``NVFP4Config`` on load. A named module now keeps every linear
+    under it dense; the saved config names them, so the checkpoint reloads the same."""
+    from transformers import AutoModelForCausalLM
+
+    def dense(model):
+        return sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
+
+    kept = ["lm_head"] + [f"model.layers.0.{m}" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                           "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj",
+                                                           "self_attn.v_proj")]  # fmt: skip
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert dense(quantize_model(m, modules_to_not_convert=["lm_head", "model.layers.0"], progress=False)) == kept
+    cfg = nvfp4.NVFP4Config(modules_to_not_convert=["lm_head", "model.layers.0"])
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=cfg)
+    assert dense(loaded) == kept
+    loaded.save_pretrained(tmp_path / "q")
+    assert dense(nvfp4.load_nvfp4_checkpoint(tmp_path / "q")) == kept
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_model_with_a_calibrated_method_and_no_statistics_points_to_calibrate_model(method):
+    """``quantize_model(model, method="gptq")`` (a method NVFP4Config takes) said "unknown method 'gptq'" and pointed
+    to the per-weight ``gptq_quantize``, and ``method="awq"`` without ``act_sq`` asked the first layer for its
+    statistics: at the model level both calibrate on data, which ``calibrate_model`` collects. One line naming it."""
+    with pytest.raises(ValueError, match=rf"quantize_model\(method={method!r}\).*calibrate_model\(model, {method!r}") as e:
+        quantize_model(_two_linears(), method=method, progress=False)
+    assert "unknown method" not in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_quantize_model_on_a_model_without_a_linear_to_quantize_says_so():
+    """``quantize_model`` on a model none of whose linears it takes (GPT-2's transformers ``Conv1D`` projections, a
+    lm_head kept dense) returned it unchanged without a word; now a warning says nothing was quantized and why. A
+    model already quantized (a second call) says nothing."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=32))
+    with pytest.warns(UserWarning, match=r"quantize_model: GPT2LMHeadModel has no nn\.Linear .* to quantize"):
+        quantize_model(gpt2, progress=False)
+    model = quantize_model(_two_linears(), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(model, progress=False)
 
 
 def test_quantize_model_takes_none_as_the_default_names_and_groups():

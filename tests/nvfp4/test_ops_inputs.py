@@ -119,3 +119,43 @@ def test_float64_activations_take_the_full_precision_path_under_triton_interpret
     results = run_under_interpreter(_FLOAT64_SCRIPT, timeout=600, extra_path=[SRC])
     for name, (dtype, err) in results.items():
         assert dtype == "torch.float64" and err < 1e-12, (name, dtype, err)
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_dgrad", "lora_linear"])
+@pytest.mark.parametrize("case", ["scale of another weight", "scale and global scale swapped", "two global scales"])
+def test_weight_tensors_that_disagree_are_named_not_blamed_on_x(op, case):
+    """The ops read the weight's shape from ``scale`` alone: a scale of another weight made a right ``x`` wrong
+    ('x has 64 input features, the weight expects 32'), the scale and global scale swapped ended in an IndexError
+    ('tuple index out of range'), two global scales in "shape '[1, 1]' is invalid for input of size 2". Each is now
+    one ValueError naming the tensors."""
+    q = _weight()
+    packed, scale, gs = q.packed, q.scale, q.global_scale
+    if case == "scale of another weight":
+        scale = scale[:, :2]
+    elif case == "scale and global scale swapped":
+        scale, gs = gs, scale
+    else:
+        gs = torch.ones(2)
+    call = {
+        "linear": lambda: nvfp4.linear(torch.randn(3, 64), packed, scale, gs),
+        "linear_dgrad": lambda: nvfp4.linear_dgrad(torch.randn(3, 32), packed, scale, gs),
+        "lora_linear": lambda: nvfp4.ops.lora_linear(torch.randn(3, 64), packed, scale, gs, None, torch.randn(4, 64),
+                                                     torch.randn(32, 4), 1.0),  # fmt: skip
+    }[op]
+    with pytest.raises(ValueError, match="NVFP4 tensors disagree|global_scale") as info:
+        call()
+    assert "input features" not in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("tensor", ["packed", "scale", "global_scale"])
+def test_weight_tensors_of_another_dtype_are_refused_here_as_on_cuda(tensor):
+    """The CUDA launchers refuse weight tensors that are not uint8 / float8_e4m3fn / float32 (TypeError), while the
+    reference computed with any (float32 block scales, an int8 view of the codes, a bfloat16 global scale), so a call
+    that ran on the CPU failed on a GPU. Both refuse them now, here in one line naming the dtypes."""
+    q = _weight()
+    given = {"packed": q.packed, "scale": q.scale, "global_scale": q.global_scale}
+    given[tensor] = {"packed": q.packed.view(torch.int8), "scale": q.scale.float(),
+                     "global_scale": q.global_scale.bfloat16()}[tensor]  # fmt: skip
+    with pytest.raises(ValueError, match="uint8/float8_e4m3fn/float32") as info:
+        nvfp4.linear(torch.randn(3, 64), given["packed"], given["scale"], given["global_scale"])
+    assert len(str(info.value).splitlines()) == 1

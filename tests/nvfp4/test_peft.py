@@ -270,3 +270,82 @@ def test_the_lora_layer_prints_its_name_once():
     pm = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"]))
     text = repr(pm.base_model.model.model.layers[0].self_attn.q_proj)
     assert text.startswith("lora.NVFP4Linear(\n  (base_layer): NVFP4Linear("), text[:80]
+
+
+def test_peft_merge_and_unload_of_a_loaded_model_saves_a_checkpoint_that_reloads(tmp_path):
+    """PEFT's own ``model.merge_and_unload()`` on a model quantized on load swaps each adapted NVFP4 layer for a dense
+    ``nn.Linear`` (:meth:`LoraNVFP4Linear.merge`), but the model kept its quantization config: ``save_pretrained``
+    wrote the merged dense weights under a config saying they are 4-bit, and every reader (ours, compressed-tensors)
+    initialised those linears at random (NaN logits) beside 'UNEXPECTED' dense weights. The saved config now names
+    the linears left dense, so the checkpoint reloads as the merged model computes."""
+    import nvfp4
+    from nvfp4 import NVFP4Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=NVFP4Config())
+    pm = get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    merged = pm.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert isinstance(merged.model.layers[0].self_attn.k_proj, NVFP4Linear)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        ref = merged(ids).logits
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = nvfp4.load_nvfp4_checkpoint(tmp_path / "merged")
+    assert type(reloaded.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "mica", "orthogonal"])
+def test_an_initialisation_that_reads_the_dense_base_weight_is_refused_in_one_line(init):
+    """``LoraConfig(init_lora_weights=...)`` of the kinds that read (PiSSA, OLoRA, MiCA, rewriting it too) or take the
+    dtype of (orthogonal) ``base_layer.weight`` met the packed uint8 codes: 'Unsupported data type for the base layer.
+    Got torch.uint8' (OLoRA), 'Only Tensors of floating point and complex dtype can require gradients' (orthogonal),
+    or PEFT's float-dtype advice; now one line naming the initialisation, the 4-bit layer and what works."""
+    with pytest.raises(ValueError, match=rf"init_lora_weights={init!r}.*4-bit.*q_proj") as info:
+        get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_peft_merge_and_unload_of_a_model_converted_in_memory_saves_a_checkpoint_that_reloads(tmp_path):
+    """The same as above for a model converted in memory (``quantize_model``, README's torchao-style call), whose
+    config records the dense linears at conversion: after PEFT's own ``merge_and_unload()`` the merged linears were
+    dense but the saved config still called them 4-bit ('their tensors are absent' on reload). The recorded config
+    now names the linears the model holds dense when it is written; it still pickles and copies."""
+    import copy
+    import pickle
+
+    import nvfp4
+
+    model = _model()
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    merged = pm.merge_and_unload()
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        ref = merged(ids).logits
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = nvfp4.load_nvfp4_checkpoint(tmp_path / "merged", dtype=torch.float32)
+    assert type(reloaded.model.layers[1].self_attn.q_proj) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, ref)
+    for config in (pickle.loads(pickle.dumps(merged.config)), copy.deepcopy(merged.config)):
+        assert config.quantization_config.to_dict()["ignore"] == merged.config.quantization_config.to_dict()["ignore"]
+
+
+def test_write_adapter_of_a_raw_state_dict_writes_the_adapter_alone(tmp_path):
+    """``write_adapter(folder, model.state_dict(), config)`` (a raw state dict, which its docstring takes) wrote every
+    tensor of the PeftModel into adapter_model.safetensors: the embeddings, lm_head, norms and the 4-bit base tensors
+    beside the LoRA weights (an adapter file the size of the model, which vLLM's LoRA loader refuses). It now writes
+    the tensors PEFT's get_peft_model_state_dict gives, under the same names."""
+    from nvfp4.peft import write_adapter
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    pm = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    write_adapter(tmp_path / "raw", pm.state_dict(), pm.peft_config["default"])
+    written = load_file(tmp_path / "raw" / "adapter_model.safetensors")
+    expected = get_peft_model_state_dict(pm)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], expected[k]) for k in expected)

@@ -137,6 +137,13 @@ def calibrate_model(
     cached: list[tuple[tuple, dict]] = []
 
     def catch(module, args, kwargs):
+        # each layer runs on these again, twice: a KV cache in them (transformers passes one with use_cache=True)
+        # took every run's keys, and the next run attended over them too
+        for key in ("past_key_values", "past_key_value"):
+            if kwargs.get(key) is not None:
+                kwargs = {**kwargs, key: None}
+        if kwargs.get("use_cache"):
+            kwargs = {**kwargs, "use_cache": False}
         cached.append((args, kwargs))
         raise _StopForward
 
@@ -165,7 +172,7 @@ def calibrate_model(
                 q = gptq_quantize(lin.weight, hess.hessian(n), global_scale=g, damp=damp, name=f"{n}.weight")
                 bias = lin.bias.detach() if lin.bias is not None else None
                 parent, _, child = n.rpartition(".")
-                setattr(model.get_submodule(parent), child, NVFP4Linear.from_weight(q, bias, lin.weight.dtype))
+                setattr(model.get_submodule(parent), child, NVFP4Linear.from_weight(q, bias, lin.weight.dtype, name=n))
                 done.add(n)
         del hess
         if i + 1 < len(layers):  # the quantized layer's outputs are the next layer's inputs

@@ -28,8 +28,9 @@ same by default (``compute_dtype=None``), which makes our RTN bytes those of llm
 checkpoint. ``compute_dtype=torch.float32`` computes both quotients in float32 instead (what compressed-tensors
 gives for a float32 weight); it is an option, not the default: on bf16 weights its error is the same to 3-4 digits
 (BENCHMARKS.md, "RTN arithmetic"). For float16 weights with ``amax < 2688 / 65504 ≈ 0.041`` the float16 quotient
-overflows and compressed-tensors falls back to a global scale of 1.0 (coarse block scales); we do too, with a warning
-that names ``compute_dtype=torch.float32``.
+overflows and compressed-tensors falls back to a global scale of 1.0 (coarse block scales, and blocks with amax below
+~0.006 decode to zeros); we do too, with a warning that counts those blocks and names ``compute_dtype=torch.float32``
+and a bfloat16 load.
 """
 
 from __future__ import annotations
@@ -140,10 +141,16 @@ def shared_global_scale(weights: Iterable[torch.Tensor], compute_dtype: torch.dt
     amax = torch.stack([w.detach().abs().amax().to(dtype) for w in weights]).amax()  # max is exact in any dtype
     g = global_scale_from_amax(amax, dtype)
     if dtype == torch.float16 and g.item() == 1.0 and amax.item() > 0:
+        # with a global scale of 1 a block scale amax/6 below E4M3's smallest subnormal (2^-9) rounds to 0, which the
+        # zero guard makes 0.125: such a block (amax < ~0.006) decodes to zeros
+        blocks = torch.cat([w.detach().abs().reshape(-1, BLOCK_SIZE).amax(-1) for w in weights])
+        lost = int(((blocks > 0) & (_to_fp8_scale(blocks.float() / FP4_MAX).float() == ZERO_SCALE_EPS)).sum())
         warnings.warn(
             f"NVFP4: amax={amax.item():.3g} of a float16 weight is below 2688/65504, so 448*6/amax overflows float16 "
-            "and the global scale falls back to 1.0 (compressed-tensors does the same; the block scales lose "
-            "precision). Pass compute_dtype=torch.float32 (or load the model in bf16/fp32) for a full-range scale.",
+            f"and the global scale falls back to 1.0 (compressed-tensors does the same): {lost} of its "
+            f"{blocks.numel()} blocks decode to zeros and the others keep coarse scales. For a full-range scale pass "
+            "compute_dtype=torch.float32 (nvfp4.quantize, quantize_model), or load the checkpoint with "
+            "dtype=torch.bfloat16 (a float32 load still quantizes in the checkpoint's float16)",
             stacklevel=2,
         )
     return g
@@ -257,7 +264,11 @@ def prepare_global_scale(
     ``name``): 0, NaN or inf quantized to tensors that dequantize to NaN or zeros, silently."""
     if global_scale is None:
         global_scale = shared_global_scale([w], compute_dtype)
-    g = torch.as_tensor(global_scale).to(device=w.device, dtype=torch.float32).reshape(1).clone()
+    g = torch.as_tensor(global_scale)
+    if g.numel() != 1:  # reshape(1) failed in torch's words ("shape '[1]' is invalid for input of size 2")
+        raise ValueError(f"{name}: global_scale must be one number (a float32 [1] tensor: one per tensor), got a "
+                         f"tensor of shape {tuple(g.shape)}")  # fmt: skip
+    g = g.to(device=w.device, dtype=torch.float32).reshape(1).clone()
     if not (torch.isfinite(g).all() and (g > 0).all()):
         raise ValueError(f"{name}: global_scale must be a finite number > 0, got {g.item()!r}")
     return g

@@ -14,9 +14,16 @@ from .linear import NVFP4Linear
 __all__ = ["gsm8k_texts", "output_relative_error", "perplexity", "weight_relative_error"]
 
 
+def _base_name(name: str) -> str:
+    """``name`` of a module of ``quantized`` as the dense model names it: without what PEFT adds around a 4-bit layer
+    carrying an adapter (``base_model.model.`` before, ``.base_layer`` after)."""
+    return name.removeprefix("base_model.model.").removesuffix(".base_layer")
+
+
 @torch.no_grad()
 def weight_relative_error(dense: nn.Module, quantized: nn.Module) -> dict[str, float]:
-    """``‖W - dequant(Ŵ)‖_F / ‖W‖_F`` per NVFP4 layer of ``quantized`` (matched by name in ``dense``) and ``"all"``.
+    """``‖W - dequant(Ŵ)‖_F / ‖W‖_F`` per NVFP4 layer of ``quantized`` (matched by name in ``dense``; a ``PeftModel``'s
+    layers by their base model's names) and ``"all"``.
 
     ``"all"`` is the error over all quantized weights together (sum of squared errors over sum of squared weights).
     """
@@ -25,6 +32,7 @@ def weight_relative_error(dense: nn.Module, quantized: nn.Module) -> dict[str, f
     num = den = 0.0
     for name, mod in quantized.named_modules():
         if isinstance(mod, NVFP4Linear):
+            name = _base_name(name)
             w = dense_modules[name].weight.detach().float()
             e = (mod.dequantize(torch.float32) - w).square().sum().item()
             s = w.square().sum().item()
@@ -57,7 +65,7 @@ def output_relative_error(dense: nn.Module, quantized: nn.Module, batches: list[
 
     for name, mod in quantized.named_modules():
         if isinstance(mod, NVFP4Linear):
-            handles.append(mod.register_forward_hook(hook(name)))
+            handles.append(mod.register_forward_hook(hook(_base_name(name))))
     try:
         device = next(quantized.parameters()).device
         for ids in batches:

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from .linear import (
     _quantizable,
     _tied_linears,
     fused_group_of,
+    nothing_to_quantize,
 )
 from .methods import CALIBRATED_METHODS, METHODS
 
@@ -157,7 +159,8 @@ class NVFP4Config(QuantizationConfigMixin):
             (a tokenizer's batch) is one batch. Not saved with the
             checkpoint; its count is (``"calibration_samples"`` under ``"qerl"``).
         modules_to_not_convert: names / suffixes / regexes (or compressed-tensors ``re:`` entries) kept in full
-            precision (default ``["lm_head"]``; embeddings are never converted).
+            precision, a module's name keeping every linear under it (``"model.layers.0"``) (default ``["lm_head"]``;
+            embeddings are never converted).
         fused_groups: sibling linears that share one global scale (engines fuse them).
         format: the 4-bit format: ``"nvfp4"`` (default; compressed-tensors ``"nvfp4-pack-quantized"``) or
             ``"mxfp4"`` (``"mxfp4-pack-quantized"``: E8M0 scale per 32 inputs, no global scale, llm-compressor
@@ -224,6 +227,23 @@ class NVFP4Config(QuantizationConfigMixin):
         if calibration_data is not None:
             self.extra["calibration_samples"] = len(calibration_data)
 
+    def _dense_names(self) -> list[str]:
+        """``modules_to_not_convert``; for a config recorded by a conversion in memory (:func:`_record_quantization_config`)
+        also every linear its model holds dense now (PEFT's ``merge_and_unload`` makes adapted 4-bit linears dense
+        after the conversion, and the saved config must say so)."""
+        ref = getattr(self, "_model_ref", None)
+        model = ref() if ref is not None else None
+        if model is None:
+            return self.modules_to_not_convert
+        return [*self.modules_to_not_convert, *_linears_ct_would_quantize(model, self.modules_to_not_convert)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle / deepcopy: no weakref to the model, the dense linears as it holds them now
+        state = dict(self.__dict__)
+        state.pop("_model_ref", None)
+        state["modules_to_not_convert"] = self._dense_names()
+        return state
+
     def to_dict(self) -> dict[str, Any]:
         """What ``save_pretrained`` writes as ``quantization_config`` (see ``serialization``)."""
         ours = {
@@ -231,16 +251,27 @@ class NVFP4Config(QuantizationConfigMixin):
             "format": self.format,
             "method": self.method,
             "weight_block_size": self.weight_block_size,
-            "modules_to_not_convert": self.modules_to_not_convert,
+            "modules_to_not_convert": self._dense_names(),
             "fused_groups": self.fused_groups,
             **self.extra,
         }
         if self.serialization == QUANT_METHOD:
             return ours
-        ignore = [m for m in self.modules_to_not_convert if m]  # names, suffixes and regexes, as compressed-tensors
+        ignore = [m for m in ours["modules_to_not_convert"] if m]  # names, suffixes and regexes, as compressed-tensors
         return compressed_tensors_config(
             ignore, qerl={k: v for k, v in ours.items() if k != "format"}, format=self.weight_format
         )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """transformers' reader of :meth:`to_dict`'s output; the compressed-tensors dict it writes by default is read
+        as :meth:`from_compressed_tensors_dict` reads it (as keyword arguments its method, format and ignore list
+        were lost and its fields taken as unknown options)."""
+        if config_dict.get("quant_method") == CT_METHOD:
+            ours = cls.from_compressed_tensors_dict(config_dict)
+            ours.serialization = QUANT_METHOD
+            config_dict = {**ours.to_dict(), "serialization": CT_METHOD}
+        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
 
     @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
@@ -358,6 +389,8 @@ class NVFP4HfQuantizer(HfQuantizer):
         eligible = [
             n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert, fmt.group_size)
         ]
+        if not eligible and not self.pre_quantized:  # nothing would be quantized: a dense model under a 4-bit config
+            raise ValueError(f"NVFP4Config: {nothing_to_quantize(model, fmt)}")
         if self.pre_quantized:
             for name in eligible:
                 lin = model.get_submodule(name)
@@ -481,8 +514,13 @@ class NVFP4HfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
-        stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`)."""
+        stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`). Runs before transformers writes the
+        config: linears made dense since the load (PEFT's own ``merge_and_unload``, which swaps an adapted 4-bit layer
+        for ``nn.Linear(dequant(W) + ΔW)``) are named in it, or every reader looked for their 4-bit tensors."""
         warn_if_not_stock_loadable(model.dtype)
+        named = _config_naming_dense_linears(self.quantization_config, model)
+        if named is not self.quantization_config:
+            self.quantization_config = model.config.quantization_config = named
         return super().get_state_dict_and_metadata(model)
 
     @property
@@ -550,6 +588,7 @@ def _record_quantization_config(
     cfg = NVFP4Config(method=method, modules_to_not_convert=dense, fused_groups=[list(g) for g in fused_groups],
                       format=fmt.name)  # fmt: skip
     cfg._converted_in_memory = True  # a later conversion of this model records the config again
+    cfg._model_ref = weakref.ref(model)  # linears made dense later (a PEFT merge) are named when the config is written
     config.quantization_config = cfg
 
 
@@ -638,7 +677,7 @@ def nvfp4_checkpoint_kind(path: str | Path) -> str | None:
     return CT_METHOD
 
 
-def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
+def from_compressed_tensors(path: str | Path, config: PretrainedConfig | None = None, **kwargs: Any) -> nn.Module:
     """Load a compressed-tensors ``NVFP4A16`` or ``MXFP4A16`` checkpoint (``nvfp4-pack-quantized`` /
     ``mxfp4-pack-quantized``: ours, or llm-compressor's) into ``NVFP4Linear`` layers on our kernels.
 
@@ -646,9 +685,10 @@ def from_compressed_tensors(path: str | Path, **kwargs: Any) -> nn.Module:
     ``config_groups``), so transformers would route a plain ``from_pretrained`` to compressed-tensors. Modules in
     the checkpoint's ``ignore`` stay dense. Other ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``; the
     model's ``config.quantization_config`` is then ours, and ``save_pretrained`` writes the compressed-tensors config
-    again.
+    again. ``config``: the model config to load with (a copy of it: another attention implementation, fewer layers),
+    by default the checkpoint's; the quantization is always the checkpoint's.
     """
-    config = AutoConfig.from_pretrained(path)
+    config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path)
     ours = NVFP4Config.from_compressed_tensors_dict(_checkpoint_quantization_config(path) or {}, str(path))
     ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
     config.quantization_config = ours.to_dict()

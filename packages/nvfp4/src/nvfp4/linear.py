@@ -30,6 +30,7 @@ from .layout import (
     to_mma_layout,
     to_scale_mma_layout,
 )
+from .methods import CALIBRATED_METHODS
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
@@ -611,7 +612,15 @@ def _module_names(value: Iterable[str], option: str) -> tuple[str, ...]:
     argument in the message."""
     if isinstance(value, str):
         raise TypeError(f"{option} takes a list of module names, got the string {value!r}: pass [{value!r}]")
-    return tuple(value)
+    names = tuple(value)
+    for p in names:  # each is also matched as a regex (_matches): a glob such as "*.mlp.*" failed there in re's words
+        try:
+            re.compile(p.removeprefix("re:"))
+        except re.error as e:
+            raise ValueError(f"{option}: {p!r} is not a valid regular expression ({e}); entries are module names, "
+                             "name suffixes or regexes of the whole name (e.g. '.*mlp.*' or 're:.*mlp', not a glob "
+                             "'*.mlp.*')") from None  # fmt: skip
+    return names
 
 
 def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tuple[str, ...]]:
@@ -626,11 +635,14 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, a regex of the whole name, or an
-    ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied as
-    compressed-tensors applies it, with ``re.match``."""
+    """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, the name of a module above it
+    (``model.layers.0`` keeps that block's linears, as transformers' quantizers read the option), a regex of the whole
+    name, or an ``re:`` entry (compressed-tensors' ``ignore`` syntax, which a saved config passes on as is) applied
+    as compressed-tensors applies it, with ``re.match``."""
     return any(
-        re.match(p[3:], name) if p.startswith("re:") else name == p or name.endswith("." + p) or re.fullmatch(p, name)
+        re.match(p[3:], name)
+        if p.startswith("re:")
+        else name == p or name.endswith("." + p) or name.startswith(p + ".") or re.fullmatch(p, name)
         for p in patterns
     )
 
@@ -663,6 +675,21 @@ def _tied_linears(model: nn.Module) -> list[str]:
     )  # fmt: skip
 
 
+def nothing_to_quantize(model: nn.Module, fmt: Format) -> str:
+    """The message for a model none of whose linears is quantized (what is quantized, and what is not a linear)."""
+    return (f"{type(model).__name__} has no nn.Linear layer to quantize (quantized: plain torch.nn.Linear with "
+            f"in_features % {fmt.group_size} == 0, outside modules_to_not_convert; other layer types, such as GPT-2's "
+            "transformers Conv1D, stay dense)")  # fmt: skip
+
+
+def _warn_if_nothing_quantized(model: nn.Module, fmt: Format) -> None:
+    """Warn when ``model`` holds no 4-bit layer after a conversion that took none (nor any linear still on the meta
+    device: :func:`nvfp4.hf.save_pretrained_by_blocks` fills a model block by block)."""
+    if any(isinstance(m, NVFP4Linear) or (isinstance(m, nn.Linear) and m.weight.is_meta) for m in model.modules()):
+        return
+    warnings.warn(f"quantize_model: {nothing_to_quantize(model, fmt)}; the model is returned unchanged", stacklevel=3)
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -680,9 +707,10 @@ def quantize_model(
     """Replace every eligible ``nn.Linear`` of ``model`` by an :class:`NVFP4Linear`, in place, and return ``model``.
 
     Eligible: plain ``nn.Linear`` with ``in_features % 16 == 0``, not matched by ``modules_to_not_convert``
-    (exact names, name suffixes, or regexes; ``lm_head`` by default or for None; embeddings are never linears), not
-    tied to another parameter (a tied lm_head: the embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global scale (the
-    default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
+    (exact names, name suffixes, the name of a module above it such as ``model.layers.0``, or regexes; ``lm_head`` by
+    default or for None; embeddings are never linears), not tied to another parameter (a tied lm_head: the
+    embedding), and accepted by ``filter_fn``. Members of a fused group present in the same parent share one global
+    scale (the default groups for ``fused_groups=None``). Layers are quantized one at a time (optionally moved to ``device``
     first), so peak memory is the quantized model plus one group in full precision. A transformers model without a
     ``quantization_config`` gets the :class:`nvfp4.NVFP4Config` of this conversion, so its ``save_pretrained`` writes
     a checkpoint that reloads (:data:`CONVERTED_MODEL_HOOKS`).
@@ -696,6 +724,10 @@ def quantize_model(
     """
     fmt = get_format(format)
     fmt.check_options("quantize_model", method, act_sq=act_sq)
+    if method in CALIBRATED_METHODS and (method != "awq" or act_sq is None):  # (gptq needs each layer's Hessian)
+        raise ValueError(f"quantize_model(method={method!r}) calibrates on data: use "
+                         f"nvfp4.calibration.calibrate_model(model, {method!r}, batches), or NVFP4Config(method="
+                         f"{method!r}, calibration_data=...) on load")  # fmt: skip
     _check_no_adapters(model, "quantize_model")
     # None is the default, as in NVFP4Config and calibrate_model ([] / () means none)
     if modules_to_not_convert is None:
@@ -715,6 +747,8 @@ def quantize_model(
         and not m.weight.is_meta
         and (filter_fn is None or filter_fn(n, m))
     ]
+    if not named:
+        _warn_if_nothing_quantized(model, fmt)
     chosen = dict(named)
     done: set[str] = set()
     for name, _ in tqdm(named, desc=f"Quantizing to {fmt.name.upper()}", disable=not progress, unit="layer"):

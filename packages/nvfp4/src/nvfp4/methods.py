@@ -92,6 +92,13 @@ def quantize(
         raise ValueError(f"{name}: unknown method {method!r}; choose 'rtn', 'mse' or 'awq'{hint}")
     if method == "awq" and act_sq is None:
         raise ValueError(f"{name}: method='awq' needs act_sq (per-input-channel mean x**2 from calibration data)")
+    if method == "awq":
+        # NaN / inf (activations that overflowed) made every weighted error NaN or 0: the search kept RTN's scales
+        bad = int((~(torch.isfinite(act_sq) & (act_sq >= 0))).sum())
+        if bad:
+            raise ValueError(f"{name}: act_sq holds {bad} NaN, inf or negative value(s); it must be the finite mean of "
+                             "x**2 per input channel (did the calibration activations overflow? calibrate in "
+                             "bfloat16 or float32)")  # fmt: skip
     g = prepare_global_scale(w, global_scale, compute_dtype, name)
     scale = search_block_scales(w, g, act_sq if method == "awq" else None, compute_dtype=compute_dtype)
     return NVFP4Weight(pack_e2m1(quantize_with_scales(w, scale, g)), scale, g)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .codec import dequantize
-from .layout import weight_shape
+from .layout import is_mma_layout, weight_shape
 
 __all__ = [
     "linear",
@@ -161,15 +161,36 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_weight(op: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> tuple[int, int]:
+    """``(out, in)`` of the weight the three tensors hold; ValueError naming them where they disagree (the shape is
+    read from ``scale``: a scale of another weight made the right ``x`` wrong, a swapped pair an IndexError)."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or global_scale.dtype != torch.float32:
+        # the CUDA launchers refuse these (TypeError); the reference computed with any, so CPU and GPU disagreed
+        raise ValueError(f"{op}: the weight tensors must be uint8/float8_e4m3fn/float32 (weight_packed / weight_scale / "
+                         f"weight_global_scale), got {packed.dtype}/{scale.dtype}/{global_scale.dtype}")  # fmt: skip
+    if packed.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"{op}: NVFP4 tensors disagree: weight_packed {tuple(packed.shape)} and weight_scale "
+                         f"{tuple(scale.shape)} must both be 2-D")  # fmt: skip
+    is_mma_layout(packed, scale)  # ValueError "NVFP4 tensors disagree" unless packed fits scale in either layout
+    if global_scale.numel() != 1:
+        raise ValueError(f"{op}: global_scale must hold one value (float32 [1]), got shape {tuple(global_scale.shape)}")
+    return weight_shape(packed, scale)
+
+
 def _check_features(
-    op: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    op: str,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> None:
     # the weight is dequantized to x.dtype: integer inputs would truncate it (zeros for every value below 1)
     if not x.is_floating_point():
         raise ValueError(f"{op}: x must be floating-point (float32/float16/bfloat16), got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension ([..., in]), got a 0-dim tensor")
-    n, k = weight_shape(packed, scale)
+    n, k = _check_weight(op, packed, scale, global_scale)
     if x.shape[-1] != k:
         raise ValueError(f"{op}: x has {x.shape[-1]} input features, the weight expects {k}")
     # the kernels read [out] elements of the bias (a [1] bias would broadcast in the reference, and be read past
@@ -196,7 +217,7 @@ def linear(
     Returns:
         ``[..., out]`` in ``x.dtype`` (float32 accumulation).
     """
-    _check_features("nvfp4.linear", x, packed, scale, bias)
+    _check_features("nvfp4.linear", x, packed, scale, global_scale, bias)
     return _linear_op(x, packed, scale, global_scale, bias)
 
 
@@ -207,7 +228,7 @@ def linear_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
         raise ValueError(f"nvfp4.linear_dgrad: dy must be floating-point (float32/float16/bfloat16), got {dy.dtype}")
     if dy.dim() == 0:
         raise ValueError("nvfp4.linear_dgrad: dy must have at least one dimension ([..., out]), got a 0-dim tensor")
-    n = weight_shape(packed, scale)[0]
+    n = _check_weight("nvfp4.linear_dgrad", packed, scale, global_scale)[0]
     if dy.shape[-1] != n:
         raise ValueError(f"nvfp4.linear_dgrad: dy has {dy.shape[-1]} features, the weight has {n} outputs")
     return _linear_dgrad_op(dy, packed, scale, global_scale)
@@ -237,7 +258,7 @@ def lora_linear(
     Raises:
         RuntimeError: if a gradient would be needed (use :func:`linear` plus the adapter's own modules to train).
     """
-    _check_features("nvfp4.lora_linear", x, packed, scale, bias)
+    _check_features("nvfp4.lora_linear", x, packed, scale, global_scale, bias)
     needs_grad = (t is not None and t.requires_grad for t in (x, bias, lora_a, lora_b))
     if torch.is_grad_enabled() and any(needs_grad):
         raise RuntimeError("nvfp4.lora_linear has no backward; call it under torch.no_grad() / inference_mode()")

@@ -53,6 +53,12 @@ __all__ = [
 FUSED_LORA = os.environ.get("NVFP4_DISABLE_FUSED_LORA") != "1"
 
 
+#: PEFT's ``init_lora_weights`` values (prefixes) whose initialisation reads ``base_layer.weight`` as the dense matrix
+#: (PiSSA, CorDA, OLoRA, MiCA and LoftQ read, the first three rewrite it too; orthogonal takes its dtype): here the
+#: packed uint8 codes
+_DENSE_WEIGHT_INITS = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal")
+
+
 class LoraNVFP4Linear(_LoraLinear):
     """LoRA layer whose base is an :class:`NVFP4Linear` (frozen, 4-bit); the adapters are ordinary float ``nn.Linear``.
 
@@ -117,6 +123,12 @@ class LoraNVFP4Linear(_LoraLinear):
         if getattr(config, "use_dora", False) and isinstance(base, NVFP4Linear):
             raise ValueError(f"LoraConfig(use_dora=True): DoRA is not supported on 4-bit layers ({base._label()}); "
                              "use plain LoRA (use_dora=False)")  # fmt: skip
+        # (called by PEFT's update_layer before the adapter weights are initialised)
+        init = getattr(config, "init_lora_weights", True)
+        if isinstance(base, NVFP4Linear) and isinstance(init, str) and init.lower().startswith(_DENSE_WEIGHT_INITS):
+            raise ValueError(f"LoraConfig(init_lora_weights={init!r}) works on the base layer's dense weight (its "
+                             f"values, or its dtype), which is 4-bit here ({base._label()}); initialise it on the dense "
+                             "model, or use init_lora_weights=True or 'gaussian'")  # fmt: skip
         return super().resolve_lora_variant(config=config, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
@@ -299,7 +311,8 @@ def _config_dict(peft_config: Any) -> dict[str, Any]:
 def write_adapter(folder: str | Path, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
     """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) atomically.
 
-    ``state``: PEFT key names (``get_peft_model_state_dict``) or a raw ``state_dict()`` (``.default.weight`` keys);
+    ``state``: PEFT key names (``get_peft_model_state_dict``) or a raw ``state_dict()`` of the ``PeftModel`` (its
+    ``.default.`` keys are the adapter's, written under PEFT's names; the base model's tensors are left out);
     ``peft_config``: a ``LoraConfig`` or its dict. Engines (vLLM) load the folder as a LoRA adapter. Returns ``folder``.
     """
     from safetensors.torch import save_file
@@ -308,9 +321,14 @@ def write_adapter(folder: str | Path, state: Mapping[str, torch.Tensor], peft_co
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # a raw model.state_dict() carries PEFT's adapter name in the adapter's keys, beside every tensor of the base
+    # model (embeddings, norms, the 4-bit base layers): only the adapter's are written, under PEFT's names
+    raw = any(".default." in k for k in state)
     tensors = {}
     for k, v in state.items():
-        k = k.replace(".default.weight", ".weight")  # a raw model.state_dict() carries PEFT's adapter name
+        if raw and ".default." not in k:
+            continue
+        k = k.replace(".modules_to_save.default.", ".").replace(".default.weight", ".weight")
         tensors[k] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(json.dumps(_config_dict(peft_config), indent=1, default=str))

@@ -809,3 +809,58 @@ def test_a_model_without_a_chat_template_is_one_line_before_it_loads(base_dir, t
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"qerl train: error: --model_name_or_path '{base}': ") and "no chat template" in err, err
+
+
+def _complete_checkpoint(folder: Path, step: int, **adapter: object) -> Path:
+    """A checkpoint folder that passes check_checkpoint (AQN on): adapter (its config's fields as given), trainer
+    state at ``step``, optimizer, scheduler, AQN state."""
+    from aqn import AQNController, make_schedule
+    from safetensors.torch import save_file
+    from transformers import TrainerState
+
+    folder.mkdir(parents=True)
+    save_file({"lora_A": torch.ones(4, 8)}, folder / "adapter_model.safetensors")
+    config = {"r": 32, "lora_alpha": 32, "base_model_name_or_path": "offline-default", "peft_type": "LORA",
+              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **adapter}))
+    TrainerState(global_step=step, max_steps=step, train_batch_size=8).save_to_json(str(folder / "trainer_state.json"))
+    torch.save({}, folder / "optimizer.pt")
+    torch.save({}, folder / "scheduler.pt")
+    aqn = AQNController(make_schedule("exponential", 1e-2, 5e-4, 5, total_steps=20))
+    (folder / "aqn_state.json").write_text(json.dumps(aqn.state_dict()))
+    return folder
+
+
+def _refused_before_the_model_loads(argv: list[str], capsys, monkeypatch) -> str:
+    """``qerl train ARGV``'s one line (exit 2), checking that no model was loaded."""
+    import qerl_trl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setattr(qerl_trl.trainer.QeRLGRPOTrainer, "__init__", no_model)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_resume_with_other_lora_target_modules_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--resume of a checkpoint whose adapter covers all seven projections with --lora_target_modules q_proj v_proj
+    loaded the policy, then failed in torch's optimizer.load_state_dict ("loaded state dict contains a parameter group
+    that doesn't match the size of optimizer's group", a traceback). Now one line naming both sets, before the load."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                           "--lora_target_modules", "q_proj", "v_proj"], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume '{ckpt}'" in err and "'q_proj', 'v_proj'" in err and "down_proj" in err, err
+    assert "--lora_target_modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj" in err, err
+    # the same modules in another order are the same adapter
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                     "--lora_target_modules", *reversed(json.loads(
+                                         (ckpt / "adapter_config.json").read_text())["target_modules"])])  # fmt: skip
+    assert script.resume == str(ckpt)

@@ -367,21 +367,30 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
     )
 
 
-def _check_resume_rank(checkpoint: str, lora_r: int | None, model: str) -> None:
-    """The checkpoint's adapter has the run's LoRA rank (else the optimizer and weights cannot load): one line naming
-    the adapter's rank and base model against the run's."""
-    import json
-
+def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
+    """The checkpoint's adapter is the one this run builds: its LoRA rank (else the optimizer and weights cannot
+    load) and the modules it adapts (else the optimizer's parameter groups do not match: torch's traceback after the
+    policy loaded). One line naming the adapter's value and base model against the run's."""
     try:
         saved = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
     except (OSError, ValueError):
         return  # check_checkpoint accepted it; a full model checkpoint has no adapter config
+    if not isinstance(saved, dict):
+        return
+    lora_r, base = getattr(config, "lora_r", None), saved.get("base_model_name_or_path")
     rank = saved.get("r")
     if isinstance(lora_r, int) and isinstance(rank, int) and rank != lora_r:
         raise UsageError(
-            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on "
-            f"{saved.get('base_model_name_or_path')!r}), this run's is lora_r {lora_r} on {model!r}: pass --lora_r "
-            f"{rank} (and the model it was trained on) to continue it"
+            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on {base!r}), this run's is lora_r "
+            f"{lora_r} on {model!r}: pass --lora_r {rank} (and the model it was trained on) to continue it"
+        )
+    targets, ours = saved.get("target_modules"), getattr(config, "lora_target_modules", None)
+    if isinstance(ours, str):
+        ours = [ours]
+    if isinstance(targets, list) and isinstance(ours, list) and "all-linear" not in ours and set(targets) != set(ours):
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter is on {sorted(targets)} (trained on {base!r}), this run's "
+            f"lora_target_modules are {sorted(ours)}: pass --lora_target_modules {' '.join(targets)} to continue it"
         )
 
 
@@ -421,7 +430,7 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
-        _check_resume_rank(resume.path, getattr(config, "lora_r", None), script_args.model_name_or_path)
+        _check_resume_adapter(resume.path, config, script_args.model_name_or_path)
         if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():
             # the trainer refuses it too, but only once the policy has loaded
             raise UsageError(

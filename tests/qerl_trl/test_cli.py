@@ -864,3 +864,22 @@ def test_a_resume_with_other_lora_target_modules_is_one_line_before_the_model_lo
                                      "--lora_target_modules", *reversed(json.loads(
                                          (ckpt / "adapter_config.json").read_text())["target_modules"])])  # fmt: skip
     assert script.resume == str(ckpt)
+
+
+def test_a_resume_with_another_lora_alpha_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--resume with another --lora_alpha than the checkpoint's adapter (or the default, = lora_r, against an adapter
+    trained with another alpha) trained on with the adapter's weights rescaled by the new alpha / r: the resumed
+    policy was not the checkpoint's, without a word. Now one line naming both alphas, before the model loads."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                           "--lora_alpha", "64"], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume '{ckpt}'" in err and "lora_alpha 32" in err and "64" in err and "--lora_alpha 32" in err, err
+    halved = _complete_checkpoint(tmp_path / "other" / "checkpoint-4", 4, lora_alpha=16)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "other"), "--resume", str(halved)], capsys,
+                                          monkeypatch)  # fmt: skip
+    assert "lora_alpha 16" in err and "--lora_alpha 16" in err, err
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "other"), "--resume", str(halved),
+                                     "--lora_alpha", "16"])  # fmt: skip
+    assert script.resume == str(halved)

@@ -369,7 +369,7 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
 
 def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
     """The checkpoint's adapter is the one this run builds: its LoRA rank (else the optimizer and weights cannot
-    load) and the modules it adapts (else the optimizer's parameter groups do not match: torch's traceback after the
+    load), its alpha (else the weights act rescaled) and the modules it adapts (else the optimizer's parameter groups do not match: torch's traceback after the
     policy loaded). One line naming the adapter's value and base model against the run's."""
     try:
         saved = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
@@ -383,6 +383,17 @@ def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
         raise UsageError(
             f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on {base!r}), this run's is lora_r "
             f"{lora_r} on {model!r}: pass --lora_r {rank} (and the model it was trained on) to continue it"
+        )
+    alpha = getattr(config, "lora_alpha", None)
+    alpha = lora_r if alpha is None else alpha  # QeRLConfig's default: alpha = r
+    saved_alpha = saved.get("lora_alpha")
+    numbers = (int, float)
+    if isinstance(alpha, numbers) and isinstance(saved_alpha, numbers) and saved_alpha != alpha:
+        # PEFT keeps the run's alpha and loads only the weights: the adapter would act scaled by alpha / r anew
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter was trained with lora_alpha {saved_alpha:g}, this run's is "
+            f"{alpha:g}: the same weights would act scaled by {alpha:g}/r instead of {saved_alpha:g}/r; pass "
+            f"--lora_alpha {saved_alpha:g} to continue it"
         )
     targets, ours = saved.get("target_modules"), getattr(config, "lora_target_modules", None)
     if isinstance(ours, str):

@@ -883,3 +883,20 @@ def test_a_resume_with_another_lora_alpha_is_one_line_before_the_model_loads(tmp
     script, _ = precheck_train_args(["--output_dir", str(tmp_path / "other"), "--resume", str(halved),
                                      "--lora_alpha", "16"])  # fmt: skip
     assert script.resume == str(halved)
+
+
+@pytest.mark.parametrize("max_steps", [2, 4])
+def test_a_resume_from_a_checkpoint_at_or_past_max_steps_is_one_line_before_the_model_loads(max_steps, tmp_path,
+                                                                                            capsys, monkeypatch):  # fmt: skip
+    """--resume of checkpoint-4 with --max_steps 2 (or 4) loaded the policy, trained 0 steps, rewrote final/ and
+    printed "qerl train: 0 steps in ... s" with exit 0 (minutes of loading for a 7B model, nothing done). Now one line
+    naming the checkpoint's step and max_steps, before the model loads; a larger max_steps resumes."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", "true",
+                                           "--max_steps", str(max_steps)], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume true: {ckpt} is at step 4" in err and f"max_steps {max_steps}" in err, err
+    assert "nothing to train" in err and "--max_steps" in err, err
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", "true", "--max_steps", "5"])
+    assert script.resume == "true"

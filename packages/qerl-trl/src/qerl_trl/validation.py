@@ -405,6 +405,25 @@ def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
         )
 
 
+def _check_resume_step(checkpoint: str, given: str, config: Any) -> None:
+    """A checkpoint at or past ``max_steps`` leaves nothing to train: the run loaded the policy, trained 0 steps and
+    rewrote ``final/`` (exit 0). One line naming the checkpoint's step and ``max_steps`` instead."""
+    max_steps = getattr(config, "max_steps", -1)
+    if not isinstance(max_steps, int) or max_steps < 1:  # -1: num_train_epochs decides, known once the data is
+        return
+    try:
+        step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if isinstance(step, int) and step >= max_steps:
+        done = "the run is complete" if step == max_steps else "past the end of this run"
+        which = f"true: {checkpoint} is" if given == "true" else f"{checkpoint!r}: it is"
+        raise UsageError(
+            f"--resume {which} at step {step}, and max_steps {max_steps}: {done}, nothing to train; "
+            f"pass --max_steps > {step} to train on from it (its adapter is in {checkpoint})"
+        )
+
+
 def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint | None:
     """The checks of :func:`validate_train_args` that need neither the trainer config's class nor the data: algorithm,
     task (one of ``tasks``), rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir`` (an earlier run there
@@ -442,6 +461,7 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
         _check_resume_adapter(resume.path, config, script_args.model_name_or_path)
+        _check_resume_step(resume.path, "true" if script_args.resume_latest else script_args.resume, config)
         if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():
             # the trainer refuses it too, but only once the policy has loaded
             raise UsageError(

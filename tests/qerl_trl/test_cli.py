@@ -900,3 +900,43 @@ def test_a_resume_from_a_checkpoint_at_or_past_max_steps_is_one_line_before_the_
     assert "nothing to train" in err and "--max_steps" in err, err
     script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", "true", "--max_steps", "5"])
     assert script.resume == "true"
+
+
+@pytest.mark.parametrize("resume", ["true", "checkpoint-4"])
+def test_overwrite_output_dir_with_resume_is_one_line_before_the_model_loads(resume, tmp_path, capsys, monkeypatch):
+    """--overwrite_output_dir true (start afresh, replacing the earlier run) with --resume (continue it) contradict
+    each other; the resume won and the overwrite was dropped without a word. Now one line naming both."""
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    resume = str(ckpt) if resume != "true" else resume
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", resume, "--max_steps",
+                                           "8", "--overwrite_output_dir", "true"], capsys, monkeypatch)  # fmt: skip
+    assert "--overwrite_output_dir" in err and "--resume" in err and "either" in err, err
+
+
+def test_overwrite_output_dir_with_a_checkpoint_of_another_folder_replaces_the_earlier_run(tmp_path, monkeypatch):
+    """--resume of another folder's checkpoint into an output_dir holding an earlier run, with --overwrite_output_dir
+    true: the resume is no contradiction, and the earlier run is moved aside as for a fresh start (the overwrite was
+    dropped: its checkpoint-9 stayed beside the new run's, for --resume true to pick)."""
+    import qerl_trl.cli as cli
+    from qerl_trl.checkpoints import ResumePoint
+    from qerl_trl.validation import TrainInputs
+
+    class FailingTrainer:  # stops where training would start: what was moved aside is what counts
+        def add_callback(self, callback):
+            pass
+
+        def train(self, resume_from_checkpoint=None):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    ckpt = _complete_checkpoint(tmp_path / "a" / "checkpoint-4", 4)
+    earlier = _complete_checkpoint(tmp_path / "b" / "checkpoint-9", 9)
+    argv = ["--output_dir", str(tmp_path / "b"), "--resume", str(ckpt), "--max_steps", "8",
+            "--overwrite_output_dir", "true"]  # fmt: skip
+    script, config = parse_train_args(argv)
+    monkeypatch.setattr(cli, "build_trainer", lambda *args, **kwargs: FailingTrainer())
+    with pytest.raises(KeyboardInterrupt):
+        cli.train(script, config, TrainInputs(dataset=None, resume=ResumePoint(str(ckpt))))
+    assert not earlier.exists() and [p.name for p in (tmp_path / "b").glob(".previous-run-*/*")] == ["checkpoint-9"]

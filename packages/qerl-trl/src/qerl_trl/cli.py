@@ -36,6 +36,7 @@ from .validation import (
     UsageError,
     UsageErrorParser,
     check_train_paths,
+    continues_run_in,
     load_train_data,
     validate_train_args,
 )
@@ -333,12 +334,14 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
         inputs = validate_train_args(script_args, config)
     resume = inputs.resume.path if inputs.resume is not None else None
     start_step = _checkpoint_step(resume) if resume is not None else 0
-    if inputs.resume is not None and _is_main_process():
-        print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
-    replacing = script_args.overwrite_output_dir and resume is None and _is_main_process()
+    # a checkpoint of another folder may start a replaced output_dir; one of its own run cannot (validation refuses)
+    replacing = (script_args.overwrite_output_dir and not continues_run_in(config.output_dir, resume)
+                 and _is_main_process())  # fmt: skip
     if replacing and (aside := move_earlier_run_aside(config.output_dir)) is not None:
         print(f"qerl train: --overwrite_output_dir: the earlier run in {config.output_dir} is kept in {aside} until "
               "this run writes its first checkpoint, then removed", file=sys.stderr)  # fmt: skip
+    if inputs.resume is not None and _is_main_process():
+        print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
     trainer = build_trainer(script_args, config, inputs.dataset)
     try:
         _train_and_save(trainer, config, resume, replacing, start_step)

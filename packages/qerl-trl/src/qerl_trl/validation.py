@@ -344,6 +344,14 @@ def load_train_data(script_args: Any, config: Any) -> Any:
 PREVIOUS_RUN_PREFIX = ".previous-run-"
 
 
+def continues_run_in(output_dir: str | None, resume: str | None) -> bool:
+    """Whether ``--resume`` continues the run of ``output_dir``: ``true``, or a checkpoint path inside it (a path
+    elsewhere starts this output_dir from another run's checkpoint)."""
+    if resume is None or output_dir is None:
+        return False
+    return resume == "true" or Path(resume).expanduser().resolve().is_relative_to(Path(output_dir).expanduser().resolve())
+
+
 def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -> None:
     """A fresh run (no ``--resume``) into a folder that is not empty would overwrite what is there (an earlier run's
     adapter, metrics, plots; its checkpoints rotated away): refuse, naming ``--resume true`` and
@@ -351,7 +359,7 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
     path = Path(output_dir).expanduser()
     if overwrite or not path.is_dir():
         return
-    if resume == "true" or (resume is not None and Path(resume).expanduser().resolve().is_relative_to(path.resolve())):
+    if continues_run_in(output_dir, resume):
         return
     entries = sorted(p.name for p in path.iterdir())
     if not entries:
@@ -446,6 +454,11 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
     if config.output_dir is not None:
         check_output_dir("--output_dir", config.output_dir)
     check_data_path("--data_path", script_args.data_path, script_args.split)
+    if getattr(script_args, "overwrite_output_dir", False) and continues_run_in(config.output_dir, script_args.resume):
+        raise UsageError(
+            f"--resume {script_args.resume} continues the run in {config.output_dir!r} and --overwrite_output_dir true "
+            "replaces it: pass either, not both"
+        )
     resume = None
     required = required_checkpoint_files(config)
     if script_args.resume_latest:

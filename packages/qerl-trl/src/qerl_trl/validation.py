@@ -322,11 +322,12 @@ def load_task_data(task: str, split: str, path: str | None, limit: int | None, s
     """:func:`qerl_trl.tasks.load_task` (local files, synthetic, or the Hub), whose errors become a
     :class:`UsageError` naming the argument at fault: ``arguments`` are the CLI's names of the data path and the task
     options (``("--data_path", "--task_options")`` for ``qerl train``)."""
-    from .tasks import TaskDataError, load_task
+    from .tasks import TaskDataError, check_task_options, load_task
 
     path_arg, options_arg = arguments
     check_data_path(path_arg, path, split)
     try:
+        check_task_options(task, options)  # before the call: a loader argument among them is Python's own TypeError
         return load_task(task, split, path=path, limit=limit, seed=seed, **(options or {}))
     except TaskDataError as e:
         raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from e

@@ -858,12 +858,17 @@ def test_a_resume_with_other_lora_target_modules_is_one_line_before_the_model_lo
     err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
                                            "--lora_target_modules", "q_proj", "v_proj"], capsys, monkeypatch)  # fmt: skip
     assert f"--resume '{ckpt}'" in err and "'q_proj', 'v_proj'" in err and "down_proj" in err, err
-    assert "--lora_target_modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj" in err, err
+    assert "--lora_target_modules down_proj gate_proj k_proj o_proj q_proj up_proj v_proj" in err, err
     # the same modules in another order are the same adapter
     script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
                                      "--lora_target_modules", *reversed(json.loads(
                                          (ckpt / "adapter_config.json").read_text())["target_modules"])])  # fmt: skip
     assert script.resume == str(ckpt)
+    # PEFT's all-linear saves every module's full name: the run's projection names are the same adapter
+    full = [f"model.layers.{i}.{m}" for i in range(2) for m in ["self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]]  # fmt: skip
+    named = _complete_checkpoint(tmp_path / "full" / "checkpoint-4", 4, target_modules=full)
+    assert precheck_train_args(["--output_dir", str(tmp_path / "full"), "--resume", str(named)])[0].resume == str(named)
 
 
 def test_a_resume_with_another_lora_alpha_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):

@@ -922,6 +922,21 @@ def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     assert QeRLConfig(output_dir="x", generation_wave_rows=4, rollout_engine="graph").generation_wave_rows == 4
 
 
+def test_lora_target_modules_all_linear_adapts_every_projection(tmp_path, tokenizer):
+    """``--lora_target_modules all-linear`` (PEFT's shorthand, which TRL's own scripts take) reached PEFT as the list
+    ``['all-linear']``, a module name, and failed once the policy had loaded ("Target modules {'all-linear'} not found
+    in the base model"; the memory plan refused it as an unknown target on a GPU). It now means PEFT's all-linear:
+    every projection gets LoRA, ``lm_head`` none, and the plan counts the seven."""
+    from qerl_trl.memory_plan import LORA_TARGETS, run_shape_from_config
+
+    args = args_for(tmp_path, lora_target_modules=["all-linear"])
+    assert run_shape_from_config(args).lora_targets == LORA_TARGETS
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    adapted = {name.rsplit(".", 1)[-1] for name, m in trainer.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(LORA_TARGETS), adapted
+
+
 def test_a_constant_sigma_below_the_default_end_is_accepted():
     """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
     below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""

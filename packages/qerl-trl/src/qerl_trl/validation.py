@@ -407,10 +407,13 @@ def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
     targets, ours = saved.get("target_modules"), getattr(config, "lora_target_modules", None)
     if isinstance(ours, str):
         ours = [ours]
-    if isinstance(targets, list) and isinstance(ours, list) and "all-linear" not in ours and set(targets) != set(ours):
+    # PEFT's all-linear saves every module's full name: compare the projections' names (a name matches its suffix)
+    leaves = {str(t).rsplit(".", 1)[-1] for t in targets} if isinstance(targets, list) else None
+    if leaves is not None and isinstance(ours, list) and "all-linear" not in ours and leaves != set(ours):
         raise UsageError(
-            f"--resume {checkpoint!r}: its adapter is on {sorted(targets)} (trained on {base!r}), this run's "
-            f"lora_target_modules are {sorted(ours)}: pass --lora_target_modules {' '.join(targets)} to continue it"
+            f"--resume {checkpoint!r}: its adapter is on {sorted(leaves)} (trained on {base!r}), this run's "
+            f"lora_target_modules are {sorted(ours)}: pass --lora_target_modules {' '.join(sorted(leaves))} to "
+            "continue it"
         )
 
 

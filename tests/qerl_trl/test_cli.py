@@ -691,6 +691,16 @@ def test_plan_and_memory_budget_take_the_equals_spelling(capsys):
     assert capsys.readouterr().out == spaced and "2 GPUs" in spaced, spaced
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_memory_budget_of_qerl_plan_is_named_as_qerl_plans(value, capsys, monkeypatch):
+    """``qerl plan --memory-budget-gb abc`` said "qerl train: error: ...", the command the user did not run."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "offline-default", "--memory-budget-gb", value])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("qerl plan: error: --memory-budget-gb must be"), err
+
+
 def test_a_shipped_recipe_named_by_its_file_name_says_to_drop_the_suffix(tmp_path, monkeypatch):
     """``qerl train offline-default.yaml`` outside the recipes folder said only "no such file"; the shipped recipe of
     that name is run as ``qerl train offline-default``, which the line now says."""

@@ -553,7 +553,7 @@ def plan_main(argv: list[str], debug: bool) -> None:
         if not value.isdigit() or int(value) < 1:
             _usage_error("qerl plan", ValueError(f"--gpus must be a whole number >= 1, got {value!r}"), debug)
         gpus = int(value)
-    budget_gb = _pop_memory_budget(argv, debug)
+    budget_gb = _pop_memory_budget(argv, debug, "qerl plan")
     budget = int(budget_gb * 1e9) if budget_gb is not None else H100_80GB_BYTES
     try:
         script_args, config = parse_train_args(argv, command="plan")
@@ -653,9 +653,9 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
+def _pop_memory_budget(argv: list[str], debug: bool, prog: str = "qerl train") -> float | None:
     """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
-    what the GPU has free; None when not given."""
+    what the GPU has free; None when not given. ``prog``: the command a bad value is reported as."""
     value = _pop_option(argv, "memory-budget-gb")
     if value is None:
         return None
@@ -664,7 +664,7 @@ def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
     except ValueError:
         budget_gb = float("nan")
     if not 0 < budget_gb < float("inf"):
-        _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
+        _usage_error(prog, ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
     return budget_gb
 
 

@@ -955,3 +955,19 @@ def test_overwrite_output_dir_with_a_checkpoint_of_another_folder_replaces_the_e
     with pytest.raises(KeyboardInterrupt):
         cli.train(script, config, TrainInputs(dataset=None, resume=ResumePoint(str(ckpt))))
     assert not earlier.exists() and [p.name for p in (tmp_path / "b").glob(".previous-run-*/*")] == ["checkpoint-9"]
+
+
+def test_data_seed_which_grpo_ignores_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """TrainingArguments' --data_seed ("random seed to be used with data samplers") was taken and ignored: TRL's GRPO
+    sampler (RepeatSampler) and DAPO's refills order the prompts by seed, so --data_seed 7 trained on the same prompts
+    in the same order as without it. Now one line naming it and --seed, before anything loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--data_seed", "7", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "data_seed" in err and "got 7" in err and "seed" in err.split("data_seed", 2)[-1], err
+    with pytest.raises(ValueError, match="data_seed"):
+        QeRLConfig(output_dir=str(tmp_path / "run"), data_seed=7)
+    assert QeRLConfig(output_dir=str(tmp_path / "run")).data_seed is None
+    assert QeRLConfig(output_dir=str(tmp_path / "run"), seed=3, data_seed=3).data_seed == 3  # the order seed gives

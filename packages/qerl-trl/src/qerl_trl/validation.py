@@ -141,6 +141,12 @@ def check_config_values(config: Any) -> None:
             ok = False
         if not ok:
             raise UsageError(f"{name} must be {expected}, got {value!r}")
+    data_seed, seed = getattr(config, "data_seed", None), getattr(config, "seed", None)
+    if data_seed is not None and data_seed != seed:
+        # TrainingArguments' sampler seed: TRL's GRPO sampler (RepeatSampler) and DAPO's refills order the prompts by
+        # seed, so another data_seed changed nothing
+        raise UsageError(f"data_seed must be unset (or the seed, {seed!r}): GRPO orders the prompts by seed (TRL's "
+                         f"RepeatSampler), which data_seed does not reach; set seed instead, got {data_seed!r}")
     # the schedule's own checks (kind, exponential's σ > 0, K >= 2); with AQN off only the kind matters
     aqn = getattr(config, "aqn", False)
     values = (config.aqn_sigma_start, config.aqn_sigma_end, config.aqn_num_stages) if aqn else (1.0, 0.5, 2)

@@ -937,6 +937,29 @@ def test_lora_target_modules_all_linear_adapts_every_projection(tmp_path, tokeni
     assert adapted == set(LORA_TARGETS), adapted
 
 
+def test_more_aqn_stages_than_steps_is_said_in_one_warning(tmp_path, tokenizer, caplog):
+    """aqn_num_stages above the run's steps (the recipe's 5 stages with --max_steps 3, or 2 stages over 1 step) left
+    stages without a step without a word: 4 stages over 2 steps never used stage 1's sigma_start nor the last stage,
+    and 2 stages over 1 step never added any noise though aqn was on. One warning now names the empty stages."""
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, aqn_num_stages=4),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+
+    def warnings_for(total_steps: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer"):
+            trainer.build_aqn_controller(total_steps)
+        return [r.getMessage() for r in caplog.records if "aqn_num_stages" in r.getMessage()]
+
+    said = warnings_for(2)
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "aqn_num_stages 4 over 2 training steps" in said[0] and "stage(s) 1, 3 get no step" in said[0], said
+    assert "aqn_num_stages <= 2" in said[0], said
+    assert warnings_for(4) == [] and warnings_for(40) == []
+    trainer.args.aqn_num_stages = 2
+    (said,) = warnings_for(1)
+    assert "no noise at all" in said, said
+
+
 def test_a_constant_sigma_below_the_default_end_is_accepted():
     """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
     below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""

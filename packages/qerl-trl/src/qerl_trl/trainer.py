@@ -725,6 +725,14 @@ class QeRLGRPOTrainer(GRPOTrainer):
             self.args.aqn_num_stages,
             total_steps=max(int(total_steps), 1),
         )
+        empty = [k for k, (first, end) in enumerate(schedule.stage_bounds()) if first >= end]
+        if empty:  # more stages than steps: the schedule skips some (aqn's rule), which the arguments did not ask for
+            noisy = [k for k in range(1, schedule.num_stages) if k not in empty]
+            what = (f"their sigmas ({', '.join(f'{schedule.sigma_for_stage(k):g}' for k in empty if k)}) never used"
+                    if noisy or schedule.noise_in_stage0 else "AQN adds no noise at all")  # fmt: skip
+            logger.warning("aqn_num_stages %d over %d training steps: stage(s) %s get no step, %s; set "
+                           "aqn_num_stages <= %d (or train more steps) to place every stage", schedule.num_stages,
+                           schedule.total_steps, ", ".join(map(str, empty)), what, schedule.total_steps)  # fmt: skip
         norm_dtype = torch.float32 if self.model.dtype in (torch.bfloat16, torch.float16) else None
         # bf16 norm weights round σ ≤ 1e-3 away; the noisy norms are kept in fp32 while they are on.
         return AQNController(schedule, seed=self.args.seed, mode=self.args.aqn_mode, norm_dtype=norm_dtype)

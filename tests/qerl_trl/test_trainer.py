@@ -960,6 +960,18 @@ def test_more_aqn_stages_than_steps_is_said_in_one_warning(tmp_path, tokenizer, 
     assert "no noise at all" in said, said
 
 
+def test_the_model_card_of_a_local_base_model_names_it(tmp_path, tiny_dir):
+    """The model card each checkpoint save writes (``<output_dir>/README.md``, TRL's) said "This model is a fine-tuned
+    version of [None](https://huggingface.co/None)" and ``pipeline(..., model="None")`` whenever the base model was
+    a local folder, as the offline default always is. It now names the folder, and the quick start the adapter."""
+    args = args_for(tmp_path, max_steps=1, save_steps=1)
+    trainer = QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic())
+    trainer.train()
+    card = (Path(args.output_dir) / "README.md").read_text()
+    assert "[None]" not in card and 'model="None"' not in card, card
+    assert f"`{tiny_dir}`" in card and f'model="{Path(args.output_dir) / "final"}"' in card, card
+
+
 def test_a_constant_sigma_below_the_default_end_is_accepted():
     """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
     below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""

@@ -1093,6 +1093,25 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:  # fmt: skip
+        """TRL's model card (``<output_dir>/README.md``, written at each checkpoint save). TRL names only a Hub base
+        model: for a local folder (the offline default, a model on disk) its card said "a fine-tuned version of
+        [None](https://huggingface.co/None)" and ``pipeline(..., model="None")``; the folder is named instead, and
+        the quick start loads the run's adapter (``final/``) unless the card is for a Hub repository."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", "") or ""
+        card = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.isdir(base) or not os.path.isfile(card):
+            return
+        with open(card) as f:
+            text = f.read()
+        text = text.replace("[None](https://huggingface.co/None)", f"the local model `{base}`")
+        if self.hub_model_id is None:
+            text = text.replace('model="None"', f'model="{os.path.join(self.args.output_dir, "final")}"')
+        with open(card, "w") as f:
+            f.write(text)
+
     def _get_output_dir(self, trial):
         staging = getattr(self, "_staging_dir", None)
         return staging if staging is not None else super()._get_output_dir(trial)

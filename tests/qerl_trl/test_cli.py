@@ -971,3 +971,21 @@ def test_data_seed_which_grpo_ignores_is_refused_in_one_line(tmp_path, capsys, m
         QeRLConfig(output_dir=str(tmp_path / "run"), data_seed=7)
     assert QeRLConfig(output_dir=str(tmp_path / "run")).data_seed is None
     assert QeRLConfig(output_dir=str(tmp_path / "run"), seed=3, data_seed=3).data_seed == 3  # the order seed gives
+
+
+def test_overwrite_output_dir_keeps_the_calibrated_policy_cache(tmp_path):
+    """--overwrite_output_dir moved everything in output_dir aside, the calibrated policy cache (calibrated/, the
+    default calibration_cache_dir, keyed by model, method and prompts) too, and removed it at the first checkpoint:
+    the repeated run calibrated again (minutes for a 7B awq / gptq policy), where the config says a repeated run loads
+    it. The cache now stays; the earlier run's own files are moved aside as before."""
+    from qerl_trl.run import move_earlier_run_aside
+
+    run = tmp_path / "run"
+    cached = run / "calibrated" / "tiny-awq-0123456789ab" / "model.safetensors"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("weights")
+    (run / "checkpoint-2").mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    aside = move_earlier_run_aside(run)
+    assert cached.is_file() and sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "metrics.jsonl"]
+    assert move_earlier_run_aside(run) is None  # nothing but the cache (and the aside folder) left to move

@@ -79,6 +79,7 @@ from .config import QeRLConfig
 from .memory_plan import fsdp2_requested
 from .policy import calibration_prompt_ids, load_policy, load_tokenizer
 from .rollout import RolloutEngine
+from .run import CALIBRATED_DIR
 from .validation import check_enough_prompts
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
@@ -651,7 +652,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
             model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
-                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
+                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, CALIBRATED_DIR),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
         elif not args.quant_scheme.is_dense and not _is_quantized(model):
             # a loaded dense model is not quantized here: it would train as the bf16 baseline under a 4-bit config

@@ -989,3 +989,19 @@ def test_overwrite_output_dir_keeps_the_calibrated_policy_cache(tmp_path):
     aside = move_earlier_run_aside(run)
     assert cached.is_file() and sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "metrics.jsonl"]
     assert move_earlier_run_aside(run) is None  # nothing but the cache (and the aside folder) left to move
+
+
+def test_the_closing_lines_name_the_adapter_when_no_step_logged_a_reward(tmp_path, capsys):
+    """With --logging_steps above the steps run (--logging_steps 50 --max_steps 20) no step logs a reward, and qerl
+    train ended with no closing line at all: not the steps run, nor where the adapter went (and no plots.png was
+    drawn, which nothing said). The closing lines now come whatever was logged, saying why there is no reward."""
+    from types import SimpleNamespace
+
+    from qerl_trl.cli import _print_summary
+
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), logging_steps=50),
+                              state=SimpleNamespace(global_step=20, log_history=[{"train_runtime": 3.0, "step": 20}]))  # fmt: skip
+    _print_summary(trainer, 3.0, tmp_path / "final", 20)
+    out = capsys.readouterr().out
+    assert "qerl train: 20 steps in 3 s" in out and f"adapter: {tmp_path / 'final'}" in out, out
+    assert "no step logged a reward" in out and "logging_steps 50" in out and "plots:" not in out, out

@@ -583,16 +583,18 @@ def _is_main_process() -> bool:
 def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) -> None:
     """The closing lines: the steps this process ran (a resumed run's earlier ones not counted) and the reward."""
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    if not logs:
-        return
-    k = max(1, len(logs) // 4)
-    first = sum(h["reward"] for h in logs[:k]) / k
-    last = sum(h["reward"] for h in logs[-k:]) / k
     out = Path(trainer.args.output_dir)
     last_step = trainer.state.global_step
     ran = f"{steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
     if 0 < steps_run < last_step:  # a resumed run: which steps this process ran
         ran += f" (step {last_step})" if steps_run == 1 else f" (steps {last_step - steps_run + 1}-{last_step})"
+    if not logs:  # logging_steps above the steps run: no metrics row, no plot, but the adapter was saved
+        print(f"\nqerl train: {ran} · no step logged a reward (logging_steps {trainer.args.logging_steps}), so no "
+              f"metrics rows or plots\n  adapter: {final}")  # fmt: skip
+        return
+    k = max(1, len(logs) // 4)
+    first = sum(h["reward"] for h in logs[:k]) / k
+    last = sum(h["reward"] for h in logs[-k:]) / k
     print(
         f"\nqerl train: {ran} · mean reward of the first {k} logged "
         f"steps {first:.3f} → last {k} {last:.3f}\n  metrics: {out / 'metrics.jsonl'}\n  plots:   {out / 'plots.png'}"

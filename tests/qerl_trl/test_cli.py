@@ -691,6 +691,16 @@ def test_plan_and_memory_budget_take_the_equals_spelling(capsys):
     assert capsys.readouterr().out == spaced and "2 GPUs" in spaced, spaced
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_memory_budget_of_qerl_plan_is_named_as_qerl_plans(value, capsys, monkeypatch):
+    """``qerl plan --memory-budget-gb abc`` said "qerl train: error: ...", the command the user did not run."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "offline-default", "--memory-budget-gb", value])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("qerl plan: error: --memory-budget-gb must be"), err
+
+
 def test_a_shipped_recipe_named_by_its_file_name_says_to_drop_the_suffix(tmp_path, monkeypatch):
     """``qerl train offline-default.yaml`` outside the recipes folder said only "no such file"; the shipped recipe of
     that name is run as ``qerl train offline-default``, which the line now says."""
@@ -878,3 +888,189 @@ def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("qerl train: error: --push_to_hub: ") and "HF_HUB_OFFLINE" in err, err
+
+
+def _complete_checkpoint(folder: Path, step: int, **adapter: object) -> Path:
+    """A checkpoint folder that passes check_checkpoint (AQN on): adapter (its config's fields as given), trainer
+    state at ``step``, optimizer, scheduler, AQN state."""
+    from aqn import AQNController, make_schedule
+    from safetensors.torch import save_file
+    from transformers import TrainerState
+
+    folder.mkdir(parents=True)
+    save_file({"lora_A": torch.ones(4, 8)}, folder / "adapter_model.safetensors")
+    config = {"r": 32, "lora_alpha": 32, "base_model_name_or_path": "offline-default", "peft_type": "LORA",
+              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **adapter}))
+    TrainerState(global_step=step, max_steps=step, train_batch_size=8).save_to_json(str(folder / "trainer_state.json"))
+    torch.save({}, folder / "optimizer.pt")
+    torch.save({}, folder / "scheduler.pt")
+    aqn = AQNController(make_schedule("exponential", 1e-2, 5e-4, 5, total_steps=20))
+    (folder / "aqn_state.json").write_text(json.dumps(aqn.state_dict()))
+    return folder
+
+
+def _refused_before_the_model_loads(argv: list[str], capsys, monkeypatch) -> str:
+    """``qerl train ARGV``'s one line (exit 2), checking that no model was loaded."""
+    import qerl_trl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    monkeypatch.setattr(qerl_trl.trainer.QeRLGRPOTrainer, "__init__", no_model)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_resume_with_other_lora_target_modules_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--resume of a checkpoint whose adapter covers all seven projections with --lora_target_modules q_proj v_proj
+    loaded the policy, then failed in torch's optimizer.load_state_dict ("loaded state dict contains a parameter group
+    that doesn't match the size of optimizer's group", a traceback). Now one line naming both sets, before the load."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                           "--lora_target_modules", "q_proj", "v_proj"], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume '{ckpt}'" in err and "'q_proj', 'v_proj'" in err and "down_proj" in err, err
+    assert "--lora_target_modules down_proj gate_proj k_proj o_proj q_proj up_proj v_proj" in err, err
+    # the same modules in another order are the same adapter
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                     "--lora_target_modules", *reversed(json.loads(
+                                         (ckpt / "adapter_config.json").read_text())["target_modules"])])  # fmt: skip
+    assert script.resume == str(ckpt)
+    # PEFT's all-linear saves every module's full name: the run's projection names are the same adapter
+    full = [f"model.layers.{i}.{m}" for i in range(2) for m in ["self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]]  # fmt: skip
+    named = _complete_checkpoint(tmp_path / "full" / "checkpoint-4", 4, target_modules=full)
+    assert precheck_train_args(["--output_dir", str(tmp_path / "full"), "--resume", str(named)])[0].resume == str(named)
+
+
+def test_a_resume_with_another_lora_alpha_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--resume with another --lora_alpha than the checkpoint's adapter (or the default, = lora_r, against an adapter
+    trained with another alpha) trained on with the adapter's weights rescaled by the new alpha / r: the resumed
+    policy was not the checkpoint's, without a word. Now one line naming both alphas, before the model loads."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", str(ckpt),
+                                           "--lora_alpha", "64"], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume '{ckpt}'" in err and "lora_alpha 32" in err and "64" in err and "--lora_alpha 32" in err, err
+    halved = _complete_checkpoint(tmp_path / "other" / "checkpoint-4", 4, lora_alpha=16)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "other"), "--resume", str(halved)], capsys,
+                                          monkeypatch)  # fmt: skip
+    assert "lora_alpha 16" in err and "--lora_alpha 16" in err, err
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "other"), "--resume", str(halved),
+                                     "--lora_alpha", "16"])  # fmt: skip
+    assert script.resume == str(halved)
+
+
+@pytest.mark.parametrize("max_steps", [2, 4])
+def test_a_resume_from_a_checkpoint_at_or_past_max_steps_is_one_line_before_the_model_loads(max_steps, tmp_path,
+                                                                                            capsys, monkeypatch):  # fmt: skip
+    """--resume of checkpoint-4 with --max_steps 2 (or 4) loaded the policy, trained 0 steps, rewrote final/ and
+    printed "qerl train: 0 steps in ... s" with exit 0 (minutes of loading for a 7B model, nothing done). Now one line
+    naming the checkpoint's step and max_steps, before the model loads; a larger max_steps resumes."""
+    from qerl_trl.cli import precheck_train_args
+
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", "true",
+                                           "--max_steps", str(max_steps)], capsys, monkeypatch)  # fmt: skip
+    assert f"--resume true: {ckpt} is at step 4" in err and f"max_steps {max_steps}" in err, err
+    assert "nothing to train" in err and "--max_steps" in err, err
+    script, _ = precheck_train_args(["--output_dir", str(tmp_path / "run"), "--resume", "true", "--max_steps", "5"])
+    assert script.resume == "true"
+
+
+@pytest.mark.parametrize("resume", ["true", "checkpoint-4"])
+def test_overwrite_output_dir_with_resume_is_one_line_before_the_model_loads(resume, tmp_path, capsys, monkeypatch):
+    """--overwrite_output_dir true (start afresh, replacing the earlier run) with --resume (continue it) contradict
+    each other; the resume won and the overwrite was dropped without a word. Now one line naming both."""
+    ckpt = _complete_checkpoint(tmp_path / "run" / "checkpoint-4", 4)
+    resume = str(ckpt) if resume != "true" else resume
+    err = _refused_before_the_model_loads(["--output_dir", str(tmp_path / "run"), "--resume", resume, "--max_steps",
+                                           "8", "--overwrite_output_dir", "true"], capsys, monkeypatch)  # fmt: skip
+    assert "--overwrite_output_dir" in err and "--resume" in err and "either" in err, err
+
+
+def test_overwrite_output_dir_with_a_checkpoint_of_another_folder_replaces_the_earlier_run(tmp_path, monkeypatch):
+    """--resume of another folder's checkpoint into an output_dir holding an earlier run, with --overwrite_output_dir
+    true: the resume is no contradiction, and the earlier run is moved aside as for a fresh start (the overwrite was
+    dropped: its checkpoint-9 stayed beside the new run's, for --resume true to pick)."""
+    import qerl_trl.cli as cli
+    from qerl_trl.checkpoints import ResumePoint
+    from qerl_trl.validation import TrainInputs
+
+    class FailingTrainer:  # stops where training would start: what was moved aside is what counts
+        def add_callback(self, callback):
+            pass
+
+        def train(self, resume_from_checkpoint=None):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    ckpt = _complete_checkpoint(tmp_path / "a" / "checkpoint-4", 4)
+    earlier = _complete_checkpoint(tmp_path / "b" / "checkpoint-9", 9)
+    argv = ["--output_dir", str(tmp_path / "b"), "--resume", str(ckpt), "--max_steps", "8",
+            "--overwrite_output_dir", "true"]  # fmt: skip
+    script, config = parse_train_args(argv)
+    monkeypatch.setattr(cli, "build_trainer", lambda *args, **kwargs: FailingTrainer())
+    with pytest.raises(KeyboardInterrupt):
+        cli.train(script, config, TrainInputs(dataset=None, resume=ResumePoint(str(ckpt))))
+    assert not earlier.exists() and [p.name for p in (tmp_path / "b").glob(".previous-run-*/*")] == ["checkpoint-9"]
+
+
+def test_data_seed_which_grpo_ignores_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """TrainingArguments' --data_seed ("random seed to be used with data samplers") was taken and ignored: TRL's GRPO
+    sampler (RepeatSampler) and DAPO's refills order the prompts by seed, so --data_seed 7 trained on the same prompts
+    in the same order as without it. Now one line naming it and --seed, before anything loads."""
+    monkeypatch.delenv("QERL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--data_seed", "7", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "data_seed" in err and "got 7" in err and "seed" in err.split("data_seed", 2)[-1], err
+    with pytest.raises(ValueError, match="data_seed"):
+        QeRLConfig(output_dir=str(tmp_path / "run"), data_seed=7)
+    assert QeRLConfig(output_dir=str(tmp_path / "run")).data_seed is None
+    assert QeRLConfig(output_dir=str(tmp_path / "run"), seed=3, data_seed=3).data_seed == 3  # the order seed gives
+
+
+def test_overwrite_output_dir_keeps_the_calibrated_policy_cache(tmp_path):
+    """--overwrite_output_dir moved everything in output_dir aside, the calibrated policy cache (calibrated/, the
+    default calibration_cache_dir, keyed by model, method and prompts) too, and removed it at the first checkpoint:
+    the repeated run calibrated again (minutes for a 7B awq / gptq policy), where the config says a repeated run loads
+    it. The cache now stays; the earlier run's own files are moved aside as before."""
+    from qerl_trl.run import move_earlier_run_aside
+
+    run = tmp_path / "run"
+    cached = run / "calibrated" / "tiny-awq-0123456789ab" / "model.safetensors"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("weights")
+    (run / "checkpoint-2").mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    aside = move_earlier_run_aside(run)
+    assert cached.is_file() and sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "metrics.jsonl"]
+    assert move_earlier_run_aside(run) is None  # nothing but the cache (and the aside folder) left to move
+
+
+def test_the_closing_lines_name_the_adapter_when_no_step_logged_a_reward(tmp_path, capsys):
+    """With --logging_steps above the steps run (--logging_steps 50 --max_steps 20) no step logs a reward, and qerl
+    train ended with no closing line at all: not the steps run, nor where the adapter went (and no plots.png was
+    drawn, which nothing said). The closing lines now come whatever was logged, saying why there is no reward."""
+    from types import SimpleNamespace
+
+    from qerl_trl.cli import _print_summary
+
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), logging_steps=50),
+                              state=SimpleNamespace(global_step=20, log_history=[{"train_runtime": 3.0, "step": 20}]))  # fmt: skip
+    _print_summary(trainer, 3.0, tmp_path / "final", 20)
+    out = capsys.readouterr().out
+    assert "qerl train: 20 steps in 3 s" in out and f"adapter: {tmp_path / 'final'}" in out, out
+    assert "no step logged a reward" in out and "logging_steps 50" in out and "plots:" not in out, out

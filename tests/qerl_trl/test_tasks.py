@@ -277,6 +277,26 @@ def test_an_n_examples_of_the_wrong_type_says_which_with_a_limit_too(value):
         load_task("arithmetic", "test", limit=2, n_examples=value)
 
 
+@pytest.mark.parametrize(
+    "options", [{"digitz": 2}, {"seed": 3}, {"split": "test"}, {"limit": 3}, {"path": "data.jsonl"}]
+)
+def test_an_unknown_arithmetic_option_names_the_options_it_takes(options):
+    """``--task_options '{"digitz": 2}'`` said only "arithmetic_dataset() got an unexpected keyword argument 'digitz'",
+    and an option that is a loader argument ("seed", "split", "limit") "load_task() got multiple values for keyword
+    argument 'seed'": neither said what the task takes. Now one line naming the option and the task's options (the
+    other tasks already said "only system_prompt"), and where a loader argument is set instead."""
+    from qerl_trl.validation import UsageError, load_task_data
+
+    with pytest.raises(UsageError) as info:
+        load_task_data("arithmetic", "train", None, None, 0, options, ("--data_path", "--task_options"))
+    message = str(info.value)
+    name = next(iter(options))
+    assert f"task 'arithmetic' takes no option(s) ['{name}']" in message, message
+    assert "demo, digits, n_examples, ops, system_prompt" in message and "\n" not in message, message
+    if name != "digitz":
+        assert "--seed, --split, --limit, --data_path" in message, message
+
+
 def test_arithmetic_curriculum_is_ordered_blocks():
     ds = load_task("arithmetic", n_examples=301, digits=[1, 2], seed=5)
     assert len(ds) == 301

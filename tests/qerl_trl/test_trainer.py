@@ -922,6 +922,56 @@ def test_generation_wave_rows_on_an_engine_without_waves_is_refused():
     assert QeRLConfig(output_dir="x", generation_wave_rows=4, rollout_engine="graph").generation_wave_rows == 4
 
 
+def test_lora_target_modules_all_linear_adapts_every_projection(tmp_path, tokenizer):
+    """``--lora_target_modules all-linear`` (PEFT's shorthand, which TRL's own scripts take) reached PEFT as the list
+    ``['all-linear']``, a module name, and failed once the policy had loaded ("Target modules {'all-linear'} not found
+    in the base model"; the memory plan refused it as an unknown target on a GPU). It now means PEFT's all-linear:
+    every projection gets LoRA, ``lm_head`` none, and the plan counts the seven."""
+    from qerl_trl.memory_plan import LORA_TARGETS, run_shape_from_config
+
+    args = args_for(tmp_path, lora_target_modules=["all-linear"])
+    assert run_shape_from_config(args).lora_targets == LORA_TARGETS
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args, train_dataset=arithmetic(),
+                              processing_class=tokenizer)  # fmt: skip
+    adapted = {name.rsplit(".", 1)[-1] for name, m in trainer.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(LORA_TARGETS), adapted
+
+
+def test_more_aqn_stages_than_steps_is_said_in_one_warning(tmp_path, tokenizer, caplog):
+    """aqn_num_stages above the run's steps (the recipe's 5 stages with --max_steps 3, or 2 stages over 1 step) left
+    stages without a step without a word: 4 stages over 2 steps never used stage 1's sigma_start nor the last stage,
+    and 2 stages over 1 step never added any noise though aqn was on. One warning now names the empty stages."""
+    trainer = QeRLGRPOTrainer(tiny_nvfp4_policy(tokenizer), even_token_reward, args_for(tmp_path, aqn_num_stages=4),
+                              train_dataset=arithmetic(), processing_class=tokenizer)  # fmt: skip
+
+    def warnings_for(total_steps: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer"):
+            trainer.build_aqn_controller(total_steps)
+        return [r.getMessage() for r in caplog.records if "aqn_num_stages" in r.getMessage()]
+
+    said = warnings_for(2)
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "aqn_num_stages 4 over 2 training steps" in said[0] and "stage(s) 1, 3 get no step" in said[0], said
+    assert "aqn_num_stages <= 2" in said[0], said
+    assert warnings_for(4) == [] and warnings_for(40) == []
+    trainer.args.aqn_num_stages = 2
+    (said,) = warnings_for(1)
+    assert "no noise at all" in said, said
+
+
+def test_the_model_card_of_a_local_base_model_names_it(tmp_path, tiny_dir):
+    """The model card each checkpoint save writes (``<output_dir>/README.md``, TRL's) said "This model is a fine-tuned
+    version of [None](https://huggingface.co/None)" and ``pipeline(..., model="None")`` whenever the base model was
+    a local folder, as the offline default always is. It now names the folder, and the quick start the adapter."""
+    args = args_for(tmp_path, max_steps=1, save_steps=1)
+    trainer = QeRLGRPOTrainer(str(tiny_dir), even_token_reward, args, train_dataset=arithmetic())
+    trainer.train()
+    card = (Path(args.output_dir) / "README.md").read_text()
+    assert "[None]" not in card and 'model="None"' not in card, card
+    assert f"`{tiny_dir}`" in card and f'model="{Path(args.output_dir) / "final"}"' in card, card
+
+
 def test_a_constant_sigma_below_the_default_end_is_accepted():
     """The constant schedule ignores aqn_sigma_end (docs/aqn.md); a constant σ of 1e-4 must not be refused for being
     below the default aqn_sigma_end of 5e-4. A decaying schedule still needs end <= start."""

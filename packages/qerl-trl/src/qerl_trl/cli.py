@@ -36,6 +36,7 @@ from .validation import (
     UsageError,
     UsageErrorParser,
     check_train_paths,
+    continues_run_in,
     load_train_data,
     validate_train_args,
 )
@@ -333,12 +334,14 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
         inputs = validate_train_args(script_args, config)
     resume = inputs.resume.path if inputs.resume is not None else None
     start_step = _checkpoint_step(resume) if resume is not None else 0
-    if inputs.resume is not None and _is_main_process():
-        print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
-    replacing = script_args.overwrite_output_dir and resume is None and _is_main_process()
+    # a checkpoint of another folder may start a replaced output_dir; one of its own run cannot (validation refuses)
+    replacing = (script_args.overwrite_output_dir and not continues_run_in(config.output_dir, resume)
+                 and _is_main_process())  # fmt: skip
     if replacing and (aside := move_earlier_run_aside(config.output_dir)) is not None:
         print(f"qerl train: --overwrite_output_dir: the earlier run in {config.output_dir} is kept in {aside} until "
               "this run writes its first checkpoint, then removed", file=sys.stderr)  # fmt: skip
+    if inputs.resume is not None and _is_main_process():
+        print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
     trainer = build_trainer(script_args, config, inputs.dataset)
     try:
         _train_and_save(trainer, config, resume, replacing, start_step)
@@ -550,7 +553,7 @@ def plan_main(argv: list[str], debug: bool) -> None:
         if not value.isdigit() or int(value) < 1:
             _usage_error("qerl plan", ValueError(f"--gpus must be a whole number >= 1, got {value!r}"), debug)
         gpus = int(value)
-    budget_gb = _pop_memory_budget(argv, debug)
+    budget_gb = _pop_memory_budget(argv, debug, "qerl plan")
     budget = int(budget_gb * 1e9) if budget_gb is not None else H100_80GB_BYTES
     try:
         script_args, config = parse_train_args(argv, command="plan")
@@ -580,16 +583,18 @@ def _is_main_process() -> bool:
 def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) -> None:
     """The closing lines: the steps this process ran (a resumed run's earlier ones not counted) and the reward."""
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    if not logs:
-        return
-    k = max(1, len(logs) // 4)
-    first = sum(h["reward"] for h in logs[:k]) / k
-    last = sum(h["reward"] for h in logs[-k:]) / k
     out = Path(trainer.args.output_dir)
     last_step = trainer.state.global_step
     ran = f"{steps_run} step{'' if steps_run == 1 else 's'} in {seconds:.0f} s"
     if 0 < steps_run < last_step:  # a resumed run: which steps this process ran
         ran += f" (step {last_step})" if steps_run == 1 else f" (steps {last_step - steps_run + 1}-{last_step})"
+    if not logs:  # logging_steps above the steps run: no metrics row, no plot, but the adapter was saved
+        print(f"\nqerl train: {ran} · no step logged a reward (logging_steps {trainer.args.logging_steps}), so no "
+              f"metrics rows or plots\n  adapter: {final}")  # fmt: skip
+        return
+    k = max(1, len(logs) // 4)
+    first = sum(h["reward"] for h in logs[:k]) / k
+    last = sum(h["reward"] for h in logs[-k:]) / k
     print(
         f"\nqerl train: {ran} · mean reward of the first {k} logged "
         f"steps {first:.3f} → last {k} {last:.3f}\n  metrics: {out / 'metrics.jsonl'}\n  plots:   {out / 'plots.png'}"
@@ -650,9 +655,9 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
+def _pop_memory_budget(argv: list[str], debug: bool, prog: str = "qerl train") -> float | None:
     """``--memory-budget-gb GB`` (removed from ``argv``): plan against ``GB`` of GPU memory (on any machine) instead of
-    what the GPU has free; None when not given."""
+    what the GPU has free; None when not given. ``prog``: the command a bad value is reported as."""
     value = _pop_option(argv, "memory-budget-gb")
     if value is None:
         return None
@@ -661,7 +666,7 @@ def _pop_memory_budget(argv: list[str], debug: bool) -> float | None:
     except ValueError:
         budget_gb = float("nan")
     if not 0 < budget_gb < float("inf"):
-        _usage_error("qerl train", ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
+        _usage_error(prog, ValueError(f"--memory-budget-gb must be a number of GB > 0, got {value!r}"), debug)
     return budget_gb
 
 

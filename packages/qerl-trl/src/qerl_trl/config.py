@@ -231,7 +231,8 @@ class QeRLConfig(GRPOConfig):
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] | None = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        metadata={"help": "Modules that get LoRA adapters (default: all attention and MLP projections)."},
+        metadata={"help": "Modules that get LoRA adapters (default: all attention and MLP projections; 'all-linear': "
+                          "PEFT's every linear but the output layer)."},
     )
     aqn: bool = field(default=True, metadata={"help": "Adaptive Quantization Noise on the rollout model."})
     aqn_schedule: str = field(default="exponential", metadata={"help": "σ schedule kind."})
@@ -375,6 +376,10 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(f"lora_r must be an integer > 0, got {self.lora_r!r}")
         if self.lora_alpha is None:
             self.lora_alpha = self.lora_r
+        targets = self.lora_target_modules
+        if isinstance(targets, list) and len(targets) == 1 and str(targets[0]).lower() == "all-linear":
+            # PEFT's shorthand is the string only (a list holds module names), as TRL's ModelConfig passes it
+            self.lora_target_modules = "all-linear"
         if self.aqn_mode not in ("per_step", "per_forward"):
             raise ValueError(f"aqn_mode must be 'per_step' or 'per_forward', got {self.aqn_mode!r}")
         self.rollout_engine_class.check_config(self)  # the engine's own rules (sampling, AQN mode, checkpoints)

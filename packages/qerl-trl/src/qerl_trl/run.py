@@ -6,6 +6,7 @@ Layout of ``output_dir``::
     plots.png              reward / entropy / σ / completion length per step (rewritten at each save and at the end)
     checkpoint-N/          adapter, optimizer, RNG, trainer state, aqn_state.json (renamed into place whole)
     final/                 the trained LoRA adapter and tokenizer
+    calibrated/            nvfp4-awq / nvfp4-gptq: the calibrated policy, reused by a resumed or repeated run
     .previous-run-*/       with --overwrite_output_dir: the earlier run, until this one writes its first checkpoint
 """
 
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 METRICS_NAME = "metrics.jsonl"
+#: ``calibration_cache_dir``'s default folder inside ``output_dir`` (the calibrated awq / gptq policies)
+CALIBRATED_DIR = "calibrated"
 PLOT_NAME = "plots.png"
 # (title, metric keys tried in order)
 PANELS: list[tuple[str, tuple[str, ...]]] = [
@@ -151,9 +154,12 @@ class RunDirectoryCallback(TrainerCallback):
 def move_earlier_run_aside(output_dir: str | Path) -> Path | None:
     """``--overwrite_output_dir``: move what ``output_dir`` holds into a new ``.previous-run-*`` folder inside it (one
     rename per entry, same filesystem), so the new run starts in an empty folder while the earlier one still exists;
-    :func:`discard_replaced_run` removes it once the new run has a checkpoint. None when there was nothing."""
+    :func:`discard_replaced_run` removes it once the new run has a checkpoint. None when there was nothing. The
+    calibrated policy cache (:data:`CALIBRATED_DIR`) is left in place for the new run."""
     root = Path(output_dir)
-    entries = [p for p in root.iterdir() if not p.name.startswith(PREVIOUS_RUN_PREFIX)] if root.is_dir() else []
+    # the calibrated policy cache stays: keyed by model, method and prompts, the new run loads it if it is its own
+    entries = [p for p in (root.iterdir() if root.is_dir() else ())
+               if not p.name.startswith(PREVIOUS_RUN_PREFIX) and p.name != CALIBRATED_DIR]  # fmt: skip
     if not entries:
         return None
     aside = Path(tempfile.mkdtemp(prefix=PREVIOUS_RUN_PREFIX, dir=root))

@@ -42,8 +42,10 @@ __all__ = [
     "TASKS",
     "TASK_DEFAULT_REWARDS",
     "TASK_EVAL_REWARD",
+    "TASK_OPTIONS",
     "TaskDataError",
     "arithmetic_dataset",
+    "check_task_options",
     "load_task",
     "make_prompt",
 ]
@@ -396,6 +398,29 @@ def _arithmetic(split: str, path, limit, seed, **options: Any) -> Dataset:
 TASKS: dict[str, Callable[..., Dataset]] = {"gsm8k": _gsm8k, "math": _math, "bigmath": _bigmath, "arithmetic": _arithmetic}
 """Task loaders by name."""
 
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {
+    **{name: ("system_prompt",) for name in TASKS},
+    "arithmetic": ("demo", "digits", "n_examples", "ops", "system_prompt"),
+}
+"""The options (``--task_options`` keys) each task takes."""
+
+
+def check_task_options(name: str, options: Any) -> None:
+    """Raise ``TypeError`` naming the options of ``options`` that task ``name`` does not take, and those it takes
+    (a loader argument, ``seed``, ``split``, ``limit`` or ``path``, said to be set by its own option)."""
+    if name not in TASK_OPTIONS:  # load_task names the tasks
+        return
+    takes = TASK_OPTIONS[name]
+    unknown = sorted(set(options or ()) - set(takes))
+    if not unknown:
+        return
+    said = f"its options: {', '.join(takes)}" if len(takes) > 1 else f"only {', '.join(takes)}"
+    hint = ""
+    if set(unknown) & {"seed", "split", "limit", "path"}:
+        hint = ("; seed, split, limit and path are set by their own options (qerl train: --seed, --split, --limit, "
+                "--data_path)")  # fmt: skip
+    raise TypeError(f"task {name!r} takes no option(s) {unknown} ({said}){hint}")
+
 
 def load_task(
     name: str,
@@ -425,8 +450,5 @@ def load_task(
         raise TaskDataError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    if name != "arithmetic":
-        unknown = set(options) - {"system_prompt"}
-        if unknown:
-            raise TypeError(f"task {name!r} takes no option(s) {sorted(unknown)} (only system_prompt)")
+    check_task_options(name, options)
     return TASKS[name](split, path, limit, seed, **options)

@@ -79,6 +79,7 @@ from .config import QeRLConfig
 from .memory_plan import fsdp2_requested
 from .policy import calibration_prompt_ids, load_policy, load_tokenizer
 from .rollout import RolloutEngine
+from .run import CALIBRATED_DIR
 from .validation import check_enough_prompts
 
 #: SDPA backends of a training step: every one but cuDNN, whose backward returns NaN in dQ when an explicit mask meets
@@ -651,7 +652,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if args.quant_scheme.calibrated:
                 calibration = calibration_prompt_ids(train_dataset, processing_class, args.calibration_samples)
             model = load_policy(model, quantization=args.quant_scheme, calibration_data=calibration,
-                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, "calibrated"),
+                                cache_dir=args.calibration_cache_dir or os.path.join(args.output_dir, CALIBRATED_DIR),
                                 nf4_double_quant=args.nf4_double_quant)  # fmt: skip
         elif not args.quant_scheme.is_dense and not _is_quantized(model):
             # a loaded dense model is not quantized here: it would train as the bf16 baseline under a 4-bit config
@@ -725,6 +726,14 @@ class QeRLGRPOTrainer(GRPOTrainer):
             self.args.aqn_num_stages,
             total_steps=max(int(total_steps), 1),
         )
+        empty = [k for k, (first, end) in enumerate(schedule.stage_bounds()) if first >= end]
+        if empty:  # more stages than steps: the schedule skips some (aqn's rule), which the arguments did not ask for
+            noisy = [k for k in range(1, schedule.num_stages) if k not in empty]
+            what = (f"their sigmas ({', '.join(f'{schedule.sigma_for_stage(k):g}' for k in empty if k)}) never used"
+                    if noisy or schedule.noise_in_stage0 else "AQN adds no noise at all")  # fmt: skip
+            logger.warning("aqn_num_stages %d over %d training steps: stage(s) %s get no step, %s; set "
+                           "aqn_num_stages <= %d (or train more steps) to place every stage", schedule.num_stages,
+                           schedule.total_steps, ", ".join(map(str, empty)), what, schedule.total_steps)  # fmt: skip
         norm_dtype = torch.float32 if self.model.dtype in (torch.bfloat16, torch.float16) else None
         # bf16 norm weights round σ ≤ 1e-3 away; the noisy norms are kept in fp32 while they are on.
         return AQNController(schedule, seed=self.args.seed, mode=self.args.aqn_mode, norm_dtype=norm_dtype)
@@ -1084,6 +1093,25 @@ class QeRLGRPOTrainer(GRPOTrainer):
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:  # fmt: skip
+        """TRL's model card (``<output_dir>/README.md``, written at each checkpoint save). TRL names only a Hub base
+        model: for a local folder (the offline default, a model on disk) its card said "a fine-tuned version of
+        [None](https://huggingface.co/None)" and ``pipeline(..., model="None")``; the folder is named instead, and
+        the quick start loads the run's adapter (``final/``) unless the card is for a Hub repository."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", "") or ""
+        card = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.isdir(base) or not os.path.isfile(card):
+            return
+        with open(card) as f:
+            text = f.read()
+        text = text.replace("[None](https://huggingface.co/None)", f"the local model `{base}`")
+        if self.hub_model_id is None:
+            text = text.replace('model="None"', f'model="{os.path.join(self.args.output_dir, "final")}"')
+        with open(card, "w") as f:
+            f.write(text)
 
     def _get_output_dir(self, trial):
         staging = getattr(self, "_staging_dir", None)

@@ -143,6 +143,12 @@ def check_config_values(config: Any) -> None:
             ok = False
         if not ok:
             raise UsageError(f"{name} must be {expected}, got {value!r}")
+    data_seed, seed = getattr(config, "data_seed", None), getattr(config, "seed", None)
+    if data_seed is not None and data_seed != seed:
+        # TrainingArguments' sampler seed: TRL's GRPO sampler (RepeatSampler) and DAPO's refills order the prompts by
+        # seed, so another data_seed changed nothing
+        raise UsageError(f"data_seed must be unset (or the seed, {seed!r}): GRPO orders the prompts by seed (TRL's "
+                         f"RepeatSampler), which data_seed does not reach; set seed instead, got {data_seed!r}")
     # the schedule's own checks (kind, exponential's σ > 0, K >= 2); with AQN off only the kind matters
     aqn = getattr(config, "aqn", False)
     values = (config.aqn_sigma_start, config.aqn_sigma_end, config.aqn_num_stages) if aqn else (1.0, 0.5, 2)
@@ -345,11 +351,12 @@ def load_task_data(task: str, split: str, path: str | None, limit: int | None, s
     """:func:`qerl_trl.tasks.load_task` (local files, synthetic, or the Hub), whose errors become a
     :class:`UsageError` naming the argument at fault: ``arguments`` are the CLI's names of the data path and the task
     options (``("--data_path", "--task_options")`` for ``qerl train``)."""
-    from .tasks import TaskDataError, load_task
+    from .tasks import TaskDataError, check_task_options, load_task
 
     path_arg, options_arg = arguments
     check_data_path(path_arg, path, split)
     try:
+        check_task_options(task, options)  # before the call: a loader argument among them is Python's own TypeError
         return load_task(task, split, path=path, limit=limit, seed=seed, **(options or {}))
     except TaskDataError as e:
         raise UsageError(f"{path_arg} {path!r}: {e}" if path else f"--task {task}: {e}") from e
@@ -367,6 +374,14 @@ def load_train_data(script_args: Any, config: Any) -> Any:
 PREVIOUS_RUN_PREFIX = ".previous-run-"
 
 
+def continues_run_in(output_dir: str | None, resume: str | None) -> bool:
+    """Whether ``--resume`` continues the run of ``output_dir``: ``true``, or a checkpoint path inside it (a path
+    elsewhere starts this output_dir from another run's checkpoint)."""
+    if resume is None or output_dir is None:
+        return False
+    return resume == "true" or Path(resume).expanduser().resolve().is_relative_to(Path(output_dir).expanduser().resolve())
+
+
 def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -> None:
     """A fresh run (no ``--resume``) into a folder that is not empty would overwrite what is there (an earlier run's
     adapter, metrics, plots; its checkpoints rotated away): refuse, naming ``--resume true`` and
@@ -374,7 +389,7 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
     path = Path(output_dir).expanduser()
     if overwrite or not path.is_dir():
         return
-    if resume == "true" or (resume is not None and Path(resume).expanduser().resolve().is_relative_to(path.resolve())):
+    if continues_run_in(output_dir, resume):
         return
     entries = sorted(p.name for p in path.iterdir())
     if not entries:
@@ -390,21 +405,63 @@ def check_no_earlier_run(output_dir: str, resume: str | None, overwrite: bool) -
     )
 
 
-def _check_resume_rank(checkpoint: str, lora_r: int | None, model: str) -> None:
-    """The checkpoint's adapter has the run's LoRA rank (else the optimizer and weights cannot load): one line naming
-    the adapter's rank and base model against the run's."""
-    import json
-
+def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
+    """The checkpoint's adapter is the one this run builds: its LoRA rank (else the optimizer and weights cannot
+    load), its alpha (else the weights act rescaled) and the modules it adapts (else the optimizer's parameter groups do not match: torch's traceback after the
+    policy loaded). One line naming the adapter's value and base model against the run's."""
     try:
         saved = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
     except (OSError, ValueError):
         return  # check_checkpoint accepted it; a full model checkpoint has no adapter config
+    if not isinstance(saved, dict):
+        return
+    lora_r, base = getattr(config, "lora_r", None), saved.get("base_model_name_or_path")
     rank = saved.get("r")
     if isinstance(lora_r, int) and isinstance(rank, int) and rank != lora_r:
         raise UsageError(
-            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on "
-            f"{saved.get('base_model_name_or_path')!r}), this run's is lora_r {lora_r} on {model!r}: pass --lora_r "
-            f"{rank} (and the model it was trained on) to continue it"
+            f"--resume {checkpoint!r}: its adapter is LoRA rank {rank} (trained on {base!r}), this run's is lora_r "
+            f"{lora_r} on {model!r}: pass --lora_r {rank} (and the model it was trained on) to continue it"
+        )
+    alpha = getattr(config, "lora_alpha", None)
+    alpha = lora_r if alpha is None else alpha  # QeRLConfig's default: alpha = r
+    saved_alpha = saved.get("lora_alpha")
+    numbers = (int, float)
+    if isinstance(alpha, numbers) and isinstance(saved_alpha, numbers) and saved_alpha != alpha:
+        # PEFT keeps the run's alpha and loads only the weights: the adapter would act scaled by alpha / r anew
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter was trained with lora_alpha {saved_alpha:g}, this run's is "
+            f"{alpha:g}: the same weights would act scaled by {alpha:g}/r instead of {saved_alpha:g}/r; pass "
+            f"--lora_alpha {saved_alpha:g} to continue it"
+        )
+    targets, ours = saved.get("target_modules"), getattr(config, "lora_target_modules", None)
+    if isinstance(ours, str):
+        ours = [ours]
+    # PEFT's all-linear saves every module's full name: compare the projections' names (a name matches its suffix)
+    leaves = {str(t).rsplit(".", 1)[-1] for t in targets} if isinstance(targets, list) else None
+    if leaves is not None and isinstance(ours, list) and "all-linear" not in ours and leaves != set(ours):
+        raise UsageError(
+            f"--resume {checkpoint!r}: its adapter is on {sorted(leaves)} (trained on {base!r}), this run's "
+            f"lora_target_modules are {sorted(ours)}: pass --lora_target_modules {' '.join(sorted(leaves))} to "
+            "continue it"
+        )
+
+
+def _check_resume_step(checkpoint: str, given: str, config: Any) -> None:
+    """A checkpoint at or past ``max_steps`` leaves nothing to train: the run loaded the policy, trained 0 steps and
+    rewrote ``final/`` (exit 0). One line naming the checkpoint's step and ``max_steps`` instead."""
+    max_steps = getattr(config, "max_steps", -1)
+    if not isinstance(max_steps, int) or max_steps < 1:  # -1: num_train_epochs decides, known once the data is
+        return
+    try:
+        step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if isinstance(step, int) and step >= max_steps:
+        done = "the run is complete" if step == max_steps else "past the end of this run"
+        which = f"true: {checkpoint} is" if given == "true" else f"{checkpoint!r}: it is"
+        raise UsageError(
+            f"--resume {which} at step {step}, and max_steps {max_steps}: {done}, nothing to train; "
+            f"pass --max_steps > {step} to train on from it (its adapter is in {checkpoint})"
         )
 
 
@@ -436,6 +493,11 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
     if config.output_dir is not None:
         check_output_dir("--output_dir", config.output_dir)
     check_data_path("--data_path", script_args.data_path, script_args.split)
+    if getattr(script_args, "overwrite_output_dir", False) and continues_run_in(config.output_dir, script_args.resume):
+        raise UsageError(
+            f"--resume {script_args.resume} continues the run in {config.output_dir!r} and --overwrite_output_dir true "
+            "replaces it: pass either, not both"
+        )
     resume = None
     required = required_checkpoint_files(config)
     if script_args.resume_latest:
@@ -450,7 +512,8 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
-        _check_resume_rank(resume.path, getattr(config, "lora_r", None), script_args.model_name_or_path)
+        _check_resume_adapter(resume.path, config, script_args.model_name_or_path)
+        _check_resume_step(resume.path, "true" if script_args.resume_latest else script_args.resume, config)
         if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():
             # the trainer refuses it too, but only once the policy has loaded
             raise UsageError(

@@ -67,6 +67,20 @@ def test_an_existing_output_is_never_replaced_without_overwrite(tiny_model_dir, 
     assert _hashes(tmp_path) == before
 
 
+@pytest.mark.parametrize("where", ["the model", "a folder above it"])
+def test_overwrite_never_replaces_the_model_being_quantized(where, tiny_model_dir, tmp_path, capsys):
+    """``nvfp4-quantize m --out m --overwrite`` (or ``--out`` a folder holding ``m``) quantized ``m`` and then swapped
+    the checkpoint in where the source model (or the whole folder above it) had been: the dense model was deleted.
+    Now one line, exit 2, before anything loads; nothing on disk changed."""
+    model = tmp_path / "models" / "m"
+    shutil.copytree(tiny_model_dir, model)
+    before = _hashes(tmp_path)
+    out = model if where == "the model" else model.parent
+    err = _one_line_exit_2([str(model), "--out", str(out), "--overwrite"], capsys)
+    assert "would replace the model being quantized" in err, err
+    assert _hashes(tmp_path) == before
+
+
 def test_overwrite_swaps_the_new_checkpoint_in_once_complete(offline_model_path, tmp_path):
     """``--overwrite``: the new checkpoint is written beside the old one and renamed into its place when complete."""
     import torch

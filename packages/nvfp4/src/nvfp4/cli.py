@@ -112,10 +112,15 @@ def _input_problem(model: str) -> str | None:
     return None
 
 
-def _output_problem(out: Path, given: bool, overwrite: bool) -> str | None:
-    """Why the checkpoint cannot be saved to ``out`` (one line), or None: a file, a path under a file, or a folder
-    that holds something already (a model is never replaced silently; ``--overwrite`` replaces it)."""
+def _output_problem(out: Path, given: bool, overwrite: bool, model: str) -> str | None:
+    """Why the checkpoint cannot be saved to ``out`` (one line), or None: a file, a path under a file, a folder that
+    holds something already (a model is never replaced silently; ``--overwrite`` replaces it), or the local ``model``
+    itself or a folder above it (``--overwrite`` would delete the source)."""
     name = f"--out {str(out)!r}" + ("" if given else " (the default)")
+    source = Path(model).resolve()
+    if source.is_dir() and (source == out.resolve() or out.resolve() in source.parents):
+        return (f"{name} would replace the model being quantized ({model!r} is "
+                f"{'that folder' if source == out.resolve() else 'inside it'}): give another --out")  # fmt: skip
     if out.exists() and not out.is_dir():
         return f"{name}: a file; expected a folder to save the checkpoint in (created if missing)"
     parent = next((p for p in out.parents if p.exists()), Path("."))
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     args.model = os.path.expanduser(args.model)  # "~/m" counts as a local path below (--out, --data are expanded too)
     name = Path(os.path.abspath(args.model)).name  # '.' or '../m' too (was '': runs/-nvfp4, a card for '')
     out = Path(args.out or Path("runs") / f"{name}-{fmt.name}").expanduser()
-    problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite)
+    problem = _input_problem(args.model) or _output_problem(out, args.out is not None, args.overwrite, args.model)
     if problem:
         if args.debug:
             raise ValueError(problem)

@@ -748,7 +748,10 @@ def main(argv: list[str] | None = None) -> None:
             _usage_error("qerl train", ValueError(f"--lora_target_modules {config.lora_target_modules}: {e}"), debug)
         trainer.close()  # the rollout engine's processes and memory (vLLM)
         # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
-        # the process at exit now and then ("terminate called without an active exception", pytorch#190489)
+        # the process at exit now and then ("terminate called without an active exception", pytorch#190489), and
+        # only once every rank got here: a rank that tore its group down while the other was still closing its
+        # engine aborted so in CI (rank 1 of test_vllm_fsdp2_tp, after the run had finished: ci_232c4cb.log)
+        trainer.accelerator.wait_for_everyone()
         trainer.accelerator.end_training()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # a finished distributed run can still abort at interpreter exit in gloo's thread teardown ("terminate

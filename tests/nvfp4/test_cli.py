@@ -50,6 +50,19 @@ def _hashes(root):
             if p.is_file()}  # fmt: skip
 
 
+def _tiny_llama(offline_model_path, folder):
+    """A tiny random llama saved in ``folder`` with the offline model's tokenizer (its samples decode)."""
+    import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_model_path)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def test_an_existing_output_is_never_replaced_without_overwrite(tiny_model_dir, tmp_path, capsys):
     """``--out`` naming a file, a path under a file, or a folder that holds a model: one line, exit 2, nothing on disk
     changed (it was replaced silently, or a traceback for a file)."""
@@ -83,15 +96,8 @@ def test_overwrite_never_replaces_the_model_being_quantized(where, tiny_model_di
 
 def test_overwrite_swaps_the_new_checkpoint_in_once_complete(offline_model_path, tmp_path):
     """``--overwrite``: the new checkpoint is written beside the old one and renamed into its place when complete."""
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(offline_model_path)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"  # a tiny random model with the offline model's tokenizer (the sample decodes)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _tiny_llama(offline_model_path, tmp_path / "llama")
     earlier = tmp_path / "out"
     earlier.mkdir()
     (earlier / "model.safetensors").write_bytes(b"earlier weights")
@@ -159,15 +165,8 @@ def test_overwrite_that_fails_leaves_the_earlier_checkpoint_and_no_partial_one(o
     """``--overwrite`` whose run fails after the new checkpoint was written (here the sample): the earlier checkpoint
     stays, and the new one's hidden ``.out.new-*`` folder (a whole checkpoint) was left behind; it is removed."""
     import nvfp4.cli
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(offline_model_path)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _tiny_llama(offline_model_path, tmp_path / "llama")
     earlier = tmp_path / "out"
     earlier.mkdir()
     (earlier / "model.safetensors").write_bytes(b"earlier weights")
@@ -208,15 +207,8 @@ def test_a_run_that_fails_after_saving_leaves_no_partial_checkpoint(offline_mode
     ``--overwrite``; the checkpoint is now written beside ``--out`` and moved there once complete, as with
     ``--overwrite``."""
     import nvfp4.cli
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(offline_model_path)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _tiny_llama(offline_model_path, tmp_path / "llama")
 
     def fail(*args, **kwargs):
         raise RuntimeError("sample failed")
@@ -274,15 +266,8 @@ def test_version_names_the_package_and_what_it_runs_on(capsys):
 def test_a_model_given_as_dot_is_named_by_its_folder(offline_model_path, tmp_path, monkeypatch):
     """``nvfp4-quantize .`` (run inside the model's folder) saved to runs/-nvfp4 and wrote a model card titled
     '#  — NVFP4' with an empty base_model; the folder's own name is used now."""
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(offline_model_path)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _tiny_llama(offline_model_path, tmp_path / "llama")
     monkeypatch.chdir(model_dir)
     main([".", "--method", "rtn", "--max-new-tokens", "1"])
     card = (model_dir / "runs" / "llama-nvfp4" / "README.md").read_text()
@@ -323,15 +308,8 @@ def test_perplexity_data_without_a_train_split_is_enough_for_uncalibrated_method
     """``--data`` with test.jsonl only (what perplexity reads) was refused for --method rtn / mse ('no train.jsonl
     there'), though only awq / gptq calibrate on train.jsonl; it now measures perplexity, and a calibrated method
     still asks for train.jsonl."""
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(offline_model_path)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _tiny_llama(offline_model_path, tmp_path / "llama")
     data = tmp_path / "gsm8k-test"
     data.mkdir()
     shutil.copy(gsm8k_dir / "test.jsonl", data)

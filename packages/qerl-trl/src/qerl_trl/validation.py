@@ -583,8 +583,9 @@ def validate_eval_args(args: Any) -> None:
         raise UsageError(f"--temperature must be > 0 (or use --greedy), got {args.temperature!r}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p!r}")
-    if not 0 <= args.seed < 2**32:  # qerl train's range (CONFIG_RULES); torch.manual_seed overflows past 2**64
-        raise UsageError(f"--seed must be in [0, 2**32), got {args.seed!r}")
+    _, seed_ok, seed_range = next(rule for rule in CONFIG_RULES if rule[0] == "seed")  # qerl train's range
+    if not seed_ok(args.seed):  # torch.manual_seed overflows past 2**64
+        raise UsageError(f"--seed must be {seed_range}, got {args.seed!r}")
     if args.device is not None:
         check_device("--device", args.device)
     check_model_source("--model", args.model, tokenizer=args.tokenizer is None)

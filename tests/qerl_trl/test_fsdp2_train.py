@@ -68,6 +68,9 @@ def run(model_dir: str, out_dir: str) -> None:
         "sigma": trainer.aqn.sigma(1),
     }
     Path(out_dir, f"rank{record['rank']}.json").write_text(json.dumps(record))
+    # as qerl train ends (cli.main): every rank here before the group goes, else gloo's threads can abort the process
+    # at exit ("terminate called without an active exception": rank 1 of a clean clone of 46a110a)
+    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
 
 

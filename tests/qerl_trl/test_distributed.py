@@ -270,4 +270,5 @@ if __name__ == "__main__":
     run_dapo(sys.argv[1], str(Path(sys.argv[2]) / "dapo"), int(sys.argv[3]))
     from accelerate import PartialState
 
+    PartialState().wait_for_everyone()  # every rank here first, as qerl train ends
     PartialState().destroy_process_group()  # before exit: gloo's threads can abort it otherwise (pytorch#190489)

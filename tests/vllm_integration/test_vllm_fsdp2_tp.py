@@ -131,6 +131,7 @@ def run(model_dir: str, out_dir: str) -> None:
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     trainer.rollout.close()  # the TP engine leaves the launch's process group alone
+    trainer.accelerator.wait_for_everyone()  # as qerl train ends: no rank tears its group down while one is in a collective
     trainer.accelerator.end_training()
 
 

@@ -523,6 +523,7 @@ def _server_ddp_worker(ckpt: str, url: str, adapter_dir: str, out_dir: str) -> N
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     # gloo's threads abort the process at interpreter exit now and then unless the group is destroyed first
     # ("terminate called without an active exception" on rank 0 in one CI run; pytorch#190489)
+    trainer.accelerator.wait_for_everyone()  # as qerl train ends: every rank here before the group goes
     trainer.accelerator.end_training()
 
 

@@ -125,4 +125,7 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # +1 (→ 4,650): grpo_step's bf16 arm sets quantization='none' (the trainer refuses a dense model under a 4-bit one)
     # +3 (→ 4,653): the fixed-length rows' `tokens_crc32` (two runs, e.g. the scale orders on and off, computed the same
     # tokens: a correctness check the timing runs give for free)
-    assert am.benchmark_lines(ROOT) <= 4653
+    # +182 (→ 4,835, issues #47 / #51): vllm_gpu/lora_tune.py, vLLM's LoRA shrink / expand tiles at a model's sites (the
+    # decode profile at 35bcdd6: 3.1-3.8 ms of a 7B step at B >= 128); +1 profiler (cuBLAS's FP8 nvjet names). A spike:
+    # it leaves once its files ship in the engine or its no-go is recorded
+    assert am.benchmark_lines(ROOT) <= 4835

@@ -19,8 +19,9 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
         ),
     ),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention|paged_attn|reshape_and_cache", re.I)),
-    # torch._scaled_mm row-wise (cutlass, float_e4m3_t), vLLM's cutlass_scaled_mm, our activation quantisation
-    ("fp8 gemm", re.compile(r"e4m3|e5m2|fp8|scaled_mm|_act_quant_kernel", re.I)),
+    # torch._scaled_mm row-wise (cutlass, float_e4m3_t; or cuBLAS's nvjet with FP8 operands, "qq…_ovscale", as on the
+    # H100 at 35bcdd6), vLLM's cutlass_scaled_mm, our activation quantisation
+    ("fp8 gemm", re.compile(r"e4m3|e5m2|fp8|scaled_mm|_act_quant_kernel|nvjet_\w*qq", re.I)),
     ("bnb nf4", re.compile(r"4bit|kDequantize|kQuantize|nf4", re.I)),
     ("cuBLAS gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|splitKreduce|sm90_", re.I)),
     ("sampling", re.compile(r"argmax|topk|top_k|sort|multinomial|exponential|gumbel|sampl|log_softmax", re.I)),

@@ -73,7 +73,11 @@ OURS_FP8_AND_GRAPH_ENGINE = [
         "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<4, cute::tuple<cute::C<1>>>, cutlass::float_e4m3_t> > >",
         "fp8 gemm",
     ),
+    # torch._scaled_mm row-wise as cuBLAS ran it on the H100 (decode_profile_vllm_7b_h100_35bcdd6.json, B >= 128)
+    ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT", "fp8 gemm"),
+    ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TNT", "fp8 gemm"),
     ("_linear_mma_kernel", "nvfp4 gemm"),
+    ("_ws_linear_kernel", "nvfp4 gemm"),
     ("_gemv_kernel", "nvfp4 gemm"),
     ("_decode_attention_split_kernel", "attention"),
     ("_decode_attention_combine_kernel", "attention"),

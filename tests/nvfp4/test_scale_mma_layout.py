@@ -1,6 +1,6 @@
 """Landing step A, stage 1: ``weight_scale`` in :func:`nvfp4.layout.to_scale_mma_layout`'s order (``[N/64, 4K]``)
-beside an MMA-layout ``weight_packed``, behind ``NVFP4_SCALE_MMA_LAYOUT=1`` (default off; docs/kernels.md, "Landing
-step A"). Every reader given the new order equals the same reader given ``[N, K/16]`` scales on the same weights."""
+beside an MMA-layout ``weight_packed`` (on by default since stage 2; ``NVFP4_SCALE_MMA_LAYOUT=0`` keeps ``[N, K/16]``;
+docs/kernels.md, "Landing step A"). Every reader given the new order equals the same reader given ``[N, K/16]`` scales on the same weights."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ def _weight(n: int = 128, k: int = 512, seed: int = 0):
     return quantize(torch.randn(n, k))
 
 
-def test_switch_is_off_by_default(monkeypatch):
+def test_switch_is_on_by_default(monkeypatch):
     monkeypatch.delenv("NVFP4_SCALE_MMA_LAYOUT", raising=False)
+    assert scale_mma_layout_enabled()
+    monkeypatch.setenv("NVFP4_SCALE_MMA_LAYOUT", "0")
     assert not scale_mma_layout_enabled()
     monkeypatch.setenv("NVFP4_SCALE_MMA_LAYOUT", "1")
     assert scale_mma_layout_enabled()
@@ -445,9 +447,9 @@ def test_nvfp4linear_takes_step_a_scales_on_cuda_with_the_switch(monkeypatch):
 
     torch.manual_seed(5)
     lin = nn.Linear(512, 256, bias=True)
-    monkeypatch.delenv("NVFP4_SCALE_MMA_LAYOUT", raising=False)
+    monkeypatch.setenv("NVFP4_SCALE_MMA_LAYOUT", "0")
     ref = NVFP4Linear.from_linear(lin).cuda()
-    monkeypatch.setenv("NVFP4_SCALE_MMA_LAYOUT", "1")
+    monkeypatch.delenv("NVFP4_SCALE_MMA_LAYOUT", raising=False)  # the default: step A's order
     mod = NVFP4Linear.from_linear(lin).cuda()
     assert ref.mma_layout and tuple(ref.weight_scale.shape) == (256, 32)
     assert mod.mma_layout and tuple(mod.weight_scale.shape) == (4, 2048)

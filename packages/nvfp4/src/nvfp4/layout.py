@@ -4,8 +4,8 @@ Checkpoints always hold the compressed-tensors layout: ``packed`` uint8 ``[N, K/
 in the low nibble and ``W[n, 2j+1]`` in the high nibble of byte ``j``. On CUDA, :class:`nvfp4.NVFP4Linear` keeps the
 same bytes permuted into ``[N/4, 2K]`` so that the Triton GEMM's 16-byte loads land directly in the registers
 Hopper's ``wgmma`` reads its A operand from (no shared-memory round trip per tile; see
-:mod:`nvfp4.kernels.nvfp4_gemm`). The scales stay ``[N, K/16]`` unless ``NVFP4_SCALE_MMA_LAYOUT=1``
-(:func:`to_scale_mma_layout`'s order beside the MMA layout); the global scale is unchanged. Serialization converts back.
+:mod:`nvfp4.kernels.nvfp4_gemm`). Beside it the scales take :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``;
+``NVFP4_SCALE_MMA_LAYOUT=0`` keeps them ``[N, K/16]``); the global scale is unchanged. Serialization converts back.
 
 Within each 64 × 256 tile of W (64 outputs × 128 bytes), with ``n = n5..n0`` the row and ``b = b6..b0`` the byte
 (``b = k // 2``), the tile is stored as 16 rows of 512 bytes at ``[tile_n·16 + r, tile_k·512 + c]``, where
@@ -93,10 +93,11 @@ def mma_layout_supported(out_features: int, in_features: int) -> bool:
 
 
 def scale_mma_layout_enabled() -> bool:
-    """Whether ``NVFP4_SCALE_MMA_LAYOUT=1``: where ``weight_packed`` takes the MMA layout, ``weight_scale`` takes
-    :func:`to_scale_mma_layout`'s order too (default off: ``[N, K/16]`` scales everywhere). Read only where the layout
-    is chosen."""
-    return os.environ.get("NVFP4_SCALE_MMA_LAYOUT", "0") == "1"
+    """Whether, where ``weight_packed`` takes the MMA layout, ``weight_scale`` takes :func:`to_scale_mma_layout`'s
+    order too: on by default since the GPU measurements of docs/kernels.md ("Landing step A": bit-identical products,
+    level or faster at every M); ``NVFP4_SCALE_MMA_LAYOUT=0`` keeps ``[N, K/16]`` scales everywhere. Read only where
+    the layout is chosen."""
+    return os.environ.get("NVFP4_SCALE_MMA_LAYOUT", "1") != "0"
 
 
 def scale_is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:

@@ -196,8 +196,8 @@ class NVFP4Linear(nn.Linear):
         """Put ``weight_packed`` in the layout the kernels read fastest on its device: the MMA layout on CUDA when
         the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
         MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
-        ``NVFP4_MMA_LAYOUT=0``; with ``NVFP4_SCALE_MMA_LAYOUT=1`` ``weight_scale`` then takes
-        :func:`~nvfp4.layout.to_scale_mma_layout`'s order (``[out/64, 4·in]``). An MXFP4 layer first transcodes its
+        ``NVFP4_MMA_LAYOUT=0``; ``weight_scale`` then takes :func:`~nvfp4.layout.to_scale_mma_layout`'s order
+        (``[out/64, 4·in]``) unless ``NVFP4_SCALE_MMA_LAYOUT=0``. An MXFP4 layer first transcodes its
         E8M0 scales to NVFP4 scales (on every device; see the class docstring). Idempotent; returns
         :attr:`mma_layout`."""
         packed = self.weight_packed

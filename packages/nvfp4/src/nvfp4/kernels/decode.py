@@ -27,8 +27,8 @@ bytes per thread (32 threads per row, one warp per row), thread ``lane`` of warp
 ``16w + 8·i + lane // 4`` (``i`` = 0, 1) and bytes ``≡ lane % 4``: exactly the A fragment of a bf16 ``m64k16``
 ``wgmma`` for all 16 K-steps of the tile. The decoded tile is relabelled to ``[64, 256]`` by a
 reshape/permute that Triton lowers to nothing (:func:`_mma_tile`), so ``_linear_mma_kernel`` feeds ``wgmma`` from
-registers with no shared-memory round trip. Scales stay in the compressed-tensors layout (or, with
-``NVFP4_SCALE_MMA_LAYOUT=1``, step A's order: :func:`_scale_words`) and are read as int32 words (4 scales each):
+registers with no shared-memory round trip. Scales come in step A's order (:func:`_scale_words`; the default) or,
+with ``NVFP4_SCALE_MMA_LAYOUT=0``, in the compressed-tensors layout, and are read as int32 words (4 scales each):
 loaded as fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``, so the scale load
 stayed synchronous in every K step. With ``num_stages`` 2-3, Triton pipelines the weight tile, its
 scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`` for all three).

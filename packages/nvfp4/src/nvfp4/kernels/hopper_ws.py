@@ -568,7 +568,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
             flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
             sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
         scale_pairs: round 15 step A: ``scale`` is fp8 ``[N/64, K/64·256]`` in
-            :func:`nvfp4.layout.to_scale_mma_layout`'s order (what ``NVFP4_SCALE_MMA_LAYOUT=1`` stores; the dispatch
+            :func:`nvfp4.layout.to_scale_mma_layout`'s order (what the MMA layout stores by default; the dispatch
             passes it from the scale's shape), read as one 8-byte scale-pair load per thread and stage.
         inflight: round 15 step B on top of step A (needs ``scale_pairs``): one wgmma per k16 step, the next step's
             decode while it is in flight.

@@ -113,3 +113,64 @@ def test_layers_calibrated_with_gptq_are_named_in_messages_as_the_other_methods_
                             [torch.randint(0, 256, (1, 8))], progress=False)  # fmt: skip
     named = {n: m.layer_name for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     assert named and all(n == layer for n, layer in named.items())
+
+
+def _padded_and_unpadded(lengths=(9, 5, 3), pad_id=7):
+    """One right-padded batch ``{input_ids [3, 9], attention_mask}`` and the same real tokens as one ``[1, T]``
+    batch per sequence."""
+    seqs = [torch.randint(0, 256, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.full((len(seqs), width), pad_id)
+    mask = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    return [{"input_ids": ids, "attention_mask": mask}], [{"input_ids": s[None]} for s in seqs]
+
+
+def _tiny_float64_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager").double().eval()
+
+
+@pytest.mark.parametrize("stats_class", ["ActivationStats", "HessianStats"])
+def test_calibration_statistics_count_real_tokens_only(stats_class):
+    """A batch of right-padded prompts with its attention mask counted the padding positions as tokens: the
+    statistics (``E[x²]`` for AWQ, ``E[xᵀx]`` for GPTQ) mixed in activations of pad tokens and divided by the padded
+    count. Told the mask (:meth:`real_tokens`), they are those of the real tokens alone: the same as the unpadded
+    sequences give."""
+    import nvfp4.calibration as calibration
+
+    torch.manual_seed(0)
+    model = _tiny_float64_model()
+    padded, unpadded = _padded_and_unpadded()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+
+    def collect(batches):
+        stats = getattr(calibration, stats_class)(model, names)
+        with torch.no_grad():
+            for batch in batches:
+                stats.real_tokens(batch.get("attention_mask"))
+                model(**batch)
+        stats.remove()
+        return {n: stats.mean_sq()[n] if stats_class == "ActivationStats" else stats.hessian(n) for n in names}
+
+    want, got = collect(unpadded), collect(padded)
+    for n in names:
+        torch.testing.assert_close(got[n], want[n])  # float32 sums in another order
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrate_model_quantizes_a_padded_batch_as_its_real_tokens(method):
+    """``calibrate_model`` on a right-padded batch with its attention mask gives the bytes the unpadded prompts give
+    (the padding positions no longer enter the statistics)."""
+    import copy
+
+    torch.manual_seed(1)
+    model = _tiny_float64_model()
+    padded, unpadded = _padded_and_unpadded()
+    want = calibrate_model(copy.deepcopy(model), method, unpadded, progress=False).state_dict()
+    got = calibrate_model(copy.deepcopy(model), method, padded, progress=False).state_dict()
+    assert list(got) == list(want)
+    changed = [k for k in want if not torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))]
+    assert not changed, changed

@@ -514,3 +514,83 @@ def test_a_nested_cache_gives_the_outer_one_back():
             assert layer.has_cached_weight(x.bfloat16())
         assert layer._codes_cache is outer and layer._dense_cache is None and layer.has_cached_weight(x)
     assert not layer.has_cached_weight(x)
+
+
+def _pickled(m):
+    import pickle
+
+    return pickle.loads(pickle.dumps(m))
+
+
+def _torch_saved(m):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _copies():
+    import copy
+
+    return {"pickle": _pickled, "deepcopy": copy.deepcopy, "torch.save": _torch_saved}
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "nvfp4-fp8-copy", "nvfp4-shardable"])
+def test_layer_pickles_and_deepcopies_exactly(how, kind):
+    """``pickle.loads(pickle.dumps(layer))`` failed in torch's unpickler ('UntypedStorage' has no attribute 'dtype':
+    plain pickle serialises a float8 storage in torch's legacy format, which cannot read float8 back), so a model
+    holding NVFP4Linear did not pickle (multiprocessing, accelerate, copies by pickle). The float8 tensors (block
+    scales, an FP8 rollout copy, a shardable layer's parameters) now travel as their bytes and come back bit for bit."""
+    from nvfp4.fp8_model import attach_fp8_copies
+    from nvfp4.fsdp import make_shardable
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_linear(nn.Linear(96, 40, bias=True), format=kind.partition("-")[0])
+    if kind.endswith("fp8-copy"):
+        attach_fp8_copies(layer, "fp8", 0)
+    if kind.endswith("shardable"):
+        layer = make_shardable(layer)
+    copied = _copies()[how](layer)
+    assert type(copied) is type(layer) and copied is not layer
+    state, got = layer.state_dict(), copied.state_dict()
+    assert list(got) == list(state)
+    for k, t in state.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+    for name, t in [*layer.named_buffers(), *layer.named_parameters()]:  # as the layer holds them (not only saved)
+        c = dict([*copied.named_buffers(), *copied.named_parameters()])[name]
+        assert type(c) is type(t) and c.dtype == t.dtype and c.requires_grad == t.requires_grad, name
+    if layer.fp8_copy is not None:
+        assert copied.fp8_copy.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(copied.fp8_copy.weight.view(torch.uint8), layer.fp8_copy.weight.view(torch.uint8))
+        assert torch.equal(copied.fp8_copy.scale, layer.fp8_copy.scale)
+    x = torch.randn(3, 5, 96)
+    with torch.no_grad():
+        assert torch.equal(copied(x), layer(x))
+    if kind.endswith("fp8-copy"):
+        from nvfp4.fp8_model import fp8_rollouts
+
+        with torch.no_grad(), fp8_rollouts(layer), fp8_rollouts(copied):
+            assert torch.equal(copied(x), layer(x))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_a_converted_transformers_model_pickles_and_deepcopies(how):
+    """The whole model (its config's NVFP4Config holds a weakref to the model: dropped for the copy, which names the
+    dense linears as the model holds them) pickles and deep-copies; the copy computes as the model does."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = quantize_model(AutoModelForCausalLM.from_config(tiny_config("llama")), progress=False)
+    copied = _copies()[how](model)
+    assert isinstance(copied.model.layers[0].self_attn.q_proj, NVFP4Linear)
+    for (k, t), (k2, t2) in zip(model.state_dict().items(), copied.state_dict().items(), strict=True):
+        assert k == k2 and t.dtype == t2.dtype and torch.equal(t.view(torch.uint8), t2.view(torch.uint8)), k
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, model(ids).logits)
+    ignore = model.config.quantization_config.to_dict()["ignore"]
+    assert copied.config.quantization_config.to_dict()["ignore"] == ignore

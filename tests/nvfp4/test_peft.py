@@ -349,3 +349,29 @@ def test_write_adapter_of_a_raw_state_dict_writes_the_adapter_alone(tmp_path):
     expected = get_peft_model_state_dict(pm)
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[k], expected[k]) for k in expected)
+
+
+def test_a_loaded_model_config_names_linears_merged_since_the_load_before_any_save(tmp_path):
+    """A model quantized on load named its dense linears in its config in a second way (a copy made at load and again
+    inside ``save_pretrained``), so between the two the config (``to_dict``, a pickle or deep copy of it, which
+    multiprocessing and trainers' config logging make) still called linears merged by PEFT 4-bit. The loaded config
+    is now bound to its model as a converted one is: it names them as the model holds them, as the save writes."""
+    import copy
+    import json
+    import pickle
+
+    from nvfp4 import NVFP4Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    cfg = NVFP4Config(modules_to_not_convert=["lm_head", "o_proj"])
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=cfg)
+    merged = get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)).merge_and_unload()
+    qc = merged.config.quantization_config
+    now = [qc.to_dict()["ignore"], pickle.loads(pickle.dumps(qc)).to_dict()["ignore"],
+           copy.deepcopy(qc).to_dict()["ignore"]]  # fmt: skip
+    assert cfg.modules_to_not_convert == ["lm_head", "o_proj"]  # the caller's config is left as it was
+    merged.save_pretrained(tmp_path / "merged")
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.self_attn.q_proj" in saved
+    assert now == [saved] * 3

@@ -9,7 +9,7 @@ codec only), and are this module's public API too: :func:`search_block_scales`, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -65,8 +65,16 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
-def _run(model: nn.Module, batches: list[Any]) -> None:
+def _attention_mask(batch: Any) -> torch.Tensor | None:
+    """The batch's ``attention_mask`` (``[B, T]``, 0 at padding), None for a batch without one."""
+    return batch.get("attention_mask") if isinstance(batch, Mapping) else None
+
+
+def _run(model: nn.Module, batches: list[Any], before: Callable[[torch.Tensor | None], None] | None = None) -> None:
+    """Run ``model`` on each batch; ``before(attention_mask)`` first, so that statistics count real tokens only."""
     for batch in batches:
+        if before is not None:
+            before(_attention_mask(batch))
         try:
             if isinstance(batch, Mapping):
                 model(**batch)
@@ -94,7 +102,8 @@ def calibrate_model(
         method: ``"awq"`` (activation-weighted block-scale search, one forward pass over ``batches``) or ``"gptq"``
             (:func:`gptq_quantize`, decoder layer by decoder layer; each layer sees the quantized layers before it).
         batches: what ``model`` is called with: token-id tensors ``[B, T]`` (int64) or dicts of keyword arguments
-            (``input_ids``, ``attention_mask``). A few dozen prompts are enough for the statistics.
+            (``input_ids``, ``attention_mask``; positions where the mask is 0, padding, are left out of the
+            statistics). A few dozen prompts are enough for the statistics.
         modules_to_not_convert / fused_groups: as :func:`nvfp4.quantize_model` (fused groups share a global scale).
         damp: GPTQ's diagonal damping (fraction of the mean diagonal).
         progress: a progress bar over layers.
@@ -115,7 +124,7 @@ def calibrate_model(
     if method == "awq":
         stats = ActivationStats(model, names)
         try:
-            _run(model, batches)
+            _run(model, batches, stats.real_tokens)  # padding positions (attention mask 0) are no activations
         finally:
             stats.remove()
         return quantize_model(model, method="awq", act_sq=stats.mean_sq(), modules_to_not_convert=skip,
@@ -134,7 +143,9 @@ def calibrate_model(
 
     # Inputs of the first decoder layer, caught once (a forward that stops there); each layer then runs on its
     # cached inputs, is quantized, and runs again to give the next layer its inputs: L layer forwards in all.
-    cached: list[tuple[tuple, dict]] = []
+    # (args, kwargs, the batch's attention mask: the Hessians count its real tokens only)
+    cached: list[tuple[tuple, dict, torch.Tensor | None]] = []
+    mask: list[torch.Tensor | None] = [None]  # the batch being run
 
     def catch(module, args, kwargs):
         # each layer runs on these again, twice: a KV cache in them (transformers passes one with use_cache=True)
@@ -144,12 +155,12 @@ def calibrate_model(
                 kwargs = {**kwargs, key: None}
         if kwargs.get("use_cache"):
             kwargs = {**kwargs, "use_cache": False}
-        cached.append((args, kwargs))
+        cached.append((args, kwargs, mask[0]))
         raise _StopForward
 
     handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
-        _run(model, batches)
+        _run(model, batches, lambda m: mask.__setitem__(0, m))
     finally:
         handle.remove()
 
@@ -157,7 +168,8 @@ def calibrate_model(
         layer = layers[i]
         hess = HessianStats(model, by_layer[i])
         try:
-            for args, kwargs in cached:
+            for args, kwargs, real in cached:
+                hess.real_tokens(real)
                 layer(*args, **kwargs)
         finally:
             hess.remove()
@@ -177,13 +189,13 @@ def calibrate_model(
         del hess
         if i + 1 < len(layers):  # the quantized layer's outputs are the next layer's inputs
             nxt = []
-            for args, kwargs in cached:
+            for args, kwargs, real in cached:
                 out = layer(*args, **kwargs)
                 hidden = out[0] if isinstance(out, tuple) else out
                 if args:
-                    nxt.append(((hidden, *args[1:]), kwargs))
+                    nxt.append(((hidden, *args[1:]), kwargs, real))
                 else:
-                    nxt.append(((), {**kwargs, "hidden_states": hidden}))
+                    nxt.append(((), {**kwargs, "hidden_states": hidden}, real))
             cached = nxt
     for hook in CONVERTED_MODEL_HOOKS:
         hook(model, method, groups, NVFP4)

@@ -228,17 +228,25 @@ class NVFP4Config(QuantizationConfigMixin):
             self.extra["calibration_samples"] = len(calibration_data)
 
     def _dense_names(self) -> list[str]:
-        """``modules_to_not_convert``; for a config recorded by a conversion in memory (:func:`_record_quantization_config`)
-        also every linear its model holds dense now (PEFT's ``merge_and_unload`` makes adapted 4-bit linears dense
-        after the conversion, and the saved config must say so)."""
+        """``modules_to_not_convert`` as a written config gives it (:meth:`to_dict`, pickling). For a config bound to
+        its model (:func:`_bound_to`: by a load, a conversion in memory, :func:`save_pretrained_by_blocks`) it also
+        names every linear of the model left dense that compressed-tensors would otherwise take as quantized, as the
+        model holds them now: a tied lm_head, whose weight never reached the quantizer; a suffix or regex of ours,
+        which compressed-tensors reads as an exact name; linears PEFT's ``merge_and_unload`` made dense after the
+        conversion. A saved config must name them, or every reader (ours, compressed-tensors, vLLM) looks for their
+        4-bit tensors. The entry naming the linears a loaded checkpoint's config groups did not target
+        (:func:`nvfp4.formats.compressed_tensors_untargeted`) is replaced by their names: stock vLLM matches
+        ``ignore`` against a fused layer's own name first (``gate_up_proj``, no target), so the lookahead kept fused
+        quantized layers dense there."""
         ref = getattr(self, "_model_ref", None)
         model = ref() if ref is not None else None
         if model is None:
             return self.modules_to_not_convert
-        return [*self.modules_to_not_convert, *_linears_ct_would_quantize(model, self.modules_to_not_convert)]
+        return _naming_dense_linears(self.modules_to_not_convert, model)
 
     def __getstate__(self) -> dict[str, Any]:
-        # pickle / deepcopy: no weakref to the model, the dense linears as it holds them now
+        # pickle / deepcopy / copy.copy: no weakref to the model, the dense linears as it holds them now (_bound_to
+        # copies without coming through here)
         state = dict(self.__dict__)
         state.pop("_model_ref", None)
         state["modules_to_not_convert"] = self._dense_names()
@@ -463,9 +471,8 @@ class NVFP4HfQuantizer(HfQuantizer):
         for _group, got in list(self._pending.items()):  # a group whose other members were never loaded
             self._flush(model, tuple(got), got, None)
         self._pending.clear()
-        named = _config_naming_dense_linears(cfg, model)
-        if named is not cfg:
-            self.quantization_config = model.config.quantization_config = named
+        # the saved config names the linears this model holds dense when it is written (NVFP4Config._dense_names)
+        self.quantization_config = model.config.quantization_config = _bound_to(cfg, model)
         bad = [
             n
             for n, m in model.named_modules()
@@ -515,12 +522,11 @@ class NVFP4HfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         """``save_pretrained``'s hook (the state dict is the model's own); warns when the checkpoint will not run in
         stock transformers with its own dtype (see :data:`STOCK_LOAD_DTYPE`). Runs before transformers writes the
-        config: linears made dense since the load (PEFT's own ``merge_and_unload``, which swaps an adapted 4-bit layer
-        for ``nn.Linear(dequant(W) + ΔW)``) are named in it, or every reader looked for their 4-bit tensors."""
+        config, which must name the linears the model holds dense now (PEFT's own ``merge_and_unload`` swaps an
+        adapted 4-bit layer for ``nn.Linear(dequant(W) + ΔW)``), or every reader looks for their 4-bit tensors: the
+        config is bound to the model again (:func:`_bound_to`)."""
         warn_if_not_stock_loadable(model.dtype)
-        named = _config_naming_dense_linears(self.quantization_config, model)
-        if named is not self.quantization_config:
-            self.quantization_config = model.config.quantization_config = named
+        self.quantization_config = model.config.quantization_config = _bound_to(self.quantization_config, model)
         return super().get_state_dict_and_metadata(model)
 
     @property
@@ -536,22 +542,24 @@ class NVFP4HfQuantizer(HfQuantizer):
         return False
 
 
-def _config_naming_dense_linears(cfg: NVFP4Config, model: nn.Module) -> NVFP4Config:
-    """``cfg``, or a copy whose ``modules_to_not_convert`` also names every linear of ``model`` left dense that
-    compressed-tensors would otherwise take as quantized (a tied lm_head, whose weight never reached the quantizer; a
-    suffix or regex of ours, which compressed-tensors reads as an exact name): a saved config must name them, or every
-    reader (ours, compressed-tensors, vLLM) looks for their 4-bit tensors. A copy: the caller's config may serve
-    another model next. The entry naming the linears a loaded checkpoint's config groups did not target
-    (:func:`nvfp4.formats.compressed_tensors_untargeted`) is replaced by their names: stock vLLM matches ``ignore``
-    against a fused layer's own name first (``gate_up_proj``, no target), so the lookahead kept fused quantized
-    layers dense there."""
-    kept = [p for p in cfg.modules_to_not_convert if not p.startswith(UNTARGETED_PREFIX)]
-    left_dense = _linears_ct_would_quantize(model, kept)
-    if not left_dense and len(kept) == len(cfg.modules_to_not_convert):
-        return cfg
-    named = copy.copy(cfg)
-    named.modules_to_not_convert = [*kept, *left_dense]
-    return named
+def _naming_dense_linears(names: list[str], model: nn.Module) -> list[str]:
+    """``names`` (a ``modules_to_not_convert``) without the untargeted entry, then the linears ``model`` holds dense
+    that they leave to compressed-tensors as quantized (sorted); see :meth:`NVFP4Config._dense_names`."""
+    kept = [p for p in names if not p.startswith(UNTARGETED_PREFIX)]
+    return [*kept, *_linears_ct_would_quantize(model, kept)]
+
+
+def _bound_to(cfg: NVFP4Config, model: nn.Module) -> NVFP4Config:
+    """A copy of ``cfg`` bound to ``model``, the one way a config names its model's dense linears
+    (:meth:`NVFP4Config._dense_names`): ``modules_to_not_convert`` names those dense now, and the copy keeps a weakref
+    to ``model`` so that, written later, it names those made dense since (after the earlier ones, as saved configs
+    have always listed them). A copy: the caller's config may serve another model next. Made from the attributes as
+    they are, not through ``copy.copy`` (whose ``__getstate__`` freezes the names of a model ``cfg`` is bound to)."""
+    bound = object.__new__(type(cfg))
+    bound.__dict__.update(cfg.__dict__)
+    bound.modules_to_not_convert = _naming_dense_linears(cfg.modules_to_not_convert, model)
+    bound._model_ref = weakref.ref(model)
+    return bound
 
 
 def _linears_ct_would_quantize(model: nn.Module, ignore: list[str]) -> list[str]:
@@ -588,8 +596,7 @@ def _record_quantization_config(
     cfg = NVFP4Config(method=method, modules_to_not_convert=dense, fused_groups=[list(g) for g in fused_groups],
                       format=fmt.name)  # fmt: skip
     cfg._converted_in_memory = True  # a later conversion of this model records the config again
-    cfg._model_ref = weakref.ref(model)  # linears made dense later (a PEFT merge) are named when the config is written
-    config.quantization_config = cfg
+    config.quantization_config = _bound_to(cfg, model)  # linears made dense later (a PEFT merge) are named when written
 
 
 CONVERTED_MODEL_HOOKS.append(_record_quantization_config)
@@ -752,7 +759,7 @@ def save_pretrained_by_blocks(
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     hf_config = model.config.__class__.from_dict(model.config.to_dict())
     hf_config.dtype = dtype
-    hf_config.quantization_config = _config_naming_dense_linears(cfg, model)
+    hf_config.quantization_config = _bound_to(cfg, model)
     hf_config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     return folder

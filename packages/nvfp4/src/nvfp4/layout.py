@@ -42,6 +42,7 @@ import torch
 __all__ = [
     "MMA_TILE_K",
     "MMA_TILE_N",
+    "checked_layout",
     "from_mma_layout",
     "from_scale_mma_layout",
     "is_mma_layout",
@@ -124,11 +125,17 @@ def is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
     """True if ``packed`` is in the MMA layout (``[N/4, 2K]``) for ``scale`` (``[N, K/16]``, or ``[N/64, 4K]`` in
     :func:`to_scale_mma_layout`'s order); False if both are in the compressed-tensors layout (``[N, K/2]``,
     ``[N, K/16]``); ``ValueError`` otherwise."""
+    return checked_layout(packed, scale)[2]
+
+
+def checked_layout(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, bool]:
+    """``(N, K, mma)``: the weight's shape (:func:`weight_shape`) and :func:`is_mma_layout`, the shape read once;
+    ``ValueError`` where ``packed`` fits ``scale`` in neither layout."""
     n, k = weight_shape(packed, scale)
     if tuple(packed.shape) == (n, k // 2) and not scale_is_mma_layout(packed, scale):
-        return False
+        return n, k, False
     if tuple(packed.shape) == (n // 4, 2 * k) and mma_layout_supported(n, k):
-        return True
+        return n, k, True
     raise ValueError(
         f"NVFP4 tensors disagree: weight_scale {tuple(scale.shape)} means a [{n}, {k}] weight, so weight_packed must "
         f"be {(n, k // 2)} (compressed-tensors layout) or {(n // 4, 2 * k)} (MMA layout), got {tuple(packed.shape)}"

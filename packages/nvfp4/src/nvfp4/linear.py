@@ -63,6 +63,38 @@ class FP8Copy(NamedTuple):
     from_rows: int
 
 
+def _float8_from_bytes(data: torch.Tensor, dtype: torch.dtype, requires_grad: bool | None) -> torch.Tensor:
+    """The float8 tensor a :class:`_Float8Bytes` pickled: ``data`` (uint8, its bytes) viewed as ``dtype``, a frozen or
+    trainable parameter where ``requires_grad`` is not None."""
+    t = data.view(dtype)
+    return t if requires_grad is None else nn.Parameter(t, requires_grad=requires_grad)
+
+
+class _Float8Bytes:
+    """Stands for a 1-byte floating tensor (float8: block scales, an FP8 rollout copy) in the pickled state of an
+    :class:`NVFP4Linear`, and unpickles (or deep-copies) as that tensor again, bit for bit. Plain pickle writes a
+    tensor's storage in torch's legacy format, whose reader cannot give a float8 storage back ("'UntypedStorage' has
+    no attribute 'dtype'"); the same bytes viewed as uint8 pickle everywhere."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self):
+        t = self.tensor
+        requires_grad = t.requires_grad if isinstance(t, nn.Parameter) else None
+        return _float8_from_bytes, (t.detach().view(torch.uint8), t.dtype, requires_grad)
+
+
+def _picklable(value: object) -> object:
+    """``value``, or a :class:`_Float8Bytes` for a plain 1-byte floating tensor or parameter (a DTensor is left to
+    its own pickling)."""
+    if type(value) in (torch.Tensor, nn.Parameter) and value.is_floating_point() and value.element_size() == 1:
+        return _Float8Bytes(value)
+    return value
+
+
 class NVFP4Linear(nn.Linear):
     """A frozen linear layer whose weight is stored in NVFP4 or MXFP4 (compressed-tensors layout).
 
@@ -142,6 +174,16 @@ class NVFP4Linear(nn.Linear):
     #: True for layers prepared for FSDP2 (:class:`nvfp4.fsdp.ShardableNVFP4Linear`): their 4-bit tensors are frozen
     #: parameters that FSDP2 shards and gathers around the module's own forward
     fsdp_shardable = False
+
+    def __getstate__(self) -> dict:
+        # pickle / deepcopy / torch.save of the module: float8 tensors travel as their bytes (see _Float8Bytes)
+        state = {k: _picklable(v) for k, v in super().__getstate__().items()}
+        for key in ("_buffers", "_parameters"):
+            state[key] = type(state[key])((n, _picklable(t)) for n, t in state[key].items())
+        copy8 = state.get("fp8_copy")
+        if copy8 is not None:
+            state["fp8_copy"] = copy8._replace(weight=_picklable(copy8.weight), scale=_picklable(copy8.scale))
+        return state
 
     @property
     def uses_nvfp4_ops(self) -> bool:

@@ -162,9 +162,16 @@ class _InputStats:
         self._sum: dict[str, torch.Tensor] = {}
         self._count: dict[str, int] = {}
         self._handles = []
+        self._real: torch.Tensor | None = None  # bool [B, T]: the positions counted (None: all)
         modules = dict(model.named_modules())
         for name in names:
             self._handles.append(modules[name].register_forward_pre_hook(self._hook(name)))
+
+    def real_tokens(self, attention_mask: torch.Tensor | None) -> None:
+        """Count only real tokens in the forward passes that follow: ``attention_mask`` ``[B, T]`` (nonzero for a
+        token, 0 for padding) selects the positions of every layer input ``[B, T, in]`` (or ``[B·T, in]``); inputs
+        of other leading shapes (tokens routed to an expert) are counted whole. None (the default): every position."""
+        self._real = None if attention_mask is None else attention_mask.detach() != 0
 
     @staticmethod
     def _term(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +179,11 @@ class _InputStats:
 
     def _hook(self, name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = args[0].detach()
+            real = self._real
+            if real is not None and x.shape[:-1].numel() == real.numel() and x.dim() in (2, real.dim() + 1):
+                x = x.reshape(-1, x.shape[-1])[real.reshape(-1).to(x.device)]
+            x = x.reshape(-1, x.shape[-1]).float()
             self._sum[name] = self._sum.get(name, 0) + self._term(x)
             self._count[name] = self._count.get(name, 0) + x.shape[0]
 
@@ -193,7 +204,7 @@ class ActivationStats(_InputStats):
     """Collects per-input-channel ``E[x²]`` of chosen linear layers with forward hooks.
 
     >>> stats = ActivationStats(model, names)   # names of nn.Linear modules
-    >>> for batch in calib: model(**batch)
+    >>> for batch in calib: stats.real_tokens(batch.get("attention_mask")); model(**batch)  # padding left out
     >>> stats.remove(); act_sq = stats.mean_sq()  # {name: float32 [in_features]}
     """
 

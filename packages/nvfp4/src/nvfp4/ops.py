@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .codec import dequantize
-from .layout import is_mma_layout, weight_shape
+from .layout import checked_layout, weight_shape
 
 __all__ = [
     "linear",
@@ -171,10 +171,11 @@ def _check_weight(op: str, packed: torch.Tensor, scale: torch.Tensor, global_sca
     if packed.dim() != 2 or scale.dim() != 2:
         raise ValueError(f"{op}: NVFP4 tensors disagree: weight_packed {tuple(packed.shape)} and weight_scale "
                          f"{tuple(scale.shape)} must both be 2-D")  # fmt: skip
-    is_mma_layout(packed, scale)  # ValueError "NVFP4 tensors disagree" unless packed fits scale in either layout
+    # ValueError "NVFP4 tensors disagree" unless packed fits scale in either layout; the shape, read once
+    n, k, _ = checked_layout(packed, scale)
     if global_scale.numel() != 1:
         raise ValueError(f"{op}: global_scale must hold one value (float32 [1]), got shape {tuple(global_scale.shape)}")
-    return weight_shape(packed, scale)
+    return n, k
 
 
 def _check_features(

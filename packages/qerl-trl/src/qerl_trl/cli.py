@@ -59,13 +59,13 @@ DEFAULT_RECIPE = "offline-default"
 TRAIN_HELP = (
     "RECIPE: a recipe .yaml file or the name of a shipped recipe (default: offline-default; qerl train "
     "--list-recipes names them); the options below override the recipe's values. --memory-budget-gb GB: plan "
-    "against GB of GPU memory; --debug: tracebacks instead of one-line errors."
+    "against GB (10^9 bytes) of GPU memory; --debug: tracebacks instead of one-line errors."
 )
 
 PLAN_HELP = (
     "Whether a run fits N GPUs under FSDP2 (one line; exit 2 when not), nothing loaded. RECIPE and the options below "
-    "as for qerl train; --gpus N: the GPU count (default 1); --memory-budget-gb GB: GPU memory per GPU (default: an "
-    "H100 80GB)."
+    "as for qerl train; --gpus N: the GPU count (default 1); --memory-budget-gb GB: GPU memory per GPU in GB of 10^9 "
+    "bytes, as every figure printed (default: an H100 80GB, 81,559 MiB = 85.5 GB)."
 )
 #: ``--help`` of the commands that parse a recipe and its overrides: (usage's program, description)
 _HELP = {"train": ("qerl train [RECIPE]", TRAIN_HELP), "plan": ("qerl plan [RECIPE] [--gpus N]", PLAN_HELP)}

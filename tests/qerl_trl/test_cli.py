@@ -1074,3 +1074,41 @@ def test_the_closing_lines_name_the_adapter_when_no_step_logged_a_reward(tmp_pat
     out = capsys.readouterr().out
     assert "qerl train: 20 steps in 3 s" in out and f"adapter: {tmp_path / 'final'}" in out, out
     assert "no step logged a reward" in out and "logging_steps 50" in out and "plots:" not in out, out
+
+
+def test_a_run_folder_records_its_recipe_and_overrides_as_a_recipe_qerl_train_reads_back(tmp_path, tiny_dir):
+    """A run folder held the adapter, checkpoints and metrics but not what made them: which recipe, which command-line
+    overrides (transformers' training_args.bin is a pickle of the trainer config alone). ``qerl train`` now writes
+    ``<output_dir>/recipe.yaml``: the recipe with the overrides applied, headed by the recipe's name and the command,
+    which ``qerl train`` reads back into the same script arguments and trainer config; a resumed run rewrites it."""
+    import dataclasses
+    import shlex
+
+    import yaml
+    from qerl_trl.cli import precheck_train_args
+
+    out = tmp_path / "run"
+    argv = ["offline-default", "--model_name_or_path", str(tiny_dir), "--output_dir", str(out),
+            "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6",
+            "--task_options", json.dumps({"n_examples": 32}), "--disable_tqdm", "true", "--max_steps", "1",
+            "--save_steps", "1", "--learning_rate", "3e-4", "--lora_target_modules", "q_proj", "v_proj", "--vllm",
+            '{"max_model_len": 256}']  # fmt: skip
+    main(["train", *argv])
+    record = out / "recipe.yaml"
+    lines = record.read_text().splitlines()
+    assert lines[1] == "# recipe: offline-default (shipped)", lines[:4]
+    assert shlex.split(lines[2].removeprefix("# command: ")) == ["qerl", "train", *argv], lines[2]
+    saved = yaml.safe_load(record.read_text())
+    assert (saved["model_name_or_path"], saved["quantization"], saved["learning_rate"]) == (str(tiny_dir), "nvfp4-rtn",
+                                                                                            3e-4)  # fmt: skip
+    assert saved["lora_target_modules"] == ["q_proj", "v_proj"] and saved["vllm"] == {"max_model_len": 256}
+    assert saved["task_options"] == {"n_examples": 32} and saved["aqn_sigma_start"] == 0.01  # override, recipe
+    script, config = parse_train_args(argv)
+    again_script, again = parse_train_args([str(record)])  # fed back: the same run
+    assert dataclasses.asdict(again_script) == dataclasses.asdict(script) and again.to_dict() == config.to_dict()
+    precheck_train_args([str(record), "--output_dir", str(tmp_path / "again")])  # a fresh run of it is accepted
+    resumed = [*argv[:-11], "--max_steps", "2", "--save_steps", "1", "--resume", "true", *argv[-7:]]
+    main(["train", *resumed])  # continued: the record is its command now
+    saved = yaml.safe_load(record.read_text())
+    assert saved["max_steps"] == 2 and "resume" not in saved
+    assert "--resume true" in record.read_text().splitlines()[2]

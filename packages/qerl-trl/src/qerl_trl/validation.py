@@ -372,6 +372,9 @@ def load_train_data(script_args: Any, config: Any) -> Any:
 
 #: What makes a folder an earlier run's (``qerl train`` writes these); the staging and replaced-run folders are hidden.
 PREVIOUS_RUN_PREFIX = ".previous-run-"
+#: ``<output_dir>/recipe.yaml``: the recipe and command-line overrides of the last ``qerl train`` into the folder, as a
+#: recipe ``qerl train`` reads back (:func:`qerl_trl.cli.run_recipe`)
+RUN_RECIPE_NAME = "recipe.yaml"
 
 
 def continues_run_in(output_dir: str | None, resume: str | None) -> bool:

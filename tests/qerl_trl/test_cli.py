@@ -100,6 +100,12 @@ def test_train_writes_run_directory_and_resumes(tmp_path, tiny_dir, capsys, monk
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "its adapter is LoRA rank 32" in err and "lora_r 8" in err and "--lora_r 32" in err, err
+    # another quantization of the same model: the same shapes, so it loaded onto the other policy without a word
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "offline-default", *common, "--max_steps", "4", "--resume", "true", "--quantization", "mse"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "quantization 'nvfp4-rtn', this run asks for 'nvfp4-mse'" in err, err
 
     # --overwrite_output_dir: the earlier run is kept until the new one's first checkpoint exists, then removed
     import qerl_trl.run as run_module
@@ -1074,3 +1080,78 @@ def test_the_closing_lines_name_the_adapter_when_no_step_logged_a_reward(tmp_pat
     out = capsys.readouterr().out
     assert "qerl train: 20 steps in 3 s" in out and f"adapter: {tmp_path / 'final'}" in out, out
     assert "no step logged a reward" in out and "logging_steps 50" in out and "plots:" not in out, out
+
+
+def test_a_run_folder_records_its_recipe_and_overrides_as_a_recipe_qerl_train_reads_back(tmp_path, tiny_dir):
+    """A run folder held the adapter, checkpoints and metrics but not what made them: which recipe, which command-line
+    overrides (transformers' training_args.bin is a pickle of the trainer config alone). ``qerl train`` now writes
+    ``<output_dir>/recipe.yaml``: the recipe with the overrides applied, headed by the recipe's name and the command,
+    which ``qerl train`` reads back into the same script arguments and trainer config; a resumed run rewrites it."""
+    import dataclasses
+    import shlex
+
+    import yaml
+    from qerl_trl.cli import precheck_train_args
+
+    out = tmp_path / "run"
+    argv = ["offline-default", "--model_name_or_path", str(tiny_dir), "--output_dir", str(out),
+            "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6",
+            "--task_options", json.dumps({"n_examples": 32}), "--disable_tqdm", "true", "--max_steps", "1",
+            "--save_steps", "1", "--learning_rate", "3e-4", "--lora_target_modules", "q_proj", "v_proj", "--vllm",
+            '{"max_model_len": 256}']  # fmt: skip
+    main(["train", *argv])
+    record = out / "recipe.yaml"
+    lines = record.read_text().splitlines()
+    assert lines[1] == "# recipe: offline-default (shipped)", lines[:4]
+    assert shlex.split(lines[2].removeprefix("# command: ")) == ["qerl", "train", *argv], lines[2]
+    saved = yaml.safe_load(record.read_text())
+    assert (saved["model_name_or_path"], saved["quantization"], saved["learning_rate"]) == (str(tiny_dir), "nvfp4-rtn",
+                                                                                            3e-4)  # fmt: skip
+    assert saved["lora_target_modules"] == ["q_proj", "v_proj"] and saved["vllm"] == {"max_model_len": 256}
+    assert saved["task_options"] == {"n_examples": 32} and saved["aqn_sigma_start"] == 0.01  # override, recipe
+    script, config = parse_train_args(argv)
+    again_script, again = parse_train_args([str(record)])  # fed back: the same run
+    assert dataclasses.asdict(again_script) == dataclasses.asdict(script) and again.to_dict() == config.to_dict()
+    precheck_train_args([str(record), "--output_dir", str(tmp_path / "again")])  # a fresh run of it is accepted
+    resumed = [*argv[:-11], "--max_steps", "2", "--save_steps", "1", "--resume", "true", *argv[-7:]]
+    main(["train", *resumed])  # continued: the record is its command now
+    saved = yaml.safe_load(record.read_text())
+    assert saved["max_steps"] == 2 and "resume" not in saved
+    assert "--resume true" in record.read_text().splitlines()[2]
+
+
+@pytest.mark.parametrize("change", ["quantization", "model"])
+def test_a_resume_with_another_quantization_or_model_is_one_line_before_the_model_loads(change, tmp_path, tiny_dir,
+                                                                                         capsys, monkeypatch):  # fmt: skip
+    """--resume of a run made with --quantization nvfp4-rtn, asked with nvfp4-mse (or none), or of a run on one model
+    asked with another of the same shapes: the checkpoint's adapter and optimizer were loaded onto the other policy
+    and trained on without a word. The run folder's recipe.yaml records both; one line names the saved value and the
+    requested one, before the model loads. The same values in another spelling (an alias, another path to the same
+    folder) continue it."""
+    from qerl_trl.cli import precheck_train_args, run_recipe
+
+    run = tmp_path / "run"
+    made = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(run), "--max_steps", "8"]
+    ckpt = _complete_checkpoint(run / "checkpoint-4", 4)  # the run's checkpoint and record, as qerl train writes
+    (run / "recipe.yaml").write_text(run_recipe(made, *parse_train_args(made)))
+    if change == "quantization":
+        for asked in ("nvfp4-mse", "none"):
+            err = _refused_before_the_model_loads([*made, "--resume", "true", "--quantization", asked], capsys,
+                                                  monkeypatch)  # fmt: skip
+            assert err.startswith(f"qerl train: error: --resume true: the run in '{run}' (recipe.yaml) was trained "
+                                  f"with --quantization 'nvfp4-rtn', this run asks for '{asked}'"), err  # fmt: skip
+            assert "pass --quantization nvfp4-rtn to continue it" in err, err
+    else:
+        other = tmp_path / "other-model"
+        other.symlink_to(tiny_dir)  # another folder name, but...
+        assert precheck_train_args([*made[2:], "--model_name_or_path", str(other), "--resume", "true"])[0].resume
+        import shutil
+
+        other.unlink()
+        shutil.copytree(tiny_dir, other)  # ...another model (the same shapes)
+        err = _refused_before_the_model_loads([*made[2:], "--model_name_or_path", str(other), "--resume", str(ckpt)],
+                                              capsys, monkeypatch)  # fmt: skip
+        assert f"--resume '{ckpt}': the run in '{run}' (recipe.yaml) was trained on --model_name_or_path " in err, err
+        assert f"'{tiny_dir}', this run asks for '{other}'" in err and f"--model_name_or_path {tiny_dir} " in err, err
+    script, config = precheck_train_args([*made, "--resume", "true", "--quantization", "rtn"])  # an alias: the same
+    assert script.resume == "true" and config.quantization == "nvfp4-rtn"

@@ -336,3 +336,45 @@ def test_a_model_or_adapter_given_as_dot_is_named_in_the_output(tiny_dir, adapte
     result = json.loads((out / "eval.json").read_text())
     assert result["settings"]["adapter"]["path"] == str(work / "lora")
     assert "| tiny-llama | lora |" in (out / "eval.md").read_text()
+
+
+def test_an_earlier_eval_json_is_replaced_only_with_overwrite(tiny_dir, tmp_path, monkeypatch):
+    """``qerl eval --output DIR`` where DIR holds an earlier evaluation's eval.json replaced it without a word (its
+    settings and records lost); now a one-line UsageError naming the folder and --overwrite, before the model loads,
+    the earlier files untouched; ``--overwrite`` replaces them (as nvfp4-quantize's --overwrite)."""
+    import qerl_trl.evaluation
+
+    first, _ = _run(tmp_path, "out", "--model", str(tiny_dir), "--greedy")
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in ("eval.json", "eval.md")}
+    load = qerl_trl.evaluation.load_model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", no_model)
+    with pytest.raises(UsageError, match=r"^--output '.*out' holds the eval.json / eval.md of an earlier evaluation: "
+                       r"pass --overwrite to replace them, or give another --output$") as info:  # fmt: skip
+        _run(tmp_path, "out", "--model", str(tiny_dir), "--greedy", "--seed", "1")
+    assert "\n" not in str(info.value)
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", load)
+    second, _ = _run(tmp_path, "out", "--model", str(tiny_dir), "--greedy", "--seed", "1", "--overwrite")
+    assert first["settings"]["seed"] == 0 and second["settings"]["seed"] == 1
+
+
+def test_eval_engines_are_the_registrys_engines_that_evaluate(tiny_dir, tmp_path, capsys):
+    """``qerl eval --help`` listed ``--engine {transformers,graph,vllm}`` (every rollout engine), but the graph engine
+    generates for training only: ``--engine graph`` was refused once parsed. The choices are now the registry's
+    engines that evaluate, and ``--engine graph`` is an argument error saying which engines evaluate."""
+    from qerl_trl.cli import main as qerl
+    from qerl_trl.evaluation import build_parser
+    from qerl_trl.rollout import ENGINES, evaluation_engines
+
+    assert evaluation_engines() == ["transformers", "vllm"] and "graph" in ENGINES
+    assert "--engine {transformers,vllm}" in build_parser().format_help()
+    with pytest.raises(SystemExit) as info:
+        qerl(["eval", "--model", str(tiny_dir), "--task", "arithmetic", "--engine", "graph",
+              "--output", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == ("qerl eval: error: argument --engine: must be one of 'transformers', "
+                                            "'vllm', got 'graph' ('graph' generates for qerl train only)")  # fmt: skip

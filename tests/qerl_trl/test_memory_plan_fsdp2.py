@@ -290,3 +290,23 @@ def test_a_vllm_tensor_parallel_size_that_does_not_split_the_heads_is_refused(ca
         main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "28 attention heads" in err[0], err
+
+
+def test_qerl_plan_prints_every_figure_in_decimal_gb(capsys):
+    """``qerl plan`` printed GB of 10**9 bytes (an H100's 81,559 MiB as 85.5 GB) and, in the same line, the KV cache one
+    sequence needs in GiB (2**30 bytes): one unit now, GB, the unit of --memory-budget-gb too."""
+    from qerl_trl.cli import main
+    from qerl_trl.memory_plan import GB
+
+    assert GB == 1e9 and f"{H100_80GB_BYTES / GB:.1f}" == "85.5"
+    # 1 GiB of cache, max_model_len unset: one sequence of 32,768 positions needs 1.75 GiB = 1.88 GB
+    _, line = fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=GIB)
+    assert "(vLLM's max_model_len, 1.88 GB per GPU)" in line and "GiB" not in line, line
+    # a cache too large to fit beside the rest, of a model whose one sequence is more than the room left
+    _, line = fsdp2_answer(Q7, GSM8K, H100_80GB_BYTES, 1, vllm_colocate=True, vllm_kv_cache_bytes=60 * GIB,
+                           vllm_max_model_len=400_000)  # fmt: skip
+    assert "lowering vllm.kv_cache_memory_bytes cannot: one sequence needs 22.94 GB" in line and "GiB" not in line, line
+    with pytest.raises(SystemExit):
+        main(["plan", "gsm8k-qwen2.5-7b-grpo", "--gpus", "1", "--vllm", '{"kv_cache_memory_bytes": 1073741824, "max_model_len": null}'])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1 GPU of 85.5 GB" in out and "GB per GPU)" in out and "GiB" not in out, out

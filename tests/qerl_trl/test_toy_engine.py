@@ -36,13 +36,18 @@ def test_qerl_train_runs_through_a_registered_engine(tmp_path, tiny_dir, toy_eng
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1]
 
 
-def test_the_engine_owns_its_rules(tmp_path, toy_engine):
+def test_the_engine_owns_its_rules(tmp_path, toy_engine, monkeypatch):
     cfg = QeRLConfig(output_dir=str(tmp_path), rollout_engine="toy")
     assert cfg.rollout_engine_class is toy_engine
     with pytest.raises(ValueError, match="'toy' decodes greedily and cannot honour top_k"):
         QeRLConfig(output_dir=str(tmp_path), rollout_engine="toy", top_k=5)
     from qerl_trl.evaluation import build_parser
+    from qerl_trl.validation import UsageError
 
+    # qerl eval --engine takes the registered engines that evaluate (that say so in check_evaluation)
+    with pytest.raises(UsageError, match=r"got 'toy' \('graph', 'toy' generate for qerl train only\)$"):
+        build_parser().parse_args(["--engine", "toy"])
+    monkeypatch.setattr(toy_engine, "check_evaluation", classmethod(lambda cls, scheme: None))
     assert build_parser().parse_args(["--engine", "toy"]).engine is toy_engine
 
 

@@ -295,6 +295,8 @@ def precheck_train(
                          "evaluate the run's adapters with qerl eval --adapter <output_dir>/checkpoint-N")  # fmt: skip
     if "quantization" in values:
         check_quantization(values["quantization"])
+        key = str(values["quantization"]).strip().lower()  # the canonical name, as the config keeps it ("rtn" → …)
+        values["quantization"] = table["quantization"]["aliases"].get(key, key)
     kind = str(values.get("aqn_schedule", "exponential")).lower()
     if not any(k.startswith(kind) for k in table["aqn_schedules"]):  # make_schedule also takes exp, log, cos, const
         raise UsageError(f"aqn_schedule={values['aqn_schedule']!r}: unknown AQN schedule kind; expected one of "

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from .validation import (
+    RUN_RECIPE_NAME,
     TrainInputs,
     UsageError,
     UsageErrorParser,
@@ -50,6 +51,7 @@ __all__ = [
     "main",
     "parse_train_args",
     "precheck_train_args",
+    "run_recipe",
     "train",
     "versions",
 ]
@@ -59,13 +61,13 @@ DEFAULT_RECIPE = "offline-default"
 TRAIN_HELP = (
     "RECIPE: a recipe .yaml file or the name of a shipped recipe (default: offline-default; qerl train "
     "--list-recipes names them); the options below override the recipe's values. --memory-budget-gb GB: plan "
-    "against GB of GPU memory; --debug: tracebacks instead of one-line errors."
+    "against GB (10^9 bytes) of GPU memory; --debug: tracebacks instead of one-line errors."
 )
 
 PLAN_HELP = (
     "Whether a run fits N GPUs under FSDP2 (one line; exit 2 when not), nothing loaded. RECIPE and the options below "
-    "as for qerl train; --gpus N: the GPU count (default 1); --memory-budget-gb GB: GPU memory per GPU (default: an "
-    "H100 80GB)."
+    "as for qerl train; --gpus N: the GPU count (default 1); --memory-budget-gb GB: GPU memory per GPU in GB of 10^9 "
+    "bytes, as every figure printed (default: an H100 80GB, 81,559 MiB = 85.5 GB)."
 )
 #: ``--help`` of the commands that parse a recipe and its overrides: (usage's program, description)
 _HELP = {"train": ("qerl train [RECIPE]", TRAIN_HELP), "plan": ("qerl plan [RECIPE] [--gpus N]", PLAN_HELP)}
@@ -288,6 +290,69 @@ def parse_train_args(argv: list[str], *, command: str = "train") -> tuple[Script
     return script_args, config
 
 
+#: options that say how ``qerl train`` starts in its output folder, not what it trains: not in the run's record
+_RUN_CONTROL = ("resume", "overwrite_output_dir")
+
+
+def run_recipe(argv: list[str], script_args: ScriptArguments, config: Any) -> str:
+    """The text of ``<output_dir>/recipe.yaml`` (:data:`~qerl_trl.validation.RUN_RECIPE_NAME`) for ``qerl train
+    ARGV`` (``[RECIPE] [--overrides]``, parsed into ``script_args`` and ``config``): the recipe's mapping with the
+    command-line overrides applied (as the parser applies them: a ``--vllm`` JSON object updates the recipe's
+    mapping, another ``--task`` drops the recipe's task options), the resolved ``algorithm``, ``model_name_or_path``,
+    ``quantization`` (canonical) and ``output_dir`` first; headed by comments naming the recipe and the command line.
+    A recipe ``qerl train`` reads back: ``qerl train <output_dir>/recipe.yaml`` runs the same recipe again.
+    ``--resume`` and ``--overwrite_output_dir`` are left out (how the run started, not what it trains)."""
+    import shlex
+
+    from .arguments import _parse_command_line
+
+    given = list(argv)
+    argv, recipe = _with_config(argv)
+    i = argv.index("--config")
+    overrides = _parse_command_line(argv[:i] + argv[i + 2 :], _train_options())
+    values = dict(recipe)
+    if "task" in overrides and overrides["task"] != recipe.get("task") and "task_options" not in overrides:
+        values.pop("task_options", None)  # as parse_train_args: the recipe's options are its own task's
+    values.update(overrides)
+    for key, value in values.items():  # a JSON object given on the command line (--vllm, --task_options): a mapping
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                values[key] = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+    resolved = {"algorithm": script_args.algorithm, "model_name_or_path": str(script_args.model_name_or_path),
+                "quantization": config.quantization, "output_dir": config.output_dir}  # fmt: skip
+    record = {**resolved, **{k: v for k, v in values.items() if k not in resolved and k not in _RUN_CONTROL}}
+    recipe_file = argv[i + 1]
+    shipped = Path(recipe_file).resolve().parent == RECIPES_DIR
+    name = Path(recipe_file).stem if shipped else recipe_file
+    head = (
+        f"# the recipe and command-line overrides of the last `qerl train` into this folder (qerl-trl {_version()})\n"
+        f"# recipe: {name}{' (shipped)' if shipped else ''}\n"
+        f"# command: {shlex.join(['qerl', 'train', *given])}\n"
+        f"# run it again: qerl train {Path(config.output_dir) / RUN_RECIPE_NAME} --output_dir <another folder>\n"
+    )
+    return head + yaml.safe_dump(record, sort_keys=False, allow_unicode=True)
+
+
+def _version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version("qerl-trl")
+    except md.PackageNotFoundError:
+        return "unknown"
+
+
+def _write_run_recipe(output_dir: str, text: str) -> None:
+    """``<output_dir>/recipe.yaml`` := ``text``, replaced whole (a rename), on the main process."""
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RUN_RECIPE_NAME}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, folder / RUN_RECIPE_NAME)
+
+
 def build_trainer(script_args: ScriptArguments, config: Any, dataset: Any = None) -> Any:
     """The trainer ``qerl train`` runs: dataset (``dataset``, or the task's, loaded here), rewards, callbacks (run
     directory, progress) and the GRPO or DAPO trainer from parsed arguments (:func:`parse_train_args`), not yet
@@ -324,10 +389,13 @@ def build_trainer(script_args: ScriptArguments, config: Any, dataset: Any = None
     return trainer
 
 
-def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None = None) -> Any:
+def train(
+    script_args: ScriptArguments, config: Any, inputs: TrainInputs | None = None, *, recipe: str | None = None
+) -> Any:
     """Check the arguments (:func:`~qerl_trl.validation.validate_train_args`, unless ``inputs`` holds its result),
     build dataset, rewards and trainer, train (from the checkpoint ``--resume`` picked), save the adapter; returns the
-    trainer."""
+    trainer. ``recipe``: the run's record (:func:`run_recipe`), written to ``<output_dir>/recipe.yaml`` before the
+    model loads (``qerl train`` passes it)."""
     from .run import move_earlier_run_aside
 
     if inputs is None:
@@ -342,6 +410,8 @@ def train(script_args: ScriptArguments, config: Any, inputs: TrainInputs | None 
               "this run writes its first checkpoint, then removed", file=sys.stderr)  # fmt: skip
     if inputs.resume is not None and _is_main_process():
         print(_resume_line(config.output_dir, inputs.resume, start_step), file=sys.stderr)
+    if recipe is not None and _is_main_process():  # after an earlier run was moved aside: this run's record
+        _write_run_recipe(config.output_dir, recipe)
     trainer = build_trainer(script_args, config, inputs.dataset)
     try:
         _train_and_save(trainer, config, resume, replacing, start_step)
@@ -728,6 +798,7 @@ def main(argv: list[str] | None = None) -> None:
             config.rollout_engine_class.check_environment(config)
             inputs = validate_train_args(script_args, config)
             check_prompt_lengths(script_args, config, inputs.dataset)
+            recipe = run_recipe(argv, script_args, config)
         except (ValueError, TypeError, MissingExtraError) as e:
             _usage_error("qerl train", e, debug)
 
@@ -741,7 +812,7 @@ def main(argv: list[str] | None = None) -> None:
         from peft.utils.error import NoMatchingPeftModuleError
 
         try:
-            trainer = train(script_args, config, inputs)
+            trainer = train(script_args, config, inputs, recipe=recipe)
         except (MissingExtraError, AdapterMismatchError) as e:  # the offline default model without nvfp4[gguf], ...
             _usage_error("qerl train", e, debug)
         except NoMatchingPeftModuleError as e:  # names no module of the model: known once it has loaded

@@ -6,7 +6,8 @@ the task's accuracy reward (:data:`qerl_trl.tasks.TASK_EVAL_REWARD`; 1.0 = corre
 ``1 - C(n-c, k) / C(n, k)`` over ``n`` samples with ``c`` correct, averaged over examples.
 
 Results go to ``<output>/eval.json`` (settings, metrics, one record per example with its completions and rewards) and
-``<output>/eval.md`` (a markdown table plus a few samples).
+``<output>/eval.md`` (a markdown table plus a few samples); an ``<output>`` that holds them from an earlier evaluation is
+refused before the model loads unless ``--overwrite`` is given.
 
 Examples::
 
@@ -41,7 +42,7 @@ from nvfp4 import cache_dequantized
 from .policy import OFFLINE_DEFAULT, calibration_prompt_ids, load_policy, resolve_model_path
 from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
-from .rollout import ENGINES, RolloutEngine, engine_class
+from .rollout import ENGINES, RolloutEngine, engine_class, evaluation_engines
 from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
 from .validation import UsageError, UsageErrorParser, check_chat_template, load_task_data, validate_eval_args
 
@@ -466,11 +467,15 @@ def _scheme_arg(text: str) -> QuantScheme:
 
 
 def _engine_arg(text: str) -> type[RolloutEngine]:
-    """``--engine``: the :class:`~qerl_trl.rollout.RolloutEngine` it names (the registry's names)."""
-    try:
-        return engine_class(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+    """``--engine``: the :class:`~qerl_trl.rollout.RolloutEngine` it names, one of the registry's engines that
+    evaluate (:func:`~qerl_trl.rollout.evaluation_engines`; ``graph`` generates for training only)."""
+    names = evaluation_engines()
+    if text not in names:
+        others = [n for n in ENGINES if n not in names]
+        why = f" ({', '.join(map(repr, others))} generate{'s' if len(others) == 1 else ''} for qerl train only)"
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(repr, names))}, got {text!r}"
+                                         + (why if text in others else ""))  # fmt: skip
+    return engine_class(text)
 
 
 class _Parser(UsageErrorParser, argparse.ArgumentParser):
@@ -517,11 +522,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compute dtype (default auto: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     ap.add_argument("--output", help="folder for eval.json and eval.md (default runs/eval/<model>-<task>-<split>)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the eval.json and eval.md that --output holds from an earlier evaluation (default: "
+                         "refuse)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--engine", type=_engine_arg, default="transformers", metavar="{" + ",".join(ENGINES) + "}",
-                    help="generation engine, a rollout engine of qerl_trl.rollout (default: transformers; vllm: needs "
-                         "the qerl-vllm plugin, the adapter is loaded as a LoRA adapter)")
+    ap.add_argument("--engine", type=_engine_arg, default="transformers",
+                    metavar="{" + ",".join(evaluation_engines()) + "}",
+                    help="generation engine, a rollout engine of qerl_trl.rollout that evaluates (default: "
+                         "transformers; vllm: needs the qerl-vllm plugin, the adapter is loaded as a LoRA adapter)")
     return ap
+
+
+def _output_folder(args: argparse.Namespace, scheme: QuantScheme) -> Path:
+    """``--output``, or the default ``runs/eval/<model>[-<adapter>][-<quantization>]-<task>-<split>``."""
+    if args.output:
+        return Path(args.output)
+    name = Path(resolve_model_path(args.model).rstrip("/")).name
+    name += f"-{Path(args.adapter.rstrip('/')).name}" if args.adapter else ""
+    if not scheme.is_dense:
+        name += f"-{scheme}"  # nvfp4-rtn, mxfp4-rtn, nf4, ...
+    return Path("runs") / "eval" / f"{name}-{args.task}-{args.split}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -547,6 +567,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from e
     validate_eval_args(args)
+    out = _output_folder(args, scheme)
+    if not args.overwrite and any((out / name).exists() for name in ("eval.json", "eval.md")):
+        given = "--output" if args.output else "--output (the default)"
+        raise UsageError(f"{given} {str(out)!r} holds the eval.json / eval.md of an earlier evaluation: pass "
+                         "--overwrite to replace them, or give another --output")  # fmt: skip
     if not scheme.is_dense and _is_prequantized(resolve_model_path(args.model)):  # load_model's ValueError, earlier
         raise UsageError(f"--model {args.model!r} is already quantized (its config.json holds a quantization_config); "
                          f"drop --quantization {scheme.name}, which quantizes a dense model on load")  # fmt: skip
@@ -582,10 +607,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["settings"] = {**info, "task": args.task, "split": args.split, "data_path": args.data_path,
                           "limit": args.limit, "task_options": options, **result["settings"]}
 
-    name = Path(info["model"].rstrip("/")).name + (f"-{Path(args.adapter.rstrip('/')).name}" if args.adapter else "")
-    if not scheme.is_dense:
-        name += f"-{scheme}"  # nvfp4-rtn, mxfp4-rtn, nf4, ...
-    out = Path(args.output or Path("runs") / "eval" / f"{name}-{args.task}-{args.split}")
     out.mkdir(parents=True, exist_ok=True)
     report = markdown_report(result)
     _write_atomic(out / "eval.json", json.dumps(result, indent=2, default=str))

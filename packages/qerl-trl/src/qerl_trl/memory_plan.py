@@ -89,8 +89,9 @@ __all__ = [
     "weight_bytes_per_param",
 ]
 
+#: Every figure the plan prints is in GB of 10**9 bytes (``--memory-budget-gb`` too): an H100 80GB is 85.5 GB.
 GB = 1e9
-#: Memory of an H100 80GB (SXM5 / PCIe) as the driver reports it (``nvidia-smi``: 81,559 MiB).
+#: Memory of an H100 80GB (SXM5 / PCIe) as the driver reports it (``nvidia-smi``: 81,559 MiB = 85.5 GB).
 H100_80GB_BYTES = 81_559 * 2**20
 #: Fraction of the budget the plan leaves free (allocator caching and fragmentation, CUDA-graph pools, workspaces).
 DEFAULT_MARGIN = 0.10
@@ -834,13 +835,13 @@ def fsdp2_answer(
     if kv and kv < start:  # vLLM itself stops at start: "max_model_len ... larger than ... stored in KV cache"
         verdict = (
             f"does not fit: vllm.kv_cache_memory_bytes={kv} cannot hold one sequence of "
-            f"{plan.details['vllm_max_model_len']} positions (vLLM's max_model_len, {start / 2**30:.2f} GiB per GPU) "
+            f"{plan.details['vllm_max_model_len']} positions (vLLM's max_model_len, {start / GB:.2f} GB per GPU) "
             f"and vLLM would refuse to start; raise it to {-(-start // mib) * mib} or more, or lower vllm.max_model_len"
         )
     elif kv and not fits:  # the fixed cache is held in full: a smaller one may fit
         room = (kv - over) // mib * mib  # the largest cache that fits beside the rest
         fix = (f"set vllm.kv_cache_memory_bytes to {room} or less" if room >= start else
-               f"lowering vllm.kv_cache_memory_bytes cannot: one sequence needs {start / 2**30:.2f} GiB")  # fmt: skip
+               f"lowering vllm.kv_cache_memory_bytes cannot: one sequence needs {start / GB:.2f} GB")  # fmt: skip
         verdict = f"does not fit, {over / GB:.1f} GB over with its fixed KV cache ({fix})"
     return fits, f"{head}{verdict}: {body}; {least} (estimate)"
 

@@ -4,6 +4,7 @@ Layout of ``output_dir``::
 
     metrics.jsonl          every TRL log line, with "step"; appended, so a resumed run continues the same file
     plots.png              reward / entropy / σ / completion length per step (rewritten at each save and at the end)
+    recipe.yaml            the recipe and command-line overrides of the last ``qerl train`` here, a recipe it reads back
     checkpoint-N/          adapter, optimizer, RNG, trainer state, aqn_state.json (renamed into place whole)
     final/                 the trained LoRA adapter and tokenizer
     calibrated/            nvfp4-awq / nvfp4-gptq: the calibrated policy, reused by a resumed or repeated run

@@ -372,6 +372,9 @@ def load_train_data(script_args: Any, config: Any) -> Any:
 
 #: What makes a folder an earlier run's (``qerl train`` writes these); the staging and replaced-run folders are hidden.
 PREVIOUS_RUN_PREFIX = ".previous-run-"
+#: ``<output_dir>/recipe.yaml``: the recipe and command-line overrides of the last ``qerl train`` into the folder, as a
+#: recipe ``qerl train`` reads back (:func:`qerl_trl.cli.run_recipe`)
+RUN_RECIPE_NAME = "recipe.yaml"
 
 
 def continues_run_in(output_dir: str | None, resume: str | None) -> bool:
@@ -446,6 +449,48 @@ def _check_resume_adapter(checkpoint: str, config: Any, model: str) -> None:
         )
 
 
+def _same_model(saved: str, model: str) -> bool:
+    """The same model: the same name, or local paths of one folder."""
+    if saved == model:
+        return True
+    a, b = Path(saved).expanduser(), Path(model).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def _check_resume_run(checkpoint: str, given: str, script_args: Any, config: Any) -> None:
+    """The run the checkpoint is of (its folder's :data:`RUN_RECIPE_NAME`, which ``qerl train`` writes) was trained on
+    this run's model and quantization: another ``--model_name_or_path`` or ``--quantization`` loaded the checkpoint's
+    adapter and optimizer onto another policy without a word (the same shapes: another quantizer, another fine-tune)
+    or failed deep in PEFT. One line naming the saved value and the requested one. A folder without the record (a run
+    of before it, another tool's) is not checked."""
+    import yaml
+
+    record = Path(checkpoint).expanduser().parent / RUN_RECIPE_NAME
+    try:
+        saved = yaml.safe_load(record.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return
+    if not isinstance(saved, dict):
+        return
+    which = f"--resume {'true' if given == 'true' else repr(given)}: the run in {str(record.parent)!r} ({record.name})"
+    model, saved_model = str(script_args.model_name_or_path), saved.get("model_name_or_path")
+    if saved_model is not None and not _same_model(str(saved_model), model):
+        raise UsageError(
+            f"{which} was trained on --model_name_or_path {str(saved_model)!r}, this run asks for {model!r}: its "
+            f"adapter and optimizer belong to that model; pass --model_name_or_path {saved_model} to continue it, or "
+            "start a new run in another --output_dir"
+        )
+    quantization, saved_quantization = getattr(config, "quantization", None), saved.get("quantization")
+    if saved_quantization is not None and quantization is not None and (
+        str(saved_quantization).strip().lower() != str(quantization).strip().lower()
+    ):
+        raise UsageError(
+            f"{which} was trained with --quantization {saved_quantization!r}, this run asks for {quantization!r}: "
+            f"its adapter was trained on that policy; pass --quantization {saved_quantization} to continue it, or "
+            "start a new run in another --output_dir"
+        )
+
+
 def _check_resume_step(checkpoint: str, given: str, config: Any) -> None:
     """A checkpoint at or past ``max_steps`` leaves nothing to train: the run loaded the policy, trained 0 steps and
     rewrote ``final/`` (exit 0). One line naming the checkpoint's step and ``max_steps`` instead."""
@@ -512,6 +557,8 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             raise UsageError(f"--resume {script_args.resume!r}: {e.relative_to(script_args.resume)}") from e
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
+        given = "true" if script_args.resume_latest else script_args.resume
+        _check_resume_run(resume.path, given, script_args, config)
         _check_resume_adapter(resume.path, config, script_args.model_name_or_path)
         _check_resume_step(resume.path, "true" if script_args.resume_latest else script_args.resume, config)
         if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():

@@ -17,7 +17,7 @@ import importlib
 
 from .base import RolloutEngine
 
-__all__ = ["ENGINES", "RolloutEngine", "engine_class"]
+__all__ = ["ENGINES", "RolloutEngine", "engine_class", "evaluation_engines"]
 
 #: ``rollout_engine`` value → ``module:class`` (imported when chosen: vLLM's module is only loaded for vLLM rollouts)
 ENGINES: dict[str, str] = {
@@ -33,3 +33,10 @@ def engine_class(name: str) -> type[RolloutEngine]:
         raise ValueError(f"rollout_engine must be one of {', '.join(map(repr, ENGINES))}, got {name!r}")
     module, _, cls = ENGINES[name].partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def evaluation_engines() -> list[str]:
+    """The names of :data:`ENGINES` that ``qerl eval --engine`` can generate with: those whose class overrides
+    :meth:`RolloutEngine.check_evaluation` (the base refuses every policy; ``graph`` generates for training only)."""
+    refuses = RolloutEngine.check_evaluation.__func__
+    return [name for name in ENGINES if getattr(engine_class(name).check_evaluation, "__func__", None) is not refuses]

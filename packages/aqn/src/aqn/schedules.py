@@ -58,6 +58,8 @@ _STATE_VERSION = 1
 
 
 def _check_sigma(name: str, value: float) -> float:
+    if isinstance(value, bool):  # float(True) is 1.0: σ = 1, a hundred times the paper's largest
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         value = float(value)
     except (TypeError, ValueError) as e:

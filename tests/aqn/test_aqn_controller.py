@@ -228,3 +228,25 @@ def test_an_engine_that_fails_while_taking_the_noise_is_restored():
     assert engine.restores == 1 and all(torch.equal(engine.params[k], snap[k]) for k in engine.clean)
     assert ctl.begin_rollout(model, 33, engine=_ModelCopyEngine(model)) is not None  # not left "active"
     ctl.end_rollout()
+
+
+def test_controller_does_not_keep_the_models_it_noised_alive():
+    # the per-model NormNoise cache has weak keys, but each NormNoise held its model strongly: every model copy given
+    # to rollout() stayed in memory for the controller's life
+    import gc
+    import weakref
+
+    ctl = AQNController(make_schedule("exponential", 1e-2, 1e-4, 4, total_steps=8), seed=int(torch.randint(0, 99, ())))
+    refs = []
+    for step in (0, 5):
+        model = tiny_model("llama")
+        snap = snapshot(model)
+        with ctl.rollout(model, step):
+            pass
+        assert_bit_identical(model, snap)
+        assert ctl.norm_noise(model).model is model
+        refs.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert len(ctl._noises) == 0

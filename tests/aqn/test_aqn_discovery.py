@@ -126,3 +126,55 @@ def test_torch_rmsnorm_is_found():
 
     (g,) = aqn.find_norm_linear_pairs(Net())
     assert (g.norm_name, g.linear_names) == ("norm", ("up",))
+
+
+@pytest.mark.parametrize(
+    ("config", "router"), [("MixtralConfig", "gate"), ("Qwen3MoeConfig", "gate"), ("GptOssConfig", "router")]
+)
+def test_moe_layers_post_attention_norm_feeds_router_and_experts(config, router):
+    # a mixture-of-experts MLP has no nn.Linear: its router and fused experts call F.linear on their own parameters;
+    # the norm before it was reported as feeding nothing and never noised (AQN on the attention norms only)
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    groups, skipped = aqn.find_norm_linear_pairs(model, return_skipped=True)
+    by_norm = {g.norm_name: g.linear_names for g in groups}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        assert by_norm[f"{p}.post_attention_layernorm"] == (f"{p}.mlp.{router}", f"{p}.mlp.experts")
+        assert f"{p}.post_attention_layernorm" not in skipped
+    convention = aqn.find_norm_linear_pairs(model, method="convention")
+    assert {g.norm_name: set(g.linear_names) for g in convention} == {k: set(v) for k, v in by_norm.items()}
+    # and the norm is noised
+    w = model.model.layers[0].post_attention_layernorm.weight
+    before = w.detach().clone()
+    with aqn.NormNoise(model, groups=groups).apply(1e-2, seed=0):
+        assert not torch.equal(w, before)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("config", ["Gemma2Config", "Gemma3TextConfig"])
+def test_convention_fallback_on_gemma_sandwich_norms_names_the_pre_feedforward_norm(config):
+    # Gemma 2/3: post_attention_layernorm scales the attention output, pre_feedforward_layernorm feeds the MLP; the
+    # fallback noised the former, claiming it fed mlp.gate_proj / up_proj, and left the MLP's input norm clean
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    traced = aqn.find_norm_linear_pairs(model)
+
+    def broken_forward(_model):
+        raise RuntimeError("this forward needs inputs the tracer cannot make")
+
+    with pytest.warns(UserWarning, match="falling back"):
+        fallback = aqn.find_norm_linear_pairs(model, broken_forward)
+    assert all(g.found_by == "convention" for g in fallback)
+    assert [(g.norm_name, g.linear_names) for g in fallback] == [(g.norm_name, g.linear_names) for g in traced]
+    assert "model.layers.0.pre_feedforward_layernorm" in {g.norm_name for g in fallback}

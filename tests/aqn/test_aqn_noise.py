@@ -422,3 +422,48 @@ def test_fp32_norms_refuse_a_norm_that_is_not_rmsnorm():
         noise.apply(1e-3, seed=0)
     assert model.model.layers[0].input_layernorm is norm  # nothing swapped
     assert_bit_identical(model, snap)
+
+
+def test_noisy_norm_weights_checks_its_arguments_at_the_call():
+    # a generator function: a bad σ or a 2-D weight raised only when the copies were first taken (inside whatever
+    # engine weight loader consumed them), far from the call that passed it
+    d = int(torch.randint(8, 32, ()))
+    params = {"a.weight": torch.rand(d) + 0.5, "b.weight": torch.rand(d) + 0.5}
+    for sigma in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sigma must be a finite number >= 0"):
+            aqn.noisy_norm_weights(params, sigma, seed=0)
+    with pytest.raises(ValueError, match=r"^c\.weight: expected a 1-D norm weight, got shape \(4, 4\)$"):
+        aqn.noisy_norm_weights({**params, "c.weight": torch.ones(4, 4)}, 1e-2, seed=0)
+    with pytest.raises(ValueError, match=r"^c\.weight: expected a 1-D norm weight, got a list$"):
+        aqn.noisy_norm_weights({**params, "c.weight": [1.0, 2.0]}, 1e-2, seed=0)
+    # good arguments still yield the noise NormNoise.apply adds
+    copies = dict(aqn.noisy_norm_weights(params, 1e-2, seed=3, step=2))
+    live = {k: v.clone() for k, v in params.items()}
+    with aqn.NormNoise(live).apply(1e-2, seed=3, step=2):
+        assert all(torch.equal(copies[k], live[k]) for k in params)
+
+
+def test_a_sigma_that_is_not_a_number_is_refused_in_one_line_naming_sigma():
+    # None raised "float() argument must be a string or a real number, not 'NoneType'" (a TypeError naming nothing);
+    # True was taken as σ = 1.0, a hundred times the paper's largest
+    model = tiny_model("llama")
+    snap = snapshot(model)
+    noise = NormNoise(model)
+    weights = noise.named_parameters()
+    for bad in (None, "0.01", True, [0.01]):
+        for call in (
+            lambda s: noise.apply(s, seed=0),
+            lambda s: noise.apply_per_forward(s, seed=0),
+            lambda s: aqn.sample_noise((4,), s, seed=0),
+            lambda s: aqn.noisy_norm_weights(weights, s, seed=0),
+            lambda s: aqn.measure_rounding_survival(torch.rand(8), s),
+        ):
+            with pytest.raises(ValueError, match=r"^sigma must be a finite number >= 0, got .+$"):
+                call(bad)
+    assert_bit_identical(model, snap)
+    with pytest.raises(ValueError, match="^sigma_start must be a number, got True$"):
+        aqn.make_schedule("linear", True, 0.0, 4, total_steps=8)
+    # numbers of other real types are still σ
+    sigma = float(torch.rand(()) * 1e-2 + 1e-3)
+    with noise.apply(torch.tensor(sigma), seed=1) as handle:
+        assert handle.sigma == float(torch.tensor(sigma))

@@ -3,6 +3,7 @@ import math
 
 import aqn
 import pytest
+import torch
 from aqn import make_schedule, schedule_from_state_dict
 
 KINDS = ("exponential", "linear", "cosine", "logarithmic", "constant")
@@ -154,3 +155,18 @@ def test_state_dict_round_trip_resumes_in_the_same_stage_with_the_same_sigma(kin
     wrong = "linear" if kind != "linear" else "cosine"
     with pytest.raises(ValueError, match="schedule_from_state_dict"):
         make_schedule(wrong, total_steps=5).load_state_dict(state)
+
+
+@pytest.mark.parametrize("kind", ["exponential", "linear", "cosine", "logarithmic"])
+def test_reach_end_lands_exactly_on_sigma_end(kind):
+    # documented "stage K-1 is exactly sigma_end" (and shape(1) == sigma_end), but linear and logarithmic ended a
+    # rounding off it (0.01 -> 1e-4: 9.99999999999994e-05), so a log or check of the last stage's σ == σ_end failed
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(50):
+        a, b = (10 ** (-4 * torch.rand((2,), generator=g, dtype=torch.float64) - 1)).tolist()
+        K = int(torch.randint(3, 12, (), generator=g))
+        s = aqn.make_schedule(kind, a, b, K, total_steps=10 * K, reach_end=True)
+        assert s.shape(0) == a and s.shape(1) == b, (a, b)
+        assert s.sigma(10 * K - 1) == b and s.stage_sigmas()[1] == a, (a, b, K)
+        flat = aqn.make_schedule(kind, a, a, K, total_steps=10 * K)  # σ_start == σ_end: the same σ in every stage
+        assert flat.stage_sigmas()[1:] == [a] * (K - 1)

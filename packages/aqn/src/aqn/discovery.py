@@ -8,7 +8,10 @@ a silent no-op on a rollout engine's own model classes. Here pairs are found by 
    ``RMSNorm`` or an ``eps`` / ``variance_epsilon`` attribute (so HF ``*RMSNorm``, ``torch.nn.RMSNorm``, vLLM's
    ``RMSNorm`` all qualify; ``nn.LayerNorm`` with a bias does not — its bias breaks the multiplicative equivalence);
 2. candidate linears: ``nn.Linear`` subclasses and any module whose class name contains ``Linear`` (vLLM's fused
-   ``QKVParallelLinear`` / ``MergedColumnParallelLinear``, PEFT's LoRA ``Linear``, ``NVFP4Linear``);
+   ``QKVParallelLinear`` / ``MergedColumnParallelLinear``, PEFT's LoRA ``Linear``, ``NVFP4Linear``), and any other
+   module holding a weight matrix of its own (a floating Parameter of 2 or more dims) with no linear inside it: a
+   mixture-of-experts router (``MixtralTopKRouter``, ``[E, d]``) and fused experts (``Qwen3MoeExperts``, ``[E, ., d]``),
+   which call ``F.linear`` on their own parameters;
 3. one tiny forward with hooks; a linear is fed by a norm when one of its tensor inputs shares storage with that
    norm's (first) output — the same tensor or a view of it (HF slices the final hidden state before ``lm_head``).
    All norm outputs are kept alive during the trace, so a storage address cannot be recycled by an unrelated tensor.
@@ -18,14 +21,17 @@ Wrappers are collapsed to the outermost matching linear (PEFT ``q_proj`` rather 
 ``q_proj.lora_A.default``).
 
 What is found, per decoder layer of Llama / Qwen2 / Qwen3 / Mistral: ``input_layernorm → q_proj, k_proj, v_proj``
-(one shared vector) and ``post_attention_layernorm → gate_proj, up_proj``. ``o_proj`` and ``down_proj`` are fed by no
+(one shared vector) and ``post_attention_layernorm → gate_proj, up_proj`` (in a mixture-of-experts layer, Mixtral /
+Qwen3-MoE / gpt-oss: ``→ mlp.gate`` or ``mlp.router``, ``mlp.experts``). ``o_proj`` and ``down_proj`` are fed by no
 norm. Qwen3's per-head ``q_norm`` / ``k_norm`` feed rotary embeddings, not a linear, so they are reported in
 ``skipped`` and never noised. The final norm feeds ``lm_head``; the paper only perturbs the per-layer norms, so it is
 excluded unless ``include_final_norm=True``.
 
 If the traced forward cannot run, ``method="auto"`` falls back (with a warning) to the HF decoder-layer naming
 convention: ``input_layernorm`` → ``self_attn.{q,k,v,qkv}_proj``, ``post_attention_layernorm`` →
-``mlp.{gate,up,gate_up}_proj``.
+``mlp.{gate,up,gate_up}_proj`` (or a MoE layer's ``mlp.{gate,router,experts}``); in a layer that has a
+``pre_feedforward_layernorm`` (Gemma 2 / 3), that norm feeds the MLP and ``post_attention_layernorm`` (on the attention
+output) feeds nothing.
 """
 
 from __future__ import annotations
@@ -96,6 +102,16 @@ def is_rmsnorm_like(module: nn.Module) -> bool:
 def is_linear_like(module: nn.Module) -> bool:
     """True for ``nn.Linear`` and modules whose class name contains ``Linear`` (fused / quantized / LoRA linears)."""
     return isinstance(module, nn.Linear) or "linear" in type(module).__name__.lower()
+
+
+def _is_consumer(module: nn.Module) -> bool:
+    """A module that feeds its input to a matmul: linear-like (:func:`is_linear_like`), or holding a floating weight
+    matrix of its own and no linear-like module inside (a MoE router or fused experts module)."""
+    if is_linear_like(module):
+        return True
+    if not any(p.dim() >= 2 and p.is_floating_point() for p in module.parameters(recurse=False)):
+        return False
+    return not any(is_linear_like(m) for m in module.modules() if m is not module)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -177,7 +193,7 @@ def _collapse_to_outermost(linear_names: list[str]) -> list[str]:
 def _trace(model: nn.Module, norms: dict[str, nn.Module], example_inputs: ExampleInputs) -> dict[str, list[str]]:
     """Run one forward and return ``{norm_name: [linear names fed by it, call order]}`` (all candidate norms)."""
     modules = dict(model.named_modules())
-    linears = {n: m for n, m in modules.items() if n and is_linear_like(m)}
+    linears = {n: m for n, m in modules.items() if n and _is_consumer(m)}
     clock = [0]
     norm_calls: list[tuple[int, str, torch.Tensor]] = []  # keeps outputs alive: no storage address reuse
     storage_to_calls: dict[tuple[str, int], list[int]] = {}
@@ -234,20 +250,24 @@ def _trace(model: nn.Module, norms: dict[str, nn.Module], example_inputs: Exampl
 
 def _convention(model: nn.Module, norms: dict[str, nn.Module]) -> dict[str, list[str]]:
     modules = dict(model.named_modules())
+    mlp = ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "gate", "router", "experts"))
     targets = {
         "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj", "W_pack")),
-        "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj", "gate_up_proj")),
+        "post_attention_layernorm": mlp,
+        "pre_feedforward_layernorm": mlp,
     }
     feeds: dict[str, list[str]] = {n: [] for n in norms}
     for name in norms:
         parent, _, leaf = name.rpartition(".")
         if leaf not in targets:
             continue
+        if leaf == "post_attention_layernorm" and f"{parent}.pre_feedforward_layernorm".lstrip(".") in norms:
+            continue  # Gemma 2/3 sandwich norms: this one scales the attention output, the pre-feedforward one the MLP's input
         block, projs = targets[leaf]
         prefix = f"{parent}.{block}" if parent else block
         for p in projs:
             lin = f"{prefix}.{p}"
-            if lin in modules and is_linear_like(modules[lin]):
+            if lin in modules and _is_consumer(modules[lin]):
                 feeds[name].append(lin)
     return feeds
 

@@ -26,6 +26,7 @@ order.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -67,10 +68,15 @@ def noise_seed(seed: int, step: int, name: str, draw: int = 0) -> int:
 
 
 def _check_sigma(sigma: float) -> float:
-    sigma = float(sigma)
-    if not sigma >= 0 or sigma == float("inf"):  # also rejects NaN
-        raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
-    return sigma
+    """``sigma`` as a float; ``ValueError`` in one line for anything but a finite real number >= 0 (``None``, a string
+    and a bool too: ``True`` would be σ = 1, a hundred times the paper's largest)."""
+    value = sigma.item() if isinstance(sigma, torch.Tensor) and sigma.numel() == 1 else sigma
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+    value = float(value)
+    if not value >= 0 or value == float("inf"):  # also rejects NaN
+        raise ValueError(f"sigma must be a finite number >= 0, got {value}")
+    return value
 
 
 def sample_noise(
@@ -163,12 +169,33 @@ def noisy_norm_weights(
     The sources are never modified. Each yielded tensor has the source's shape ``[d]`` and device, and ``dtype``
     (default: the source's dtype; pass ``torch.float32`` if the engine keeps fp32 norms). With the same ``seed`` /
     ``step`` and names, the noise equals what :meth:`NormNoise.apply` adds. ``sigma == 0`` yields exact copies.
+
+    The arguments are checked here, at the call (``ValueError`` for a bad σ or a weight that is not 1-D), not when the
+    copies are first taken (the noise is drawn then).
     """
     sigma = _check_sigma(sigma)
     items = list(named_params.items()) if isinstance(named_params, Mapping) else list(named_params)
     for name, t in items:
-        if t.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D norm weight, got shape {tuple(t.shape)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D norm weight, got {_describe(t)}")
+    if generator is None and seed is None and sigma != 0:
+        seed = _global_seed()  # drawn now: reproducible under the torch.manual_seed in force at the call
+    return _noisy_copies(items, sigma, generator, seed=seed, step=step, dtype=dtype)
+
+
+def _describe(t: Any) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _noisy_copies(
+    items: list[tuple[str, torch.Tensor]],
+    sigma: float,
+    generator: torch.Generator | None,
+    *,
+    seed: int | None,
+    step: int,
+    dtype: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     if sigma == 0:
         for name, t in items:
             yield name, t.detach().to(dtype or t.dtype, copy=True)
@@ -446,6 +473,7 @@ class NormNoise:
             the module docstring. Raises ``ValueError`` at the first noise if a norm is not an RMSNorm.
         warn_lossy: warn (once per σ) when less than half of the noise survives rounding to the weight dtype.
 
+    The model is held weakly (:attr:`model`): this object keeps its norms and their weights, not the whole model.
     Only one noise can be live at a time: ``apply`` while a handle is active raises ``RuntimeError``.
     """
 
@@ -460,12 +488,15 @@ class NormNoise:
         norm_dtype: torch.dtype | None = None,
         warn_lossy: bool = True,
     ) -> None:
-        self.model: nn.Module | None = None
+        # weakly held: a cache keyed by the model (AQNController's WeakKeyDictionary) must not keep it alive through
+        # its NormNoise; the norms, their weights and their parents are held, the root module is not
+        self._model_ref: weakref.ref[nn.Module] | None = None
+        self._model_type = "param map"
         self.groups: list[NormLinearGroup] = []
         self.norm_modules: list[nn.Module] | None = None
         self.hook_module: nn.Module | None = None
         if isinstance(target, nn.Module):
-            self.model = target
+            self._model_ref, self._model_type = weakref.ref(target), type(target).__name__
             self.groups = (
                 list(groups)
                 if groups is not None
@@ -504,12 +535,12 @@ class NormNoise:
         # weight name -> every (parent, attribute, norm) place of a norm reading that weight: a norm module placed
         # twice, or two norms tied to one weight, read w + Z at each place, so each gets a wrapper (norm_dtype)
         self._norm_slots: dict[str, list[tuple[nn.Module, str, nn.Module]]] = {}
-        if self.model is not None:
+        if isinstance(target, nn.Module):
             name_of = {id(p): n for n, p in params.items()}
             norm_weight = {id(g.norm): name_of[id(g.weight)] for g in self.groups
                            if g.norm is not None and id(g.weight) in name_of}  # fmt: skip
             seen_slots: set[tuple[int, str]] = set()
-            for _, parent in self.model.named_modules(remove_duplicate=False):
+            for _, parent in target.named_modules(remove_duplicate=False):
                 for attr, child in parent._modules.items():
                     if child is not None and id(child) in norm_weight and (id(parent), attr) not in seen_slots:
                         seen_slots.add((id(parent), attr))
@@ -560,15 +591,22 @@ class NormNoise:
         """``{weight_name: Parameter[d]}`` of the perturbed norm weights (live tensors)."""
         return dict(self.params)
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The model the norms were found in (``None`` for a parameter map, or once the model was freed: it is held
+        weakly)."""
+        return None if self._model_ref is None else self._model_ref()
+
     def _refresh_params(self) -> None:
         """Re-read each norm weight from the model: a wrapper that replaces parameters after this object was built
         (FSDP2's ``fully_shard`` swaps each for a sharded ``DTensor`` of the same name) is then noised where it
         lives. Weights not reachable by name (a parameter map, a renamed module) keep the tensor given."""
-        if self.model is None:
+        model = self.model
+        if model is None:
             return
         for name in self.params:
             try:
-                self.params[name] = self.model.get_parameter(name)
+                self.params[name] = model.get_parameter(name)
             except AttributeError:
                 pass
 
@@ -642,5 +680,4 @@ class NormNoise:
             )
 
     def __repr__(self) -> str:
-        src = type(self.model).__name__ if self.model is not None else "param map"
-        return f"NormNoise({src}, {len(self.params)} norm weights, norm_dtype={self.norm_dtype})"
+        return f"NormNoise({self._model_type}, {len(self.params)} norm weights, norm_dtype={self.norm_dtype})"

@@ -58,6 +58,8 @@ _STATE_VERSION = 1
 
 
 def _check_sigma(name: str, value: float) -> float:
+    if isinstance(value, bool):  # float(True) is 1.0: σ = 1, a hundred times the paper's largest
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         value = float(value)
     except (TypeError, ValueError) as e:
@@ -82,6 +84,12 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}{hint}")
     return value
+
+
+def _lerp(a: float, b: float, s: float) -> float:
+    """``a + (b - a) · s``, with ``s >= 1`` giving ``b`` exactly (the formula alone misses it by a rounding: 0.01 → 1e-4
+    ended at 9.99999999999994e-05); ``s = 0`` gives ``a`` and ``a == b`` gives ``a`` at every ``s``."""
+    return b if s >= 1.0 else a + (b - a) * s
 
 
 class SigmaSchedule:
@@ -249,6 +257,8 @@ class ExponentialSigmaSchedule(SigmaSchedule):
             )
 
     def shape(self, t: float) -> float:
+        if t >= 1.0:  # a · (b/a) is b only up to rounding
+            return self.sigma_end
         return self.sigma_start * (self.sigma_end / self.sigma_start) ** t
 
 
@@ -258,7 +268,7 @@ class LinearSigmaSchedule(SigmaSchedule):
     kind = "linear"
 
     def shape(self, t: float) -> float:
-        return self.sigma_start + (self.sigma_end - self.sigma_start) * t
+        return _lerp(self.sigma_start, self.sigma_end, t)
 
 
 class CosineSigmaSchedule(SigmaSchedule):
@@ -267,7 +277,7 @@ class CosineSigmaSchedule(SigmaSchedule):
     kind = "cosine"
 
     def shape(self, t: float) -> float:
-        return self.sigma_end + (self.sigma_start - self.sigma_end) * 0.5 * (1.0 + math.cos(math.pi * t))
+        return _lerp(self.sigma_start, self.sigma_end, 0.5 * (1.0 - math.cos(math.pi * t)))
 
 
 class LogarithmicSigmaSchedule(SigmaSchedule):
@@ -276,7 +286,7 @@ class LogarithmicSigmaSchedule(SigmaSchedule):
     kind = "logarithmic"
 
     def shape(self, t: float) -> float:
-        return self.sigma_start - (self.sigma_start - self.sigma_end) * math.log1p((math.e - 1.0) * t)
+        return _lerp(self.sigma_start, self.sigma_end, math.log1p((math.e - 1.0) * t) / math.log1p(math.e - 1.0))
 
 
 class ConstantSigmaSchedule(SigmaSchedule):

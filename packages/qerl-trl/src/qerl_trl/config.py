@@ -237,7 +237,11 @@ class QeRLConfig(GRPOConfig):
     aqn: bool = field(default=True, metadata={"help": "Adaptive Quantization Noise on the rollout model."})
     aqn_schedule: str = field(default="exponential", metadata={"help": "σ schedule kind."})
     aqn_sigma_start: float = field(default=1e-2, metadata={"help": "σ of stage 1."})
-    aqn_sigma_end: float = field(default=5e-4, metadata={"help": "σ of the last stage."})
+    aqn_sigma_end: float = field(
+        default=5e-4,
+        metadata={"help": "σ the schedule decays towards; the paper's stages stop short of it (10 stages, 1e-2 → "
+                  "5e-4: the last at 7.0e-4)."},
+    )  # fmt: skip
     aqn_num_stages: int = field(default=10, metadata={"help": "Number of schedule stages K (stage 0 is noise-free)."})
     aqn_mode: str = field(
         default="per_step", metadata={"help": "'per_step' (one draw per generation step) or 'per_forward'."}

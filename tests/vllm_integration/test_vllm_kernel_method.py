@@ -11,6 +11,7 @@ The end-to-end engine runs of both backends are in ``test_vllm_engine.py``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import pytest
@@ -514,3 +515,23 @@ def test_a_config_keeping_only_some_members_of_a_fused_layer_dense_is_refused(vl
     all_dense = QeRLNVFP4Config.from_config(_ct_config([r"re:model\.layers\.0\.self_attn\.[qkv]_proj"]))
     all_dense.packed_modules_mapping = fused
     assert not all_dense.is_quantized(layer, "model.layers.0.self_attn.qkv_proj")
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"quant_method": "nvfp4_w4a16", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
+        ({**_ct_config([]), "ignore": "lm_head"}, "ignore"),
+        ({**_ct_config([]), "qerl": {"modules_to_not_convert": "lm_head"}}, "qerl.modules_to_not_convert"),
+        ({"quant_method": "nvfp4_w4a16", "modules_to_not_convert": ["lm_head", 3]}, "modules_to_not_convert"),
+    ],
+)
+def test_a_dense_module_list_that_is_not_a_list_of_names_is_refused(config, key):
+    """A hand-edited config with ``"ignore": "lm_head"`` (or ``modules_to_not_convert``) as a bare string was taken
+    as ``list("lm_head")``: seven one-letter patterns matching no module, so where the checkpoint's tensors are not
+    read every linear and the lm_head were taken as NVFP4, silently; it is refused in one line naming the value."""
+    from qerl_vllm.quant import QeRLNVFP4Config
+
+    with pytest.raises(ValueError, match=rf"^nvfp4_w4a16: {re.escape(key)} must be a list of module names"):
+        QeRLNVFP4Config.from_config(config)
+    assert QeRLNVFP4Config.from_config({**_ct_config([]), "ignore": None}).modules_to_not_convert == ["lm_head"]

@@ -156,6 +156,14 @@ def _is_compressed_tensors_nvfp4a16(cfg: dict[str, Any]) -> bool:
     return _compressed_tensors_format(cfg) is not None
 
 
+def _module_names(value: Any, key: str) -> list[str]:
+    """``value`` as a list of module names / patterns (``key``: the config field it came from, for the error). A bare
+    string is refused: ``list("lm_head")`` would be seven one-letter patterns that match nothing, silently."""
+    if isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+        return list(value)
+    raise ValueError(f"{QUANT_METHOD}: {key} must be a list of module names or patterns, got {value!r}")
+
+
 def _quantized_modules_in(path: str) -> set[str] | None:
     """Names of the modules whose ``weight_packed`` is in the local checkpoint ``path`` (None if not a local dir)."""
     p = Path(path)
@@ -182,8 +190,10 @@ class QeRLNVFP4Config(QuantizationConfig):
     ) -> None:
         super().__init__()
         self.weight_format = format
-        self.modules_to_not_convert = list(
-            modules_to_not_convert if modules_to_not_convert is not None else ["lm_head"]
+        self.modules_to_not_convert = (
+            _module_names(modules_to_not_convert, "modules_to_not_convert")
+            if modules_to_not_convert is not None
+            else ["lm_head"]
         )
         self.raw = dict(raw or {})
         self.quantized_modules: set[str] | None = None  # from the checkpoint's tensors (maybe_update_config)
@@ -226,8 +236,10 @@ class QeRLNVFP4Config(QuantizationConfig):
             if fmt is None:
                 raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
             ours = config.get("qerl") or {}
-            ignore = list(config.get("ignore", []))  # "re:" entries kept: _matches applies them as compressed-tensors
-            dense = list(ours.get("modules_to_not_convert", ignore or ["lm_head"]))
+            ignore = _module_names(config.get("ignore") or [], "ignore")  # "re:" entries kept: _matches applies them
+            dense = _module_names(
+                ours.get("modules_to_not_convert", ignore or ["lm_head"]), "qerl.modules_to_not_convert"
+            )
             untargeted = compressed_tensors_untargeted(config)  # linears no config group targets were saved dense
             return cls(dense if untargeted is None else [*dense, untargeted], raw=config, format=fmt)
         try:  # the serialized config names its format: looked up once, here

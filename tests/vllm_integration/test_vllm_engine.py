@@ -304,3 +304,35 @@ def test_utilization_for_a_fixed_kv_cache_passes_vllms_start_check():
         util = utilization_for_fixed_kv_cache(free, total)
         assert 0 < util < 1 and (math.ceil(total * util) <= free or util == 0.01), (free, util)
         assert util >= min(free / total - 0.002, 0.01) - 1e-12
+
+
+@pytest.mark.parametrize("failure", ["lora_dir_is_a_file", "skip_tokenizer_init"])
+def test_an_engine_that_fails_to_build_is_shut_down_before_the_error_reaches_the_caller(ckpt, tmp_path, failure):
+    """``VLLMEngine.__init__`` started vLLM first and only then read its tokenizer (``skip_tokenizer_init=True``:
+    vLLM's ValueError) and made ``lora_dir`` (a file there: FileExistsError); the error left a started engine, KV cache
+    included, that no caller could close, alive as long as the exception was (a trainer retrying in its ``except``
+    ran out of memory). Now a bad ``lora_dir`` is refused before any engine exists, and an engine that started is shut
+    down before the error propagates: while the caller still holds the exception, no engine core is left running (vLLM
+    detaches an engine core's shutdown-on-collect finalizer when it shuts the core down)."""
+    import weakref
+
+    from qerl_vllm.engine import VLLMEngine
+
+    def live_engines() -> int:  # engine cores whose shutdown has not run yet
+        funcs = [info.func for info in list(weakref.finalize._registry.values())]  # type: ignore[attr-defined]
+        return sum(getattr(f, "__name__", "") == "shutdown" and type(getattr(f, "__self__", None)).__name__ ==
+                   "EngineCore" for f in funcs)  # fmt: skip
+
+    before = live_engines()
+    kwargs = dict(max_lora_rank=LORA_RANK, seed=0, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                  dtype=ENGINE_DTYPE)  # fmt: skip
+    if failure == "lora_dir_is_a_file":
+        (tmp_path / "adapters").write_text("not a folder")
+        kwargs["lora_dir"] = tmp_path / "adapters"
+        expected = (FileExistsError, NotADirectoryError)
+    else:
+        kwargs["skip_tokenizer_init"] = True
+        expected = ValueError
+    with pytest.raises(expected) as excinfo:
+        VLLMEngine(ckpt, **kwargs)
+    assert live_engines() == before, f"{failure}: a running engine outlived the failed VLLMEngine ({excinfo.value})"

@@ -284,11 +284,21 @@ class VLLMEngine:
         #: group is the launcher's, so :meth:`close` leaves it alone
         self.external_launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         self._llm_kwargs = dict(kwargs)
-        self.llm = LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        # the adapter folder first: a bad lora_dir is refused before an engine (its memory, its KV cache) exists
         self._lora_root = Path(lora_dir) if lora_dir is not None else Path(_default_lora_root())
         self._own_lora_root = lora_dir is None
-        self._lora_root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lora_root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            if self._own_lora_root:
+                shutil.rmtree(self._lora_root, ignore_errors=True)
+            raise
+        try:
+            self.llm = LLM(**kwargs)
+            self.tokenizer = self.llm.get_tokenizer()  # ValueError with skip_tokenizer_init=True
+        except BaseException:
+            self.close()  # no caller can: the engine (if it started) is shut down and the adapter folder removed
+            raise
         self._next_lora_id = 1
         self._lora_request = None  # the adapter of the last sync_lora
         self._lora_version: int | None = None

@@ -535,3 +535,37 @@ def test_a_dense_module_list_that_is_not_a_list_of_names_is_refused(config, key)
     with pytest.raises(ValueError, match=rf"^nvfp4_w4a16: {re.escape(key)} must be a list of module names"):
         QeRLNVFP4Config.from_config(config)
     assert QeRLNVFP4Config.from_config({**_ct_config([]), "ignore": None}).modules_to_not_convert == ["lm_head"]
+
+
+def test_asking_for_nvfp4_w4a16_on_a_checkpoint_it_cannot_load_says_why(tmp_path):
+    """``quantization="nvfp4_w4a16"`` on a compressed-tensors checkpoint that is not weight-only NVFP4/MXFP4 (here
+    ``nvfp4-pack-quantized`` with groups of 32) was declined silently, and vLLM refused it only with "compressed-tensors
+    does not match nvfp4_w4a16"; ``from_config`` printed the whole config. Both now name what disagrees."""
+    import json
+    import shutil
+
+    from qerl_vllm.quant import QeRLNVFP4Config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm_test_helpers import nvfp4_offline_checkpoint
+
+    bad = _ct_config(["lm_head"])
+    bad["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    reason = r"^nvfp4_w4a16: cannot load this compressed-tensors checkpoint: config group .*'group_size': 32.* group 16"
+    with pytest.raises(ValueError, match=reason):
+        QeRLNVFP4Config.override_quantization_method(bad, "nvfp4_w4a16")
+    with pytest.raises(ValueError, match=reason):
+        QeRLNVFP4Config.from_config(bad)
+    assert QeRLNVFP4Config.override_quantization_method(bad, None) is None  # not asked for: left to stock vLLM
+    assert QeRLNVFP4Config.override_quantization_method(_ct_config(["lm_head"]), "nvfp4_w4a16") == "nvfp4_w4a16"
+
+    # through vLLM's own config check (no engine starts): the checkpoint's config with groups of 32
+    src = nvfp4_offline_checkpoint()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["group_size"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"nvfp4_w4a16: cannot load this compressed-tensors checkpoint: .*group 16"):
+        EngineArgs(model=str(tmp_path), quantization="nvfp4_w4a16").create_model_config()

@@ -221,20 +221,29 @@ class QeRLNVFP4Config(QuantizationConfig):
     ) -> str | None:
         """Claim a weight-only NVFP4 / MXFP4 compressed-tensors checkpoint (``nvfp4-pack-quantized`` fp4 group 16,
         ``mxfp4-pack-quantized`` fp4 group 32; no activation quantization) unless the user asked for another method
-        or :func:`resolve_backend` says ``native`` (then stock vLLM's compressed-tensors path loads it untouched)."""
-        fmt = _compressed_tensors_format(hf_quant_cfg) if user_quant in (None, QUANT_METHOD) else None
+        or :func:`resolve_backend` says ``native`` (then stock vLLM's compressed-tensors path loads it untouched).
+        With ``quantization="nvfp4_w4a16"`` asked for, another compressed-tensors config is a ``ValueError`` saying
+        what in it disagrees."""
+        if user_quant == QUANT_METHOD and hf_quant_cfg.get("quant_method") == "compressed-tensors":
+            # asked for by name: say what in the checkpoint's config we cannot load (vLLM would only report that
+            # "compressed-tensors" does not match "nvfp4_w4a16")
+            try:
+                compressed_tensors_format(hf_quant_cfg)
+            except ValueError as err:
+                raise ValueError(f"{QUANT_METHOD}: cannot load this compressed-tensors checkpoint: {err}") from None
+            return QUANT_METHOD
+        fmt = _compressed_tensors_format(hf_quant_cfg) if user_quant is None else None
         if fmt is None:
             return None
-        if user_quant == QUANT_METHOD:
-            return QUANT_METHOD
         return None if resolve_backend(fmt) == "native" else QUANT_METHOD
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QeRLNVFP4Config:
         if config.get("quant_method") == "compressed-tensors":  # nvfp4's default serialization, or llm-compressor's
-            fmt = _compressed_tensors_format(config)
-            if fmt is None:
-                raise ValueError(f"{QUANT_METHOD}: not a weight-only NVFP4/MXFP4 compressed-tensors config: {config!r}")
+            try:
+                fmt = compressed_tensors_format(config)
+            except ValueError as err:  # the check's reason names what disagrees
+                raise ValueError(f"{QUANT_METHOD}: cannot load this compressed-tensors checkpoint: {err}") from None
             ours = config.get("qerl") or {}
             ignore = _module_names(config.get("ignore") or [], "ignore")  # "re:" entries kept: _matches applies them
             dense = _module_names(

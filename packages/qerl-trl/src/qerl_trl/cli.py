@@ -327,7 +327,7 @@ def run_recipe(argv: list[str], script_args: ScriptArguments, config: Any) -> st
     shipped = Path(recipe_file).resolve().parent == RECIPES_DIR
     name = Path(recipe_file).stem if shipped else recipe_file
     head = (
-        f"# the recipe and command-line overrides of the last `qerl train` into this folder (qerl-trl {_version()})\n"
+        f"# the recipe and command-line overrides of the last `qerl train` into this folder (qerl-trl {_dist_version('qerl-trl') or 'unknown'})\n"
         f"# recipe: {name}{' (shipped)' if shipped else ''}\n"
         f"# command: {shlex.join(['qerl', 'train', *given])}\n"
         f"# run it again: qerl train {Path(config.output_dir) / RUN_RECIPE_NAME} --output_dir <another folder>\n"
@@ -335,13 +335,14 @@ def run_recipe(argv: list[str], script_args: ScriptArguments, config: Any) -> st
     return head + yaml.safe_dump(record, sort_keys=False, allow_unicode=True)
 
 
-def _version() -> str:
+def _dist_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist`` (from its metadata, nothing imported); None if absent."""
     import importlib.metadata as md
 
     try:
-        return md.version("qerl-trl")
+        return md.version(dist)
     except md.PackageNotFoundError:
-        return "unknown"
+        return None
 
 
 def _write_run_recipe(output_dir: str, text: str) -> None:
@@ -748,15 +749,9 @@ VERSION_DISTRIBUTIONS = ("qerl-trl", "nvfp4", "aqn", "qerl-vllm", "trl", "transf
 def versions() -> str:
     """``<distribution> <version>`` per line for each of :data:`VERSION_DISTRIBUTIONS` installed, then Python's (read
     from the installed metadata: nothing is imported)."""
-    import importlib.metadata as md
     import platform
 
-    lines = []
-    for dist in VERSION_DISTRIBUTIONS:
-        try:
-            lines.append(f"{dist} {md.version(dist)}")
-        except md.PackageNotFoundError:
-            continue
+    lines = [f"{dist} {v}" for dist in VERSION_DISTRIBUTIONS if (v := _dist_version(dist)) is not None]
     return "\n".join([*lines, f"python {platform.python_version()}"])
 
 

@@ -104,3 +104,23 @@ def test_transformers_refuses_vllms_no_top_k_up_front():
             QeRLConfig(output_dir="x", rollout_engine="transformers", **kw)
     QeRLConfig(output_dir="x", rollout_engine="transformers", top_k=0)
     QeRLConfig(output_dir="x", rollout_engine="transformers", top_k=20)
+
+
+def test_vllm_lora_tiles_are_checked_with_the_config(tmp_path):
+    """``vllm.lora_tiles`` (:mod:`qerl_vllm.lora_tiles`) is refused in one line before a model loads: a name the
+    engine does not know, and any choice but the default in server mode (the server's tiles are its own)."""
+    from qerl_trl.cli import parse_train_args
+
+    assert QeRLConfig(output_dir="x", rollout_engine="vllm").vllm.lora_tiles == "tuned"
+    refusals = [
+        ({"lora_tiles": "fast"}, r"^vllm.lora_tiles must be one of 'tuned', 'vllm', 'reproducible', got 'fast'$"),
+        ({"lora_tiles": "reproducible", "server_url": "http://127.0.0.1:1"},
+         r"^vllm.lora_tiles sets the colocated engine; a server's LoRA tiles are its own VLLM_TUNED_CONFIG_FOLDER"),
+    ]  # fmt: skip
+    for vllm, message in refusals:
+        with pytest.raises(ValueError, match=message) as info:
+            QeRLConfig(output_dir="x", rollout_engine="vllm", vllm=vllm)
+        assert "\n" not in str(info.value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: offline-default\nrollout_engine: vllm\nvllm: {lora_tiles: reproducible}\n")
+    assert parse_train_args([str(recipe)])[1].vllm.lora_tiles == "reproducible"

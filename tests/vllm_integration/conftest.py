@@ -41,7 +41,7 @@ else:
 
 @pytest.fixture(scope="session", autouse=True)
 def one_split_lora_shrink(tmp_path_factory):
-    """On CUDA, vLLM's LoRA shrink kernel with one K split for the whole session (:mod:`qerl_vllm.lora_shrink`): its
+    """On CUDA, vLLM's LoRA shrink kernel with one K split for the whole session (:mod:`qerl_vllm.lora_tiles`): its
     default sums partial products with atomics in arrival order, so two generations under the same adapter differ
     (by 0.066-0.086 in logprobs on the H200), and the tests that compare them need them bit-identical
     (``test_lora_sync_changes_outputs_like_hf``'s re-sync, ``test_engine_follows_lora_update_like_the_trainer``'s
@@ -54,11 +54,11 @@ def one_split_lora_shrink(tmp_path_factory):
     if not torch.cuda.is_available():
         yield
         return
-    from qerl_vllm.lora_shrink import TUNED_CONFIG_FOLDER_ENV, write_one_split_shrink_config
+    from qerl_vllm.lora_tiles import TUNED_CONFIG_FOLDER_ENV, lora_tiles_folder
     from vllm.lora.ops.triton_ops.utils import get_lora_op_configs
 
     folder = tmp_path_factory.mktemp("vllm-tuned-configs")
-    write_one_split_shrink_config(folder)
+    lora_tiles_folder("reproducible", folder=folder)  # and the expand's tuned tiles, if shipped for this GPU
     before = os.environ.get(TUNED_CONFIG_FOLDER_ENV)
     os.environ[TUNED_CONFIG_FOLDER_ENV] = str(folder)
     # vLLM's own lookup, as its shrink op calls it (a decode step of the fused q/k/v): the file must be found

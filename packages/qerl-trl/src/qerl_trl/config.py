@@ -46,6 +46,9 @@ class VLLMRolloutConfig:
         share_weights: colocate, one process (no FSDP2, ``tensor_parallel_size`` 1): after the engine has loaded,
             the policy's frozen NVFP4 linears, embeddings and ``lm_head`` become views of the engine's bit-identical
             tensors, so the weights are held once (:mod:`qerl_trl.rollout.shared_weights`); ignored elsewhere.
+        lora_tiles: the tiles of vLLM's LoRA kernels on CUDA (colocate; :mod:`qerl_vllm.lora_tiles`): ``"tuned"``
+            (the files shipped for the GPU), ``"vllm"`` (vLLM's defaults) or ``"reproducible"`` (one K split:
+            bit-identical LoRA rollouts run to run). A server's are its own ``VLLM_TUNED_CONFIG_FOLDER``.
     """
 
     server_url: str | None = None
@@ -60,6 +63,7 @@ class VLLMRolloutConfig:
     server_timeout: float = 600.0
     tensor_parallel_size: int | None = None
     share_weights: bool = True
+    lora_tiles: str = "tuned"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size

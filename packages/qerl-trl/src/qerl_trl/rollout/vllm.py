@@ -80,6 +80,9 @@ __all__ = [
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: the settings vLLM's SamplingParams and transformers' GenerationConfig both name (the same way)
+#: the colocated engine's ``lora_tiles`` (``qerl_vllm.lora_tiles.LORA_TILES``, which qerl-trl does not need installed to
+#: check a config; tests/vllm_integration/test_vllm_lora_tiles.py holds the two equal)
+LORA_TILES = ("tuned", "vllm", "reproducible")
 _SHARED_SAMPLING_NAMES = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 #: what needs vLLM in a missing-package error (with the other way: a server, which brings its own)
 _COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"
@@ -386,6 +389,7 @@ class ColocateVLLMGeneration(_VLLMGeneration):
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             lora_dir=lora_dir,
             rollout_precision=args.rollout_precision_spec.name,  # fp8 / auto: the plugin's linear method (issue #51)
+            lora_tiles=settings.lora_tiles,
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
             **extra,
         )
@@ -598,6 +602,12 @@ class VLLMRollout(RolloutEngine):
         if cfg.rollout_precision_spec.fp8_copy and cfg.vllm.server_url:
             raise ValueError("rollout_precision is a vLLM server's own setting: start it with --additional-config "
                              "'{\"qerl_rollout_precision\": \"fp8\"}' and keep rollout_precision='w4a16' here")
+        if cfg.vllm.lora_tiles not in LORA_TILES:
+            raise ValueError(f"vllm.lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got "
+                             f"{cfg.vllm.lora_tiles!r}")  # fmt: skip
+        if cfg.vllm.server_url and cfg.vllm.lora_tiles != "tuned":
+            raise ValueError("vllm.lora_tiles sets the colocated engine; a server's LoRA tiles are its own "
+                             "VLLM_TUNED_CONFIG_FOLDER (qerl_vllm.lora_tiles.lora_tiles_folder writes one)")  # fmt: skip
         if cfg.use_vllm:
             raise ValueError(
                 "rollout_engine='vllm' replaces TRL's use_vllm (which merges LoRA into the 4-bit base); keep use_vllm=False"

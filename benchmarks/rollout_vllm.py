@@ -172,7 +172,12 @@ def run_arm(args) -> dict:
         res["status"] = f"skipped: humming-kernels is not importable here ({res['humming']})"
         return res
     paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
+    from qerl_vllm.lora_tiles import apply_lora_tiles
     from qerl_vllm.plugin import register
+
+    if args.lora_tiles == "tuned" or (args.lora_tiles == "shipped" and backend == "qerl"):
+        apply_lora_tiles("tuned")  # as VLLMEngine does (a folder already set wins)
+    res["lora_tiles_folder"] = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
 
@@ -347,7 +352,7 @@ def table(results: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- driver
 _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "eos_mean_tokens", "min_new_tokens",
-         "spread_warmups", "ckpt_root")  # fmt: skip
+         "spread_warmups", "ckpt_root", "lora_tiles")  # fmt: skip
 _FLAGS = ("enforce_eager", "profile")
 
 
@@ -364,6 +369,9 @@ def main(argv=None) -> None:
                     help="comma list of " + ",".join(ARMS))  # fmt: skip
     ap.set_defaults(lora_r=32, gpu_memory_utilization=0.85)  # every committed run's (options no run set left, #48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
+    ap.add_argument("--lora-tiles", choices=("shipped", "stock", "tuned"), default="shipped",
+                    help="vLLM's LoRA kernel tiles: each arm as it ships (ours tuned, stock vLLM's own), all vLLM's, "
+                         "all tuned (qerl_vllm.lora_tiles)")  # fmt: skip
     ap.add_argument("--ckpt-root", default=os.environ.get("QERL_CACHE", "/tmp/qerl-cache") + "/rollout_vllm")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print one table of these result files, run nothing")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints of --models and stop")

@@ -113,7 +113,7 @@ def test_vllm_lora_tiles_are_checked_with_the_config(tmp_path):
 
     assert QeRLConfig(output_dir="x", rollout_engine="vllm").vllm.lora_tiles == "tuned"
     refusals = [
-        ({"lora_tiles": "fast"}, r"^vllm.lora_tiles must be one of 'tuned', 'vllm', 'reproducible', got 'fast'$"),
+        ({"lora_tiles": "fast"}, r"^vllm.lora_tiles must be one of 'tuned', 'stock', 'reproducible', got 'fast'$"),
         ({"lora_tiles": "reproducible", "server_url": "http://127.0.0.1:1"},
          r"^vllm.lora_tiles sets the colocated engine; a server's LoRA tiles are its own VLLM_TUNED_CONFIG_FOLDER"),
     ]  # fmt: skip

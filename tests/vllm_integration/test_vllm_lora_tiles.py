@@ -38,7 +38,7 @@ def test_shipped_files_cover_every_slice_count_vllm_looks_up_exactly(op):
 def test_folder_for_each_choice(tmp_path):
     assert lora_tiles_folder("tuned", H100) == SHIPPED_FOLDER
     assert lora_tiles_folder("tuned", "NVIDIA A10G") is None  # no file for it: vLLM's defaults
-    assert lora_tiles_folder("vllm", H100) is None
+    assert lora_tiles_folder("stock", H100) is None
     out = lora_tiles_folder("reproducible", H100, folder=tmp_path)
     shrink = json.loads((out / "NVIDIA_H100_80GB_HBM3_SHRINK.json").read_text())
     assert {cfg["split_k"] for cfg in _leaves(shrink)} == {1}
@@ -58,11 +58,11 @@ def _leaves(table: dict):
 
 @pytest.mark.parametrize("call", [lambda: lora_tiles_folder("fast", H100), lambda: apply_lora_tiles("fast")])
 def test_an_unknown_choice_is_refused_in_one_line(call):
-    with pytest.raises(ValueError, match=r"^lora_tiles must be one of 'tuned', 'vllm', 'reproducible', got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^lora_tiles must be one of 'tuned', 'stock', 'reproducible', got 'fast'$"):
         call()
     from qerl_trl.rollout.vllm import LORA_TILES as CHECKED_BY_THE_CONFIG
 
-    assert LORA_TILES == CHECKED_BY_THE_CONFIG == ("tuned", "vllm", "reproducible")
+    assert LORA_TILES == CHECKED_BY_THE_CONFIG == ("tuned", "stock", "reproducible")
 
 
 def test_a_folder_already_set_wins(monkeypatch, tmp_path):

@@ -220,7 +220,7 @@ class VLLMEngine:
         rollout_precision: ``"w4a16"`` (default), ``"fp8"`` or ``"auto"`` (:mod:`nvfp4.rollout_precision`): how the
             NVFP4 linears compute, passed to the plugin as vLLM's ``additional_config`` (:mod:`qerl_vllm.quant`).
         lora_tiles: the tiles of vLLM's LoRA kernels on CUDA (:mod:`qerl_vllm.lora_tiles`): ``"tuned"`` (default: the
-            files shipped for this GPU, +13.6 % rollout tokens/s at B = 128 on the H100), ``"vllm"`` (its defaults) or
+            files shipped for this GPU, +13.6 % rollout tokens/s at B = 128 on the H100), ``"stock"`` (vLLM's defaults) or
             ``"reproducible"`` (one K split: bit-identical LoRA rollouts run to run). Set through
             ``VLLM_TUNED_CONFIG_FOLDER`` before the engine starts; a variable already set wins, and an engine that is
             not the process's first keeps what the first one read.

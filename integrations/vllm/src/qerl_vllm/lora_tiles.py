@@ -10,7 +10,7 @@ take their tiles from JSON files in the folder ``VLLM_TUNED_CONFIG_FOLDER`` name
   down projection against 6.6 tuned; 7B rollouts (prompt 256, 256 new tokens) rose 13.6 % at B = 128 and 6.8 % at 256
   with our kernel, 12.7 % / 6.2 % with bf16 (``benchmarks/results/rollout_vllm_lora_{stock,tuned}_h100_6a06c59.json``).
   A GPU with no shipped file keeps vLLM's defaults.
-* ``"vllm"``: vLLM's defaults.
+* ``"stock"``: vLLM's defaults.
 * ``"reproducible"``: the shrink held to one K split. vLLM's shrink sums its float32 partial products with
   ``tl.atomic_add`` in the order the blocks finish, so the same adapter on the same prompts gives different logprobs
   run to run (0.066-0.086 apart, bf16, H200, vLLM 0.26: ``benchmarks/results/repro_probe_h200_b78624b.log``; the base
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 TUNED_CONFIG_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"
-LORA_TILES = ("tuned", "vllm", "reproducible")
+LORA_TILES = ("tuned", "stock", "reproducible")
 #: the tuned files, one pair per GPU: ``{device name}_SHRINK.json`` and ``{device name}_EXPAND_TRUE.json``
 SHIPPED_FOLDER = Path(__file__).resolve().parent / "tuned_lora_configs"
 # vLLM's default shrink tile below 128 rows, with split_k 1 (no atomics)
@@ -85,7 +85,7 @@ def lora_tiles_folder(tiles: str, device_name: str | None = None, folder: str | 
     """
     if tiles not in LORA_TILES:
         raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
-    if tiles == "vllm":
+    if tiles == "stock":
         return None
     prefix = _file_prefix(device_name)
     shipped = sorted(SHIPPED_FOLDER.glob(f"{prefix}_*.json"))

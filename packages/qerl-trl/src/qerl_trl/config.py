@@ -47,7 +47,7 @@ class VLLMRolloutConfig:
             the policy's frozen NVFP4 linears, embeddings and ``lm_head`` become views of the engine's bit-identical
             tensors, so the weights are held once (:mod:`qerl_trl.rollout.shared_weights`); ignored elsewhere.
         lora_tiles: the tiles of vLLM's LoRA kernels on CUDA (colocate; :mod:`qerl_vllm.lora_tiles`): ``"tuned"``
-            (the files shipped for the GPU), ``"vllm"`` (vLLM's defaults) or ``"reproducible"`` (one K split:
+            (the files shipped for the GPU), ``"stock"`` (vLLM's defaults) or ``"reproducible"`` (one K split:
             bit-identical LoRA rollouts run to run). A server's are its own ``VLLM_TUNED_CONFIG_FOLDER``.
     """
 

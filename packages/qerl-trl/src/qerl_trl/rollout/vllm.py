@@ -82,7 +82,7 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: the settings vLLM's SamplingParams and transformers' GenerationConfig both name (the same way)
 #: the colocated engine's ``lora_tiles`` (``qerl_vllm.lora_tiles.LORA_TILES``, which qerl-trl does not need installed to
 #: check a config; tests/vllm_integration/test_vllm_lora_tiles.py holds the two equal)
-LORA_TILES = ("tuned", "vllm", "reproducible")
+LORA_TILES = ("tuned", "stock", "reproducible")
 _SHARED_SAMPLING_NAMES = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 #: what needs vLLM in a missing-package error (with the other way: a server, which brings its own)
 _COLOCATE_NEEDS = "rollout_engine='vllm' colocated (or set vllm.server_url for a server)"

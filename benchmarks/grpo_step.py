@@ -138,6 +138,16 @@ class _Clock:
             self.add(phase, self.now() - t)
             self.phase = prev
 
+    def wrap(self, obj, name: str, phase: str) -> None:
+        """Time every call of ``obj.<name>`` as ``phase``."""
+        fn = getattr(obj, name)
+
+        def timed_call(*a, **kw):
+            with self.timed(phase):
+                return fn(*a, **kw)
+
+        setattr(obj, name, timed_call)
+
 
 def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
     from qerl_trl import QeRLGRPOTrainer
@@ -208,13 +218,13 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             return loss
 
     class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.catcher: LogCatcher | None = None
-            self.lengths: list[int] = []  # completion length of each step (warm-up steps may be shorter)
-            self.min_new: int | None = None  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
+        def __init__(self, lengths: list[int], on_vllm: bool, min_new: int | None, catcher=None) -> None:
+            self.lengths = lengths  # completion length of each step (warm-up steps may be shorter)
+            self.on_vllm = on_vllm  # vLLM arms: lengths come from the sampling parameters, not the generation config
+            self.min_new = min_new  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
+            self.catcher: LogCatcher | None = catcher
             self.trainer = None
             self.after_step = None  # called after every step (partial results survive a kill)
-            self.on_vllm = False  # vLLM arms: lengths come from the sampling parameters, not the generation config
 
         def on_step_begin(self, args, state, control, **kw):
             import torch
@@ -412,32 +422,31 @@ def _vllm_memory(path: Path, args, device, res: dict) -> dict:
     return vllm
 
 
-def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
-    """``SamplingParams`` keywords of the vLLM arms' lengths: fixed, or for ``--eos-mean-tokens M``
-    :data:`VLLM_MAX_STOP_IDS` EOS ids with a logit bias ``b`` giving a near-uniform model the odds ``round(V / M)`` ids
-    would, ``k·e^b / (V - k + k·e^b) = 1 / M`` (recorded in ``res["spread_eos"]``)."""
+def _length_kwargs(args, vocab: int, res: dict, on_vllm: bool) -> tuple[dict, list[int]]:
+    """The generation keywords of the completions' lengths and the spread EOS ids the model's generation config takes
+    (``res["spread_eos_ids"]``: their count): fixed lengths, or ``round(V / M)`` EOS ids for ``--eos-mean-tokens M``.
+    vLLM (``SamplingParams``, no EOS ids on the model): :data:`VLLM_MAX_STOP_IDS` ids with a logit bias ``b`` giving a
+    near-uniform model the same odds, ``k·e^b / (V - k + k·e^b) = 1 / M`` (recorded in ``res["spread_eos"]``)."""
     import math
 
+    if not on_vllm:
+        eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
+        res["spread_eos_ids"] = len(eos)
+        return {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}, eos
     if not args.eos_mean_tokens:
-        return {"min_tokens": args.completion_len, "ignore_eos": True}
+        return {"min_tokens": args.completion_len, "ignore_eos": True}, []
     mean, min_tokens = args.eos_mean_tokens, args.min_new_tokens
     eos = spread_eos_ids(vocab, vocab / VLLM_MAX_STOP_IDS)
     k = len(eos)
     bias = math.log((vocab - k) / (k * (mean - 1)))
     res["spread_eos"] = {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean, "min_tokens": min_tokens}
-    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
+    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}, []
 
 
 def _time_sync(trainer, clock: _Clock) -> None:
     """Time the vLLM generation's ``sync_weights()`` (ours: the LoRA adapter; TRL: merge + load) as ``sync``."""
-    generation = trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation
-    sync_weights = generation.sync_weights
-
-    def timed_sync(*a, **kw):
-        with clock.timed("sync"):
-            return sync_weights(*a, **kw)
-
-    generation.sync_weights = timed_sync
+    clock.wrap(trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation, "sync_weights",
+               "sync")  # fmt: skip
 
 
 def _rollout_engine(name: str, cuda: bool):
@@ -474,16 +483,7 @@ def run_worker(args) -> dict:
         return res
 
     if not on_vllm:  # time the prefill: the model's own ``_prefill`` (eager; the compiled call wraps the decode)
-        base = model.get_base_model()
-        orig_prefill = base._prefill
-
-        def timed_prefill(*a, **kw):
-            t = clock.now()
-            out = orig_prefill(*a, **kw)
-            clock.add("prefill", clock.now() - t)
-            return out
-
-        base._prefill = timed_prefill
+        clock.wrap(model.get_base_model(), "_prefill", "prefill")
 
     from qerl_trl import QeRLConfig
 
@@ -493,24 +493,16 @@ def run_worker(args) -> dict:
     per_step = _completions_per_step(args)
     dataset = make_dataset(max(8, 2 * n_steps * per_step // args.group), args.prompt_len, vocab)
     TimedTrainer, StepClock = _make_trainer_class(clock, stock_trl)
-    step_clock = StepClock()
-    step_clock.catcher = catcher
     # vLLM takes its lengths from its SamplingParams, built once from the config: every step at the full length
     warm_len = args.completion_len if on_vllm else (args.warmup_completion_len or args.completion_len)
-    step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
-    step_clock.on_vllm = on_vllm
+    step_clock = StepClock([warm_len] * args.warmup_steps + [args.completion_len] * args.steps, on_vllm,
+                           args.min_new_tokens if args.eos_mean_tokens else None, catcher)  # fmt: skip
     outdir = tempfile.mkdtemp(prefix="grpo_step_")
     cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
-    if args.eos_mean_tokens:
-        step_clock.min_new = args.min_new_tokens
-    if on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
-        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
-    elif args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
-        eos = spread_eos_ids(vocab, args.eos_mean_tokens)
+    gen_kwargs, eos = _length_kwargs(args, vocab, res, on_vllm)
+    if eos:  # spread lengths: TRL reads the EOS ids from the model's generation config
         model.get_base_model().generation_config.eos_token_id = eos
-        res["spread_eos_ids"] = len(eos)
     if not on_vllm:
-        gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
         gen_kwargs["max_cache_len"] = cache_prompt + args.completion_len
     res["rollout_engine"] = engine.name
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
@@ -624,7 +616,7 @@ def run_recipe(args) -> dict:
     if "--max_completion_length" in extra:
         args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
     clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
-    on_vllm, eos = engine.generates_from_copy, []
+    on_vllm = engine.generates_from_copy
     res |= {"rollout_engine": args.rollout_engine, "recipe": args.recipe, "recipe_settings": recipe}
     t0 = time.perf_counter()
     path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
@@ -640,12 +632,8 @@ def run_recipe(args) -> dict:
     rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
     data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
-    if on_vllm:
-        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
-    else:  # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
-        eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
-        gen_kwargs = {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}
-        res["spread_eos_ids"] = len(eos)
+    # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
+    gen_kwargs, eos = _length_kwargs(args, vocab, res, on_vllm)
     engine_argv = ["--rollout_engine", args.rollout_engine]
     if on_vllm:
         engine_argv += ["--vllm", json.dumps(_vllm_memory(path, args, device, res))]
@@ -658,9 +646,8 @@ def run_recipe(args) -> dict:
     dapo = recipe.get("algorithm") == "dapo"
     module, name = (qerl_trl.dapo, "QeRLDAPOTrainer") if dapo else (qerl_trl.trainer, "QeRLGRPOTrainer")
     Timed, StepClock = _make_trainer_class(clock, base=getattr(module, name))
-    step_clock = StepClock()
-    step_clock.lengths, step_clock.on_vllm = [args.completion_len] * n_steps, on_vllm
-    step_clock.min_new = args.min_new_tokens if args.eos_mean_tokens else None
+    step_clock = StepClock([args.completion_len] * n_steps, on_vllm,
+                           args.min_new_tokens if args.eos_mean_tokens else None)  # fmt: skip
     partial = Path(args.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
 

@@ -132,4 +132,7 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # -62 (→ 4,791, #48): gemm.py's timing loops through one rotated() (each form's calls over its weight copies, as
     # before), the sweep's forward and backward passes one loop, its compressed-tensors candidates left (every shape it
     # sweeps takes the MMA layout); behaviour unchanged, code at 6a06c59
-    assert am.benchmark_lines(ROOT) <= 4791
+    # -13 (→ 4,778, #48): grpo_step.py's worker and --recipe share the lengths' keywords (_length_kwargs: fixed, spread
+    # EOS ids, or vLLM's 127 stop ids), StepClock's settings as arguments, the prefill and vLLM's weight sync timed
+    # through one _Clock.wrap; same fields (spread_eos_ids now 0 where no spread), code at 6a06c59
+    assert am.benchmark_lines(ROOT) <= 4778

@@ -166,21 +166,16 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             clock.cur.setdefault("completion_lens", []).extend(lens)
             return completion_ids, logprobs
 
-        def _rollout_noise(self):  # QeRL's AQN (TRL's own trainer never calls it)
-            cm = super()._rollout_noise()
-
-            @contextlib.contextmanager
-            def timed_cm():
-                t = clock.now()
-                with cm:
-                    clock.add("aqn", clock.now() - t)
-                    try:
-                        yield
-                    finally:
-                        t = clock.now()
+        @contextlib.contextmanager
+        def _rollout_noise(self):  # QeRL's AQN (TRL's own trainer never calls it): applying and restoring it timed
+            t = clock.now()
+            with super()._rollout_noise():
                 clock.add("aqn", clock.now() - t)
-
-            return timed_cm()
+                try:
+                    yield
+                finally:
+                    t = clock.now()
+            clock.add("aqn", clock.now() - t)
 
         def _prepare_inputs(self, generation_batch):
             with clock.timed("prepare"):
@@ -303,10 +298,8 @@ def _step_row(c: dict) -> dict:
     r["backward_s"] = round(c.get("train_step", 0.0) - c.get("prepare", 0.0) - c.get("loss_fwd", 0.0), 4)
     r["other_s"] = round(c["step_s"] - c.get("train_step", 0.0) - r["clip_s"] - r["optimizer_s"], 4)
     lens = c.get("completion_lens", [])
-    r["completions"] = len(lens)
-    r["completion_tokens"] = int(sum(lens))
-    r["completion_len_min"] = min(lens) if lens else None
-    r["completion_len_max"] = max(lens) if lens else None
+    r |= {"completions": len(lens), "completion_tokens": int(sum(lens)), "completion_len_min": min(lens, default=None),
+          "completion_len_max": max(lens, default=None)}  # fmt: skip
     if lens:
         q = sorted(lens)
         r["completion_len_mean"] = round(statistics.fmean(lens), 1)
@@ -315,26 +308,21 @@ def _step_row(c: dict) -> dict:
     r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
     # the prefill yields each sequence's first token
     r["decode_tok_s"] = round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
-    for k in ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb",
-              "peak_after_backward_gb", "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons",
-              "torch_log", "trl_log"):  # fmt: skip
-        if k in c:
-            r[k] = c[k]
-    return r
+    keep = ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb", "peak_after_backward_gb",
+            "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons", "torch_log", "trl_log")  # fmt: skip
+    return r | {k: c[k] for k in keep if k in c}
 
 
 def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
     """``res``'s warm-up and measured steps from ``clock``'s, and their ``summary``; returns the number of steps."""
     rows = [_step_row(c) for c in clock.steps]
     warm, meas = rows[: args.warmup_steps], rows[args.warmup_steps :]
-    res["warmup_steps"] = warm
-    res["steps"] = meas
+    res["warmup_steps"], res["steps"] = warm, meas
     if not meas:
         return len(rows)
-    s = {}
-    for k in ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
-              "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s"):  # fmt: skip
-        s[k] = _median([r.get(k) for r in meas])
+    medians = ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
+               "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s")  # fmt: skip
+    s = {k: _median([r.get(k) for r in meas]) for k in medians}
     s["warmup_step_s"] = round(sum(r["step_s"] for r in warm), 3) if warm else None
     s["step_s_min"] = round(min(r["step_s"] for r in meas), 4)
     # compile estimate: the warm-up steps' time minus what they would take at the measured steps' per-token speed
@@ -353,13 +341,9 @@ def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
     s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
     dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in DYN_KEYS}
-    dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in DYN_KEYS}
-    s["dynamo_warmup"] = dyn_warm
-    reasons: dict = {}
-    for r in warm:
-        for k, v in (r.get("graph_break_reasons") or {}).items():
-            reasons[k.split("\n")[0][:160]] = v
-    s["warmup_graph_break_reasons"] = reasons
+    s["dynamo_warmup"] = dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in DYN_KEYS}
+    s["warmup_graph_break_reasons"] = {k.split("\n")[0][:160]: v for r in warm
+                                       for k, v in (r.get("graph_break_reasons") or {}).items()}  # fmt: skip
     s["dynamo_measured"] = dyn_meas
     # compiled on the warm-up, and the measured steps neither compiled, broke, ran a new frame nor skipped a CUDA graph
     quiet = dyn_meas["unique_graphs"] == dyn_meas["graph_breaks"] == dyn_meas["frames_ok"] == 0
@@ -379,13 +363,12 @@ def _vllm_arm_model(args, device, dtype, res: dict):
     import torch
     from rollout_vllm import checkpoints
 
-    if args.arm.removesuffix("-base") == "qlora":
+    if args.arm == "qlora":
         res["status"] = "skipped: vLLM loads no bitsandbytes NF4 policy here (QLoRA runs --rollout-engine transformers)"
         return None, None
     t0 = time.perf_counter()
     paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
-    kind = "nvfp4" if args.arm == OURS else "bf16"
-    path = paths[kind]
+    path = paths["nvfp4" if args.arm == OURS else "bf16"]
     tok = make_tokenizer(MODELS[args.model]["vocab_size"])
     if not (path / "tokenizer.json").is_file():  # the engine loads the tokenizer from the checkpoint
         tok.save_pretrained(path)
@@ -557,8 +540,7 @@ def run_worker(args) -> dict:
             "max_cache_len")  # fmt: skip
     res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
                                                                              "compile_config": knobs}  # fmt: skip
-    lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
-    res["trainable_dtypes"] = lora_dtypes
+    res["trainable_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
     res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
     res["grad_ckpt"] = args.grad_ckpt
 

@@ -270,8 +270,9 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
                 row["ws_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg) for c in wts.q[:256]])
                 for arm, inflight in arms:
                     if row[f"{arm}_err"] < 1e-2:
-                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg, scale_pairs=True,
-                                                               inflight=inflight) for c in pairs[:256]])  # fmt: skip
+                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg,
+                                                               scale_pairs=True, inflight=inflight)
+                                                       for c in pairs[:256]])  # fmt: skip
             if hum:
                 row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
             row.update({f"{a[:-3]}_x_bf16": row["bf16_ms"] / row[a] for a in list(row) if a.endswith("_ms")})
@@ -469,8 +470,9 @@ def fwd_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
 
 def bwd_candidates(m: int) -> list[DgradConfig]:
     """Candidate dgrad configs: ``_dgrad_mma_kernel`` tiles and dequantize + cuBLAS."""
-    return [DgradConfig(bm, 64, 256, warps, stages, mma=True) for bm in (64, 128) for warps in (4, 8)
-            for stages in (1, 2, 3) if bm <= max(64, triton.next_power_of_2(m))] + [DgradConfig(dequant=True, mma=True)]  # fmt: skip
+    tiles = [DgradConfig(bm, 64, 256, warps, stages, mma=True) for bm in (64, 128) for warps in (4, 8)
+             for stages in (1, 2, 3) if bm <= max(64, triton.next_power_of_2(m))]  # fmt: skip
+    return tiles + [DgradConfig(dequant=True, mma=True)]
 
 
 def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline: float,
@@ -480,9 +482,9 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
     shapes = list(dict.fromkeys(nk for mdl in models for nk in MODELS[mdl].values()))  # the first model's first
     all_w = {nk: Weights(*nk) for nk in shapes}
     res: dict = {"forward": [], "backward": []}
-    passes = (("forward", fwd_ms, bench_fwd, kern.linear_config, fwd_candidates),
-              ("backward", bwd_ms, bench_bwd, kern.dgrad_config, lambda m, n, k: bwd_candidates(m)))  # fmt: skip
-    for kind, ms, bench, current, candidates in passes:
+    passes = (("forward", "fwd", fwd_ms, bench_fwd, kern.linear_config, fwd_candidates),
+              ("backward", "bwd", bwd_ms, bench_bwd, kern.dgrad_config, lambda m, n, k: bwd_candidates(m)))  # fmt: skip
+    for kind, tag, ms, bench, current, candidates in passes:
         for (n, k), wts in all_w.items():
             for m in ms:
                 if time.time() > deadline:
@@ -492,11 +494,11 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
                     try:
                         ours, _ = bench(wts, m, cfg, with_bf16=False)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                        print("fail", kind, n, k, m, cfg, repr(e)[:200])
+                        print("fail", tag, n, k, m, cfg, repr(e)[:200])
                         continue
                     res[kind].append(dict(N=n, K=k, M=m, bf16_ms=ref, ours_ms=ours, config=cfg.__dict__))
                 best = min((r for r in res[kind] if (r["N"], r["K"], r["M"]) == (n, k, m)), key=lambda r: r["ours_ms"])
-                print(f"{kind[:3]} N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} "
+                print(f"{tag} N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} "
                       f"({ref / best['ours_ms']:.2f}x) {best['config']}", flush=True)  # fmt: skip
             if partial is not None:
                 partial.write_text(json.dumps(res))

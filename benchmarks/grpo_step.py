@@ -308,8 +308,9 @@ def _step_row(c: dict) -> dict:
     r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
     # the prefill yields each sequence's first token
     r["decode_tok_s"] = round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
-    keep = ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb", "peak_after_backward_gb",
-            "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons", "torch_log", "trl_log")  # fmt: skip
+    keep = ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb",
+            "peak_after_backward_gb", "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons",
+            "torch_log", "trl_log")  # fmt: skip
     return r | {k: c[k] for k in keep if k in c}
 
 

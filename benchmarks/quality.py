@@ -146,7 +146,8 @@ def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: 
 def _errors(r: dict) -> str:
     """A row's :data:`ERRORS` cells: its weight error, its output error per layer type."""
     out = r.get("output_rel_err")
-    return f"{r['weight_rel_err']:.4f} | " + (" / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—")
+    per_kind = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
+    return f"{r['weight_rel_err']:.4f} | {per_kind}"
 
 
 def formats_main(args: argparse.Namespace) -> None:
@@ -189,7 +190,8 @@ def formats_main(args: argparse.Namespace) -> None:
         del q
     print(f"\n| arm | bits / weight | {ERRORS} | GSM8K ppl | ppl − dense |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['bits_per_weight']:.3f} | {_errors(r)} | {r['ppl']:.3f} | {r['ppl'] - rows[0]['ppl']:+.3f} |")
+        print(f"| {r['arm']} | {r['bits_per_weight']:.3f} | {_errors(r)} | {r['ppl']:.3f} | "
+              f"{r['ppl'] - rows[0]['ppl']:+.3f} |")
     import bitsandbytes
 
     _write(args, rows, benchmark="quality_formats", issue=22, bitsandbytes=bitsandbytes.__version__,
@@ -242,7 +244,8 @@ def main() -> None:
         if rtn_loss and r["arm"].startswith("NVFP4"):
             r["ppl_loss_removed_vs_rtn"] = 1 - (r["ppl"] - rows[0]["ppl"]) / rtn_loss
         removed = f"{100 * r['ppl_loss_removed_vs_rtn']:.0f} %" if "ppl_loss_removed_vs_rtn" in r else "—"
-        print(f"| {r['arm']} | {r['bytes'] / 1e6:.1f} MB | {_errors(r)} | {r['ppl']:.3f} | {removed} | {r['quant_s']:.1f} |")
+        print(f"| {r['arm']} | {r['bytes'] / 1e6:.1f} MB | {_errors(r)} | {r['ppl']:.3f} | {removed} | "
+              f"{r['quant_s']:.1f} |")
     _write(args, rows, calib_samples=args.calib_samples, eval="GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'")
 
 

@@ -140,4 +140,5 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # add_run_arguments; common.models' unused ROLLOUT_BNB_CPU; code at 6a06c59
     # -19 (→ 4,718, #48): learning_study's MPS daemon under mock.patch.dict, its metrics reader and run environment
     # inline; quality.py's two tables share their error cells (output checked equal on CPU); code at 6a06c59
-    assert am.benchmark_lines(ROOT) <= 4718
+    # +6 (→ 4,724, #48): lines of the compaction above back within 120 characters; gemm.py's sweep prints fwd / bwd again
+    assert am.benchmark_lines(ROOT) <= 4724

@@ -20,8 +20,8 @@ from .env import device_name, now, write_result
 from .shapes import MODELS
 
 __all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments", "check_names",
-           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process", "run_meta",
-           "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
+           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process",
+           "run_meta", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
 
 
 class LogCatcher(logging.Handler):

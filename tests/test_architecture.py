@@ -141,4 +141,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # -19 (→ 4,718, #48): learning_study's MPS daemon under mock.patch.dict, its metrics reader and run environment
     # inline; quality.py's two tables share their error cells (output checked equal on CPU); code at 6a06c59
     # +6 (→ 4,724, #48): lines of the compaction above back within 120 characters; gemm.py's sweep prints fwd / bwd again
-    assert am.benchmark_lines(ROOT) <= 4724
+    # -119 (→ 4,605, #48): quantize_time.py --mode hf left, never run (from_pretrained with NVFP4Config against a bf16
+    # load; code at 6a06c59); the layers mode writes the same JSON
+    assert am.benchmark_lines(ROOT) <= 4605

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common/, also when a test loads this file
 
@@ -144,38 +145,29 @@ class Weights:
         del w
 
 
-def _n_calls(n_copies: int) -> int:
-    """Calls per graph: one per weight copy (at most 256)."""
-    return min(n_copies, 256)
+def rotated(copies: list, call) -> float:
+    """:func:`time_graph` of ``call(copy)`` for each of ``copies`` (at most 256 calls a graph)."""
+    return time_graph([call(c) for c in copies[:256]])
 
 
 def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, q: list | None = None):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    q = q or wts.q
-    nq = _n_calls(len(q))
-    ours = time_graph([partial(nvfp4_linear, x, *q[i % len(q)], None, config=config) for i in range(nq)])
-    ref = None
-    if with_bf16:
-        nb = _n_calls(len(wts.bf16))
-        ref = time_graph([partial(F.linear, x, wts.bf16[i % len(wts.bf16)]) for i in range(nb)])
-    return ours, ref
+    ours = rotated(q or wts.q, lambda c: partial(nvfp4_linear, x, *c, None, config=config))
+    return ours, rotated(wts.bf16, lambda w: partial(F.linear, x, w)) if with_bf16 else None
 
 
 def bench_mxfp4(wts: Weights, m: int) -> float:
     """The forward of the rotated MXFP4 ``NVFP4Linear`` layers (what a model runs: ``nvfp4::linear`` on the
     transcoded tensors)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    layers = wts.mxfp4_layers
     with torch.no_grad():
-        return time_graph([partial(layers[i % len(layers)], x) for i in range(_n_calls(len(layers)))])
+        return rotated(wts.mxfp4_layers, lambda layer: partial(layer, x))
 
 
 def bench_int4(wts: Weights, m: int) -> float:
     """torch's tinygemm ``_weight_int4pack_mm`` (group 128) on the rotated int4 copies."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    n4 = _n_calls(len(wts.int4))
-    return time_graph([partial(torch.ops.aten._weight_int4pack_mm, x, wts.int4[i % len(wts.int4)][0], 128,
-                               wts.int4[i % len(wts.int4)][1]) for i in range(n4)])  # fmt: skip
+    return rotated(wts.int4, lambda c: partial(torch.ops.aten._weight_int4pack_mm, x, c[0], 128, c[1]))
 
 
 def humming_layers(wts: Weights) -> list:
@@ -215,7 +207,7 @@ def bench_humming(wts: Weights, layers: list, m: int) -> tuple[float, float]:
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
     ref = F.linear(x, wts.bf16[0]).float()
     err = ((layers[0](x).float() - ref).norm() / ref.norm()).item()
-    return time_graph([partial(layers[i % len(layers)], x) for i in range(_n_calls(len(layers)))]), err
+    return rotated(layers, lambda layer: partial(layer, x)), err
 
 
 # The warp-specialised kernel's candidate tiles per M (benchmarks/gemm_ws_spike.py on the 7B gate/down shapes):
@@ -264,7 +256,7 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
             if isinstance(entry, tuple) and entry[0] == "ws":
                 bm, tiles, stages, sub, *fx = entry[1:]
                 cfg = dict(block_m=bm, tiles=tiles, stages=stages, sub=sub, fixup=bool(fx and fx[0]))
-                row["config"], calls = list(entry[1:]), _n_calls(len(wts.q))
+                row["config"] = list(entry[1:])
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
                 ref = x.double() @ w64.T
                 hopper_ws.POISON = True
@@ -275,13 +267,12 @@ def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
                     except Exception as e:  # noqa: BLE001 - report and go on
                         row[f"{arm}_err"], row[f"{arm}_exception"] = float("nan"), repr(e)
                 hopper_ws.POISON = False
-                row["ws_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *wts.q[i % len(wts.q)], None, **cfg)
-                                           for i in range(calls)])  # fmt: skip
+                row["ws_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg) for c in wts.q[:256]])
                 for arm, inflight in arms:
                     if row[f"{arm}_err"] < 1e-2:
-                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *pairs[i % len(pairs)], None,
-                                                               **cfg, scale_pairs=True, inflight=inflight)
-                                                       for i in range(calls)])  # fmt: skip
+                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg,
+                                                               scale_pairs=True, inflight=inflight)
+                                                       for c in pairs[:256]])  # fmt: skip
             if hum:
                 row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
             row.update({f"{a[:-3]}_x_bf16": row["bf16_ms"] / row[a] for a in list(row) if a.endswith("_ms")})
@@ -310,21 +301,13 @@ def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int 
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
     a = torch.randn(r, wts.k, device=DEV, dtype=torch.bfloat16) / wts.k**0.5
     b = torch.randn(wts.n, r, device=DEV, dtype=torch.bfloat16)
-    q = q or wts.q
-    return time_graph([partial(nvfp4_lora_linear, x, *q[i % len(q)], None, a, b, 2.0, config=config)
-                       for i in range(_n_calls(len(q)))])  # fmt: skip
+    return rotated(q or wts.q, lambda c: partial(nvfp4_lora_linear, x, *c, None, a, b, 2.0, config=config))
 
 
 def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, q: list | None = None):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    q = q or wts.q
-    nq = _n_calls(len(q))
-    ours = time_graph([partial(nvfp4_linear_dgrad, dy, *q[i % len(q)], config=config) for i in range(nq)])
-    ref = None
-    if with_bf16:
-        nb = _n_calls(len(wts.bf16))
-        ref = time_graph([partial(torch.matmul, dy, wts.bf16[i % len(wts.bf16)]) for i in range(nb)])
-    return ours, ref
+    ours = rotated(q or wts.q, lambda c: partial(nvfp4_linear_dgrad, dy, *c, config=config))
+    return ours, rotated(wts.bf16, lambda w: partial(torch.matmul, dy, w)) if with_bf16 else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -464,7 +447,7 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
     split (≥ 2 K steps per split) until the grid reaches about one and about two programs per SM."""
     out = []
     for tiles, quarters, bm, warps, stages in LARGE_M_TILES:
-        if bm > max(64, triton_next_pow2(m)) or n % 64:
+        if bm > max(64, triton.next_power_of_2(m)) or n % 64:
             continue
         programs = -(-m // bm) * -(-n // (64 * tiles))
         steps = k // (64 * quarters)
@@ -475,48 +458,21 @@ def large_m_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
     return list(dict.fromkeys(out))
 
 
-def fwd_candidates(m: int, n: int, k: int, mma: bool = True) -> list[LinearConfig]:
-    """Candidate forward configs for one (M, N, K). MMA layout: splits × pipeline depths of ``_linear_mma_kernel``
-    (M ≤ 128), the large-M kernel's tiles from M = 32 (:func:`large_m_candidates`), dequantize + cuBLAS from
-    M = 64. Compressed-tensors layout: the CUDA-core GEMV tiles (M ≤ 16) and the tensor-core config of
-    ``tc_config`` with and without register prefetch (M ≤ 128). The decode kernel (M ≤ 128) keeps its current config,
-    :func:`~nvfp4.kernels.nvfp4_gemm.mma_config`."""
-    out: list[LinearConfig] = []
-    if mma:
-        if m <= 128:
-            out.append(kern.mma_config(m, n, k))
-        if m >= 32:
-            out += large_m_candidates(m, n, k)
-        if m >= 64:
-            out.append(LinearConfig(dequant=True, mma=True))
-        return out
-    if m <= 16:
-        for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)):
-            for pf in (False, True):
-                for tgt in (264, 528):
-                    split = kern.pick_split(-(-n // bn), k, bk, target=tgt, min_k=512)
-                    out.append(LinearConfig(1, bn, bk, split, 4, 1, gemv=True, prefetch=pf))
-    if m <= 128:
-        out += [kern.tc_config(m, n, k), kern.tc_config(m, n, k, prefetch=True)]
-    if m >= 64:
-        out.append(LinearConfig(dequant=True))
-    return list(dict.fromkeys(out))
+def fwd_candidates(m: int, n: int, k: int) -> list[LinearConfig]:
+    """Candidate forward configs for one (M, N, K) in the MMA layout (every shape of :data:`MODELS` takes it): the
+    decode kernel's current config (:func:`~nvfp4.kernels.nvfp4_gemm.mma_config`, M ≤ 128), the large-M kernel's
+    tiles from M = 32 (:func:`large_m_candidates`), dequantize + cuBLAS from M = 64."""
+    out = [kern.mma_config(m, n, k)] if m <= 128 else []
+    if m >= 32:
+        out += large_m_candidates(m, n, k)
+    return out + [LinearConfig(dequant=True, mma=True)] if m >= 64 else out
 
 
-def bwd_candidates(m: int, mma: bool = True) -> list[DgradConfig]:
-    """Candidate dgrad configs: ``_dgrad_mma_kernel`` tiles (MMA layout) or ``_dgrad_kernel`` tiles, and dequantize +
-    cuBLAS."""
-    if mma:
-        c = [DgradConfig(bm, 64, 256, warps, stages, mma=True) for bm in (64, 128) for warps in (4, 8)
-             for stages in (1, 2, 3) if bm <= max(64, triton_next_pow2(m))]  # fmt: skip
-        return c + [DgradConfig(dequant=True, mma=True)]
-    c = [DgradConfig(128, 64, 128, 8, 3), DgradConfig(128, 64, 256, 8, 3), DgradConfig(128, 128, 128, 8, 3),
-         DgradConfig(128, 32, 128, 4, 3), DgradConfig(dequant=True)]  # fmt: skip
-    return c
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
+def bwd_candidates(m: int) -> list[DgradConfig]:
+    """Candidate dgrad configs: ``_dgrad_mma_kernel`` tiles and dequantize + cuBLAS."""
+    tiles = [DgradConfig(bm, 64, 256, warps, stages, mma=True) for bm in (64, 128) for warps in (4, 8)
+             for stages in (1, 2, 3) if bm <= max(64, triton.next_power_of_2(m))]  # fmt: skip
+    return tiles + [DgradConfig(dequant=True, mma=True)]
 
 
 def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline: float,
@@ -526,40 +482,26 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
     shapes = list(dict.fromkeys(nk for mdl in models for nk in MODELS[mdl].values()))  # the first model's first
     all_w = {nk: Weights(*nk) for nk in shapes}
     res: dict = {"forward": [], "backward": []}
-    for (n, k), wts in all_w.items():
-        for m in fwd_ms:
-            if time.time() > deadline:
-                break
-            _, ref = bench_fwd(wts, m, kern.linear_config(m, n, k, mma=wts.mma))
-            for cfg in fwd_candidates(m, n, k, wts.mma):
-                try:
-                    ours, _ = bench_fwd(wts, m, cfg, with_bf16=False)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                    print("fail", n, k, m, cfg, repr(e)[:200])
-                    continue
-                res["forward"].append(dict(N=n, K=k, M=m, bf16_ms=ref, ours_ms=ours, config=cfg.__dict__))
-            best = min((r for r in res["forward"] if (r["N"], r["K"], r["M"]) == (n, k, m)), key=lambda r: r["ours_ms"])
-            print(f"fwd N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} ({ref / best['ours_ms']:.2f}x) "
-                  f"{best['config']}", flush=True)  # fmt: skip
-        if partial is not None:
-            partial.write_text(json.dumps(res))
-    for (n, k), wts in all_w.items():
-        for m in bwd_ms:
-            if time.time() > deadline:
-                break
-            _, ref = bench_bwd(wts, m, kern.dgrad_config(m, n, k, mma=wts.mma), with_bf16=True)
-            for cfg in bwd_candidates(m, wts.mma):
-                try:
-                    ours, _ = bench_bwd(wts, m, cfg, with_bf16=False)
-                except Exception as e:  # noqa: BLE001
-                    print("fail bwd", n, k, m, cfg, repr(e)[:200])
-                    continue
-                res["backward"].append(dict(N=n, K=k, M=m, bf16_ms=ref, ours_ms=ours, config=cfg.__dict__))
-            best = min(
-                (r for r in res["backward"] if (r["N"], r["K"], r["M"]) == (n, k, m)), key=lambda r: r["ours_ms"]
-            )
-            print(f"bwd N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} ({ref / best['ours_ms']:.2f}x) "
-                  f"{best['config']}", flush=True)  # fmt: skip
+    passes = (("forward", "fwd", fwd_ms, bench_fwd, kern.linear_config, fwd_candidates),
+              ("backward", "bwd", bwd_ms, bench_bwd, kern.dgrad_config, lambda m, n, k: bwd_candidates(m)))  # fmt: skip
+    for kind, tag, ms, bench, current, candidates in passes:
+        for (n, k), wts in all_w.items():
+            for m in ms:
+                if time.time() > deadline:
+                    break
+                _, ref = bench(wts, m, current(m, n, k, mma=wts.mma))
+                for cfg in candidates(m, n, k):
+                    try:
+                        ours, _ = bench(wts, m, cfg, with_bf16=False)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                        print("fail", tag, n, k, m, cfg, repr(e)[:200])
+                        continue
+                    res[kind].append(dict(N=n, K=k, M=m, bf16_ms=ref, ours_ms=ours, config=cfg.__dict__))
+                best = min((r for r in res[kind] if (r["N"], r["K"], r["M"]) == (n, k, m)), key=lambda r: r["ours_ms"])
+                print(f"{tag} N={n} K={k} M={m} bf16={ref:.4f} best={best['ours_ms']:.4f} "
+                      f"({ref / best['ours_ms']:.2f}x) {best['config']}", flush=True)  # fmt: skip
+            if partial is not None:
+                partial.write_text(json.dumps(res))
     return res
 
 
@@ -601,8 +543,6 @@ def apply_table(runs: list[dict]) -> None:
 
 def env_info() -> dict:
     from importlib.metadata import PackageNotFoundError, version
-
-    import triton
 
     try:
         humming = version("humming-kernels")  # the peer's version (--peer-humming), None where it is not installed

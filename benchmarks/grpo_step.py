@@ -138,6 +138,16 @@ class _Clock:
             self.add(phase, self.now() - t)
             self.phase = prev
 
+    def wrap(self, obj, name: str, phase: str) -> None:
+        """Time every call of ``obj.<name>`` as ``phase``."""
+        fn = getattr(obj, name)
+
+        def timed_call(*a, **kw):
+            with self.timed(phase):
+                return fn(*a, **kw)
+
+        setattr(obj, name, timed_call)
+
 
 def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
     from qerl_trl import QeRLGRPOTrainer
@@ -156,21 +166,16 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             clock.cur.setdefault("completion_lens", []).extend(lens)
             return completion_ids, logprobs
 
-        def _rollout_noise(self):  # QeRL's AQN (TRL's own trainer never calls it)
-            cm = super()._rollout_noise()
-
-            @contextlib.contextmanager
-            def timed_cm():
-                t = clock.now()
-                with cm:
-                    clock.add("aqn", clock.now() - t)
-                    try:
-                        yield
-                    finally:
-                        t = clock.now()
+        @contextlib.contextmanager
+        def _rollout_noise(self):  # QeRL's AQN (TRL's own trainer never calls it): applying and restoring it timed
+            t = clock.now()
+            with super()._rollout_noise():
                 clock.add("aqn", clock.now() - t)
-
-            return timed_cm()
+                try:
+                    yield
+                finally:
+                    t = clock.now()
+            clock.add("aqn", clock.now() - t)
 
         def _prepare_inputs(self, generation_batch):
             with clock.timed("prepare"):
@@ -208,13 +213,13 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             return loss
 
     class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.catcher: LogCatcher | None = None
-            self.lengths: list[int] = []  # completion length of each step (warm-up steps may be shorter)
-            self.min_new: int | None = None  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
+        def __init__(self, lengths: list[int], on_vllm: bool, min_new: int | None, catcher=None) -> None:
+            self.lengths = lengths  # completion length of each step (warm-up steps may be shorter)
+            self.on_vllm = on_vllm  # vLLM arms: lengths come from the sampling parameters, not the generation config
+            self.min_new = min_new  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
+            self.catcher: LogCatcher | None = catcher
             self.trainer = None
             self.after_step = None  # called after every step (partial results survive a kill)
-            self.on_vllm = False  # vLLM arms: lengths come from the sampling parameters, not the generation config
 
         def on_step_begin(self, args, state, control, **kw):
             import torch
@@ -293,10 +298,8 @@ def _step_row(c: dict) -> dict:
     r["backward_s"] = round(c.get("train_step", 0.0) - c.get("prepare", 0.0) - c.get("loss_fwd", 0.0), 4)
     r["other_s"] = round(c["step_s"] - c.get("train_step", 0.0) - r["clip_s"] - r["optimizer_s"], 4)
     lens = c.get("completion_lens", [])
-    r["completions"] = len(lens)
-    r["completion_tokens"] = int(sum(lens))
-    r["completion_len_min"] = min(lens) if lens else None
-    r["completion_len_max"] = max(lens) if lens else None
+    r |= {"completions": len(lens), "completion_tokens": int(sum(lens)), "completion_len_min": min(lens, default=None),
+          "completion_len_max": max(lens, default=None)}  # fmt: skip
     if lens:
         q = sorted(lens)
         r["completion_len_mean"] = round(statistics.fmean(lens), 1)
@@ -305,26 +308,22 @@ def _step_row(c: dict) -> dict:
     r["gen_tok_s"] = round(sum(lens) / gen, 2) if gen > 0 else None
     # the prefill yields each sequence's first token
     r["decode_tok_s"] = round((sum(lens) - len(lens)) / r["decode_s"], 2) if r["decode_s"] > 0 and lens else None
-    for k in ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb",
-              "peak_after_backward_gb", "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons",
-              "torch_log", "trl_log"):  # fmt: skip
-        if k in c:
-            r[k] = c[k]
-    return r
+    keep = ("peak_gpu_gb", "peak_gpu_reserved_gb", "peak_after_gen_gb", "peak_after_loss_fwd_gb",
+            "peak_after_backward_gb", "peak_after_optimizer_gb", "peak_rss_gb", "dynamo", "graph_break_reasons",
+            "torch_log", "trl_log")  # fmt: skip
+    return r | {k: c[k] for k in keep if k in c}
 
 
 def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
     """``res``'s warm-up and measured steps from ``clock``'s, and their ``summary``; returns the number of steps."""
     rows = [_step_row(c) for c in clock.steps]
     warm, meas = rows[: args.warmup_steps], rows[args.warmup_steps :]
-    res["warmup_steps"] = warm
-    res["steps"] = meas
+    res["warmup_steps"], res["steps"] = warm, meas
     if not meas:
         return len(rows)
-    s = {}
-    for k in ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
-              "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s"):  # fmt: skip
-        s[k] = _median([r.get(k) for r in meas])
+    medians = ("step_s", "gen_s", "sync_s", "prefill_s", "aqn_s", "decode_s", "score_s", "score_fwd_s", "loss_fwd_s",
+               "backward_s", "clip_s", "optimizer_s", "other_s", "gen_tok_s", "decode_tok_s")  # fmt: skip
+    s = {k: _median([r.get(k) for r in meas]) for k in medians}
     s["warmup_step_s"] = round(sum(r["step_s"] for r in warm), 3) if warm else None
     s["step_s_min"] = round(min(r["step_s"] for r in meas), 4)
     # compile estimate: the warm-up steps' time minus what they would take at the measured steps' per-token speed
@@ -343,13 +342,9 @@ def _summarize(res: dict, clock: _Clock, compiled: bool, args) -> int:
     s["completion_lengths_ok"] = bool(lens_ok and all(r["completions"] == _completions_per_step(args) for r in rows))
     s["advantages_nonzero"] = bool(all((r.get("adv_abs_mean") or 0) > 0 for r in rows))
     dyn_meas = {k: sum(r["dynamo"][k] for r in meas) for k in DYN_KEYS}
-    dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in DYN_KEYS}
-    s["dynamo_warmup"] = dyn_warm
-    reasons: dict = {}
-    for r in warm:
-        for k, v in (r.get("graph_break_reasons") or {}).items():
-            reasons[k.split("\n")[0][:160]] = v
-    s["warmup_graph_break_reasons"] = reasons
+    s["dynamo_warmup"] = dyn_warm = {k: sum(r["dynamo"][k] for r in warm) for k in DYN_KEYS}
+    s["warmup_graph_break_reasons"] = {k.split("\n")[0][:160]: v for r in warm
+                                       for k, v in (r.get("graph_break_reasons") or {}).items()}  # fmt: skip
     s["dynamo_measured"] = dyn_meas
     # compiled on the warm-up, and the measured steps neither compiled, broke, ran a new frame nor skipped a CUDA graph
     quiet = dyn_meas["unique_graphs"] == dyn_meas["graph_breaks"] == dyn_meas["frames_ok"] == 0
@@ -369,13 +364,12 @@ def _vllm_arm_model(args, device, dtype, res: dict):
     import torch
     from rollout_vllm import checkpoints
 
-    if args.arm.removesuffix("-base") == "qlora":
+    if args.arm == "qlora":
         res["status"] = "skipped: vLLM loads no bitsandbytes NF4 policy here (QLoRA runs --rollout-engine transformers)"
         return None, None
     t0 = time.perf_counter()
     paths = checkpoints(args.model, Path(args.ckpt_root), args.lora_r)
-    kind = "nvfp4" if args.arm == OURS else "bf16"
-    path = paths[kind]
+    path = paths["nvfp4" if args.arm == OURS else "bf16"]
     tok = make_tokenizer(MODELS[args.model]["vocab_size"])
     if not (path / "tokenizer.json").is_file():  # the engine loads the tokenizer from the checkpoint
         tok.save_pretrained(path)
@@ -412,32 +406,31 @@ def _vllm_memory(path: Path, args, device, res: dict) -> dict:
     return vllm
 
 
-def _vllm_length_kwargs(args, vocab: int, res: dict) -> dict:
-    """``SamplingParams`` keywords of the vLLM arms' lengths: fixed, or for ``--eos-mean-tokens M``
-    :data:`VLLM_MAX_STOP_IDS` EOS ids with a logit bias ``b`` giving a near-uniform model the odds ``round(V / M)`` ids
-    would, ``k·e^b / (V - k + k·e^b) = 1 / M`` (recorded in ``res["spread_eos"]``)."""
+def _length_kwargs(args, vocab: int, res: dict, on_vllm: bool) -> tuple[dict, list[int]]:
+    """The generation keywords of the completions' lengths and the spread EOS ids the model's generation config takes
+    (``res["spread_eos_ids"]``: their count): fixed lengths, or ``round(V / M)`` EOS ids for ``--eos-mean-tokens M``.
+    vLLM (``SamplingParams``, no EOS ids on the model): :data:`VLLM_MAX_STOP_IDS` ids with a logit bias ``b`` giving a
+    near-uniform model the same odds, ``k·e^b / (V - k + k·e^b) = 1 / M`` (recorded in ``res["spread_eos"]``)."""
     import math
 
+    if not on_vllm:
+        eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
+        res["spread_eos_ids"] = len(eos)
+        return {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}, eos
     if not args.eos_mean_tokens:
-        return {"min_tokens": args.completion_len, "ignore_eos": True}
+        return {"min_tokens": args.completion_len, "ignore_eos": True}, []
     mean, min_tokens = args.eos_mean_tokens, args.min_new_tokens
     eos = spread_eos_ids(vocab, vocab / VLLM_MAX_STOP_IDS)
     k = len(eos)
     bias = math.log((vocab - k) / (k * (mean - 1)))
     res["spread_eos"] = {"stop_ids": k, "logit_bias": round(bias, 4), "mean_tokens": mean, "min_tokens": min_tokens}
-    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}
+    return {"min_tokens": min_tokens, "stop_token_ids": eos, "logit_bias": {int(t): bias for t in eos}}, []
 
 
 def _time_sync(trainer, clock: _Clock) -> None:
     """Time the vLLM generation's ``sync_weights()`` (ours: the LoRA adapter; TRL: merge + load) as ``sync``."""
-    generation = trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation
-    sync_weights = generation.sync_weights
-
-    def timed_sync(*a, **kw):
-        with clock.timed("sync"):
-            return sync_weights(*a, **kw)
-
-    generation.sync_weights = timed_sync
+    clock.wrap(trainer.rollout.generation if hasattr(trainer, "rollout") else trainer.vllm_generation, "sync_weights",
+               "sync")  # fmt: skip
 
 
 def _rollout_engine(name: str, cuda: bool):
@@ -474,16 +467,7 @@ def run_worker(args) -> dict:
         return res
 
     if not on_vllm:  # time the prefill: the model's own ``_prefill`` (eager; the compiled call wraps the decode)
-        base = model.get_base_model()
-        orig_prefill = base._prefill
-
-        def timed_prefill(*a, **kw):
-            t = clock.now()
-            out = orig_prefill(*a, **kw)
-            clock.add("prefill", clock.now() - t)
-            return out
-
-        base._prefill = timed_prefill
+        clock.wrap(model.get_base_model(), "_prefill", "prefill")
 
     from qerl_trl import QeRLConfig
 
@@ -493,24 +477,16 @@ def run_worker(args) -> dict:
     per_step = _completions_per_step(args)
     dataset = make_dataset(max(8, 2 * n_steps * per_step // args.group), args.prompt_len, vocab)
     TimedTrainer, StepClock = _make_trainer_class(clock, stock_trl)
-    step_clock = StepClock()
-    step_clock.catcher = catcher
     # vLLM takes its lengths from its SamplingParams, built once from the config: every step at the full length
     warm_len = args.completion_len if on_vllm else (args.warmup_completion_len or args.completion_len)
-    step_clock.lengths = [warm_len] * args.warmup_steps + [args.completion_len] * args.steps
-    step_clock.on_vllm = on_vllm
+    step_clock = StepClock([warm_len] * args.warmup_steps + [args.completion_len] * args.steps, on_vllm,
+                           args.min_new_tokens if args.eos_mean_tokens else None, catcher)  # fmt: skip
     outdir = tempfile.mkdtemp(prefix="grpo_step_")
     cache_prompt = max(args.prompt_len, args.prompt_cache_len or 0)  # prompt positions of the KV cache
-    if args.eos_mean_tokens:
-        step_clock.min_new = args.min_new_tokens
-    if on_vllm:  # at most 128 stop ids a request: fewer ids, raised to the same odds
-        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
-    elif args.eos_mean_tokens:  # spread lengths: TRL reads the EOS ids from the model's generation config
-        eos = spread_eos_ids(vocab, args.eos_mean_tokens)
+    gen_kwargs, eos = _length_kwargs(args, vocab, res, on_vllm)
+    if eos:  # spread lengths: TRL reads the EOS ids from the model's generation config
         model.get_base_model().generation_config.eos_token_id = eos
-        res["spread_eos_ids"] = len(eos)
     if not on_vllm:
-        gen_kwargs = {"min_new_tokens": args.min_new_tokens if args.eos_mean_tokens else args.completion_len}
         gen_kwargs["max_cache_len"] = cache_prompt + args.completion_len
     res["rollout_engine"] = engine.name
     shared = dict(  # the settings both trainers take (TRL's GRPOConfig fields)
@@ -565,8 +541,7 @@ def run_worker(args) -> dict:
             "max_cache_len")  # fmt: skip
     res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
                                                                              "compile_config": knobs}  # fmt: skip
-    lora_dtypes = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if p.requires_grad})
-    res["trainable_dtypes"] = lora_dtypes
+    res["trainable_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
     res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
     res["grad_ckpt"] = args.grad_ckpt
 
@@ -624,7 +599,7 @@ def run_recipe(args) -> dict:
     if "--max_completion_length" in extra:
         args.completion_len = int(extra[extra.index("--max_completion_length") + 1])
     clock, res = _Clock(device), {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm]}
-    on_vllm, eos = engine.generates_from_copy, []
+    on_vllm = engine.generates_from_copy
     res |= {"rollout_engine": args.rollout_engine, "recipe": args.recipe, "recipe_settings": recipe}
     t0 = time.perf_counter()
     path = checkpoints(args.model, Path(args.ckpt_root), args.lora_r, nvfp4_only=True)["nvfp4"]
@@ -640,12 +615,8 @@ def run_recipe(args) -> dict:
     rows = make_dataset(64, args.prompt_len - template, vocab)["prompt"]  # the gold answer is never scored
     data.write_text("".join(json.dumps({"problem": r, "question": r, "answer": "#### 0"}) + "\n" for r in rows))
     REWARD_FUNCS["mean_token_id"] = make_reward(vocab)
-    if on_vllm:
-        gen_kwargs = _vllm_length_kwargs(args, vocab, res)
-    else:  # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
-        eos = spread_eos_ids(vocab, args.eos_mean_tokens) if args.eos_mean_tokens else []
-        gen_kwargs = {"min_new_tokens": args.min_new_tokens if eos else args.completion_len}
-        res["spread_eos_ids"] = len(eos)
+    # graph: the spread EOS ids go on TRL's generation config (RecipeTrainer); the tokenizer's EOS otherwise
+    gen_kwargs, eos = _length_kwargs(args, vocab, res, on_vllm)
     engine_argv = ["--rollout_engine", args.rollout_engine]
     if on_vllm:
         engine_argv += ["--vllm", json.dumps(_vllm_memory(path, args, device, res))]
@@ -658,9 +629,8 @@ def run_recipe(args) -> dict:
     dapo = recipe.get("algorithm") == "dapo"
     module, name = (qerl_trl.dapo, "QeRLDAPOTrainer") if dapo else (qerl_trl.trainer, "QeRLGRPOTrainer")
     Timed, StepClock = _make_trainer_class(clock, base=getattr(module, name))
-    step_clock = StepClock()
-    step_clock.lengths, step_clock.on_vllm = [args.completion_len] * n_steps, on_vllm
-    step_clock.min_new = args.min_new_tokens if args.eos_mean_tokens else None
+    step_clock = StepClock([args.completion_len] * n_steps, on_vllm,
+                           args.min_new_tokens if args.eos_mean_tokens else None)  # fmt: skip
     partial = Path(args.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
 

@@ -30,33 +30,24 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def _run(cmd: list[str], log: Path) -> tuple[int, float]:
     start = time.perf_counter()
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.call(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     return rc, time.perf_counter() - start
 
 
 def _read_metrics(path: Path) -> list[dict]:
-    rows: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if "reward" in row and "step" in row:
-                    rows[int(row["step"])] = row
+    lines = path.read_text().splitlines() if path.is_file() else []
+    rows = {int(r["step"]): r for r in map(json.loads, filter(str.strip, lines)) if "reward" in r and "step" in r}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -197,25 +188,18 @@ def _run_eval_job(argvs: list[list[str]], log: Path) -> int:
 def _mps_daemon(folder: Path):
     """Run the study's processes under CUDA MPS: a control daemon with its pipe and log folders under ``folder``,
     stopped on exit. Without MPS, a dozen processes time-slice the GPU; with it, their small kernels share the SMs."""
-    folder.mkdir(parents=True, exist_ok=True)
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
     for d in env.values():
-        Path(d).mkdir(exist_ok=True)
+        Path(d).mkdir(parents=True, exist_ok=True)
     try:
         subprocess.run(["nvidia-cuda-mps-control", "-d"], env=os.environ | env, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"--mps: could not start nvidia-cuda-mps-control ({e}); run without --mps") from e
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ, check=False)
-        for k, v in before.items():  # the caller's own settings, if it had any, come back
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with mock.patch.dict(os.environ, env):  # the caller's own settings, if it had any, come back after
+        try:
+            yield
+        finally:
+            subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=os.environ, check=False)
 
 
 def _gpu_run_dir(runs: Path, task: str, arm: str, seed: int) -> Path:

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 KINDS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ERRORS = "weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)  # table columns
 #: --formats arms: row name → (qerl_trl quantization value, NF4 double quantization, whether the library computes the
 #: arm's forward itself: bitsandbytes' forward is then compared with the dequantized copy's)
 FORMAT_ARMS: dict[str, tuple[str, bool, bool]] = {
@@ -142,6 +143,13 @@ def _output_error(dense: nn.Module, fake: nn.Module, names: list[str], batches: 
     return {k: (e / s) ** 0.5 for k, (e, s) in sums.items()}
 
 
+def _errors(r: dict) -> str:
+    """A row's :data:`ERRORS` cells: its weight error, its output error per layer type."""
+    out = r.get("output_rel_err")
+    per_kind = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
+    return f"{r['weight_rel_err']:.4f} | {per_kind}"
+
+
 def formats_main(args: argparse.Namespace) -> None:
     """``--formats``: NVFP4-RTN / MXFP4-RTN / NF4 at equal method → ``benchmarks/results/quality_formats.json``."""
     from qerl_trl.policy import load_policy
@@ -180,15 +188,10 @@ def formats_main(args: argparse.Namespace) -> None:
         rows.append(row)
         print(f"{arm}: weight rel. err {row['weight_rel_err']:.4f}, ppl {row['ppl']:.3f}", flush=True)
         del q
-    dense_ppl = rows[0]["ppl"]
-    print("\n| arm | bits / weight | weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)
-          + " | GSM8K ppl | ppl − dense |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| arm | bits / weight | {ERRORS} | GSM8K ppl | ppl − dense |\n|---|---|---|---|---|---|")
     for r in rows:
-        out = r.get("output_rel_err")
-        out_s = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
-        print(f"| {r['arm']} | {r['bits_per_weight']:.3f} | {r['weight_rel_err']:.4f} | {out_s} | {r['ppl']:.3f} | "
-              f"{r['ppl'] - dense_ppl:+.3f} |")
+        print(f"| {r['arm']} | {r['bits_per_weight']:.3f} | {_errors(r)} | {r['ppl']:.3f} | "
+              f"{r['ppl'] - rows[0]['ppl']:+.3f} |")
     import bitsandbytes
 
     _write(args, rows, benchmark="quality_formats", issue=22, bitsandbytes=bitsandbytes.__version__,
@@ -235,17 +238,14 @@ def main() -> None:
                      "ppl": perplexity(q, tok, eval_texts), "quant_s": qs})
         del q
     rtn_loss = next((r["ppl"] - rows[0]["ppl"] for r in rows if r["arm"] == "NVFP4-rtn"), None)
-    print("\n| arm | bytes | weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)
-          + " | GSM8K ppl | ppl loss removed vs RTN | quantize s (2-core CPU) |")
+    print(f"\n| arm | bytes | {ERRORS} | GSM8K ppl | ppl loss removed vs RTN | quantize s (2-core CPU) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        out = r.get("output_rel_err")
-        out_s = " / ".join(f"{out.get(k, float('nan')):.4f}" for k in KINDS) if out else "—"
         if rtn_loss and r["arm"].startswith("NVFP4"):
             r["ppl_loss_removed_vs_rtn"] = 1 - (r["ppl"] - rows[0]["ppl"]) / rtn_loss
         removed = f"{100 * r['ppl_loss_removed_vs_rtn']:.0f} %" if "ppl_loss_removed_vs_rtn" in r else "—"
-        print(f"| {r['arm']} | {r['bytes'] / 1e6:.1f} MB | {r['weight_rel_err']:.4f} | {out_s} | {r['ppl']:.3f} | "
-              f"{removed} | {r['quant_s']:.1f} |")
+        print(f"| {r['arm']} | {r['bytes'] / 1e6:.1f} MB | {_errors(r)} | {r['ppl']:.3f} | {removed} | "
+              f"{r['quant_s']:.1f} |")
     _write(args, rows, calib_samples=args.calib_samples, eval="GSM8K test rows 0..n-1, 'Question: ...\\nAnswer: ...'")
 
 

@@ -26,16 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import common  # noqa: F401  (the workspace packages on sys.path)
-from common.env import (
-    RESULTS,
-    gb,
-    merge_results,
-    rss_peak_gb,
-    run_title,
-    sync,
-    versions,
-    write_result,
-)
+from common.env import RESULTS, gb, merge_results, rss_peak_gb, run_title, sync, versions, write_result
 from common.models import ARM_LABEL, ARMS, OURS, build_arm, graph_compile_options, spread_eos_ids
 from common.plots import plot_batches
 from common.profiler import profile_decode, with_profile
@@ -53,24 +44,13 @@ from common.workers import (
     worker_exit,
 )
 
-
-def _graph_generate(model, ids, n_new: int, args, options):
-    """``graph_generate`` of exactly ``n_new`` greedy tokens (EOS disabled), the cache as long as the run's longest."""
-    import torch
-    from qerl_trl.graph_generate import graph_generate
-
-    return graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          max_cache_len=args.prompt_len + args.new_tokens, compile=not args.no_compile,
-                          compile_options=options)  # fmt: skip
-
-
 SPREAD_VARIANTS = ("fixed", "eos", "eos+compact")  # --eos-mean-tokens: what each timed round runs
 SPREAD_PAD = 0  # pad id of the spread runs (never an EOS id)
 
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_worker(args) -> dict:
     import torch
+    from qerl_trl.graph_generate import graph_generate
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -87,10 +67,14 @@ def run_worker(args) -> dict:
     options = None if args.no_compile else graph_compile_options(args)  # made once: one compiled graph each
 
     def generate(ids, n_new: int):
+        """Seconds and ids of exactly ``n_new`` greedy tokens (EOS disabled), the cache as long as the run's longest."""
         with torch.no_grad():
             sync()
             t = time.perf_counter()
-            out = _graph_generate(model, ids, n_new, args, options)
+            out = graph_generate(model, ids, torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 max_cache_len=args.prompt_len + args.new_tokens, compile=not args.no_compile,
+                                 compile_options=options)  # fmt: skip
             sync()
             return time.perf_counter() - t, out
 

@@ -129,7 +129,21 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # decode profile at 35bcdd6: 3.1-3.8 ms of a 7B step at B >= 128); +1 profiler (cuBLAS's FP8 nvjet names). A spike:
     # it leaves once its files ship in the engine or its no-go is recorded; +6 (→ 4,841): rollout_vllm.py's JSON records
     # the environment that changes what it measures (VLLM_TUNED_CONFIG_FOLDER, NVFP4_SCALE_MMA_LAYOUT, the backend); +6 (→ 4,847): lora_tune.py keeps each site's tensors alive and clears both lru-cached lookups; +2 (→ 4,849): --one-split; +4 (→ 4,853): gemm.py times the scale order NVFP4Linear holds
-    # +8 (→ 4,861, #47 / #51): rollout_vllm.py --lora-tiles (shipped: our arms with the engine's tuned LoRA tiles, stock
+    # -62 (→ 4,791, #48): gemm.py's timing loops through one rotated() (each form's calls over its weight copies, as
+    # before), the sweep's forward and backward passes one loop, its compressed-tensors candidates left (every shape it
+    # sweeps takes the MMA layout); behaviour unchanged, code at 6a06c59
+    # -13 (→ 4,778, #48): grpo_step.py's worker and --recipe share the lengths' keywords (_length_kwargs: fixed, spread
+    # EOS ids, or vLLM's 127 stop ids), StepClock's settings as arguments, the prefill and vLLM's weight sync timed
+    # through one _Clock.wrap; same fields (spread_eos_ids now 0 where no spread), code at 6a06c59
+    # -41 (→ 4,737, #48): compaction, no behaviour change: grpo_step's step rows and summary as comprehensions, AQN's
+    # timer one context manager; rollout.py's graph_generate call in its worker; common.workers' hidden worker options in
+    # add_run_arguments; common.models' unused ROLLOUT_BNB_CPU; code at 6a06c59
+    # -19 (→ 4,718, #48): learning_study's MPS daemon under mock.patch.dict, its metrics reader and run environment
+    # inline; quality.py's two tables share their error cells (output checked equal on CPU); code at 6a06c59
+    # +6 (→ 4,724, #48): lines of the compaction above back within 120 characters; gemm.py's sweep prints fwd / bwd again
+    # -119 (→ 4,605, #48): quantize_time.py --mode hf left, never run (from_pretrained with NVFP4Config against a bf16
+    # load; code at 6a06c59); the layers mode writes the same JSON
+    # +8 (→ 4,613, #47 / #51): rollout_vllm.py --lora-tiles (shipped: our arms with the engine's tuned LoRA tiles, stock
     # arms with vLLM's, in one run; stock / tuned: all alike). lora_tune.py stays: it writes the files qerl_vllm ships
     # (tuned_lora_configs/, 6a06c59), per GPU and model shape
-    assert am.benchmark_lines(ROOT) <= 4861
+    assert am.benchmark_lines(ROOT) <= 4613

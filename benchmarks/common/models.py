@@ -10,7 +10,6 @@ exists, so a 32B model never exists in bf16 in full (embeddings and ``lm_head`` 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -118,8 +117,8 @@ def build_arm(args, device, dtype, res: dict):
     import torch
 
     cuda = device.type == "cuda"
-    if args.arm.removesuffix("-base") == "qlora":
-        if not cuda and not os.environ.get("ROLLOUT_BNB_CPU"):
+    if args.arm == "qlora":
+        if not cuda:
             res["status"] = "skipped: bitsandbytes NF4 arm needs CUDA (CPU validation run)"
             return None
         try:

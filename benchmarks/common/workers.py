@@ -19,9 +19,9 @@ from typing import Any
 from .env import device_name, now, write_result
 from .shapes import MODELS
 
-__all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments",
-           "add_worker_arguments", "check_names", "counter_diff", "dynamo_counters", "exception_result", "failed",
-           "run_arm_grid", "run_in_process", "run_meta", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
+__all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments", "check_names",
+           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process",
+           "run_meta", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
 
 
 class LogCatcher(logging.Handler):
@@ -94,17 +94,6 @@ def exception_result(model: str, arm: str, exc: BaseException, label: str | None
     return res
 
 
-def add_worker_arguments(ap: Any) -> None:
-    """The hidden options of a ``--_worker`` subprocess (:func:`run_worker_subprocess` runs the script with them):
-    ``--_worker``, its ``--_result`` file, the one ``--model`` and ``--arm`` it runs."""
-    import argparse
-
-    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--_result", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--arm", help=argparse.SUPPRESS)
-
-
 #: the arms' adapter, quantization, compile mode and device in every committed run: options no run set left (#48);
 #: the settings of the result JSONs keep them
 FIXED_ARM_SETTINGS = {"lora_r": 32, "lora_dtype": "bfloat16", "nvfp4_method": "rtn", "no_double_quant": False,
@@ -122,13 +111,18 @@ def add_arm_arguments(ap: Any, out: str, arm_timeout: float) -> None:
 
 
 def add_run_arguments(ap: Any, out: str, arm_timeout: float) -> None:
-    """A run of (model, arm) subprocesses: each one's timeout, the run's deadline, the result file (plus
-    :func:`add_worker_arguments`)."""
+    """A run of (model, arm) subprocesses: each one's timeout, the run's deadline, the result file; and the hidden
+    options of a ``--_worker`` subprocess (:func:`worker_cmd`): its ``--_result`` file, its one ``--model`` and
+    ``--arm``."""
+    import argparse
+
     ap.add_argument("--arm-timeout", type=float, default=arm_timeout, help="seconds per (model, arm) subprocess")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no new (model, arm) after this many seconds (keeps a device call inside its limit)")  # fmt: skip
     ap.add_argument("--out", default=out)
-    add_worker_arguments(ap)
+    for hidden in ("--_result", "--model", "--arm"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def worker_cmd(script: str, args: Any, model: str, arm: str, result_path: str, options: Sequence[str],

@@ -25,7 +25,8 @@ from pathlib import Path
 import nvfp4
 import torch
 import transformers
-from common.env import git_commit
+from common.env import csv_list, git_commit
+from common.workers import check_names
 from nvfp4.cli import dir_bytes, quantize_with_method
 from nvfp4.evaluate import gsm8k_texts, output_relative_error, perplexity, weight_relative_error
 from nvfp4.offline import offline_default_model_path
@@ -34,13 +35,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 KINDS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ERRORS = "weight rel. err | output rel. err " + " / ".join(k.removesuffix("_proj") for k in KINDS)  # table columns
-#: --formats arms: row name → (qerl_trl quantization value, NF4 double quantization, whether the library computes the
-#: arm's forward itself: bitsandbytes' forward is then compared with the dequantized copy's)
-FORMAT_ARMS: dict[str, tuple[str, bool, bool]] = {
-    "NVFP4-RTN": ("nvfp4-rtn", False, False),
-    "MXFP4-RTN": ("mxfp4-rtn", False, False),
-    "NF4 (bnb, double-quant absmax, = QLoRA)": ("nf4", True, True),
-    "NF4 (bnb, fp32 absmax)": ("nf4", False, True),
+#: --formats arms: --arms id → (row name, qerl_trl quantization value, NF4 double quantization, whether the library
+#: computes the arm's forward itself: bitsandbytes' forward is then compared with the dequantized copy's)
+FORMAT_ARMS: dict[str, tuple[str, str, bool, bool]] = {
+    "nvfp4": ("NVFP4-RTN", "nvfp4-rtn", False, False),
+    "mxfp4": ("MXFP4-RTN", "mxfp4-rtn", False, False),
+    "nf4-dq": ("NF4 (bnb, double-quant absmax, = QLoRA)", "nf4", True, True),
+    "nf4": ("NF4 (bnb, fp32 absmax)", "nf4", False, True),
 }
 
 
@@ -160,9 +161,7 @@ def formats_main(args: argparse.Namespace) -> None:
     rows = [{"arm": "bf16 checkpoint (fp32 compute)", "quantization": "none", "bits_per_weight": 16.0,
              "weight_rel_err": 0.0, "output_rel_err": None, "ppl": perplexity(dense, tok, eval_texts),
              "eval_s": time.perf_counter() - t}]  # fmt: skip
-    arms = args.arms.split(",") if args.arms else list(FORMAT_ARMS)
-    for arm in arms:
-        quantization, double_quant, own_forward = FORMAT_ARMS[arm]
+    for arm, quantization, double_quant, own_forward in (FORMAT_ARMS[a] for a in args.arms):
         t = time.perf_counter()
         q = load_policy(str(path), quantization=quantization, dtype=dtype, nf4_double_quant=double_quant)
         quant_s = time.perf_counter() - t
@@ -209,8 +208,10 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,mse,awq,gptq")
     ap.add_argument("--json", default=None, help="default benchmarks/results/quality.json (--formats: …/quality_formats.json)")
     ap.add_argument("--formats", action="store_true", help="NVFP4 / MXFP4 / NF4 at equal method (issue #22)")
-    ap.add_argument("--arms", default=None, help="--formats: comma list of " + ", ".join(FORMAT_ARMS))
+    ap.add_argument("--arms", type=csv_list, default=list(FORMAT_ARMS), help="--formats: comma list of "
+                    + ", ".join(f"{k} ({v[0]})" for k, v in FORMAT_ARMS.items()))  # fmt: skip
     args = ap.parse_args()
+    check_names(ap, args.arms, FORMAT_ARMS, "--arms id")
     if args.formats:
         args.json = args.json or "benchmarks/results/quality_formats.json"
         return formats_main(args)

@@ -148,4 +148,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # (tuned_lora_configs/, 6a06c59), per GPU and model shape
     # +1 (→ 4,614): quality.py --arms takes ids (nvfp4, mxfp4, nf4-dq, nf4): the NF4 rows' names hold commas, so
     # two of the four arms could not be picked by name; an unknown id is refused in one line
-    assert am.benchmark_lines(ROOT) <= 4614
+    # +5 (→ 4,619): lora_tune.py merges its entries into the files already in --out-dir (a second model's shapes join
+    # the shipped files)
+    assert am.benchmark_lines(ROOT) <= 4619

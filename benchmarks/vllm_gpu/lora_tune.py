@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--check-only", action="store_true", help="no timing: vLLM's default and one grid point per op")
     p.add_argument("--one-split", action="store_true", help="shrink tiles with split_k 1 only (reproducible rollouts)")
     p.add_argument("--out", default="lora_tune.json")
-    p.add_argument("--out-dir", default="lora_configs", help="where the tuned vLLM files go")
+    p.add_argument("--out-dir", default="lora_configs", help="where the tuned vLLM files go (merged into those there)")
     a = p.parse_args(argv)
     import torch
 
@@ -171,8 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for op, name in (("shrink", f"{gpu}_SHRINK.json"), ("expand", f"{gpu}_EXPAND_TRUE.json")):
-        if tuned[op]:
-            (out_dir / name).write_text(json.dumps({"1": tuned[op]}, indent=1))
+        if tuned[op]:  # merged into a file already there (another model's shapes): this run's entries win
+            table = json.loads((out_dir / name).read_text()) if (out_dir / name).exists() else {"1": {}}
+            for slices, by_m in tuned[op].items():
+                for m, by_k in by_m.items():
+                    for k, by_n in by_k.items():
+                        table["1"].setdefault(slices, {}).setdefault(m, {}).setdefault(k, {}).update(by_n)
+            (out_dir / name).write_text(json.dumps(table, indent=1))
     if not a.check_only:
         per_step = []
         for op, m in itertools.product(csv_list(a.ops), map(int, csv_list(a.ms))):

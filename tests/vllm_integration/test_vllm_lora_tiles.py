@@ -36,14 +36,20 @@ def test_shipped_files_cover_every_slice_count_vllm_looks_up_exactly(op):
 
 
 def test_folder_for_each_choice(tmp_path):
-    assert lora_tiles_folder("tuned", H100) == SHIPPED_FOLDER
+    names = ["NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json", "NVIDIA_H100_80GB_HBM3_SHRINK.json"]
+    tuned = lora_tiles_folder("tuned", H100, folder=tmp_path / "tuned")
+    assert sorted(p.name for p in tuned.iterdir()) == names
+    for name in names:  # the tuner's entries as shipped; every slice count vLLM may look up (exactly) filled in
+        written, shipped = (json.loads((d / name).read_text())["1"] for d in (tuned, SHIPPED_FOLDER))
+        assert set(written) == {str(s) for s in range(1, 17)} and {k: written[k] for k in shipped} == shipped
+        assert written["4"] == written["16"] == shipped["3"]  # the nearest tuned count's tiles
     assert lora_tiles_folder("tuned", "NVIDIA A10G") is None  # no file for it: vLLM's defaults
     assert lora_tiles_folder("stock", H100) is None
-    out = lora_tiles_folder("reproducible", H100, folder=tmp_path)
+    out = lora_tiles_folder("reproducible", H100, folder=tmp_path / "repro")
     shrink = json.loads((out / "NVIDIA_H100_80GB_HBM3_SHRINK.json").read_text())
     assert {cfg["split_k"] for cfg in _leaves(shrink)} == {1}
-    expand = out / "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json"  # the expand never splits K: its tuned tiles stay
-    assert expand.read_bytes() == (SHIPPED_FOLDER / expand.name).read_bytes()
+    expand = json.loads((out / names[0]).read_text())["1"]  # the expand never splits K: its tuned tiles stay
+    assert expand == json.loads((tuned / names[0]).read_text())["1"]
     other_gpu = lora_tiles_folder("reproducible", "NVIDIA A10G", folder=tmp_path / "a")
     assert sorted(p.name for p in other_gpu.iterdir()) == ["NVIDIA_A10G_SHRINK.json"]
 

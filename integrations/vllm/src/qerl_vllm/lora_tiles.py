@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -76,26 +75,40 @@ def write_one_split_shrink_config(folder: str | os.PathLike, device_name: str | 
     return path
 
 
-def lora_tiles_folder(tiles: str, device_name: str | None = None, folder: str | os.PathLike | None = None) -> Path | None:
-    """The folder for ``VLLM_TUNED_CONFIG_FOLDER`` that gives ``tiles`` on this GPU; ``None``: vLLM's defaults.
+def _with_every_slice_count(table: dict) -> dict:
+    """``table`` with every slice count of :data:`_SLICE_COUNTS`, a missing one taking the nearest tuned count's tiles:
+    vLLM looks the count up exactly, and a model fusing more linears than the tuner's (3) would fail at its first
+    decode step."""
+    for by_slices in table.values():
+        tuned = sorted(map(int, by_slices))
+        for s in _SLICE_COUNTS:
+            by_slices.setdefault(str(s), by_slices[str(min(tuned, key=lambda t: abs(t - s)))])
+    return table
 
-    ``"tuned"``: :data:`SHIPPED_FOLDER` when it holds a file for the GPU, else ``None``. ``"reproducible"``: ``folder``
-    (default a fresh temporary one) with the one-split shrink and the GPU's tuned expand, if shipped. ``device_name``:
-    default the current CUDA device's. Raises ``ValueError`` for a name not in :data:`LORA_TILES`.
+
+def lora_tiles_folder(
+    tiles: str, device_name: str | None = None, folder: str | os.PathLike | None = None
+) -> Path | None:
+    """Write the folder for ``VLLM_TUNED_CONFIG_FOLDER`` that gives ``tiles`` on this GPU; ``None``: vLLM's defaults.
+
+    ``"tuned"``: the GPU's files of :data:`SHIPPED_FOLDER`, every slice count filled in; ``None`` when none is shipped.
+    ``"reproducible"``: the one-split shrink and the GPU's tuned expand, if shipped. ``folder``: where (default a fresh
+    temporary one); ``device_name``: default the current CUDA device's. Raises ``ValueError`` for a name not in
+    :data:`LORA_TILES`.
     """
     if tiles not in LORA_TILES:
         raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
-    if tiles == "stock":
-        return None
     prefix = _file_prefix(device_name)
     shipped = sorted(SHIPPED_FOLDER.glob(f"{prefix}_*.json"))
-    if tiles == "tuned":
-        return SHIPPED_FOLDER if shipped else None
+    if tiles == "stock" or (tiles == "tuned" and not shipped):
+        return None
     out = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="qerl-lora-tiles-"))
-    write_one_split_shrink_config(out, prefix)
+    out.mkdir(parents=True, exist_ok=True)
+    if tiles == "reproducible":
+        write_one_split_shrink_config(out, prefix)
     for f in shipped:
-        if not f.name.endswith("_SHRINK.json"):
-            shutil.copyfile(f, out / f.name)
+        if tiles == "tuned" or not f.name.endswith("_SHRINK.json"):
+            (out / f.name).write_text(json.dumps(_with_every_slice_count(json.loads(f.read_text()))))
     return out
 
 

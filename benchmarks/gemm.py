@@ -17,7 +17,6 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
-    python benchmarks/gemm.py --round15 --ms 64,128,256 --peer-humming --out $OUT   # round 15 step A → gemm_round15.json
     python benchmarks/gemm.py --scale-pairs --no-mxfp4 --out $OUT   # + every form with step A's scale order (pairs_ms)
 """
 
@@ -224,76 +223,6 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     if n % (64 * tiles):
         return None
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
-
-
-def run_round15(ms: list[int], out: Path | None, peer_humming: bool) -> dict:
-    """Round 15 step A (issue #50, docs/kernels.md): hopper_ws with ``scale_pairs=True`` (the scales in
-    ``to_scale_mma_layout``'s order, made once per weight copy) at the shipped dispatch's block config for each M,
-    beside the shipped dispatch (``shipped_ms``), the same config through ``ws_linear`` (``ws_ms``: step A's call
-    path), bf16 cuBLAS and Humming (``peer_humming``, if importable) on the 7B gate and down, in one process. Step A
-    is checked against the float64 reference first (``stepa_err``; a failing check leaves ``stepa_ms`` out); so is
-    step B (``inflight=True`` on step A: ``stepb_err``, ``stepb_ms``)."""
-    from nvfp4.codec import dequantize
-    from nvfp4.kernels import dispatch_table, hopper_ws
-    from nvfp4.layout import from_mma_layout
-
-    rows = []
-    # ROUND15_ARMS=stepa: without step B, should its kernel fault (a CUDA fault ends the process, every row with it)
-    arms = [a for a in (("stepa", False), ("stepb", True)) if a[0] in os.environ.get("ROUND15_ARMS", "stepa,stepb")]
-    for name, (n, k) in {"gate": (18944, 3584), "down": (3584, 18944)}.items():  # Qwen2.5-7B
-        wts = Weights(n, k, need_pairs=True)  # q: [N, K/16] scales, the order round 15 measured against
-        pairs = wts.pairs  # step A's scales, prepared once
-        hum = []
-        try:
-            hum = humming_layers(wts) if peer_humming else []
-        except Exception as e:  # noqa: BLE001 - a missing peer must not stop our own numbers
-            print(f"humming unavailable: {e!r}", flush=True)
-        w64 = dequantize(from_mma_layout(wts.q[0][0]), *wts.q[0][1:], torch.float64)
-        for m in ms:
-            row = {"linear": name, "N": n, "K": k, "M": m}
-            row["shipped_ms"], row["bf16_ms"] = bench_fwd(wts, m)
-            entry = dispatch_table.lookup(m, n, k)
-            if isinstance(entry, tuple) and entry[0] == "ws":
-                bm, tiles, stages, sub, *fx = entry[1:]
-                cfg = dict(block_m=bm, tiles=tiles, stages=stages, sub=sub, fixup=bool(fx and fx[0]))
-                row["config"] = list(entry[1:])
-                x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-                ref = x.double() @ w64.T
-                hopper_ws.POISON = True
-                for arm, inflight in arms:
-                    try:
-                        y = hopper_ws.ws_linear(x, *pairs[0], None, **cfg, scale_pairs=True, inflight=inflight).double()
-                        row[f"{arm}_err"] = ((y - ref).norm() / ref.norm()).item()  # NaN: an element left unwritten
-                    except Exception as e:  # noqa: BLE001 - report and go on
-                        row[f"{arm}_err"], row[f"{arm}_exception"] = float("nan"), repr(e)
-                hopper_ws.POISON = False
-                row["ws_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg) for c in wts.q[:256]])
-                for arm, inflight in arms:
-                    if row[f"{arm}_err"] < 1e-2:
-                        row[f"{arm}_ms"] = time_graph([partial(hopper_ws.ws_linear, x, *c, None, **cfg,
-                                                               scale_pairs=True, inflight=inflight)
-                                                       for c in pairs[:256]])  # fmt: skip
-            if hum:
-                row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
-            row.update({f"{a[:-3]}_x_bf16": row["bf16_ms"] / row[a] for a in list(row) if a.endswith("_ms")})
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "gemm_round15_partial.json").write_text(json.dumps(rows, indent=1))
-        del wts, pairs, hum, w64
-        torch.cuda.empty_cache()
-    print(f"\n{'linear':6} {'M':>5} {'bf16 ms':>8} {'shipped':>7} {'ws':>6} {'step A':>6} {'humming':>7} {'A/shipped':>9} "
-          f"{'A/ws':>6} {'A err':>8} {'B/A':>6} {'B err':>8}  (x bf16; go: A/shipped >= 1.03, M=64, both)")  # fmt: skip
-    for r in rows:
-        cells = [f"{r[key]:.2f}" if key in r else "-" for key in ("shipped_x_bf16", "ws_x_bf16", "stepa_x_bf16",
-                                                                  "humming_x_bf16")]  # fmt: skip
-        vs = [f"{r[key] / r['stepa_ms']:.3f}" if "stepa_ms" in r else "-" for key in ("shipped_ms", "ws_ms")]
-        ba = f"{r['stepa_ms'] / r['stepb_ms']:.3f}" if "stepa_ms" in r and "stepb_ms" in r else "-"
-        print(f"{r['linear']:6} {r['M']:5d} {r['bf16_ms']:8.4f} {cells[0]:>7} {cells[1]:>6} {cells[2]:>6} {cells[3]:>7} "
-              f"{vs[0]:>9} {vs[1]:>6} {r.get('stepa_err', float('nan')):8.2e} {ba:>6} "
-              f"{r.get('stepb_err', float('nan')):8.2e}")  # fmt: skip
-    return {"round15": rows}
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32, q: list | None = None) -> float:
@@ -566,8 +495,6 @@ def main() -> None:
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
-    ap.add_argument("--round15", action="store_true", help="round 15 step A (hopper_ws scale_pairs=True) beside the "
-                    "shipped dispatch, bf16 and Humming (--peer-humming) on the 7B gate/down (--ms, default 64,128,256)")
     ap.add_argument("--scale-pairs", action="store_true", help="also time every form with the scales in round 15 "
                     "step A's order (pairs_ms; the landing's measurement: same weights, one process)")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
@@ -591,13 +518,7 @@ def main() -> None:
     info = env_info()
     print(json.dumps(info), flush=True)
     t0 = time.time()
-    if args.round15:
-        REP_BUDGET_S = args.rep_budget
-        res = run_round15([int(v) for v in args.ms.split(",")] if args.ms else [64, 128, 256],
-                          Path(args.out) if args.out else None, args.peer_humming)  # fmt: skip
-        res.update(info)
-        name = "gemm_round15.json"
-    elif args.sweep:
+    if args.sweep:
         REP_BUDGET_S = 0.06
         res = run_sweep(models, fwd_ms, bwd_ms, t0 + args.budget,
                         Path(args.out) / "gemm_sweep_partial.json" if args.out else None)  # fmt: skip

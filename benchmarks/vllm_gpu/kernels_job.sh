@@ -4,8 +4,8 @@
 #       'KERNEL_STEPS="1 2 3" bash benchmarks/vllm_gpu/kernels_job.sh'        # ~12 min; then bg.sh wait
 # (kernels_env.sh installs from .carry/kern before the job starts: bg.sh's copy of the tree leaves .carry out.)
 # One step after another, each under a timeout, files under $JOB_OUT:
-# 1. issue #50 round 15: step A and step B's GPU tests, then `gemm.py --round15` with Humming 0.1.19 in the same
-#    process (step B left out of the timing, ROUND15_ARMS=stepa, if one of its tests failed: a fault ends the process);
+# 1. issue #50 round 15: step A and step B's GPU tests (its timing, `gemm.py --round15`, left with the round's
+#    decision: benchmarks/gemm.py@a4371b5);
 # 2. the scale order's landing (stage 1: NVFP4_SCALE_MMA_LAYOUT): its GPU tests, the kernel tests with the switch on,
 #    then `gemm.py --scale-pairs --peer-humming` on the 7B layer (every form, forward and dgrad, both scale orders on
 #    the same weights, Humming 0.1.19 beside: step A dispatched against Humming on the whole layer);
@@ -27,12 +27,6 @@ tests() {  # tests LOG SECONDS PYTEST_ARGS...: verbose, under SIGINT so that pyt
 if step 1; then
   say "1 round 15 tests"
   tests round15_tests 240 tests/nvfp4/test_hopper_ws.py -k round15
-  arms=stepa,stepb
-  grep -E "^FAILED|^ERROR" "$O/round15_tests.log" | grep -qi "inflight\|step_b\|stepb" && arms=stepa
-  say "1 gemm.py --round15 (ROUND15_ARMS=$arms)"
-  ROUND15_ARMS=$arms timeout 300 python3 benchmarks/gemm.py --round15 --ms 64,128,256 --peer-humming --out "$O" \
-    > "$O/gemm_round15.log" 2>&1
-  echo "rc $?"; tail -n 8 "$O/gemm_round15.log"
 fi
 if step 2; then
   say "2 scale order: tests with NVFP4_SCALE_MMA_LAYOUT=1"

@@ -115,19 +115,19 @@ def lora_tiles_folder(
 def apply_lora_tiles(tiles: str = "tuned") -> str | None:
     """Point ``VLLM_TUNED_CONFIG_FOLDER`` at the folder for ``tiles`` before an engine starts in this process.
 
-    Returns the folder vLLM will read (``None``: its defaults). A variable already set wins (the user's own tuned
-    files, or an earlier call's) and is returned as it is; so does the environment of a process where an engine has
-    already frozen vLLM's (nothing set then would be read). Nothing is set off CUDA, where vLLM's LoRA does not use
-    these kernels. Raises ``ValueError`` for a name not in :data:`LORA_TILES`.
+    Returns the folder set (``None``: vLLM's defaults). A variable already set wins (the user's own tuned files, or
+    an earlier call's) and is returned as it is. vLLM reads it when the process's first engine starts and keeps what
+    it read (its environment cache, ``vllm.envs``): set after that, it is not read. Nothing is set off CUDA, where
+    vLLM's LoRA does not use these kernels. Raises ``ValueError`` for a name not in :data:`LORA_TILES`.
     """
     if tiles not in LORA_TILES:
         raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
     if TUNED_CONFIG_FOLDER_ENV in os.environ:
         return os.environ[TUNED_CONFIG_FOLDER_ENV]
     import torch
-    import vllm.envs
 
-    if not torch.cuda.is_available() or vllm.envs.is_envs_cache_enabled():
+    # no test of vLLM's cache here: it has no public one (0.26 names it _is_envs_cache_enabled, 0.32 without the _)
+    if not torch.cuda.is_available():
         return None
     folder = lora_tiles_folder(tiles)
     if folder is not None:

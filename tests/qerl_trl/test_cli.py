@@ -882,6 +882,24 @@ def test_a_reporting_integration_that_cannot_run_is_one_line_before_the_model_lo
     assert err.startswith(f"qerl train: error: --report_to {report_to}: ") and all(w in err for w in words), err
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("mlflow") is not None, reason="mlflow is installed here")
+def test_report_to_mlflow_without_mlflow_is_the_one_line_and_nothing_after_it(tmp_path):
+    """From the shell: ``qerl train --report_to mlflow`` without mlflow printed the one-line error, then, as the process
+    ended, "Exception ignored in: <function MLflowCallback.__del__ ...>" and its AttributeError traceback: the check
+    made the callback to see whether it could run, and the half-built one's ``__del__`` read an attribute its
+    ``__init__`` never set. Now stderr is the one line, nothing after it."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "QERL_DEBUG"}
+    done = subprocess.run([_qerl(), "train", "--report_to", "mlflow", "--max_steps", "1"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.splitlines() == [
+        "qerl train: error: --report_to mlflow: MLflowCallback requires mlflow to be installed. Run `pip install mlflow`."
+    ], done.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
 def test_push_to_hub_while_the_hub_is_offline_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
     """``qerl train --push_to_hub true`` with HF_HUB_OFFLINE set loaded and quantized the policy, then stopped in
     huggingface_hub's OfflineModeIsEnabled traceback as the trainer created the Hub repo (nvfp4-quantize

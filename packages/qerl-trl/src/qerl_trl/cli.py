@@ -673,6 +673,40 @@ def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) ->
     )
 
 
+def _end_run(trainer: Any) -> None:
+    """The end of a finished ``qerl train`` (its adapter saved, its engine closed): every rank waits for the others,
+    accelerate ends (its trackers finish, the process group is destroyed while Python is alive), and a run of several
+    processes (``accelerate launch``, ``torchrun``) then leaves with exit code 0 through ``os._exit``.
+
+    A finished distributed run could abort at interpreter exit in gloo's thread teardown ("terminate called without an
+    active exception", pytorch#190489; CI, now and then, under ``accelerate launch``, even after the group was
+    destroyed), so the C++ teardown is skipped. Not what Python does at exit before it: ``os._exit`` alone skipped
+    that too, so a ``--report_to wandb`` run was never finished (wandb finishes its run in an ``atexit`` function,
+    transformers' callback does not) and an upload still in flight in a worker thread was cut. So, as the interpreter
+    orders them: the threads are joined (``threading._shutdown``: the executors' exit functions, the non-daemon
+    threads), the ``atexit`` functions run (logging's shutdown among them), the streams are flushed, then
+    ``os._exit(0)``. Only on success: an error raised before this propagates (its traceback, a non-zero exit)."""
+    import atexit
+    import threading
+
+    several = trainer.accelerator.num_processes > 1  # WORLD_SIZE, or MPI's: known before the group goes
+    # every rank here before any tears its group down: a rank that did so while another was still closing its engine
+    # aborted at exit in CI (rank 1 of test_vllm_fsdp2_tp, after the run had finished: ci_232c4cb.log)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    if not several or sys.exc_info()[0] is not None:
+        return
+    shutdown_threads = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit (3.8+)
+    if shutdown_threads is not None:
+        shutdown_threads()
+    atexit._run_exitfuncs()
+    logging.shutdown()  # as atexit does, in case a handler was added since
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
+
+
 def _list_recipes() -> None:
     for p in sorted(RECIPES_DIR.glob("*.yaml")):
         first = p.read_text().splitlines()[0].lstrip("# ").strip()
@@ -813,20 +847,7 @@ def main(argv: list[str] | None = None) -> None:
         except NoMatchingPeftModuleError as e:  # names no module of the model: known once it has loaded
             _usage_error("qerl train", ValueError(f"--lora_target_modules {config.lora_target_modules}: {e}"), debug)
         trainer.close()  # the rollout engine's processes and memory (vLLM)
-        # under `accelerate launch`: destroy the process group while Python is alive; gloo's threads otherwise abort
-        # the process at exit now and then ("terminate called without an active exception", pytorch#190489), and
-        # only once every rank got here: a rank that tore its group down while the other was still closing its
-        # engine aborted so in CI (rank 1 of test_vllm_fsdp2_tp, after the run had finished: ci_232c4cb.log)
-        trainer.accelerator.wait_for_everyone()
-        trainer.accelerator.end_training()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # a finished distributed run can still abort at interpreter exit in gloo's thread teardown ("terminate
-            # called without an active exception", pytorch#190489; seen in CI under `accelerate launch`): everything
-            # is written, so leave without the C++ teardown
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        _end_run(trainer)
     elif command == "plan":
         _import_quietly(debug)  # parse_train_args imports TRL, hence PEFT, hence bitsandbytes
         plan_main(argv, debug)

@@ -655,6 +655,7 @@ def _module_names(value: Iterable[str], option: str) -> tuple[str, ...]:
     if isinstance(value, str):
         raise TypeError(f"{option} takes a list of module names, got the string {value!r}: pass [{value!r}]")
     names = tuple(value)
+    _check_strings(names, option)
     for p in names:  # each is also matched as a regex (_matches): a glob such as "*.mlp.*" failed there in re's words
         try:
             re.compile(p.removeprefix("re:"))
@@ -673,7 +674,20 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
     if flat is not None:
         raise TypeError(f"{option} takes a list of groups, each a list of sibling names (e.g. [['q_proj', 'k_proj', "
                         f"'v_proj']]), got the string {flat!r} as a group")  # fmt: skip
-    return [tuple(g) for g in groups]
+    groups = [tuple(g) for g in groups]
+    for g in groups:
+        _check_strings(g, option)
+    return groups
+
+
+def _check_strings(names: tuple[object, ...], option: str) -> None:
+    """Refuse (TypeError, one line) an entry of ``names`` that is no string: ``None`` failed deep in the matching
+    (``'NoneType' object has no attribute 'removeprefix'``) and a number matched no module, silently."""
+    for bad in names:
+        if isinstance(bad, str):
+            continue
+        raise TypeError(f"{option}: {bad!r} ({type(bad).__name__}) is not a string; entries are module names, "
+                        "name suffixes or regexes (e.g. 'lm_head', 'q_proj', 're:.*mlp.*')")  # fmt: skip
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -223,6 +223,11 @@ class NVFP4Config(QuantizationConfigMixin):
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt
         self.weight_block_size = fmt.group_size
+        # a typo (modules_to_not_covert=...) was kept as an unknown option and silently did nothing; fields a saved
+        # config has that this version does not know come through from_dict / from_compressed_tensors_dict instead
+        unknown = [k for k in kwargs if k not in _SAVED_FIELDS]
+        if unknown:
+            raise TypeError(f"NVFP4Config: unknown option {unknown[0]!r}; the options are {', '.join(_OPTIONS)}")
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
         if calibration_data is not None:
             self.extra["calibration_samples"] = len(calibration_data)
@@ -279,7 +284,10 @@ class NVFP4Config(QuantizationConfigMixin):
             ours = cls.from_compressed_tensors_dict(config_dict)
             ours.serialization = QUANT_METHOD
             config_dict = {**ours.to_dict(), "serialization": CT_METHOD}
-        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+        config_dict, later = _known_fields(config_dict)
+        got = super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+        (got[0] if return_unused_kwargs else got).extra.update(later)
+        return got
 
     @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
@@ -302,7 +310,22 @@ class NVFP4Config(QuantizationConfigMixin):
         untargeted = compressed_tensors_untargeted(qc)  # linears no config group targets were saved dense
         if untargeted is not None and untargeted not in ours["modules_to_not_convert"]:
             ours["modules_to_not_convert"] = [*ours["modules_to_not_convert"], untargeted]
-        return cls(method=method, **ours)
+        ours, later = _known_fields(ours)
+        cfg = cls(method=method, **ours)
+        cfg.extra.update(later)  # a later version's fields, written back as they came
+        return cfg
+
+
+#: NVFP4Config's keyword arguments, then the fields a saved config adds (read back by from_dict)
+_OPTIONS = ("method", "modules_to_not_convert", "fused_groups", "format", "serialization", "calibration_data")
+_SAVED_FIELDS = ("quant_method", "weight_block_size", "calibration_samples")
+
+
+def _known_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A saved config's ``fields`` split into those :class:`NVFP4Config` takes and those it does not know (written by
+    another version), which the read config keeps in ``extra`` as they came."""
+    known = {k: v for k, v in fields.items() if k in _OPTIONS or k in _SAVED_FIELDS}
+    return known, {k: v for k, v in fields.items() if k not in known}
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -319,3 +319,26 @@ def test_perplexity_data_without_a_train_split_is_enough_for_uncalibrated_method
     err = _one_line_exit_2([str(model_dir), "--method", "awq", "--data", str(data), "--out", str(tmp_path / "o2")],
                            capsys)  # fmt: skip
     assert "no train.jsonl" in err, err
+
+
+def test_the_package_readme_documents_every_option(capsys):
+    """``packages/nvfp4/README.md`` (the wheel's description: what ``pip show`` / PyPI give someone who installs only
+    ``nvfp4``) was the title alone, so nothing said how to use the package by itself. It now documents every
+    ``nvfp4-quantize`` option and every ``NVFP4Config`` argument."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from nvfp4 import NVFP4Config
+
+    readme = (Path(__file__).parents[2] / "packages" / "nvfp4" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    args = [p for p in inspect.signature(NVFP4Config).parameters if p != "kwargs"]
+    assert flags and args
+    assert [f for f in sorted(flags) if f not in readme] == []
+    assert [a for a in args if f"{a}=" not in readme] == []
+    for name in ("nvfp4-quantize", "from_compressed_tensors", "load_nvfp4_checkpoint", "quantize_model", "MXFP4Config",
+                 "nvfp4.peft", "compressed-tensors"):  # fmt: skip
+        assert name in readme, name

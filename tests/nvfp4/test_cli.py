@@ -134,6 +134,16 @@ def test_quantize_with_method_keeps_the_format_of_calibrated_methods(tiny_model_
         quantize_with_method(tiny_model_dir, "gptq", tokenizer, ["some text"], format="mxfp4")
 
 
+def test_a_folder_without_tokenizer_files_says_so(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A checkpoint folder with weights but no tokenizer files ended in transformers' "Couldn't instantiate the backend
+    tokenizer ... You need to have sentencepiece or tiktoken installed": installing them changed nothing. The line
+    now says the folder holds no tokenizer and how to put one there."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(tmp_path / "o")], capsys)
+    assert "cannot load its tokenizer" in err and "no tokenizer files in the folder" in err, err
+    assert "tokenizer.json" in err and "save_pretrained" in err and "sentencepiece" not in err, err
+
+
 def test_model_whose_tokenizer_cannot_load(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """A checkpoint folder without tokenizer files, or a Hub id that cannot be reached: one line naming the model
     (it was transformers' OSError traceback)."""

@@ -76,6 +76,11 @@ def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+#: What a tokenizer is loaded from (fast, then the slow tokenizers' vocabularies).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")  # fmt: skip
+
+
 def _input_problem(model: str) -> str | None:
     """Why ``model`` cannot be quantized (one line), or None: a missing local path, a folder without a model config
     or without whole weights, or a checkpoint that is already quantized (NVFP4 or any other ``quantization_config``). Hub ids pass through."""
@@ -266,7 +271,12 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:  # a Hub id not reachable or not found, a folder without tokenizer files
         if args.debug:
             raise
-        ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {' '.join(str(e).split())}\n")
+        why = " ".join(str(e).split())
+        if Path(args.model).is_dir() and not any((Path(args.model) / f).is_file() for f in _TOKENIZER_FILES):
+            # transformers' own reason ("You need to have sentencepiece or tiktoken installed") sent users astray
+            why = (f"no tokenizer files in the folder (none of {', '.join(_TOKENIZER_FILES)}): save the model's "
+                   "tokenizer there (AutoTokenizer.from_pretrained(base).save_pretrained(folder))")  # fmt: skip
+        ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {why}\n")
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -687,7 +687,11 @@ class _QuantizeOnLoad(ConversionOps):
 
 
 def _checkpoint_quantization_config(path: str | Path) -> dict[str, Any] | None:
-    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    text = os.path.expanduser(str(path))
+    # a local path that is not there: transformers took it for a Hub id ("Repo id must be in the form ...")
+    if not os.path.exists(text) and (text.startswith((".", "/")) or text.count("/") > 1):
+        raise FileNotFoundError(f"{path}: no such checkpoint folder (give a local folder or a Hub id)")
+    qc = getattr(AutoConfig.from_pretrained(text), "quantization_config", None)
     return qc if isinstance(qc, dict) or qc is None else qc.to_dict()
 
 
@@ -718,8 +722,11 @@ def from_compressed_tensors(path: str | Path, config: PretrainedConfig | None = 
     again. ``config``: the model config to load with (a copy of it: another attention implementation, fewer layers),
     by default the checkpoint's; the quantization is always the checkpoint's.
     """
+    qc = _checkpoint_quantization_config(path)
+    if not qc or qc.get("quant_method") == QUANT_METHOD:
+        raise NVFP4CheckpointError(f"{path}: {_not_compressed_tensors(qc)}")
     config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path)
-    ours = NVFP4Config.from_compressed_tensors_dict(_checkpoint_quantization_config(path) or {}, str(path))
+    ours = NVFP4Config.from_compressed_tensors_dict(qc, str(path))
     ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
     config.quantization_config = ours.to_dict()
     return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
@@ -799,4 +806,16 @@ def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:
     # NVFP4, another format) is refused saying what disagrees, not as "not an NVFP4 checkpoint"
     if kind == CT_METHOD or (qc or {}).get("quant_method") == CT_METHOD:
         return from_compressed_tensors(path, **kwargs)
+    if not qc:
+        raise NVFP4CheckpointError(f"{path}: {_not_compressed_tensors(qc)}")
     raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={qc!r})")
+
+
+def _not_compressed_tensors(qc: dict[str, Any] | None) -> str:
+    """Why :func:`from_compressed_tensors` does not load a checkpoint whose ``quantization_config`` is ``qc`` (None or
+    ours with the previous config), and what does."""
+    if not qc:
+        return ("not an NVFP4 checkpoint but a dense one (no quantization_config): quantize it on load with "
+                "AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config())")  # fmt: skip
+    return (f"a checkpoint with the previous {QUANT_METHOD} config, not compressed-tensors: load it with "
+            "nvfp4.load_nvfp4_checkpoint(path)")  # fmt: skip

@@ -70,7 +70,7 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
     return batch.get("attention_mask") if isinstance(batch, Mapping) else None
 
 
-def _run(model: nn.Module, batches: list[Any], before: Callable[[torch.Tensor | None], None] | None = None) -> None:
+def _run(model: nn.Module, batches: Iterable[Any], before: Callable[[torch.Tensor | None], None] | None = None) -> None:
     """Run ``model`` on each batch; ``before(attention_mask)`` first, so that statistics count real tokens only."""
     for batch in batches:
         if before is not None:
@@ -106,7 +106,7 @@ def calibrate_model(
             statistics). A few dozen prompts are enough for the statistics.
         modules_to_not_convert / fused_groups: as :func:`nvfp4.quantize_model` (fused groups share a global scale).
         damp: GPTQ's diagonal damping (fraction of the mean diagonal).
-        progress: a progress bar over layers.
+        progress: progress bars (over the AWQ statistics' batches, over the layers quantized).
     """
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"calibrate_model: method must be one of {CALIBRATED_METHODS}, got {method!r}")
@@ -124,7 +124,9 @@ def calibrate_model(
     if method == "awq":
         stats = ActivationStats(model, names)
         try:
-            _run(model, batches, stats.real_tokens)  # padding positions (attention mask 0) are no activations
+            # padding positions (attention mask 0) are no activations; a full forward per batch: minutes on a 32B
+            bar = tqdm(batches, desc="AWQ statistics", unit="batch", disable=not progress)
+            _run(model, bar, stats.real_tokens)
         finally:
             stats.remove()
         return quantize_model(model, method="awq", act_sq=stats.mean_sq(), modules_to_not_convert=skip,

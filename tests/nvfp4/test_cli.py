@@ -352,3 +352,32 @@ def test_the_package_readme_documents_every_option(capsys):
     for name in ("nvfp4-quantize", "from_compressed_tensors", "load_nvfp4_checkpoint", "quantize_model", "MXFP4Config",
                  "nvfp4.peft", "compressed-tensors"):  # fmt: skip
         assert name in readme, name
+
+
+def _unannotated(module) -> list[str]:
+    """The parameters and returns of ``module.__all__``'s functions (and public methods) without a type hint."""
+    import inspect
+
+    missing = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        funcs = [(name, obj)] if inspect.isfunction(obj) else [
+            (f"{name}.{m}", f) for m, f in vars(obj).items() if inspect.isfunction(f) and not m.startswith("_")
+        ] if inspect.isclass(obj) else []  # fmt: skip
+        for label, f in funcs:
+            sig = inspect.signature(f)
+            missing += [f"{label}({p})" for p in sig.parameters.values()
+                        if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]  # fmt: skip
+            if sig.return_annotation is inspect.Signature.empty:
+                missing.append(f"{label} -> ?")
+    return missing
+
+
+def test_the_public_functions_of_the_cli_and_its_evaluation_have_type_hints():
+    """``calibration_ids(tokenizer, ...)``, ``quantize_with_method(..., tokenizer=None, ...)`` (no return type either)
+    and ``perplexity(model, tokenizer, ...)`` left the tokenizer unannotated: an IDE or a type checker could not tell
+    a tokenizer from its name, nor what quantize_with_method returns."""
+    import nvfp4.cli
+    import nvfp4.evaluate
+
+    assert _unannotated(nvfp4.cli) + _unannotated(nvfp4.evaluate) == []

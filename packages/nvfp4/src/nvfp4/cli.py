@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .card import write_model_card
 from .evaluate import gsm8k_texts, perplexity, weight_relative_error
@@ -36,7 +36,7 @@ def _load_dense(path: str | Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-def calibration_ids(tokenizer, texts: list[str], max_length: int = 512) -> list[torch.Tensor]:
+def calibration_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int = 512) -> list[torch.Tensor]:
     """Token ids ``[1, T]`` (int64) of each calibration text, truncated to ``max_length``."""
     return [tokenizer(t, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"] for t in texts]
 
@@ -44,11 +44,11 @@ def calibration_ids(tokenizer, texts: list[str], max_length: int = 512) -> list[
 def quantize_with_method(
     path: str | Path,
     method: str,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     calib_texts: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     format: str | Format = "nvfp4",
-):
+) -> PreTrainedModel:
     """Load ``path`` quantized with ``method``: ``rtn`` / ``mse`` from the weights alone, ``awq`` / ``gptq`` calibrated
     on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``.
     ``format="mxfp4"``: MXFP4 (``rtn`` only)."""
@@ -183,6 +183,8 @@ def _versions() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``nvfp4-quantize``'s entry point: ``argv`` (default ``sys.argv[1:]``) parsed, the model quantized, measured
+    and saved; an input error exits with code 2 and one line on stderr."""
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
     ap.add_argument("-V", "--version", action=_PrintVersions, help="print the versions of nvfp4 and what it runs on")

@@ -64,6 +64,7 @@ from .linear import (
     _module_names,
     _quantizable,
     _tied_linears,
+    _warn_unmatched,
     fused_group_of,
     nothing_to_quantize,
 )
@@ -420,6 +421,8 @@ class NVFP4HfQuantizer(HfQuantizer):
         eligible = [
             n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert, fmt.group_size)
         ]
+        if not self.pre_quantized and not calibrated:  # calibrate_model warns for the calibrated methods
+            _warn_unmatched(model, cfg.modules_to_not_convert, "NVFP4Config: modules_to_not_convert")
         if not eligible and not self.pre_quantized:  # nothing would be quantized: a dense model under a 4-bit config
             raise ValueError(f"NVFP4Config: {nothing_to_quantize(model, fmt)}")
         if self.pre_quantized:

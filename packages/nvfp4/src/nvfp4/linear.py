@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from . import fp8, ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, unpack_e2m1
-from .formats import Format, QuantizedWeight, format_of, get_format
+from .formats import UNTARGETED_PREFIX, Format, QuantizedWeight, format_of, get_format
 from .layout import (
     from_mma_layout,
     from_scale_mma_layout,
@@ -690,6 +690,19 @@ def _check_strings(names: tuple[object, ...], option: str) -> None:
                         "name suffixes or regexes (e.g. 'lm_head', 'q_proj', 're:.*mlp.*')")  # fmt: skip
 
 
+def _warn_unmatched(model: nn.Module, names: Iterable[str], option: str) -> None:
+    """Warn (one line) naming the entries of ``names`` (a ``modules_to_not_convert``) that match no module of
+    ``model``: a typo (``"lm_haed"``) or another architecture's name kept nothing dense, silently. The default
+    ``lm_head`` and the untargeted entry of a loaded compressed-tensors config are not the caller's words."""
+    modules = [n for n, _ in model.named_modules() if n]
+    lost = [p for p in names if p not in DEFAULT_MODULES_TO_NOT_CONVERT and not p.startswith(UNTARGETED_PREFIX)
+            and not any(_matches(n, (p,)) for n in modules)]  # fmt: skip
+    if lost:
+        warnings.warn(f"{option}: {lost!r} match no module of the model, so they keep nothing dense; entries are module "
+                      "names ('model.layers.0.mlp.down_proj', 'model.layers.0'), name suffixes ('down_proj') or regexes "
+                      "of the whole name", stacklevel=3)  # fmt: skip
+
+
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     """Whether ``name`` is one of ``patterns``: an exact name, a dotted suffix, the name of a module above it
     (``model.layers.0`` keeps that block's linears, as transformers' quantizers read the option), a regex of the whole
@@ -792,6 +805,7 @@ def quantize_model(
         fused_groups = DEFAULT_FUSED_GROUPS
     # read once: every module is checked against it (a generator was used up by the first module's check)
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
+    _warn_unmatched(model, modules_to_not_convert, "quantize_model: modules_to_not_convert")
     given_groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
     groups = given_groups if fmt.has_global_scale else []  # members share a global scale
     tied = set(_tied_linears(model))  # a tied lm_head's weight is the embedding's: it stays dense, as on load

@@ -381,3 +381,12 @@ def test_the_public_functions_of_the_cli_and_its_evaluation_have_type_hints():
     import nvfp4.evaluate
 
     assert _unannotated(nvfp4.cli) + _unannotated(nvfp4.evaluate) == []
+
+
+def test_help_gives_the_default_out_folder_of_each_format(capsys):
+    """``--help`` said ``--out`` defaults to ``runs/<name>-nvfp4``, but ``--format mxfp4`` saves to
+    ``runs/<name>-mxfp4``; it now names the format in the default."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runs/<name>-<format>" in text and "runs/<name>-nvfp4" not in text

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                     "calibration")  # fmt: skip
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
-    ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4); a folder that holds "
+    ap.add_argument("--out", help="where to save the checkpoint (default runs/<name>-<format>); a folder that holds "
                     "files is refused unless --overwrite")  # fmt: skip
     ap.add_argument("--overwrite", action="store_true", help="replace what --out holds (once the new checkpoint is "
                     "complete)")  # fmt: skip

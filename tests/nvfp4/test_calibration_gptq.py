@@ -174,3 +174,19 @@ def test_calibrate_model_quantizes_a_padded_batch_as_its_real_tokens(method):
     assert list(got) == list(want)
     changed = [k for k in want if not torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))]
     assert not changed, changed
+
+
+def test_the_awq_forward_over_the_batches_shows_progress(capsys):
+    """AWQ's full-model forward over the calibration batches showed nothing: a 32B model over a few dozen prompts sat
+    silent until the quantization bar appeared (GPTQ's bar covers its layer-by-layer passes; its first pass stops at
+    layer 0). A bar over the batches now (``progress=False`` turns it off)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    batches = [torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for progress in (True, False):
+        import copy
+
+        calibrate_model(copy.deepcopy(model), "awq", batches, progress=progress)
+        err = capsys.readouterr().err
+        assert ("3/3" in err and "batch" in err) == progress, err

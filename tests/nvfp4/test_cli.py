@@ -134,6 +134,16 @@ def test_quantize_with_method_keeps_the_format_of_calibrated_methods(tiny_model_
         quantize_with_method(tiny_model_dir, "gptq", tokenizer, ["some text"], format="mxfp4")
 
 
+def test_a_folder_without_tokenizer_files_says_so(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A checkpoint folder with weights but no tokenizer files ended in transformers' "Couldn't instantiate the backend
+    tokenizer ... You need to have sentencepiece or tiktoken installed": installing them changed nothing. The line
+    now says the folder holds no tokenizer and how to put one there."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_exit_2([str(tiny_model_dir), "--out", str(tmp_path / "o")], capsys)
+    assert "cannot load its tokenizer" in err and "no tokenizer files in the folder" in err, err
+    assert "tokenizer.json" in err and "save_pretrained" in err and "sentencepiece" not in err, err
+
+
 def test_model_whose_tokenizer_cannot_load(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """A checkpoint folder without tokenizer files, or a Hub id that cannot be reached: one line naming the model
     (it was transformers' OSError traceback)."""
@@ -319,3 +329,64 @@ def test_perplexity_data_without_a_train_split_is_enough_for_uncalibrated_method
     err = _one_line_exit_2([str(model_dir), "--method", "awq", "--data", str(data), "--out", str(tmp_path / "o2")],
                            capsys)  # fmt: skip
     assert "no train.jsonl" in err, err
+
+
+def test_the_package_readme_documents_every_option(capsys):
+    """``packages/nvfp4/README.md`` (the wheel's description: what ``pip show`` / PyPI give someone who installs only
+    ``nvfp4``) was the title alone, so nothing said how to use the package by itself. It now documents every
+    ``nvfp4-quantize`` option and every ``NVFP4Config`` argument."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from nvfp4 import NVFP4Config
+
+    readme = (Path(__file__).parents[2] / "packages" / "nvfp4" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    args = [p for p in inspect.signature(NVFP4Config).parameters if p != "kwargs"]
+    assert flags and args
+    assert [f for f in sorted(flags) if f not in readme] == []
+    assert [a for a in args if f"{a}=" not in readme] == []
+    for name in ("nvfp4-quantize", "from_compressed_tensors", "load_nvfp4_checkpoint", "quantize_model", "MXFP4Config",
+                 "nvfp4.peft", "compressed-tensors"):  # fmt: skip
+        assert name in readme, name
+
+
+def _unannotated(module) -> list[str]:
+    """The parameters and returns of ``module.__all__``'s functions (and public methods) without a type hint."""
+    import inspect
+
+    missing = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        funcs = [(name, obj)] if inspect.isfunction(obj) else [
+            (f"{name}.{m}", f) for m, f in vars(obj).items() if inspect.isfunction(f) and not m.startswith("_")
+        ] if inspect.isclass(obj) else []  # fmt: skip
+        for label, f in funcs:
+            sig = inspect.signature(f)
+            missing += [f"{label}({p})" for p in sig.parameters.values()
+                        if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]  # fmt: skip
+            if sig.return_annotation is inspect.Signature.empty:
+                missing.append(f"{label} -> ?")
+    return missing
+
+
+def test_the_public_functions_of_the_cli_and_its_evaluation_have_type_hints():
+    """``calibration_ids(tokenizer, ...)``, ``quantize_with_method(..., tokenizer=None, ...)`` (no return type either)
+    and ``perplexity(model, tokenizer, ...)`` left the tokenizer unannotated: an IDE or a type checker could not tell
+    a tokenizer from its name, nor what quantize_with_method returns."""
+    import nvfp4.cli
+    import nvfp4.evaluate
+
+    assert _unannotated(nvfp4.cli) + _unannotated(nvfp4.evaluate) == []
+
+
+def test_help_gives_the_default_out_folder_of_each_format(capsys):
+    """``--help`` said ``--out`` defaults to ``runs/<name>-nvfp4``, but ``--format mxfp4`` saves to
+    ``runs/<name>-mxfp4``; it now names the format in the default."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runs/<name>-<format>" in text and "runs/<name>-nvfp4" not in text

@@ -46,3 +46,17 @@ def test_forward_and_backward_match_the_format_reference(fmt, dtype):
     ref.sum().backward()
     assert torch.equal(dx, x.grad)
     assert not any(p.requires_grad for p in layer.parameters())
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_method_no_format_has_is_an_unknown_value_not_a_missing_feature(fmt):
+    """``quantize_model(model, method="gtpq")`` (a typo) raised ``NotImplementedError: method='gtpq' is not implemented
+    for NVFP4``, as if the method existed elsewhere or were planned. A name no format knows is now a ValueError saying
+    it is unknown and naming the methods there are; a method of another format keeps its NotImplementedError."""
+    from nvfp4 import quantize_model
+
+    with pytest.raises(ValueError, match=r"quantize_model: unknown method 'gtpq'; choose one of .*'rtn'") as info:
+        quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), method="gtpq", format=fmt, progress=False)
+    assert len(str(info.value).splitlines()) == 1 and "not implemented" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown method 'gtpq'"):
+        FORMATS[fmt].check_options("here", "gtpq")

@@ -642,3 +642,45 @@ def test_loading_a_checkpoint_with_a_config_of_ones_own(tiny_model_dir, tmp_path
         assert len(loaded.model.layers) == 1 and isinstance(loaded.model.layers[0].mlp.up_proj, NVFP4Linear)
         assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight_packed, m.model.layers[0].mlp.up_proj.weight_packed)
     assert cfg.to_dict() == before
+
+
+def test_config_refuses_an_unknown_option_and_still_loads_a_saved_one(tiny_model_dir, tmp_path):
+    """``NVFP4Config(modules_to_not_covert=["model.layers.0"])`` (a typo) was taken as an unknown option: block 0 was
+    quantized without a word and the typo written into the saved config. An option the config does not know is now one
+    TypeError naming it and the options there are; a saved config whose fields this version does not know (a later
+    version's) still loads and keeps them."""
+    for make in (NVFP4Config, nvfp4.MXFP4Config):
+        with pytest.raises(TypeError, match=r"unknown option 'modules_to_not_covert'.*modules_to_not_convert") as info:
+            make(modules_to_not_covert=["model.layers.0"])
+        assert len(str(info.value).splitlines()) == 1
+    for serialization in ("compressed-tensors", QUANT_METHOD):
+        saved = NVFP4Config(method="mse", serialization=serialization).to_dict()
+        (saved["qerl"] if serialization == "compressed-tensors" else saved)["later_field"] = 3
+        back = NVFP4Config.from_dict(saved)
+        assert (back.method, back.extra) == ("mse", {"later_field": 3})
+        if serialization == "compressed-tensors":
+            assert back.to_dict() == saved
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config())
+    m.save_pretrained(tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["qerl"]["later_field"] = 3
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(nvfp4.from_compressed_tensors(tmp_path / "q").model.layers[0].mlp.up_proj, NVFP4Linear)
+
+
+def test_loaders_name_a_missing_local_folder_and_point_elsewhere_for_other_checkpoints(tiny_model_dir, tmp_path):
+    """``nvfp4.from_compressed_tensors("/models/typo")`` said "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'" (a missing folder read as a Hub id); a dense checkpoint or one with the previous
+    ``nvfp4_w4a16`` config was refused without saying which call loads it. Each is now one line that says so."""
+    missing = tmp_path / "no-such-checkpoint"
+    for load in (nvfp4.from_compressed_tensors, nvfp4.load_nvfp4_checkpoint):
+        with pytest.raises(FileNotFoundError, match=r"no-such-checkpoint: no such checkpoint folder") as info:
+            load(missing)
+        assert "Repo id" not in str(info.value) and len(str(info.value).splitlines()) == 1
+        with pytest.raises(NVFP4CheckpointError, match=r"no quantization_config.*quantization_config=NVFP4Config\(\)"):
+            load(tiny_model_dir)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=NVFP4Config(serialization=QUANT_METHOD))
+    m.save_pretrained(tmp_path / "old")
+    with pytest.raises(NVFP4CheckpointError, match=r"previous nvfp4_w4a16 config.*nvfp4.load_nvfp4_checkpoint") as info:
+        nvfp4.from_compressed_tensors(tmp_path / "old")
+    assert len(str(info.value).splitlines()) == 1

@@ -426,6 +426,45 @@ def test_quantize_model_refuses_a_string_where_a_list_of_names_is_meant(keyword,
     assert len(str(info.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "keyword, value, bad",
+    [("modules_to_not_convert", ["lm_head", None], "None"), ("modules_to_not_convert", [0], "0"),
+     ("fused_groups", [["0", 1]], "1"), ("fused_groups", [[None]], "None")],
+)  # fmt: skip
+def test_a_name_that_is_no_string_is_named_in_one_line(keyword, value, bad):
+    """``modules_to_not_convert=["lm_head", None]`` (a name read from a config that lacked it) ended in
+    ``AttributeError: 'NoneType' object has no attribute 'removeprefix'``, naming neither the option nor the entry;
+    ``fused_groups=[["q_proj", 1]]`` was taken as is and matched nothing. Now one TypeError naming the option and
+    the entry, from quantize_model and from NVFP4Config."""
+    for call, where in ((lambda: quantize_model(_two_linears(), progress=False, **{keyword: value}), "quantize_model"),
+                        (lambda: nvfp4.NVFP4Config(**{keyword: value}), "NVFP4Config")):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"{where}: {keyword}: {bad} .*not a string; .*module names") as info:
+            call()
+        assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_name_to_keep_dense_that_matches_no_module_is_named_in_a_warning(tiny_model_dir):
+    """``modules_to_not_convert=["lm_haed"]`` (a typo; or a name of another architecture) matched nothing, so every
+    linear, lm_head too, was quantized without a word: by quantize_model, calibrate_model and NVFP4Config on load.
+    Each now warns in one line naming the entries that match no module; names that match say nothing."""
+    from nvfp4.calibration import calibrate_model
+    from transformers import AutoModelForCausalLM
+
+    with pytest.warns(UserWarning, match=r"quantize_model: modules_to_not_convert: \['2'\] match no module") as info:
+        quantize_model(_two_linears(), modules_to_not_convert=["0", "2"], progress=False)
+    assert len(str(info[0].message).splitlines()) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(_two_linears(), modules_to_not_convert=["re:1"], progress=False)
+    with pytest.warns(UserWarning, match=r"NVFP4Config: modules_to_not_convert: \['lm_haed'\] match no module"):
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=nvfp4.NVFP4Config(
+            modules_to_not_convert=["lm_haed"]))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with pytest.warns(UserWarning, match=r"calibrate_model: modules_to_not_convert: \['mlp.dwn_proj'\] match no"):
+        calibrate_model(model, "awq", [torch.randint(0, 256, (1, 8))], modules_to_not_convert=["mlp.dwn_proj"],
+                        progress=False)  # fmt: skip
+
+
 @pytest.mark.parametrize("entry", ["*.mlp.*", "re:*mlp", "layers[0"])
 def test_a_module_name_pattern_that_is_no_regex_is_named_in_one_line(entry):
     """A ``modules_to_not_convert`` entry that is no regular expression (a glob such as ``*.mlp.*``) ended in Python's

@@ -9,6 +9,7 @@ codec only), and are this module's public API too: :func:`search_block_scales`, 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from .linear import (
     _fused_group_names,
     _module_names,
     _quantizable,
+    _warn_unmatched,
     fused_group_of,
     quantize_model,
 )
@@ -70,7 +72,7 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
     return batch.get("attention_mask") if isinstance(batch, Mapping) else None
 
 
-def _run(model: nn.Module, batches: list[Any], before: Callable[[torch.Tensor | None], None] | None = None) -> None:
+def _run(model: nn.Module, batches: Iterable[Any], before: Callable[[torch.Tensor | None], None] | None = None) -> None:
     """Run ``model`` on each batch; ``before(attention_mask)`` first, so that statistics count real tokens only."""
     for batch in batches:
         if before is not None:
@@ -106,7 +108,7 @@ def calibrate_model(
             statistics). A few dozen prompts are enough for the statistics.
         modules_to_not_convert / fused_groups: as :func:`nvfp4.quantize_model` (fused groups share a global scale).
         damp: GPTQ's diagonal damping (fraction of the mean diagonal).
-        progress: a progress bar over layers.
+        progress: progress bars (over the AWQ statistics' batches, over the layers quantized).
     """
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"calibrate_model: method must be one of {CALIBRATED_METHODS}, got {method!r}")
@@ -116,6 +118,7 @@ def calibrate_model(
         raise ValueError(f"calibrate_model(method={method!r}) needs at least one calibration batch")
     skip = _module_names(DEFAULT_MODULES_TO_NOT_CONVERT if modules_to_not_convert is None else modules_to_not_convert,
                          "calibrate_model: modules_to_not_convert")  # fmt: skip
+    _warn_unmatched(model, skip, "calibrate_model: modules_to_not_convert")
     groups = _fused_group_names(DEFAULT_FUSED_GROUPS if fused_groups is None else fused_groups,
                                 "calibrate_model: fused_groups")  # fmt: skip
     names = [n for n, m in model.named_modules() if _quantizable(n, m, skip)]
@@ -124,11 +127,15 @@ def calibrate_model(
     if method == "awq":
         stats = ActivationStats(model, names)
         try:
-            _run(model, batches, stats.real_tokens)  # padding positions (attention mask 0) are no activations
+            # padding positions (attention mask 0) are no activations; a full forward per batch: minutes on a 32B
+            bar = tqdm(batches, desc="AWQ statistics", unit="batch", disable=not progress)
+            _run(model, bar, stats.real_tokens)
         finally:
             stats.remove()
-        return quantize_model(model, method="awq", act_sq=stats.mean_sq(), modules_to_not_convert=skip,
-                              fused_groups=groups, progress=progress)  # fmt: skip
+        with warnings.catch_warnings():  # said once, above
+            warnings.filterwarnings("ignore", message=r"quantize_model: modules_to_not_convert: .* match no module")
+            return quantize_model(model, method="awq", act_sq=stats.mean_sq(), modules_to_not_convert=skip,
+                                  fused_groups=groups, progress=progress)  # fmt: skip
 
     layers = _decoder_layers(model)
     layer_prefix = {id(m): n for n, m in model.named_modules()}

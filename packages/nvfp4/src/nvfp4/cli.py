@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .card import write_model_card
 from .evaluate import gsm8k_texts, perplexity, weight_relative_error
@@ -36,7 +36,7 @@ def _load_dense(path: str | Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-def calibration_ids(tokenizer, texts: list[str], max_length: int = 512) -> list[torch.Tensor]:
+def calibration_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int = 512) -> list[torch.Tensor]:
     """Token ids ``[1, T]`` (int64) of each calibration text, truncated to ``max_length``."""
     return [tokenizer(t, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"] for t in texts]
 
@@ -44,11 +44,11 @@ def calibration_ids(tokenizer, texts: list[str], max_length: int = 512) -> list[
 def quantize_with_method(
     path: str | Path,
     method: str,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     calib_texts: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     format: str | Format = "nvfp4",
-):
+) -> PreTrainedModel:
     """Load ``path`` quantized with ``method``: ``rtn`` / ``mse`` from the weights alone, ``awq`` / ``gptq`` calibrated
     on ``calib_texts`` (tokenized with ``tokenizer``), all through ``from_pretrained(..., NVFP4Config(...))``.
     ``format="mxfp4"``: MXFP4 (``rtn`` only)."""
@@ -74,6 +74,11 @@ def _sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
 
 #: What transformers loads a checkpoint's weights from (a sharded one names its shards in the index).
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+#: What a tokenizer is loaded from (fast, then the slow tokenizers' vocabularies).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")  # fmt: skip
 
 
 def _input_problem(model: str) -> str | None:
@@ -178,6 +183,8 @@ def _versions() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``nvfp4-quantize``'s entry point: ``argv`` (default ``sys.argv[1:]``) parsed, the model quantized, measured
+    and saved; an input error exits with code 2 and one line on stderr."""
     ap = argparse.ArgumentParser(prog="nvfp4-quantize", description=__doc__)
     ap.add_argument("model", nargs="?", help="HF id or local folder of a bf16 causal LM (default: offline default)")
     ap.add_argument("-V", "--version", action=_PrintVersions, help="print the versions of nvfp4 and what it runs on")
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                     "calibration")  # fmt: skip
     ap.add_argument("--calib-samples", type=int, default=32, help="train texts the awq/gptq calibration runs on")
     ap.add_argument("--n-eval", type=int, default=32, help="test texts scored for perplexity")
-    ap.add_argument("--out", help="where to save the NVFP4 checkpoint (default runs/<name>-nvfp4); a folder that holds "
+    ap.add_argument("--out", help="where to save the checkpoint (default runs/<name>-<format>); a folder that holds "
                     "files is refused unless --overwrite")  # fmt: skip
     ap.add_argument("--overwrite", action="store_true", help="replace what --out holds (once the new checkpoint is "
                     "complete)")  # fmt: skip
@@ -266,7 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:  # a Hub id not reachable or not found, a folder without tokenizer files
         if args.debug:
             raise
-        ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {' '.join(str(e).split())}\n")
+        why = " ".join(str(e).split())
+        if Path(args.model).is_dir() and not any((Path(args.model) / f).is_file() for f in _TOKENIZER_FILES):
+            # transformers' own reason ("You need to have sentencepiece or tiktoken installed") sent users astray
+            why = (f"no tokenizer files in the folder (none of {', '.join(_TOKENIZER_FILES)}): save the model's "
+                   "tokenizer there (AutoTokenizer.from_pretrained(base).save_pretrained(folder))")  # fmt: skip
+        ap.exit(2, f"nvfp4-quantize: error: model {args.model!r}: cannot load its tokenizer: {why}\n")
 
     # bf16 matmuls are slow on CPUs: there the models run in float32 (the NVFP4 tensors are the same either way)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .linear import NVFP4Linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["gsm8k_texts", "output_relative_error", "perplexity", "weight_relative_error"]
 
@@ -97,7 +101,7 @@ def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, tokenizer, texts: list[str], max_length: int = 512, progress: bool = True) -> float:
+def perplexity(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int = 512, progress: bool = True) -> float:
     """Token-level perplexity of ``model`` on ``texts`` (each text scored on its own, BOS kept, up to ``max_length``).
     ``ValueError`` when no text has a token to score (all of one token, or none)."""
     device = next(model.parameters()).device

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,6 +48,10 @@ from .codec import NVFP4Weight
 from .formats import QuantizedWeight
 from .linear import NVFP4Linear
 from .sharded import gather_bytes, is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import OffloadPolicy
 
 __all__ = [
     "ShardableNVFP4Linear",
@@ -160,10 +165,10 @@ def quantized_blocks(
 def fully_shard_quantized(
     model: nn.Module,
     *,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int = True,
     block_of: Callable[[str], str] = _block_of,
-    offload_policy=None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> int:
     """Prepare every quantized layer of ``model`` (:func:`make_shardable`) and ``fully_shard`` them, one FSDP group
     per block (all of a decoder layer's 4-bit weights in one all-gather) with no mixed-precision casting. Call it before

@@ -64,6 +64,7 @@ from .linear import (
     _module_names,
     _quantizable,
     _tied_linears,
+    _warn_unmatched,
     fused_group_of,
     nothing_to_quantize,
 )
@@ -223,6 +224,11 @@ class NVFP4Config(QuantizationConfigMixin):
         #: the :class:`nvfp4.formats.Format` this config quantizes to (NVFP4 or MXFP4), looked up once, here
         self.weight_format: Format = fmt
         self.weight_block_size = fmt.group_size
+        # a typo (modules_to_not_covert=...) was kept as an unknown option and silently did nothing; fields a saved
+        # config has that this version does not know come through from_dict / from_compressed_tensors_dict instead
+        unknown = [k for k in kwargs if k not in _SAVED_FIELDS]
+        if unknown:
+            raise TypeError(f"NVFP4Config: unknown option {unknown[0]!r}; the options are {', '.join(_OPTIONS)}")
         self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "weight_block_size")}
         if calibration_data is not None:
             self.extra["calibration_samples"] = len(calibration_data)
@@ -279,7 +285,10 @@ class NVFP4Config(QuantizationConfigMixin):
             ours = cls.from_compressed_tensors_dict(config_dict)
             ours.serialization = QUANT_METHOD
             config_dict = {**ours.to_dict(), "serialization": CT_METHOD}
-        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+        config_dict, later = _known_fields(config_dict)
+        got = super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+        (got[0] if return_unused_kwargs else got).extra.update(later)
+        return got
 
     @classmethod
     def from_compressed_tensors_dict(cls, qc: dict[str, Any], where: str = "quantization_config") -> NVFP4Config:
@@ -302,7 +311,22 @@ class NVFP4Config(QuantizationConfigMixin):
         untargeted = compressed_tensors_untargeted(qc)  # linears no config group targets were saved dense
         if untargeted is not None and untargeted not in ours["modules_to_not_convert"]:
             ours["modules_to_not_convert"] = [*ours["modules_to_not_convert"], untargeted]
-        return cls(method=method, **ours)
+        ours, later = _known_fields(ours)
+        cfg = cls(method=method, **ours)
+        cfg.extra.update(later)  # a later version's fields, written back as they came
+        return cfg
+
+
+#: NVFP4Config's keyword arguments, then the fields a saved config adds (read back by from_dict)
+_OPTIONS = ("method", "modules_to_not_convert", "fused_groups", "format", "serialization", "calibration_data")
+_SAVED_FIELDS = ("quant_method", "weight_block_size", "calibration_samples")
+
+
+def _known_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A saved config's ``fields`` split into those :class:`NVFP4Config` takes and those it does not know (written by
+    another version), which the read config keeps in ``extra`` as they came."""
+    known = {k: v for k, v in fields.items() if k in _OPTIONS or k in _SAVED_FIELDS}
+    return known, {k: v for k, v in fields.items() if k not in known}
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -397,6 +421,8 @@ class NVFP4HfQuantizer(HfQuantizer):
         eligible = [
             n for n, m in model.named_modules() if _quantizable(n, m, cfg.modules_to_not_convert, fmt.group_size)
         ]
+        if not self.pre_quantized and not calibrated:  # calibrate_model warns for the calibrated methods
+            _warn_unmatched(model, cfg.modules_to_not_convert, "NVFP4Config: modules_to_not_convert")
         if not eligible and not self.pre_quantized:  # nothing would be quantized: a dense model under a 4-bit config
             raise ValueError(f"NVFP4Config: {nothing_to_quantize(model, fmt)}")
         if self.pre_quantized:
@@ -664,7 +690,11 @@ class _QuantizeOnLoad(ConversionOps):
 
 
 def _checkpoint_quantization_config(path: str | Path) -> dict[str, Any] | None:
-    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    text = os.path.expanduser(str(path))
+    # a local path that is not there: transformers took it for a Hub id ("Repo id must be in the form ...")
+    if not os.path.exists(text) and (text.startswith((".", "/")) or text.count("/") > 1):
+        raise FileNotFoundError(f"{path}: no such checkpoint folder (give a local folder or a Hub id)")
+    qc = getattr(AutoConfig.from_pretrained(text), "quantization_config", None)
     return qc if isinstance(qc, dict) or qc is None else qc.to_dict()
 
 
@@ -695,8 +725,11 @@ def from_compressed_tensors(path: str | Path, config: PretrainedConfig | None = 
     again. ``config``: the model config to load with (a copy of it: another attention implementation, fewer layers),
     by default the checkpoint's; the quantization is always the checkpoint's.
     """
+    qc = _checkpoint_quantization_config(path)
+    if not qc or qc.get("quant_method") == QUANT_METHOD:
+        raise NVFP4CheckpointError(f"{path}: {_not_compressed_tensors(qc)}")
     config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path)
-    ours = NVFP4Config.from_compressed_tensors_dict(_checkpoint_quantization_config(path) or {}, str(path))
+    ours = NVFP4Config.from_compressed_tensors_dict(qc, str(path))
     ours.serialization = QUANT_METHOD  # this load goes to our quantizer; the model's config saves compressed-tensors
     config.quantization_config = ours.to_dict()
     return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
@@ -776,4 +809,16 @@ def load_nvfp4_checkpoint(path: str | Path, **kwargs: Any) -> nn.Module:
     # NVFP4, another format) is refused saying what disagrees, not as "not an NVFP4 checkpoint"
     if kind == CT_METHOD or (qc or {}).get("quant_method") == CT_METHOD:
         return from_compressed_tensors(path, **kwargs)
+    if not qc:
+        raise NVFP4CheckpointError(f"{path}: {_not_compressed_tensors(qc)}")
     raise NVFP4CheckpointError(f"{path}: not an NVFP4 checkpoint (quantization_config={qc!r})")
+
+
+def _not_compressed_tensors(qc: dict[str, Any] | None) -> str:
+    """Why :func:`from_compressed_tensors` does not load a checkpoint whose ``quantization_config`` is ``qc`` (None or
+    ours with the previous config), and what does."""
+    if not qc:
+        return ("not an NVFP4 checkpoint but a dense one (no quantization_config): quantize it on load with "
+                "AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config())")  # fmt: skip
+    return (f"a checkpoint with the previous {QUANT_METHOD} config, not compressed-tensors: load it with "
+            "nvfp4.load_nvfp4_checkpoint(path)")  # fmt: skip

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from . import fp8, ops
 from .codec import BLOCK_SIZE, NVFP4Weight, dequantize, e2m1_to_float, unpack_e2m1
-from .formats import Format, QuantizedWeight, format_of, get_format
+from .formats import UNTARGETED_PREFIX, Format, QuantizedWeight, format_of, get_format
 from .layout import (
     from_mma_layout,
     from_scale_mma_layout,
@@ -655,6 +655,7 @@ def _module_names(value: Iterable[str], option: str) -> tuple[str, ...]:
     if isinstance(value, str):
         raise TypeError(f"{option} takes a list of module names, got the string {value!r}: pass [{value!r}]")
     names = tuple(value)
+    _check_strings(names, option)
     for p in names:  # each is also matched as a regex (_matches): a glob such as "*.mlp.*" failed there in re's words
         try:
             re.compile(p.removeprefix("re:"))
@@ -673,7 +674,33 @@ def _fused_group_names(value: Iterable[Iterable[str]], option: str) -> list[tupl
     if flat is not None:
         raise TypeError(f"{option} takes a list of groups, each a list of sibling names (e.g. [['q_proj', 'k_proj', "
                         f"'v_proj']]), got the string {flat!r} as a group")  # fmt: skip
-    return [tuple(g) for g in groups]
+    groups = [tuple(g) for g in groups]
+    for g in groups:
+        _check_strings(g, option)
+    return groups
+
+
+def _check_strings(names: tuple[object, ...], option: str) -> None:
+    """Refuse (TypeError, one line) an entry of ``names`` that is no string: ``None`` failed deep in the matching
+    (``'NoneType' object has no attribute 'removeprefix'``) and a number matched no module, silently."""
+    for bad in names:
+        if isinstance(bad, str):
+            continue
+        raise TypeError(f"{option}: {bad!r} ({type(bad).__name__}) is not a string; entries are module names, "
+                        "name suffixes or regexes (e.g. 'lm_head', 'q_proj', 're:.*mlp.*')")  # fmt: skip
+
+
+def _warn_unmatched(model: nn.Module, names: Iterable[str], option: str) -> None:
+    """Warn (one line) naming the entries of ``names`` (a ``modules_to_not_convert``) that match no module of
+    ``model``: a typo (``"lm_haed"``) or another architecture's name kept nothing dense, silently. The default
+    ``lm_head`` and the untargeted entry of a loaded compressed-tensors config are not the caller's words."""
+    modules = [n for n, _ in model.named_modules() if n]
+    lost = [p for p in names if p not in DEFAULT_MODULES_TO_NOT_CONVERT and not p.startswith(UNTARGETED_PREFIX)
+            and not any(_matches(n, (p,)) for n in modules)]  # fmt: skip
+    if lost:
+        warnings.warn(f"{option}: {lost!r} match no module of the model, so they keep nothing dense; entries are module "
+                      "names ('model.layers.0.mlp.down_proj', 'model.layers.0'), name suffixes ('down_proj') or regexes "
+                      "of the whole name", stacklevel=3)  # fmt: skip
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -778,6 +805,7 @@ def quantize_model(
         fused_groups = DEFAULT_FUSED_GROUPS
     # read once: every module is checked against it (a generator was used up by the first module's check)
     modules_to_not_convert = _module_names(modules_to_not_convert, "quantize_model: modules_to_not_convert")
+    _warn_unmatched(model, modules_to_not_convert, "quantize_model: modules_to_not_convert")
     given_groups = _fused_group_names(fused_groups, "quantize_model: fused_groups")
     groups = given_groups if fmt.has_global_scale else []  # members share a global scale
     tied = set(_tied_linears(model))  # a tied lm_head's weight is the embedding's: it stays dense, as on load

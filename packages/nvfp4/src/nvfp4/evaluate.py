@@ -101,7 +101,9 @@ def gsm8k_texts(path: str | Path, n: int = 64, offset: int = 0) -> list[str]:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int = 512, progress: bool = True) -> float:
+def perplexity(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int = 512, progress: bool = True
+) -> float:
     """Token-level perplexity of ``model`` on ``texts`` (each text scored on its own, BOS kept, up to ``max_length``).
     ``ValueError`` when no text has a token to score (all of one token, or none)."""
     device = next(model.parameters()).device

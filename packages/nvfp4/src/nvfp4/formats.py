@@ -153,7 +153,8 @@ class Format:
         self, where: str, method: str, *, global_scale: torch.Tensor | None = None, act_sq: object = None
     ) -> None:
         """Raise for a method no format has (ValueError), one this format does not implement (NotImplementedError
-        naming the ones it does) or for options it has no use for (ValueError: a global scale without one, activation statistics without ``awq``)."""
+        naming the ones it does) or for options it has no use for (ValueError: a global scale without one, activation
+        statistics without ``awq``)."""
         if not any(method in f.methods for f in FORMATS.values()):  # a typo is a bad value, not a missing feature
             raise ValueError(f"{where}: unknown method {method!r}; choose one of {', '.join(map(repr, self.methods))}")
         if method not in self.methods:

@@ -59,6 +59,11 @@ def _file_prefix(device_name: str | None) -> str:
     return device_name.replace(" ", "_").replace("-", "_")
 
 
+def _check_tiles(tiles: str) -> None:
+    if tiles not in LORA_TILES:
+        raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
+
+
 def write_one_split_shrink_config(folder: str | os.PathLike, device_name: str | None = None) -> Path:
     """Write vLLM's tuned config for its LoRA shrink kernel with one K split into ``folder``; returns the file.
 
@@ -68,7 +73,7 @@ def write_one_split_shrink_config(folder: str | os.PathLike, device_name: str | 
     default the current CUDA device's) and keys it ``[max_loras][num_slices][rows][K][rank]``, each level but the
     slice count matched to the nearest key: one entry per level covers every row count, hidden size and rank.
     """
-    table = {"1": {str(s): {"1": {"1": {"1": _ONE_SPLIT}}} for s in _SLICE_COUNTS}}
+    table = _with_every_slice_count({"1": {"1": {"1": {"1": {"1": _ONE_SPLIT}}}}})
     path = Path(folder) / f"{_file_prefix(device_name)}_SHRINK.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table))
@@ -96,8 +101,7 @@ def lora_tiles_folder(
     temporary one); ``device_name``: default the current CUDA device's. Raises ``ValueError`` for a name not in
     :data:`LORA_TILES`.
     """
-    if tiles not in LORA_TILES:
-        raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
+    _check_tiles(tiles)
     prefix = _file_prefix(device_name)
     shipped = sorted(SHIPPED_FOLDER.glob(f"{prefix}_*.json"))
     if tiles == "stock" or (tiles == "tuned" and not shipped):
@@ -120,8 +124,7 @@ def apply_lora_tiles(tiles: str = "tuned") -> str | None:
     it read (its environment cache, ``vllm.envs``): set after that, it is not read. Nothing is set off CUDA, where
     vLLM's LoRA does not use these kernels. Raises ``ValueError`` for a name not in :data:`LORA_TILES`.
     """
-    if tiles not in LORA_TILES:
-        raise ValueError(f"lora_tiles must be one of {', '.join(map(repr, LORA_TILES))}, got {tiles!r}")
+    _check_tiles(tiles)
     if TUNED_CONFIG_FOLDER_ENV in os.environ:
         return os.environ[TUNED_CONFIG_FOLDER_ENV]
     import torch

@@ -20,6 +20,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm_test_helpers import (
     ENGINE_DTYPE,
+    TOL,
     check_forced,
     compare_forced,
     eos_ids,
@@ -142,9 +143,12 @@ def test_one_prompt_is_one_prompt(engine, prompt_ids, base_out):
     """A single string or token-id list is one prompt (it was iterated: a prompt per character, or a crash)."""
     sp = {"temperature": 0.0, "max_tokens": N_TOKENS, "min_tokens": N_TOKENS}
 
-    def same(a, b):  # the tokens, and logprobs to float noise (a batch of one is not base_out's batch of three)
+    # the tokens, and the logprobs within the engine dtype's gap: a batch of one is not base_out's batch of three, and a
+    # bf16 engine's kernels round differently per batch size (the native backend's by 0.032 on the H100 at 6ee5805)
+    def same(a, b):
         return len(a) == len(b) and all(
-            x.token_ids == y.token_ids and torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+            x.token_ids == y.token_ids
+            and torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=TOL.logprob_gap, rtol=0)
             for x, y in zip(a, b)
         )
 
@@ -293,17 +297,23 @@ def test_vllm_serve_openai_completion(ckpt, tmp_path):
 
 
 def test_utilization_for_a_fixed_kv_cache_passes_vllms_start_check():
-    """vLLM's start check (``vllm.v1.worker.utils.request_memory``): free >= ceil(total x utilization). The fraction
-    given beside ``kv_cache_memory_bytes`` passes it for any free memory, and gives away at most 0.2 % of the card."""
+    """vLLM's start check (``vllm.v1.worker.utils.request_memory``): free >= ceil(total x utilization), read when vLLM's
+    worker starts, after the fraction was computed. The fraction given beside ``kv_cache_memory_bytes`` passes it for
+    any free memory with 1 GiB to spare for what is allocated in between (on the H100 at 6ee5805 a colocated
+    ``qerl train`` lost > 90 MiB in between and failed the check at 0.981 of the card: a margin of 0.1 % was too thin),
+    and gives away at most 1 GiB + 0.1 % of the card."""
     import math
 
-    from qerl_vllm.engine import utilization_for_fixed_kv_cache
+    from qerl_vllm.engine import START_CHECK_HEADROOM_BYTES, utilization_for_fixed_kv_cache
 
     total = 85_017_362_432  # an 80 GB H100 as torch.cuda.mem_get_info reports it
-    for free in (total, int(0.9 * total), 74_000_000_000, 20_000_000_000, 3 * 2**30, 1 << 20):
+    assert START_CHECK_HEADROOM_BYTES == 1 << 30
+    for free in (total, int(0.9 * total), 83_388_000_000, 74_000_000_000, 20_000_000_000, 3 * 2**30, 1 << 20):
         util = utilization_for_fixed_kv_cache(free, total)
-        assert 0 < util < 1 and (math.ceil(total * util) <= free or util == 0.01), (free, util)
-        assert util >= min(free / total - 0.002, 0.01) - 1e-12
+        assert 0 < util < 1, (free, util)
+        if util > 0.01:
+            assert math.ceil(total * util) + START_CHECK_HEADROOM_BYTES <= free, (free, util)
+        assert util >= min((free - START_CHECK_HEADROOM_BYTES) / total - 0.001, 0.01) - 1e-12, (free, util)
 
 
 @pytest.mark.parametrize("failure", ["lora_dir_is_a_file", "skip_tokenizer_init"])

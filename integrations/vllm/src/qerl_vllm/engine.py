@@ -193,12 +193,20 @@ def _default_lora_root() -> str:
     return tempfile.mkdtemp(prefix="qerl-vllm-lora-", dir=base)
 
 
+#: memory left out of :func:`utilization_for_fixed_kv_cache`'s fraction for what this process (vLLM's own start) and
+#: others allocate between reading the free memory and vLLM's check of it (> 90 MiB seen on the H100 at 6ee5805)
+START_CHECK_HEADROOM_BYTES = 1 << 30
+
+
 def utilization_for_fixed_kv_cache(free_bytes: int, total_bytes: int) -> float:
     """``gpu_memory_utilization`` for an engine whose KV cache ``kv_cache_memory_bytes`` fixes: the fraction of the
-    GPU free now, rounded down. vLLM (0.26) still refuses to start when free memory < total x utilization (0.9 by
-    default) although the KV size no longer depends on it, so beside a colocated trainer that already holds its policy
-    the default fails; with a fixed KV cache the fraction is read only by that check."""
-    return max(0.01, math.floor(1000 * free_bytes / total_bytes) / 1000 - 0.001)
+    GPU free now less :data:`START_CHECK_HEADROOM_BYTES`, rounded down (at least 0.01). vLLM (0.26) still refuses to
+    start when free memory < total x utilization (0.9 by default) although the KV size no longer depends on it, so
+    beside a colocated trainer that already holds its policy the default fails; with a fixed KV cache the fraction is
+    read only by that check, so the headroom costs nothing. A process that allocates more than the headroom meanwhile
+    still trips it (vLLM's own error then names both figures)."""
+    usable = max(0, free_bytes - START_CHECK_HEADROOM_BYTES)
+    return max(0.01, math.floor(1000 * usable / total_bytes) / 1000 - 0.001)
 
 
 class VLLMEngine:

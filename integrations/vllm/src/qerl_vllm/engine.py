@@ -35,6 +35,7 @@ import numbers
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -312,6 +313,7 @@ class VLLMEngine:
             raise
         try:
             self.llm = LLM(**kwargs)
+            _LIVE_ENGINES.add(self)
             self.tokenizer = self.llm.get_tokenizer()  # ValueError with skip_tokenizer_init=True
         except BaseException:
             self.close()  # no caller can: the engine (if it started) is shut down and the adapter folder removed
@@ -562,6 +564,7 @@ class VLLMEngine:
         else:
             self._remove_written_adapter()
         llm = self.__dict__.pop("llm", None)
+        _LIVE_ENGINES.discard(self)
         if llm is not None and self.external_launcher:
             # vLLM's shutdown ends by destroying the default process group, which belongs to the launch (the
             # trainer still uses it, and destroys it itself): the engine is dropped instead, its shutdown-on-collect
@@ -577,7 +580,7 @@ class VLLMEngine:
             except Exception:  # noqa: BLE001
                 pass
             del llm
-            _release_engine_memory()
+            _release_engine_memory(last_engine=not _LIVE_ENGINES)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -586,20 +589,48 @@ class VLLMEngine:
         self.close()
 
 
-def _release_engine_memory() -> None:
+#: the engines of this process that hold a vLLM ``LLM`` (a closed one leaves): the last one out may drop what vLLM
+#: keeps process-wide for CUDA graphs without breaking another engine's
+_LIVE_ENGINES: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+
+
+def _release_engine_memory(*, last_engine: bool) -> None:
     """Collect the closed engine and hand its cached CUDA memory back, so that a later engine in this process starts
     clean. vLLM's own shutdown (``EngineCore.shutdown``: ``gc.unfreeze``, ``gc.collect``, ``empty_cache``) runs while
-    the ``LLM`` is still referenced; what is freed only afterwards stays cached, among it the blocks of vLLM's
-    process-wide CUDA-graph pool. A second engine then captures into that pool, released by the first engine's graphs
-    but not yet emptied, and PyTorch's allocator stops on ``use_count > 0 INTERNAL ASSERT FAILED`` (``qerl eval
-    --engine vllm`` twice in one process on the H200, 2026-12-01: vllm_tests_h200_0c004f2_rerun.log)."""
+    the ``LLM`` is still referenced; what is freed only afterwards stays cached.
+
+    ``last_engine`` (no other engine of this process holds an ``LLM``): also vLLM's process-wide CUDA-graph state.
+    vLLM (0.26 and 0.32) captures every engine's graphs into one pool id made once per process
+    (``Platform.get_global_graph_pool``, never reset) and keeps every graph wrapper in a process-wide set; a second
+    engine's start clears the first engine's surviving graphs (its CUDA-graph memory profile), which drops the old
+    pool's use count to 0 while tensors still hold its blocks, and its own capture into the same id then stops on
+    PyTorch's ``use_count > 0 INTERNAL ASSERT FAILED`` (vLLM issue 28426; H200 0c004f2 and H100 6ee5805:
+    vllm_tests_h100_6ee5805_rerun.log), which also leaves the CUDA generator in capture mode ("Offset increment
+    outside graph capture" in every later test). So the last engine out clears the graphs (vLLM's public
+    ``clear_all_graphs``, which its own shutdown runs on ROCm only) and forgets the pool id, so that the next engine
+    makes a fresh pool. The pool id is a vLLM class attribute with no public setter: it is reset only where it exists
+    under that name (vLLM 0.26 and 0.32, pinned by test_vllm_engine.py)."""
     import gc
 
-    import torch
+    gc.collect()  # runs the closed LLMEngine's finalizer, which unpins its compiled model
+    if not torch.cuda.is_available():
+        return
+    if last_engine:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.platforms import current_platform
 
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        CUDAGraphWrapper.clear_all_graphs()
+        BreakableCUDAGraphWrapper.clear_all_graphs()
+        torch.cuda.synchronize()
+        gc.collect()
+        if hasattr(type(current_platform), GRAPH_POOL_ATTRIBUTE):
+            setattr(type(current_platform), GRAPH_POOL_ATTRIBUTE, None)
+    torch.cuda.empty_cache()
+
+
+#: where vLLM keeps its process-wide CUDA-graph pool id (``Platform.get_global_graph_pool`` makes it once)
+GRAPH_POOL_ATTRIBUTE = "_global_graph_pool"
 
 
 def adapter_rank(folder: Path) -> int | None:

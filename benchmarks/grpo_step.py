@@ -9,11 +9,6 @@ WordLevel tokenizer over the vocabulary (``--prompt-len`` words = tokens). Lengt
 ``--eos-mean-tokens`` / ``--lengths`` (:data:`LENGTH_PRESETS`, as ``rollout.py``); T = 1; reward = mean token id /
 vocab; β = 0; AQN σ = 0.01; AdamW lr 1e-5. ``--recipe``: a shipped recipe's steps through ``qerl train`` itself
 (``run_recipe``). The DDP mode is at ``benchmarks/grpo_step.py@e48270c``; the runs' commands are BENCHMARKS.md's.
-
-Usage::
-
-    OMP_NUM_THREADS=1 uv run python benchmarks/grpo_step.py --tiny --arms bf16,nvfp4 --out /tmp/g.json   # CPU smoke
-    python3 benchmarks/grpo_step.py --merge a.json b.json --out grpo_step.json   # combine runs, print the table
 """
 
 from __future__ import annotations
@@ -89,16 +84,14 @@ def make_dataset(n_rows: int, prompt_len: int, vocab_size: int, seed: int = 0):
 
 
 def make_reward(vocab_size: int):
-    def reward_mean_token_id(completions, completion_ids, **kwargs):
-        """Mean token id of the completion / vocab: deterministic, and different for each sampled completion."""
+    def reward_mean_token_id(completions, completion_ids, **kwargs):  # deterministic, different for each completion
         return [sum(ids) / (len(ids) * vocab_size) if ids else 0.0 for ids in completion_ids]
 
     return reward_mean_token_id
 
 
 def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return round(statistics.median(xs), 4) if xs else None
+    return round(statistics.median(xs), 4) if (xs := [x for x in xs if x is not None]) else None
 
 
 # ---------------------------------------------------------------------------------------------------------- worker
@@ -108,13 +101,8 @@ class _Clock:
     def __init__(self, device) -> None:
         import torch
 
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._torch = torch
-        self.cur: dict = {}
-        self.steps: list[dict] = []
-        self.phase = "build"
-        self.in_loss = False
+        self.cuda, self.device, self._torch = device.type == "cuda", device, torch
+        self.cur, self.steps, self.phase, self.in_loss = {}, [], "build", False
 
     def now(self) -> float:
         if self.cuda:
@@ -162,8 +150,7 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             with clock.timed("gen"):
                 completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
             clock.peak("peak_after_gen_gb")
-            lens = [len(c) for c in completion_ids]
-            clock.cur.setdefault("completion_lens", []).extend(lens)
+            clock.cur.setdefault("completion_lens", []).extend(len(c) for c in completion_ids)
             return completion_ids, logprobs
 
         @contextlib.contextmanager
@@ -183,17 +170,14 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            adv = out.get("advantages")
-            if adv is not None:
-                a = adv.detach().float()
+            if (a := out.get("advantages")) is not None:
+                a = a.detach().float()
                 clock.cur["adv_abs_mean"] = round(float(a.abs().mean()), 4)
                 clock.cur["adv_std"] = round(float(a.std()) if a.numel() > 1 else 0.0, 4)
             return out
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            if clock.in_loss:
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with clock.timed("score_fwd"):
+            with contextlib.nullcontext() if clock.in_loss else clock.timed("score_fwd"):
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
         def compute_loss(self, *args, **kwargs):
@@ -214,12 +198,10 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
 
     class StepClock(TrainerCallback):
         def __init__(self, lengths: list[int], on_vllm: bool, min_new: int | None, catcher=None) -> None:
-            self.lengths = lengths  # completion length of each step (warm-up steps may be shorter)
-            self.on_vllm = on_vllm  # vLLM arms: lengths come from the sampling parameters, not the generation config
-            self.min_new = min_new  # --eos-mean-tokens: EOS allowed from this token on (None: fixed lengths)
-            self.catcher: LogCatcher | None = catcher
-            self.trainer = None
-            self.after_step = None  # called after every step (partial results survive a kill)
+            # each step's completion length (warm-up steps may be shorter); vLLM arms take theirs from the sampling
+            # parameters; min_new (--eos-mean-tokens): EOS allowed from this token on (None: fixed lengths)
+            self.lengths, self.on_vllm, self.min_new, self.catcher = lengths, on_vllm, min_new, catcher
+            self.trainer = self.after_step = None  # after_step: run after every step (partial results survive a kill)
 
         def on_step_begin(self, args, state, control, **kw):
             import torch
@@ -232,9 +214,8 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
             gc.collect()
             if clock.cuda:
                 torch.cuda.reset_peak_memory_stats(clock.device)
-            clock.cur = {"step": state.global_step, "dyn0": dynamo_counters(), "expected_len": n}
-            clock.cur["n_logs0"] = len(self.catcher.records) if self.catcher else 0
-            clock.cur["t0"] = clock.now()
+            clock.cur = {"step": state.global_step, "dyn0": dynamo_counters(), "expected_len": n,
+                         "n_logs0": len(self.catcher.records) if self.catcher else 0, "t0": clock.now()}  # fmt: skip
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
             t = clock.now()
@@ -264,7 +245,7 @@ def _make_trainer_class(clock: _Clock, stock_trl: bool = False, base=None):
                 c.pop(k, None)
             clock.steps.append(c)
             clock.cur = {}
-            if self.after_step is not None:
+            if self.after_step:
                 self.after_step()
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -448,11 +429,9 @@ def run_worker(args) -> dict:
         return run_recipe(args)
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
-    catcher = LogCatcher()
-    catcher.install()
+    catcher = LogCatcher().install()
     # one process (world_size and rank stay, as in the DDP runs' rows)
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "world_size": 1, "rank": 0}
     clock = _Clock(device)
@@ -468,7 +447,6 @@ def run_worker(args) -> dict:
 
     if not on_vllm:  # time the prefill: the model's own ``_prefill`` (eager; the compiled call wraps the decode)
         clock.wrap(model.get_base_model(), "_prefill", "prefill")
-
     from qerl_trl import QeRLConfig
 
     vocab = MODELS[args.model]["vocab_size"]
@@ -535,15 +513,15 @@ def run_worker(args) -> dict:
                 json.dump(part, f, default=str)
 
     step_clock.after_step = save_partial
-    res["input_require_grads_hook"] = args.input_require_grads
     gcfg = getattr(trainer, "generation_config", None) or trainer.args  # TRL on vLLM builds no GenerationConfig
     keys = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "cache_implementation",
             "max_cache_len")  # fmt: skip
     res["generation_config"] = {k: getattr(gcfg, k, None) for k in keys} | {"compile": compiled,
                                                                              "compile_config": knobs}  # fmt: skip
-    res["trainable_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
-    res["trainable_params"] = int(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
-    res["grad_ckpt"] = args.grad_ckpt
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    res |= {"input_require_grads_hook": args.input_require_grads, "trainable_dtypes": sorted({str(p.dtype) for p in
+            trainable}), "trainable_params": int(sum(p.numel() for p in trainable)),
+            "grad_ckpt": args.grad_ckpt}  # fmt: skip
 
     status = "ok"
     from qerl_trl.memory_plan import MemoryPlanError
@@ -558,9 +536,7 @@ def run_worker(args) -> dict:
             res["peak_gpu_gb_at_oom"] = gb(torch.cuda.max_memory_allocated(device))
     res["generation_wave_rows"] = getattr(trainer.args, "generation_wave_rows", None)  # None: one wave
     done = _summarize(res, clock, compiled, args)
-    if status == "ok" and done < n_steps:
-        status = f"partial: {done} of {n_steps} steps"
-    res["status"] = status
+    res["status"] = status if status != "ok" or done >= n_steps else f"partial: {done} of {n_steps} steps"
     res["peak_rss_gb"] = rss_peak_gb()
     del trainer, model
     return res
@@ -756,67 +732,46 @@ def _engine(r: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| model | arm | engine | procs | s/step | min s/step | gen s | prefill s | AQN s | score s | loss fwd s "
-        "| backward s | optimizer s | gen tok/s | peak GPU GB | compile s | compiled path | completions | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
-    ]
+    lines = ["| model | arm | engine | procs | s/step | min s/step | gen s | prefill s | AQN s | score s | "
+             "loss fwd s | backward s | optimizer s | gen tok/s | peak GPU GB | compile s | compiled path | "
+             "completions | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             "---|---|---|"]  # fmt: skip
     for r in results:
-        s = r.get("summary")
-        eng = _engine(r)
+        s, head = r.get("summary"), f"| {r['model']} | {r['label']} | {_engine(r)} | {r.get('world_size', 1)} |"
         if not s:
-            lines.append(
-                f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} "
-                "| — | — | — | — | — | — | — | — | — | — | "
-                f"{fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |"
-            )
+            lines.append(f"{head}{' — |' * 10} {fmt(r.get('peak_gpu_gb_at_oom'), 1)} | — | — | — | {r.get('status')} |")
             continue
-        cp = s.get("compiled_path_ok")
+        cp, dw = s.get("compiled_path_ok"), s.get("dynamo_warmup") or {}
         cps = "eager" if cp is None else ("ok" if cp else "BROKEN: " + json.dumps(s.get("dynamo_measured")))
-        dw = s.get("dynamo_warmup") or {}
         if cp is not None and dw.get("graph_breaks"):
             cps += f" ({dw['unique_graphs']} graphs, {dw['graph_breaks']} breaks at compile)"
-        comp = "ok" if s.get("completion_lengths_ok") else "WRONG LENGTH"
-        comp += "" if s.get("advantages_nonzero") else ", zero adv."
+        comp = ("ok" if s.get("completion_lengths_ok") else "WRONG LENGTH") + ("" if s.get("advantages_nonzero") else
+                                                                               ", zero adv.")  # fmt: skip
         tok = s.get("gen_tok_s")
         if s.get("gen_tok_s_all_processes"):  # a DDP run's (grpo_step.py@e48270c)
             tok = f"{tok:.1f} ({s['gen_tok_s_all_processes']:.1f} all)"
-        lines.append(
-            f"| {r['model']} | {r['label']} | {eng} | {r.get('world_size', 1)} | {fmt(s['step_s'], 2)} "
-            f"| {fmt(s.get('step_s_min'), 2)} | {fmt(s['gen_s'], 2)} "
-            f"| {fmt(s['prefill_s'], 3)} | {fmt(s['aqn_s'], 3)} | {fmt(s['score_s'], 3)} | {fmt(s['loss_fwd_s'], 2)} "
-            f"| {fmt(s['backward_s'], 2)} | {fmt(s['optimizer_s'], 3)} | {fmt(tok)} | {fmt(s['peak_gpu_gb'], 1)} "
-            f"| {fmt(s['warmup_step_s'], 1)} | {cps} | {comp} | {r.get('status')} |"
-        )
-    by = {
-        (r["model"], r["arm"], r.get("world_size", 1), _engine(r)): (r["summary"], r.get("run"))
-        for r in results
-        if r.get("summary") and r["summary"].get("step_s")
-    }
+        cells = [fmt(s["step_s"], 2), fmt(s.get("step_s_min"), 2), fmt(s["gen_s"], 2), fmt(s["prefill_s"], 3),
+                 fmt(s["aqn_s"], 3), fmt(s["score_s"], 3), fmt(s["loss_fwd_s"], 2), fmt(s["backward_s"], 2),
+                 fmt(s["optimizer_s"], 3), fmt(tok), fmt(s["peak_gpu_gb"], 1), fmt(s["warmup_step_s"], 1), cps, comp,
+                 r.get("status")]  # fmt: skip
+        lines.append(f"{head} " + " | ".join(map(str, cells)) + " |")
+    by = {(r["model"], r["arm"], r.get("world_size", 1), _engine(r)): (r["summary"], r.get("run"))
+          for r in results if r.get("summary") and r["summary"].get("step_s")}  # fmt: skip
     rat = []
     for (m, a, w, e), (s, run) in sorted(by.items()):
-        if a != OURS:
-            continue
-        parts = []
-        for other in ("bf16", "qlora"):
-            o, orun = by.get((m, other, w, e), (None, None))
-            for key in ("step_s", "gen_s"):
-                if o and o.get(key) and s.get(key):
-                    parts.append(f"{o[key] / s[key]:.2f}×" + (" (across runs)" if orun != run else ""))
-                else:
-                    parts.append("—")
-        rat.append(f"| {m} | {e} | {w} | " + " | ".join(parts) + " |")
+        if a == OURS:
+            parts = []
+            for other in ("bf16", "qlora"):
+                o, orun = by.get((m, other, w, e), (None, None))
+                across = " (across runs)" if orun != run else ""
+                parts += [f"{o[k] / s[k]:.2f}×{across}" if o and o.get(k) and s.get(k) else "—"
+                          for k in ("step_s", "gen_s")]  # fmt: skip
+            rat.append(f"| {m} | {e} | {w} | " + " | ".join(parts) + " |")
     if rat:
-        lines += [
-            "",
-            "NVFP4 speedup = other arm's time / NVFP4's time (> 1: NVFP4 faster), same model, rollout engine and "
-            "process (GPU) count.",
-            "",
-            "| model | engine | procs | step vs bf16+LoRA | generation vs bf16+LoRA | step vs QLoRA "
-            "| generation vs QLoRA |",
-            "|---|---|---:|---:|---:|---:|---:|",
-            *rat,
-        ]
+        lines += ["", "NVFP4 speedup = other arm's time / NVFP4's time (> 1: NVFP4 faster), same model, rollout engine "
+                  "and process (GPU) count.", "", "| model | engine | procs | step vs bf16+LoRA | generation vs "
+                  "bf16+LoRA | step vs QLoRA | generation vs QLoRA |", "|---|---|---:|---:|---:|---:|---:|",
+                  *rat]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -6,13 +6,8 @@ of every adapter and of the base models on held-out problems; every arm of a see
 order. Runs execute ``--parallel`` at a time on one GPU (``--mps``: under CUDA MPS), evals ``--eval-parallel`` at a
 time. ``--gpu`` (issue #21): the bf16 / NVFP4 / AQN arms → ``results/learning_study_gpu.json``; ``--formats``
 (issue #22: NVFP4, MXFP4, NF4) and ``--fp8`` (issue #51: vLLM rollouts in W4A16 and FP8, needs vLLM) are
-:data:`PRESETS` → ``results/learning_study_<preset>.json``; figures in ``docs/``::
-
-    python3 benchmarks/learning_study.py --gpu                      # the H100 study (~20 min), JSON + figures
-    python3 benchmarks/learning_study.py --formats --plot-only      # re-read the run folders
-    uv run python benchmarks/learning_study.py --gpu --tiny         # CPU smoke test of the same harness (~3 min)
-
-The CPU study of issue #8 is ``benchmarks/learning_study.py@4f53c7b``; ``--gpu`` stays so that recorded commands run.
+:data:`PRESETS` → ``results/learning_study_<preset>.json``; figures in ``docs/`` (``--plot-only``: from the run
+folders). The CPU study of issue #8 is ``benchmarks/learning_study.py@4f53c7b``; ``--gpu`` stays for recorded commands.
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ def _run(cmd: list[str], log: Path) -> tuple[int, float]:
     start = time.perf_counter()
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
+        print(" ".join(cmd), file=f, flush=True)
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     return rc, time.perf_counter() - start
 
@@ -369,8 +363,7 @@ def _curves(arm: dict, key: str):
     when no seed has the curve."""
     import numpy as np
 
-    curves = [s[key] for s in arm.get("seeds", {}).values() if s.get(key)]
-    if not curves:
+    if not (curves := [s[key] for s in arm.get("seeds", {}).values() if s.get(key)]):
         return None
     n = min(len(c) for c in curves)
     return np.array([[np.nan if v is None else v for v in c[:n]] for c in curves], dtype=float)
@@ -384,8 +377,7 @@ def _summary_rows(res: dict) -> list[dict]:
     rows = []
     for task, data in res["tasks"].items():
         def mean_curve(arm: str, key: str, data: dict = data):
-            arr = _curves(data["arms"].get(arm, {}), key)
-            if arr is None:
+            if (arr := _curves(data["arms"].get(arm, {}), key)) is None:
                 return None
             k = min(10, arr.shape[1])
             return np.convolve(np.nanmean(arr, 0), np.ones(k) / k, mode="valid")
@@ -411,18 +403,14 @@ def _summary_rows(res: dict) -> list[dict]:
 
 
 def table_gpu(res: dict) -> str:
-    def f(v) -> str:
-        if v is None:
-            return "—"
-        m, h = v
-        return f"{m:.3f}" if h is None else f"{m:.3f} ± {h:.3f}"
+    def f(v) -> str:  # a (mean, CI half-width) cell
+        return "—" if v is None else f"{v[0]:.3f}" + ("" if v[1] is None else f" ± {v[1]:.3f}")
 
     lines = ["| task | arm | seeds | greedy pass@1 start → end | sampled pass@4 start → end | final reward "
              "| steps to ½ bf16 final reward | entropy, first 20 steps |",
              "|---|---|---:|---|---|---:|---:|---:|"]  # fmt: skip
     for r in _summary_rows(res):
-        fr = "—" if r["final_reward"] is None else f"{r['final_reward']:.3f}"
-        ent = "—" if r["entropy_first_20"] is None else f"{r['entropy_first_20']:.3f}"
+        fr, ent = (f((r[k], None)) if r[k] is not None else "—" for k in ("final_reward", "entropy_first_20"))
         lines.append(f"| {r['task']} | {r['arm']} | {r['seeds']} | {f(r['greedy_pass@1 start'])} → "
                      f"{f(r['greedy_pass@1 end'])} | {f(r['sampled_pass@4 start'])} → {f(r['sampled_pass@4 end'])} "
                      f"| {fr} | {r['steps_to_half_bf16_final'] or '—'} | {ent} |")  # fmt: skip
@@ -446,8 +434,7 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
                   ("aqn_sigma", "AQN σ"), ("completion_length", "tokens"))  # fmt: skip
         for axis, (key, ylabel) in zip(axes[:4], panels):
             for arm, a in data["arms"].items():
-                arr = _curves(a, key)
-                if arr is None:
+                if (arr := _curves(a, key)) is None:
                     continue
                 x = np.arange(1, arr.shape[1] + 1)
                 mean = np.nanmean(arr, 0)
@@ -464,11 +451,8 @@ def plot_gpu(res: dict, folder: Path, prefix: str = "learning_study_gpu") -> lis
         width = 0.8 / max(1, len(data["arms"]))
         for i, (arm, a) in enumerate(data["arms"].items()):
             steps = sorted({int(k) for s in a["seeds"].values() for k in s["eval"]})
-            means, errs = [], []
-            for st in steps:
-                mean, half = _seed_ci(a, st, "greedy_pass@1") or (np.nan, None)
-                means.append(mean)
-                errs.append(half or 0.0)
+            cis = [_seed_ci(a, st, "greedy_pass@1") or (np.nan, None) for st in steps]
+            means, errs = [m for m, _ in cis], [h or 0.0 for _, h in cis]
             xs = np.arange(len(steps)) + (i - (len(data["arms"]) - 1) / 2) * width
             ax.bar(xs, means, width, yerr=errs, capsize=3, color=GPU_COLORS[arm], edgecolor="k", label=arm)
             ax.set_xticks(np.arange(len(steps)), [f"step {st}" for st in steps])

@@ -4,11 +4,6 @@ Random bf16 weights of the real shape (speed does not depend on the values): eac
 GPU in turn, then ``nvfp4.quantize_model(layer, method=...)``; quantization time alone and end to end, peak GPU memory
 and host RSS. (``--mode hf``, ``from_pretrained`` with ``NVFP4Config`` against a bf16 load, never run, is at
 ``benchmarks/quantize_time.py@6a06c59``.)
-
-Usage::
-
-    uv run python benchmarks/quantize_time.py --tiny                           # CPU smoke test
-    python3 benchmarks/quantize_time.py --out $OUT/quantize_time.json          # H100
 """
 
 from __future__ import annotations

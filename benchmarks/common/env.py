@@ -14,9 +14,6 @@ from typing import Any
 
 from . import ROOT
 
-__all__ = ["RESULTS", "ROOT", "csv_list", "device_name", "gb", "git_commit", "merge_results", "now", "rss_peak_gb",
-           "run_title", "sync", "versions", "write_json", "write_result"]  # fmt: skip
-
 RESULTS = ROOT / "benchmarks" / "results"
 
 

@@ -16,9 +16,6 @@ from typing import Any
 from .env import gb, sync
 from .shapes import LINEARS, meta_model, qwen2_config
 
-__all__ = ["ARMS", "ARM_LABEL", "OURS", "add_lora", "arm_scheme", "build_arm", "build_model", "graph_compile_options",
-           "init_", "materialize", "spread_eos_ids", "spread_lengths"]  # fmt: skip
-
 ARMS = ("bf16", "qlora", "nvfp4")
 #: the arm the others are compared with (ratios: ours / other)
 OURS = "nvfp4"

@@ -6,8 +6,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_batches", "pyplot", "save_figure"]
-
 
 def pyplot():
     """``matplotlib.pyplot`` on the file-only Agg backend."""

@@ -6,18 +6,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "CATEGORY_COLUMNS", "category", "label_kernels", "profile_decode", "profile_table", "with_profile"]
-
 # First match wins: LoRA before the GEMMs (punica's names hold "lora"), attention before FP8 (vLLM's KV-cache write
 # names Fp8KVCacheDataType), the FP8 product before cuBLAS (both cutlass).
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("LoRA", re.compile(r"lora|punica|sgmv|bgmv", re.I)),
-    (
-        "nvfp4 gemm",
-        re.compile(
-            r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel|_dgrad_(mma_)?kernel"
-        ),
-    ),
+    ("nvfp4 gemm", re.compile(r"_linear_(mma_|large_m_)?kernel|_gemv_kernel|_splitk_reduce|_dequant_(mma_)?kernel"
+                              r"|_dgrad_(mma_)?kernel")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention|paged_attn|reshape_and_cache", re.I)),
     # torch._scaled_mm row-wise (cutlass, float_e4m3_t; or cuBLAS's nvjet with FP8 operands, "qq…_ovscale", as on the
     # H100 at 35bcdd6), vLLM's cutlass_scaled_mm, our activation quantisation
@@ -38,10 +32,7 @@ CATEGORY_COLUMNS = ("nvfp4 gemm", "fp8 gemm", "bnb nf4", "cuBLAS gemm", "LoRA", 
 
 
 def category(kernel: str) -> str:
-    for name, pat in CATEGORIES:
-        if pat.search(kernel):
-            return name
-    return "other"
+    return next((name for name, pat in CATEGORIES if pat.search(kernel)), "other")
 
 
 def label_kernels(names: list[str]) -> list[str]:

@@ -13,8 +13,6 @@ from .env import csv_list
 from .shapes import MODELS
 from .workers import check_names
 
-__all__ = ["add_rollout_arguments", "fixed_length_row", "models_and_arms", "prefill_row", "spread_summary"]
-
 PREFILL_SAMPLES = 3  # 1-token generates per batch; the fastest is prefill_s (one sample varied 2-3x between runs)
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LINEARS", "MODELS", "linear_shapes", "meta_model", "qwen2_config"]
-
 _QWEN = dict(vocab_size=152064, rope_theta=1_000_000.0, tie_word_embeddings=False)
 MODELS: dict[str, dict[str, Any]] = {
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["fmt", "markdown"]
-
 
 def fmt(x: Any, nd: int = 1) -> str:
     """A table cell: ``—`` for None, floats to ``nd`` decimals, anything else as ``str``."""

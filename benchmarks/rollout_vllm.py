@@ -337,9 +337,9 @@ _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "eos_m
 _FLAGS = ("enforce_eager", "profile")
 
 
-#: settings read from the environment that change what a run measures (the JSON's ``env``): vLLM's LoRA tiles, our
-#: scale order, the NVFP4 backend
-_RECORDED_ENV = ("VLLM_TUNED_CONFIG_FOLDER", "NVFP4_SCALE_MMA_LAYOUT", "QERL_VLLM_NVFP4_BACKEND")
+#: settings read from the environment that change what a run measures (the JSON's ``env``): vLLM's LoRA tiles, the
+#: NVFP4 backend
+_RECORDED_ENV = ("VLLM_TUNED_CONFIG_FOLDER", "QERL_VLLM_NVFP4_BACKEND")
 
 
 def main(argv=None) -> None:

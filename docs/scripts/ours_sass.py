@@ -3,8 +3,8 @@
 
     uv run python docs/scripts/ours_sass.py OUTDIR 64,2,12,2 128,2,8,2 64,2,12,2,1 128,2,8,2,1
 
-(a 6th field 1: round 15 step A, ``scale_pairs=True``, e.g. 64,2,12,2,0,1; a 7th field 1: step B on top of it,
-``inflight=True``, e.g. 64,2,12,2,0,1,1) writes OUTDIR/ours_<config>.{cubin,sass}; then ``python docs/scripts/sass_loop_counts.py OUTDIR/ours_64_2_12_2.sass
+(every config in round 15 step A's scale order, the kernel's only one since stage 2's end; a 6th field, which chose
+step A before, is read and ignored; a 7th field 1: step B on top of it, ``inflight=True``, e.g. 64,2,12,2,0,1,1) writes OUTDIR/ours_<config>.{cubin,sass}; then ``python docs/scripts/sass_loop_counts.py OUTDIR/ours_64_2_12_2.sass
 --groups 64`` counts the consumer's mainloop (64 decoded weights per thread per unit of SUB=2 stages, TC=1 tile).
 """
 
@@ -22,8 +22,7 @@ out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 for c in sys.argv[2:]:
     bm, t, st, sub, *fx = map(int, c.split(","))
-    comp = hopper_ws.compile_sm90(bm, t, st, sub, bool(fx and fx[0]), scale_pairs=len(fx) > 1 and bool(fx[1]),
-                                  inflight=len(fx) > 2 and bool(fx[2]))  # fmt: skip
+    comp = hopper_ws.compile_sm90(bm, t, st, sub, bool(fx and fx[0]), inflight=len(fx) > 2 and bool(fx[2]))
     tag = c.replace(",", "_")
     (out / f"ours_{tag}.cubin").write_bytes(comp.asm["cubin"])
     sass = subprocess.run([BIN / "nvdisasm", "-c", "-g", out / f"ours_{tag}.cubin"], capture_output=True, text=True)

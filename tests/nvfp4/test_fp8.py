@@ -22,7 +22,7 @@ import pytest
 import torch
 from nvfp4 import fp8
 from nvfp4.codec import dequantize, quantize
-from nvfp4.layout import mma_layout_supported, to_mma_layout
+from nvfp4.layout import mma_layout_supported, to_mma_layout, to_scale_mma_layout
 from triton_interpreter import run_under_interpreter
 
 SRC = Path(__file__).resolve().parents[2] / "packages" / "nvfp4" / "src"
@@ -146,7 +146,7 @@ def test_fp8_weight_from_nvfp4_layouts_and_bound():
     w[5] = 0  # an all-zero row
     q = quantize(w)
     w8, ws = fp8.fp8_weight(q.packed, q.scale, q.global_scale, rows_per_chunk=128)
-    w8m, wsm = fp8.fp8_weight(to_mma_layout(q.packed), q.scale, q.global_scale, rows_per_chunk=64)
+    w8m, wsm = fp8.fp8_weight(to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, rows_per_chunk=64)
     assert w8.dtype == torch.float8_e4m3fn and w8.shape == (320, 768) and ws.shape == (320,)
     assert torch.equal(w8.view(torch.uint8), w8m.view(torch.uint8)) and torch.equal(ws, wsm)
     wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
@@ -251,8 +251,9 @@ def test_scaled_mm_rowwise_and_fp8_linear_against_the_nvfp4_policy_gpu():
     gen = torch.Generator().manual_seed(5)
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (272, 528)):
         qw = quantize((torch.randn(n, k, generator=gen) * 0.02).cuda())
-        packed = to_mma_layout(qw.packed) if mma_layout_supported(n, k) else qw.packed  # as NVFP4Linear holds it
-        w8, ws = fp8.fp8_weight(packed, qw.scale, qw.global_scale)
+        mma = mma_layout_supported(n, k)  # as NVFP4Linear holds it
+        packed, scale = (to_mma_layout(qw.packed), to_scale_mma_layout(qw.scale)) if mma else (qw.packed, qw.scale)
+        w8, ws = fp8.fp8_weight(packed, scale, qw.global_scale)
         wd = dequantize(qw.packed, qw.scale, qw.global_scale, torch.float64)
         bias = torch.randn(n, generator=gen).cuda().bfloat16()
         for m in (1, 7, 64, 129, 1024):

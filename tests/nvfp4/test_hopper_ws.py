@@ -6,9 +6,9 @@
 * GPU (``-m gpu``, the H100): every config the dispatch table uses against the float64 PyTorch reference on fresh
   random inputs (odd M, bias, NaN-poisoned outputs), bit-equal repeated calls (stream-K sums its split tiles in a
   fixed order), a LoRA adapter through ``nvfp4_lora_linear``, and CUDA-graph replays.
-* Round 15 step A (``scale_pairs=True``, a spike beside the shipped kernel; ``-k round15``): it compiles for sm_90a
-  without spills at the design's mainloop count while the shipped configs keep theirs (CPU), and it matches the
-  float64 reference on random shapes and the 7B gate/down at M = 64 and 128 (GPU).
+* Round 15 step A (the scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order, the kernel's only scale path since
+  stage 2's end; ``-k round15``): it compiles for sm_90a without spills at the design's mainloop count (CPU), and it
+  matches the float64 reference on random shapes and the 7B gate/down at M = 64 and 128 (GPU).
 * Round 15 step B (``inflight=True`` on top of step A; ``-k round15``, names ``step_b``): it compiles for sm_90a
   without spills or C7515 at the spike's mainloop count, its asm is step A's split at the wgmma wait (CPU), and it
   passes step A's GPU checks.
@@ -77,25 +77,25 @@ def _mainloop_instructions(compiled) -> int:
     return len(body)
 
 
-# round 15 (docs/kernels.md): the shipped mainloop at the dispatched M = 64 / 128 configs and step A's, per unit of
-# SUB = 2 stages (64 decoded weights per thread); shared memory of step A's scale boxes (256 B per 64 rows and stage)
-ROUND15 = {(64, 2, 12, 2): (306, 218, 154008), (128, 2, 8, 2): (310, 218, 168280)}
+# round 15 (docs/kernels.md): step A's mainloop at the dispatched M = 64 / 128 configs, per unit of SUB = 2 stages (64
+# decoded weights per thread; the int32 scale path it replaced had 306 / 310), and the shared memory of step A's scale
+# boxes (256 B per 64 rows and stage)
+ROUND15 = {(64, 2, 12, 2): (218, 154008), (128, 2, 8, 2): (218, 168280)}
 
 
 @pytest.mark.parametrize("config", list(ROUND15))
-def test_round15_step_a_compiles_without_spills_at_the_designs_count_and_the_shipped_sass_is_unchanged(config):
-    """Step A (``scale_pairs=True``) builds for sm_90a with no stack and no local memory, its mainloop within 5 % of
-    the design's 218 instructions; the default (``SCALE_PAIRS`` off) keeps the shipped mainloop's exact count (its
-    SASS was checked byte-identical to the kernel before the switch, docs/kernels.md round 15)."""
-    shipped, step_a, shared = ROUND15[config]
-    compiled = hopper_ws_compile(*config, scale_pairs=True)
+def test_round15_step_a_compiles_without_spills_at_the_designs_count(config):
+    """Step A builds for sm_90a with no stack and no local memory, its mainloop within 5 % of the design's 218
+    instructions (its SASS byte-identical before and after stage 2's end deleted the int32 scale path,
+    docs/kernels.md)."""
+    step_a, shared = ROUND15[config]
+    compiled = hopper_ws_compile(*config)
     usage, sass = _usage_and_sass(compiled)
     assert re.search(r"STACK:0\b", usage), usage
     assert "LDL" not in sass and "STL" not in sass
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass) and "UTMALDG" in sass
     assert "F2FP.F16.E4M3.UNPACK_B" in sass and compiled.metadata.shared == shared
     assert abs(_mainloop_instructions(compiled) - step_a) <= 0.05 * step_a
-    assert _mainloop_instructions(hopper_ws_compile(*config)) == shipped
 
 
 def _dispatched_ws_configs() -> list[tuple]:
@@ -107,21 +107,18 @@ def _dispatched_ws_configs() -> list[tuple]:
 
 @pytest.mark.parametrize("config", _dispatched_ws_configs())
 def test_every_dispatched_config_builds_in_step_a_order_without_spills(config):
-    """Landing step A (docs/kernels.md) switches every ws config the dispatch table names to ``scale_pairs``; the
-    GPU has run step A at a few of them only (the 32B down's ``(64, 4, 8, 2, 1)`` never): each builds for sm_90a with
-    no stack and no local memory, in no more shared memory than the ``[N, K/16]`` build. (The shipped
-    ``(256, 2, 3, 1, 1)`` keeps 8 bytes of stack that step A's does not.)"""
-    pairs, ct = hopper_ws_compile(*config, scale_pairs=True), hopper_ws_compile(*config)
-    usage, sass = _usage_and_sass(pairs)
+    """Every ws config the dispatch table names runs in step A's order (the 32B down's ``(64, 4, 8, 2, 1)`` too,
+    which the GPU first ran at ae88aa3): each builds for sm_90a with no stack and no local memory. (The int32 scale
+    path's ``(256, 2, 3, 1, 1)`` had 8 bytes of stack.)"""
+    usage, sass = _usage_and_sass(hopper_ws_compile(*config))
     assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
     assert "LDL" not in sass and "STL" not in sass
-    assert pairs.metadata.shared <= ct.metadata.shared, (pairs.metadata.shared, ct.metadata.shared)
 
 
-def hopper_ws_compile(*config, scale_pairs: bool = False, inflight: bool = False):
+def hopper_ws_compile(*config, inflight: bool = False):
     from nvfp4.kernels import hopper_ws
 
-    return hopper_ws.compile_sm90(*config, scale_pairs=scale_pairs, inflight=inflight)
+    return hopper_ws.compile_sm90(*config, inflight=inflight)
 
 
 # round 15 step B's mainloop per unit (docs/kernels.md: step A's decode, 8 wgmma groups of one k16 step each)
@@ -132,8 +129,8 @@ ROUND15_STEP_B = {(64, 2, 12, 2): 246, (128, 2, 8, 2): 247}
 def test_round15_step_b_compiles_without_spills_or_c7515_at_the_spikes_count(config):
     """Step B (``inflight=True``) builds for sm_90a with no stack and no local memory, 8 register-A ``HGMMA``s of
     one k16 step per unit, ``ptxas`` on its PTX warns nothing (no C7515: no in-flight operand written), its mainloop
-    within 5 % of the spike's count; ``inflight`` without ``scale_pairs`` is refused."""
-    compiled = hopper_ws_compile(*config, scale_pairs=True, inflight=True)
+    within 5 % of the spike's count."""
+    compiled = hopper_ws_compile(*config, inflight=True)
     usage, sass = _usage_and_sass(compiled)
     assert re.search(r"STACK:0\b", usage), usage
     assert "LDL" not in sass and "STL" not in sass
@@ -145,8 +142,6 @@ def test_round15_step_b_compiles_without_spills_or_c7515_at_the_spikes_count(con
     assert "C7515" not in r.stdout + r.stderr, r.stderr
     step_b = ROUND15_STEP_B[config]
     assert abs(_mainloop_instructions(compiled) - step_b) <= 0.05 * step_b
-    with pytest.raises(ValueError):
-        hopper_ws_compile(*config, inflight=True)
 
 
 def test_round15_step_b_asm_is_step_a_split_at_the_wait():
@@ -268,7 +263,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("config", _table_configs())
 def test_random_shapes_against_the_reference_gpu(config):
     from nvfp4.kernels import hopper_ws, nvfp4_gemm, nvfp4_linear, nvfp4_lora_linear
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
     block_m, tiles = config[:2]
@@ -280,19 +275,20 @@ def test_random_shapes_against_the_reference_gpu(config):
             k = 256 * int(torch.randint(1, 30, (1,), generator=gen))
             q = quantize(torch.randn(n, k, device="cuda"))
             packed = to_mma_layout(q.packed)
+            scale = to_scale_mma_layout(q.scale)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
-            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            y = nvfp4_linear(x, packed, scale, q.global_scale, b, config=cfg)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
             assert _rel(y, ref) < 1e-2, (m, n, k, config)
-            assert torch.equal(y, nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)), "not deterministic"
+            assert torch.equal(y, nvfp4_linear(x, packed, scale, q.global_scale, b, config=cfg)), "not deterministic"
             a = torch.randn(32, k, device="cuda") / k**0.5
             lb = torch.randn(n, 32, device="cuda")
             # the adapter's delta about as large as the base output, so that bf16 rounding of y stays small beside it
             lb *= (ref.norm() / (0.5 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
             delta = 0.5 * (x.double() @ a.double().T) @ lb.double().T
-            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.5, config=cfg)
+            y = nvfp4_lora_linear(x, packed, scale, q.global_scale, b, a, lb, 0.5, config=cfg)
             assert _rel(y.double() - ref, delta) < 3e-2, (m, n, k, config)
         flags = nvfp4_gemm._SPLITK_COUNTERS[torch.device("cuda", torch.cuda.current_device())]
         assert int(flags.abs().sum()) == 0  # every launch leaves its flags at zero
@@ -304,20 +300,21 @@ def test_random_shapes_against_the_reference_gpu(config):
 @cuda
 def test_cuda_graph_replays_are_bit_equal_gpu():
     from nvfp4.kernels import nvfp4_gemm, nvfp4_linear
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     config = _table_configs()[0]
     cfg = nvfp4_gemm.entry_config(("ws", *config), 128, 64 * config[1], 256)
     block_m, tiles = config[:2]
     q = quantize(torch.randn(64 * tiles * 37, 3584, device="cuda"))
     packed = to_mma_layout(q.packed)
+    scale = to_scale_mma_layout(q.scale)
     x = torch.randn(block_m + 5, 3584, device="cuda", dtype=torch.bfloat16)
-    expected = nvfp4_linear(x, packed, q.scale, q.global_scale, config=cfg)
+    expected = nvfp4_linear(x, packed, scale, q.global_scale, config=cfg)
     out = torch.empty_like(expected)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(5):
-            out.copy_(nvfp4_linear(x, packed, q.scale, q.global_scale, config=cfg))
+            out.copy_(nvfp4_linear(x, packed, scale, q.global_scale, config=cfg))
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -341,11 +338,11 @@ def test_parallel_fixup_against_the_reference_and_the_serial_sum_gpu(config):
 @cuda
 @pytest.mark.parametrize("config", [(64, 2, 12, 2), (128, 2, 8, 2), (64, 2, 12, 2, 1), (128, 2, 8, 2, 1)])
 def test_round15_step_a_random_shapes_and_7b_gate_down_against_the_reference_gpu(config):
-    """Round 15 step A (``scale_pairs=True``, scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order) on fresh
+    """Round 15 step A (scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order) on fresh
     random shapes (odd M, bias, NaN-poisoned output, bit-equal repeats, flags left at zero) and on Qwen2.5-7B's
     gate (18944 × 3584) and down (3584 × 18944) at M = 64 and 128, against the float64 reference."""
     block_m, tiles, stages, sub, *fixup = config
-    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), scale_pairs=True)
+    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup))
     gen = torch.Generator().manual_seed(sum(config))
     shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
               for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip
@@ -356,10 +353,10 @@ def test_round15_step_a_random_shapes_and_7b_gate_down_against_the_reference_gpu
 @cuda
 @pytest.mark.parametrize("config", [(64, 2, 12, 2), (128, 2, 8, 2), (64, 2, 12, 2, 1), (128, 2, 8, 2, 1)])
 def test_round15_step_b_random_shapes_and_7b_gate_down_against_the_reference_gpu(config):
-    """Round 15 step B (``inflight=True`` on step A's ``scale_pairs=True``): step A's checks (random shapes, odd M,
+    """Round 15 step B (``inflight=True`` on step A): step A's checks (random shapes, odd M,
     bias, NaN-poisoned output, bit-equal repeats, flags left at zero, the 7B gate and down at M = 64 and 128)."""
     block_m, tiles, stages, sub, *fixup = config
-    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), scale_pairs=True, inflight=True)
+    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, fixup=bool(fixup), inflight=True)
     gen = torch.Generator().manual_seed(sum(config))
     shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
               for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip
@@ -368,8 +365,8 @@ def test_round15_step_b_random_shapes_and_7b_gate_down_against_the_reference_gpu
 
 def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) -> None:
     """``ws_linear(**cfg)`` on fresh random (M, N, K) ``shapes`` against the float64 reference (bias, NaN-poisoned
-    output), bit-equal on a repeat, every launch leaving its flags at zero (``scale_pairs``: the scales in round 15
-    step A's layout)."""
+    output), bit-equal on a repeat, every launch leaving its flags at zero (the scales in round 15 step A's
+    order)."""
     from nvfp4.kernels import hopper_ws
     from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
@@ -378,7 +375,7 @@ def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) 
         for m, n, k in shapes:
             q = quantize(torch.randn(n, k, device="cuda"))
             packed = to_mma_layout(q.packed)
-            scale = to_scale_mma_layout(q.scale) if cfg.get("scale_pairs") else q.scale
+            scale = to_scale_mma_layout(q.scale)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()

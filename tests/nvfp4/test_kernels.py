@@ -30,6 +30,7 @@ _INTERP_PRELUDE = textwrap.dedent(
     from nvfp4.codec import dequantize, quantize
     from nvfp4.kernels import DgradConfig, LinearConfig, dequantize_triton, linear_config, nvfp4_linear
     from nvfp4.kernels import nvfp4_gemm, nvfp4_linear_dgrad, nvfp4_lora_linear
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     nvfp4_gemm.POISON_OUTPUTS = True
     out = []
@@ -38,15 +39,18 @@ _INTERP_PRELUDE = textwrap.dedent(
         a, b = a.double(), b.double()
         return float("nan") if torch.isnan(a).any() else ((a - b).norm() / b.norm()).item()
 
-    # fused NVFP4 + LoRA (bias, scaling 0.5) against the float64 reference; layout converts packed
-    def lora_case(m, n, k, r, cfg, layout=lambda packed: packed):
+    def mma_pair(packed, scale):  # as NVFP4Linear holds them on CUDA: MMA-layout codes, step A's scale order
+        return to_mma_layout(packed), to_scale_mma_layout(scale)
+
+    # fused NVFP4 + LoRA (bias, scaling 0.5) against the float64 reference; layout converts (packed, scale)
+    def lora_case(m, n, k, r, cfg, layout=lambda packed, scale: (packed, scale)):
         q = quantize(torch.randn(n, k))
         x = torch.randn(m, k, dtype=torch.float16)
         a, b = torch.randn(r, k) / k**0.5, torch.randn(n, r)
         bias = torch.randn(n, dtype=torch.float16)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         ref = x.double() @ wd.T + bias.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
-        y = nvfp4_lora_linear(x, layout(q.packed), q.scale, q.global_scale, bias, a, b, 0.5, config=cfg)
+        y = nvfp4_lora_linear(x, *layout(q.packed, q.scale), q.global_scale, bias, a, b, 0.5, config=cfg)
         return dict(kind="lora", m=m, n=n, k=k, r=r, rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype))
     """
 )
@@ -130,8 +134,6 @@ def test_kernels_under_triton_interpreter():
 
 _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     """
-    from nvfp4.layout import to_mma_layout
-
     torch.manual_seed(4321)
 
     def mma(m, split, stages=1, fused_reduce=True, shared_t=True):
@@ -150,23 +152,23 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
             b = torch.randn(n, dtype=torch.float16) if with_bias else None
             wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
             ref = x.double() @ wd.T + (b.double() if with_bias else 0)
-            y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
+            y = nvfp4_linear(x, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, b, config=cfg)
             out.append(dict(kind="linear", m=m, n=n, k=k, bias=with_bias, rel=rel(y, ref), shape=list(y.shape)))
     # x·Aᵀ once per split, shared by the tiles (split-K summed in the kernel; two row blocks), x·Aᵀ beside every
     # tile (no split, the separate reduce kernel, or asked for)
     for m, n, k, r, cfg in [(3, 128, 512, 8, mma(16, 2)), (1, 64, 256, 32, None), (18, 64, 512, 16, mma(16, 1)),
                             (18, 192, 768, 8, mma(16, 3)), (5, 320, 1024, 32, mma(16, 4)),
                             (5, 320, 1024, 32, mma(16, 4, shared_t=False)), (5, 192, 768, 16, mma(16, 2, 1, False))]:
-        out.append(lora_case(m, n, k, r, cfg, to_mma_layout))
+        out.append(lora_case(m, n, k, r, cfg, mma_pair))
     for m, n, k in [(3, 128, 512), (19, 64, 256), (70, 64, 256)]:
         q = quantize(torch.randn(n, k))
         dy = torch.randn(m, n, dtype=torch.float16)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
-        dx = nvfp4_linear_dgrad(dy, to_mma_layout(q.packed), q.scale, q.global_scale)
+        dx = nvfp4_linear_dgrad(dy, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale)
         out.append(dict(kind="dgrad", m=m, n=n, k=k, rel=rel(dx, dy.double() @ wd), shape=list(dx.shape)))
     q = quantize(torch.randn(128, 512) * 3)
     for dt in (torch.float16, torch.float32):
-        d = dequantize_triton(to_mma_layout(q.packed), q.scale, q.global_scale, dt).double()
+        d = dequantize_triton(to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, dt).double()
         r = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         out.append(dict(kind="dequant", maxrel=((d - r).abs() / r.abs().clamp_min(1e-30)).max().item(), dtype=str(dt)))
     # the fused split-K reduction leaves its ticket counters at zero for the next launch
@@ -175,8 +177,8 @@ _INTERP_MMA_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
                     used=len(nvfp4_gemm._SPLITK_COUNTERS)))
     # a config for the other layout is refused instead of reading the bytes wrongly
     try:
-        nvfp4_linear(torch.randn(1, 256, dtype=torch.float16), to_mma_layout(q.packed[:, :128].contiguous()),
-                     q.scale[:, :16].contiguous(), q.global_scale, None, config=LinearConfig(16, 32, 64, 1))
+        nvfp4_linear(torch.randn(1, 256, dtype=torch.float16), *mma_pair(q.packed[:, :128].contiguous(),
+                     q.scale[:, :16].contiguous()), q.global_scale, None, config=LinearConfig(16, 32, 64, 1))
         out.append(dict(kind="refused", ok=False))
     except ValueError:
         out.append(dict(kind="refused", ok=True))
@@ -207,8 +209,6 @@ def test_mma_layout_kernels_under_triton_interpreter():
 
 _INTERP_LARGE_M_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     """
-    from nvfp4.layout import to_mma_layout
-
     torch.manual_seed(2468)
 
     def large(bm, tiles, quarters, split=1, warps=4):
@@ -224,10 +224,10 @@ _INTERP_LARGE_M_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
         x = torch.randn(m, k, dtype=torch.float16)
         b = torch.randn(n, dtype=torch.float16)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
-        y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale, b, config=cfg)
+        y = nvfp4_linear(x, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, b, config=cfg)
         out.append(dict(kind="linear", m=m, n=n, rel=rel(y, x.double() @ wd.T + b.double()), shape=list(y.shape)))
-        out.append(lora_case(m, n, k, 16, cfg, to_mma_layout))
-    out.append(lora_case(48, 192, 512, 16, None, to_mma_layout))  # the dispatch moves a LoRA at 32 < M ≤ 64 here
+        out.append(lora_case(m, n, k, 16, cfg, mma_pair))
+    out.append(lora_case(48, 192, 512, 16, None, mma_pair))  # the dispatch moves a LoRA at 32 < M ≤ 64 here
     print("RESULT" + json.dumps(out))
     """
 )
@@ -247,7 +247,7 @@ def test_large_m_kernel_under_triton_interpreter():
 _INTERP_ROWS_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     """
     from nvfp4.kernels.nvfp4_gemm import linear_config
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     torch.manual_seed(1357)
     # the dispatch's own configs (no override), each form at a K of the offline model vLLM runs (576: not a multiple
@@ -258,14 +258,15 @@ _INTERP_ROWS_SCRIPT = _INTERP_PRELUDE + textwrap.dedent(
     for m, pad, n, k, mma in cases:
         q = quantize(torch.randn(n, k))
         packed = to_mma_layout(q.packed) if mma else q.packed
+        scale = to_scale_mma_layout(q.scale) if mma else q.scale
         cfg, cfg_pad = linear_config(m, n, k, mma=mma), linear_config(pad, n, k, mma=mma)
         x = torch.randn(m, k, dtype=torch.float16)
         junk = torch.randn(pad - m, k, dtype=torch.float16) * 1e4
         junk[::2, ::7] = float("nan")
         junk[1::2, ::5] = float("inf")
-        y = nvfp4_linear(x, packed, q.scale, q.global_scale)
-        again = nvfp4_linear(x, packed, q.scale, q.global_scale)
-        padded = nvfp4_linear(torch.cat([x, junk]), packed, q.scale, q.global_scale)[:m]
+        y = nvfp4_linear(x, packed, scale, q.global_scale)
+        again = nvfp4_linear(x, packed, scale, q.global_scale)
+        padded = nvfp4_linear(torch.cat([x, junk]), packed, scale, q.global_scale)[:m]
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         out.append(dict(m=m, pad=pad, mma=mma, same_config=cfg == cfg_pad, split=cfg.split_k, rel=rel(y, x.double() @ wd.T),
                         again=bool(torch.equal(again, y)), padded=bool(torch.equal(padded, y))))
@@ -428,7 +429,7 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
     split-K, amax > 24, fused LoRA and dgrad: all against the float64 product of the original tensors."""
     from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
     from nvfp4.kernels import nvfp4_gemm as kern
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     gen = torch.Generator().manual_seed(11)
     for m in (1, 3, 7, 16, 17, 33, 64, 100, 129, 300):
@@ -436,35 +437,36 @@ def test_mma_layout_random_shapes_gpu(dtype, poisoned):
         k = 256 * int(torch.randint(1, 30, (1,), generator=gen))
         q = quantize(torch.randn(n, k, device="cuda") * (100.0 if m == 17 else 1.0))
         packed = to_mma_layout(q.packed)
+        scale = to_scale_mma_layout(q.scale)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(n, device="cuda", dtype=dtype)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         ref = x.double() @ wd.T + b.double()
         for cfg in (None, LinearConfig(16, 64, 256, 3, 4, 3, mma=True), LinearConfig(64, 64, 256, 1, 4, 2, mma=True)):
-            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            y = nvfp4_linear(x, packed, scale, q.global_scale, b, config=cfg)
             assert y.dtype == dtype and y.shape == (m, n)
             assert _rel(y, ref) < 1e-2, (m, n, k, cfg or linear_config(m, n, k, mma=True))
         if m <= 128 and k >= 512:  # split-K summed in the kernel: the separate reduce kernel's sum, bit for bit
             cfg = kern._decode_config(m, n, k)
             cfg = LinearConfig(cfg.block_m, 64, 256, max(2, cfg.split_k), 4, cfg.num_stages, mma=True)
-            fused = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
-            separate = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=replace(cfg, fused_reduce=False))
+            fused = nvfp4_linear(x, packed, scale, q.global_scale, b, config=cfg)
+            separate = nvfp4_linear(x, packed, scale, q.global_scale, b, config=replace(cfg, fused_reduce=False))
             assert torch.equal(fused, separate), (m, n, k, cfg)
         r = (8, 16, 32, 64)[m % 4]
         a = torch.randn(r, k, device="cuda") / k**0.5
         lb = torch.randn(n, r, device="cuda")
         lb *= (ref.norm() / (0.7 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
         delta = 0.7 * (x.double() @ a.double().T) @ lb.double().T
-        y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7)
+        y = nvfp4_lora_linear(x, packed, scale, q.global_scale, b, a, lb, 0.7)
         assert _rel(y, ref + delta) < 1e-2, (m, n, k, r)
         assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r)
         if m <= 128:  # the other LoRA form: x·Aᵀ beside every tile / once per split (SHARED_T, with split-K at M ≤ 32)
             cfg = kern._decode_config(m, n, k)
             cfg = replace(cfg, lora_shared_t=not cfg.lora_shared_t)
-            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
+            y = nvfp4_lora_linear(x, packed, scale, q.global_scale, b, a, lb, 0.7, config=cfg)
             assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, r, cfg)
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
-        dx = nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale)
+        dx = nvfp4_linear_dgrad(dy, packed, scale, q.global_scale)
         assert dx.shape == (m, k) and _rel(dx, dy.double() @ wd) < 1e-2, (m, n, k)
 
 
@@ -476,7 +478,7 @@ def test_large_m_random_shapes_gpu(dtype, poisoned):
     rows, K at 256 and large, split-K, bias, amax > 24, fused LoRA; and the dispatch from M = 32 to 4096."""
     from nvfp4.kernels import LinearConfig, linear_config, nvfp4_linear, nvfp4_lora_linear
     from nvfp4.kernels.large_m import LARGE_M_TILES
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     gen = torch.Generator().manual_seed(23)
     for i, (tiles, quarters, bm, warps, stages) in enumerate(LARGE_M_TILES):
@@ -485,6 +487,7 @@ def test_large_m_random_shapes_gpu(dtype, poisoned):
             k = 256 * (1 if i % 3 == 0 else int(torch.randint(2, 40, (1,), generator=gen)))
             q = quantize(torch.randn(n, k, device="cuda") * (100.0 if i % 4 == 1 else 1.0))
             packed = to_mma_layout(q.packed)
+            scale = to_scale_mma_layout(q.scale)
             # amax > 24 weights with K in the thousands give outputs near fp16's 65504 once the adapter's equal-norm
             # delta is added (an H100 run overflowed to inf, correctly): x is scaled down there in fp16
             x_scale = 1 / 16 if dtype == torch.float16 and i % 4 == 1 else 1.0
@@ -492,7 +495,7 @@ def test_large_m_random_shapes_gpu(dtype, poisoned):
             b = torch.randn(n, device="cuda", dtype=dtype)
             ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T + b.double()
             cfg = LinearConfig(bm, 64 * tiles, 64 * quarters, split, warps, stages, mma=True, large_m=True)
-            y = nvfp4_linear(x, packed, q.scale, q.global_scale, b, config=cfg)
+            y = nvfp4_linear(x, packed, scale, q.global_scale, b, config=cfg)
             assert y.dtype == dtype and y.shape == (m, n)
             assert _rel(y, ref) < 1e-2, (m, n, k, cfg)
             a = torch.randn(32, k, device="cuda") / k**0.5
@@ -500,14 +503,14 @@ def test_large_m_random_shapes_gpu(dtype, poisoned):
             lb *= (ref.norm() / (0.7 * (x.double() @ a.double().T) @ lb.double().T).norm()).float()
             delta = 0.7 * (x.double() @ a.double().T) @ lb.double().T
             assert (ref + delta).abs().max() < torch.finfo(dtype).max / 4  # the test's own data stays in range
-            y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, b, a, lb, 0.7, config=cfg)
+            y = nvfp4_lora_linear(x, packed, scale, q.global_scale, b, a, lb, 0.7, config=cfg)
             assert _rel(y.double() - ref, delta) < 2e-2, (m, n, k, cfg)
     for m in (32, 65, 128, 255, 512, 1000, 2048, 4096):  # whatever the dispatch table picks
         n, k = 64 * int(torch.randint(8, 100, (1,), generator=gen)), 256 * int(torch.randint(4, 30, (1,), generator=gen))
         q = quantize(torch.randn(n, k, device="cuda"))
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.double() @ dequantize(q.packed, q.scale, q.global_scale, torch.float64).T
-        y = nvfp4_linear(x, to_mma_layout(q.packed), q.scale, q.global_scale)
+        y = nvfp4_linear(x, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale)
         assert _rel(y, ref) < 1e-2, (m, n, k, linear_config(m, n, k, mma=True))
 
 
@@ -542,7 +545,7 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
     CUDA graph and replayed 5 times; every output equals the separate reduce kernel's bit for bit (a program that
     summed before all partials had landed, or a counter left non-zero, would differ) and the counters end at zero."""
     from nvfp4.kernels import LinearConfig, nvfp4_linear
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     torch.manual_seed(5)
     cases = []
@@ -550,7 +553,7 @@ def test_fused_splitk_reduction_back_to_back_in_a_cuda_graph_gpu(poisoned):
         q = quantize(torch.randn(n, k, device="cuda"))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg = LinearConfig(16, 64, 256, split, 4, 3, mma=True)
-        args = (x, to_mma_layout(q.packed), q.scale, q.global_scale, None)
+        args = (x, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, None)
         cases.append((args, cfg, nvfp4_linear(*args, config=replace(cfg, fused_reduce=False))))
     _assert_replays_bit_equal(nvfp4_linear, cases)
 
@@ -563,7 +566,7 @@ def test_fused_lora_shared_t_back_to_back_in_a_cuda_graph_gpu(poisoned):
     CUDA graph replayed 5 times; every output equals the eager call's bit for bit and the float64 product within
     bf16 error, and all counters end at zero (a reader that did not wait, or a counter not reset, would differ)."""
     from nvfp4.kernels import LinearConfig, nvfp4_lora_linear
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     torch.manual_seed(6)
     cases = []
@@ -574,7 +577,7 @@ def test_fused_lora_shared_t_back_to_back_in_a_cuda_graph_gpu(poisoned):
         b = torch.randn(n, r, device="cuda", dtype=torch.bfloat16)
         wd = dequantize(q.packed, q.scale, q.global_scale, torch.float64)
         ref = x.double() @ wd.T + 0.5 * (x.double() @ a.double().T) @ b.double().T
-        args = (x, to_mma_layout(q.packed), q.scale, q.global_scale, None, a, b, 0.5)
+        args = (x, to_mma_layout(q.packed), to_scale_mma_layout(q.scale), q.global_scale, None, a, b, 0.5)
         cfg = LinearConfig(16, 64, 256, split, 4, 3, mma=True)
         eager = nvfp4_lora_linear(*args, config=cfg)
         assert _rel(eager, ref) < 1e-2, (n, k, split, m, r)
@@ -590,17 +593,18 @@ def test_fused_splitk_first_call_inside_compiled_cuda_graphs_gpu():
     (cudagraph trees reject a live tensor they do not track), and the compiled result is the eager one."""
     from nvfp4 import ops
     from nvfp4.kernels import nvfp4_gemm as kern
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     torch._dynamo.reset()
     kern._SPLITK_COUNTERS.clear()
     q = quantize(torch.randn(512, 3584, device="cuda"))
     packed = to_mma_layout(q.packed)
+    scale = to_scale_mma_layout(q.scale)
     x = torch.randn(1, 3584, device="cuda", dtype=torch.bfloat16)
     assert kern.linear_config(1, 512, 3584, mma=True).split_k > 1
 
     def step(x):
-        return ops.linear(x * 1.0, packed, q.scale, q.global_scale)  # the custom op, as NVFP4Linear calls it
+        return ops.linear(x * 1.0, packed, scale, q.global_scale)  # the custom op, as NVFP4Linear calls it
 
     compiled = torch.compile(step, mode="reduce-overhead")
     outs = [compiled(x).clone() for _ in range(4)]

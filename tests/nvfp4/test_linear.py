@@ -155,14 +155,15 @@ def test_module_to_dtype_moves_but_never_casts_4bit_tensors(format):
 
 
 def test_mma_layout_round_trip_and_errors():
-    from nvfp4.layout import from_mma_layout, is_mma_layout, mma_layout_supported, to_mma_layout
+    from nvfp4.layout import from_mma_layout, is_mma_layout, mma_layout_supported, to_mma_layout, to_scale_mma_layout
 
     gen = torch.Generator().manual_seed(3)
     for n, k in [(64, 256), (128, 512), (192, 1536)]:
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         scale = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
         mma = to_mma_layout(packed)
-        assert mma.shape == (n // 4, 2 * k) and is_mma_layout(mma, scale) and not is_mma_layout(packed, scale)
+        assert mma.shape == (n // 4, 2 * k) and is_mma_layout(mma, to_scale_mma_layout(scale))
+        assert not is_mma_layout(packed, scale)
         assert torch.equal(from_mma_layout(mma), packed)
         bits = [int(torch.bitwise_and(t.to(torch.int64) >> i, 1).sum()) for t in (mma, packed) for i in range(8)]
         assert sum(bits[:8]) == sum(bits[8:])  # a permutation of the bits
@@ -306,13 +307,13 @@ def test_mma_scales_supported_and_the_layout_choice():
 def test_mma_layout_module_state_dict_and_forward():
     """An NVFP4Linear holding the MMA layout (what CUDA gets) computes the same outputs, saves the checkpoint layout
     and loads a checkpoint-layout state dict; the reference path reads both layouts."""
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     torch.manual_seed(0)
     lin = nn.Linear(512, 128, bias=True)
     ref_mod = NVFP4Linear.from_linear(lin)
     mod = NVFP4Linear.from_linear(lin)
-    mod.weight_packed = to_mma_layout(mod.weight_packed)
+    mod.weight_packed, mod.weight_scale = to_mma_layout(mod.weight_packed), to_scale_mma_layout(mod.weight_scale)
     assert mod.mma_layout and not ref_mod.mma_layout
     x = torch.randn(3, 512)
     torch.testing.assert_close(mod(x), ref_mod(x), rtol=0, atol=0)
@@ -321,7 +322,7 @@ def test_mma_layout_module_state_dict_and_forward():
     sd = mod.state_dict()
     assert torch.equal(sd["weight_packed"], ref_mod.weight_packed)
     other = NVFP4Linear(512, 128, bias=True)
-    other.weight_packed = to_mma_layout(other.weight_packed)
+    other.weight_packed, other.weight_scale = to_mma_layout(other.weight_packed), to_scale_mma_layout(other.weight_scale)
     other.load_state_dict(ref_mod.state_dict())
     assert other.mma_layout and torch.equal(other.weight_packed, mod.weight_packed)
     assert mod.nvfp4_weight.shape == (128, 512)

@@ -27,7 +27,7 @@ _INTERP_SCRIPT = textwrap.dedent(
     import torch
     from nvfp4 import NVFP4Linear, mxfp4
     from nvfp4.kernels import LinearConfig, nvfp4_gemm, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
 
     nvfp4_gemm.POISON_OUTPUTS = True
     torch.manual_seed(2222)
@@ -52,7 +52,8 @@ _INTERP_SCRIPT = textwrap.dedent(
                                 group_m=2, mma=True, large_m=True)
         return LinearConfig(block_m=m, block_n=64, block_k=256, split_k=split, num_stages=1, mma=True)
 
-    ct = lambda p: p
+    ct = lambda p, s: (p, s)
+    mma_pair = lambda p, s: (to_mma_layout(p), to_scale_mma_layout(s))  # as NVFP4Linear holds them on CUDA
     cases = [  # (M, N, K, config, layout, x dtype)
         (3, 40, 96, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=1), ct, torch.float16),
         (5, 72, 288, LinearConfig(block_m=16, block_n=32, block_k=64, split_k=3), ct, torch.float16),
@@ -60,32 +61,32 @@ _INTERP_SCRIPT = textwrap.dedent(
         (1, 64, 512, LinearConfig(block_n=16, block_k=128, split_k=2, gemv=True, prefetch=True), ct, torch.float16),
         (2, 24, 64, LinearConfig(dequant=True), ct, torch.float16),
         (4, 40, 96, None, ct, torch.float32),  # float32 x: the Triton dequantizer + matmul
-        (1, 64, 256, None, to_mma_layout, torch.float16),
-        (3, 128, 512, mma(16, 2), to_mma_layout, torch.float16),
-        (37, 256, 512, mma(32, 1, large=True), to_mma_layout, torch.float16),
-        (4, 64, 256, None, to_mma_layout, torch.float32),
+        (1, 64, 256, None, mma_pair, torch.float16),
+        (3, 128, 512, mma(16, 2), mma_pair, torch.float16),
+        (37, 256, 512, mma(32, 1, large=True), mma_pair, torch.float16),
+        (4, 64, 256, None, mma_pair, torch.float32),
     ]
     for m, n, k, cfg, layout, dt in cases:
         q, packed, scale, g = mx_weight(n, k)
         x = torch.randn(m, k, dtype=dt)
         b = torch.randn(n, dtype=dt)
         ref = mxfp4.linear_reference(x.double(), q.packed, q.scale, b.double())  # float64: exact weights
-        y = nvfp4_linear(x, layout(packed), scale, g, b, config=cfg)
+        y = nvfp4_linear(x, *layout(packed, scale), g, b, config=cfg)
         out.append(dict(kind="linear", m=m, n=n, k=k, rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype),
                         ref_rel=rel(mxfp4.linear_reference(x, q.packed, q.scale, b), ref)))
-    for m, n, k, layout in [(3, 40, 96, ct), (19, 64, 256, to_mma_layout)]:
+    for m, n, k, layout in [(3, 40, 96, ct), (19, 64, 256, mma_pair)]:
         q, packed, scale, g = mx_weight(n, k)
         dy = torch.randn(m, n, dtype=torch.float16)
-        dx = nvfp4_linear_dgrad(dy, layout(packed), scale, g)
+        dx = nvfp4_linear_dgrad(dy, *layout(packed, scale), g)
         ref = dy.double() @ mxfp4.dequantize(q.packed, q.scale, torch.float64)
         out.append(dict(kind="dgrad", m=m, n=n, k=k, rel=rel(dx, ref), shape=list(dx.shape), dtype=str(dx.dtype)))
-    for m, n, k, r, cfg, layout in [(3, 40, 96, 8, LinearConfig(16, 32, 64, 1), ct), (3, 128, 512, 16, mma(16, 2), to_mma_layout)]:
+    for m, n, k, r, cfg, layout in [(3, 40, 96, 8, LinearConfig(16, 32, 64, 1), ct), (3, 128, 512, 16, mma(16, 2), mma_pair)]:
         q, packed, scale, g = mx_weight(n, k)
         x = torch.randn(m, k, dtype=torch.float16)
         a, lb = torch.randn(r, k) / k**0.5, torch.randn(n, r)
         ref = (mxfp4.linear_reference(x.double(), q.packed, q.scale)
                + 0.5 * (x.double() @ a.double().T) @ lb.double().T)
-        y = nvfp4_lora_linear(x, layout(packed), scale, g, None, a, lb, 0.5, config=cfg)
+        y = nvfp4_lora_linear(x, *layout(packed, scale), g, None, a, lb, 0.5, config=cfg)
         out.append(dict(kind="lora", m=m, n=n, k=k, rel=rel(y, ref), shape=list(y.shape), dtype=str(y.dtype)))
     print("RESULT" + json.dumps(out))
     """

@@ -87,7 +87,7 @@ _FLOAT64_SCRIPT = textwrap.dedent(
     import json
     import torch
     from nvfp4.codec import dequantize, quantize
-    from nvfp4.layout import to_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
     from nvfp4.kernels import nvfp4_gemm, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear
 
     nvfp4_gemm.POISON_OUTPUTS = True
@@ -102,10 +102,10 @@ _FLOAT64_SCRIPT = textwrap.dedent(
         return [str(y.dtype), float("nan") if torch.isnan(y).any() else ((y - ref).norm() / ref.norm()).item()]
 
     out = {}
-    for name, packed in (("ct", q.packed), ("mma", to_mma_layout(q.packed))):
-        out["linear_" + name] = rel(nvfp4_linear(x, packed, q.scale, q.global_scale), x @ wd.T)
-        out["dgrad_" + name] = rel(nvfp4_linear_dgrad(dy, packed, q.scale, q.global_scale), dy @ wd)
-        y = nvfp4_lora_linear(x, packed, q.scale, q.global_scale, None, a, b, 0.5)
+    for name, packed, scale in (("ct", q.packed, q.scale), ("mma", to_mma_layout(q.packed), to_scale_mma_layout(q.scale))):
+        out["linear_" + name] = rel(nvfp4_linear(x, packed, scale, q.global_scale), x @ wd.T)
+        out["dgrad_" + name] = rel(nvfp4_linear_dgrad(dy, packed, scale, q.global_scale), dy @ wd)
+        y = nvfp4_lora_linear(x, packed, scale, q.global_scale, None, a, b, 0.5)
         out["lora_" + name] = rel(y, x @ wd.T + 0.5 * (x @ a.T) @ b.T)
     print("RESULT" + json.dumps(out))
     """

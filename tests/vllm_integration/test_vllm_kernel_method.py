@@ -83,7 +83,6 @@ def test_fused_members_with_one_global_scale_take_the_mma_layout_and_match_dequa
         is_mma_layout,
         scale_in_ct_layout,
         scale_is_mma_layout,
-        scale_mma_layout_enabled,
     )
     from qerl_vllm.quant import NVFP4DequantLinearMethod, NVFP4KernelLinearMethod
 
@@ -100,8 +99,8 @@ def test_fused_members_with_one_global_scale_take_the_mma_layout_and_match_dequa
     assert is_mma_layout(layer.weight_packed, layer.weight_scale)
     assert tuple(layer.weight_packed.shape) == (sum(widths) // 4, 2 * K)
     assert torch.equal(from_mma_layout(layer.weight_packed), packed_ct)  # the layout round trip is exact
-    assert scale_is_mma_layout(layer.weight_packed, layer.weight_scale) is scale_mma_layout_enabled()
-    scale_ct = scale_in_ct_layout(layer.weight_packed, layer.weight_scale)  # [N/64, 4K] with NVFP4_SCALE_MMA_LAYOUT=1
+    assert scale_is_mma_layout(layer.weight_packed, layer.weight_scale)  # [N/64, 4K]: step A's order
+    scale_ct = scale_in_ct_layout(layer.weight_packed, layer.weight_scale)
     assert torch.equal(scale_ct.view(torch.uint8), torch.cat([q.scale for q in members]).view(torch.uint8))
     assert layer.weight_global_scale.shape == (1,) and torch.equal(layer.weight_global_scale, gs.reshape(1))
     assert all(not p.requires_grad for p in layer.parameters())
@@ -132,8 +131,8 @@ def test_members_with_their_own_global_scales_are_computed_one_by_one(vllm_proce
         assert layer.nvfp4_mma_layout is mma
         assert layer.weight_global_scale.shape == (2,)
         rows = [(p1 - p0, s1 - s0) for (p0, p1), (s0, s1) in layer.nvfp4_members]
-        per_scale_row = 64 if scale_is_mma_layout(layer.weight_packed, layer.weight_scale) else 1
-        assert rows == [(w // 4 if mma else w, w // per_scale_row) for w in widths]
+        assert scale_is_mma_layout(layer.weight_packed, layer.weight_scale) is mma  # step A's order: a row per 64
+        assert rows == [(w // 4, w // 64) if mma else (w, w) for w in widths]
         ref_method = NVFP4DequantLinearMethod()
         ref_layer = _layer(ref_method, widths, members)
         x = torch.randn(3, K).to(torch.bfloat16)
@@ -168,7 +167,7 @@ def test_trainer_linears_become_views_of_the_fused_layer(mma, one_global_scale, 
     layer whose layout differs from the engine's keeps its own copy, with the reason."""
     from nvfp4 import NVFP4Linear
     from nvfp4.codec import shared_global_scale
-    from nvfp4.layout import scale_mma_layout_enabled, to_mma_layout, to_scale_mma_layout
+    from nvfp4.layout import to_mma_layout, to_scale_mma_layout
     from qerl_trl.rollout.shared_weights import share_weights_with
     from qerl_vllm.quant import NVFP4KernelLinearMethod
     from qerl_vllm.shared_weights import EngineWeights, _packed_member_views
@@ -188,8 +187,7 @@ def test_trainer_linears_become_views_of_the_fused_layer(mma, one_global_scale, 
         lin = NVFP4Linear.from_weight(q, None, torch.bfloat16, name=name)
         if mma:  # the layout NVFP4Linear takes on CUDA (on this CPU it keeps the compressed-tensors one)
             lin.weight_packed = to_mma_layout(lin.weight_packed)
-            if scale_mma_layout_enabled():
-                lin.weight_scale = to_scale_mma_layout(lin.weight_scale)
+            lin.weight_scale = to_scale_mma_layout(lin.weight_scale)
         setattr(trainer.mlp, name.split(".")[1], lin)
     x = torch.randn(3, K).to(torch.bfloat16)
     before = [trainer.mlp.gate_proj(x), trainer.mlp.up_proj(x)]
@@ -208,14 +206,13 @@ def test_trainer_linears_become_views_of_the_fused_layer(mma, one_global_scale, 
     lone = NVFP4Linear.from_weight(members[0], None, torch.bfloat16, name=names[0])
     if mma:
         lone.weight_packed = to_mma_layout(lone.weight_packed)
-        if scale_mma_layout_enabled():
-            lone.weight_scale = to_scale_mma_layout(lone.weight_scale)
+        lone.weight_scale = to_scale_mma_layout(lone.weight_scale)
     holder = torch.nn.Module()
     holder.mlp = torch.nn.Module()
     holder.mlp.gate_proj = lone
     own = lone.weight_packed
     report = share_weights_with(holder, EngineWeights(os.getpid(), dict(zip(names, _packed_member_views(other)))))
-    differ = {"mlp.gate_proj.weight_packed"} | ({"mlp.gate_proj.weight_scale"} if scale_mma_layout_enabled() else set())
+    differ = {"mlp.gate_proj.weight_packed", "mlp.gate_proj.weight_scale"}
     assert lone.weight_packed is own and set(report.not_shared) == differ
     assert report.not_shared["mlp.gate_proj.weight_packed"].startswith("layout: ")
     assert torch.equal(lone(x), before[0])

@@ -64,7 +64,6 @@ from nvfp4.formats import (
 from nvfp4.layout import (
     mma_layout_supported,
     mma_scales_supported,
-    scale_mma_layout_enabled,
     scale_rows,
     to_mma_layout,
     to_scale_mma_layout,
@@ -562,8 +561,7 @@ class NVFP4KernelLinearMethod(_PackedLinearMethod):
             mma = False
         if mma:
             packed = to_mma_layout(packed)  # row-tile-wise: the members stay 64-row aligned, one after the other
-            if scale_mma_layout_enabled():  # step A's order, 64-row tiles too (docs/kernels.md, "Landing step A")
-                scale = to_scale_mma_layout(scale)
+            scale = to_scale_mma_layout(scale)  # step A's order, 64-row tiles too (the MMA kernels read no other)
         for n in ("weight_packed", "weight_scale", "weight_global_scale"):
             delattr(layer, n)
         layer.register_parameter("weight_packed", torch.nn.Parameter(packed.contiguous(), requires_grad=False))

@@ -35,8 +35,9 @@ __all__ = ["EngineWeights", "PackedViews", "engine_weight_views"]
 class PackedViews:
     """One NVFP4 linear's tensors as the engine holds them (views of its fused layer's parameters).
 
-    ``weight_packed`` uint8 ``[out, in/2]`` (compressed-tensors layout) or ``[out/4, 2·in]`` (MMA layout, then
-    ``mma_layout``), ``weight_scale`` float8_e4m3fn ``[out, in/16]``, ``weight_global_scale`` float32 ``[1]``."""
+    ``weight_packed`` uint8 ``[out, in/2]`` and ``weight_scale`` float8_e4m3fn ``[out, in/16]`` (compressed-tensors
+    layout), or ``[out/4, 2·in]`` and ``[out/64, 4·in]`` (MMA layout, then ``mma_layout``), ``weight_global_scale``
+    float32 ``[1]``."""
 
     weight_packed: torch.Tensor
     weight_scale: torch.Tensor

@@ -4,8 +4,9 @@ Checkpoints always hold the compressed-tensors layout: ``packed`` uint8 ``[N, K/
 in the low nibble and ``W[n, 2j+1]`` in the high nibble of byte ``j``. On CUDA, :class:`nvfp4.NVFP4Linear` keeps the
 same bytes permuted into ``[N/4, 2K]`` so that the Triton GEMM's 16-byte loads land directly in the registers
 Hopper's ``wgmma`` reads its A operand from (no shared-memory round trip per tile; see
-:mod:`nvfp4.kernels.nvfp4_gemm`). Beside it the scales take :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``;
-``NVFP4_SCALE_MMA_LAYOUT=0`` keeps them ``[N, K/16]``); the global scale is unchanged. Serialization converts back.
+:mod:`nvfp4.kernels.nvfp4_gemm`). Beside it the scales take :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``):
+MMA-layout codes with ``[N, K/16]`` scales are refused (:func:`checked_layout`); the global scale is unchanged.
+Serialization converts both back.
 
 Within each 64 × 256 tile of W (64 outputs × 128 bytes), with ``n = n5..n0`` the row and ``b = b6..b0`` the byte
 (``b = k // 2``), the tile is stored as 16 rows of 512 bytes at ``[tile_n·16 + r, tile_k·512 + c]``, where
@@ -35,8 +36,6 @@ zero, negative or NaN scale: :func:`mma_scales_supported` says whether a weight'
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 __all__ = [
@@ -51,7 +50,6 @@ __all__ = [
     "packed_in_ct_layout",
     "scale_in_ct_layout",
     "scale_is_mma_layout",
-    "scale_mma_layout_enabled",
     "scale_rows",
     "to_mma_layout",
     "to_scale_mma_layout",
@@ -93,14 +91,6 @@ def mma_layout_supported(out_features: int, in_features: int) -> bool:
     return out_features % MMA_TILE_N == 0 and in_features % MMA_TILE_K == 0 and out_features > 0
 
 
-def scale_mma_layout_enabled() -> bool:
-    """Whether, where ``weight_packed`` takes the MMA layout, ``weight_scale`` takes :func:`to_scale_mma_layout`'s
-    order too: on by default since the GPU measurements of docs/kernels.md ("Landing step A": bit-identical products,
-    level or faster at every M); ``NVFP4_SCALE_MMA_LAYOUT=0`` keeps ``[N, K/16]`` scales everywhere. Read only where
-    the layout is chosen."""
-    return os.environ.get("NVFP4_SCALE_MMA_LAYOUT", "1") != "0"
-
-
 def scale_is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether ``scale`` is in :func:`to_scale_mma_layout`'s order (``[N/64, 4K]``) beside an MMA-layout ``packed``
     (``[N/4, 2K]``): from the shapes only (no compressed-tensors pair has them; :func:`is_mma_layout` validates)."""
@@ -122,23 +112,32 @@ def weight_shape(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
 
 
 def is_mma_layout(packed: torch.Tensor, scale: torch.Tensor) -> bool:
-    """True if ``packed`` is in the MMA layout (``[N/4, 2K]``) for ``scale`` (``[N, K/16]``, or ``[N/64, 4K]`` in
-    :func:`to_scale_mma_layout`'s order); False if both are in the compressed-tensors layout (``[N, K/2]``,
-    ``[N, K/16]``); ``ValueError`` otherwise."""
+    """True if ``packed`` is in the MMA layout (``[N/4, 2K]``) with ``scale`` in :func:`to_scale_mma_layout`'s order
+    (``[N/64, 4K]``); False if both are in the compressed-tensors layout (``[N, K/2]``, ``[N, K/16]``); ``ValueError``
+    otherwise (:func:`checked_layout`)."""
     return checked_layout(packed, scale)[2]
 
 
 def checked_layout(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, bool]:
     """``(N, K, mma)``: the weight's shape (:func:`weight_shape`) and :func:`is_mma_layout`, the shape read once;
-    ``ValueError`` where ``packed`` fits ``scale`` in neither layout."""
+    ``ValueError`` where ``packed`` fits ``scale`` in neither layout, and for MMA-layout codes beside ``[N, K/16]``
+    scales (the pair the kernels read before stage 2's end: no kernel reads it now, docs/kernels.md)."""
     n, k = weight_shape(packed, scale)
-    if tuple(packed.shape) == (n, k // 2) and not scale_is_mma_layout(packed, scale):
+    step_a = scale_is_mma_layout(packed, scale)
+    if tuple(packed.shape) == (n, k // 2) and not step_a:
         return n, k, False
     if tuple(packed.shape) == (n // 4, 2 * k) and mma_layout_supported(n, k):
-        return n, k, True
+        if step_a:
+            return n, k, True
+        raise ValueError(
+            f"NVFP4 tensors: weight_packed {tuple(packed.shape)} is in the MMA layout but weight_scale "
+            f"{tuple(scale.shape)} is [N, K/16]; the MMA layout takes its scales in to_scale_mma_layout's order "
+            f"{(n // 64, 4 * k)}"
+        )
     raise ValueError(
         f"NVFP4 tensors disagree: weight_scale {tuple(scale.shape)} means a [{n}, {k}] weight, so weight_packed must "
-        f"be {(n, k // 2)} (compressed-tensors layout) or {(n // 4, 2 * k)} (MMA layout), got {tuple(packed.shape)}"
+        f"be {(n, k // 2)} (compressed-tensors layout; the MMA layout's {(n // 4, 2 * k)} takes {(n // 64, 4 * k)} "
+        f"scales), got {tuple(packed.shape)}"
     )
 
 
@@ -175,8 +174,7 @@ def packed_in_ct_layout(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 def scale_in_ct_layout(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``scale`` as ``[N, K/16]`` (itself, or converted back from :func:`to_scale_mma_layout`'s order)."""
-    mma = is_mma_layout(packed, scale) and scale_is_mma_layout(packed, scale)
-    return from_scale_mma_layout(scale) if mma else scale
+    return from_scale_mma_layout(scale) if is_mma_layout(packed, scale) else scale
 
 
 def mma_scales_supported(scale: torch.Tensor) -> bool:
@@ -189,8 +187,8 @@ def mma_scales_supported(scale: torch.Tensor) -> bool:
 
 
 def to_scale_mma_layout(scale: torch.Tensor) -> torch.Tensor:
-    """Round 15 step A's scale layout (a spike: made by the caller from the shipped ``[N, K/16]`` scales, not stored
-    in checkpoints): ``[N, K/16]`` → ``[N/64, K/64·256]`` (same dtype, same bytes). Per 64-row tile ``t`` and
+    """Round 15 step A's scale layout (what the MMA layout holds beside its codes; checkpoints keep ``[N, K/16]``):
+    ``[N, K/16]`` → ``[N/64, K/64·256]`` (same dtype, same bytes). Per 64-row tile ``t`` and
     64-input stage ``j``, the 256 bytes at ``[t, 256j:256j+256]`` are ordered (warp w: 4, quad q: 8, k16 step g: 4,
     half h: 2) and hold ``s[64t + 16w + q + 8h, 4j + g]``: thread ``lane`` of consumer warp ``w`` reads the 8 bytes at
     ``(8w + lane // 4)·8``, per k16 step the scales of its A-fragment rows ``r``/``r + 8`` as one 16-bit pair."""

@@ -25,8 +25,6 @@ from .layout import (
     mma_scales_supported,
     packed_in_ct_layout,
     scale_in_ct_layout,
-    scale_is_mma_layout,
-    scale_mma_layout_enabled,
     to_mma_layout,
     to_scale_mma_layout,
 )
@@ -239,7 +237,7 @@ class NVFP4Linear(nn.Linear):
         the shape allows it and every block scale is positive and finite (what compressed-tensors writes; the
         MMA-layout kernels decode scales with integer instructions, see :mod:`nvfp4.layout`), unless
         ``NVFP4_MMA_LAYOUT=0``; ``weight_scale`` then takes :func:`~nvfp4.layout.to_scale_mma_layout`'s order
-        (``[out/64, 4·in]``) unless ``NVFP4_SCALE_MMA_LAYOUT=0``. An MXFP4 layer first transcodes its
+        (``[out/64, 4·in]``, the only order the MMA-layout kernels read). An MXFP4 layer first transcodes its
         E8M0 scales to NVFP4 scales (on every device; see the class docstring). Idempotent; returns
         :attr:`mma_layout`."""
         packed = self.weight_packed
@@ -256,8 +254,7 @@ class NVFP4Linear(nn.Linear):
         ):
             if mma_scales_supported(self.weight_scale):
                 self.weight_packed = to_mma_layout(packed)
-                if scale_mma_layout_enabled():  # step A's order (docs/kernels.md, "Landing step A")
-                    self.weight_scale = to_scale_mma_layout(self.weight_scale)
+                self.weight_scale = to_scale_mma_layout(self.weight_scale)  # step A's order (docs/kernels.md)
             else:
                 self._warn_ct_layout_kept()
         return self.mma_layout
@@ -338,7 +335,7 @@ class NVFP4Linear(nn.Linear):
         key = prefix + "weight_packed"
         if key in destination and self.mma_layout:  # checkpoints hold the compressed-tensors layout
             scale_key = prefix + "weight_scale"
-            if scale_key in destination and scale_is_mma_layout(destination[key], destination[scale_key]):
+            if scale_key in destination:
                 destination[scale_key] = from_scale_mma_layout(destination[scale_key].detach())
             destination[key] = from_mma_layout(destination[key].detach())
         if self.weight_format.from_nvfp4_scales is not None and prefix + "weight_scale" in destination:  # as stored
@@ -496,14 +493,14 @@ class NVFP4Linear(nn.Linear):
         key = prefix + "weight_packed"
         if key in state_dict and not self.weight_packed.is_meta and self.mma_layout:
             scale_key = prefix + "weight_scale"
-            step_a = scale_key in state_dict and scale_is_mma_layout(self.weight_packed, self.weight_scale)
+            with_scale = scale_key in state_dict
             if mma_scales_supported(state_dict.get(scale_key, self.weight_scale)):
-                if step_a:
+                if with_scale:
                     state_dict[scale_key] = to_scale_mma_layout(state_dict[scale_key])
                 state_dict[key] = to_mma_layout(state_dict[key])
             else:  # the MMA-layout kernels cannot decode these scales: back to the compressed-tensors layout
                 self.weight_packed = torch.empty_like(state_dict[key], device=self.weight_packed.device)
-                if step_a:
+                if with_scale:
                     self.weight_scale = torch.empty_like(state_dict[scale_key], device=self.weight_scale.device)
                 self._warn_ct_layout_kept()
 

@@ -27,11 +27,11 @@ bytes per thread (32 threads per row, one warp per row), thread ``lane`` of warp
 ``16w + 8·i + lane // 4`` (``i`` = 0, 1) and bytes ``≡ lane % 4``: exactly the A fragment of a bf16 ``m64k16``
 ``wgmma`` for all 16 K-steps of the tile. The decoded tile is relabelled to ``[64, 256]`` by a
 reshape/permute that Triton lowers to nothing (:func:`_mma_tile`), so ``_linear_mma_kernel`` feeds ``wgmma`` from
-registers with no shared-memory round trip. Scales come in step A's order (:func:`_scale_words`; the default) or,
-with ``NVFP4_SCALE_MMA_LAYOUT=0``, in the compressed-tensors layout, and are read as int32 words (4 scales each):
-loaded as fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``, so the scale load
-stayed synchronous in every K step. With ``num_stages`` 2-3, Triton pipelines the weight tile, its
-scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`` for all three).
+registers with no shared-memory round trip. Scales come in step A's order (:func:`nvfp4.layout.to_scale_mma_layout`,
+``[N/64, 4K]``), read as int64 pairs of rows and turned into int32 words of 4 scales by :func:`_scale_words` (loaded as
+fp8 bytes they compiled to byte loads that Triton cannot route through ``cp.async``). With ``num_stages`` 2-3, Triton
+pipelines the weight tile, its scales and the activation tile with ``cp.async`` (checked in the SASS: ``LDGSTS`` for
+all three).
 
 Dequantization in registers (never in HBM)
 ==========================================
@@ -429,20 +429,14 @@ def _mma_tile(p, s, sfac, FAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mma_tile_ptrs(w_ptr, s_ptr, tile_n, K, SCALE_PAIRS: tl.constexpr = False):
+def _mma_tile_ptrs(w_ptr, s_ptr, tile_n, K):
     """Pointers to MMA-layout tile row ``tile_n`` at K step 0: packed ``[16, 512]`` (add ``2·k0`` for step ``k0``)
-    and scales as int32 ``[64, 4]``, or with ``SCALE_PAIRS`` int64 ``[1, 4, 4, 8]`` (:func:`_scale_pair_ptrs`); add
-    :func:`_scale_k_offset` for step ``k0``. ``K % 256 == 0``."""
+    and the scale pairs, int64 ``[1, 4, 4, 8]`` (:func:`_scale_pair_ptrs`; add :func:`_scale_k_offset` for step
+    ``k0``). ``K % 256 == 0``."""
     r = tl.arange(0, 16)
     c = tl.arange(0, 512)
     w_tile = w_ptr + (tile_n * 16 + r[:, None]).to(tl.int64) * (2 * K) + c[None, :]
-    if SCALE_PAIRS:
-        s_tile = _scale_pair_ptrs(s_ptr, tile_n + tl.arange(0, 1), K, 4)
-    else:
-        words = tl.multiple_of(K // 64, 4)  # int32 words per scale row
-        sn = tl.arange(0, 64)
-        sk = tl.arange(0, 4)
-        s_tile = s_ptr.to(tl.pointer_type(tl.int32)) + (tile_n * 64 + sn[:, None]).to(tl.int64) * words + sk[None, :]
+    s_tile = _scale_pair_ptrs(s_ptr, tile_n + tl.arange(0, 1), K, 4)
     return w_tile, s_tile
 
 
@@ -458,42 +452,39 @@ def _scale_pair_ptrs(s_ptr, tiles, K, QUARTERS: tl.constexpr):
 
 
 @triton.jit
-def _scale_k_offset(k0, SCALE_PAIRS: tl.constexpr):
-    """Offset of K step ``k0`` (a multiple of 64) in the scale pointers: ``k0 / 64`` int32 words, or 32 int64 (256
-    bytes) per 64 inputs with ``SCALE_PAIRS``."""
-    return (k0 // 64) * 32 if SCALE_PAIRS else k0 // 64
+def _scale_k_offset(k0):
+    """Offset of K step ``k0`` (a multiple of 64) in the scale-pair pointers: 32 int64 (256 bytes) per 64 inputs."""
+    return (k0 // 64) * 32
 
 
 @triton.jit
-def _scale_words(v, SCALE_PAIRS: tl.constexpr, FAST: tl.constexpr):
-    """The loaded scales as :func:`_mma_tiles` takes them, int32 words ``[64·TILES, QUARTERS]`` (4 fp8 scales of one
-    row each): ``v`` itself, or with ``SCALE_PAIRS`` from int64 ``[TILES, QUARTERS, 4, 8]`` pairs: row ``r``'s word
-    is ``prmt(lo, hi, 0x6420)``, row ``r + 8``'s ``prmt(lo, hi, 0x7531)`` (``FAST``: PTX; else shifts and masks),
-    relabelled (t, w, h, q | j) → ``[64·TILES, QUARTERS]``."""
-    if SCALE_PAIRS:
-        T: tl.constexpr = v.shape[0]
-        Q: tl.constexpr = v.shape[1]
-        if FAST:
-            r0, r8 = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 lo, hi;
-                mov.b64 {lo, hi}, $2;
-                prmt.b32 $0, lo, hi, 0x6420;
-                prmt.b32 $1, lo, hi, 0x7531;
-                }
-                """,
-                constraints="=r,=r,l",
-                args=[v],
-                dtype=(tl.int32, tl.int32),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            lo = v & 0xFFFFFFFF
-            hi = (v >> 32) & 0xFFFFFFFF
-            r0 = ((lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | ((hi << 8) & 0xFF000000)).to(tl.int32)
-            r8 = (((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi & 0xFF00) << 8) | (hi & 0xFF000000)).to(tl.int32)
-        w = tl.permute(tl.join(r0, r8), (0, 2, 4, 3, 1))  # t, j, w, q, h → t, w, h, q, j
-        v = tl.reshape(w, (64 * T, Q))
-    return v
+def _scale_words(v, FAST: tl.constexpr):
+    """The loaded scale pairs as :func:`_mma_tiles` takes them, int32 words ``[64·TILES, QUARTERS]`` (4 fp8 scales of
+    one row each), from int64 ``[TILES, QUARTERS, 4, 8]`` pairs: row ``r``'s word is ``prmt(lo, hi, 0x6420)``, row
+    ``r + 8``'s ``prmt(lo, hi, 0x7531)`` (``FAST``: PTX; else shifts and masks), relabelled (t, w, h, q | j) →
+    ``[64·TILES, QUARTERS]``."""
+    T: tl.constexpr = v.shape[0]
+    Q: tl.constexpr = v.shape[1]
+    if FAST:
+        r0, r8 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi;
+            mov.b64 {lo, hi}, $2;
+            prmt.b32 $0, lo, hi, 0x6420;
+            prmt.b32 $1, lo, hi, 0x7531;
+            }
+            """,
+            constraints="=r,=r,l",
+            args=[v],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        lo = v & 0xFFFFFFFF
+        hi = (v >> 32) & 0xFFFFFFFF
+        r0 = ((lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | ((hi << 8) & 0xFF000000)).to(tl.int32)
+        r8 = (((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi & 0xFF00) << 8) | (hi & 0xFF000000)).to(tl.int32)
+    w = tl.permute(tl.join(r0, r8), (0, 2, 4, 3, 1))  # t, j, w, q, h → t, w, h, q, j
+    return tl.reshape(w, (64 * T, Q))

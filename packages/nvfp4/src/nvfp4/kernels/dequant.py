@@ -16,15 +16,15 @@ from .decode import _dequant_tile, _mma_tile, _mma_tile_ptrs, _scale_fold, _scal
 
 
 @triton.jit
-def _dequant_mma_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, SCALE_PAIRS: tl.constexpr = False):
-    """``out[N, K] = dequant(W)`` (out's dtype, contiguous) for W in the MMA layout; one 64 × 256 tile per program
-    (``SCALE_PAIRS``: the scales in step A's order)."""
+def _dequant_mma_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K):
+    """``out[N, K] = dequant(W)`` (out's dtype, contiguous) for W in the MMA layout (the scales in step A's order);
+    one 64 × 256 tile per program."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     sfac, post = _scale_fold(g_ptr, False)
-    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K, SCALE_PAIRS)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
     k0 = pid_k * 256
-    s = _scale_words(tl.load(s_tile + _scale_k_offset(k0, SCALE_PAIRS)), SCALE_PAIRS, False)
+    s = _scale_words(tl.load(s_tile + _scale_k_offset(k0)), False)
     w = _mma_tile(tl.load(w_tile + 2 * k0), s, sfac, False, out_ptr.dtype.element_ty)
     rows = pid_n * 64 + tl.arange(0, 64)
     cols = k0 + tl.arange(0, 256)

@@ -77,10 +77,9 @@ def _dgrad_kernel(
 
 
 @triton.jit
-def _dgrad_mma_kernel(dy_ptr, w_ptr, s_ptr, g_ptr, dx_ptr, M, N, K, stride_dym, stride_dxm, BLOCK_M: tl.constexpr,
-                      SCALE_PAIRS: tl.constexpr = False):  # fmt: skip
+def _dgrad_mma_kernel(dy_ptr, w_ptr, s_ptr, g_ptr, dx_ptr, M, N, K, stride_dym, stride_dxm, BLOCK_M: tl.constexpr):
     """:func:`_dgrad_kernel` for W in the MMA layout: one ``[BLOCK_M, 256]`` tile of ``dx`` per program, reducing
-    over N one 64-row tile of W at a time (portable decode, W is operand B; ``SCALE_PAIRS``: step A's scale order)."""
+    over N one 64-row tile of W at a time (portable decode, W is operand B; the scales in step A's order)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = dy_ptr.dtype.element_ty
@@ -90,14 +89,14 @@ def _dgrad_mma_kernel(dy_ptr, w_ptr, s_ptr, g_ptr, dx_ptr, M, N, K, stride_dym, 
     m_mask = offs_m < M
     sfac, post = _scale_fold(g_ptr, False)
     k0 = pid_k * 256
-    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, 0, K, SCALE_PAIRS)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, 0, K)
     w_tile += 2 * k0
-    s_tile += _scale_k_offset(k0, SCALE_PAIRS)
+    s_tile += _scale_k_offset(k0)
     acc = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
     for t in range(0, N // 64):
-        w = _mma_tile(tl.load(w_tile), _scale_words(tl.load(s_tile), SCALE_PAIRS, False), sfac, False, dtype)
+        w = _mma_tile(tl.load(w_tile), _scale_words(tl.load(s_tile), False), sfac, False, dtype)
         w_tile += 32 * K  # next tile row: 16 rows of 2K bytes
-        s_tile += K // 2 if SCALE_PAIRS else K  # 4K bytes: 64 rows of K/64 words, or K/2 int64 pairs
+        s_tile += K // 2  # next tile row: 4K bytes, K/2 int64 pairs
         g = tl.load(dy_ptr + offs_m[:, None].to(tl.int64) * stride_dym + (t * 64 + offs_n)[None, :],
                     mask=m_mask[:, None], other=0.0)  # fmt: skip
         acc = tl.dot(g, w, acc)

@@ -5,9 +5,9 @@ block scales by TMA into a ring of shared-memory stages guarded by mbarriers; th
 weight tile from shared memory into the registers of ``wgmma``'s A operand and keep one ``wgmma`` group in flight
 while they decode the next stage.
 
-Round 15 step A (issue #50, docs/kernels.md; a spike, not in the dispatch table): ``launch(..., scale_pairs=True)``
-takes the scales in :func:`nvfp4.layout.to_scale_mma_layout`'s order and decodes each k16 step's scale pair with the
-weight word in one ``inline_asm`` (``SCALE_PAIRS``; off, the shipped kernel compiles to the same SASS).
+The scales come in round 15 step A's order (:func:`nvfp4.layout.to_scale_mma_layout`, issue #50, docs/kernels.md):
+each k16 step's scale pair is decoded with the weight word in one ``inline_asm``. (The int32 ``[N, K/16]`` scale path
+left at stage 2's end; ``hopper_ws.py@6ee5805`` has it.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..layout import scale_is_mma_layout, weight_shape
+from ..layout import is_mma_layout, weight_shape
 from .decode import E2M1_WORD_DECODE_PTX, E2M1_WORDS_BF16_ASM
 
 #: a k16 step's scale pair (l: row r, h: row r + 8) → f, bf16x2 of s·2^112 (round 15 steps A and B)
@@ -35,7 +35,7 @@ SCALE_PAIR_PTX = """
         cvt.rn.f16x2.e4m3x2 f, l;
         shr.b32 f, f, 3;
         lop3.b32 f, f, 0x0FFF0FFF, 0x70007000, 0xea;"""
-#: round 15 step A (``SCALE_PAIRS``): round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
+#: round 15 step A: round 5's E2M1 word decode ($4 → $0..$3), then the k16 step's scale pair ($5's
 #: low 16 bits: row r, row r + 8) → bf16x2 of s·2^112 (``cvt`` to f16x2, ``>> 3``, re-bias: ``lop3`` LUT 0xEA is
 #: ``(a & b) | c``; exact for positive finite E4M3) and the four multiplies, $0/$2 by row r's scale and $1/$3 by
 #: row r + 8's. (The first GPU run computed zeros: LUT 0xF8 is ``a | (b & c)``, and ``0x0FFF0FFF & 0x70007000 = 0``,
@@ -110,33 +110,10 @@ def _e2m1_words_bf16(p):
 
 
 @gluon.jit
-def _mul_bf16x2(a, b):
-    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.bfloat16, is_pure=True,
-                                     pack=2)  # fmt: skip
-
-
-@gluon.jit
-def _decode_tile(p, s, T: gl.constexpr, a_layout: gl.constexpr):
-    """``p`` uint8 ``[4T, 512]`` (one K quarter of ``T`` MMA-layout tiles, rows (tile, warp)), ``s`` uint8
-    ``[64T, 4]`` block scales (in the slice layout of the ``[64T, 4, 16]`` view of ``a_layout``) → bf16 ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout`` (the wgmma A operand)."""
-    a, b = _e2m1_words_bf16(p)
-    w = gl.reshape(gl.join(a, b), (4 * T, 128, 2, 2, 2))
-    w = gl.reshape(gl.permute(w, (0, 1, 4, 2, 3)), (4 * T, 512, 2))
-    w = gl.reshape(w, (T, 4, 8, 4, 8, 2, 2))  # t, n54 | n210, b10, b432, n3 | k0
-    w = gl.permute(w, (0, 1, 5, 2, 4, 3, 6))  # t, n54, n3, n210 | b432, b10, k0
-    w = gl.convert_layout(gl.reshape(w, (64 * T, 64)), a_layout, assert_trivial=True)
-    w3 = gl.reshape(w, (64 * T, 4, 16))
-    # FP8 scale → fp16 (exact) → bf16 bits of s · 2^112 (valid for positive finite scales)
-    sh = s.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.uint16, bitcast=True)
-    sb = (((sh >> 3) & 0x0FFF) | 0x7000).to(gl.bfloat16, bitcast=True)
-    w3 = _mul_bf16x2(w3, gl.expand_dims(sb, 2).broadcast_to((64 * T, 4, 16)))
-    return gl.convert_layout(gl.reshape(w3, (64 * T, 64)), a_layout, assert_trivial=True)
-
-
-@gluon.jit
 def _decode_tile_a(p, q, T: gl.constexpr, a_layout: gl.constexpr):
-    """Round 15 step A: ``p`` as :func:`_decode_tile`'s, ``q`` uint8 ``[4T, 512]`` (word ``w`` of a thread: the scale
-    pair (row r, row r + 8) of its k16 step ``w``, twice) → bf16 ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout``."""
+    """``p`` uint8 ``[4T, 512]`` (one K quarter of ``T`` MMA-layout tiles, rows (tile, warp)), ``q`` uint8
+    ``[4T, 512]`` (word ``w`` of a thread: the scale pair (row r, row r + 8) of its k16 step ``w``, twice) → bf16
+    ``[64T, 64]`` ``e2m1 · s · 2^-14`` in ``a_layout`` (the wgmma A operand)."""
     a, b = gl.inline_asm_elementwise(E2M1_SCALED_ASM, "=r,=r,=r,=r,r,r", [p, q], dtype=(gl.bfloat16, gl.bfloat16),
                                      is_pure=True, pack=4)  # fmt: skip
     w = gl.reshape(gl.join(a, b), (4 * T, 128, 2, 2, 2))
@@ -215,7 +192,7 @@ def _segment(u, u_end, KS):
 
 @gluon.jit
 def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M: gl.constexpr,
-              T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
+              T: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
     i = 0
     u = u0
     while u < u1:
@@ -228,11 +205,8 @@ def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, 
             fence_async_shared()  # the consumers' shared-memory reads of this stage before the TMA overwrites it
             mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, kk * 64], ready.index(st), x_bufs.index(st))
-            if SCALE_PAIRS:  # round 15 step A: the stage's 256 bytes per 64-row tile (nvfp4.layout.to_scale_mma_layout)
-                tma.async_copy_global_to_shared(s_desc, [tile0, kk * 256], ready.index(st), s_bufs.index(st))
-            else:
-                # the scales of the stage's 256-input group (16 bytes a row: TMA's smallest row), 4x the bytes needed
-                tma.async_copy_global_to_shared(s_desc, [tile0 * 64, (kk // 4) * 4], ready.index(st), s_bufs.index(st))
+            # the stage's 256 scale bytes per 64-row tile (nvfp4.layout.to_scale_mma_layout)
+            tma.async_copy_global_to_shared(s_desc, [tile0, kk * 256], ready.index(st), s_bufs.index(st))
             tma.async_copy_global_to_shared(w_desc, [tile0, 4 * (kk % 4), 2 * (kk // 4), 0], ready.index(st),
                                             w_bufs.index(st))  # fmt: skip
             i += 1
@@ -240,49 +214,29 @@ def _producer(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, 
 
 
 @gluon.jit
-def _scale_bytes(words, cols):
-    """int32 ``[R]`` words → uint8 ``[R, 4]`` (byte ``j`` of each word in column ``j``)."""
-    return ((words[:, None] >> (cols * 8)[None, :]) & 0xFF).to(gl.uint8)
-
-
-@gluon.jit
-def _stage_operand(w_bufs, s_bufs, ready, i, kk, WG: gl.constexpr, TC: gl.constexpr, STAGES: gl.constexpr,
-                   a_layout: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr,
-                   SCALE_PAIRS: gl.constexpr = False):  # fmt: skip
-    """Wait for stage ``i`` (K step ``kk``) and decode this consumer's rows of its weight tile: the wgmma A operand."""
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+def _stage_operand(w_bufs, s_bufs, ready, i, WG: gl.constexpr, TC: gl.constexpr, STAGES: gl.constexpr,
+                   a_layout: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+    """Wait for stage ``i`` and decode this consumer's rows of its weight tile: the wgmma A operand (the weight and
+    scale-pair words, decoded and scaled in one asm)."""
     st = i % STAGES
     mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-    if SCALE_PAIRS:  # round 15 step A: the weight and scale-pair words, decoded and scaled in one asm
-        p, q = _stage_words(w_bufs, s_bufs, st, WG, TC, p_layout, s_layout)
-        a = _decode_tile_a(p, q, TC, a_layout)
-    else:
-        p = w_bufs.index(st).slice(TC * WG, TC, dim=0)._reinterpret(gl.uint8, [4 * TC, 512], plain).load(p_layout)
-        # this stage's word of 4 scales per row: column kk % 4 of the group's [rows, 4] int32 words
-        s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, s_layout))
-        sw = s_bufs.index(st).slice(64 * TC * WG, 64 * TC).load(s_layout)
-        sw = gl.sum(gl.where(s_cols[None, :] == kk % 4, sw, 0), axis=1)
-        a = _decode_tile(p, _scale_bytes(sw, s_cols), TC, a_layout)
-    return a
+    p, q = _stage_words(w_bufs, s_bufs, st, WG, TC, p_layout, s_layout)
+    return _decode_tile_a(p, q, TC, a_layout)
 
 
 @gluon.jit
 def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
               N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
               T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
-              FIXUP: gl.constexpr, SCALE_PAIRS: gl.constexpr = False, INFLIGHT: gl.constexpr = False):  # fmt: skip
+              FIXUP: gl.constexpr, INFLIGHT: gl.constexpr = False):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     p_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
-    # the scales' layout: one row of 4 block scales per A-operand row a thread holds (see _decode_tile)
-    if SCALE_PAIRS:  # round 15 step A: [4TC, 8 quads, 4 lanes, 4 k16 steps, 2 copies, 2 rows] bytes, p_layout's order
-        s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1, 1],
-                                                  [5, 4, 3, 2, 1, 0])  # fmt: skip
-    else:
-        s_layout: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([64 * TC, 64], gl.bfloat16, a_layout),
-                                                              (64 * TC, 4, 16)).type.layout)  # fmt: skip
+    # the scale pairs' layout: [4TC, 8 quads, 4 lanes, 4 k16 steps, 2 copies, 2 rows] bytes, p_layout's order
+    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1], [WARPS, 1, 1, 1, 1, 1],
+                                              [5, 4, 3, 2, 1, 0])  # fmt: skip
     rows_c = gl.arange(0, 64 * TC, layout=gl.SliceLayout(1, acc_layout))
     cols_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     # a partial tile's fp32 slot in the workspace: one per (program, consumer), [64·TC, BLOCK_M] row-major
@@ -295,7 +249,7 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
         tile, kb, ke = _segment(u, u1, KU)
         n0 = (tile // num_m) * 64 * T
         acc = gl.zeros([64 * TC, BLOCK_M], gl.float32, acc_layout)
-        for ku in range(kb, ke):
+        for _ in range(kb, ke):
             if INFLIGHT:
                 # round 15 step B (Humming's in-flight decode): per k16 step, issue its wgmma, decode the next step's
                 # E2M1 words and scale pair while it is in flight (no operand register written), wait, scale, issue
@@ -324,11 +278,9 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr,
                 # ptxas serialises register-A wgmmas whose operands are written while a wgmma is in flight (C7515), so
                 # the unit's SUB stages are decoded first, their wgmmas go out back to back and retire before the next
                 # decode; the other consumer partition decodes meanwhile.
-                a0 = _stage_operand(w_bufs, s_bufs, ready, i, ku * SUB, WG, TC, STAGES, a_layout, p_layout, s_layout,
-                                    SCALE_PAIRS)  # fmt: skip
+                a0 = _stage_operand(w_bufs, s_bufs, ready, i, WG, TC, STAGES, a_layout, p_layout, s_layout)
                 if SUB == 2:
-                    a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, ku * SUB + 1, WG, TC, STAGES, a_layout, p_layout,
-                                        s_layout, SCALE_PAIRS)  # fmt: skip
+                    a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, WG, TC, STAGES, a_layout, p_layout, s_layout)
                     acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -484,7 +436,7 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
                       SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr,
-                      SCALE_PAIRS: gl.constexpr = False, INFLIGHT: gl.constexpr = False):  # fmt: skip
+                      INFLIGHT: gl.constexpr = False):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
     (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
     partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
@@ -498,10 +450,7 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
 
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 4, 2, 256], w_desc.layout)
-    if SCALE_PAIRS:  # round 15 step A: 256 bytes per 64-row tile and stage
-        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 256], s_desc.layout)
-    else:
-        s_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * T, 4], s_desc.layout)
+    s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, T, 256], s_desc.layout)  # 256 bytes per 64-row tile
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -512,12 +461,12 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
         [
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
                          num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
-                         SCALE_PAIRS, INFLIGHT)),
+                         INFLIGHT)),
             (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
                          num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
-                         SCALE_PAIRS, INFLIGHT)),
+                         INFLIGHT)),
             (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
-                         STAGES, SUB, SCALE_PAIRS)),
+                         STAGES, SUB)),
         ],
         [num_warps, 1],
         [232, 40],
@@ -550,12 +499,14 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
            stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False,
-           scale_pairs: bool = False, inflight: bool = False) -> torch.Tensor:  # fmt: skip
+           inflight: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
         x: bf16 ``[M, K]``, row stride a multiple of 8, 16-byte aligned (TMA).
-        packed: uint8 ``[N/4, 2K]`` (MMA layout); scale: fp8 ``[N, K/16]``; global_scale: fp32 ``[1]``.
+        packed: uint8 ``[N/4, 2K]`` (MMA layout); scale: fp8 ``[N/64, K/64·256]`` in
+            :func:`nvfp4.layout.to_scale_mma_layout`'s order (read as one 8-byte scale-pair load per thread and
+            stage); global_scale: fp32 ``[1]``.
         bias: optional ``[N]`` in x's dtype.
         y: ``[M, N]`` output in x's dtype, row-contiguous.
         flags: int32, at least ``2·programs`` zeros (each launch leaves them zero).
@@ -567,26 +518,18 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
         fixup: the programs that share a split tile each sum a share of it at the end (needs ``4·programs``
             flags) instead of the tile's first program summing all the others' parts (``2·programs``): the serial
             sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
-        scale_pairs: round 15 step A: ``scale`` is fp8 ``[N/64, K/64·256]`` in
-            :func:`nvfp4.layout.to_scale_mma_layout`'s order (what the MMA layout stores by default; the dispatch
-            passes it from the scale's shape), read as one 8-byte scale-pair load per thread and stage.
-        inflight: round 15 step B on top of step A (needs ``scale_pairs``): one wgmma per k16 step, the next step's
-            decode while it is in flight.
+        inflight: round 15 step B on top of step A: one wgmma per k16 step, the next step's decode while it is in
+            flight.
     """
-    if inflight and not scale_pairs:
-        raise ValueError("hopper_ws.launch: inflight=True (round 15 step B) needs scale_pairs=True")
-    if scale_pairs != scale_is_mma_layout(packed, scale):
-        raise ValueError(f"hopper_ws.launch: scale_pairs={scale_pairs} but weight_scale is {tuple(scale.shape)}")
+    if not is_mma_layout(packed, scale):  # (it refuses MMA packed codes with [N, K/16] scales)
+        raise ValueError(f"hopper_ws.launch: needs the MMA layout, got weight_packed {tuple(packed.shape)}")
     m, k = x.shape
     n = weight_shape(packed, scale)[0]
-    x_layout, w_layout, s_layout = _smem_layouts(block_m, scale_pairs)
+    x_layout, w_layout, s_layout = _smem_layouts(block_m)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 64], x_layout)
     w_desc = TensorDescriptor(packed, [n // 64, 16, 2 * k // 256, 256], [32 * k, 2 * k, 256, 1], [tiles, 4, 2, 256],
                               w_layout)  # fmt: skip
-    if scale_pairs:
-        s_desc = TensorDescriptor(scale.view(torch.uint8), [n // 64, 4 * k], [4 * k, 1], [tiles, 256], s_layout)
-    else:
-        s_desc = TensorDescriptor(scale.view(torch.int32), [n, k // 64], [k // 64, 1], [64 * tiles, 4], s_layout)
+    s_desc = TensorDescriptor(scale.view(torch.uint8), [n // 64, 4 * k], [4 * k, 1], [tiles, 256], s_layout)
     units = triton.cdiv(m, block_m) * (n // (64 * tiles)) * (k // (64 * sub))
     g = min(programs or num_sms(x.device), units)
     slots = 4 * g if fixup else 2 * g  # (first/last segment ×) program × consumer
@@ -595,40 +538,36 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, FIXUP=fixup, num_warps=4, SCALE_PAIRS=scale_pairs, INFLIGHT=inflight,
+                            SUB=sub, FIXUP=fixup, num_warps=4, INFLIGHT=inflight,
                             maxnreg=MAXNREG)  # fmt: skip
     return y
 
 
-def _smem_layouts(block_m: int, scale_pairs: bool = False):
+def _smem_layouts(block_m: int):
     """The TMA boxes' shared-memory layouts: x (128-byte swizzle, the wgmma B operand), packed weight and scales
-    (plain rows: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle; the scales
-    as int32 words, or bytes with ``scale_pairs``)."""
+    (plain rows of bytes: each consumer warp reads whole 512-byte weight rows, conflict-free without a swizzle)."""
     return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 if scale_pairs else 32, rank=2))  # fmt: skip
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # fmt: skip
 
 
 def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True,
-                 scale_pairs: bool = False, inflight: bool = False):
+                 inflight: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
     ``benchmarks/kernel_sass.py@1486a77 --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if inflight and not scale_pairs:
-        raise ValueError("hopper_ws.compile_sm90: inflight=True (round 15 step B) needs scale_pairs=True")
-    xl, wl, sl = _smem_layouts(block_m, scale_pairs)
-    s_type = f"u8[{tiles}, 256]" if scale_pairs else f"i32[{64 * tiles}, 4]"
+    xl, wl, sl = _smem_layouts(block_m)
+    s_type = f"u8[{tiles}, 256]"
     fn = _ws_linear_kernel
     sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>", "w_desc": f"tensordesc<u8[{tiles}, 4, 2, 256],{wl!r}>",
            "s_desc": f"tensordesc<{s_type},{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr", "SCALE_PAIRS": "constexpr",
-           "INFLIGHT": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr", "INFLIGHT": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
-              "num_warps": 4, "SCALE_PAIRS": scale_pairs, "INFLIGHT": inflight}  # fmt: skip
+              "num_warps": 4, "INFLIGHT": inflight}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -87,12 +87,11 @@ def _linear_large_m_kernel(
     R=0,
     HAS_LORA: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16,
-    SCALE_PAIRS: tl.constexpr = False,
 ):
     """``y[BLOCK_M, 64·TILES] = x_tile · W_tileᵀ`` for W in the MMA layout, over the K range of split ``program_id(1)``.
 
     x ``[M, K]`` (row stride ``stride_xm``, bf16/fp16); W: packed uint8 ``[N/4, 2K]`` (MMA layout), scales fp8
-    ``[N, K/16]`` (read as int32 words; ``SCALE_PAIRS``: ``[N/64, 4K]``, step A's order), global fp32 ``[1]``; bias
+    ``[N/64, 4K]`` (step A's order, read as int64 pairs of rows), global fp32 ``[1]``; bias
     ``[N]``. ``N % 64 == 0``, ``K % 256 == 0``; the last weight tiles of a program past N re-read tile ``N/64 - 1``
     and are not stored. ``USE_WS`` (split-K): fp32
     partials into ``y_ptr`` viewed as ``[split, M, N]``, bias left to the reduce kernel. ``HAS_LORA``: adds
@@ -120,11 +119,8 @@ def _linear_large_m_kernel(
     stored_row = tile * 16 + 4 * (i // (4 * TILES)) + i % 4
     w_rows = w_ptr + (stored_row.to(tl.int64) * (2 * K))[:, None] + tl.arange(0, 512)[None, :]
     rows = tl.minimum(offs_n, N - 1)
-    words = tl.multiple_of(K // 64, 4)  # int32 words (4 fp8 scales) per scale row
-    if SCALE_PAIRS:  # the tiles past N clamp as the codes' rows do
-        s_rows = _scale_pair_ptrs(s_ptr, tl.minimum(pid_n * TILES + tl.arange(0, TILES), N // 64 - 1), K, QUARTERS)
-    else:
-        s_rows = s_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * words + tl.arange(0, QUARTERS)[None, :]  # fmt: skip
+    # the tiles past N clamp as the codes' rows do
+    s_rows = _scale_pair_ptrs(s_ptr, tl.minimum(pid_n * TILES + tl.arange(0, TILES), N // 64 - 1), K, QUARTERS)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     sfac, _ = _scale_fold(g_ptr, False)  # 2^14 / global: the portable tile's factor, or FAST's accumulator factor
 
@@ -134,11 +130,8 @@ def _linear_large_m_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # K step k0 = 256·(tile column) + 64·(first quarter): stored rows 4·quarter further down, 512 bytes per column
         p = tl.load(w_rows + ((k0 % 256) // 64) * (8 * K) + (k0 // 256) * 512)
-        if SCALE_PAIRS:  # (the [N, K/16] branch keeps its own line: its SASS stays byte-identical)
-            w = _mma_tiles(p, _scale_words(tl.load(s_rows + _scale_k_offset(k0, True)), True, FAST), sfac, TILES,
-                           QUARTERS, FAST, dtype)  # fmt: skip
-        else:
-            w = _mma_tiles(p, tl.load(s_rows + k0 // 64), sfac, TILES, QUARTERS, FAST, dtype)
+        w = _mma_tiles(p, _scale_words(tl.load(s_rows + _scale_k_offset(k0)), FAST), sfac, TILES, QUARTERS, FAST,
+                       dtype)  # fmt: skip
         xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(xt), acc)
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]

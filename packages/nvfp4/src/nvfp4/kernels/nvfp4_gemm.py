@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..layout import is_mma_layout, scale_is_mma_layout, weight_shape
+from ..layout import is_mma_layout, weight_shape
 from . import dispatch_table, hopper_ws
 from .dequant import _dequant_kernel, _dequant_mma_kernel
 from .dgrad import _dgrad_kernel, _dgrad_mma_kernel
@@ -248,13 +248,12 @@ def dgrad_config(m: int, n: int, k: int, mma: bool = False) -> DgradConfig:
 def dequantize_triton(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Dense ``[N, K]`` ``dtype`` weight from packed uint8 ``[N, K/2]`` (or the MMA layout ``[N/4, 2K]``), fp8
-    ``[N, K/16]``, fp32 ``[1]`` (one kernel)."""
+    """Dense ``[N, K]`` ``dtype`` weight from packed uint8 ``[N, K/2]`` and fp8 ``[N, K/16]`` (or the MMA layout
+    ``[N/4, 2K]`` and ``[N/64, 4K]``), fp32 ``[1]`` (one kernel)."""
     n, k = weight_shape(packed, scale)
     out = _empty((n, k), dtype, packed.device)
     if is_mma_layout(packed, scale):
-        _dequant_mma_kernel[(n // 64, k // 256)](packed, scale, global_scale, out, n, k,
-                                                 SCALE_PAIRS=scale_is_mma_layout(packed, scale), num_warps=4)  # fmt: skip
+        _dequant_mma_kernel[(n // 64, k // 256)](packed, scale, global_scale, out, n, k, num_warps=4)
         return out
     bn, bk = 32, 256
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
@@ -377,7 +376,7 @@ def _launch_mma(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_per_sp
         x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
         y.stride(0) if split == 1 else n, k_per_split,
         HAS_BIAS=bias is not None, USE_WS=split > 1, BLOCK_M=cfg.block_m, FAST=_fast(x2.dtype),
-        SCALE_PAIRS=scale_is_mma_layout(packed, scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
 
 
@@ -393,8 +392,8 @@ def _launch_large_m(x2, packed, scale, global_scale, bias, y, out, m, n, k, k_pe
         x2, packed, scale, global_scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
         y.stride(0) if split == 1 else n, k_per_split,
         HAS_BIAS=bias is not None, USE_WS=split > 1, TILES=cfg.block_n // 64, QUARTERS=cfg.block_k // 64,
-        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, FAST=fast, SCALE_PAIRS=scale_is_mma_layout(packed, scale),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, FAST=fast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **extra,
     )  # fmt: skip
 
 
@@ -410,7 +409,8 @@ def nvfp4_linear(
 
     Args:
         x: ``[..., K]`` float16/bfloat16 (float32/float64 go through the dequantize path, a full precision product).
-        packed: uint8 ``[N, K/2]``; scale: float8_e4m3fn ``[N, K/16]``; global_scale: float32 ``[1]``.
+        packed: uint8 ``[N, K/2]`` and scale float8_e4m3fn ``[N, K/16]`` (compressed-tensors layout), or the MMA
+            layout's ``[N/4, 2K]`` and ``[N/64, 4K]`` (:mod:`nvfp4.layout`); global_scale: float32 ``[1]``.
         bias: optional ``[N]``.
         config: override the tuned :func:`linear_config` (benchmarks, tests).
 
@@ -564,16 +564,15 @@ def _ws_flags(x2: torch.Tensor, cfg: LinearConfig) -> torch.Tensor | None:
 
 
 def _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags):
-    """The warp-specialised kernel (:mod:`nvfp4.kernels.hopper_ws`; round 15 step A's scale pairs where the scales
-    are in :func:`~nvfp4.layout.to_scale_mma_layout`'s order); a LoRA adapter is added by cuBLAS after it
+    """The warp-specialised kernel (:mod:`nvfp4.kernels.hopper_ws`, round 15 step A's scale pairs); a LoRA adapter is
+    added by cuBLAS after it
     (``y += scaling · (x·Aᵀ)·Bᵀ``, ``x·Aᵀ`` rounded to x's dtype as PEFT's ``lora_A`` output is)."""
     m, n = x2.shape[0], weight_shape(packed, scale)[0]
     if x2.data_ptr() % 16 or x2.stride(0) % 8:  # TMA: 16-byte aligned base and rows
         x2 = x2.contiguous()
     y = _empty((m, n), x2.dtype, x2.device)
     hopper_ws.launch(x2, packed, scale, global_scale, bias, y, flags, block_m=cfg.block_m, tiles=cfg.block_n // 64,
-                     stages=cfg.num_stages, sub=cfg.sub, fixup=cfg.ws_fixup,
-                     scale_pairs=scale_is_mma_layout(packed, scale))  # fmt: skip
+                     stages=cfg.num_stages, sub=cfg.sub, fixup=cfg.ws_fixup)  # fmt: skip
     if lora is not None:
         a, b, scaling = lora
         t = torch.nn.functional.linear(x2, a.to(x2.dtype))
@@ -610,7 +609,7 @@ def nvfp4_linear_dgrad(
     if mma:
         _dgrad_mma_kernel[(triton.cdiv(m, cfg.block_m), k // 256)](
             g2, packed, scale, global_scale, dx, m, n, k, g2.stride(0), dx.stride(0), BLOCK_M=cfg.block_m,
-            SCALE_PAIRS=scale_is_mma_layout(packed, scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return dx.reshape(*lead, k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_k),)

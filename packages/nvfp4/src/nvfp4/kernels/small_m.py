@@ -83,14 +83,13 @@ def _linear_mma_kernel(
     t_ptr=None,
     tcnt_ptr=None,
     SHARED_T: tl.constexpr = False,
-    SCALE_PAIRS: tl.constexpr = False,
 ):
     """``yᵀ[64, BLOCK_M] = W_tile · xᵀ`` for W in the MMA layout: one 64-output tile over the K range of split
     ``program_id(1)``, all ``M ≤ BLOCK_M`` rows of x (``program_id(2)`` walks row blocks when M > BLOCK_M).
 
     Each K step of 256 loads the tile's 8 KB of codes, 1 KB of scales and the x tile; with ``num_stages ≥ 2``
     Triton pipelines all three with ``cp.async``. Outputs, split-K workspace, bias and ``HAS_LORA`` as in
-    :func:`_linear_kernel`. ``SCALE_PAIRS``: the scales in step A's order ``[N/64, 4K]`` (:func:`_scale_words`).
+    :func:`_linear_kernel`. The scales are in step A's order ``[N/64, 4K]`` (:func:`_scale_words`).
 
     ``FUSED_REDUCE`` (split-K): the workspace at ``y_ptr`` is summed in this kernel instead of by
     ``_splitk_reduce_kernel``. Each program stores its fp32 partial, then takes a ticket from the tile's counter
@@ -119,15 +118,14 @@ def _linear_mma_kernel(
     # sfac = 2^14 / global: the portable tile's factor; FAST multiplies the accumulator by it instead (its tile holds
     # W · global · 2^-14), so the folded-scale pair of the compressed-tensors kernels (_scale_fold(g, True)) is unused
     sfac, _ = _scale_fold(g_ptr, False)
-    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K, SCALE_PAIRS)
+    w_tile, s_tile = _mma_tile_ptrs(w_ptr, s_ptr, pid_n, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
-    if SCALE_PAIRS and not (HAS_LORA and not SHARED_T):
+    if not (HAS_LORA and not SHARED_T):
         # every split has work (the launcher's split = cdiv(K, K_PER_SPLIT)): without it LLVM may lay the loop's
-        # zero-trip path (acc = 0) out after the loop, and ptxas serialises every wgmma (C7515, checked in SASS);
-        # the [N, K/16] branch keeps its shipped SASS until stage 2 measures both (docs/kernels.md). Not with x·Aᵀ
-        # beside every tile: its wgmmas in flight keep both register-A operands live (255 registers, spills from
+        # zero-trip path (acc = 0) out after the loop, and ptxas serialises every wgmma (C7515, checked in SASS).
+        # Not with x·Aᵀ beside every tile: its wgmmas in flight keep both register-A operands live (255 registers, spills from
         # BLOCK_M = 32 against 144-191 serialised), which cost the 7B q/o projections 20-25 % at M <= 16 (H100,
         # 4e1d05a: 392 programs at 2 CTAs per SM instead of 3)
         tl.assume(k_hi > k_lo)
@@ -145,8 +143,8 @@ def _linear_mma_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(tcnt_ptr + 2 * pid_m, 1, sem="release", scope="gpu")
     for k0 in range(k_lo, k_hi, 256):
-        w = _mma_tile(tl.load(w_tile + 2 * k0), _scale_words(tl.load(s_tile + _scale_k_offset(k0, SCALE_PAIRS)),
-                                                             SCALE_PAIRS, FAST), sfac, FAST, dtype)  # fmt: skip
+        w = _mma_tile(tl.load(w_tile + 2 * k0), _scale_words(tl.load(s_tile + _scale_k_offset(k0)), FAST), sfac, FAST,
+                      dtype)  # fmt: skip
         xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(xt), acc)
         if HAS_LORA and not SHARED_T:

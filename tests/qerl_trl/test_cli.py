@@ -1138,6 +1138,41 @@ def test_a_run_folder_records_its_recipe_and_overrides_as_a_recipe_qerl_train_re
     assert "--resume true" in record.read_text().splitlines()[2]
 
 
+def test_qerl_train_reads_its_recipe_and_parses_its_overrides_once(tmp_path, monkeypatch):
+    """``qerl train`` read the recipe file three times (the check before TRL, the parse, the run's record) and parsed
+    its command-line overrides twice (the check, the record); issue #48: once each per invocation, the one result
+    handed on. Counted through spies that delegate to the real functions, up to the run's start (``train``)."""
+    import qerl_trl.arguments
+    import qerl_trl.cli
+
+    calls = {"read": 0, "parse": 0}
+
+    def counted(name: str, real):
+        def spy(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    class Started(Exception):
+        """Where the run would load the model: the parsing is over."""
+
+    def started(script_args, config, inputs=None, *, recipe=None):
+        raise Started(recipe)
+
+    monkeypatch.setattr(qerl_trl.cli, "_read_recipe", counted("read", qerl_trl.cli._read_recipe))
+    monkeypatch.setattr(qerl_trl.arguments, "_parse_command_line",
+                        counted("parse", qerl_trl.arguments._parse_command_line))  # fmt: skip
+    monkeypatch.setattr(qerl_trl.cli, "train", started)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Started) as run:
+        main(["train", "offline-default", "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--task_options",
+              json.dumps({"n_examples": 16}), "--vllm", '{"max_model_len": 256}'])  # fmt: skip
+    assert calls == {"read": 1, "parse": 1}, calls
+    recorded = run.value.args[0]
+    assert "# recipe: offline-default (shipped)" in recorded and "max_model_len: 256" in recorded, recorded
+
+
 @pytest.mark.parametrize("change", ["quantization", "model"])
 def test_a_resume_with_another_quantization_or_model_is_one_line_before_the_model_loads(change, tmp_path, tiny_dir,
                                                                                          capsys, monkeypatch):  # fmt: skip
@@ -1146,12 +1181,13 @@ def test_a_resume_with_another_quantization_or_model_is_one_line_before_the_mode
     and trained on without a word. The run folder's recipe.yaml records both; one line names the saved value and the
     requested one, before the model loads. The same values in another spelling (an alias, another path to the same
     folder) continue it."""
-    from qerl_trl.cli import precheck_train_args, run_recipe
+    from qerl_trl.cli import TrainInvocation, precheck_train_args, run_recipe
 
     run = tmp_path / "run"
     made = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(run), "--max_steps", "8"]
     ckpt = _complete_checkpoint(run / "checkpoint-4", 4)  # the run's checkpoint and record, as qerl train writes
-    (run / "recipe.yaml").write_text(run_recipe(made, *parse_train_args(made)))
+    invocation = TrainInvocation.from_argv(made)
+    (run / "recipe.yaml").write_text(run_recipe(invocation, *parse_train_args(invocation)))
     if change == "quantization":
         for asked in ("nvfp4-mse", "none"):
             err = _refused_before_the_model_loads([*made, "--resume", "true", "--quantization", asked], capsys,

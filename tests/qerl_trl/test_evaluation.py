@@ -392,7 +392,7 @@ def test_an_adapter_on_another_quantization_or_model_than_its_run_is_one_line_be
 
     import qerl_trl.evaluation
     from nvfp4 import NVFP4Config
-    from qerl_trl.cli import parse_train_args, run_recipe
+    from qerl_trl.cli import TrainInvocation, parse_train_args, run_recipe
     from transformers import AutoModelForCausalLM
 
     def no_model(*args, **kwargs):
@@ -402,7 +402,8 @@ def test_an_adapter_on_another_quantization_or_model_than_its_run_is_one_line_be
     run = tmp_path / "run"
     made = ["--model_name_or_path", str(tiny_dir), "--output_dir", str(run)]
     shutil.copytree(adapter_dir, run / "final")
-    (run / "recipe.yaml").write_text(run_recipe(made, *parse_train_args(made)))
+    invocation = TrainInvocation.from_argv(made)
+    (run / "recipe.yaml").write_text(run_recipe(invocation, *parse_train_args(invocation)))
     args = ["--adapter", str(run / "final"), "--task", "arithmetic", "--limit", "1", "--output", str(tmp_path / "out")]
     head = f"--adapter '{run / 'final'}': the run in '{run}' (recipe.yaml) was trained"
     for asked in ([], ["--quantization", "nvfp4-mse"]):

@@ -12,6 +12,7 @@ path, before the real parse, which still runs afterwards and stays the authority
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
@@ -19,11 +20,20 @@ import sys
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 from .validation import CONFIG_RULES, UsageError
 
-__all__ = ["OPTIONS_FILE", "PrecheckedArgs", "check_quantization", "option_table", "precheck_train", "task_names"]
+__all__ = [
+    "OPTIONS_FILE",
+    "PrecheckedArgs",
+    "TrainArguments",
+    "check_quantization",
+    "option_table",
+    "precheck_train",
+    "task_names",
+    "train_options",
+]
 
 OPTIONS_FILE = Path(__file__).with_name("train_options.json")
 _TRUE = ("yes", "true", "t", "y", "1")
@@ -256,31 +266,63 @@ class PrecheckedArgs(SimpleNamespace):
     """Attribute access to the merged values of one config (defaults, then recipe, then command line)."""
 
 
-def precheck_train(
-    argv: list[str], recipe: dict[str, Any], recipe_name: str, algorithm: str, script_arguments: type
-) -> tuple[Any, PrecheckedArgs]:
-    """Check ``qerl train``'s command line ``argv`` (without ``--config``), its ``recipe`` (the YAML mapping) and
-    ``algorithm`` (the one the two give), with ``script_arguments`` (``qerl_trl.cli.ScriptArguments``, passed in:
-    this module must not import the CLI that imports it) as
+@cache
+def train_options(algorithm: str, script_arguments: type) -> _Options:
+    """The options ``qerl train`` takes with ``algorithm``'s config (DAPO's adds its fields; any other name: GRPO's,
+    the algorithm is refused elsewhere) and the script arguments ``script_arguments``."""
+    table = _load_table()
+    return _Options({**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {}),
+                     **_dataclass_specs(script_arguments)})  # fmt: skip
+
+
+class TrainArguments(Protocol):
+    """One ``qerl train``'s recipe and command line, each read once (``qerl_trl.cli.TrainInvocation``, which this
+    module must not import: the CLI imports it)."""
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """The recipe's YAML mapping."""
+
+    @property
+    def recipe_file(self) -> str:
+        """The recipe's path, as errors name it."""
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm the recipe and the command line give."""
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """The command line parsed (:func:`_parse_command_line` against :func:`train_options`), on first use."""
+
+    @property
+    def drops_task_options(self) -> bool:
+        """Whether ``--task`` changes the recipe's task without ``--task_options`` (the recipe's are dropped)."""
+
+
+def precheck_train(args: TrainArguments, script_arguments: type) -> tuple[Any, PrecheckedArgs]:
+    """Check ``qerl train``'s recipe and command line ``args`` (its overrides are asked for after the recipe is
+    checked: a bad recipe is reported first) for the algorithm the two give, with ``script_arguments``
+    (``qerl_trl.cli.ScriptArguments``, passed in: this module must not import the CLI that imports it) as
     far as can be done without the trainer config's class: option names, value types, the values'
     domains, the quantization and the task. Returns (script arguments, the config's merged values); raises
     :class:`~qerl_trl.validation.UsageError`. Paths are :func:`qerl_trl.validation.check_train_paths`' to check."""
     import dataclasses
 
     table = _load_table()
-    script_specs = _dataclass_specs(script_arguments)
+    algorithm, recipe_name = args.algorithm, args.recipe_file
+    recipe = copy.deepcopy(args.recipe)  # its values go into the objects returned: the caller's mapping stays as read
     if algorithm not in ("grpo", "dapo"):
         raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
     config_specs = {**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {})}
-    options = _Options({**config_specs, **script_specs})
+    options = train_options(algorithm, script_arguments)
     for key in recipe:
         if key != "env" and key not in options.specs:
             raise UsageError(f"recipe {recipe_name}: unknown option {key!r}{_suggest(key, sorted(options.specs))}")
     values = {k: _recipe_value(recipe_name, k, options.specs[k]["kind"], v) for k, v in recipe.items() if k != "env"}
-    command_line = _parse_command_line(argv, options)
-    if "task" in command_line and command_line["task"] != recipe.get("task") and "task_options" not in command_line:
-        values.pop("task_options", None)  # the recipe's options belong to the recipe's task (n_examples, digits, ...)
-    values.update(command_line)
+    if args.drops_task_options:  # the recipe's options belong to the recipe's task (n_examples, digits, ...)
+        values.pop("task_options", None)
+    values.update(args.overrides)
     for name, accepted, expected in CONFIG_RULES:
         value = values.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not accepted(value):

@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from .validation import (
 __all__ = [
     "RECIPES_DIR",
     "ScriptArguments",
+    "TrainInvocation",
     "build_trainer",
     "check_memory",
     "check_prompt_lengths",
@@ -216,17 +218,97 @@ def _train_parser(dataclasses: tuple, prog: str = "qerl train [RECIPE]", descrip
     return Parser(dataclasses, prog=prog, description=description)
 
 
-def _with_config(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """``[RECIPE] [--overrides]`` → (``--config <recipe.yaml> --overrides``, the recipe's mapping)."""
-    argv = list(argv)
-    if "--config" not in argv:
-        recipe = argv.pop(0) if argv and not argv[0].startswith("-") else DEFAULT_RECIPE
-        argv = ["--config", str(recipe_path(recipe)), *argv]
-    i = argv.index("--config")
-    if i + 1 >= len(argv):
-        raise UsageError("argument --config: expected one argument (a recipe .yaml file)")
-    recipe = _read_recipe(argv[i + 1])
-    return _merge_mapping_option(argv, recipe, "vllm"), recipe
+@dataclass(frozen=True)
+class TrainInvocation:
+    """One ``qerl train [RECIPE] [--overrides]`` (``qerl plan`` takes the same), each setting read once: the recipe
+    file read and parsed once, a ``--vllm`` JSON object merged into the recipe's mapping once, the overrides parsed
+    once, on first use (:attr:`overrides`: after the precheck's recipe checks, so a bad recipe is still reported
+    first; after TRL's parse where no precheck runs, ``qerl plan``, whose errors are TRL's). Made by
+    :meth:`from_argv`; :func:`precheck_train_args`, :func:`parse_train_args` and :func:`run_recipe` take it. TRL's
+    ``parse_args_and_config`` still opens ``--config`` itself (its ``env:`` handling and errors stay TRL's)."""
+
+    #: the arguments as given (``[RECIPE] [--overrides]``): the command line the run's record names
+    argv: tuple[str, ...]
+    #: the recipe's path: a ``.yaml`` file, or the shipped recipe's file a name stands for
+    recipe_file: str
+    #: the recipe's mapping of option: value, as read (shared: a consumer that may change it takes a copy)
+    recipe: dict[str, Any]
+    #: ``--config <recipe_file> --overrides`` with ``--vllm`` merged: the argv of TRL's ``parse_args_and_config``
+    config_argv: tuple[str, ...]
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> TrainInvocation:
+        """``[RECIPE] [--overrides]`` → the invocation: the recipe named (default: offline-default) and read. Raises
+        :class:`~qerl_trl.validation.UsageError` for an unknown recipe or one that is not a YAML mapping."""
+        given = tuple(argv)
+        args = list(argv)
+        if "--config" not in args:
+            recipe = args.pop(0) if args and not args[0].startswith("-") else DEFAULT_RECIPE
+            args = ["--config", str(recipe_path(recipe)), *args]
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise UsageError("argument --config: expected one argument (a recipe .yaml file)")
+        recipe = _read_recipe(args[i + 1])
+        return cls(given, args[i + 1], recipe, tuple(_merge_mapping_option(args, recipe, "vllm")))
+
+    @classmethod
+    def of(cls, args: TrainInvocation | Sequence[str]) -> TrainInvocation:
+        """``args`` itself, or the invocation of an argv (the form tests, benchmarks and ``qerl plan`` pass)."""
+        return args if isinstance(args, TrainInvocation) else cls.from_argv(args)
+
+    @property
+    def override_argv(self) -> list[str]:
+        """The command-line overrides (``--vllm`` merged), without ``--config <recipe_file>``."""
+        i = self.config_argv.index("--config")
+        return [*self.config_argv[:i], *self.config_argv[i + 2 :]]
+
+    @property
+    def shipped(self) -> bool:
+        """Whether the recipe is one of ``qerl_trl/recipes/``."""
+        return Path(self.recipe_file).resolve().parent == RECIPES_DIR
+
+    @property
+    def recipe_name(self) -> str:
+        """A shipped recipe's name (``offline-default``), else the path as given."""
+        return Path(self.recipe_file).stem if self.shipped else self.recipe_file
+
+    @functools.cached_property
+    def algorithm(self) -> str:
+        """``--algorithm`` (any spelling the parser takes), else the recipe's, else ``grpo``: it picks the config."""
+        return _option(list(self.config_argv), self.recipe, "algorithm", "grpo")
+
+    @functools.cached_property
+    def overrides(self) -> dict[str, Any]:
+        """The overrides parsed (:func:`~qerl_trl.arguments._parse_command_line`, against the options of
+        :attr:`algorithm`'s config): {field: value converted as the parser converts it}. Raises
+        :class:`~qerl_trl.validation.UsageError` for an unknown option or a value of the wrong type."""
+        from .arguments import _parse_command_line, train_options
+
+        return _parse_command_line(self.override_argv, train_options(self.algorithm, ScriptArguments))
+
+    @property
+    def drops_task_options(self) -> bool:
+        """``--task`` other than the recipe's, without ``--task_options``: the recipe's task options are its own
+        task's (``n_examples``, ``digits``, ...), so the run has none."""
+        given = self.overrides
+        return "task" in given and given["task"] != self.recipe.get("task") and "task_options" not in given
+
+    @functools.cached_property
+    def values(self) -> dict[str, Any]:
+        """The recipe's mapping with the overrides applied as the parser applies them (:attr:`drops_task_options`; a
+        ``--vllm`` object updates the recipe's mapping), a JSON object given as a string (``--vllm``,
+        ``--task_options``) as the mapping it is: what the run's record (:func:`run_recipe`) holds."""
+        values = dict(self.recipe)
+        if self.drops_task_options:
+            values.pop("task_options", None)
+        values.update(self.overrides)
+        for key, value in values.items():
+            if isinstance(value, str) and value.lstrip().startswith("{"):
+                try:
+                    values[key] = json.loads(value)
+                except json.JSONDecodeError:
+                    pass
+        return values
 
 
 def _merge_mapping_option(argv: list[str], recipe: dict[str, Any], name: str) -> list[str]:
@@ -250,25 +332,23 @@ def _merge_mapping_option(argv: list[str], recipe: dict[str, Any], name: str) ->
     return argv
 
 
-def precheck_train_args(argv: list[str]) -> tuple[ScriptArguments, Any]:
+def precheck_train_args(args: TrainInvocation | Sequence[str]) -> tuple[ScriptArguments, Any]:
     """:func:`parse_train_args` without torch, transformers or TRL (:func:`qerl_trl.arguments.precheck_train`):
     option names, types and domains, then :func:`~qerl_trl.validation.check_train_paths` (model, output folder,
-    data path, ``--resume``). Returns (script args, a namespace of the config's values); raises
-    :class:`~qerl_trl.validation.UsageError`. Takes well under a second."""
+    data path, ``--resume``). ``args``: the invocation, or its argv (``[RECIPE] [--overrides]``). Returns (script
+    args, a namespace of the config's values); raises :class:`~qerl_trl.validation.UsageError`. Takes well under a
+    second."""
     from .arguments import precheck_train, task_names
 
-    argv, recipe = _with_config(argv)
-    i = argv.index("--config")
-    rest = argv[:i] + argv[i + 2 :]
-    algorithm = _option(argv, recipe, "algorithm", "grpo")
-    script_args, config = precheck_train(rest, recipe, argv[i + 1], algorithm, ScriptArguments)
+    script_args, config = precheck_train(TrainInvocation.of(args), ScriptArguments)
     check_train_paths(script_args, config, task_names())
     return script_args, config
 
 
-def parse_train_args(argv: list[str], *, command: str = "train") -> tuple[ScriptArguments, Any]:
-    """``[RECIPE] [--overrides]`` → (script args, trainer config), the recipe's ``algorithm`` picking the config.
-    ``command``: whose ``--help`` this is (``train`` or ``plan``, which takes the same recipe and overrides).
+def parse_train_args(args: TrainInvocation | Sequence[str], *, command: str = "train") -> tuple[ScriptArguments, Any]:
+    """``[RECIPE] [--overrides]`` (``args``: the invocation, or its argv) → (script args, trainer config), the recipe's
+    ``algorithm`` picking the config. ``command``: whose ``--help`` this is (``train`` or ``plan``, which takes the
+    same recipe and overrides).
 
     Raises :class:`~qerl_trl.validation.UsageError` (or the config's ``ValueError``) for an unknown recipe, an
     unknown option, or a value of the wrong type or outside its domain; paths are checked later, by
@@ -276,16 +356,14 @@ def parse_train_args(argv: list[str], *, command: str = "train") -> tuple[Script
     drops the recipe's task options (they are its task's: ``n_examples``, ``digits``, ...)."""
     from .arguments import check_quantization
 
-    argv, recipe = _with_config(argv)
-    algorithm = _option(argv, recipe, "algorithm", "grpo")
+    invocation = TrainInvocation.of(args)
     # before TRL is imported (importing it imports PEFT, which imports bitsandbytes when installed, and that logs a
     # warning on some CPUs): a bad name is reported alone. A check of the name, not a parse: the config parses the
     # value once into its QuantScheme (config.quant_scheme), which the trainer uses
-    check_quantization(_option(argv, recipe, "quantization", "nvfp4-rtn"))
-    parser = _train_parser((ScriptArguments, _config_class(algorithm)), *_HELP[command])
-    script_args, config = parser.parse_args_and_config(argv)
-    task = _option(argv, {}, "task", None)
-    if task is not None and task != recipe.get("task") and _option(argv, {}, "task_options", None) is None:
+    check_quantization(_option(list(invocation.config_argv), invocation.recipe, "quantization", "nvfp4-rtn"))
+    parser = _train_parser((ScriptArguments, _config_class(invocation.algorithm)), *_HELP[command])
+    script_args, config = parser.parse_args_and_config(list(invocation.config_argv))
+    if invocation.drops_task_options:  # TRL's parser knows nothing of tasks: the recipe's options are its task's
         script_args.task_options = None
     return script_args, config
 
@@ -294,42 +372,24 @@ def parse_train_args(argv: list[str], *, command: str = "train") -> tuple[Script
 _RUN_CONTROL = ("resume", "overwrite_output_dir")
 
 
-def run_recipe(argv: list[str], script_args: ScriptArguments, config: Any) -> str:
-    """The text of ``<output_dir>/recipe.yaml`` (:data:`~qerl_trl.validation.RUN_RECIPE_NAME`) for ``qerl train
-    ARGV`` (``[RECIPE] [--overrides]``, parsed into ``script_args`` and ``config``): the recipe's mapping with the
-    command-line overrides applied (as the parser applies them: a ``--vllm`` JSON object updates the recipe's
-    mapping, another ``--task`` drops the recipe's task options), the resolved ``algorithm``, ``model_name_or_path``,
-    ``quantization`` (canonical) and ``output_dir`` first; headed by comments naming the recipe and the command line.
-    A recipe ``qerl train`` reads back: ``qerl train <output_dir>/recipe.yaml`` runs the same recipe again.
-    ``--resume`` and ``--overwrite_output_dir`` are left out (how the run started, not what it trains)."""
+def run_recipe(invocation: TrainInvocation, script_args: ScriptArguments, config: Any) -> str:
+    """The text of ``<output_dir>/recipe.yaml`` (:data:`~qerl_trl.validation.RUN_RECIPE_NAME`) for ``qerl train``'s
+    ``invocation``, parsed into ``script_args`` and ``config``: the recipe's mapping with the command-line overrides
+    applied (:attr:`TrainInvocation.values`: a ``--vllm`` JSON object updates the recipe's mapping, another ``--task``
+    drops the recipe's task options), the resolved ``algorithm``, ``model_name_or_path``, ``quantization``
+    (canonical) and ``output_dir`` first; headed by comments naming the recipe and the command line. A recipe ``qerl
+    train`` reads back: ``qerl train <output_dir>/recipe.yaml`` runs the same recipe again. ``--resume`` and
+    ``--overwrite_output_dir`` are left out (how the run started, not what it trains)."""
     import shlex
 
-    from .arguments import _parse_command_line
-
-    given = list(argv)
-    argv, recipe = _with_config(argv)
-    i = argv.index("--config")
-    overrides = _parse_command_line(argv[:i] + argv[i + 2 :], _train_options())
-    values = dict(recipe)
-    if "task" in overrides and overrides["task"] != recipe.get("task") and "task_options" not in overrides:
-        values.pop("task_options", None)  # as parse_train_args: the recipe's options are its own task's
-    values.update(overrides)
-    for key, value in values.items():  # a JSON object given on the command line (--vllm, --task_options): a mapping
-        if isinstance(value, str) and value.lstrip().startswith("{"):
-            try:
-                values[key] = json.loads(value)
-            except json.JSONDecodeError:
-                pass
     resolved = {"algorithm": script_args.algorithm, "model_name_or_path": str(script_args.model_name_or_path),
                 "quantization": config.quantization, "output_dir": config.output_dir}  # fmt: skip
-    record = {**resolved, **{k: v for k, v in values.items() if k not in resolved and k not in _RUN_CONTROL}}
-    recipe_file = argv[i + 1]
-    shipped = Path(recipe_file).resolve().parent == RECIPES_DIR
-    name = Path(recipe_file).stem if shipped else recipe_file
+    record = {**resolved, **{k: v for k, v in invocation.values.items() if k not in resolved and k not in _RUN_CONTROL}}
+    shipped = invocation.shipped
     head = (
         f"# the recipe and command-line overrides of the last `qerl train` into this folder (qerl-trl {_dist_version('qerl-trl') or 'unknown'})\n"
-        f"# recipe: {name}{' (shipped)' if shipped else ''}\n"
-        f"# command: {shlex.join(['qerl', 'train', *given])}\n"
+        f"# recipe: {invocation.recipe_name}{' (shipped)' if shipped else ''}\n"
+        f"# command: {shlex.join(['qerl', 'train', *invocation.argv])}\n"
         f"# run it again: qerl train {Path(config.output_dir) / RUN_RECIPE_NAME} --output_dir <another folder>\n"
     )
     return head + yaml.safe_dump(record, sort_keys=False, allow_unicode=True)
@@ -810,24 +870,25 @@ def main(argv: list[str] | None = None) -> None:
             _list_recipes()
             return
         budget_gb = _pop_memory_budget(argv, debug)
-        if not {"-h", "--help"} & set(argv):
-            try:  # options, values and paths, before torch, transformers or TRL is imported: under a second
-                precheck_train_args(argv)
-            except (ValueError, TypeError) as e:
-                _usage_error("qerl train", e, debug)
+        try:  # the recipe read, once for the whole command; options, values and paths checked before torch,
+            invocation = TrainInvocation.from_argv(argv)  # transformers or TRL is imported: under a second
+            if not {"-h", "--help"} & set(argv):  # --help: TRL's parser prints it
+                precheck_train_args(invocation)
+        except (ValueError, TypeError) as e:
+            _usage_error("qerl train", e, debug)
         _import_quietly(debug)
         from .memory import TRAIN_MMAP_THRESHOLD, pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold(TRAIN_MMAP_THRESHOLD)  # before the model loads: no glibc threshold drift
         from nvfp4.extras import MissingExtraError
 
-        try:  # a bad recipe name fails here before torch is imported; the config's values, paths, data, --resume
-            script_args, config = parse_train_args(argv)  # before the model loads
+        try:  # the config's values, paths, data, --resume: before the model loads
+            script_args, config = parse_train_args(invocation)
             # what the engine needs in this process (vLLM colocated), before the data loads; the trainer checks again
             config.rollout_engine_class.check_environment(config)
             inputs = validate_train_args(script_args, config)
             check_prompt_lengths(script_args, config, inputs.dataset)
-            recipe = run_recipe(argv, script_args, config)
+            recipe = run_recipe(invocation, script_args, config)
         except (ValueError, TypeError, MissingExtraError) as e:
             _usage_error("qerl train", e, debug)
 

@@ -291,6 +291,26 @@ def _earlier_run(root: Path) -> Path:
     return run
 
 
+def test_only_the_main_process_refuses_an_output_dir_that_holds_files(tmp_path, monkeypatch):
+    """Under ``accelerate launch`` every rank runs the argument checks, and rank 0 writes the run's ``recipe.yaml`` as
+    soon as its own checks pass: a slower rank then found the folder holding files and refused the run it belongs to
+    (seen in ``test_a_two_process_run_that_fails_still_exits_non_zero_with_its_traceback`` on a loaded host). The
+    folder's state is the main process's to judge (it alone writes there); the other ranks leave it, and a refusal
+    stops the launch through rank 0's exit."""
+    from qerl_trl.cli import precheck_train_args
+
+    run = _earlier_run(tmp_path)
+    argv = ["--output_dir", str(run)]
+    monkeypatch.setenv("RANK", "1")
+    precheck_train_args(argv)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match="an earlier run"):
+        precheck_train_args(argv)
+    monkeypatch.delenv("RANK")
+    with pytest.raises(UsageError, match="an earlier run"):
+        precheck_train_args(argv)
+
+
 #: (argv after ``qerl train``, words the one line must hold). Each fails before torch is imported.
 FAST_ERRORS = [
     (["--max_steps", "-3"], ["max_steps", "-3", ">= 1"]),

@@ -592,7 +592,9 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
                 f"--resume {resume.path!r}: it was trained with AQN (its {AQN_STATE_NAME} holds the noise schedule) "
                 "and this run has --aqn false: pass --aqn true to continue it"
             )
-    if config.output_dir is not None:
+    # the folder's state is the main process's to judge: it alone writes there, and under a launch it writes the run's
+    # recipe.yaml as soon as its own checks pass, which a slower rank would take for an earlier run's files
+    if config.output_dir is not None and os.environ.get("RANK", "0") == "0":
         check_no_earlier_run(config.output_dir, script_args.resume, getattr(script_args, "overwrite_output_dir", False))
     return resume
 

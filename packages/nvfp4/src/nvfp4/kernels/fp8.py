@@ -23,15 +23,28 @@ read twice (statistics, then quantise), the second time from L2/L1.
 
 Reference: :func:`nvfp4.fp8.act_quant_reference` (the same float32 arithmetic in PyTorch; tests:
 ``tests/nvfp4/test_fp8.py``, under ``TRITON_INTERPRET=1`` on the CPU and ``-m gpu`` on the H100).
+
+**LoRA shrink in the quantisation** (issue #51 item 3's spike, ``_act_quant_lora_kernel``; docs/fp8_rollouts.md): the
+adapter rides the base GEMM as ``r`` more K columns, ``[q_x | q_s] · [W_fp8 | B'_fp8]ᵀ``. The kernel computes the
+shrink ``s = v·Aᵀ`` (``A [r, K]``, the members' A stacked for a fused layer; ``v`` the normalised / activated row) on
+the row it quantises, and quantises ``s / c`` with **the row's own scale** (the amax taken over ``[v, s / c]``), so
+``q [M, K + r]`` goes to ``torch._scaled_mm`` as it is. A sibling of ``_act_quant_kernel`` rather than a constexpr
+path in it: it takes ``BLOCK_M`` rows a program (``A`` is read ``M / BLOCK_M`` times from L2, not ``M`` times: 229 KB
+at K = 3584, r = 32; 1.2 MB at down's 18,944) and does the shrink as one ``tl.dot`` ``[BLOCK_M, BLOCK_K] ×
+[BLOCK_K, r]`` a K tile, which changes the program's whole layout (2-D tiles, every row read twice: statistics +
+shrink, then quantise); today's kernel is left as it was (its sm_90a PTX unchanged). The per-row arithmetic is
+today's: ``_load_h``, ``_round_e4m3``, ``_store_row`` are shared, the amax floor and the float32 factors the same.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_MAX", "MODES", "act_quant", "compile_sm90"]
+__all__ = ["FP8_MAX", "MODES", "act_quant", "act_quant_lora", "compile_sm90", "compile_sm90_lora", "lora_blocks"]
 
 FP8_MAX = 448.0  # largest finite E4M3 (float8_e4m3fn)
 AMAX_FLOOR = 1e-12  # an all-zero row gets s = 1e-12 / 448 and q = 0
@@ -137,6 +150,62 @@ def _store_row(v, h, f, rstd, offs, mask, row, q_ptr, y_ptr, ro_ptr, stride_q, s
         tl.store(ro_ptr + row * stride_ro + offs, h.to(ro_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _act_quant_lora_kernel(x_ptr, r_ptr, w_ptr, a_ptr, q_ptr, s_ptr, y_ptr, ro_ptr, M, K, stride_x, stride_r, stride_a,
+                           stride_q, stride_y, stride_ro, eps, inv_c, MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                           WRITE_Y: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows ``[pid·BLOCK_M, (pid + 1)·BLOCK_M)``: ``q[:, :K]`` (E4M3 of v), ``q[:, K:K + R]`` (E4M3 of ``s / c``, the
+    same row scale), ``s_row`` (fp32), optionally ``y`` and the new residual (as ``_act_quant_kernel``)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < M
+    x_row = x_ptr + rows[:, None] * stride_x
+    r_row = r_ptr + rows[:, None] * stride_r
+    base = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    # pass 1: amax of v (= h · w for the norm), the sum of h² (norm), the shrink (h · w) · Aᵀ in float32
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    am = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + base
+        k_ok = offs < K
+        mask = row_ok[:, None] & k_ok[None, :]
+        h = _load_h(x_row, r_row, offs[None, :], mask, K, MODE, HAS_RESIDUAL)
+        v = h
+        if MODE == 1:
+            ss += h * h
+            v = h * tl.load(w_ptr + offs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        am = tl.maximum(am, tl.abs(v))
+        a_t = tl.load(a_ptr + rr[None, :] * stride_a + offs[:, None], mask=(rr < R)[None, :] & k_ok[:, None],
+                      other=0.0)  # Aᵀ tile [BLOCK_K, BLOCK_R]  # fmt: skip
+        acc = tl.dot(v.to(a_ptr.dtype.element_ty), a_t, acc)
+    sc = acc * inv_c  # s / c (c a power of two: exact), before the norm's 1 / rms
+    rstd = 1.0
+    rstd_col = 1.0
+    if MODE == 1:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+        rstd_col = rstd[:, None]
+        sc = sc * rstd_col
+    amax = tl.maximum(tl.maximum(tl.max(am, axis=1) * rstd, tl.max(tl.abs(sc), axis=1)), 1e-12)
+    tl.store(s_ptr + rows, amax / 448.0, mask=row_ok)
+    g = 448.0 / amax
+    f = (rstd * g)[:, None]
+    q_s = _round_e4m3(tl.minimum(tl.maximum(sc * g[:, None], -448.0), 448.0))
+    tl.store(q_ptr + rows[:, None] * stride_q + K + rr[None, :], q_s.to(q_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rr < R)[None, :])  # fmt: skip
+    # pass 2: write q (and y, the new residual); the rows come from L2 this time
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + base
+        mask = row_ok[:, None] & (offs < K)[None, :]
+        h = _load_h(x_row, r_row, offs[None, :], mask, K, MODE, HAS_RESIDUAL)
+        v = h
+        if MODE == 1:
+            v = h * tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)[None, :]
+        _store_row(v, h, f, rstd_col, offs[None, :], mask, rows[:, None], q_ptr, y_ptr, ro_ptr, stride_q, stride_y,
+                   stride_ro, HAS_RESIDUAL, True, WRITE_Y)  # fmt: skip
+
+
 def _block(k: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) for a row of ``k`` elements: one tile up to 8,192 (16 fp32 values a thread)."""
     block = min(triton.next_power_of_2(k), MAX_BLOCK_K)
@@ -216,6 +285,107 @@ def compile_sm90(k: int, mode: str = "rms_norm", residual: bool = False, write_y
               "ONE_TILE": block >= k}  # fmt: skip
     aligned = ("x_ptr", "r_ptr", "w_ptr", "q_ptr", "y_ptr", "ro_ptr", "K", "stride_x", "stride_r", "stride_q",
                "stride_y", "stride_ro")  # fmt: skip
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps))  # fmt: skip
+
+
+def lora_blocks(m: int, k: int, r: int, block_m: int | None = None) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_K, BLOCK_R, num_warps)`` of :func:`act_quant_lora`.
+
+    ``BLOCK_M`` (default 8; at most 16, and no more than M needs): rows a program; A is read ``⌈M / BLOCK_M⌉`` times
+    from L2 (a program reads all of it: ``r·K`` bf16), so more rows a program cut that traffic while fewer keep more
+    SMs busy at small M (M = 128: 16 programs of 8 rows). ``BLOCK_K``: a ``[BLOCK_M, BLOCK_K]`` fp32 tile of at most
+    4,096 values (two accumulators beside it) and an ``Aᵀ`` tile ``[BLOCK_K, BLOCK_R]`` of at most 32 KB (bf16).
+    The spike's timer (``benchmarks/fp8_lora_spike.py``) times BLOCK_M = 4 / 8 / 16 on the GPU.
+    """
+    bm = block_m if block_m is not None else 8
+    if bm not in (1, 2, 4, 8, 16):
+        raise ValueError(f"act_quant_lora: block_m must be 1, 2, 4, 8 or 16, got {bm}")
+    bm = min(bm, max(1, triton.next_power_of_2(m)))
+    br = max(16, triton.next_power_of_2(r))
+    bk = max(16, min(4096 // bm, 16384 // br, triton.next_power_of_2(k)))
+    return bm, bk, br, 4 if bm * bk >= 2048 else 2
+
+
+def act_quant_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_scale_c: float,
+    mode: str = "plain",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    write_y: bool = False,
+    residual_out: torch.Tensor | None = None,
+    block_m: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch ``_act_quant_lora_kernel``: :func:`act_quant`'s per-token E4M3 with the LoRA shrink beside it.
+
+    Args:
+        x: ``[M, K]`` (``[M, 2K]`` = ``[gate | up]`` for ``"silu_mul"``), float16/bfloat16/float32, last dim contiguous.
+        lora_a: ``[r, K]`` bfloat16/float16 (r ≤ 256; a fused layer's members' A stacked), last dim contiguous; the
+            shrink multiplies ``v`` rounded to this dtype (as a bf16 LoRA does), accumulating in float32.
+        lora_scale_c: the site's power of two ``c`` (:func:`nvfp4.fp8.lora_scale_c`): the kernel quantises ``s / c``.
+        mode, norm_weight, eps, residual, write_y, residual_out: as :func:`act_quant`.
+        block_m: rows a program (:func:`lora_blocks`; default 8).
+
+    Returns:
+        ``(q, s, y, residual_out)``: q float8_e4m3fn ``[M, K + r]`` contiguous (``q[:, :K]`` the row, ``q[:, K:]``
+        ``s / c``, one scale: ``torch._scaled_mm``'s A operand as it is), s float32 ``[M, 1]`` (``amax([v, s/c]) /
+        448``), y ``[M, K]`` in x's dtype or ``None``, residual_out ``[M, K]`` or ``None``.
+    """
+    code = MODES[mode]
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"act_quant_lora: x must be 2-D with a contiguous last dim, got {tuple(x.shape)} {x.stride()}")
+    m, k = x.shape[0], x.shape[1] // 2 if code == 2 else x.shape[1]
+    if lora_a.dim() != 2 or lora_a.shape[1] != k or lora_a.stride(-1) != 1 or not 1 <= lora_a.shape[0] <= 256:
+        raise ValueError(f"act_quant_lora: lora_a must be [r <= 256, {k}] with a contiguous last dim, got "
+                         f"{tuple(lora_a.shape)} {lora_a.stride()}")  # fmt: skip
+    if lora_a.dtype not in (torch.bfloat16, torch.float16) or lora_a.device != x.device:
+        raise ValueError(
+            f"act_quant_lora: lora_a must be bf16/fp16 on {x.device}, got {lora_a.dtype} on {lora_a.device}"
+        )
+    if not (lora_scale_c > 0 and math.frexp(lora_scale_c)[0] == 0.5):
+        raise ValueError(f"act_quant_lora: lora_scale_c must be a positive power of two, got {lora_scale_c}")
+    if (code == 1) != (norm_weight is not None) or (residual is not None and code != 1):
+        raise ValueError(f"act_quant_lora: mode {mode!r} with norm_weight={norm_weight is not None}, "
+                         f"residual={residual is not None}")  # fmt: skip
+    r, dev = lora_a.shape[0], x.device
+    q = _empty((m, k + r), torch.float8_e4m3fn, dev)
+    s = _empty((m, 1), torch.float32, dev)
+    y = _empty((m, k), x.dtype, dev) if write_y else None
+    ro = None
+    if residual is not None:
+        ro = _empty((m, k), x.dtype, dev) if residual_out is None else residual_out
+    bm, bk, br, warps = lora_blocks(m, k, r, block_m)
+    dummy = x
+    _act_quant_lora_kernel[(triton.cdiv(m, bm),)](
+        x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy, lora_a, q, s,
+        y if write_y else dummy, ro if ro is not None else dummy, m, k, x.stride(0),
+        residual.stride(0) if residual is not None else 0, lora_a.stride(0), k + r, k, k, float(eps),
+        1.0 / lora_scale_c, MODE=code, HAS_RESIDUAL=residual is not None, WRITE_Y=write_y, R=r, BLOCK_R=br,
+        BLOCK_M=bm, BLOCK_K=bk, num_warps=warps,
+    )  # fmt: skip
+    return q, s, y, ro
+
+
+def compile_sm90_lora(k: int, r: int, mode: str = "rms_norm", residual: bool = False, write_y: bool = False,
+                      block_m: int = 8):  # fmt: skip
+    """``_act_quant_lora_kernel`` for a ``k``-wide row and rank ``r`` compiled for sm_90a without a GPU (the CPU
+    build check of ``tests/nvfp4/test_fp8_lora.py``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _act_quant_lora_kernel
+    bm, bk, br, warps = lora_blocks(1 << 20, k, r, block_m)
+    ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", a_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                y_ptr="*bf16", ro_ptr="*bf16")  # fmt: skip
+    ints = ("M", "K", "stride_x", "stride_r", "stride_a", "stride_q", "stride_y", "stride_ro")
+    consts = {"MODE": MODES[mode], "HAS_RESIDUAL": residual, "WRITE_Y": write_y, "R": r, "BLOCK_R": br,
+              "BLOCK_M": bm, "BLOCK_K": bk}  # fmt: skip
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), "eps": "fp32", "inv_c": "fp32", **dict.fromkeys(consts, "constexpr")}
+    aligned = [a for a in (*ptrs, *ints) if a not in ("s_ptr", "M")]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps))  # fmt: skip

@@ -98,6 +98,23 @@ def fp8_weight(
     return w8, w_scale
 
 
+def _pre_norm_reference(
+    x: torch.Tensor, mode: str, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 row before the norm's weight and ``1 / rms`` (``silu(gate) · up`` for ``"silu_mul"``, ``x +
+    residual`` rounded to x's dtype with a residual, else ``x``) and the new residual (or ``None``): the references'
+    shared prologue, as the kernels' ``_load_h``."""
+    h = x.float()
+    if mode == "silu_mul":
+        g, u = h.chunk(2, dim=-1)
+        h = g / (1.0 + torch.exp(-g)) * u
+    ro = None
+    if residual is not None:
+        ro = (h + residual.float()).to(x.dtype)
+        h = ro.float()
+    return h, ro
+
+
 def act_quant_reference(
     x: torch.Tensor,
     mode: str = "plain",
@@ -115,14 +132,7 @@ def act_quant_reference(
         ``(q, s, y, residual_out)``: q float8_e4m3fn ``[M, K]``, s float32 ``[M, 1]``, y ``[M, K]`` in x's dtype
         (the normalised / activated row before quantisation), residual_out ``[M, K]`` in x's dtype or ``None``.
     """
-    h = x.float()
-    if mode == "silu_mul":
-        g, u = h.chunk(2, dim=-1)
-        h = g / (1.0 + torch.exp(-g)) * u
-    ro = None
-    if residual is not None:
-        ro = (h + residual.float()).to(x.dtype)
-        h = ro.float()
+    h, ro = _pre_norm_reference(x, mode, residual)
     v, rstd = h, torch.ones_like(h[:, :1])
     if mode == "rms_norm":
         v = h * norm_weight.float()
@@ -441,14 +451,7 @@ def act_quant_lora_reference(
     Returns:
         ``(q [M, K + r] float8_e4m3fn, s [M, 1] float32, y [M, K] in x's dtype, residual_out or None)``.
     """
-    h = x.float()
-    if mode == "silu_mul":
-        g, u = h.chunk(2, dim=-1)
-        h = g / (1.0 + torch.exp(-g)) * u
-    ro = None
-    if residual is not None:
-        ro = (h + residual.float()).to(x.dtype)
-        h = ro.float()
+    h, ro = _pre_norm_reference(x, mode, residual)
     v, rstd = h, torch.ones_like(h[:, :1])
     if mode == "rms_norm":
         v = h * norm_weight.float()

@@ -609,7 +609,7 @@ def _release_engine_memory(*, last_engine: bool) -> None:
     outside graph capture" in every later test). So the last engine out clears the graphs (vLLM's public
     ``clear_all_graphs``, which its own shutdown runs on ROCm only) and forgets the pool id, so that the next engine
     makes a fresh pool. The pool id is a vLLM class attribute with no public setter: it is reset only where it exists
-    under that name (vLLM 0.26 and 0.32, pinned by test_vllm_engine.py)."""
+    under that name (vLLM 0.26 and 0.32, pinned by test_vllm_engine_lifecycle.py)."""
     import gc
 
     gc.collect()  # runs the closed LLMEngine's finalizer, which unpins its compiled model

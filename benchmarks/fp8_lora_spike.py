@@ -12,7 +12,6 @@ scaling·(v·Aᵀ)·Bᵀ`` on the NVFP4-dequantised W ((a): against ``v·Wᵀ``;
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import common  # noqa: F401  (the workspace packages on sys.path)
@@ -20,6 +19,7 @@ import torch
 from common.env import device_name, now, versions, write_result
 from common.shapes import linear_shapes
 from common.tables import markdown
+from common.timing import time_graph
 from nvfp4 import fp8
 from nvfp4.codec import dequantize, quantize
 
@@ -40,24 +40,7 @@ def time_ms(calls: list, cuda: bool) -> float:
         for c in calls:
             c()
         return (time.perf_counter() - t) * 1e3 / len(calls)
-    stream = torch.cuda.Stream()  # warm up on a side stream before the capture (PyTorch's CUDA-graph recipe)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    start, end, times = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
-    for _ in range(20):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
+    return time_graph(calls, min_reps=20, max_reps=20)
 
 
 def vllm_lora(m: int, dev: str, ads: list):

@@ -27,7 +27,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common/, also when a
 
 import common  # noqa: E402, F401  (the workspace packages on sys.path)
 from common.shapes import linear_shapes  # noqa: E402
+from common.timing import time_graph  # noqa: E402
 from nvfp4 import NVFP4Linear, mxfp4  # noqa: E402
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
@@ -64,42 +64,6 @@ REP_BUDGET_S = 0.1  # replay time per measurement (the sweep uses less)
 # --------------------------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------------------------
-def time_graph(fns: list, budget_s: float | None = None, min_reps: int = 5, max_reps: int = 50) -> float:
-    """Median milliseconds per call of ``fns`` (each called once per replay of one captured CUDA graph)."""
-    for f in fns[:2]:
-        f()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    one = start.elapsed_time(end) / 1e3
-    budget_s = REP_BUDGET_S if budget_s is None else budget_s
-    reps = int(min(max_reps, max(min_reps, budget_s / max(one, 1e-6))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fns))
-    del graph
-    return statistics.median(times)
-
-
 class Weights:
     """Rotated copies of one ``[N, K]`` weight in bf16 and NVFP4 (each set ≥ ``ROTATE_BYTES``); ``q`` in the MMA
     layout where the shape allows it, its scales in the order ``NVFP4Linear`` holds them on a GPU (step A's there)."""
@@ -139,8 +103,9 @@ class Weights:
 
 
 def rotated(copies: list, call) -> float:
-    """:func:`time_graph` of ``call(copy)`` for each of ``copies`` (at most 256 calls a graph)."""
-    return time_graph([call(c) for c in copies[:256]])
+    """:func:`~common.timing.time_graph` of ``call(copy)`` for each of ``copies`` (at most 256 calls a graph), with
+    ``--rep-budget``'s replay time."""
+    return time_graph([call(c) for c in copies[:256]], REP_BUDGET_S)
 
 
 def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):

@@ -159,4 +159,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # read only step A's order now; code at 6ee5805), and rollout_vllm.py no longer records NVFP4_SCALE_MMA_LAYOUT
     # +171 (→ 4,508, #51 item 3): fp8_lora_spike.py, the FP8 + LoRA spike's timer (the adapter as K columns of the FP8
     # GEMM beside the FP8 layer alone and vLLM's adapter on top); a spike: it leaves with its go / no-go recorded
-    assert am.benchmark_lines(ROOT) <= 4508
+    # -8 (→ 4,500): gemm.py's CUDA-graph timing loop moved to common/timing.py, which the spike's timer calls instead of
+    # its copy
+    assert am.benchmark_lines(ROOT) <= 4500

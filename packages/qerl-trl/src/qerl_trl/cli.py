@@ -37,6 +37,7 @@ from .validation import (
     TrainInputs,
     UsageError,
     UsageErrorParser,
+    _is_main_process,
     check_train_paths,
     continues_run_in,
     load_train_data,
@@ -704,11 +705,6 @@ def plan_main(argv: list[str], debug: bool) -> None:
     print(line)
     if not fits:
         raise SystemExit(2)
-
-
-def _is_main_process() -> bool:
-    """Rank 0, or a single process (``accelerate launch`` / ``torchrun`` set ``RANK``)."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def _print_summary(trainer: Any, seconds: float, final: Path, steps_run: int) -> None:

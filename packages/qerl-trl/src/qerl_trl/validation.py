@@ -534,6 +534,11 @@ def _check_resume_step(checkpoint: str, given: str, config: Any) -> None:
         )
 
 
+def _is_main_process() -> bool:
+    """Rank 0, or a single process (``accelerate launch`` / ``torchrun`` set ``RANK``)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint | None:
     """The checks of :func:`validate_train_args` that need neither the trainer config's class nor the data: algorithm,
     task (one of ``tasks``), rewards, ``--limit``, ``--model_name_or_path``, ``--output_dir`` (an earlier run there
@@ -594,7 +599,7 @@ def check_train_paths(script_args: Any, config: Any, tasks: Any) -> ResumePoint 
             )
     # the folder's state is the main process's to judge: it alone writes there, and under a launch it writes the run's
     # recipe.yaml as soon as its own checks pass, which a slower rank would take for an earlier run's files
-    if config.output_dir is not None and os.environ.get("RANK", "0") == "0":
+    if config.output_dir is not None and _is_main_process():
         check_no_earlier_run(config.output_dir, script_args.resume, getattr(script_args, "overwrite_output_dir", False))
     return resume
 

@@ -442,11 +442,16 @@ def act_quant_lora_reference(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
+    form: int = 1,
+    a_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Plain PyTorch reference of :func:`act_quant_lora`, in the kernel's float32 arithmetic: the shrink multiplies
     ``h·w`` (the row before the norm's ``1 / rms``) rounded to A's dtype by A in float32, then ``· (1 / c)`` and
-    ``· rstd``; the amax over ``[v·rstd, s / c]``. Divisions tensor by tensor (correctly rounded, as the kernel's
-    under the interpreter; torch's ``scalar / tensor`` multiplies by a reciprocal, an ulp off a quarter of the time).
+    ``· rstd``. Form 1's amax is over ``[v·rstd, s / c]``; form 2's over ``[v·rstd, ‖v‖₂·rstd·a_norm / c]`` (v
+    rounded to A's dtype in the norm, ``a_norm = max_j ‖A_j‖₂``, :func:`nvfp4.kernels.fp8.lora_a_norm`'s
+    expression): a bound on ``|s / c|`` known before the shrink ends (Cauchy-Schwarz). Divisions tensor by tensor
+    (correctly rounded, as the kernel's under the interpreter; torch's ``scalar / tensor`` multiplies by a
+    reciprocal, an ulp off a quarter of the time).
 
     Returns:
         ``(q [M, K + r] float8_e4m3fn, s [M, 1] float32, y [M, K] in x's dtype, residual_out or None)``.
@@ -459,8 +464,16 @@ def act_quant_lora_reference(
         ms = ss / torch.full_like(ss, h.shape[-1])  # the kernel's sum / K
         rstd = torch.ones_like(ms) / torch.sqrt(ms + eps)
     sc = (v.to(lora_a.dtype).float() @ lora_a.float().T) * (1.0 / lora_scale_c) * rstd
-    amax = torch.maximum(v.abs().amax(dim=-1, keepdim=True) * rstd, sc.abs().amax(dim=-1, keepdim=True))
-    amax = amax.clamp_min(AMAX_FLOOR)
+    if form == 2:
+        if a_norm is None:
+            a_norm = lora_a.float().norm(dim=1).amax().reshape(1)
+        vr = v.to(lora_a.dtype).float()
+        bound = torch.sqrt(vr.pow(2).sum(dim=-1, keepdim=True)) * rstd * a_norm.to(v.device) * (1.0 / lora_scale_c)
+    elif form == 1:
+        bound = sc.abs().amax(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"act_quant_lora_reference: form must be 1 or 2, got {form}")
+    amax = torch.maximum(v.abs().amax(dim=-1, keepdim=True) * rstd, bound).clamp_min(AMAX_FLOOR)
     fp8_max = torch.full_like(amax, FP8_MAX)
     g = fp8_max / amax
     q = torch.cat([round_e4m3_reference(v * (rstd * g)), round_e4m3_reference(sc * g)], dim=-1)
@@ -477,13 +490,19 @@ def act_quant_lora(
     residual: torch.Tensor | None = None,
     write_y: bool = False,
     block_m: int | None = None,
+    form: int = 1,
+    split_k: int | None = None,
+    a_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`act_quant` with the LoRA shrink in the same kernel: ``q = [q(v) | q(s / c)]`` on one row scale.
 
     Args:
         x: ``[M, K]`` (``[M, 2K]`` for ``"silu_mul"``); lora_a: ``[r, K]`` bf16 (:func:`fp8_lora_weight`);
             lora_scale_c: the site's ``c``; mode, norm_weight, eps, residual, write_y: as :func:`act_quant`;
-            block_m: rows a kernel program (:func:`nvfp4.kernels.fp8.lora_blocks`).
+            block_m: rows a kernel program (:func:`nvfp4.kernels.fp8.lora_blocks` / ``split_blocks``).
+        form: 1 (one pass over K a row block; the row scale from the exact ``max|s / c|``) or 2 (split over K; the
+            row scale from a Cauchy-Schwarz bound on it); split_k: form 2's K slices (default: auto); a_norm: form 2's
+            ``max_j ‖A_j‖₂`` (float32 ``[1]``; :func:`nvfp4.kernels.fp8.lora_a_norm`, computed when ``None``).
 
     Returns:
         ``(q [M, K + r] float8_e4m3fn, s [M, 1] float32, y or None, residual_out or None)``. CUDA: the Triton
@@ -494,8 +513,9 @@ def act_quant_lora(
     if _use_triton(x):
         from .kernels.fp8 import act_quant_lora as launch
 
-        return launch(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual, write_y, block_m=block_m)
-    q, s, y, ro = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual)
+        return launch(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual, write_y, block_m=block_m, form=form,
+                      split_k=split_k, a_norm=a_norm)  # fmt: skip
+    q, s, y, ro = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual, form, a_norm)
     return q, s, y if write_y else None, ro
 
 
@@ -510,18 +530,22 @@ def fp8_lora_linear(
     eps: float = 1e-6,
     bias: torch.Tensor | None = None,
     block_m: int | None = None,
+    form: int = 1,
+    a_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y ≈ v·Wᵀ + Σ_i scaling_i·(v·A_iᵀ)·B_iᵀ + bias`` as one K + r FP8 GEMM: :func:`act_quant_lora` then
     :func:`scaled_linear` (``torch._scaled_mm`` row-wise on CUDA; the float32 reference matmul elsewhere).
 
     Args:
         x: ``[M, K]`` (``[M, 2K]`` for ``"silu_mul"``), v its normalised / activated row (``mode``); w8_ext, lora_a,
-            lora_scale_c: :func:`fp8_lora_weight`'s; w_scale: W's ``[N]`` row scales; bias: ``[N]`` or None.
+            lora_scale_c: :func:`fp8_lora_weight`'s; w_scale: W's ``[N]`` row scales; bias: ``[N]`` or None;
+            block_m, form, a_norm: :func:`act_quant_lora`'s (form 2's K slices: the default).
 
     Returns:
         ``[M, N]`` in x's dtype.
     """
-    q, s, _, _ = act_quant_lora(x, lora_a, lora_scale_c, mode, norm_weight, eps, block_m=block_m)
+    q, s, _, _ = act_quant_lora(x, lora_a, lora_scale_c, mode, norm_weight, eps, block_m=block_m, form=form,
+                                a_norm=a_norm)  # fmt: skip
     return scaled_linear(q, s, w8_ext, w_scale, bias, x.dtype)
 
 
@@ -535,8 +559,9 @@ def fp8_lora_linear_reference(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     bias: torch.Tensor | None = None,
+    form: int = 1,
 ) -> torch.Tensor:
-    """The whole fused linear in plain PyTorch: :func:`act_quant_lora_reference`, then the K + r GEMM in float32 on
-    the dequantised E4M3 values (``(q · s) · (w8_ext · w_scale)ᵀ + bias``); float32 ``[M, N]``."""
-    q, s, _, _ = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps)
+    """The whole fused linear in plain PyTorch: :func:`act_quant_lora_reference` (``form`` 1 or 2), then the K + r
+    GEMM in float32 on the dequantised E4M3 values (``(q · s) · (w8_ext · w_scale)ᵀ + bias``); float32 ``[M, N]``."""
+    q, s, _, _ = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps, form=form)
     return scaled_linear_reference(q, s, w8_ext, w_scale, bias, torch.float32)

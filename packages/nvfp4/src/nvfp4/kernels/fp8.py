@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_MAX", "MODES", "act_quant", "act_quant_lora", "compile_sm90", "compile_sm90_lora", "lora_blocks"]
+__all__ = ["FP8_MAX", "MODES", "act_quant", "act_quant_lora", "compile_sm90", "compile_sm90_lora",
+           "compile_sm90_split", "lora_a_norm", "lora_blocks", "split_blocks"]
 
 FP8_MAX = 448.0  # largest finite E4M3 (float8_e4m3fn)
 AMAX_FLOOR = 1e-12  # an all-zero row gets s = 1e-12 / 448 and q = 0
@@ -206,6 +207,103 @@ def _act_quant_lora_kernel(x_ptr, r_ptr, w_ptr, a_ptr, q_ptr, s_ptr, y_ptr, ro_p
                    stride_ro, HAS_RESIDUAL, True, WRITE_Y)  # fmt: skip
 
 
+@triton.jit
+def _lora_stats_kernel(x_ptr, r_ptr, w_ptr, an_ptr, s_ptr, st_ptr, K, stride_x, stride_r, eps, inv_c,
+                       MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, A_DTYPE: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    """Form 2's statistics, row ``pid``: ``rstd`` (the norm), ``amax(v)`` and ``‖v‖₂`` (v rounded to A's dtype, as
+    the shrink multiplies it), then the row's amax ``max(amax(v)·rstd, ‖v‖₂·rstd·max_j‖A_j‖₂ / c)`` (Cauchy-Schwarz:
+    ``|s_j / c| ≤`` the second term, so the split pass can write q_x before the shrink ends). Writes ``s[pid] =
+    amax / 448`` and ``st[pid] = (amax, rstd)``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    base = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    am = tl.zeros([BLOCK_K], dtype=tl.float32)
+    nn = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + base
+        mask = offs < K
+        v = _load_h(x_row, r_row, offs, mask, K, MODE, HAS_RESIDUAL)
+        if MODE == 1:
+            ss += v * v
+            v = v * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        am = tl.maximum(am, tl.abs(v))
+        vr = v.to(A_DTYPE).to(tl.float32)
+        nn += vr * vr
+    rstd = 1.0
+    if MODE == 1:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    bound = tl.sqrt(tl.sum(nn, axis=0)) * rstd * tl.load(an_ptr) * inv_c
+    amax = tl.maximum(tl.maximum(tl.max(am, axis=0) * rstd, bound), 1e-12)
+    tl.store(s_ptr + row, amax / 448.0)
+    tl.store(st_ptr + 2 * row, amax)
+    tl.store(st_ptr + 2 * row + 1, rstd)
+
+
+@triton.jit
+def _act_quant_lora_split_kernel(x_ptr, r_ptr, w_ptr, a_ptr, q_ptr, st_ptr, part_ptr, cnt_ptr, y_ptr, ro_ptr, M, K, KS,
+                                 SPLIT, stride_x, stride_r, stride_a, stride_q, stride_y, stride_ro, inv_c,
+                                 MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_Y: tl.constexpr,
+                                 R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """Form 2's split pass, program ``(row block pid_m, K slice pid_k)``: quantises ``q[rows, slice]`` with the
+    statistics pass's row scale, writes ``y`` / the new residual on the slice, and stores its shrink partial
+    ``v[:, slice]·A[:, slice]ᵀ`` (float32 ``[BLOCK_M, R]``) at ``part[pid_k]``. The program that finishes a row
+    block last (an atomic counter a row block, acq_rel: the partials' stores are visible to it) sums the ``SPLIT``
+    partials in slice order (deterministic), quantises ``s / c`` into ``q[:, K:K + R]`` and sets the counter back
+    to 0, so the next launch (or a CUDA-graph replay) needs no host-side zeroing."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < M
+    amax = tl.load(st_ptr + 2 * rows, mask=row_ok, other=1.0)
+    g = 448.0 / amax
+    rstd = 1.0
+    if MODE == 1:
+        rstd = tl.load(st_ptr + 2 * rows + 1, mask=row_ok, other=1.0)
+    f = (rstd * g)[:, None]
+    rstd_col = rstd
+    if MODE == 1:
+        rstd_col = rstd[:, None]
+    x_row = x_ptr + rows[:, None] * stride_x
+    r_row = r_ptr + rows[:, None] * stride_r
+    base = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    k_lo = pid_k * KS
+    for k0 in range(0, KS, BLOCK_K):
+        offs = k_lo + k0 + base
+        k_ok = offs < K
+        mask = row_ok[:, None] & k_ok[None, :]
+        h = _load_h(x_row, r_row, offs[None, :], mask, K, MODE, HAS_RESIDUAL)
+        v = h
+        if MODE == 1:
+            v = h * tl.load(w_ptr + offs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        _store_row(v, h, f, rstd_col, offs[None, :], mask, rows[:, None], q_ptr, y_ptr, ro_ptr, stride_q, stride_y,
+                   stride_ro, HAS_RESIDUAL, True, WRITE_Y)  # fmt: skip
+        a_t = tl.load(a_ptr + rr[None, :] * stride_a + offs[:, None], mask=r_ok[None, :] & k_ok[:, None],
+                      other=0.0)  # Aᵀ tile [BLOCK_K, BLOCK_R]  # fmt: skip
+        acc = tl.dot(v.to(a_ptr.dtype.element_ty), a_t, acc)
+    out_mask = row_ok[:, None] & r_ok[None, :]
+    part = part_ptr + rows[:, None] * R + rr[None, :]
+    tl.store(part + pid_k * M * R, acc, mask=out_mask)
+    done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tot = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for j in range(0, SPLIT):
+            # .cg: from L2, where the other programs' stores are (this SM's L1 may not have seen them)
+            tot += tl.load(part + j * M * R, mask=out_mask, other=0.0, cache_modifier=".cg")
+        sc = tot * inv_c
+        if MODE == 1:
+            sc = sc * rstd_col
+        q_s = _round_e4m3(tl.minimum(tl.maximum(sc * g[:, None], -448.0), 448.0))
+        tl.store(q_ptr + rows[:, None] * stride_q + K + rr[None, :], q_s.to(q_ptr.dtype.element_ty), mask=out_mask)
+        tl.atomic_xchg(cnt_ptr + pid_m, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
 def _block(k: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) for a row of ``k`` elements: one tile up to 8,192 (16 fp32 values a thread)."""
     block = min(triton.next_power_of_2(k), MAX_BLOCK_K)
@@ -319,8 +417,14 @@ def act_quant_lora(
     write_y: bool = False,
     residual_out: torch.Tensor | None = None,
     block_m: int | None = None,
+    form: int = 1,
+    split_k: int | None = None,
+    a_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch ``_act_quant_lora_kernel``: :func:`act_quant`'s per-token E4M3 with the LoRA shrink beside it.
+    """:func:`act_quant`'s per-token E4M3 with the LoRA shrink beside it: ``form=1`` launches
+    ``_act_quant_lora_kernel`` (BLOCK_M rows a program over the whole K; the row scale from the exact ``max|s / c|``),
+    ``form=2`` ``_lora_stats_kernel`` then ``_act_quant_lora_split_kernel`` (row blocks × K slices; the row scale from
+    the Cauchy-Schwarz bound on ``|s / c|``, :func:`lora_a_norm`; docs/fp8_rollouts.md "Form 2").
 
     Args:
         x: ``[M, K]`` (``[M, 2K]`` = ``[gate | up]`` for ``"silu_mul"``), float16/bfloat16/float32, last dim contiguous.
@@ -328,7 +432,10 @@ def act_quant_lora(
             shrink multiplies ``v`` rounded to this dtype (as a bf16 LoRA does), accumulating in float32.
         lora_scale_c: the site's power of two ``c`` (:func:`nvfp4.fp8.lora_scale_c`): the kernel quantises ``s / c``.
         mode, norm_weight, eps, residual, write_y, residual_out: as :func:`act_quant`.
-        block_m: rows a program (:func:`lora_blocks`; default 8).
+        block_m: rows a program (form 1: :func:`lora_blocks`, default 8; form 2: :func:`split_blocks`, default 16).
+        form: 1 or 2; split_k: form 2's K slices (default: :func:`split_blocks`'s, ~264 programs in all).
+        a_norm: form 2's ``max_j ‖A_j‖₂``, float32 ``[1]`` on x's device (:func:`lora_a_norm`; computed when
+            ``None``: two more small kernels a call, so callers that replay pass it).
 
     Returns:
         ``(q, s, y, residual_out)``: q float8_e4m3fn ``[M, K + r]`` contiguous (``q[:, :K]`` the row, ``q[:, K:]``
@@ -358,6 +465,11 @@ def act_quant_lora(
     ro = None
     if residual is not None:
         ro = _empty((m, k), x.dtype, dev) if residual_out is None else residual_out
+    if form == 2:
+        _launch_split(x, lora_a, lora_scale_c, code, norm_weight, eps, residual, q, s, y, ro, block_m, split_k, a_norm)
+        return q, s, y, ro
+    if form != 1:
+        raise ValueError(f"act_quant_lora: form must be 1 or 2, got {form}")
     bm, bk, br, warps = lora_blocks(m, k, r, block_m)
     dummy = x
     _act_quant_lora_kernel[(triton.cdiv(m, bm),)](
@@ -368,6 +480,77 @@ def act_quant_lora(
         BLOCK_M=bm, BLOCK_K=bk, num_warps=warps,
     )  # fmt: skip
     return q, s, y, ro
+
+
+def lora_a_norm(lora_a: torch.Tensor) -> torch.Tensor:
+    """``max_j ‖A_j‖₂`` of the stacked ``A [r, K]`` in float32 (``[1]``, A's device): form 2's Cauchy-Schwarz factor,
+    made once a sync (the reference computes it the same way)."""
+    return lora_a.float().norm(dim=1).amax().reshape(1)
+
+
+def split_blocks(m: int, k: int, r: int, block_m: int | None = None,
+                 split_k: int | None = None) -> tuple[int, int, int, int, int, int]:  # fmt: skip
+    """``(BLOCK_M, BLOCK_K, BLOCK_R, SPLIT, KS, num_warps)`` of form 2's split pass.
+
+    ``BLOCK_M`` (default 16: A is read ``⌈M / 16⌉`` times in all, each slice by its own program): rows a program;
+    ``BLOCK_K`` as :func:`lora_blocks`; ``SPLIT`` K slices of ``KS`` columns (a multiple of BLOCK_K), by default as
+    many as bring the grid to ~264 programs (two an H100 SM: M = 128 at K = 3584 gives 8 × 28 one-tile programs,
+    at 18,944 8 × 30 five-tile programs), at most one a BLOCK_K tile.
+    """
+    bm = block_m if block_m is not None else 16
+    if bm not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"act_quant_lora: block_m must be 1, 2, 4, 8, 16 or 32, got {bm}")
+    bm = min(bm, max(1, triton.next_power_of_2(m)))
+    br = max(16, triton.next_power_of_2(r))
+    bk = max(16, min(4096 // bm, 16384 // br, 128, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(k, bk)
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"act_quant_lora: split_k must be >= 1, got {split_k}")
+    split = split_k if split_k is not None else triton.cdiv(264, triton.cdiv(m, bm))
+    ks = triton.cdiv(tiles, max(1, min(split, tiles))) * bk
+    return bm, bk, br, triton.cdiv(k, ks), ks, 4 if bm * bk >= 2048 else 2
+
+
+# Form 2's row-block counters: zero when no launch is in flight (the last program of a row block resets its own);
+# one buffer a device, grown by reallocating (the old one kept alive: a captured CUDA graph may still point at it).
+# One stream at a time: two form-2 launches in flight together on two streams would share counters.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    bufs = _COUNTERS.setdefault(dev, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=dev))
+    return bufs[-1]
+
+
+def _launch_split(x, lora_a, c, code, norm_weight, eps, residual, q, s, y, ro, block_m, split_k, a_norm) -> None:
+    m, r, k = x.shape[0], lora_a.shape[0], lora_a.shape[1]
+    if a_norm is None:
+        a_norm = lora_a_norm(lora_a)
+    if a_norm.dtype != torch.float32 or a_norm.numel() != 1 or a_norm.device != x.device:
+        raise ValueError(f"act_quant_lora: a_norm must be float32 [1] on {x.device}, got {a_norm.dtype} "
+                         f"{tuple(a_norm.shape)} on {a_norm.device}")  # fmt: skip
+    bm, bk, br, split, ks, warps = split_blocks(m, k, r, block_m, split_k)
+    nb = triton.cdiv(m, bm)
+    st = torch.empty((m, 2), dtype=torch.float32, device=x.device)  # (amax, rstd) a row: fully written
+    part = torch.empty((split, m, r), dtype=torch.float32, device=x.device)  # shrink partials: fully written
+    cnt = _counters(x.device, nb)
+    dummy = x
+    res = residual if residual is not None else dummy
+    nw = norm_weight if norm_weight is not None else dummy
+    a_dt = tl.bfloat16 if lora_a.dtype == torch.bfloat16 else tl.float16
+    sblock, swarps = _block(k)
+    _lora_stats_kernel[(m,)](
+        x, res, nw, a_norm, s, st, k, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps),
+        1.0 / c, MODE=code, HAS_RESIDUAL=residual is not None, A_DTYPE=a_dt, BLOCK_K=sblock, num_warps=swarps,
+    )  # fmt: skip
+    _act_quant_lora_split_kernel[(nb, split)](
+        x, res, nw, lora_a, q, st, part, cnt, y if y is not None else dummy, ro if ro is not None else dummy, m, k, ks,
+        split, x.stride(0), residual.stride(0) if residual is not None else 0, lora_a.stride(0), k + r, k, k, 1.0 / c,
+        MODE=code, HAS_RESIDUAL=residual is not None, WRITE_Y=y is not None, R=r, BLOCK_R=br, BLOCK_M=bm, BLOCK_K=bk,
+        num_warps=warps,
+    )  # fmt: skip
 
 
 def compile_sm90_lora(k: int, r: int, mode: str = "rms_norm", residual: bool = False, write_y: bool = False,
@@ -389,3 +572,36 @@ def compile_sm90_lora(k: int, r: int, mode: str = "rms_norm", residual: bool = F
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps))  # fmt: skip
+
+
+def compile_sm90_split(k: int, r: int, mode: str = "rms_norm", residual: bool = False, write_y: bool = False,
+                       block_m: int = 16, m: int = 128):  # fmt: skip
+    """Form 2's ``(stats, split)`` kernels for a ``k``-wide row and rank ``r`` compiled for sm_90a without a GPU
+    (the CPU build check of ``tests/nvfp4/test_fp8_lora.py``); the split pass's blocks as :func:`split_blocks` picks
+    them at ``m`` rows."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    sblock, swarps = _block(k)
+    sfn = _lora_stats_kernel
+    sptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", an_ptr="*fp32", s_ptr="*fp32", st_ptr="*fp32")
+    sints = ("K", "stride_x", "stride_r")
+    sconsts = {"MODE": MODES[mode], "HAS_RESIDUAL": residual, "A_DTYPE": tl.bfloat16, "BLOCK_K": sblock}
+    ssig = {**sptrs, **dict.fromkeys(sints, "i32"), "eps": "fp32", "inv_c": "fp32",
+            **dict.fromkeys(sconsts, "constexpr")}  # fmt: skip
+    saligned = ("x_ptr", "r_ptr", "w_ptr", *sints)
+    sattrs = {(sfn.arg_names.index(a),): [["tt.divisibility", 16]] for a in saligned}
+    stats = triton.compile(ASTSource(sfn, ssig, sconsts, sattrs), target=target, options=dict(num_warps=swarps))
+    fn = _act_quant_lora_split_kernel
+    bm, bk, br, _, _, warps = split_blocks(m, k, r, block_m)
+    ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", a_ptr="*bf16", q_ptr="*fp8e4nv", st_ptr="*fp32",
+                part_ptr="*fp32", cnt_ptr="*i32", y_ptr="*bf16", ro_ptr="*bf16")  # fmt: skip
+    ints = ("M", "K", "KS", "SPLIT", "stride_x", "stride_r", "stride_a", "stride_q", "stride_y", "stride_ro")
+    consts = {"MODE": MODES[mode], "HAS_RESIDUAL": residual, "WRITE_Y": write_y, "R": r, "BLOCK_R": br,
+              "BLOCK_M": bm, "BLOCK_K": bk}  # fmt: skip
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), "inv_c": "fp32", **dict.fromkeys(consts, "constexpr")}
+    aligned = [a for a in (*ptrs, *ints) if a not in ("st_ptr", "cnt_ptr", "M", "SPLIT")]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    split = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=dict(num_warps=warps))
+    return stats, split

@@ -44,10 +44,10 @@ _HELPERS = textwrap.dedent(
     import torch
     from nvfp4 import fp8
 
-    def compare(x, a, c, mode, w, r, q, s, y, ro, eps=1e-6):
+    def compare(x, a, c, mode, w, r, q, s, y, ro, eps=1e-6, form=1, a_norm=None):
         '''Kernel outputs against the reference: equality, and the size of any mismatch. q is compared as values:
         the kernel's rounding gives +0 where PyTorch's cast keeps -0 (a tiny negative value), the same number.'''
-        rq, rs, ry, rro = fp8.act_quant_lora_reference(x, a, c, mode, w, eps, r)
+        rq, rs, ry, rro = fp8.act_quant_lora_reference(x, a, c, mode, w, eps, r, form, a_norm)
         k = x.shape[1] // 2 if mode == "silu_mul" else x.shape[1]
         for t in (q, s, y) + ((ro,) if r is not None else ()):
             assert not torch.isnan(t.float()).any(), "an output element was never written"
@@ -159,9 +159,89 @@ _INTERP_SCRIPT = _HELPERS + textwrap.dedent(
 )
 
 
+# Form 2 (statistics pass, then row blocks × K slices; the last program of a row block sums the shrink partials)
+_INTERP_SCRIPT_2 = _HELPERS + textwrap.dedent(
+    """
+    import json
+    from nvfp4.codec import dequantize, quantize
+    from nvfp4.kernels import fp8 as kfp8
+
+    kfp8.POISON_OUTPUTS = True
+    torch.manual_seed(54)
+    out = []
+    # (m, k, r, split_k, block_m): odd M, M = 1, two row blocks (17 / 16), K not a multiple of BLOCK_K, one slice
+    cases = [(1, 96, 32, None, None), (5, 300, 96, 3, 8), (13, 1000, 64, None, 16), (3, 520, 32, 2, 4),
+             (17, 256, 32, 1, 16), (9, 640, 96, None, 4)]
+    cnt = lambda: kfp8._COUNTERS[torch.device("cpu")][-1]
+    EPS = 2.0**-20
+    for m, k, r, sk, bm in cases:
+        # (1) exact sums (binary grids, as form 1's test): kernel = reference bit for bit
+        for mode, with_res in (("plain", False), ("rms_norm", True)):
+            x = (torch.randint(-32, 33, (m, k)) / 4).half()
+            w = torch.randint(2, 7, (k,)) / 4 if mode == "rms_norm" else None
+            r_in = (torch.randint(-16, 17, (m, k)) / 4).half() if with_res else None
+            a = (torch.randint(-16, 17, (r, k)) / 32).half()
+            an = kfp8.lora_a_norm(a)
+            q, s, y, ro = kfp8.act_quant_lora(x, a, 0.5, mode, w, EPS, r_in, write_y=True, block_m=bm, form=2,
+                                              split_k=sk, a_norm=an)
+            out.append(dict(kind="exact2", m=m, k=k, r=r, mode=mode, split=kfp8.split_blocks(m, k, r, bm, sk)[3],
+                            shape=list(q.shape), counters_zero=bool((cnt() == 0).all()),
+                            **compare(x, a, 0.5, mode, w, r_in, q, s, y, ro, EPS, 2, an)))
+        # (2) random rows, every mode; then the same call again (the counters were reset: equal bytes)
+        for mode, with_res in (("plain", False), ("rms_norm", False), ("rms_norm", True), ("silu_mul", False)):
+            x = (torch.randn(m, 2 * k if mode == "silu_mul" else k) * 3).half()
+            x[0, : k // 2] *= 1e-4
+            w = torch.rand(k) + 0.5 if mode == "rms_norm" else None
+            r_in = torch.randn(m, k).half() if with_res else None
+            a = (torch.randn(r, k) / k**0.5).half()
+            c = 2.0 ** int(torch.randint(-3, 5, ()))
+            got = kfp8.act_quant_lora(x, a, c, mode, w, 1e-6, r_in, write_y=True, block_m=bm, form=2, split_k=sk)
+            again = kfp8.act_quant_lora(x, a, c, mode, w, 1e-6, r_in, write_y=True, block_m=bm, form=2, split_k=sk)
+            same = all(torch.equal(u.view(torch.uint8) if u.dtype == torch.float8_e4m3fn else u,
+                                   v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v)
+                       for u, v in zip(got, again) if u is not None)
+            out.append(dict(kind="random2", m=m, k=k, r=r, mode=mode, residual=with_res, c=c, repeat_equal=same,
+                            counters_zero=bool((cnt() == 0).all()), **compare(x, a, c, mode, w, r_in, *got,
+                                                                                form=2)))
+    # (3) the whole fused linear against float64 (form 2's K + r operands; form 1's on the same rows beside it)
+    for widths, k, mode in (([96], 512, "plain"), ([128, 32, 32], 512, "rms_norm"), ([64, 64], 256, "rms_norm"),
+                            ([96], 384, "silu_mul")):
+        n, m = sum(widths), 7
+        gen = torch.Generator().manual_seed(n + k)
+        qw = quantize(torch.randn(n, k, generator=gen) * 0.02)
+        w8, ws = fp8.fp8_weight(qw.packed, qw.scale, qw.global_scale)
+        wd = dequantize(qw.packed, qw.scale, qw.global_scale, torch.float64)
+        ads = adapters(widths, k, 32, gen, torch.float16)
+        w8x, a, c = fp8.fp8_lora_weight(w8, ws, ads, widths, a_dtype=torch.float16)
+        x = torch.randn(m, 2 * k if mode == "silu_mul" else k, generator=gen).half()
+        nw = torch.rand(k, generator=gen) + 0.5 if mode == "rms_norm" else None
+        ref = exact(truth(x, mode, nw), wd, ads, widths)
+        rel = {}
+        for form in (1, 2):
+            q, s, _, _ = kfp8.act_quant_lora(x, a, c, mode, nw, 1e-6, form=form, split_k=3 if form == 2 else None)
+            yk = fp8.scaled_linear_reference(q, s, w8x, ws, None, torch.float32).double()
+            rel[form] = ((yk - ref).norm() / ref.norm()).item()
+            if form == 2:
+                yr = fp8.fp8_lora_linear_reference(x, w8x, ws, a, c, mode, nw, form=2).double()
+                vs_ref = ((yk - yr).norm() / yr.norm()).item()
+                # binades x gives up to the bound: log2(row scale of form 2 / form 1's)
+                s1 = fp8.act_quant_lora_reference(x, a, c, mode, nw, form=1)[1]
+                lost = torch.log2(s / s1).median().item()
+        out.append(dict(kind="linear2", widths=widths, k=k, mode=mode, c=c, rel=rel[2], rel_form1=rel[1],
+                        rel_vs_reference=vs_ref, binades_lost=lost))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def interp_results() -> list[dict]:
     return run_under_interpreter(_INTERP_SCRIPT, timeout=900, extra_path=[SRC])
+
+
+@pytest.fixture(scope="module")
+def interp_results_2() -> list[dict]:
+    return run_under_interpreter(_INTERP_SCRIPT_2, timeout=900, extra_path=[SRC])
 
 
 def test_kernel_is_bit_exact_against_the_reference_where_float32_sums_are_exact(interp_results):
@@ -195,6 +275,41 @@ def test_fused_lora_linear_within_the_e4m3_bound(interp_results):
         assert r["rel_adapter"] < 0.05, r  # the adapter's own term at E4M3's precision too
         assert r["rel_vs_reference"] < 2e-3, r  # kernel q vs reference q: rare one-step differences only
         assert abs(r["rel"] - r["rel_base_fp8"]) < 0.01, r  # the adapter columns cost the layer no precision
+
+
+def test_form2_kernel_is_exact_against_its_reference_where_float32_sums_are_exact(interp_results_2):
+    """Form 2 on binary grids: the shrink's partials summed in slice order and the norm's sums exact, so every q (all
+    K + r columns) equals the reference's; s too but for an ulp in rare rows (the interpreter's float32 arithmetic on
+    a Python float argument is not PyTorch's), and every row-block counter back at 0 after the call."""
+    rows = [r for r in interp_results_2 if r["kind"] == "exact2"]
+    assert len(rows) == 6 * 2 and {r["split"] for r in rows} >= {1, 2, 3, 5, 8}
+    for r in rows:
+        assert r["shape"] == [r["m"], r["k"] + r["r"]] and r["counters_zero"] and r["ro_equal"], r
+        assert r["q_equal"] and r["s_rel"] < 3e-7 and r["y_rel"] == 0.0, r
+    assert sum(r["s_equal"] for r in rows) >= len(rows) - 2
+
+
+def test_form2_kernel_matches_its_reference_on_random_rows_and_repeats(interp_results_2):
+    """Form 2 on random rows, every mode, odd M / two row blocks / one K slice: q within one E4M3 step where it
+    differs at all, s within ulps; a second call on the same inputs gives the same bytes (the last program of each
+    row block reset its counter: no host-side zeroing between calls)."""
+    rows = [r for r in interp_results_2 if r["kind"] == "random2"]
+    assert len(rows) == 6 * 4
+    for r in rows:
+        assert r["repeat_equal"] and r["counters_zero"], r
+        assert r["s_rel"] < 1e-6 and r["q_far"] == 0 and r["q_miss"] < 2e-3, r
+        assert r["y_rel"] < 1e-3 and r["ro_equal"], r
+
+
+def test_form2_fused_linear_within_the_e4m3_bound(interp_results_2):
+    """Form 2's K + r operands against float64 ``v·Wᵀ + scaling·(v·Aᵀ)·Bᵀ``: measured 0.038-0.040 (form 1 on the
+    same rows 0.037-0.039), bound 0.05; the Cauchy-Schwarz row scale costs x 2.7-3.5 binades at K = 256-512 (median
+    over rows), paid at the bottom of E4M3's range, where little of a Gaussian row lies."""
+    rows = [r for r in interp_results_2 if r["kind"] == "linear2"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["rel"] < 0.05 and abs(r["rel"] - r["rel_form1"]) < 0.01, r
+        assert r["rel_vs_reference"] < 2e-3 and 0 <= r["binades_lost"] < 6, r
 
 
 def test_c_rule_fits_b_under_every_row_and_is_the_largest_power_of_two():
@@ -260,6 +375,10 @@ def test_bad_input_is_one_line():
         lambda: kfp8.act_quant_lora(x, a.float(), 1.0),  # A's dtype
         lambda: kfp8.act_quant_lora(x, a, 1.0, "rms_norm"),  # no norm weight
         lambda: kfp8.act_quant_lora(x, a, 1.0, block_m=3),
+        lambda: kfp8.act_quant_lora(x, a, 1.0, form=3),
+        lambda: kfp8.act_quant_lora(x, a, 1.0, form=2, split_k=0),
+        lambda: kfp8.act_quant_lora(x, a, 1.0, form=2, a_norm=torch.ones(2)),
+        lambda: fp8.act_quant_lora_reference(x, a, 1.0, form=3),
         lambda: fp8.act_quant_lora(x, a, 1.0, "gelu"),
         lambda: fp8.fp8_lora_weight(w8, ws, [(a, torch.randn(15, 32), 1.0)]),  # B's rows
         lambda: fp8.fp8_lora_weight(w8, ws, [None, None], [8, 8]),  # no adapter at all
@@ -271,6 +390,22 @@ def test_bad_input_is_one_line():
         assert "\n" not in str(e.value), str(e.value)
 
 
+def _sm90_build(compiled) -> tuple[str, str, str]:
+    """(SASS, ptxas -v log, PTX) of a kernel compiled for sm_90a."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        cubin, ptx = Path(d) / "k.cubin", Path(d) / "k.ptx"
+        cubin.write_bytes(compiled.asm["cubin"])
+        ptx.write_text(compiled.asm["ptx"])
+        sass = subprocess.run([bin_dir / "cuobjdump", "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+        ptxas = subprocess.run([bin_dir / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", Path(d) / "again.cubin"],
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    return sass, ptxas.stdout + ptxas.stderr, compiled.asm["ptx"]
+
+
 @pytest.mark.parametrize("k,r,mode,residual,write_y,block_m", [(3584, 96, "rms_norm", True, False, 8),
                                                                (3584, 32, "plain", False, False, 8),
                                                                (3584, 64, "rms_norm", False, False, 16),
@@ -279,28 +414,47 @@ def test_bad_input_is_one_line():
 def test_act_quant_lora_compiles_for_sm90a(k, r, mode, residual, write_y, block_m):
     """The 7B's builds (qkv r = 96 stacked, o, gate_up 2r, down) for sm_90a without a GPU: the shrink on the tensor
     cores (HMMA), the E4M3 packs, 128-bit row loads, no spills."""
-    import triton
     from nvfp4.kernels import fp8 as kfp8
 
-    compiled = kfp8.compile_sm90_lora(k, r, mode, residual, write_y, block_m)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        cubin, ptx = Path(d) / "k.cubin", Path(d) / "k.ptx"
-        cubin.write_bytes(compiled.asm["cubin"])
-        ptx.write_text(compiled.asm["ptx"])
-        sass = subprocess.run(
-            [bin_dir / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
-        ptxas = subprocess.run([bin_dir / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", Path(d) / "again.cubin"],
-                               capture_output=True, text=True, check=True)  # fmt: skip
-    log = ptxas.stdout + ptxas.stderr
+    sass, log, _ = _sm90_build(kfp8.compile_sm90_lora(k, r, mode, residual, write_y, block_m))
     assert "0 bytes spill stores" in log and "LDL" not in sass and "STL" not in sass, log
     assert "HMMA" in sass and "F2FP.SATFINITE.E4M3.F32.PACK_AB" in sass and "LDG.E.128" in sass
+
+
+@pytest.mark.parametrize("k,r,mode,residual,write_y,m", [(3584, 96, "rms_norm", True, False, 128),
+                                                         (3584, 32, "plain", False, False, 128),
+                                                         (3584, 64, "rms_norm", False, False, 256),
+                                                         (18944, 32, "silu_mul", False, False, 128),
+                                                         (3584, 96, "rms_norm", False, True, 512)])  # fmt: skip
+def test_act_quant_lora_form2_compiles_for_sm90a(k, r, mode, residual, write_y, m):
+    """Form 2 at the 7B's sites for sm_90a without a GPU: the statistics kernel (128-bit row loads, no spills) and
+    the split pass (HMMA shrink, E4M3 packs, no spills; the row-block counter as one acq_rel atomic add at gpu
+    scope and a relaxed exchange back to 0; the partials read back through L2, ``ld.global.cg``)."""
+    from nvfp4.kernels import fp8 as kfp8
+
+    stats, split = kfp8.compile_sm90_split(k, r, mode, residual, write_y, 16, m)
+    sass, log, _ = _sm90_build(stats)
+    assert "0 bytes spill stores" in log and "LDL" not in sass and "STL" not in sass, log
+    assert "LDG.E.128" in sass
+    sass, log, ptx = _sm90_build(split)
+    assert "0 bytes spill stores" in log and "LDL" not in sass and "STL" not in sass, log
+    assert "HMMA" in sass and "F2FP.SATFINITE.E4M3.F32.PACK_AB" in sass and sass.count("ATOMG") == 2, sass.count("ATOMG")
+    assert "atom.global.gpu.acq_rel.add.u32" in ptx and "atom.global.gpu.relaxed.exch.b32" in ptx
+    assert "ld.global.cg" in ptx
 
 
 # --------------------------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------------------------
+def _s_bound(k: int) -> float:
+    """Bound on s's relative difference kernel vs reference where the shrink sets the row scale: s is then one
+    element of ``v·Aᵀ``, a float32 sum of K products that the kernel (tl.dot's K tiles, then the partials) and torch
+    (its own blocking) add in different orders. Rounding errors of a sum in two orders differ like a random walk:
+    ~u·√K relative, u = 2⁻²⁴ (a fixed 1e-5 held at K = 3584 and failed at 18,944: 3.08e-5 = 3.7·u·√K, m = 127, on
+    the H100 at f0b1812). 16·u·√K leaves 4× over that measurement: 7.8e-5 at 3584, 1.3e-4 at 18,944."""
+    return 16 * 2.0**-24 * math.sqrt(k)
+
+
 @pytest.mark.gpu
 @cuda
 def test_act_quant_lora_kernel_bf16_against_the_reference_gpu():
@@ -324,7 +478,7 @@ def test_act_quant_lora_kernel_bf16_against_the_reference_gpu():
                 a = (torch.randn(r, k, generator=gen) / k**0.5).cuda().bfloat16()
                 got = kfp8.act_quant_lora(x, a, 0.25, mode, w, 1e-6, res, write_y=True, block_m=bm)
                 c = ns["compare"](x, a, 0.25, mode, w, res, *got)
-                assert c["s_rel"] < 1e-5 and c["q_far"] == 0 and c["q_miss"] < 5e-3, (k, r, mode, m, c)
+                assert c["s_rel"] < _s_bound(k) and c["q_far"] == 0 and c["q_miss"] < 5e-3, (k, r, mode, m, c)
                 assert c["ro_equal"] and c["y_rel"] < 1e-2, (k, r, mode, m, c)
     finally:
         kfp8.POISON_OUTPUTS = False
@@ -334,7 +488,8 @@ def test_act_quant_lora_kernel_bf16_against_the_reference_gpu():
 @cuda
 def test_scaled_mm_on_the_k_plus_r_operands_gpu():
     """The 7B's four sites: ``torch._scaled_mm`` on ``[q_x | q_s]`` and ``[W | c·B]`` equals the float32 reference
-    matmul (bf16 output rounding), and the fused linear is within 0.05 of float64 ``v·Wᵀ + scaling·(v·Aᵀ)·Bᵀ``."""
+    matmul (bf16 output rounding), and the fused linear (forms 1 and 2) is within 0.05 of float64 ``v·Wᵀ +
+    scaling·(v·Aᵀ)·Bᵀ``."""
     ns: dict = {}
     exec(_HELPERS, ns)  # noqa: S102
     gen = torch.Generator().manual_seed(6)
@@ -355,8 +510,10 @@ def test_scaled_mm_on_the_k_plus_r_operands_gpu():
             assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
             assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3, (widths, k, m)
             exact = ns["exact"](ns["truth"](x, mode, nw), wd, ads, widths)
-            rel = ((fp8.fp8_lora_linear(x, w8x, ws, a, c, mode, nw).double() - exact).norm() / exact.norm()).item()
-            assert rel < 0.05, (widths, k, m, rel)
+            for form in (1, 2):
+                y = fp8.fp8_lora_linear(x, w8x, ws, a, c, mode, nw, form=form)
+                rel = ((y.double() - exact).norm() / exact.norm()).item()
+                assert rel < 0.05, (widths, k, m, form, rel)
 
 
 @pytest.mark.gpu
@@ -387,3 +544,75 @@ def test_fused_lora_linear_replays_in_a_cuda_graph_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step()) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@cuda
+def test_act_quant_lora_form2_bf16_against_the_reference_gpu():
+    """Form 2 in bf16 at the 7B's sites (the default split: 28-30 K slices at M = 128), outputs NaN-poisoned: q within
+    one E4M3 step of the reference's, s within :func:`_s_bound` (here the sums' order matters through the
+    statistics' ‖v‖₂ and rstd only: the shrink no longer sets s); two calls give the same bytes (the partials summed
+    in slice order: deterministic) and leave every counter at 0."""
+    from nvfp4.kernels import fp8 as kfp8
+
+    ns: dict = {}
+    exec(_HELPERS, ns)  # noqa: S102
+    kfp8.POISON_OUTPUTS = True
+    gen = torch.Generator().manual_seed(13)
+    try:
+        for k, r, mode in ((3584, 96, "rms_norm"), (3584, 32, "plain"), (3584, 64, "rms_norm"), (18944, 32, "silu_mul")):
+            for m, bm, sk in ((1, 16, None), (127, 16, None), (257, 8, 7), (512, 16, None)):
+                x = (torch.randn(m, 2 * k if mode == "silu_mul" else k, generator=gen) * 3).cuda().bfloat16()
+                w = (torch.rand(k, generator=gen) + 0.5).cuda().bfloat16() if mode == "rms_norm" else None
+                res = torch.randn(m, k, generator=gen).cuda().bfloat16() if mode == "rms_norm" else None
+                a = (torch.randn(r, k, generator=gen) / k**0.5).cuda().bfloat16()
+                an = kfp8.lora_a_norm(a)
+                res_in = res.clone() if res is not None else None
+                got = kfp8.act_quant_lora(x, a, 0.25, mode, w, 1e-6, res, write_y=True, block_m=bm, form=2, split_k=sk,
+                                          a_norm=an)  # fmt: skip
+                again = kfp8.act_quant_lora(x, a, 0.25, mode, w, 1e-6, res, write_y=True, block_m=bm, form=2,
+                                            split_k=sk, a_norm=an)  # fmt: skip
+                torch.cuda.synchronize()
+                c = ns["compare"](x, a, 0.25, mode, w, res_in, *got, form=2, a_norm=an)
+                assert c["s_rel"] < _s_bound(k) and c["q_far"] == 0 and c["q_miss"] < 5e-3, (k, r, mode, m, c)
+                assert c["ro_equal"] and c["y_rel"] < 1e-2, (k, r, mode, m, c)
+                assert torch.equal(got[0].view(torch.uint8), again[0].view(torch.uint8)), (k, r, mode, m)
+                assert torch.equal(got[1], again[1]), (k, r, mode, m)
+                assert (kfp8._COUNTERS[x.device][-1] == 0).all(), (k, r, mode, m)
+    finally:
+        kfp8.POISON_OUTPUTS = False
+
+
+@pytest.mark.gpu
+@cuda
+def test_form2_replays_in_a_cuda_graph_gpu():
+    """Form 2's counters reset themselves: a captured fused linear replayed on new inputs equals the eager call,
+    replay after replay, with no host-side zeroing."""
+    from nvfp4.kernels import fp8 as kfp8
+
+    torch.manual_seed(3)
+    qw = quantize(torch.randn(3584, 18944, device="cuda") * 0.02)
+    w8, ws = fp8.fp8_weight(qw.packed, qw.scale, qw.global_scale)
+    ads = [(torch.randn(32, 18944, device="cuda").bfloat16() / 137, torch.randn(3584, 32, device="cuda") * 0.02, 2.0)]
+    w8x, a, c = fp8.fp8_lora_weight(w8, ws, ads)
+    an = kfp8.lora_a_norm(a)
+    x = torch.randn(128, 2 * 18944, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return fp8.fp8_lora_linear(x, w8x, ws, a, c, "silu_mul", form=2, a_norm=an)
+
+    step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+    assert (kfp8._COUNTERS[x.device][-1] == 0).all()

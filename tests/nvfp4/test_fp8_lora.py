@@ -10,8 +10,12 @@
   ``torch._scaled_mm`` has no row-wise scales) against float64 ``v·Wᵀ + scaling·(v·Aᵀ)·Bᵀ`` on the NVFP4 weight, plain
   and fused (3 / 2 members) layers: within 0.05. The c rule, the ``[W | c·B]`` layout, one-line errors, and the
   kernel compiled for sm_90a without a GPU (tensor-core shrink, E4M3 packs, no spills).
-* GPU (``-m gpu``): the kernel in bf16 against the reference at the 7B's sites, ``torch._scaled_mm`` on the K + r
-  operands against the reference matmul and float64, and a CUDA-graph replay.
+* Form 2 (statistics pass, then row blocks × K slices, the last program of a row block summing the shrink
+  partials): the same comparisons against its reference (the Cauchy-Schwarz row scale), a second call equal byte for
+  byte with every counter back at 0, the fused linear against float64, and its sm_90a build (no spills, the counter's
+  atomics, the partials read through L2).
+* GPU (``-m gpu``): both forms in bf16 against their references at the 7B's sites, ``torch._scaled_mm`` on the K + r
+  operands against the reference matmul and float64, and CUDA-graph replays.
 
 Error bound, from first principles: E4M3 keeps 3 mantissa bits, so a value in its normal range rounds within half a
 step, 2⁻⁴ relative (≈ 0.018 RMS on Gaussian values: uniform error over a binade); the product of two independently

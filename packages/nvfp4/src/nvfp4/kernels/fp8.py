@@ -34,6 +34,13 @@ at K = 3584, r = 32; 1.2 MB at down's 18,944) and does the shrink as one ``tl.do
 [BLOCK_K, r]`` a K tile, which changes the program's whole layout (2-D tiles, every row read twice: statistics +
 shrink, then quantise); today's kernel is left as it was (its sm_90a PTX unchanged). The per-row arithmetic is
 today's: ``_load_h``, ``_round_e4m3``, ``_store_row`` are shared, the amax floor and the float32 factors the same.
+
+**Form 2** (``act_quant_lora(..., form=2)``; form 1 measured 2.65× the FP8 GEMM alone on the H100, latency-bound in
+its serial K loop): ``_lora_stats_kernel`` (one program a row: ``rstd``, ``amax(v)``, ``‖v‖₂``, and a row scale from
+the Cauchy-Schwarz bound ``|s_j / c| ≤ ‖v‖₂·max_j‖A_j‖₂ / c``, known before the shrink), then
+``_act_quant_lora_split_kernel`` on row blocks × K slices: each program writes its slice of q and stores its shrink
+partial; the last program of a row block (an atomic counter it resets) sums the partials in slice order and writes
+``q[:, K:]``. Design and measurements: docs/fp8_rollouts.md, "Form 2".
 """
 
 from __future__ import annotations

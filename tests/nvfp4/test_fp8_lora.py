@@ -87,13 +87,27 @@ _HELPERS = textwrap.dedent(
             y[:, row : row + n] += sc * (v @ a.double().T) @ b.double().T
             row += n
         return y
+
+    def linear_case(widths, k, mode):
+        '''A fused layer's fixed case: NVFP4 weights [Σ widths, K] and their FP8 copy, rank-32 fp16 adapters, the
+        K + r operands, 7 fp16 rows (2K wide for silu_mul) and the RMSNorm weight.'''
+        from nvfp4.codec import dequantize, quantize
+
+        gen = torch.Generator().manual_seed(sum(widths) + k)
+        qw = quantize(torch.randn(sum(widths), k, generator=gen) * 0.02)
+        w8, ws = fp8.fp8_weight(qw.packed, qw.scale, qw.global_scale)
+        wd = dequantize(qw.packed, qw.scale, qw.global_scale, torch.float64)
+        ads = adapters(widths, k, 32, gen, torch.float16)
+        w8x, a, c = fp8.fp8_lora_weight(w8, ws, ads, widths, a_dtype=torch.float16)
+        x = torch.randn(7, 2 * k if mode == "silu_mul" else k, generator=gen).half()
+        nw = torch.rand(k, generator=gen) + 0.5 if mode == "rms_norm" else None
+        return w8, ws, wd, ads, w8x, a, c, x, nw
     """
 )
 
 _INTERP_SCRIPT = _HELPERS + textwrap.dedent(
     """
     import json
-    from nvfp4.codec import dequantize, quantize
     from nvfp4.kernels import fp8 as kfp8
 
     kfp8.POISON_OUTPUTS = True
@@ -131,15 +145,7 @@ _INTERP_SCRIPT = _HELPERS + textwrap.dedent(
     # (3) the whole fused linear against float64, plain / fused layers (members' widths), NVFP4 weights
     for widths, k, mode in (([96], 512, "plain"), ([128, 32, 32], 512, "rms_norm"), ([64, 64], 256, "rms_norm"),
                             ([96], 384, "silu_mul")):
-        n, m = sum(widths), 7
-        gen = torch.Generator().manual_seed(n + k)
-        qw = quantize(torch.randn(n, k, generator=gen) * 0.02)
-        w8, ws = fp8.fp8_weight(qw.packed, qw.scale, qw.global_scale)
-        wd = dequantize(qw.packed, qw.scale, qw.global_scale, torch.float64)
-        ads = adapters(widths, k, 32, gen, torch.float16)
-        w8x, a, c = fp8.fp8_lora_weight(w8, ws, ads, widths, a_dtype=torch.float16)
-        x = torch.randn(m, 2 * k if mode == "silu_mul" else k, generator=gen).half()
-        nw = torch.rand(k, generator=gen) + 0.5 if mode == "rms_norm" else None
+        w8, ws, wd, ads, w8x, a, c, x, nw = linear_case(widths, k, mode)
         q, s, _, _ = kfp8.act_quant_lora(x, a, c, mode, nw, 1e-6)
         yk = fp8.scaled_linear_reference(q, s, w8x, ws, None, torch.float32).double()  # the K + r GEMM
         yr = fp8.fp8_lora_linear_reference(x, w8x, ws, a, c, mode, nw).double()
@@ -167,7 +173,6 @@ _INTERP_SCRIPT = _HELPERS + textwrap.dedent(
 _INTERP_SCRIPT_2 = _HELPERS + textwrap.dedent(
     """
     import json
-    from nvfp4.codec import dequantize, quantize
     from nvfp4.kernels import fp8 as kfp8
 
     kfp8.POISON_OUTPUTS = True
@@ -210,15 +215,7 @@ _INTERP_SCRIPT_2 = _HELPERS + textwrap.dedent(
     # (3) the whole fused linear against float64 (form 2's K + r operands; form 1's on the same rows beside it)
     for widths, k, mode in (([96], 512, "plain"), ([128, 32, 32], 512, "rms_norm"), ([64, 64], 256, "rms_norm"),
                             ([96], 384, "silu_mul")):
-        n, m = sum(widths), 7
-        gen = torch.Generator().manual_seed(n + k)
-        qw = quantize(torch.randn(n, k, generator=gen) * 0.02)
-        w8, ws = fp8.fp8_weight(qw.packed, qw.scale, qw.global_scale)
-        wd = dequantize(qw.packed, qw.scale, qw.global_scale, torch.float64)
-        ads = adapters(widths, k, 32, gen, torch.float16)
-        w8x, a, c = fp8.fp8_lora_weight(w8, ws, ads, widths, a_dtype=torch.float16)
-        x = torch.randn(m, 2 * k if mode == "silu_mul" else k, generator=gen).half()
-        nw = torch.rand(k, generator=gen) + 0.5 if mode == "rms_norm" else None
+        w8, ws, wd, ads, w8x, a, c, x, nw = linear_case(widths, k, mode)
         ref = exact(truth(x, mode, nw), wd, ads, widths)
         rel = {}
         for form in (1, 2):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_graphs import capture
 from nvfp4 import fp8
 from nvfp4.codec import dequantize, quantize
 from nvfp4.layout import mma_layout_supported, to_mma_layout, to_scale_mma_layout
@@ -282,14 +283,7 @@ def test_fused_quant_and_scaled_mm_replay_in_a_cuda_graph_gpu():
         return fp8.scaled_linear(q, s, w8, ws)
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_graphs import capture
 from nvfp4 import fp8
 from nvfp4.codec import dequantize, quantize
 from triton_interpreter import run_under_interpreter
@@ -533,14 +534,7 @@ def test_fused_lora_linear_replays_in_a_cuda_graph_gpu():
         return fp8.fp8_lora_linear(x, w8x, ws, a, c, "rms_norm", norm_w)
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
@@ -603,14 +597,7 @@ def test_form2_replays_in_a_cuda_graph_gpu():
         return fp8.fp8_lora_linear(x, w8x, ws, a, c, "silu_mul", form=2, a_norm=an)
 
     step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()

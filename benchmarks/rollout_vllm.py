@@ -150,8 +150,8 @@ def run_arm(args) -> dict:
         os.environ["QERL_VLLM_NVFP4_BACKEND"] = backend
     import torch
 
-    res: dict = {"model": args.model, "arm": args.arm, "label": ARM_LABEL[args.arm], "engine": "vllm",
-                 "backend": backend, "batches": []}  # fmt: skip
+    res: dict = {"model": args.model, "arm": args.arm, "engine": "vllm", "backend": backend, "batches": [],
+                 "label": ARM_LABEL[args.arm].replace("+ LoRA", "(no adapter)") if args.no_adapter else ARM_LABEL[args.arm]}
     if engine_kw:
         res["engine_kw"] = engine_kw
     cuda = torch.cuda.is_available()
@@ -178,8 +178,8 @@ def run_arm(args) -> dict:
     register()  # also the entry point's job; explicit where the plugin is on PYTHONPATH only
     kw: dict = dict(model=str(paths[ckpt_kind]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                     max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.batch),
-                    enable_prefix_caching=False, enable_lora=True, max_lora_rank=args.lora_r, max_loras=1,
-                    **engine_kw)  # fmt: skip
+                    enable_prefix_caching=False, **engine_kw,
+                    **({} if args.no_adapter else dict(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1)))
     if cuda:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     else:
@@ -190,7 +190,7 @@ def run_arm(args) -> dict:
     res.update(llm.apply_model(_linear_quant)[0])
     if kernel := _KERNEL.get(args.arm):  # e.g. Humming asked for but Marlin ran: Marlin's numbers
         res["kernel_ok"] = any(k.endswith(":" + kernel) for k in res["linear_kernels"])
-    lora = LoRARequest("bench-adapter", 1, str(paths["adapter"]))
+    lora = None if args.no_adapter else LoRARequest("bench-adapter", 1, str(paths["adapter"]))
     vocab = MODELS[args.model]["vocab_size"]
     n, p = args.new_tokens, args.prompt_len
 
@@ -334,7 +334,7 @@ def table(results: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------------- driver
 _PASS = ("batch", "prompt_len", "new_tokens", "warmup_tokens", "repeats", "eos_mean_tokens", "min_new_tokens",
          "spread_warmups", "ckpt_root", "lora_tiles")  # fmt: skip
-_FLAGS = ("enforce_eager", "profile")
+_FLAGS = ("enforce_eager", "profile", "no_adapter")
 
 
 #: settings read from the environment that change what a run measures (the JSON's ``env``): vLLM's LoRA tiles, the
@@ -350,6 +350,7 @@ def main(argv=None) -> None:
                     help="comma list of " + ",".join(ARMS))  # fmt: skip
     ap.set_defaults(lora_r=32, gpu_memory_utilization=0.85)  # every committed run's (options no run set left, #48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (diagnostics)")
+    ap.add_argument("--no-adapter", action="store_true", help="no LoRA at all: the arm's ceiling (#51 item 3)")
     ap.add_argument("--lora-tiles", choices=("shipped", "stock", "tuned"), default="shipped",
                     help="vLLM's LoRA kernel tiles: each arm as it ships (ours tuned, stock vLLM's own), all vLLM's, "
                          "all tuned (qerl_vllm.lora_tiles)")  # fmt: skip

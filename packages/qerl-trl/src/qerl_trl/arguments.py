@@ -266,13 +266,18 @@ class PrecheckedArgs(SimpleNamespace):
     """Attribute access to the merged values of one config (defaults, then recipe, then command line)."""
 
 
+def _config_specs(algorithm: str) -> dict[str, dict]:
+    """The specs of ``algorithm``'s trainer config fields (DAPO's adds its fields to GRPO's; any other name: GRPO's,
+    the algorithm is refused elsewhere), from the snapshot."""
+    table = _load_table()
+    return {**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {})}
+
+
 @cache
 def train_options(algorithm: str, script_arguments: type) -> _Options:
-    """The options ``qerl train`` takes with ``algorithm``'s config (DAPO's adds its fields; any other name: GRPO's,
-    the algorithm is refused elsewhere) and the script arguments ``script_arguments``."""
-    table = _load_table()
-    return _Options({**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {}),
-                     **_dataclass_specs(script_arguments)})  # fmt: skip
+    """The options ``qerl train`` takes with ``algorithm``'s config (:func:`_config_specs`) and the script arguments
+    ``script_arguments``."""
+    return _Options({**_config_specs(algorithm), **_dataclass_specs(script_arguments)})
 
 
 class TrainArguments(Protocol):
@@ -314,7 +319,7 @@ def precheck_train(args: TrainArguments, script_arguments: type) -> tuple[Any, P
     recipe = copy.deepcopy(args.recipe)  # its values go into the objects returned: the caller's mapping stays as read
     if algorithm not in ("grpo", "dapo"):
         raise UsageError(f"--algorithm must be 'grpo' or 'dapo', got {algorithm!r}")
-    config_specs = {**table["grpo"], **(table["dapo"] if algorithm == "dapo" else {})}
+    config_specs = _config_specs(algorithm)
     options = train_options(algorithm, script_arguments)
     for key in recipe:
         if key != "env" and key not in options.specs:

@@ -171,20 +171,13 @@ def _option(argv: list[str], recipe: dict[str, Any], name: str, default: Any) ->
     return recipe.get(name, default)
 
 
-@functools.cache
-def _train_options() -> Any:
-    """The option names ``qerl train`` takes (GRPO's and DAPO's config, the script arguments), from the snapshot."""
-    from .arguments import _dataclass_specs, _load_table, _Options
-
-    table = _load_table()
-    return _Options({**table["grpo"], **table["dapo"], **_dataclass_specs(ScriptArguments)})
-
-
 def _option_field(spelling: str) -> str | None:
     """The field an option spelling sets, as argparse resolves it (``algo`` → ``algorithm``: the parser takes a unique
     prefix, so reading only ``--algorithm`` parsed ``--algo dapo`` into the GRPO config); None for no field."""
-    try:
-        field_name, negated = _train_options().resolve(spelling)
+    from .arguments import train_options
+
+    try:  # DAPO's options: GRPO's and its own, so every field either config has
+        field_name, negated = train_options("dapo", ScriptArguments).resolve(spelling)
     except UsageError:  # not an option of ours, or ambiguous: the parser reports it
         return None
     return None if negated else field_name

@@ -161,4 +161,5 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # GEMM beside the FP8 layer alone and vLLM's adapter on top); a spike: it leaves with its go / no-go recorded
     # -8 (→ 4,500): gemm.py's CUDA-graph timing loop moved to common/timing.py, which the spike's timer calls instead of
     # its copy
-    assert am.benchmark_lines(ROOT) <= 4500
+    # -153 (→ 4,347, #51 item 3): fp8_lora_spike.py left with forms 1 and 2's no-go (code at 902c614)
+    assert am.benchmark_lines(ROOT) <= 4347

@@ -15,11 +15,9 @@ while an FP8 GEMM stays 1.3-1.55× above it (the issue's table). This module hol
 * :func:`w4a16_or_fp8_linear` (``nvfp4::w4a16_or_fp8_linear``): ``rollout_precision="auto"``'s linear, W4A16 below a
   row count and FP8 from it, decided inside the op (so a dynamic-shape graph, vLLM's, keeps the choice per call);
 * :func:`fp8_weight_members`: :func:`fp8_weight` of a fused layer whose members have their own global scale.
-* the LoRA adapter as K columns of the FP8 GEMM (issue #51 item 3's spike, not wired into an engine yet):
-  :func:`fp8_lora_weight` (``[W_fp8 | c·B]`` and the stacked A of a plain or fused layer, the site's power of two
-  ``c`` by :func:`lora_scale_c`), :func:`act_quant_lora` (the quantisation with the shrink ``s = v·Aᵀ`` in it,
-  ``q = [q_x | q(s / c)]`` on one row scale), :func:`fp8_lora_linear` (the two, then the K + r GEMM) and their
-  references :func:`act_quant_lora_reference`, :func:`fp8_lora_linear_reference`.
+
+(Issue #51 item 3's spike, the LoRA adapter as K columns of the FP8 GEMM with the shrink inside the quantisation,
+measured no-go on the H100 in both of its forms and left the tree: it is at ``902c614``, docs/fp8_rollouts.md.)
 
 Dispatch: on CUDA the quantisation is the Triton kernel and the product ``torch._scaled_mm``; elsewhere both are the
 references below. CPU note: ``torch._scaled_mm`` on CPU (torch 2.11, oneDNN) takes per-tensor scales only, so the
@@ -27,9 +25,6 @@ CPU path of ``scaled_linear`` is the reference matmul (:func:`scaled_linear_refe
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Sequence
 
 import torch
 
@@ -41,16 +36,10 @@ from .ops import _use_triton
 __all__ = [
     "FP8_MAX",
     "act_quant",
-    "act_quant_lora",
-    "act_quant_lora_reference",
     "act_quant_reference",
     "fp8_linear",
-    "fp8_lora_linear",
-    "fp8_lora_linear_reference",
-    "fp8_lora_weight",
     "fp8_weight",
     "fp8_weight_members",
-    "lora_scale_c",
     "round_e4m3_reference",
     "scaled_linear",
     "scaled_linear_reference",
@@ -351,217 +340,3 @@ def w4a16_or_fp8_linear(
     lead = x.shape[:-1]
     y = _w4a16_or_fp8_op(x.reshape(-1, x.shape[-1]), packed, scale, global_scale, w8, w_scale, bias, int(fp8_from_rows))
     return y.reshape(*lead, w8.shape[0])
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# LoRA as K columns of the FP8 GEMM (issue #51 item 3's spike; docs/fp8_rollouts.md)
-# ------------------------------------------------------------------------------------------------------------------
-def lora_scale_c(w_scale: torch.Tensor, b: torch.Tensor) -> float:
-    """The site's power of two ``c``: the largest with ``c·|B[n]| ≤ amax(W[n])`` on every output row, so ``c·B``
-    quantises with W's own row scale (``w_scale[n] = amax(W[n]) / 448``) without saturating and with the most of
-    E4M3's binades; the kernel then quantises ``s / c``, as small as that rule allows beside the row's ``v``.
-
-    ``c = 2^⌊log2(min_n amax(W[n]) / amax(B[n]))⌋`` over the rows where B is not zero and W is not (an all-zero W row
-    has no scale to share: its B' saturates at ``±448·w_scale``, the row's adapter lost; NVFP4 weights of trained
-    models have none); every B row zero (a fresh adapter) gives ``c = 1``.
-
-    Args:
-        w_scale: float32 ``[N]`` (:func:`fp8_weight`); b: ``[N, r]``, the adapter's B times its scaling (a fused
-            layer's members' B placed at their rows and columns, zeros elsewhere).
-    """
-    if b.dim() != 2 or b.shape[0] != w_scale.shape[0]:
-        raise ValueError(f"lora_scale_c: B must be [{w_scale.shape[0]}, r], got {tuple(b.shape)}")
-    w_amax = w_scale.double() * FP8_MAX
-    b_amax = b.double().abs().amax(dim=1)
-    keep = (b_amax > 0) & (w_amax > 2 * AMAX_FLOOR)  # an all-zero W row holds the floor, 1e-12
-    if not bool(keep.any()):
-        return 1.0
-    ratio = (w_amax[keep] / b_amax[keep]).min().item()
-    c = 2.0 ** math.floor(math.log2(ratio))
-    while (b_amax[keep] * c > w_amax[keep]).any():  # log2's rounding at an exact power of two
-        c /= 2
-    return c
-
-
-def fp8_lora_weight(
-    w8: torch.Tensor,
-    w_scale: torch.Tensor,
-    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None],
-    widths: Sequence[int] | None = None,
-    a_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``[W_fp8 | B'_fp8]`` for the K + r GEMM, from a layer's E4M3 copy and its PEFT-style adapters.
-
-    Member ``i`` (rows ``[Σ widths[:i], Σ widths[:i + 1])``, rank ``r_i``) holds ``(A_i [r_i, K], B_i [widths[i],
-    r_i], scaling_i)`` (PEFT: ``y += scaling · (x·Aᵀ)·Bᵀ``; vLLM's fused qkv_proj / gate_up_proj: one per member) or
-    ``None`` (no adapter: no columns). ``B' = c · scaling_i · B_i`` at the member's rows and its own r_i columns,
-    zeros elsewhere, quantised to E4M3 with **W's row scales** (``w8`` and ``w_scale`` are not changed).
-
-    Args:
-        w8: float8_e4m3fn ``[N, K]``; w_scale: float32 ``[N]`` (:func:`fp8_weight` / :func:`fp8_weight_members`).
-        adapters: one entry a member; widths: the members' output rows (default: one member, ``[N]``).
-        a_dtype: the stacked A's dtype (bf16 as the LoRA's; the interpreter tests use fp16).
-
-    Returns:
-        ``(w8_ext [N, K + r] float8_e4m3fn, lora_a [r, K] a_dtype, c)`` with ``r = Σ r_i``: the weight operand of
-        :func:`fp8_lora_linear`, the A :func:`act_quant_lora` reads, the site's ``c`` (:func:`lora_scale_c`).
-    """
-    n, k = w8.shape
-    widths = [n] if widths is None else list(widths)
-    if sum(widths) != n or len(adapters) != len(widths):
-        raise ValueError(f"fp8_lora_weight: {len(adapters)} adapters for members {widths} of {n} rows")
-    parts_a, cols, row = [], [], 0
-    for width, ad in zip(widths, adapters, strict=True):
-        if ad is not None:
-            a, b, scaling = ad
-            if a.dim() != 2 or a.shape[1] != k or b.shape != (width, a.shape[0]):
-                raise ValueError(f"fp8_lora_weight: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a "
-                                 f"[{width}, {k}] member")  # fmt: skip
-            parts_a.append(a)
-            cols.append((row, width, b.float() * float(scaling)))
-        row += width
-    if not parts_a:
-        raise ValueError("fp8_lora_weight: no member has an adapter")
-    r = sum(p.shape[0] for p in parts_a)
-    bs = torch.zeros(n, r, dtype=torch.float32, device=w8.device)
-    col = 0
-    for row0, width, b in cols:
-        bs[row0 : row0 + width, col : col + b.shape[1]] = b
-        col += b.shape[1]
-    c = lora_scale_c(w_scale, bs)
-    b8 = round_e4m3_reference(bs * c / w_scale.float()[:, None])
-    lora_a = torch.cat(parts_a).to(device=w8.device, dtype=a_dtype).contiguous()
-    return torch.cat([w8, b8], dim=1).contiguous(), lora_a, c
-
-
-def act_quant_lora_reference(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_scale_c: float,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-    form: int = 1,
-    a_norm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Plain PyTorch reference of :func:`act_quant_lora`, in the kernel's float32 arithmetic: the shrink multiplies
-    ``h·w`` (the row before the norm's ``1 / rms``) rounded to A's dtype by A in float32, then ``· (1 / c)`` and
-    ``· rstd``. Form 1's amax is over ``[v·rstd, s / c]``; form 2's over ``[v·rstd, ‖v‖₂·rstd·a_norm / c]`` (v
-    rounded to A's dtype in the norm, ``a_norm = max_j ‖A_j‖₂``, :func:`nvfp4.kernels.fp8.lora_a_norm`'s
-    expression): a bound on ``|s / c|`` known before the shrink ends (Cauchy-Schwarz). Divisions tensor by tensor
-    (correctly rounded, as the kernel's under the interpreter; torch's ``scalar / tensor`` multiplies by a
-    reciprocal, an ulp off a quarter of the time).
-
-    Returns:
-        ``(q [M, K + r] float8_e4m3fn, s [M, 1] float32, y [M, K] in x's dtype, residual_out or None)``.
-    """
-    h, ro = _pre_norm_reference(x, mode, residual)
-    v, rstd = h, torch.ones_like(h[:, :1])
-    if mode == "rms_norm":
-        v = h * norm_weight.float()
-        ss = h.pow(2).sum(dim=-1, keepdim=True)
-        ms = ss / torch.full_like(ss, h.shape[-1])  # the kernel's sum / K
-        rstd = torch.ones_like(ms) / torch.sqrt(ms + eps)
-    sc = (v.to(lora_a.dtype).float() @ lora_a.float().T) * (1.0 / lora_scale_c) * rstd
-    if form == 2:
-        if a_norm is None:
-            a_norm = lora_a.float().norm(dim=1).amax().reshape(1)
-        vr = v.to(lora_a.dtype).float()
-        bound = torch.sqrt(vr.pow(2).sum(dim=-1, keepdim=True)) * rstd * a_norm.to(v.device) * (1.0 / lora_scale_c)
-    elif form == 1:
-        bound = sc.abs().amax(dim=-1, keepdim=True)
-    else:
-        raise ValueError(f"act_quant_lora_reference: form must be 1 or 2, got {form}")
-    amax = torch.maximum(v.abs().amax(dim=-1, keepdim=True) * rstd, bound).clamp_min(AMAX_FLOOR)
-    fp8_max = torch.full_like(amax, FP8_MAX)
-    g = fp8_max / amax
-    q = torch.cat([round_e4m3_reference(v * (rstd * g)), round_e4m3_reference(sc * g)], dim=-1)
-    return q, amax / fp8_max, (v * rstd).to(x.dtype), ro
-
-
-def act_quant_lora(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_scale_c: float,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-    write_y: bool = False,
-    block_m: int | None = None,
-    form: int = 1,
-    split_k: int | None = None,
-    a_norm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`act_quant` with the LoRA shrink in the same kernel: ``q = [q(v) | q(s / c)]`` on one row scale.
-
-    Args:
-        x: ``[M, K]`` (``[M, 2K]`` for ``"silu_mul"``); lora_a: ``[r, K]`` bf16 (:func:`fp8_lora_weight`);
-            lora_scale_c: the site's ``c``; mode, norm_weight, eps, residual, write_y: as :func:`act_quant`;
-            block_m: rows a kernel program (:func:`nvfp4.kernels.fp8.lora_blocks` / ``split_blocks``).
-        form: 1 (one pass over K a row block; the row scale from the exact ``max|s / c|``) or 2 (split over K; the
-            row scale from a Cauchy-Schwarz bound on it); split_k: form 2's K slices (default: auto); a_norm: form 2's
-            ``max_j ‖A_j‖₂`` (float32 ``[1]``; :func:`nvfp4.kernels.fp8.lora_a_norm`, computed when ``None``).
-
-    Returns:
-        ``(q [M, K + r] float8_e4m3fn, s [M, 1] float32, y or None, residual_out or None)``. CUDA: the Triton
-        kernel; elsewhere :func:`act_quant_lora_reference`. Not a custom op yet (the spike; no autograd).
-    """
-    if mode not in _MODES:
-        raise ValueError(f"act_quant_lora: mode must be one of {_MODES}, got {mode!r}")
-    if _use_triton(x):
-        from .kernels.fp8 import act_quant_lora as launch
-
-        return launch(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual, write_y, block_m=block_m, form=form,
-                      split_k=split_k, a_norm=a_norm)  # fmt: skip
-    q, s, y, ro = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps, residual, form, a_norm)
-    return q, s, y if write_y else None, ro
-
-
-def fp8_lora_linear(
-    x: torch.Tensor,
-    w8_ext: torch.Tensor,
-    w_scale: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_scale_c: float,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    bias: torch.Tensor | None = None,
-    block_m: int | None = None,
-    form: int = 1,
-    a_norm: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``y ≈ v·Wᵀ + Σ_i scaling_i·(v·A_iᵀ)·B_iᵀ + bias`` as one K + r FP8 GEMM: :func:`act_quant_lora` then
-    :func:`scaled_linear` (``torch._scaled_mm`` row-wise on CUDA; the float32 reference matmul elsewhere).
-
-    Args:
-        x: ``[M, K]`` (``[M, 2K]`` for ``"silu_mul"``), v its normalised / activated row (``mode``); w8_ext, lora_a,
-            lora_scale_c: :func:`fp8_lora_weight`'s; w_scale: W's ``[N]`` row scales; bias: ``[N]`` or None;
-            block_m, form, a_norm: :func:`act_quant_lora`'s (form 2's K slices: the default).
-
-    Returns:
-        ``[M, N]`` in x's dtype.
-    """
-    q, s, _, _ = act_quant_lora(x, lora_a, lora_scale_c, mode, norm_weight, eps, block_m=block_m, form=form,
-                                a_norm=a_norm)  # fmt: skip
-    return scaled_linear(q, s, w8_ext, w_scale, bias, x.dtype)
-
-
-def fp8_lora_linear_reference(
-    x: torch.Tensor,
-    w8_ext: torch.Tensor,
-    w_scale: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_scale_c: float,
-    mode: str = "plain",
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    bias: torch.Tensor | None = None,
-    form: int = 1,
-) -> torch.Tensor:
-    """The whole fused linear in plain PyTorch: :func:`act_quant_lora_reference` (``form`` 1 or 2), then the K + r
-    GEMM in float32 on the dequantised E4M3 values (``(q · s) · (w8_ext · w_scale)ᵀ + bias``); float32 ``[M, N]``."""
-    q, s, _, _ = act_quant_lora_reference(x, lora_a, lora_scale_c, mode, norm_weight, eps, form=form)
-    return scaled_linear_reference(q, s, w8_ext, w_scale, bias, torch.float32)

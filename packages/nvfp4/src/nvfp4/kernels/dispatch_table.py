@@ -9,12 +9,12 @@ block_m, warps, stages, split_k)`` (:mod:`nvfp4.kernels.large_m`), or the warp-s
 ``("ws", block_m, tiles, stages, sub[, fixup])`` (:mod:`nvfp4.kernels.hopper_ws`; bf16 on sm_90, else the rule below;
 ``fixup`` 1: a split tile's programs each sum a share of it; set by hand on the 7B and 32B down projections from
 ``benchmarks/gemm_ws_spike.py@1486a77 --mode fixup``, ``benchmarks/results/gemm_ws_fixup.json``, where it beat the serial sum
-by 9-21 % in the same run). The M = 1024 entries of (18944, 3584) (7B gate / up), (27648, 5120) (32B gate / up) and
-(5120, 27648) (32B down) are set by hand to the ws tile ``(256, 2, 3, 1)`` from ``gemm.py --ws`` at f6fa32f
-(``benchmarks/results/gemm_round16_h100_f6fa32f.json``, docs/kernels.md round 16): 6-9 % below the entry they replace
-(dequantize + cuBLAS; on the 32B gate / up the large-M kernel), a shape's linears summed, against the mean of that
-entry's measurements in the round's three processes (the 9130aab sweep, which tied them, timed the ws kernel on the
-``[N, K/16]`` scales, before step A's order shipped). A call at M between two measured sizes takes the
+by 9-21 % in the same run). The M = 1024 entries of (18944, 3584) (7B gate / up) and (5120, 27648) (32B down) are
+set by hand to the ws tile ``(256, 2, 3, 1)`` from ``gemm.py --ws`` at f6fa32f
+(``benchmarks/results/gemm_round16_h100_f6fa32f.json``, docs/kernels.md round 16): 6-9 % below dequantize + cuBLAS, a
+shape's linears summed, against the mean of its measurements in the round's three processes (the 9130aab sweep,
+which tied them, timed the ws kernel on the ``[N, K/16]`` scales, before step A's order shipped); a LoRA adapter
+is added by cuBLAS after either form. A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
 Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.
 """
@@ -36,7 +36,7 @@ FORWARD: dict[tuple[int, int], dict[int, Entry]] = {
     (5120, 27648): {32: 'decode', 64: ('ws', 64, 4, 8, 2, 1), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
     (13824, 5120): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: (1, 2, 128, 4, 3, 1), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
     (18944, 3584): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
-    (27648, 5120): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
+    (27648, 5120): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: (2, 1, 256, 8, 3, 1), 4096: 'dequant'},
 }
 # fmt: on
 

@@ -1,6 +1,7 @@
 """Check that every figure in a marked markdown table is held by a result file the table row names.
 
-The README's speed table and BENCHMARKS' goal and topic tables are checked by ``tests/test_claims.py``; run it by
+The README's speed table, BENCHMARKS' goal and topic tables and the marked tables of ``docs/*.md`` are checked by
+``tests/test_claims.py``; run it by
 hand with ``uv run python tests/claims.py README.md BENCHMARKS.md`` (prints each unsourced figure, exit code 1).
 
 Conventions (also in BENCHMARKS.md, "How the figures are sourced"):

@@ -1,4 +1,5 @@
-"""Every figure in the README's speed table and BENCHMARKS' tables names a committed result file that holds it.
+"""Every figure in the README's speed table, BENCHMARKS' tables and the marked tables of docs/*.md names a committed
+result file that holds it.
 
 The rules (what a figure is, how it is matched) are in ``tests/claims.py``; ``uv run python tests/claims.py`` prints
 what is unsourced.
@@ -25,6 +26,13 @@ def test_benchmarks_tables_are_sourced():
     headers = [h for h, _ in tables]
     assert ["goal", "current figure", "verdict", "measured", "command → source"] in headers, "the goals table"
     assert check(REPO / "BENCHMARKS.md") == []
+
+
+@pytest.mark.parametrize("md", sorted(p.name for p in (REPO / "docs").glob("*.md")))
+def test_docs_marked_tables_are_sourced(md):
+    """The design notes' marked tables (docs/kernels.md's rounds, docs/fp8_rollouts.md's spikes) hold to the same
+    rule: a marker that names a column the header lacks, or a figure no named file holds, fails here."""
+    assert check(REPO / "docs" / md) == []
 
 
 def _doc(tmp_path: Path, row: str, data: dict | None = None) -> Path:

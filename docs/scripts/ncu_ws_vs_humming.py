@@ -25,21 +25,27 @@ from nvfp4.kernels import LinearConfig, nvfp4_linear  # noqa: E402
 SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B, (N, K)
 
 
-def forms(n: int, k: int, m: int) -> dict:
-    """Each form as a no-argument call on one weight and one ``[m, k]`` bf16 input."""
+def weights(n: int, k: int) -> tuple:
+    """``(NVFP4 tensors, bf16 weight, Humming's layer or None)`` of one random ``[n, k]`` weight."""
     wts = gemm.Weights(n, k)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    q = wts.q[0]
+    try:
+        layer = gemm.humming_layers(SimpleNamespace(n=n, k=k, q=[None], bf16=[wts.bf16[0]]))[0]
+    except ImportError as e:
+        print(f"humming: not importable ({e}); its form is left out", flush=True)
+        layer = None
+    return wts.q[0], wts.bf16[0], layer
+
+
+def forms(q: tuple, w: torch.Tensor, layer, m: int) -> dict:
+    """Each form as a no-argument call on the weight and one ``[m, k]`` bf16 input."""
+    (n, k), x = w.shape, torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
     out = {
         "ours_ws": lambda: nvfp4_linear(x, *q, None, config=gemm.ws_candidate(m, n, k)),
         "dequant_cublas": lambda: nvfp4_linear(x, *q, None, config=LinearConfig(dequant=True, mma=True)),
-        "bf16": lambda: F.linear(x, wts.bf16[0]),
+        "bf16": lambda: F.linear(x, w),
     }
-    try:
-        layer = gemm.humming_layers(SimpleNamespace(n=n, k=k, q=[None], bf16=[wts.bf16[0]]))[0]
+    if layer is not None:
         out["humming"] = lambda: layer(x)
-    except ImportError as e:
-        print(f"humming: not importable ({e}); its form is left out", flush=True)
     return out
 
 
@@ -52,8 +58,9 @@ def main() -> None:
     with torch.no_grad():
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
+            q, w, layer = weights(n, k)  # once a shape: gemm.Weights quantizes and copies hundreds of MB
             for m in map(int, args.ms.split(",")):
-                for form, call in forms(n, k, m).items():
+                for form, call in forms(q, w, layer, m).items():
                     for _ in range(args.warmup):
                         call()
                     torch.cuda.synchronize()

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common/, also when a
 
 import common  # noqa: E402, F401  (the workspace packages on sys.path)
 from common.shapes import linear_shapes  # noqa: E402
-from common.timing import time_graph  # noqa: E402
+from common.timing import interleaved, time_graph  # noqa: E402
 from nvfp4 import NVFP4Linear, mxfp4  # noqa: E402
 from nvfp4.codec import quantize  # noqa: E402
 from nvfp4.kernels import DgradConfig, LinearConfig, nvfp4_linear, nvfp4_linear_dgrad, nvfp4_lora_linear  # noqa: E402
@@ -108,10 +109,15 @@ def rotated(copies: list, call) -> float:
     return time_graph([call(c) for c in copies[:256]], REP_BUDGET_S)
 
 
-def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None, with_bf16: bool = True):
+def bench_fwd(wts: Weights, m: int, config: LinearConfig | None = None) -> float:
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
-    ours = rotated(wts.q, lambda c: partial(nvfp4_linear, x, *c, None, config=config))
-    return ours, rotated(wts.bf16, lambda w: partial(F.linear, x, w)) if with_bf16 else None
+    return rotated(wts.q, lambda c: partial(nvfp4_linear, x, *c, None, config=config))
+
+
+def bench_bf16(wts: Weights, m: int, backward: bool = False) -> float:
+    """bf16 cuBLAS on the rotated bf16 copies: ``F.linear(x, W)``, or ``dy @ W`` (``backward``)."""
+    x = torch.randn(m, wts.n if backward else wts.k, device=DEV, dtype=torch.bfloat16)
+    return rotated(wts.bf16, lambda w: partial(torch.matmul if backward else F.linear, x, w))
 
 
 def bench_mxfp4(wts: Weights, m: int) -> float:
@@ -160,12 +166,17 @@ def humming_layers(wts: Weights) -> list:
     return layers
 
 
-def bench_humming(wts: Weights, layers: list, m: int) -> tuple[float, float]:
-    """(ms per call of Humming's forward on the rotated layers, its relative L2 error against the bf16 product)."""
+def bench_humming(wts: Weights, layers: list, m: int) -> float:
+    """ms per call of Humming's forward on the rotated layers."""
+    x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
+    return rotated(layers, lambda layer: partial(layer, x))
+
+
+def humming_error(wts: Weights, layers: list, m: int) -> float:
+    """Humming's relative L2 error against the bf16 product."""
     x = torch.randn(m, wts.k, device=DEV, dtype=torch.bfloat16)
     ref = F.linear(x, wts.bf16[0]).float()
-    err = ((layers[0](x).float() - ref).norm() / ref.norm()).item()
-    return rotated(layers, lambda layer: partial(layer, x)), err
+    return ((layers[0](x).float() - ref).norm() / ref.norm()).item()
 
 
 # The warp-specialised kernel's candidate tiles per M (benchmarks/gemm_ws_spike.py on the 7B gate/down shapes):
@@ -192,10 +203,9 @@ def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int 
     return rotated(wts.q, lambda c: partial(nvfp4_lora_linear, x, *c, None, a, b, 2.0, config=config))
 
 
-def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None, with_bf16: bool = True):
+def bench_bwd(wts: Weights, m: int, config: DgradConfig | None = None) -> float:
     dy = torch.randn(m, wts.n, device=DEV, dtype=torch.bfloat16)
-    ours = rotated(wts.q, lambda c: partial(nvfp4_linear_dgrad, dy, *c, config=config))
-    return ours, rotated(wts.bf16, lambda w: partial(torch.matmul, dy, w)) if with_bf16 else None
+    return rotated(wts.q, lambda c: partial(nvfp4_linear_dgrad, dy, *c, config=config))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -205,59 +215,66 @@ def run_tables(
     models: list[str],
     fwd_ms: list[int],
     bwd_ms: list[int],
-    partial: Path | None = None,
+    partial_out: Path | None = None,
     compare_lora: bool = False,
     peer_int4: bool = False,
     with_mxfp4: bool = True,
     peer_humming: bool = False,
     with_ws: bool = False,
+    rounds: int = 0,
 ) -> dict:
-    """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial`` after each
-    linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
+    """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial_out`` after
+    each linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
     ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
-    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick."""
+    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``rounds``: the other arms are timed
+    :func:`~common.timing.interleaved` (0: a round per arm), each figure the median, every round's in ``rounds_ms``."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
             wts = Weights(n, k, need_int4=peer_int4, need_mxfp4=with_mxfp4)
             hum = humming_layers(wts) if peer_humming else []
             for m in fwd_ms:
-                ours, ref = bench_fwd(wts, m)
                 cfg = kern.linear_config(m, n, k, mma=wts.mma)
-                form, prev = ("dispatch", ours)
                 wcfg = ws_candidate(m, n, k) if with_ws and wts.mma else None
-                ws_ms = bench_fwd(wts, m, wcfg, with_bf16=False)[0] if wcfg is not None else None
+                arms = {"prev": partial(bench_fwd, wts, m), "bf16": partial(bench_bf16, wts, m),
+                        "ws": wcfg and partial(bench_fwd, wts, m, wcfg), "humming": hum and partial(bench_humming, wts, hum, m),
+                        "int4": wts.int4 and partial(bench_int4, wts, m), "mxfp4": wts.mxfp4_layers and partial(bench_mxfp4, wts, m)}  # fmt: skip
+                runs = interleaved({a: f for a, f in arms.items() if f}, rounds)
+                t = {a: statistics.median(v) for a, v in runs.items()}
+                form, ours, ref, ws_ms = "dispatch", t["prev"], t["bf16"], t.get("ws")
                 if ws_ms is not None and ws_ms < ours:
                     form, ours, cfg = "ws", ws_ms, wcfg
                 row = dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
                            weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours, mma_layout=wts.mma,
-                           config=cfg.__dict__, ours_form=form, prev_ms=prev, ws_ms=ws_ms)  # fmt: skip
+                           config=cfg.__dict__, ours_form=form, prev_ms=t["prev"], ws_ms=ws_ms,
+                           rounds_ms=runs if rounds != 1 else None)  # fmt: skip
                 if hum:
-                    row["humming_ms"], row["humming_err"] = bench_humming(wts, hum, m)
+                    row["humming_ms"], row["humming_err"] = t["humming"], humming_error(wts, hum, m)
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
                     row["lora_ms"] = bench_lora(wts, m, cfg if form == "ws" else None)
                     small = cfg.mma and not cfg.dequant and not cfg.large_m
                     row["lora_pertile_ms"] = bench_lora(wts, m, replace(cfg, lora_shared_t=False)) if small else None
                 if wts.int4:
-                    row["int4_ms"] = bench_int4(wts, m)
+                    row["int4_ms"] = t["int4"]
                 if wts.mxfp4_layers:
-                    row["mxfp4_ms"] = bench_mxfp4(wts, m)
+                    row["mxfp4_ms"] = t["mxfp4"]
                     row["mxfp4_vs_nvfp4"] = ours / row["mxfp4_ms"]
                 results["forward"].append(row)
             for m in bwd_ms:
-                ours, ref = bench_bwd(wts, m)
+                runs = interleaved({"ours": partial(bench_bwd, wts, m), "bf16": partial(bench_bf16, wts, m, True)}, rounds)
+                ours, ref = statistics.median(runs["ours"]), statistics.median(runs["bf16"])
                 results["backward"].append(
                     dict(model=model, linear=name, N=n, K=k, M=m, ours_ms=ours, bf16_ms=ref,
                          weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours,
-                         config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__)
+                         config=kern.dgrad_config(m, n, k, mma=wts.mma).__dict__, rounds_ms=runs if rounds != 1 else None)
                 )  # fmt: skip
             del wts, hum
             torch.cuda.empty_cache()
             print(f"  done {model} {name}", flush=True)
-            if partial is not None:
-                partial.write_text(json.dumps(results))
+            if partial_out is not None:
+                partial_out.write_text(json.dumps(results))
     return results
 
 
@@ -351,17 +368,17 @@ def run_sweep(models: list[str], fwd_ms: list[int], bwd_ms: list[int], deadline:
     shapes = list(dict.fromkeys(nk for mdl in models for nk in MODELS[mdl].values()))  # the first model's first
     all_w = {nk: Weights(*nk) for nk in shapes}
     res: dict = {"forward": [], "backward": []}
-    passes = (("forward", "fwd", fwd_ms, bench_fwd, kern.linear_config, fwd_candidates),
-              ("backward", "bwd", bwd_ms, bench_bwd, kern.dgrad_config, lambda m, n, k: bwd_candidates(m)))  # fmt: skip
-    for kind, tag, ms, bench, current, candidates in passes:
+    passes = (("forward", "fwd", fwd_ms, bench_fwd, fwd_candidates),
+              ("backward", "bwd", bwd_ms, bench_bwd, lambda m, n, k: bwd_candidates(m)))  # fmt: skip
+    for kind, tag, ms, bench, candidates in passes:
         for (n, k), wts in all_w.items():
             for m in ms:
                 if time.time() > deadline:
                     break
-                _, ref = bench(wts, m, current(m, n, k, mma=wts.mma))
+                ref = bench_bf16(wts, m, backward=kind == "backward")
                 for cfg in candidates(m, n, k):
                     try:
-                        ours, _ = bench(wts, m, cfg, with_bf16=False)
+                        ours = bench(wts, m, cfg)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                         print("fail", tag, n, k, m, cfg, repr(e)[:200])
                         continue
@@ -436,6 +453,7 @@ def main() -> None:
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of the arms, order rotated (median; 0: one per arm)")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--apply-table", default=None, metavar="JSON", nargs="+",
@@ -465,12 +483,13 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws)  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws, args.rounds)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)
         res["method"] = ("CUDA-graph replays of calls rotating through >=200 MB of weight copies per graph; median "
-                         "per call; bf16 = torch.nn.functional.linear / matmul in the same run; unfused linears")  # fmt: skip
+                         "per call; bf16 = torch.nn.functional.linear / matmul in the same run; unfused linears; "
+                         f"arms in {args.rounds or 'one per arm'} rounds, the order rotated each round; the median")  # fmt: skip
         print_tables(res)
         name = "gemm.json"
     print(f"\ntotal {time.time() - t0:.0f} s", flush=True)

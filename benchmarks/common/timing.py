@@ -42,3 +42,16 @@ def time_graph(fns: list, budget_s: float = 0.1, min_reps: int = 5, max_reps: in
         times.append(start.elapsed_time(end) / len(fns))
     del graph
     return statistics.median(times)
+
+
+def interleaved(arms: dict, rounds: int = 0) -> dict[str, list[float]]:
+    """Each arm's figures (``arms``: name → a call returning one figure, e.g. :func:`time_graph`'s) over ``rounds``
+    rounds (0: one per arm, so each arm takes each place once), the order rotated by one place a round. Why: the same
+    kernel timed after bf16 cuBLAS ran 0-20 % slower than when timed first, in 16 of 16 pairs on an H100
+    (``benchmarks/results/gemm_round16_h100_f6fa32f.json``, ``prev_ms`` against ``ws_ms``): a figure must not depend
+    on its arm's place in the order."""
+    names, out = list(arms), {name: [] for name in arms}
+    for r in range(rounds or len(names)):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(arms[name]())
+    return out

@@ -76,3 +76,17 @@ def test_out_folder_is_made_before_the_first_partial_json(tmp_path, monkeypatch)
         monkeypatch.setattr(sys, "argv", ["gemm.py", "--models", "Qwen2.5-7B", "--out", str(out / name), *argv])
         gemm.main()
         assert (out / name / name).is_file()
+
+
+def test_interleaved_rotates_the_arms_order():
+    """``common.timing.interleaved`` (gemm.py's arms): by default a round per arm, each arm in each place once, every
+    figure kept in the arm's order of rounds; a fixed ``rounds`` runs that many."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common.timing import interleaved
+
+    order: list[str] = []
+    arms = {name: (lambda name=name: order.append(name) or float(len(order))) for name in ("ours", "bf16", "peer")}
+    runs = interleaved(arms)
+    assert order == ["ours", "bf16", "peer", "bf16", "peer", "ours", "peer", "ours", "bf16"]
+    assert runs == {"ours": [1.0, 6.0, 8.0], "bf16": [2.0, 4.0, 9.0], "peer": [3.0, 5.0, 7.0]}
+    assert [len(v) for v in interleaved(arms, rounds=2).values()] == [2, 2, 2]

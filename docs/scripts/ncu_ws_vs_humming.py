@@ -11,6 +11,7 @@ can be told apart; round 10's ``benchmarks/results/gemm_ws_ncu.json`` holds the 
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,12 +50,63 @@ def forms(q: tuple, w: torch.Tensor, layer, m: int) -> dict:
     return out
 
 
+#: what the summary keeps of each kernel: (its key, the ncu metric's name or a regex of it)
+METRICS = {
+    "duration_us": "gpu__time_duration.sum",
+    "cycles": "sm__cycles_elapsed.avg",
+    "tensor_pipe_active_pct": r"sm__pipe_tensor_type_hmma_hgmma.*_cycles_active\.avg\.pct_of_peak_sustained_elapsed",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_read_mb": "dram__bytes_read.sum",
+    "l2_sectors_from_sm": "lts__t_sectors_srcunit_tex.sum",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "instructions": "smsp__inst_executed.sum",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+    **{f"stall_{r}": f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in (
+        "barrier", "long_scoreboard", "wait", "dispatch_stall", "math_pipe_throttle", "gmma", "mio_throttle")},
+}
+
+
+def summary(csv_path: str, shapes: list[str], ms: list[int]) -> list[dict]:
+    """The kernels of an ncu ``--csv --page raw`` log of this script, labelled in launch order (shape, M, form;
+    dequantize + cuBLAS is two kernels, ``dequant_cublas:dequant`` and ``:cublas``), with :data:`METRICS`."""
+    import csv
+    import re
+
+    lines = Path(csv_path).read_text().splitlines()
+    rows = list(csv.reader(lines[next(i for i, line in enumerate(lines) if line.startswith('"ID"')):]))
+    head, data = rows[0], rows[2:]  # rows[1]: units
+    labels = [(s, m, f) for s in shapes for m in ms for form in ("ours_ws", "dequant_cublas", "bf16", "humming")
+              for f in ((f"{form}:dequant", f"{form}:cublas") if form == "dequant_cublas" else (form,))]  # fmt: skip
+    cols = {key: next(j for j, h in enumerate(head) if re.fullmatch(pat, h)) for key, pat in METRICS.items()}
+    out = []
+    for (shape, m, form), row in zip(labels, data, strict=True):
+        vals = {key: float(row[j].replace(",", "")) for key, j in cols.items()}
+        vals["duration_us"] /= 1e3
+        vals["clock_ghz"] = vals["cycles"] / vals["duration_us"] / 1e3  # not locked: the kernels ran at 1.3-1.6 GHz
+        vals["dram_read_mb"] /= 1e6
+        out.append({"shape": shape, "N, K": SHAPES[shape], "M": m, "form": form, "kernel": row[6][:60], **vals})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="1024", help="comma list of M")
     ap.add_argument("--shapes", default="gate,down", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--summary", nargs=2, metavar=("CSV", "JSON"), help="no GPU: summarise an ncu log of a run")
     args = ap.parse_args()
+    if args.summary:
+        rows = summary(args.summary[0], args.shapes.split(","), [int(m) for m in args.ms.split(",")])
+        Path(args.summary[1]).write_text(json.dumps({"ncu_csv": args.summary[0], "kernels": rows}, indent=1) + "\n")
+        keys = ["duration_us", "cycles", "clock_ghz", "tensor_pipe_active_pct", "issue_active_pct", "l2_throughput_pct", "dram_throughput_pct",
+                "dram_read_mb", "l2_sectors_from_sm", "l2_hit_pct", "stall_barrier", "stall_long_scoreboard"]
+        print("| shape | M | form | " + " | ".join(keys) + " |\n|---|---:|---|" + "---:|" * len(keys))
+        for r in rows:
+            print(f"| {r['shape']} | {r['M']} | {r['form']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |")
+        return
     with torch.no_grad():
         for name in args.shapes.split(","):
             n, k = SHAPES[name]

@@ -14,7 +14,10 @@ set by hand to the ws tile ``(256, 2, 3, 1)`` from ``gemm.py --ws`` at f6fa32f
 (``benchmarks/results/gemm_round16_h100_f6fa32f.json``, docs/kernels.md round 16): 6-9 % below dequantize + cuBLAS, a
 shape's linears summed, against the mean of its measurements in the round's three processes (the 9130aab sweep,
 which tied them, timed the ws kernel on the ``[N, K/16]`` scales, before step A's order shipped); a LoRA adapter
-is added by cuBLAS after either form. A call at M between two measured sizes takes the
+is added by cuBLAS after either form. The one M = 2048 entry, (3584, 18944) (7B down), is that tile too: 3-8 % below
+dequantize + cuBLAS in each of three processes on two H100s (``gemm_round16_h100_f6fa32f.json``,
+``gemm_ws_repeat_7b_h100_92cc613_{a,b}.json``; mean 5.3 %), though timed after bf16 cuBLAS each time, the place that
+ran the same kernel slower (docs/kernels.md round 16). A call at M between two measured sizes takes the
 entry of the next larger one; shapes that were not measured take :func:`generic`, the rule those entries follow.
 Regenerate with ``python benchmarks/gemm.py --write-table <sweep.json>`` after a new sweep.
 """
@@ -30,7 +33,7 @@ FORWARD: dict[tuple[int, int], dict[int, Entry]] = {
     (512, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 9), 256: (1, 1, 64, 4, 4, 9), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
     (1024, 5120): {32: 'decode', 64: (1, 1, 64, 4, 4, 9), 128: (1, 2, 128, 4, 3, 9), 256: (2, 2, 128, 8, 3, 9), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
     (3584, 3584): {32: 'decode', 64: 'decode', 128: (1, 1, 64, 4, 4, 2), 256: (1, 1, 128, 4, 4, 3), 512: 'dequant', 1024: 'dequant', 4096: 'dequant'},
-    (3584, 18944): {32: 'decode', 64: ('ws', 64, 2, 12, 2, 1), 128: ('ws', 128, 2, 8, 2, 1), 256: ('ws', 256, 2, 3, 1, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
+    (3584, 18944): {32: 'decode', 64: ('ws', 64, 2, 12, 2, 1), 128: ('ws', 128, 2, 8, 2, 1), 256: ('ws', 256, 2, 3, 1, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 2048: ('ws', 256, 2, 3, 1), 4096: 'dequant'},
     (5120, 5120): {32: (1, 1, 64, 4, 4, 4), 64: 'decode', 128: (1, 1, 128, 4, 4, 4), 256: (1, 1, 128, 4, 4, 2), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
     (5120, 13824): {32: 'decode', 64: ('ws', 64, 2, 12, 2), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: 'dequant', 4096: 'dequant'},
     (5120, 27648): {32: 'decode', 64: ('ws', 64, 4, 8, 2, 1), 128: ('ws', 128, 2, 8, 2), 256: ('ws', 256, 2, 3, 1), 512: ('ws', 256, 2, 3, 1), 1024: ('ws', 256, 2, 3, 1), 4096: 'dequant'},

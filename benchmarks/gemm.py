@@ -228,8 +228,8 @@ def run_tables(
     ``peer_humming``: ``humming_ms`` and ``humming_err`` (Humming on the same bf16 weights, its quantizer).
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
-    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``rounds``: the other arms are timed
-    :func:`~common.timing.interleaved` (0: a round per arm), each figure the median, every round's in ``rounds_ms``."""
+    makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``rounds``: the dispatch, bf16 and the asked
+    peers timed :func:`~common.timing.interleaved` (0: one round per arm), medians; ``rounds_ms``; LoRA forms once."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():

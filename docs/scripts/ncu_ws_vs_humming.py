@@ -37,11 +37,17 @@ def weights(n: int, k: int) -> tuple:
     return wts.q[0], wts.bf16[0], layer
 
 
-def forms(q: tuple, w: torch.Tensor, layer, m: int) -> dict:
-    """Each form as a no-argument call on the weight and one ``[m, k]`` bf16 input."""
+#: round 16's tall ws tile, 128 tokens x 256 rows (block_m, tiles, stages, sub): 31 % fewer L2 -> SM bytes, slower
+TALL = LinearConfig(128, 256, 64, 1, 4, 6, True, mma=True, ws=True, sub=2)
+
+
+def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False) -> dict:
+    """Each form as a no-argument call on the weight and one ``[m, k]`` bf16 input (``tall``: round 16's tall tile
+    after ours)."""
     (n, k), x = w.shape, torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
     out = {
         "ours_ws": lambda: nvfp4_linear(x, *q, None, config=gemm.ws_candidate(m, n, k)),
+        **({"tall_ws": lambda: nvfp4_linear(x, *q, None, config=TALL)} if tall else {}),
         "dequant_cublas": lambda: nvfp4_linear(x, *q, None, config=LinearConfig(dequant=True, mma=True)),
         "bf16": lambda: F.linear(x, w),
     }
@@ -69,7 +75,7 @@ METRICS = {
 }
 
 
-def summary(csv_path: str, shapes: list[str], ms: list[int]) -> list[dict]:
+def summary(csv_path: str, shapes: list[str], ms: list[int], tall: bool = False) -> list[dict]:
     """The kernels of an ncu ``--csv --page raw`` log of this script, labelled in launch order (shape, M, form;
     dequantize + cuBLAS is two kernels, ``dequant_cublas:dequant`` and ``:cublas``), with :data:`METRICS`."""
     import csv
@@ -78,7 +84,8 @@ def summary(csv_path: str, shapes: list[str], ms: list[int]) -> list[dict]:
     lines = Path(csv_path).read_text().splitlines()
     rows = list(csv.reader(lines[next(i for i, line in enumerate(lines) if line.startswith('"ID"')):]))
     head, data = rows[0], rows[2:]  # rows[1]: units
-    labels = [(s, m, f) for s in shapes for m in ms for form in ("ours_ws", "dequant_cublas", "bf16", "humming")
+    names = ("ours_ws", *(("tall_ws",) if tall else ()), "dequant_cublas", "bf16", "humming")
+    labels = [(s, m, f) for s in shapes for m in ms for form in names
               for f in ((f"{form}:dequant", f"{form}:cublas") if form == "dequant_cublas" else (form,))]  # fmt: skip
     cols = {key: next(j for j, h in enumerate(head) if re.fullmatch(pat, h)) for key, pat in METRICS.items()}
     out = []
@@ -96,10 +103,11 @@ def main() -> None:
     ap.add_argument("--ms", default="1024", help="comma list of M")
     ap.add_argument("--shapes", default="gate,down", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tall", action="store_true", help="also round 16's tall ws tile (128 x 256), after ours")
     ap.add_argument("--summary", nargs=2, metavar=("CSV", "JSON"), help="no GPU: summarise an ncu log of a run")
     args = ap.parse_args()
     if args.summary:
-        rows = summary(args.summary[0], args.shapes.split(","), [int(m) for m in args.ms.split(",")])
+        rows = summary(args.summary[0], args.shapes.split(","), [int(m) for m in args.ms.split(",")], args.tall)
         Path(args.summary[1]).write_text(json.dumps({"ncu_csv": args.summary[0], "kernels": rows}, indent=1) + "\n")
         keys = ["duration_us", "cycles", "clock_ghz", "tensor_pipe_active_pct", "issue_active_pct", "l2_throughput_pct", "dram_throughput_pct",
                 "dram_read_mb", "l2_sectors_from_sm", "l2_hit_pct", "stall_barrier", "stall_long_scoreboard"]
@@ -112,7 +120,7 @@ def main() -> None:
             n, k = SHAPES[name]
             q, w, layer = weights(n, k)  # once a shape: gemm.Weights quantizes and copies hundreds of MB
             for m in map(int, args.ms.split(",")):
-                for form, call in forms(q, w, layer, m).items():
+                for form, call in forms(q, w, layer, m, args.tall).items():
                     for _ in range(args.warmup):
                         call()
                     torch.cuda.synchronize()

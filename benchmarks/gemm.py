@@ -189,10 +189,8 @@ def ws_candidate(m: int, n: int, k: int) -> LinearConfig | None:
     """The warp-specialised kernel's config for this M (None where it is not a candidate)."""
     if m < 64 or n % 128 or k % 256:
         return None
-    bm, tiles, stages, sub, *fixup = WS_CANDIDATES[min(s for s in WS_CANDIDATES if s >= m) if m <= 4096 else 4096]
-    if n % (64 * tiles):
-        return None
-    return LinearConfig(bm, 64 * tiles, 64, 1, 4, stages, True, mma=True, ws=True, sub=sub, ws_fixup=bool(fixup and fixup[0]))
+    tile = WS_CANDIDATES[min(s for s in WS_CANDIDATES if s >= m) if m <= 4096 else 4096]
+    return None if n % (64 * tile[1]) else kern.entry_config(("ws", *tile), m, n, k)
 
 
 def bench_lora(wts: Weights, m: int, config: LinearConfig | None = None, r: int = 32) -> float:

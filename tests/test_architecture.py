@@ -162,7 +162,8 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # -8 (→ 4,500): gemm.py's CUDA-graph timing loop moved to common/timing.py, which the spike's timer calls instead of
     # its copy
     # -153 (→ 4,347, #51 item 3): fp8_lora_spike.py left with forms 1 and 2's no-go (code at 902c614)
-    # +32 (→ 4,379, #50): gemm.py's arms timed in rotated rounds (common.timing.interleaved, --rounds): the arm timed
+    # +30 (→ 4,377, #50): gemm.py's arms timed in rotated rounds (common.timing.interleaved, --rounds): the arm timed
     # first ran 0-20 % faster than the same kernel timed after bf16 cuBLAS, 16 of 16 pairs (round 16's JSON); bf16 and
-    # Humming's error apart from their timing; the sweep's reference is bf16 alone (it timed our current config too)
-    assert am.benchmark_lines(ROOT) <= 4379
+    # Humming's error apart from their timing; the sweep's reference is bf16 alone (it timed our current config too);
+    # ws_candidate builds its config through nvfp4_gemm.entry_config (the dispatch table's own), not a copy of it
+    assert am.benchmark_lines(ROOT) <= 4377

@@ -1,10 +1,11 @@
 """One launch of each form on the 7B gate and down inside an NVTX range ``prof``, warmed up outside it, for ncu: our
-ws tile ``(256, 2, 3, 1)``, dequantize + cuBLAS, bf16 cuBLAS and Humming (whichever ``humming-kernels`` imports);
-docs/kernels.md round 16's next step (issue #50: what bounds both W4A16 kernels at ~0.86x bf16 at M = 1024 when
-L2 -> SM bytes do not).
+ws tile ``(256, 2, 3, 1)`` (``--tall``: round 16's 128 x 256 tile too), dequantize + cuBLAS, bf16 cuBLAS and Humming
+(whichever ``humming-kernels`` imports); docs/kernels.md round 16 (issue #50: what idles the tensor pipe of both
+W4A16 kernels at M = 1024; run at 92cc613, ``benchmarks/results/ncu_ws_vs_humming_h100_92cc613.json``).
 
     ncu --nvtx --nvtx-include "prof/" --set full --import-source no --csv --page raw \
         --log-file $JOB_OUT/ncu_ws_vs_humming.csv python3 docs/scripts/ncu_ws_vs_humming.py --ms 1024
+    python3 docs/scripts/ncu_ws_vs_humming.py --ms 1024 --summary ncu_ws_vs_humming.csv summary.json   # no GPU
 
 Prints the launch order (shape, M, form) so that the CSV's kernels (one or two per form: dequantize + cuBLAS is two)
 can be told apart; round 10's ``benchmarks/results/gemm_ws_ncu.json`` holds the metrics read then.
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gemm  # noqa: E402  (benchmarks/gemm.py: its weights, Humming's layers, the ws config)
 from nvfp4.kernels import LinearConfig, nvfp4_linear  # noqa: E402
+from nvfp4.kernels.nvfp4_gemm import entry_config  # noqa: E402
 
 SHAPES = {"gate": (18944, 3584), "down": (3584, 18944)}  # Qwen2.5-7B, (N, K)
 
@@ -37,8 +39,8 @@ def weights(n: int, k: int) -> tuple:
     return wts.q[0], wts.bf16[0], layer
 
 
-#: round 16's tall ws tile, 128 tokens x 256 rows (block_m, tiles, stages, sub): 31 % fewer L2 -> SM bytes, slower
-TALL = LinearConfig(128, 256, 64, 1, 4, 6, True, mma=True, ws=True, sub=2)
+#: round 16's tall ws tile as a dispatch-table entry, 128 tokens x 256 rows: 31 % fewer L2 -> SM bytes, slower
+TALL = ("ws", 128, 4, 6, 2)
 
 
 def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False) -> dict:
@@ -47,7 +49,7 @@ def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False) -> dict:
     (n, k), x = w.shape, torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
     out = {
         "ours_ws": lambda: nvfp4_linear(x, *q, None, config=gemm.ws_candidate(m, n, k)),
-        **({"tall_ws": lambda: nvfp4_linear(x, *q, None, config=TALL)} if tall else {}),
+        **({"tall_ws": lambda: nvfp4_linear(x, *q, None, config=entry_config(TALL, m, n, k))} if tall else {}),
         "dequant_cublas": lambda: nvfp4_linear(x, *q, None, config=LinearConfig(dequant=True, mma=True)),
         "bf16": lambda: F.linear(x, w),
     }

@@ -166,4 +166,6 @@ def test_benchmarks_hold_what_a_maintainer_reruns():
     # first ran 0-20 % faster than the same kernel timed after bf16 cuBLAS, 16 of 16 pairs (round 16's JSON); bf16 and
     # Humming's error apart from their timing; the sweep's reference is bf16 alone (it timed our current config too);
     # ws_candidate builds its config through nvfp4_gemm.entry_config (the dispatch table's own), not a copy of it
-    assert am.benchmark_lines(ROOT) <= 4377
+    # +6 (→ 4,383, #50 round 17's spike): gemm.py --pingpong, the ws tile with its consumers taking turns beside it in
+    # the same rounds; it leaves with the round's go / no-go
+    assert am.benchmark_lines(ROOT) <= 4383

@@ -388,6 +388,17 @@ def test_round17_pingpong_compiles_without_spills_or_c7515(config, pingpong):
     assert "C7515" not in r.stdout + r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("kwargs", [dict(pingpong=3), dict(pingpong=1, inflight=True)])
+def test_round17_pingpong_refuses_what_it_does_not_build(kwargs):
+    """A mode other than 0 / 1 / 2, or turns with round 15 step B's in-flight decode (which has no turn), fail in one
+    line before any launch."""
+    from nvfp4.kernels import hopper_ws
+
+    t = torch.empty(0)
+    with pytest.raises(ValueError, match="pingpong must be 0, 1 or 2"):
+        hopper_ws.launch(t, t, t, t, None, t, t, **kwargs)
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("pingpong", [1, 2])

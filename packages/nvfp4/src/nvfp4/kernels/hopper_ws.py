@@ -539,6 +539,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
             1 / 2 they take turns, consumer 0 first, the turn passing when a consumer's wgmmas are issued (1) or
             have run (2). Scheduling only: every form computes the same bits.
     """
+    if pingpong not in (0, 1, 2) or (pingpong and inflight):
+        raise ValueError(f"hopper_ws.launch: pingpong must be 0, 1 or 2 and 0 with inflight=True, got {pingpong}")
     if not is_mma_layout(packed, scale):  # (it refuses MMA packed codes with [N, K/16] scales)
         raise ValueError(f"hopper_ws.launch: needs the MMA layout, got weight_packed {tuple(packed.shape)}")
     m, k = x.shape

@@ -225,9 +225,9 @@ def _stage_operand(w_bufs, s_bufs, ready, i, WG: gl.constexpr, TC: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
-              N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-              T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
+def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+              num_m, M, N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr,
+              BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
               FIXUP: gl.constexpr, INFLIGHT: gl.constexpr = False, PINGPONG: gl.constexpr = 0):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -290,7 +290,7 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, w
                     acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
                 else:
                     acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-                # the turn passes once this consumer's wgmmas are issued, queued ahead of the other's (1), or have run (2)
+                # the turn passes once this consumer's wgmmas are issued, queued ahead of the other's (1), or run (2)
                 if PINGPONG == 1:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -585,7 +585,8 @@ def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = 
            "s_desc": f"tensordesc<{s_type},{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr", "INFLIGHT": "constexpr", "PINGPONG": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr", "INFLIGHT": "constexpr",
+           "PINGPONG": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
               "num_warps": 4, "INFLIGHT": inflight, "PINGPONG": pingpong}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")

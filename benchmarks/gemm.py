@@ -220,7 +220,6 @@ def run_tables(
     peer_humming: bool = False,
     with_ws: bool = False,
     rounds: int = 0,
-    pingpong: tuple[int, ...] = (),
 ) -> dict:
     """Forward and backward rows for every linear of ``models``; rows so far are re-written to ``partial_out`` after
     each linear (a run cut short still leaves its numbers). ``with_mxfp4``: ``mxfp4_ms`` (the MXFP4 layer's forward) and ``mxfp4_vs_nvfp4`` (``ours_ms / mxfp4_ms``).
@@ -228,8 +227,7 @@ def run_tables(
     ``with_ws``: the warp-specialised kernel (:func:`ws_candidate`) is timed too (``ws_ms``), and ``ours_ms`` is the
     faster of it and the form the dispatch table held before (``prev_ms``): the pick a table frozen from this run
     makes (``ours_form``, ``config``); ``lora_ms`` is then timed for that pick. ``rounds``: the dispatch, bf16 and the asked
-    peers timed :func:`~common.timing.interleaved` (0: one round per arm), medians; ``rounds_ms``; LoRA forms once.
-    ``pingpong``: the ws candidate with its consumers taking turns too (``pp<mode>_ms``, round 17's spike)."""
+    peers timed :func:`~common.timing.interleaved` (0: one balanced design), medians; ``rounds_ms``; LoRA forms once."""
     results: dict = {"forward": [], "backward": []}
     for model in models:
         for name, (n, k) in MODELS[model].items():
@@ -240,7 +238,6 @@ def run_tables(
                 wcfg = ws_candidate(m, n, k) if with_ws and wts.mma else None
                 arms = {"prev": partial(bench_fwd, wts, m), "bf16": partial(bench_bf16, wts, m),
                         "ws": wcfg and partial(bench_fwd, wts, m, wcfg), "humming": hum and partial(bench_humming, wts, hum, m),
-                        **{f"pp{p}": wcfg and partial(bench_fwd, wts, m, replace(wcfg, ws_pingpong=p)) for p in pingpong},
                         "int4": wts.int4 and partial(bench_int4, wts, m), "mxfp4": wts.mxfp4_layers and partial(bench_mxfp4, wts, m)}  # fmt: skip
                 runs = interleaved({a: f for a, f in arms.items() if f}, rounds)
                 t = {a: statistics.median(v) for a, v in runs.items()}
@@ -251,7 +248,6 @@ def run_tables(
                            weight_GBps=wts.q_bytes / (ours * 1e-3) / 1e9, speedup=ref / ours, mma_layout=wts.mma,
                            config=cfg.__dict__, ours_form=form, prev_ms=t["prev"], ws_ms=ws_ms,
                            rounds_ms=runs if rounds != 1 else None)  # fmt: skip
-                row.update({f"pp{p}_ms": t.get(f"pp{p}") for p in pingpong})
                 if hum:
                     row["humming_ms"], row["humming_err"] = t["humming"], humming_error(wts, hum, m)
                 if compare_lora:  # as dispatched (fused, or unfused on the dequantize + cuBLAS sizes)
@@ -455,8 +451,7 @@ def main() -> None:
     ap.add_argument("--peer-humming", action="store_true", help="also time Humming NVFP4 (the installed humming-kernels)")
     ap.add_argument("--ws", action="store_true", help="also time the warp-specialised kernel; ours = the faster pick")
     ap.add_argument("--rep-budget", type=float, default=REP_BUDGET_S, help="replay seconds per measurement")
-    ap.add_argument("--pingpong", default="", help="with --ws: also its consumers taking turns, modes 1,2 (round 17)")
-    ap.add_argument("--rounds", type=int, default=0, help="rounds of the arms, order rotated (median; 0: one per arm)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of the arms, balanced orders (median; 0: one design)")
     ap.add_argument("--write-table", default=None, metavar="SWEEP_JSON",
                     help="print the dispatch table (nvfp4.kernels.dispatch_table.FORWARD) of a sweep's JSON and exit")
     ap.add_argument("--apply-table", default=None, metavar="JSON", nargs="+",
@@ -486,14 +481,14 @@ def main() -> None:
     else:
         partial_out = Path(args.out) / "gemm_partial.json" if args.out else None
         REP_BUDGET_S = args.rep_budget
-        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws, args.rounds,
-                         tuple(int(p) for p in args.pingpong.split(",") if p))  # fmt: skip
+        res = run_tables(models, fwd_ms, bwd_ms, partial_out, args.compare_lora, args.peer_int4, not args.no_mxfp4, args.peer_humming, args.ws, args.rounds)  # fmt: skip
         res["layer_forward"] = layer_summary(res["forward"])
         res["layer_backward"] = layer_summary(res["backward"])
         res.update(info)
         res["method"] = ("CUDA-graph replays of calls rotating through >=200 MB of weight copies per graph; median "
                          "per call; bf16 = torch.nn.functional.linear / matmul in the same run; unfused linears; "
-                         f"arms in {args.rounds or 'one per arm'} rounds, the order rotated each round; the median")  # fmt: skip
+                         f"arms in {args.rounds or 'one Williams design of'} rounds (each arm in each place and after each other "
+                         "arm equally often); the median")  # fmt: skip
         print_tables(res)
         name = "gemm.json"
     print(f"\ntotal {time.time() - t0:.0f} s", flush=True)

@@ -1,5 +1,5 @@
 """One launch of each form on the 7B gate and down inside an NVTX range ``prof``, warmed up outside it, for ncu: our
-ws tile ``(256, 2, 3, 1)`` (``--tall``: round 16's 128 x 256 tile too; ``--pingpong 1,2``: round 17's forms), dequantize + cuBLAS, bf16 cuBLAS and Humming
+ws tile ``(256, 2, 3, 1)`` (``--tall``: round 16's 128 x 256 tile too), dequantize + cuBLAS, bf16 cuBLAS and Humming
 (whichever ``humming-kernels`` imports); docs/kernels.md round 16 (issue #50: what idles the tensor pipe of both
 W4A16 kernels at M = 1024; run at 92cc613, ``benchmarks/results/ncu_ws_vs_humming_h100_92cc613.json``).
 
@@ -14,8 +14,6 @@ can be told apart; round 10's ``benchmarks/results/gemm_ws_ncu.json`` holds the 
 import argparse
 import json
 import sys
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,15 +43,13 @@ def weights(n: int, k: int) -> tuple:
 TALL = ("ws", 128, 4, 6, 2)
 
 
-def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False, pingpong: tuple[int, ...] = ()) -> dict:
+def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False) -> dict:
     """Each form as a no-argument call on the weight and one ``[m, k]`` bf16 input (``tall``: round 16's tall tile
-    after ours; ``pingpong``: round 17's turn-taking consumers on our tile, ``pp<mode>_ws``, after that)."""
+    after ours)."""
     (n, k), x = w.shape, torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
-    ws = gemm.ws_candidate(m, n, k)
     out = {
-        "ours_ws": lambda: nvfp4_linear(x, *q, None, config=ws),
+        "ours_ws": lambda: nvfp4_linear(x, *q, None, config=gemm.ws_candidate(m, n, k)),
         **({"tall_ws": lambda: nvfp4_linear(x, *q, None, config=entry_config(TALL, m, n, k))} if tall else {}),
-        **{f"pp{p}_ws": partial(nvfp4_linear, x, *q, None, config=replace(ws, ws_pingpong=p)) for p in pingpong},
         "dequant_cublas": lambda: nvfp4_linear(x, *q, None, config=LinearConfig(dequant=True, mma=True)),
         "bf16": lambda: F.linear(x, w),
     }
@@ -81,8 +77,7 @@ METRICS = {
 }
 
 
-def summary(csv_path: str, shapes: list[str], ms: list[int], tall: bool = False,
-            pingpong: tuple[int, ...] = ()) -> list[dict]:  # fmt: skip
+def summary(csv_path: str, shapes: list[str], ms: list[int], tall: bool = False) -> list[dict]:
     """The kernels of an ncu ``--csv --page raw`` log of this script, labelled in launch order (shape, M, form;
     dequantize + cuBLAS is two kernels, ``dequant_cublas:dequant`` and ``:cublas``), with :data:`METRICS`."""
     import csv
@@ -91,8 +86,7 @@ def summary(csv_path: str, shapes: list[str], ms: list[int], tall: bool = False,
     lines = Path(csv_path).read_text().splitlines()
     rows = list(csv.reader(lines[next(i for i, line in enumerate(lines) if line.startswith('"ID"')):]))
     head, data = rows[0], rows[2:]  # rows[1]: units
-    names = ("ours_ws", *(("tall_ws",) if tall else ()), *(f"pp{p}_ws" for p in pingpong), "dequant_cublas", "bf16",
-             "humming")  # fmt: skip
+    names = ("ours_ws", *(("tall_ws",) if tall else ()), "dequant_cublas", "bf16", "humming")
     labels = [(s, m, f) for s in shapes for m in ms for form in names
               for f in ((f"{form}:dequant", f"{form}:cublas") if form == "dequant_cublas" else (form,))]  # fmt: skip
     cols = {key: next(j for j, h in enumerate(head) if re.fullmatch(pat, h)) for key, pat in METRICS.items()}
@@ -112,13 +106,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="gate,down", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tall", action="store_true", help="also round 16's tall ws tile (128 x 256), after ours")
-    ap.add_argument("--pingpong", default="", help="also round 17's turn-taking consumers, modes 1,2, after those")
     ap.add_argument("--summary", nargs=2, metavar=("CSV", "JSON"), help="no GPU: summarise an ncu log of a run")
     args = ap.parse_args()
-    pingpong = tuple(int(p) for p in args.pingpong.split(",") if p)
     if args.summary:
-        rows = summary(args.summary[0], args.shapes.split(","), [int(m) for m in args.ms.split(",")], args.tall,
-                       pingpong)  # fmt: skip
+        rows = summary(args.summary[0], args.shapes.split(","), [int(m) for m in args.ms.split(",")], args.tall)
         Path(args.summary[1]).write_text(json.dumps({"ncu_csv": args.summary[0], "kernels": rows}, indent=1) + "\n")
         keys = ["duration_us", "cycles", "clock_ghz", "tensor_pipe_active_pct", "issue_active_pct", "l2_throughput_pct", "dram_throughput_pct",
                 "dram_read_mb", "l2_sectors_from_sm", "l2_hit_pct", "stall_barrier", "stall_long_scoreboard"]
@@ -131,7 +122,7 @@ def main() -> None:
             n, k = SHAPES[name]
             q, w, layer = weights(n, k)  # once a shape: gemm.Weights quantizes and copies hundreds of MB
             for m in map(int, args.ms.split(",")):
-                for form, call in forms(q, w, layer, m, args.tall, pingpong).items():
+                for form, call in forms(q, w, layer, m, args.tall).items():
                     for _ in range(args.warmup):
                         call()
                     torch.cuda.synchronize()

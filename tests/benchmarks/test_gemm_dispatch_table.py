@@ -78,15 +78,24 @@ def test_out_folder_is_made_before_the_first_partial_json(tmp_path, monkeypatch)
         assert (out / name / name).is_file()
 
 
-def test_interleaved_rotates_the_arms_order():
-    """``common.timing.interleaved`` (gemm.py's arms): by default a round per arm, each arm in each place once, every
-    figure kept in the arm's order of rounds; a fixed ``rounds`` runs that many."""
+def test_interleaved_balances_place_and_predecessor():
+    """``common.timing.interleaved`` (gemm.py's arms): by default one Williams design, each arm in each place equally
+    often and after each other arm equally often (3 arms: 6 rounds; 4 arms: 4), every figure kept in the arm's order
+    of rounds; a fixed ``rounds`` runs that many."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common.timing import interleaved
+    from common.timing import balanced_orders, interleaved
 
     order: list[str] = []
     arms = {name: (lambda name=name: order.append(name) or float(len(order))) for name in ("ours", "bf16", "peer")}
     runs = interleaved(arms)
-    assert order == ["ours", "bf16", "peer", "bf16", "peer", "ours", "peer", "ours", "bf16"]
-    assert runs == {"ours": [1.0, 6.0, 8.0], "bf16": [2.0, 4.0, 9.0], "peer": [3.0, 5.0, 7.0]}
+    assert order[:6] == ["ours", "bf16", "peer", "bf16", "peer", "ours"] and len(order) == 18
+    assert runs["ours"] == [1.0, 6.0, 8.0, 12.0, 13.0, 17.0]
+    for n in range(1, 9):
+        rows = balanced_orders(n)
+        assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        for place in range(n):  # each arm in each place equally often
+            assert len({sum(r[place] == a for r in rows) for a in range(n)}) == 1
+        pairs = [(r[i], r[i + 1]) for r in rows for i in range(n - 1)]  # each arm after each other equally often
+        assert len({pairs.count((a, b)) for a in range(n) for b in range(n) if a != b} or {0}) == 1
     assert [len(v) for v in interleaved(arms, rounds=2).values()] == [2, 2, 2]

@@ -12,8 +12,6 @@
 * Round 15 step B (``inflight=True`` on top of step A; ``-k round15``, names ``step_b``): it compiles for sm_90a
   without spills or C7515 at the spike's mainloop count, its asm is step A's split at the wgmma wait (CPU), and it
   passes step A's GPU checks.
-* Round 17's spike (``pingpong=1 / 2``: the consumers' wgmmas take turns; ``-k round17``): it compiles for sm_90a
-  without spills or C7515 (CPU), passes step A's GPU checks and computes the bits of ``pingpong=0``.
 """
 
 from __future__ import annotations
@@ -365,55 +363,6 @@ def test_round15_step_b_random_shapes_and_7b_gate_down_against_the_reference_gpu
     _check_shapes(shapes + [(m, n, k) for m in (64, 128) for n, k in ((18944, 3584), (3584, 18944))], cfg, config)
 
 
-# round 17's spike (docs/kernels.md): the shipped ws tiles with the consumers' wgmmas taking turns
-ROUND17 = [(256, 2, 3, 1), (128, 2, 8, 2)]
-
-
-@pytest.mark.parametrize("pingpong", [1, 2])
-@pytest.mark.parametrize("config", ROUND17)
-def test_round17_pingpong_compiles_without_spills_or_c7515(config, pingpong):
-    """The turn-taking forms build for sm_90a with no stack and no local memory, register-A ``HGMMA``s, and
-    ``ptxas`` on their PTX warns nothing (the turn's wait and arrive sit outside the wgmma's pipeline stage)."""
-    from nvfp4.kernels import hopper_ws
-
-    compiled = hopper_ws.compile_sm90(*config, pingpong=pingpong)
-    usage, sass = _usage_and_sass(compiled)
-    assert re.search(r"STACK:0\b", usage), usage
-    assert "LDL" not in sass and "STL" not in sass
-    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+,", sass) and "UTMALDG" in sass
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.ptx").write_text(compiled.asm["ptx"])
-        r = subprocess.run([_BIN / "ptxas", "-arch=sm_90a", "--maxrregcount=168", Path(d) / "k.ptx", "-o",
-                            Path(d) / "k.cubin"], capture_output=True, text=True, check=True)  # fmt: skip
-    assert "C7515" not in r.stdout + r.stderr, r.stderr
-
-
-@pytest.mark.parametrize("kwargs", [dict(pingpong=3), dict(pingpong=1, inflight=True)])
-def test_round17_pingpong_refuses_what_it_does_not_build(kwargs):
-    """A mode other than 0 / 1 / 2, or turns with round 15 step B's in-flight decode (which has no turn), fail in one
-    line before any launch."""
-    from nvfp4.kernels import hopper_ws
-
-    t = torch.empty(0)
-    with pytest.raises(ValueError, match="pingpong must be 0, 1 or 2"):
-        hopper_ws.launch(t, t, t, t, None, t, t, **kwargs)
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("pingpong", [1, 2])
-@pytest.mark.parametrize("config", ROUND17)
-def test_round17_pingpong_random_shapes_and_7b_gate_down_against_the_reference_gpu(config, pingpong):
-    """Round 17's turn-taking consumers: step A's checks (random shapes, odd M, bias, NaN-poisoned output, bit-equal
-    repeats, flags left at zero, the 7B gate and down at M = 256 and 1024), and the same bits as ``pingpong=0``."""
-    block_m, tiles, stages, sub = config
-    cfg = dict(block_m=block_m, tiles=tiles, stages=stages, sub=sub, pingpong=pingpong)
-    gen = torch.Generator().manual_seed(sum(config) + pingpong)
-    shapes = [(m, 64 * tiles * int(torch.randint(1, 40, (1,), generator=gen)), 256 * int(torch.randint(1, 30, (1,), generator=gen)))
-              for m in (1, block_m - 1, block_m + 3, 3 * block_m + 1, 700)]  # fmt: skip
-    _check_shapes(shapes + [(m, n, k) for m in (256, 1024) for n, k in ((18944, 3584), (3584, 18944))], cfg, config)
-
-
 def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) -> None:
     """``ws_linear(**cfg)`` on fresh random (M, N, K) ``shapes`` against the float64 reference (bias, NaN-poisoned
     output), bit-equal on a repeat, every launch leaving its flags at zero (the scales in round 15 step A's
@@ -433,9 +382,6 @@ def _check_shapes(shapes: list[tuple[int, int, int]], cfg: dict, config: tuple) 
             y = hopper_ws.ws_linear(x, packed, scale, q.global_scale, b, **cfg)
             assert _rel(y, ref) < 1e-2, (m, n, k, config)
             assert torch.equal(y, hopper_ws.ws_linear(x, packed, scale, q.global_scale, b, **cfg)), "not deterministic"
-            if cfg.get("pingpong"):  # the consumers' turns order the wgmmas only: the same bits as without them
-                same = hopper_ws.ws_linear(x, packed, scale, q.global_scale, b, **{**cfg, "pingpong": 0})
-                assert torch.equal(y, same), (m, n, k, config)
             assert int(hopper_ws._FLAGS[x.device].abs().sum()) == 0  # every launch leaves its flags at zero
     finally:
         hopper_ws.POISON = False

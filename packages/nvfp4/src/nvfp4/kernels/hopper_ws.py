@@ -225,10 +225,10 @@ def _stage_operand(w_bufs, s_bufs, ready, i, WG: gl.constexpr, TC: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
-              num_m, M, N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
-              FIXUP: gl.constexpr, INFLIGHT: gl.constexpr = False, PINGPONG: gl.constexpr = 0):  # fmt: skip
+def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU, num_m, M,
+              N, K, stride_ym, WG: gl.constexpr, TC: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+              T: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
+              FIXUP: gl.constexpr, INFLIGHT: gl.constexpr = False):  # fmt: skip
     """One consumer partition of ``WARPS`` warps: rows ``[64·TC·WG, 64·TC·(WG+1))`` of each ``64·T``-row tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -281,24 +281,15 @@ def _consumer(x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, w
                 a0 = _stage_operand(w_bufs, s_bufs, ready, i, WG, TC, STAGES, a_layout, p_layout, s_layout)
                 if SUB == 2:
                     a1 = _stage_operand(w_bufs, s_bufs, ready, i + 1, WG, TC, STAGES, a_layout, p_layout, s_layout)
-                if PINGPONG > 0:
-                    # round 17: the consumers' MMAs take turns (consumer 0 first), so that one decodes while the
-                    # other's wgmmas run instead of both decoding, then both multiplying, in step
-                    mbarrier.wait(turn.index(WG), ((i // SUB) & 1) ^ (1 - WG))
-                if SUB == 2:
                     acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma(a1, x_bufs.index((i + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(i % STAGES), count=1)
+                    mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
                 else:
                     acc = warpgroup_mma(a0, x_bufs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-                # the turn passes once this consumer's wgmmas are issued, queued ahead of the other's (1), or run (2)
-                if PINGPONG == 1:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                if PINGPONG == 2:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                if SUB == 2:
-                    mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(i % STAGES), count=1)
             i += SUB
         u += ke - kb
         if FIXUP:
@@ -445,7 +436,7 @@ def _parallel_fixup(tile, me, u0, ws_ptr, flag_ptr, post, b_ptr, y_ptr, G, U, KU
 def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, M, N, K, stride_ym,
                       HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
                       SUB: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr,
-                      INFLIGHT: gl.constexpr = False, PINGPONG: gl.constexpr = 0):  # fmt: skip
+                      INFLIGHT: gl.constexpr = False):  # fmt: skip
     """Persistent stream-K: ``num_programs(0)`` programs share the ``tiles × K/(64·SUB)`` units of work evenly
     (tile-major, the M blocks of a weight tile side by side so that it streams from HBM about once). Two consumer
     partitions of 4 warps split each tile's ``64·T`` rows; one producer warp feeds them."""
@@ -465,21 +456,15 @@ def _ws_linear_kernel(x_desc, w_desc, s_desc, g_ptr, b_ptr, y_ptr, ws_ptr, flag_
     for i in gl.static_range(STAGES):
         mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ready.index(i), count=1)
-    if PINGPONG > 0:
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # consumer 0's, consumer 1's
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-    else:
-        turn = empty  # not read
 
     gl.warp_specialize(
         [
-            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G,
-                         U, KU, num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB,
-                         FIXUP, INFLIGHT, PINGPONG)),
-            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, turn, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G,
-                         U, KU, num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB,
-                         FIXUP, INFLIGHT, PINGPONG)),
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 0, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
+                         INFLIGHT)),
+            (_consumer, (x_bufs, w_bufs, s_bufs, empty, ready, g_ptr, b_ptr, y_ptr, ws_ptr, flag_ptr, u0, u1, G, U, KU,
+                         num_m, M, N, K, stride_ym, 1, T // 2, HAS_BIAS, BLOCK_M, T, STAGES, num_warps, SUB, FIXUP,
+                         INFLIGHT)),
             (_producer, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, empty, ready, u0, u1, KU, num_m, BLOCK_M, T,
                          STAGES, SUB)),
         ],
@@ -514,7 +499,7 @@ def supported(x: torch.Tensor, n: int, k: int, tiles: int) -> bool:
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, y: torch.Tensor, flags: torch.Tensor, block_m: int = 128, tiles: int = 2,
            stages: int = 8, sub: int = 2, programs: int | None = None, fixup: bool = False,
-           inflight: bool = False, pingpong: int = 0) -> torch.Tensor:  # fmt: skip
+           inflight: bool = False) -> torch.Tensor:  # fmt: skip
     """``y = x · dequant(W)ᵀ + bias`` into ``y``.
 
     Args:
@@ -535,12 +520,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
             sum is the kernel's tail where a tile is split many ways (256-row tiles, long K).
         inflight: round 15 step B on top of step A: one wgmma per k16 step, the next step's decode while it is in
             flight.
-        pingpong: round 17's spike (docs/kernels.md): 0 the consumers issue their wgmmas when their decode is done;
-            1 / 2 they take turns, consumer 0 first, the turn passing when a consumer's wgmmas are issued (1) or
-            have run (2). Scheduling only: every form computes the same bits.
     """
-    if pingpong not in (0, 1, 2) or (pingpong and inflight):
-        raise ValueError(f"hopper_ws.launch: pingpong must be 0, 1 or 2 and 0 with inflight=True, got {pingpong}")
     if not is_mma_layout(packed, scale):  # (it refuses MMA packed codes with [N, K/16] scales)
         raise ValueError(f"hopper_ws.launch: needs the MMA layout, got weight_packed {tuple(packed.shape)}")
     m, k = x.shape
@@ -558,7 +538,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ws = torch.empty((slots, 32 * tiles * block_m), dtype=torch.float32, device=x.device)
     _ws_linear_kernel[(g,)](x_desc, w_desc, s_desc, global_scale, bias if bias is not None else y, y, ws, flags, m, n,
                             k, y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, T=tiles, STAGES=stages,
-                            SUB=sub, FIXUP=fixup, num_warps=4, INFLIGHT=inflight, PINGPONG=pingpong,
+                            SUB=sub, FIXUP=fixup, num_warps=4, INFLIGHT=inflight,
                             maxnreg=MAXNREG)  # fmt: skip
     return y
 
@@ -572,7 +552,7 @@ def _smem_layouts(block_m: int):
 
 
 def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = False, has_bias: bool = True,
-                 inflight: bool = False, pingpong: int = 0):
+                 inflight: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler with a ``GPUTarget``; CI's build check and
     ``benchmarks/kernel_sass.py@1486a77 --ws``): ``.asm["cubin"]``, ``["ptx"]``, ``["ttgir"]``, ``.metadata.shared``."""
     from triton.backends.compiler import GPUTarget
@@ -585,10 +565,9 @@ def compile_sm90(block_m: int, tiles: int, stages: int, sub: int, fixup: bool = 
            "s_desc": f"tensordesc<{s_type},{sl!r}>", "g_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "T": "constexpr", "STAGES": "constexpr", "SUB": "constexpr",
-           "FIXUP": "constexpr", "num_warps": "constexpr", "INFLIGHT": "constexpr",
-           "PINGPONG": "constexpr"}  # fmt: skip
+           "FIXUP": "constexpr", "num_warps": "constexpr", "INFLIGHT": "constexpr"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "T": tiles, "STAGES": stages, "SUB": sub, "FIXUP": fixup,
-              "num_warps": 4, "INFLIGHT": inflight, "PINGPONG": pingpong}  # fmt: skip
+              "num_warps": 4, "INFLIGHT": inflight}  # fmt: skip
     aligned = ("g_ptr", "b_ptr", "y_ptr", "ws_ptr", "flag_ptr", "N", "K", "stride_ym")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -106,7 +106,6 @@ class LinearConfig:
     ws: bool = False  # hopper_ws: warp-specialised persistent stream-K (block_n = 64·tiles; num_stages; sub below)
     sub: int = 1  # hopper_ws: pipeline stages (64 inputs each) per stream-K unit
     ws_fixup: bool = False  # hopper_ws: a split tile's programs each sum a share of it (launch(fixup=True))
-    ws_pingpong: int = 0  # hopper_ws: the consumers' wgmmas take turns (launch(pingpong=...); round 17's spike)
 
 
 @dataclass(frozen=True)
@@ -573,7 +572,7 @@ def _linear_ws(x2, packed, scale, global_scale, bias, lora, cfg, flags):
         x2 = x2.contiguous()
     y = _empty((m, n), x2.dtype, x2.device)
     hopper_ws.launch(x2, packed, scale, global_scale, bias, y, flags, block_m=cfg.block_m, tiles=cfg.block_n // 64,
-                     stages=cfg.num_stages, sub=cfg.sub, fixup=cfg.ws_fixup, pingpong=cfg.ws_pingpong)  # fmt: skip
+                     stages=cfg.num_stages, sub=cfg.sub, fixup=cfg.ws_fixup)  # fmt: skip
     if lora is not None:
         a, b, scaling = lora
         t = torch.nn.functional.linear(x2, a.to(x2.dtype))

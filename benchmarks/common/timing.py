@@ -58,8 +58,8 @@ def interleaved(arms: dict, rounds: int = 0) -> dict[str, list[float]]:
     next order. Why: the same kernel timed after bf16 cuBLAS ran 0-20 % slower than when timed first, in 16 of 16
     pairs on an H100 (``benchmarks/results/gemm_round16_h100_f6fa32f.json``, ``prev_ms`` against ``ws_ms``), and with
     the order only rotated (each arm after the same neighbour every round) two arms of one kernel still differed by
-    3-7 % in medians, the one after bf16 the slower (``gemm_round17_h100_f568402.json``, ``prev`` / ``ws``): a figure
-    must depend neither on its arm's place nor on the arm before it."""
+    3-7 % in medians on the 7B gate and up, the one after bf16 the slower (``gemm_round17_h100_f568402.json``, ``prev``
+    / ``ws``): a figure must depend neither on its arm's place nor on the arm before it."""
     names, out = list(arms), {name: [] for name in arms}
     orders = balanced_orders(len(names))
     for r in range(rounds or len(orders)):

@@ -41,6 +41,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common/, also when a test loads this file
 
 import common  # noqa: E402, F401  (the workspace packages on sys.path)
+from common.env import git_commit  # noqa: E402
 from common.shapes import linear_shapes  # noqa: E402
 from common.timing import interleaved, time_graph  # noqa: E402
 from nvfp4 import NVFP4Linear, mxfp4  # noqa: E402
@@ -433,7 +434,7 @@ def env_info() -> dict:
     except PackageNotFoundError:
         humming = None
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                humming=humming, date=datetime.date.today().isoformat(),
+                humming=humming, commit=git_commit(), date=datetime.date.today().isoformat(),
                 sms=torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
 
 

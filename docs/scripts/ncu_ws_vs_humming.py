@@ -41,21 +41,22 @@ def weights(n: int, k: int) -> tuple:
 
 #: round 16's tall ws tile as a dispatch-table entry, 128 tokens x 256 rows: 31 % fewer L2 -> SM bytes, slower
 TALL = ("ws", 128, 4, 6, 2)
+#: the forms in launch order (``tall_ws`` with ``--tall`` only): :func:`forms` builds them, :func:`summary` labels by it
+FORMS = ("ours_ws", "tall_ws", "dequant_cublas", "bf16", "humming")
 
 
 def forms(q: tuple, w: torch.Tensor, layer, m: int, tall: bool = False) -> dict:
     """Each form as a no-argument call on the weight and one ``[m, k]`` bf16 input (``tall``: round 16's tall tile
     after ours)."""
     (n, k), x = w.shape, torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
-    out = {
+    calls = {
         "ours_ws": lambda: nvfp4_linear(x, *q, None, config=gemm.ws_candidate(m, n, k)),
-        **({"tall_ws": lambda: nvfp4_linear(x, *q, None, config=entry_config(TALL, m, n, k))} if tall else {}),
+        "tall_ws": lambda: nvfp4_linear(x, *q, None, config=entry_config(TALL, m, n, k)),
         "dequant_cublas": lambda: nvfp4_linear(x, *q, None, config=LinearConfig(dequant=True, mma=True)),
         "bf16": lambda: F.linear(x, w),
+        "humming": None if layer is None else (lambda: layer(x)),
     }
-    if layer is not None:
-        out["humming"] = lambda: layer(x)
-    return out
+    return {f: calls[f] for f in FORMS if calls[f] is not None and (tall or f != "tall_ws")}
 
 
 #: what the summary keeps of each kernel: (its key, the ncu metric's name or a regex of it)
@@ -86,7 +87,7 @@ def summary(csv_path: str, shapes: list[str], ms: list[int], tall: bool = False)
     lines = Path(csv_path).read_text().splitlines()
     rows = list(csv.reader(lines[next(i for i, line in enumerate(lines) if line.startswith('"ID"')):]))
     head, data = rows[0], rows[2:]  # rows[1]: units
-    names = ("ours_ws", *(("tall_ws",) if tall else ()), "dequant_cublas", "bf16", "humming")
+    names = [f for f in FORMS if tall or f != "tall_ws"]
     labels = [(s, m, f) for s in shapes for m in ms for form in names
               for f in ((f"{form}:dequant", f"{form}:cublas") if form == "dequant_cublas" else (form,))]  # fmt: skip
     cols = {key: next(j for j, h in enumerate(head) if re.fullmatch(pat, h)) for key, pat in METRICS.items()}

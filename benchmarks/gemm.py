@@ -488,8 +488,8 @@ def main() -> None:
         res.update(info)
         res["method"] = ("CUDA-graph replays of calls rotating through >=200 MB of weight copies per graph; median "
                          "per call; bf16 = torch.nn.functional.linear / matmul in the same run; unfused linears; "
-                         f"arms in {args.rounds or 'one Williams design of'} rounds (each arm in each place and after each other "
-                         "arm equally often); the median")  # fmt: skip
+                         f"arms in {args.rounds or 'the'} rounds of a Williams design (each arm in each place and after each "
+                         "other arm equally often); the median")  # fmt: skip
         print_tables(res)
         name = "gemm.json"
     print(f"\ntotal {time.time() - t0:.0f} s", flush=True)
